@@ -1,0 +1,12 @@
+"""fsdp_compose: composable fully-sharded data parallelism for PyTorch.
+
+``fully_shard(module)`` annotates a module in place: its parameters live in
+flat buffers sharded evenly across ranks and are all-gathered for compute and
+reduce-scattered after backward, while the original ``nn.Parameter`` objects
+stay registered under their original names.
+"""
+
+from .api import ShardedModule, ShardedParamInfo, UnshardHandle, fully_shard, param_info
+
+__all__ = ["fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info"]
+__version__ = "0.1.0"

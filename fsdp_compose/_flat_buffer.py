@@ -1,0 +1,225 @@
+"""One flat buffer: the storage, views and collectives of a group of original
+parameters with the same dtype and the same ``requires_grad``.
+
+[Note: storage and autograd]
+The unsharded flat buffer is a leaf tensor of ``F * S`` elements that lives
+for the whole life of the unit. Resharding does not drop the tensor; it
+resizes its *storage* to zero bytes, and unsharding resizes it back and
+all-gathers into it. Tensors that autograd saved during forward (views of the
+buffer) therefore stay valid objects that hold no memory while the unit is
+sharded, and read correct values again once the pre-backward hook unshards.
+The all-gather writes through a detached alias under
+``_unsafe_preserve_version_counter``: it restores the same values, so
+autograd must not see it as an in-place modification of the saved views.
+The per-parameter views (split + view of the leaf) are built once and reused
+every iteration: their autograd nodes save no tensors, so one set of views
+can be differentiated through any number of times, and autograd accumulates
+the gradients of all original parameters into one flat gradient, which is
+exactly the reduce-scatter input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+from ._comm import ShardGroup, all_gather_into, reduce_scatter_mean
+from ._layout import FlatLayout, ShardSlice
+
+
+@dataclass
+class ParamRecord:
+    """One original parameter managed by a flat buffer.
+
+    Attributes:
+        param: the original ``nn.Parameter`` (identity kept for the user).
+        slots: every ``(module, attribute name)`` that registers it within
+            the unit (more than one when a parameter is shared inside a unit).
+        fqn: its fully-qualified name relative to the outermost annotated
+            module seen so far (updated when an ancestor is annotated).
+        shape: its original shape.
+    """
+
+    param: nn.Parameter
+    slots: list[tuple[nn.Module, str]]
+    fqn: str
+    shape: torch.Size
+
+
+class FlatBuffer:
+    """Sharded storage plus unsharded working buffer for a list of parameters.
+
+    Invariants (``F`` = world size, ``S`` = ``layout.shard_numel``):
+
+    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute device)
+      is the only persistent storage of the values; between iterations every
+      original parameter's ``.data`` is the 1-D slice of it this rank owns;
+    * ``unsharded`` (``F * S`` elements) has storage only while
+      ``is_unsharded``; it requires grad exactly when the group is trainable;
+    * ``sharded_grad`` (``S`` elements) holds the mean-reduced gradient of this
+      rank's shard once a reduce-scatter has happened, else it is ``None``.
+    """
+
+    def __init__(self, records: list[ParamRecord], group: ShardGroup,
+                 post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None) -> None:
+        if not records:
+            raise AssertionError("a flat buffer needs at least one parameter")
+        # What it holds
+        self.records: list[ParamRecord] = records
+        self.group: ShardGroup = group
+        self.layout: FlatLayout = FlatLayout([r.shape for r in records], group.world_size)
+        self.requires_grad: bool = records[0].param.requires_grad
+        self.dtype: torch.dtype = records[0].param.dtype
+        self._slices: tuple[ShardSlice, ...] = self.layout.shard_slices(group.rank)
+
+        # Storage
+        self.sharded: torch.Tensor = self._shard_values(group.device)
+        self.unsharded: torch.Tensor = torch.empty(
+            self.layout.padded_numel, dtype=self.dtype, device=group.device,
+            requires_grad=self.requires_grad)
+        self.sharded_grad: Optional[torch.Tensor] = None
+        self.is_unsharded: bool = False
+
+        # Views, built once
+        self._sharded_views: list[torch.Tensor] = [
+            self.sharded.narrow(0, s.shard_start, s.length) for s in self._slices]
+        self._grad_views: list[Optional[torch.Tensor]] = [None] * len(records)
+        self._unsharded_views: list[torch.Tensor] = self._build_unsharded_views()
+        self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
+        for record, view in zip(records, self._sharded_views):
+            record.param.data = view
+
+        if self.requires_grad and post_accumulate_grad is not None:
+            self.unsharded.register_post_accumulate_grad_hook(
+                lambda _tensor: post_accumulate_grad(self))
+
+    # ------------------------------------------------------------------ setup
+    def _shard_values(self, device: torch.device) -> torch.Tensor:
+        """Copy this rank's slice of every parameter into a new shard; the
+        full values are not kept (memory drops as soon as the caller lets go)."""
+        shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        for record, s in zip(self.records, self._slices):
+            if s.length:
+                flat = record.param.detach().reshape(-1)
+                shard[s.shard_start:s.shard_start + s.length].copy_(
+                    flat[s.param_start:s.param_start + s.length])
+        return shard
+
+    def _build_unsharded_views(self) -> list[torch.Tensor]:
+        sizes = list(self.layout.numels)
+        if self.layout.padding:
+            sizes.append(self.layout.padding)
+        with torch.enable_grad():
+            chunks = torch.split(self.unsharded, sizes)
+            return [chunk.view(record.shape) for chunk, record in zip(chunks, self.records)]
+
+    # -------------------------------------------------------------- unshard
+    def unshard(self) -> None:
+        """All-gather the full values and point the module attributes at them.
+
+        Post-condition: ``is_unsharded``; every slot holds a view of
+        ``unsharded`` with the original shape.
+        """
+        if self.is_unsharded:
+            return  # already unsharded: an earlier pre-forward or unshard() got here first
+        nbytes = self.layout.padded_numel * self.unsharded.element_size()
+        self.unsharded.untyped_storage().resize_(nbytes)
+        with _unsafe_preserve_version_counter(self.unsharded):
+            all_gather_into(self.unsharded.detach(), self.sharded, self.group)
+        self.is_unsharded = True
+        self.use_unsharded_views()
+
+    def use_unsharded_views(self) -> None:
+        for record, view in zip(self.records, self._unsharded_views):
+            for module, name in record.slots:
+                module._parameters[name] = view  # type: ignore[assignment]
+
+    def reshard(self) -> None:
+        """Restore the original parameters and free the unsharded storage.
+
+        Post-condition: not ``is_unsharded``; ``unsharded`` holds no storage;
+        every slot holds its original ``nn.Parameter``.
+        """
+        if not self.is_unsharded:
+            return  # already sharded: nothing to free
+        for record in self.records:
+            for module, name in record.slots:
+                module._parameters[name] = record.param
+        self.unsharded.untyped_storage().resize_(0)
+        self.is_unsharded = False
+
+    # --------------------------------------------------------------- reduce
+    @property
+    def has_unreduced_grad(self) -> bool:
+        return self.unsharded.grad is not None
+
+    def reduce_grad(self) -> None:
+        """Reduce-scatter (mean over ranks) the flat gradient that autograd
+        accumulated in ``unsharded.grad`` into ``sharded_grad``, honouring
+        what the user did to the parameters' ``.grad`` since the last step
+        (``None``: start from zero; a replaced tensor: start from it).
+
+        Post-condition: ``unsharded.grad is None``; every parameter with
+        elements on this rank has ``.grad`` viewing ``sharded_grad``.
+        """
+        flat_grad = self.unsharded.grad
+        if flat_grad is None:
+            return  # no gradient reached this buffer in this backward
+        self.unsharded.grad = None
+        if self.sharded_grad is None:
+            self.sharded_grad = torch.empty_like(self.sharded)
+            self._grad_views = [self.sharded_grad.narrow(0, s.shard_start, s.length)
+                                for s in self._slices]
+            reduce_scatter_mean(self.sharded_grad, flat_grad, self.group)
+        elif self._all_user_grads_cleared():
+            reduce_scatter_mean(self.sharded_grad, flat_grad, self.group)
+        else:
+            reduced = torch.empty_like(self.sharded_grad)
+            reduce_scatter_mean(reduced, flat_grad, self.group)
+            self._absorb_user_grads()
+            self.sharded_grad.add_(reduced)
+        del flat_grad
+        self.attach_grads()
+
+    def _all_user_grads_cleared(self) -> bool:
+        return all(r.param.grad is None for r, s in zip(self.records, self._slices) if s.length)
+
+    def _absorb_user_grads(self) -> None:
+        """Make ``sharded_grad`` agree with the parameters' ``.grad`` as the
+        user left them (``zero_grad(set_to_none=True)`` or a replaced grad)."""
+        for record, view in zip(self.records, self._grad_views):
+            grad = record.param.grad
+            if view is None or view.numel() == 0 or grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+
+    def attach_grads(self) -> None:
+        """Point each parameter's ``.grad`` at its slice of ``sharded_grad``
+        (``None`` where this rank owns no element)."""
+        if self.sharded_grad is None:
+            return
+        for record, view in zip(self.records, self._grad_views):
+            if view is not None and view.numel():
+                record.param.grad = view
+
+    def discard_unreduced_grad(self) -> None:
+        self.unsharded.grad = None
+
+    # ----------------------------------------------------------- inspection
+    def full_param_views(self) -> list[torch.Tensor]:
+        """The unsharded per-parameter views (valid only while unsharded)."""
+        return self._unsharded_views
+
+    def local_slices(self) -> tuple[ShardSlice, ...]:
+        return self._slices
+
+    def __repr__(self) -> str:
+        kind = "trainable" if self.requires_grad else "frozen"
+        return f"FlatBuffer({kind}, {self.dtype}, {len(self.records)} params, {self.layout})"

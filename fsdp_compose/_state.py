@@ -1,0 +1,197 @@
+"""``_ShardState``: routes module and autograd hooks to units, and the shared
+context that the root builds for every unit below it.
+
+The state owns no tensors. On the first forward of the outermost annotated
+module (the root) it builds one :class:`ShardContext` for every unit in the
+root's subtree and validates what needs the whole model. After that, each
+hook asks the unit to do its part; the root also queues the end-of-backward
+callback that finishes the iteration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed._composable import contract
+from torch.distributed._composable_state import _State
+
+from ._comm import all_gather_fingerprints
+from ._unit import ShardUnit, TrainingState
+
+
+class ShardContext:
+    """State shared by the root and every unit below it for one model.
+
+    Attributes:
+        root: the root's state (outermost annotated module).
+        states: every state in the root's subtree, root first, then in module
+            registration order.
+        backward_callback_queued: whether the end-of-backward callback is
+            queued for the backward running now (queued once per backward).
+    """
+
+    def __init__(self, root: "_ShardState", states: list["_ShardState"]) -> None:
+        self.root: _ShardState = root
+        self.states: list[_ShardState] = states
+        self.backward_callback_queued: bool = False
+
+
+class _ShardState(_State):
+    """The per-``fully_shard``-call state attached to the annotated module(s).
+
+    Created empty by the composable-API ``contract`` and filled by
+    :meth:`bind`; all hooks registered by ``fully_shard`` are its methods.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unit: Optional[ShardUnit] = None
+        self.context: Optional[ShardContext] = None
+        self.validated: bool = False
+        """Whether ranks have been checked to agree on this unit's layout."""
+
+    def bind(self, unit: ShardUnit) -> None:
+        self.unit = unit
+        for module in unit.modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, always_call=False)
+
+    @property
+    def is_root(self) -> bool:
+        return self.context is not None and self.context.root is self
+
+    # ------------------------------------------------------------ lazy init
+    def lazy_init(self) -> None:
+        """Make this state the root of every state in its subtree (once), and
+        validate the model as a whole before the first collective."""
+        if self.context is not None:
+            return  # already initialised (as root or as a unit below a root)
+        states = [self] + [s for s in _states_below(self.unit.modules) if s is not self]
+        context = ShardContext(self, states)
+        for state in states:
+            if state.context is not None and state.context.root is state:
+                state.unit.is_root = False  # it ran alone before; now it is below us
+            state.context = context
+            state.unit.is_root = state is self
+        _name_units(self.unit.modules, states)
+        _check_devices(states)
+        _check_ranks_agree([s for s in states if not s.validated])
+
+    # ---------------------------------------------------------------- hooks
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.lazy_init()
+        self.unit.pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        completed = self.unit.post_forward(module, output, self._pre_backward)
+        if completed and self.is_root:
+            self._finish_incomplete_units()
+        return output
+
+    def _finish_incomplete_units(self) -> None:
+        """A multi-module unit some of whose modules did not run: its pass
+        ends with the root's forward."""
+        for state in self.context.states:
+            unit = state.unit
+            if unit.state is TrainingState.FORWARD:
+                unit.complete_forward(None, state._pre_backward)
+
+    def _pre_backward(self) -> None:
+        context = self.context
+        if not context.backward_callback_queued:
+            context.backward_callback_queued = True
+            Variable._execution_engine.queue_callback(context.root._finalize_backward)
+        self.unit.pre_backward()
+
+    def _finalize_backward(self) -> None:
+        """Queued once per backward: reshard what is left and reset every unit."""
+        context = self.context
+        context.backward_callback_queued = False
+        for state in context.states:
+            state.unit.finalize_backward()
+
+
+# ----------------------------------------------------------------- helpers
+def _register_unit(module: Any, unit: ShardUnit) -> Any:
+    state = register_unit.state(module if isinstance(module, nn.Module) else module[0])
+    state.bind(unit)
+    return module
+
+
+# torch's composable-API registry keys an API by its function's name; other
+# composable APIs (e.g. replicate) look for "fully_shard" there.
+_register_unit.__name__ = "fully_shard"
+register_unit = contract(state_cls=_ShardState)(_register_unit)
+"""Attach a new ``_ShardState`` for ``unit`` to the module(s) through the
+composable-API ``contract`` (which also checks that no FQN changed)."""
+
+
+def state_of(module: nn.Module) -> Optional[_ShardState]:
+    """The ``_ShardState`` attached to ``module``, if it was annotated."""
+    state = register_unit.state(module)
+    return state if isinstance(state, _ShardState) and state.unit is not None else None
+
+
+def _states_below(modules: tuple[nn.Module, ...]) -> list[_ShardState]:
+    seen: dict[int, _ShardState] = {}
+    for top in modules:
+        for sub in top.modules():
+            state = state_of(sub)
+            if state is not None and id(state) not in seen:
+                seen[id(state)] = state
+    return list(seen.values())
+
+
+def _name_units(roots: tuple[nn.Module, ...], states: list[_ShardState]) -> None:
+    names = {}
+    for top in roots:
+        for name, sub in top.named_modules():
+            names.setdefault(sub, name)
+    for state in states:
+        first = state.unit.modules[0]
+        label = names.get(first, "")
+        state.unit.name = f"'{label}' ({type(first).__name__})" if label else \
+            f"<root> ({type(first).__name__})"
+
+
+def _check_devices(states: list[_ShardState]) -> None:
+    root = states[0].unit
+    for state in states[1:]:
+        if state.unit.group.device != root.group.device:
+            raise ValueError(
+                f"fully_shard units of one model must compute on one device: root {root.name} "
+                f"uses {root.group.device} but {state.unit.name} uses {state.unit.group.device}. "
+                "Pass the same mesh (or none) to every fully_shard call.")
+
+
+def _layout_fingerprint(units: list[ShardUnit]) -> int:
+    text = repr([[(r.fqn, tuple(r.shape), str(r.param.dtype), r.param.requires_grad)
+                  for b in u.buffers for r in b.records] for u in units])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _check_ranks_agree(states: list[_ShardState]) -> None:
+    """One tiny all-gather per process group: every rank raises together if
+    any rank has a different set of parameter names, shapes or dtypes (a
+    mismatch would otherwise hang or silently mix values in the first
+    all-gather)."""
+    by_group: dict[int, list[_ShardState]] = {}
+    for state in states:
+        by_group.setdefault(id(state.unit.group.process_group), []).append(state)
+    for group_states in by_group.values():
+        units = [s.unit for s in group_states]
+        group = units[0].group
+        prints = all_gather_fingerprints(_layout_fingerprint(units), group)
+        if len(set(prints)) > 1:
+            mine = _layout_fingerprint(units)
+            differing = [r for r, p in enumerate(prints) if p != prints[0]]
+            raise RuntimeError(
+                f"[rank {group.rank}] ranks disagree on the parameters of the fully_shard units "
+                f"{[u.name for u in units]}: ranks {differing} have different names, shapes or "
+                f"dtypes than rank 0 (this rank's fingerprint {mine:#x}). Build the same model "
+                "on every rank before calling fully_shard.")
+        for state in group_states:
+            state.validated = True

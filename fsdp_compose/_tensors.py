@@ -1,0 +1,40 @@
+"""Finding the tensors inside arbitrary forward inputs and outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+def iter_tensors(obj: Any):
+    """Yield every tensor in ``obj``: tensors, lists, tuples (named too),
+    dicts, dataclasses and any pytree-registered container (for example
+    Hugging Face ``ModelOutput``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name))
+    elif type(obj) in pytree.SUPPORTED_NODES:
+        for item in pytree.tree_leaves(obj):
+            yield from iter_tensors(item)
+
+
+def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` that take part in autograd."""
+    return [t for t in iter_tensors(obj) if t.requires_grad]
+
+
+def map_floating_tensors(obj: Any, fn) -> Any:
+    """Apply ``fn`` to every floating-point tensor in a pytree of inputs."""
+    return pytree.tree_map(
+        lambda t: fn(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, obj)

@@ -1,0 +1,179 @@
+"""One unit: the flat buffers of one ``fully_shard`` call and what happens to
+them at each moment of an iteration.
+
+A unit owns its buffers and its training state; it never looks at other
+units. Deciding *when* to call these methods (hooks, the root, the end of
+backward) is the job of ``_state.py``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from ._comm import ShardGroup
+from ._flat_buffer import FlatBuffer, ParamRecord
+from ._tensors import tensors_requiring_grad
+
+
+class TrainingState(Enum):
+    """Where a unit is in the iteration."""
+
+    IDLE = auto()
+    """Between iterations: sharded (unless the user called ``unshard()`` or
+    ``reshard_after_backward=False`` kept it unsharded)."""
+    FORWARD = auto()
+    """Inside the forward of one of its modules: unsharded."""
+    PRE_BACKWARD = auto()
+    """Its outputs' gradients have arrived: unsharded for backward, gradients
+    not yet reduced."""
+    POST_BACKWARD = auto()
+    """Its gradients were reduced (or it kept them for accumulation without
+    sync) in this backward."""
+
+
+class ShardUnit:
+    """The flat buffers of one ``fully_shard`` call and their transitions.
+
+    Each buffer is unsharded at most once per forward and once per backward:
+    every transition below is idempotent (see the early returns).
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
+                 records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
+                 reshard_after_forward: bool) -> None:
+        # Structure
+        self.modules: tuple[nn.Module, ...] = tuple(modules)
+        """The annotated module(s) whose forward hooks drive this unit."""
+        self.managed_modules: tuple[nn.Module, ...] = tuple(managed_modules)
+        """Every module whose parameters this unit took (its subtree minus
+        subtrees of units annotated before it)."""
+        self.group: ShardGroup = group
+        self.buffers: list[FlatBuffer] = [
+            FlatBuffer(records, group, post_accumulate_grad=self._post_backward)
+            for records in records_by_group]
+        self.name: str = type(self.modules[0]).__name__
+        """How messages name the unit; the FQN once a root knows it."""
+
+        # Policy (changeable through the module methods)
+        self.reshard_after_forward: bool = reshard_after_forward
+        self.reshard_after_backward: bool = True
+        self.requires_gradient_sync: bool = True
+        self.is_root: bool = False
+
+        # Per-iteration state
+        self.state: TrainingState = TrainingState.IDLE
+        self._modules_to_run: set[nn.Module] = set()
+        """Modules of a multi-module unit whose forward has not finished yet
+        in the current pass; the unit reshards when it empties."""
+
+    # --------------------------------------------------------------- queries
+    @property
+    def is_unsharded(self) -> bool:
+        return any(b.is_unsharded for b in self.buffers)
+
+    @property
+    def trainable_buffers(self) -> list[FlatBuffer]:
+        return [b for b in self.buffers if b.requires_grad]
+
+    @property
+    def frozen_buffers(self) -> list[FlatBuffer]:
+        return [b for b in self.buffers if not b.requires_grad]
+
+    # ----------------------------------------------------------- transitions
+    def unshard(self) -> None:
+        for buffer in self.buffers:
+            buffer.unshard()
+
+    def reshard(self) -> None:
+        for buffer in self.buffers:
+            buffer.reshard()
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Unshard for the forward of ``module`` (one of ``self.modules``)."""
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            # Recomputation inside backward (activation checkpointing): the
+            # buffers are unsharded for backward already; only restore the views.
+            self.unshard()
+            for buffer in self.buffers:
+                buffer.use_unsharded_views()
+            return
+        if not self._modules_to_run:
+            self._modules_to_run = set(self.modules)
+        self.state = TrainingState.FORWARD
+        self.unshard()
+        if self.frozen_buffers and torch.is_grad_enabled():
+            self._register_frozen_post_backward(args, kwargs)
+
+    def post_forward(self, module: nn.Module, output: Any,
+                     pre_backward: Callable[[], None]) -> bool:
+        """Finish the forward of ``module``; returns True when the unit's
+        pass is complete (every module of the unit has run)."""
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return False  # recomputation inside backward: stay unsharded
+        self._modules_to_run.discard(module)
+        if self._modules_to_run:
+            return False  # a sibling module of this unit has yet to run
+        self.complete_forward(output, pre_backward)
+        return True
+
+    def complete_forward(self, output: Any, pre_backward: Callable[[], None]) -> None:
+        """Register the pre-backward hook on ``output`` and reshard if no
+        backward will need the parameters or the policy says so."""
+        self._modules_to_run = set()
+        self.state = TrainingState.IDLE
+        backward_possible = False
+        if torch.is_grad_enabled():
+            tensors = tensors_requiring_grad(output)
+            if tensors:
+                register_multi_grad_hook(tensors, lambda _grads: pre_backward(), mode="any")
+                backward_possible = True
+        if not backward_possible or (self.reshard_after_forward and not self.is_root):
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        """Unshard for backward (at most once per backward)."""
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return  # an earlier output of this unit already triggered it
+        self.state = TrainingState.PRE_BACKWARD
+        self.unshard()
+
+    def _post_backward(self, buffer: FlatBuffer) -> None:
+        """Autograd finished accumulating ``buffer``'s flat gradient: reduce
+        it (unless accumulating without sync) and reshard the buffer."""
+        if self.requires_gradient_sync:
+            buffer.reduce_grad()
+        if self.reshard_after_backward:
+            buffer.reshard()
+        if all(not b.has_unreduced_grad or not self.requires_gradient_sync
+               for b in self.trainable_buffers):
+            self.state = TrainingState.POST_BACKWARD
+
+    def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
+        """Frozen buffers have no gradient hook; they reshard once the
+        gradients of the forward inputs are computed, i.e. once every backward
+        node of this unit that could read them has run. Units whose inputs do
+        not require grad keep them until the end of backward."""
+        inputs = tensors_requiring_grad((args, kwargs))
+        if inputs:
+            register_multi_grad_hook(inputs, lambda _grads: self._reshard_frozen(), mode="all")
+
+    def _reshard_frozen(self) -> None:
+        if self.state is not TrainingState.IDLE and self.reshard_after_backward:
+            for buffer in self.frozen_buffers:
+                buffer.reshard()
+
+    def finalize_backward(self) -> None:
+        """End of backward: reshard what is still unsharded (per policy) and
+        go back to IDLE."""
+        if self.reshard_after_backward and self.state is not TrainingState.FORWARD:
+            self.reshard()
+        self.state = TrainingState.IDLE
+
+    def __repr__(self) -> str:
+        return f"ShardUnit({self.name}, buffers={self.buffers})"
+

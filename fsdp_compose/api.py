@@ -1,0 +1,348 @@
+"""Public API: ``fully_shard`` and the methods an annotated module gains.
+
+Usage (run under ``torchrun``; see ``examples/train_gpt.py``)::
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ._comm import default_mesh, shard_group_from_mesh
+from ._flat_buffer import FlatBuffer, ParamRecord
+from ._state import _ShardState, register_unit, state_of
+from ._unit import ShardUnit
+
+ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
+
+# Which flat buffer (and index in it) manages each original parameter. Weak,
+# so a model that is dropped releases its entries.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Owner(NamedTuple):
+    unit: ShardUnit
+    buffer: FlatBuffer
+    index: int
+
+
+class ShardedParamInfo(NamedTuple):
+    """What a sharded parameter was before sharding, and what this rank holds.
+
+    Attributes:
+        fqn: original fully-qualified name, relative to the outermost module
+            annotated so far (the root once the whole model is annotated).
+        shape: original shape (``param`` itself is 1-D between iterations).
+        numel: original number of elements.
+        local_numel: elements of it this rank owns (``param.numel()``).
+        local_offset: index, in the flattened original, of the first owned
+            element (meaningless when ``local_numel == 0``).
+    """
+
+    fqn: str
+    shape: torch.Size
+    numel: int
+    local_numel: int
+    local_offset: int
+
+
+def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
+                reshard_after_forward: bool = True, mp_policy: object = None,
+                offload_policy: object = None,
+                ignored_params: Optional[Iterable[nn.Parameter]] = None) -> ModuleOrModules:
+    """Shard the parameters of ``module`` over ``mesh`` in place.
+
+    Args:
+        module: one module, or a list of sibling modules that form one unit
+            (unsharded at the first pre-forward among them, resharded after
+            the last post-forward).
+        mesh: a 1-D ``DeviceMesh``; default: every rank of the default
+            process group, on CUDA when the backend is NCCL, else on CPU.
+        reshard_after_forward: free the unsharded parameters after forward
+            and all-gather them again for backward (the root never does).
+        mp_policy, offload_policy: reserved; must be ``None`` for now.
+        ignored_params: parameters left alone: not sharded, not reduced.
+
+    Returns:
+        ``module`` itself, whose class now also derives from
+        :class:`ShardedModule`. Parameters keep their identity and FQNs; each
+        one's ``.data`` becomes the 1-D slice of the flat shard this rank owns.
+
+    Raises:
+        ValueError / RuntimeError naming the module or parameter and the fix,
+        for misuse (see ``docs/design.md`` section 6).
+    """
+    modules = _as_module_list(module)
+    if mp_policy is not None or offload_policy is not None:
+        raise NotImplementedError(
+            "fully_shard(mp_policy=..., offload_policy=...) are not implemented yet; pass None.")
+    for m in modules:
+        if state_of(m) is not None:
+            raise ValueError(
+                f"{type(m).__name__} module is already annotated by fully_shard; call "
+                "fully_shard once per module (use a list for several siblings as one unit).")
+    group = shard_group_from_mesh(mesh if mesh is not None else default_mesh())
+    ignored = _ignored_set(ignored_params)
+    managed = _managed_modules(modules)
+    records = _collect_records(modules, managed, ignored)
+    _check_params(records, group.device)
+    unit = ShardUnit(modules, managed, _group_records(records), group, reshard_after_forward)
+    for buffer in unit.buffers:
+        for index, record in enumerate(buffer.records):
+            _OWNERS[record.param] = _Owner(unit, buffer, index)
+    register_unit(module, unit)
+    for m in modules:
+        m.__class__ = _sharded_class(type(m))
+    if len(modules) == 1:
+        _rename_below(modules[0])
+    return module
+
+
+def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
+    """Original FQN and shape of a parameter sharded by ``fully_shard``
+    (``None`` for a parameter it does not manage). Use it where code looks at
+    ``param.ndim`` or names, e.g. to build weight-decay param groups."""
+    entry = _OWNERS.get(param)
+    if entry is None:
+        return None
+    buffer, index = entry.buffer, entry.index
+    record = buffer.records[index]
+    local = buffer.local_slices()[index]
+    return ShardedParamInfo(fqn=record.fqn, shape=record.shape, numel=record.shape.numel(),
+                            local_numel=local.length, local_offset=local.param_start)
+
+
+def flat_buffer_of(param: nn.Parameter) -> Optional[FlatBuffer]:
+    """The flat buffer that manages ``param`` (for tests and tools)."""
+    entry = _OWNERS.get(param)
+    return None if entry is None else entry.buffer
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` blocks until the
+    all-gathers are done (they are issued synchronously for now)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class ShardedModule:
+    """Methods mixed into every module annotated by :func:`fully_shard`
+    (the module's class becomes a subclass of its own class and this one)."""
+
+    def unshard(self, async_op: bool = False, *, recurse: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this unit's parameters (and every unit below it with
+        ``recurse=True``); until :meth:`reshard`, each original parameter's
+        module attribute holds the full values in the original shape."""
+        own = _own_state(self)
+        own.lazy_init()
+        for state in _states(self, recurse):
+            state.unit.unshard()
+        return UnshardHandle() if async_op else None
+
+    def reshard(self, *, recurse: bool = False) -> None:
+        """Free the unsharded parameters; attributes are the sharded
+        ``nn.Parameter`` objects again."""
+        for state in _states(self, recurse):
+            state.unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, backward keeps the unsharded flat gradients (no
+        collectives) and the next backward with ``True`` reduces their sum."""
+        for state in _states(self, recurse):
+            state.unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, units stay unsharded after backward (saving the
+        next forward's all-gather during accumulation). Set it back to
+        ``True`` (or call ``reshard()``) before the optimizer step: the
+        optimizer updates the shards, not the unsharded copy."""
+        for state in _states(self, recurse):
+            state.unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (the root never reshards after a
+        forward that needs a backward)."""
+        for state in _states(self, recurse):
+            state.unit.reshard_after_forward = reshard_after_forward
+
+
+# ----------------------------------------------------------------- helpers
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if issubclass(cls, ShardedModule):
+        return cls
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls),
+                                     {"__module__": cls.__module__})
+    return _SHARDED_CLASSES[cls]
+
+
+def _own_state(module: nn.Module) -> _ShardState:
+    state = state_of(module)
+    if state is None:
+        raise AssertionError(f"{type(module).__name__} has no fully_shard state")
+    return state
+
+
+def _states(module: nn.Module, recurse: bool) -> list[_ShardState]:
+    if not recurse:
+        return [_own_state(module)]
+    seen: dict[int, _ShardState] = {}
+    for sub in module.modules():
+        state = state_of(sub)
+        if state is not None:
+            seen.setdefault(id(state), state)
+    return list(seen.values())
+
+
+def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    if not modules:
+        raise ValueError("fully_shard needs a module or a non-empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard takes nn.Module objects, got {type(m).__name__}")
+    return modules
+
+
+def _ignored_set(ignored_params: Optional[Iterable[nn.Parameter]]) -> set[int]:
+    ignored = set()
+    for p in ignored_params or ():
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}")
+        ignored.add(id(p))
+    return ignored
+
+
+def _managed_modules(modules: list[nn.Module]) -> list[nn.Module]:
+    """The given modules and their descendants, minus the subtrees of
+    modules annotated before (they own their parameters already)."""
+    managed: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = list(reversed(modules))
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        managed.append(m)
+        for child in reversed(list(m.children())):
+            if state_of(child) is None:
+                stack.append(child)
+    return managed
+
+
+def _module_names(modules: list[nn.Module]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for name, sub in top.named_modules(remove_duplicate=False):
+            names.setdefault(id(sub), (prefix + name).rstrip("."))
+    return names
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _collect_records(modules: list[nn.Module], managed: list[nn.Module],
+                     ignored: set[int]) -> list[ParamRecord]:
+    names = _module_names(modules)
+    records: dict[int, ParamRecord] = {}
+    for m in managed:
+        for attr, param in m._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            fqn = _join(names.get(id(m), ""), attr)
+            if id(param) in records:
+                records[id(param)].slots.append((m, attr))
+                continue
+            owner = _OWNERS.get(param)
+            if owner is not None:
+                _raise_already_owned(fqn, owner, m, names)
+            records[id(param)] = ParamRecord(param=param, slots=[(m, attr)], fqn=fqn,
+                                             shape=param.shape)
+    return list(records.values())
+
+
+def _raise_already_owned(fqn: str, owner: _Owner, module: nn.Module,
+                         names: dict[int, str]) -> None:
+    if any(module is m for m in owner.unit.managed_modules):
+        raise ValueError(
+            f"parameter '{fqn}' is already managed by an earlier fully_shard call on an "
+            f"ancestor, {owner.unit.name}. Annotate bottom-up: call fully_shard on children "
+            "before their parents.")
+    record = owner.buffer.records[owner.index]
+    owner_module, owner_attr = record.slots[0]
+    other = _join(names[id(owner_module)], owner_attr) if id(owner_module) in names else record.fqn
+    raise ValueError(
+        f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
+        f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head). A "
+        "shared parameter must live in one unit that is unsharded wherever it is used: annotate "
+        "the common ancestor of both modules instead of the module that holds it, or pass it "
+        "in ignored_params.")
+
+
+def _check_params(records: list[ParamRecord], device: torch.device) -> None:
+    devices: dict[torch.device, str] = {}
+    for r in records:
+        p = r.param
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"parameter '{r.fqn}' has layout {p.layout}; fully_shard needs dense "
+                             "(strided) parameters. Convert it, or pass it in ignored_params.")
+        if p.is_meta:
+            raise NotImplementedError(
+                f"parameter '{r.fqn}' is on the meta device; materialise the module first "
+                "(module.to_empty(device=...) and initialise it) before fully_shard.")
+        if not p.is_contiguous():
+            raise ValueError(f"parameter '{r.fqn}' is not contiguous (strides {p.stride()}); "
+                             "make it contiguous (param.data = param.data.contiguous()) before "
+                             "fully_shard.")
+        devices.setdefault(p.device, r.fqn)
+        if p.grad is not None:
+            p.grad = None  # a gradient of the unsharded shape has no meaning once sharded
+    if len(devices) > 1:
+        listing = ", ".join(f"'{fqn}' on {dev}" for dev, fqn in devices.items())
+        raise ValueError(f"parameters of one fully_shard unit are on different devices ({listing});"
+                         " move the module to one device first (module.to(device)).")
+    for dev, fqn in devices.items():
+        if dev.type != device.type and dev.type != "cpu":
+            raise ValueError(f"parameter '{fqn}' is on {dev} but the mesh computes on {device}; "
+                             "move the module to the mesh's device (or pass a matching mesh).")
+
+
+def _group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
+    """One group per (dtype, requires_grad), in order of first appearance, so
+    frozen parameters never cost gradient memory or reduce-scatter volume."""
+    groups: dict[tuple[torch.dtype, bool], list[ParamRecord]] = {}
+    for r in records:
+        groups.setdefault((r.param.dtype, r.param.requires_grad), []).append(r)
+    return list(groups.values())
+
+
+def _rename_below(top: nn.Module) -> None:
+    """Make the FQNs of every unit below ``top`` relative to ``top``."""
+    names = {id(m): n for n, m in top.named_modules(remove_duplicate=False)}
+    for name, sub in top.named_modules():
+        state = state_of(sub)
+        if state is None or state.unit.modules[0] is not sub:
+            continue
+        for buffer in state.unit.buffers:
+            for record in buffer.records:
+                module, attr = record.slots[0]
+                record.fqn = _join(names.get(id(module), name), attr)
