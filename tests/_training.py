@@ -1,0 +1,226 @@
+"""Training loops shared by the parity tests: one runs on every rank of a
+sharded world, the other is the single-process reference on the global batch.
+
+Both build the same seeded model and see the same global batches; each rank
+trains on its own slice, so ranks always get different inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_compose import fully_shard, param_info
+from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+
+CFG = GPTConfig()
+BATCH_PER_RANK = 2
+MICRO_BATCHES = 2  # for the accumulation and several-forwards modes
+
+
+class GPTWithUnused(GPT):
+    """GPT plus parameters no forward uses: a whole module (its own unit) and
+    one parameter inside block 0 (a unit that is otherwise used)."""
+
+    def __init__(self, cfg: GPTConfig = CFG) -> None:
+        super().__init__(cfg)
+        self.unused_head = nn.Linear(cfg.d_model, 5)
+        self.blocks[0].unused_scale = nn.Parameter(torch.ones(cfg.d_model))
+
+
+def build_model(variant: str = "gpt") -> nn.Module:
+    torch.manual_seed(1234)
+    if variant == "gpt":
+        return GPT(CFG)
+    if variant == "unused":
+        return GPTWithUnused(CFG)
+    raise ValueError(variant)
+
+
+def freeze_like_lora(model: nn.Module) -> None:
+    """Freeze the big matrices (a LoRA-like split of frozen and trainable
+    parameters inside the same units), and all of block 1."""
+    for name, p in model.named_parameters():
+        if name.endswith("qkv.weight") or name.endswith("mlp.0.weight") or name.startswith("blocks.1."):
+            p.requires_grad_(False)
+
+
+# ------------------------------------------------------------- annotations
+def _blocks_and_root(model, **kw):
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model)
+
+
+def _siblings(model, **kw):
+    fully_shard([model.blocks[0], model.blocks[1]])          # two blocks as ONE unit
+    fully_shard(model.blocks[2].mlp[1])                       # a module with no parameters
+    fully_shard(model.blocks[2])
+    fully_shard([model.tok_emb, model.pos_emb])               # used from the root's forward
+    fully_shard(model)
+
+
+def _partial(model, **kw):
+    fully_shard(model.blocks[0])
+    fully_shard(model.blocks[2].attn)
+    fully_shard(model)                                         # blocks[1] stays in the root unit
+
+
+def _unused(model, **kw):
+    fully_shard(model.unused_head)
+    _blocks_and_root(model)
+
+
+def _root_only(model, **kw):
+    fully_shard(model)
+
+
+RECIPES: dict[str, Callable] = {
+    "blocks+root": _blocks_and_root,
+    "no-reshard-after-forward": lambda m: _blocks_and_root(m, reshard_after_forward=False),
+    "siblings": _siblings,
+    "partial": _partial,
+    "unused": _unused,
+    "root-only": _root_only,
+}
+
+
+# -------------------------------------------------------------- optimizers
+def _original_ndim(p: nn.Parameter) -> int:
+    info = param_info(p)
+    return len(info.shape) if info is not None else p.ndim
+
+
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        decay = [p for p in params if _original_ndim(p) >= 2]
+        no_decay = [p for p in params if _original_ndim(p) < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    raise ValueError(name)
+
+
+# ------------------------------------------------------------------- loops
+def _local(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = tensor.shape[0] // world
+    return tensor[rank * per:(rank + 1) * per]
+
+
+def _micro_count(mode: str) -> int:
+    return MICRO_BATCHES if mode in ("accum-sync", "accum-nosync", "two-forwards") else 1
+
+
+def global_batch(step: int, world: int, mode: str):
+    n = world * BATCH_PER_RANK * _micro_count(mode)
+    return synthetic_tokens(step, n, CFG.seq_len, CFG.vocab_size, seed=7)
+
+
+def _local_step(model, x, y, mode, zero_grad_to_none, optim):
+    """One optimizer step on this rank's batch, the way ``mode`` says."""
+    micro = _micro_count(mode)
+    xs, ys = x.chunk(micro), y.chunk(micro)
+    if mode == "two-forwards":
+        loss = sum(model.loss(a, b) for a, b in zip(xs, ys)) / micro
+        loss.backward()
+    elif mode in ("accum-sync", "accum-nosync"):
+        loss = 0.0
+        for i, (a, b) in enumerate(zip(xs, ys)):
+            last = i == micro - 1
+            if mode == "accum-nosync":
+                model.set_requires_gradient_sync(last)
+            part = model.loss(a, b) / micro
+            part.backward()
+            loss = loss + part.detach()
+    else:
+        loss = model.loss(x, y)
+        loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=zero_grad_to_none)
+    return loss.detach()
+
+
+def train_sharded(recipe: str, optim_name: str = "sgd", steps: int = 3, mode: str = "plain",
+                  variant: str = "gpt", lora: bool = False, zero_grad_to_none: bool = True,
+                  optimizer_before_sharding: bool = False) -> dict:
+    """Runs on every rank. Returns the global mean losses, the full
+    parameters after training (read through ``unshard``), and the eval
+    outputs of ``eval-between`` mode."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(variant)
+    if lora:
+        freeze_like_lora(model)
+    names_before = {n: p for n, p in model.named_parameters()}
+    optim = make_optimizer(model, optim_name) if optimizer_before_sharding else None
+    RECIPES[recipe](model)
+    assert {n: p for n, p in model.named_parameters()} == names_before, "identity/FQNs changed"
+    optim = optim or make_optimizer(model, optim_name)
+    losses, evals = [], []
+    for step in range(steps):
+        x, y = global_batch(step, world, mode)
+        loss = _local_step(model, _local(x, rank, world), _local(y, rank, world), mode,
+                           zero_grad_to_none, optim)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+        if mode == "eval-between":
+            model.eval()
+            with torch.no_grad():
+                evals.append(model(_local(x, rank, world)))
+            model.train()
+    model.unshard(recurse=True)
+    full = {n: _attr(model, n).detach().clone() for n in names_before}
+    model.reshard(recurse=True)
+    grads_none = {n: p.grad is None for n, p in model.named_parameters()}
+    return {"losses": losses, "params": full, "evals": evals, "grads_none": grads_none}
+
+
+def _attr(model: nn.Module, fqn: str) -> torch.Tensor:
+    owner, _, name = fqn.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, name)
+
+
+def train_reference(world: int, optim_name: str = "sgd", steps: int = 3, mode: str = "plain",
+                    variant: str = "gpt", lora: bool = False) -> dict:
+    """The same training in one process on the global batch."""
+    model = build_model(variant)
+    if lora:
+        freeze_like_lora(model)
+    optim = make_optimizer(model, optim_name)
+    losses, evals = [], []
+    for step in range(steps):
+        x, y = global_batch(step, world, mode)
+        loss = model.loss(x, y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+        if mode == "eval-between":
+            with torch.no_grad():
+                evals.append([_local(model(x), r, world) for r in range(world)])
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "evals": evals}
+
+
+def assert_parity(results: list[dict], reference: dict, atol: float = 1e-5) -> float:
+    """Every rank matches the reference; returns the worst difference seen."""
+    worst = 0.0
+    for rank, res in enumerate(results):
+        for got, want in zip(res["losses"], reference["losses"]):
+            assert abs(got - want) <= atol, f"rank {rank}: loss {got} vs reference {want}"
+            worst = max(worst, abs(got - want))
+        assert res["params"].keys() == reference["params"].keys()
+        for name, want in reference["params"].items():
+            got = res["params"][name]
+            assert got.shape == want.shape, f"{name}: shape {got.shape} vs {want.shape}"
+            diff = (got - want).abs().max().item()
+            assert diff <= atol, f"rank {rank}: parameter {name} differs by {diff}"
+            worst = max(worst, diff)
+        for step, outs in enumerate(res["evals"]):
+            diff = (outs - reference["evals"][step][rank]).abs().max().item()
+            assert diff <= atol, f"rank {rank}: eval output of step {step} differs by {diff}"
+    return worst
