@@ -1,0 +1,154 @@
+"""Collective counts per training step and memory invariants.
+
+Collectives are counted independently of the library, by torch's
+``CommDebugMode`` intercepting the c10d ops. For N flat buffers the rule is
+2N - (root buffers) all-gathers and one reduce-scatter per trainable buffer.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_compose.api import flat_buffer_of
+from fsdp_compose._unit import TrainingState
+from fsdp_compose._state import state_of
+from tests._training import (RECIPES, build_model, freeze_like_lora, global_batch,
+                             make_optimizer)
+from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
+from tests.harness import run_distributed
+
+
+
+def _buffers(model):
+    seen = {}
+    for p in model.parameters():
+        b = flat_buffer_of(p)
+        if b is not None:
+            seen[id(b)] = b
+    return list(seen.values())
+
+
+def _units(model):
+    seen = {}
+    for m in model.modules():
+        s = state_of(m)
+        if s is not None:
+            seen[id(s)] = s.unit
+    return list(seen.values())
+
+
+def count_step_collectives(recipe: str, lora: bool, mode: str):
+    """Runs on every rank: one warm-up step, then counts the collectives of
+    one more step. Returns (all-gathers, reduce-scatters, per-buffer RS bytes)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model()
+    if lora:
+        freeze_like_lora(model)
+    RECIPES[recipe](model)
+    optim = make_optimizer(model, "sgd")
+
+    def step(i):
+        x, y = global_batch(i, world, "plain")
+        per = x.shape[0] // world
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        if mode == "nosync-then-sync":
+            model.set_requires_gradient_sync(False)
+            model.loss(x, y).backward()
+            model.set_requires_gradient_sync(True)
+        model.loss(x, y).backward()
+        optim.step()
+        optim.zero_grad()
+
+    step(0)
+    with CollectiveCounter() as comm:
+        step(1)
+    counts = comm.counts
+    buffers = _buffers(model)
+    return {
+        "other_collectives": sum(counts.values()) - counts[AG] - counts[RS],
+        "all_gathers": counts.get(AG, 0),
+        "reduce_scatters": counts.get(RS, 0),
+        "buffers": len(buffers),
+        "root_buffers": len(next(u for u in _units(model) if u.is_root).buffers),
+        "trainable_buffers": sum(b.requires_grad for b in buffers),
+        "frozen_only_units": sum(all(not b.requires_grad for b in u.buffers) and bool(u.buffers)
+                                 for u in _units(model)),
+    }
+
+
+@pytest.mark.parametrize("recipe,lora,mode", [
+    ("blocks+root", False, "plain"),
+    ("blocks+root", True, "plain"),
+    ("siblings", False, "plain"),
+    ("no-reshard-after-forward", False, "plain"),
+    ("blocks+root", False, "nosync-then-sync"),
+])
+def test_collectives_per_step(recipe, lora, mode):
+    res = run_distributed(2, count_step_collectives, recipe, lora, mode)[0]
+    n, root, trainable = res["buffers"], res["root_buffers"], res["trainable_buffers"]
+    backward_gathers = 0 if recipe == "no-reshard-after-forward" else n - root
+    per_backward = n + backward_gathers
+    backwards = 2 if mode == "nosync-then-sync" else 1
+    assert res["all_gathers"] == backwards * per_backward
+    # one reduce-scatter per trainable buffer, only on the synced backward;
+    # frozen-only units never reduce-scatter
+    assert res["reduce_scatters"] == trainable
+    assert res["other_collectives"] == 0
+    if lora:
+        assert res["frozen_only_units"] == 1 and trainable < n
+    if recipe == "blocks+root" and not lora:
+        assert (n, trainable) == (4, 4)  # the exact numbers: 7 all-gathers, 4 reduce-scatters
+
+
+def memory_invariants():
+    """Runs on every rank: checks storage after a step and how many units are
+    unsharded at once during forward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model()
+    freeze_like_lora(model)
+    RECIPES["blocks+root"](model)
+    optim = make_optimizer(model, "adamw")
+    units = _units(model)
+    peak_unsharded_units = []
+
+    def probe(module, args):
+        peak_unsharded_units.append(sum(u.is_unsharded for u in units))
+    for block in model.blocks:
+        block.register_forward_pre_hook(probe)  # runs after fully_shard's (prepended) hook
+
+    x, y = global_batch(0, world, "plain")
+    per = x.shape[0] // world
+    model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+    optim.step()
+
+    report = {"peak_unsharded_units": max(peak_unsharded_units),
+              "states": {u.name: u.state for u in units}}
+    for b in _buffers(model):
+        assert b.unsharded.untyped_storage().nbytes() == 0, f"{b} keeps unsharded storage"
+        assert not b.is_unsharded
+        if not b.requires_grad:
+            assert b.sharded_grad is None, "frozen buffer allocated a gradient"
+        assert b.sharded.numel() == b.layout.shard_numel
+    for name, p in model.named_parameters():
+        b = flat_buffer_of(p)
+        assert p.untyped_storage().data_ptr() == b.sharded.untyped_storage().data_ptr(), name
+        if not p.requires_grad:
+            assert p.grad is None, f"frozen {name} has a gradient"
+        elif p.numel():
+            assert p.grad.untyped_storage().data_ptr() == b.sharded_grad.untyped_storage().data_ptr()
+        for state in optim.state.get(p, {}).values():
+            if torch.is_tensor(state) and state.ndim:
+                assert state.numel() == p.numel(), f"optimizer state of {name} is not sharded"
+    local = sum(p.numel() for p in model.parameters())
+    full = sum(b.layout.numel for b in _buffers(model))
+    report["local_over_full"] = local / full
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_invariants(world):
+    for rep in run_distributed(world, memory_invariants):
+        # root + the block running: never two blocks at once when resharding after forward
+        assert rep["peak_unsharded_units"] == 2
+        assert all(s is TrainingState.IDLE for s in rep["states"].values())
+        assert rep["local_over_full"] <= 1 / world + 0.05
