@@ -282,12 +282,12 @@ def _collect_records(modules: list[nn.Module], managed: list[nn.Module],
 
 def _raise_already_owned(fqn: str, owner: _Owner, module: nn.Module,
                          names: dict[int, str]) -> None:
+    record = owner.buffer.records[owner.index]
     if any(module is m for m in owner.unit.managed_modules):
         raise ValueError(
-            f"parameter '{fqn}' is already managed by an earlier fully_shard call on an "
-            f"ancestor, {owner.unit.name}. Annotate bottom-up: call fully_shard on children "
-            "before their parents.")
-    record = owner.buffer.records[owner.index]
+            f"parameter '{record.fqn}' (here '{fqn}') is already managed by an earlier "
+            f"fully_shard call on an ancestor, {owner.unit.name}. Annotate bottom-up: call "
+            "fully_shard on children before their parents.")
     owner_module, owner_attr = record.slots[0]
     other = _join(names[id(owner_module)], owner_attr) if id(owner_module) in names else record.fqn
     raise ValueError(
@@ -299,7 +299,14 @@ def _raise_already_owned(fqn: str, owner: _Owner, module: nn.Module,
 
 
 def _check_params(records: list[ParamRecord], device: torch.device) -> None:
+    """Reject what cannot be sharded, naming the parameter and the fix."""
     devices: dict[torch.device, str] = {}
+    for r in records:
+        devices.setdefault(r.param.device, r.fqn)
+    if len(devices) > 1:
+        listing = ", ".join(f"'{fqn}' on {dev}" for dev, fqn in devices.items())
+        raise ValueError(f"parameters of one fully_shard unit are on different devices ({listing});"
+                         " move the module to one device first (module.to(device)).")
     for r in records:
         p = r.param
         if p.is_sparse or p.layout != torch.strided:
@@ -313,17 +320,12 @@ def _check_params(records: list[ParamRecord], device: torch.device) -> None:
             raise ValueError(f"parameter '{r.fqn}' is not contiguous (strides {p.stride()}); "
                              "make it contiguous (param.data = param.data.contiguous()) before "
                              "fully_shard.")
-        devices.setdefault(p.device, r.fqn)
-        if p.grad is not None:
-            p.grad = None  # a gradient of the unsharded shape has no meaning once sharded
-    if len(devices) > 1:
-        listing = ", ".join(f"'{fqn}' on {dev}" for dev, fqn in devices.items())
-        raise ValueError(f"parameters of one fully_shard unit are on different devices ({listing});"
-                         " move the module to one device first (module.to(device)).")
-    for dev, fqn in devices.items():
-        if dev.type != device.type and dev.type != "cpu":
-            raise ValueError(f"parameter '{fqn}' is on {dev} but the mesh computes on {device}; "
-                             "move the module to the mesh's device (or pass a matching mesh).")
+        if p.device.type not in (device.type, "cpu"):
+            raise ValueError(f"parameter '{r.fqn}' is on {p.device} but the mesh computes on "
+                             f"{device}; move the module to the mesh's device (or pass a "
+                             "matching mesh).")
+    for r in records:
+        r.param.grad = None  # a gradient of the unsharded shape means nothing once sharded
 
 
 def _group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
