@@ -1,0 +1,28 @@
+# Developer entry points. `make test` is what CI runs (via .ci/run).
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.stamp
+# torch is pinned to the CPU build that pip finds locally; an unpinned
+# `pip install torch` would pull a multi-GB CUDA build from PyPI.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv test demo clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	@$(VPY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --no-input $(TORCH_PIN)
+	$(VENV)/bin/pip install --no-input -q -e '.[test]'
+	@touch $@
+
+test: venv
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

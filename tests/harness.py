@@ -1,0 +1,463 @@
+"""Multi-process harness for testing ``torch.distributed`` code on CPU (gloo).
+
+Usage, in a test module (``tests`` is a package; always import it as ``tests.harness``)::
+
+    import torch
+    import torch.distributed as dist
+    from tests.harness import run_distributed
+
+    def _sum_ranks(scale):              # module-level: it is pickled by reference
+        t = torch.tensor([float(dist.get_rank())]) * scale
+        dist.all_reduce(t)
+        return t                        # tensors come back detached, on CPU
+
+    def test_sum_ranks():
+        assert [t.item() for t in run_distributed(2, _sum_ranks, 10.0)] == [10.0, 10.0]
+
+or with the ``distributed`` fixture from ``tests/conftest.py``:
+``distributed.run(2, _sum_ranks, 10.0)``.
+
+``run_distributed(world_size, fn, *args, timeout=90.0, **kwargs)`` calls ``fn(*args, **kwargs)``
+on every rank and returns the results as a list indexed by rank.  Inside ``fn`` the default
+process group is initialised (gloo, 60 s collective timeout), so ``dist.get_rank()`` etc. work.
+Arguments and results must be picklable; tensors in the (nested list/tuple/dict) result are
+detached and moved to CPU.  ``timeout`` belongs to the harness (``fn`` cannot get a keyword
+argument of that name).  If ``fn`` destroys the default process group, the pool is replaced.
+
+Workers: one pool of ``world_size`` processes per world size (``spawn`` context), started lazily,
+kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit).  Each
+pool rendezvouses through its own temp file, never a TCP port.  Before every call each worker
+runs ``gc.collect()``, reseeds ``random``/``torch`` with 0, sets one thread, enables grad and
+resets the default dtype, so tests do not depend on their order.
+
+Failures raise ``DistributedTestError`` (an ``AssertionError``) with a ``[rank N]`` section per rank:
+* a rank raised: its traceback.  If the others finished, a quick all-reduce health check keeps
+  the pool (recreated if the check fails);
+* the call ran past ``timeout`` (``DistributedTimeoutError``): each stuck rank's Python stack,
+  dumped by ``faulthandler`` on SIGUSR1; the pool is killed and recreated on next use;
+* a worker died (``WorkerDiedError``): its exit code (and crash dump, if any), reported as soon
+  as the death is seen; the pool is killed and recreated on next use.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DistRunner",
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "WorkerDiedError",
+    "pool_pids",
+    "run_distributed",
+    "shutdown_pools",
+]
+
+DEFAULT_TIMEOUT = 90.0  # seconds per run_distributed call
+STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 cores takes a while
+HEALTH_CHECK_TIMEOUT = 10.0
+DEATH_GRACE = 1.0  # after a worker dies, how long the others get to report
+PG_TIMEOUT = timedelta(seconds=60)  # gloo collective timeout inside the workers
+
+
+class DistributedTestError(AssertionError):
+    """A distributed call failed on at least one rank."""
+
+
+class DistributedTimeoutError(DistributedTestError):
+    """A distributed call did not finish within its timeout."""
+
+
+class WorkerDiedError(DistributedTestError):
+    """A worker process exited during a distributed call."""
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _worker_main(
+    rank: int, world_size: int, init_file: str, log_file: str, conn: Connection, sys_path: list[str]
+) -> None:
+    sys.path[:] = sys_path
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    log = open(log_file, "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.enable(file=log, all_threads=True)  # crash dumps
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # "where are you stuck?"
+    try:
+        torch.set_num_threads(1)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=PG_TIMEOUT,
+        )
+        conn.send_bytes(pickle.dumps((True, None, True)))
+    except BaseException:
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc(), False)))
+        return
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent went away
+            break
+        if not msg:  # empty message: shut down
+            break
+        conn.send_bytes(_run_call(msg))
+    try:
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: it takes seconds with torch loaded
+
+
+def _run_call(msg: bytes) -> bytes:
+    """Run one pickled ``(fn, args, kwargs)``; reply ``(ok, result or traceback, pg_alive)``."""
+    try:
+        fn, args, kwargs = pickle.loads(msg)
+        _reset_state()
+        result = _to_cpu(fn(*args, **kwargs))
+        try:
+            reply = pickle.dumps((True, result, dist.is_initialized()))
+        except Exception as e:
+            raise TypeError(f"the result of {fn.__qualname__} cannot be pickled: {e}") from None
+    except BaseException as e:
+        tb = e.__traceback__
+        if tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next  # drop this frame: it is noise
+        text = "".join(traceback.format_exception(type(e), e, tb))
+        reply = pickle.dumps((False, text, dist.is_initialized()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return reply
+
+
+def _reset_state() -> None:
+    gc.collect()
+    random.seed(0)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, tuple):
+        items = [_to_cpu(x) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [_to_cpu(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _health_check() -> float:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.barrier()
+    return t.item()
+
+
+# --------------------------------------------------------------------------- parent side
+
+Reply = tuple[bool, Any, bool]  # (ok, result or traceback text, process group still initialised)
+
+
+@dataclass
+class _Outcome:
+    replies: dict[int, Reply] = field(default_factory=dict)
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> exit description + crash log
+    stuck: dict[int, str] = field(default_factory=dict)  # rank -> Python stack dump
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.dead or self.stuck) or not all(ok for ok, _, _ in self.replies.values())
+
+    @property
+    def broken(self) -> bool:
+        """The pool cannot be reused (a worker died or hung, or the process group is gone)."""
+        return bool(self.dead or self.stuck) or not all(pg for _, _, pg in self.replies.values())
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class _Pool:
+    """``world_size`` spawned workers sharing one gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.tmpdir = tempfile.mkdtemp(prefix=f"dist-harness-ws{world_size}-")
+        ctx = mp.get_context("spawn")
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
+        self.log_offsets = [0] * world_size
+        init_file = os.path.join(self.tmpdir, "rendezvous")
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, init_file, self.logs[rank], child_conn, list(sys.path)),
+                name=f"dist-ws{world_size}-rank{rank}",
+            )
+            proc.start()
+            child_conn.close()
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+        outcome = self._collect(STARTUP_TIMEOUT)
+        if outcome.failed:
+            self.close()
+            what = f"starting a pool of {world_size} workers (their stderr may say more)"
+            raise _make_error(what, outcome, STARTUP_TIMEOUT)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.procs]
+
+    def call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float
+    ) -> _Outcome:
+        try:
+            payload = pickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(
+                f"cannot pickle {fn!r} and its arguments for the workers: fn must be a "
+                f"module-level function and its arguments picklable ({e})"
+            ) from e
+        self.log_offsets = [self._log_size(r) for r in range(self.world_size)]
+        for conn in self.conns:
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                pass  # a dead worker; _collect reports it
+        return self._collect(timeout)
+
+    def _collect(self, timeout: float) -> _Outcome:
+        """Wait for one reply per rank, noticing dead workers at once."""
+        out = _Outcome()
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        while pending and (left := deadline - time.monotonic()) > 0:
+            handles: dict[Any, int] = {}
+            for r in pending:
+                handles[self.conns[r]] = r
+                handles[self.procs[r].sentinel] = r
+            for handle in wait(list(handles), timeout=left):
+                rank = handles[handle]
+                if rank not in pending:
+                    continue
+                pending.discard(rank)
+                reply = self._receive(rank)
+                if reply is not None:
+                    out.replies[rank] = reply
+                    continue
+                self.procs[rank].join(1.0)
+                desc = "worker process died, " + _exit_description(self.procs[rank].exitcode)
+                crash = self._read_log(rank)
+                out.dead[rank] = desc + (f"; crash log:\n{crash}" if crash else "")
+                deadline = min(deadline, time.monotonic() + DEATH_GRACE)
+        if pending:
+            out.stuck = self._dump_stacks(sorted(pending))
+        return out
+
+    def _receive(self, rank: int) -> Reply | None:
+        conn = self.conns[rank]
+        try:
+            if not conn.poll():
+                return None  # the sentinel fired: the process is gone
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return None
+        try:
+            reply: Reply = pickle.loads(data)
+            return reply
+        except Exception:
+            return (False, "could not unpickle the result:\n" + traceback.format_exc(), True)
+
+    def _log_size(self, rank: int) -> int:
+        try:
+            return os.path.getsize(self.logs[rank])
+        except OSError:  # not created yet: the worker died or hangs very early
+            return 0
+
+    def _read_log(self, rank: int) -> str:
+        try:
+            with open(self.logs[rank]) as f:
+                f.seek(self.log_offsets[rank])
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """SIGUSR1 makes faulthandler write every thread's Python stack to the rank's log."""
+        sizes = {r: self._log_size(r) for r in ranks}
+        for r in ranks:
+            pid = self.procs[r].pid
+            if pid is not None and self.procs[r].is_alive():
+                os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            if all(self._log_size(r) > sizes[r] for r in ranks):
+                time.sleep(0.2)  # let the dumps finish
+                break
+            time.sleep(0.05)
+        return {r: self._read_log(r) or "(no stack dump obtained)" for r in ranks}
+
+    def close(self, join_timeout: float = 0.0) -> None:
+        """Give the workers ``join_timeout`` seconds to exit (see ``request_stop``), then kill."""
+        deadline = time.monotonic() + join_timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5.0)
+        for c in self.conns:
+            c.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def request_stop(self) -> None:
+        for c in self.conns:
+            try:
+                c.send_bytes(b"")
+            except OSError:
+                pass
+
+
+def _describe_fn(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _make_error(what: str, out: _Outcome, timeout: float) -> DistributedTestError:
+    problems = []
+    if out.dead:
+        problems.append(f"worker(s) of rank(s) {sorted(out.dead)} died")
+    if out.stuck:
+        problems.append(f"rank(s) {sorted(out.stuck)} still running after {timeout:g} s")
+    if failed := sorted(r for r, (ok, _, _) in out.replies.items() if not ok):
+        problems.append(f"rank(s) {failed} raised")
+    lines = [f"{what} failed: {'; '.join(problems)}"]
+    for rank in sorted({*out.replies, *out.dead, *out.stuck}):
+        if rank in out.dead:
+            lines.append(f"[rank {rank}] {out.dead[rank]}")
+        elif rank in out.stuck:
+            lines.append(f"[rank {rank}] timed out; Python stack:\n{out.stuck[rank]}")
+        elif rank in out.replies:
+            ok, value, _ = out.replies[rank]
+            lines.append(f"[rank {rank}] returned normally" if ok else f"[rank {rank}] {value}")
+    cls = WorkerDiedError if out.dead else DistributedTimeoutError if out.stuck else DistributedTestError
+    return cls("\n".join(line.rstrip() for line in lines))
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def _discard(world_size: int) -> None:
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
+def _healthy(pool: _Pool) -> bool:
+    out = pool.call(_health_check, (), {}, HEALTH_CHECK_TIMEOUT)
+    return not out.failed and all(v == pool.world_size for _, v, _ in out.replies.values())
+
+
+def run_distributed(
+    world_size: int, fn: Callable[..., Any], /, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results by rank.
+
+    Raises ``DistributedTestError`` (an ``AssertionError``) if any rank raised, hung past
+    ``timeout`` seconds (``DistributedTimeoutError``) or died (``WorkerDiedError``).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = _Pool(world_size)
+    try:
+        out = pool.call(fn, args, kwargs, timeout)
+    except TypeError:
+        raise  # nothing was sent: the pool is fine
+    except BaseException:  # e.g. KeyboardInterrupt while waiting: the workers are in an unknown state
+        _discard(world_size)
+        raise
+    if out.broken or (out.failed and not _healthy(pool)):
+        _discard(world_size)
+    if out.failed:
+        raise _make_error(f"{_describe_fn(fn)} on {world_size} rank(s)", out, timeout)
+    return [out.replies[r][1] for r in range(world_size)]
+
+
+def pool_pids(world_size: int) -> list[int | None]:
+    """PIDs of the live pool for ``world_size`` (empty if none); lets tests see restarts."""
+    pool = _pools.get(world_size)
+    return pool.pids if pool is not None else []
+
+
+def shutdown_pools(timeout: float = 10.0) -> None:
+    """Stop every pool: ask all workers to exit, then kill whatever is left after ``timeout``."""
+    pools = list(_pools.values())
+    _pools.clear()
+    for pool in pools:
+        pool.request_stop()
+    deadline = time.monotonic() + timeout
+    for pool in pools:
+        pool.close(join_timeout=max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(shutdown_pools)
+
+
+class DistRunner:
+    """What the ``distributed`` fixture returns: ``distributed.run(world_size, fn, *args, **kw)``."""
+
+    def run(
+        self,
+        world_size: int,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        timeout: float = DEFAULT_TIMEOUT,
+        **kwargs: Any,
+    ) -> list[Any]:
+        return run_distributed(world_size, fn, *args, timeout=timeout, **kwargs)
