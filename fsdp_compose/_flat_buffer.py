@@ -83,6 +83,9 @@ class FlatBuffer:
             requires_grad=self.requires_grad)
         self.sharded_grad: Optional[torch.Tensor] = None
         self.is_unsharded: bool = False
+        self._versions_at_unshard: tuple[int, ...] = ()
+        """The parameters' version counters when the unsharded copy was made:
+        an optimizer step bumps them, which makes the copy stale."""
 
         # Views, built once
         self._sharded_views: list[torch.Tensor] = [
@@ -125,13 +128,25 @@ class FlatBuffer:
         ``unsharded`` with the original shape.
         """
         if self.is_unsharded:
-            return  # already unsharded: an earlier pre-forward or unshard() got here first
+            if not self.is_stale:
+                return  # already unsharded: an earlier pre-forward or unshard() got here first
+            # Kept unsharded (reshard_after_backward=False or a manual unshard())
+            # across an optimizer step: gather the new values.
+            self.reshard()
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
         self.unsharded.untyped_storage().resize_(nbytes)
         with _unsafe_preserve_version_counter(self.unsharded):
             all_gather_into(self.unsharded.detach(), self.sharded, self.group)
         self.is_unsharded = True
+        self._versions_at_unshard = tuple(r.param._version for r in self.records)
         self.use_unsharded_views()
+
+    @property
+    def is_stale(self) -> bool:
+        """Whether the sharded values changed (e.g. an optimizer step) since
+        the unsharded copy was gathered."""
+        return self.is_unsharded and self._versions_at_unshard != tuple(
+            r.param._version for r in self.records)
 
     def use_unsharded_views(self) -> None:
         for record, view in zip(self.records, self._unsharded_views):

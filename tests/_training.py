@@ -113,7 +113,8 @@ def _local(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def _micro_count(mode: str) -> int:
-    return MICRO_BATCHES if mode in ("accum-sync", "accum-nosync", "two-forwards") else 1
+    return MICRO_BATCHES if mode in ("accum-sync", "accum-nosync", "accum-keep-unsharded",
+                                     "two-forwards") else 1
 
 
 def global_batch(step: int, world: int, mode: str):
@@ -128,12 +129,14 @@ def _local_step(model, x, y, mode, zero_grad_to_none, optim):
     if mode == "two-forwards":
         loss = sum(model.loss(a, b) for a, b in zip(xs, ys)) / micro
         loss.backward()
-    elif mode in ("accum-sync", "accum-nosync"):
+    elif mode in ("accum-sync", "accum-nosync", "accum-keep-unsharded"):
         loss = 0.0
         for i, (a, b) in enumerate(zip(xs, ys)):
             last = i == micro - 1
             if mode == "accum-nosync":
                 model.set_requires_gradient_sync(last)
+            if mode == "accum-keep-unsharded":
+                model.set_reshard_after_backward(last)
             part = model.loss(a, b) / micro
             part.backward()
             loss = loss + part.detach()
@@ -160,6 +163,10 @@ def train_sharded(recipe: str, optim_name: str = "sgd", steps: int = 3, mode: st
     RECIPES[recipe](model)
     assert {n: p for n, p in model.named_parameters()} == names_before, "identity/FQNs changed"
     optim = optim or make_optimizer(model, optim_name)
+    if mode == "keep-unsharded":
+        # never reshard after backward: the next forward must notice that the
+        # optimizer changed the shards and gather again
+        model.set_reshard_after_backward(False)
     losses, evals = [], []
     for step in range(steps):
         x, y = global_batch(step, world, mode)

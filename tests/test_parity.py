@@ -33,7 +33,8 @@ def test_frozen_and_trainable_in_one_unit(world, optim):
     _check(world, "blocks+root", optim, lora=True)
 
 
-@pytest.mark.parametrize("mode", ["accum-sync", "accum-nosync", "two-forwards", "eval-between"])
+@pytest.mark.parametrize("mode", ["accum-sync", "accum-nosync", "accum-keep-unsharded",
+                                  "keep-unsharded", "two-forwards", "eval-between"])
 def test_step_modes(mode):
     _check(3, "blocks+root", "sgd", mode)
 
