@@ -7,6 +7,7 @@ stay registered under their original names.
 """
 
 from .api import ShardedModule, ShardedParamInfo, UnshardHandle, fully_shard, param_info
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info"]
 __version__ = "0.1.0"

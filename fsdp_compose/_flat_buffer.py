@@ -21,7 +21,7 @@ exactly the reduce-scatter input.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -50,22 +50,44 @@ class ParamRecord:
     shape: torch.Size
 
 
+class BufferPolicy(NamedTuple):
+    """Precision and placement of one flat buffer (derived from the unit's
+    ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``).
+
+    Attributes:
+        compute_dtype: dtype of the unsharded buffer and the all-gather
+            (``None``: the parameters' dtype).
+        reduce_dtype: dtype of the reduce-scatter (``None``: ``compute_dtype``).
+        offload_to_cpu: keep ``sharded``/``sharded_grad`` on the CPU.
+        pin_memory: pin them (only meaningful with CUDA).
+    """
+
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    offload_to_cpu: bool = False
+    pin_memory: bool = False
+
+
 class FlatBuffer:
     """Sharded storage plus unsharded working buffer for a list of parameters.
 
     Invariants (``F`` = world size, ``S`` = ``layout.shard_numel``):
 
-    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute device)
-      is the only persistent storage of the values; between iterations every
-      original parameter's ``.data`` is the 1-D slice of it this rank owns;
-    * ``unsharded`` (``F * S`` elements) has storage only while
-      ``is_unsharded``; it requires grad exactly when the group is trainable;
-    * ``sharded_grad`` (``S`` elements) holds the mean-reduced gradient of this
-      rank's shard once a reduce-scatter has happened, else it is ``None``.
+    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute device
+      or the CPU when offloaded) is the only persistent storage of the values;
+      between iterations every original parameter's ``.data`` is the 1-D slice
+      of it this rank owns;
+    * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device) has
+      storage only while ``is_unsharded``; it requires grad exactly when the
+      group is trainable;
+    * ``sharded_grad`` (``S`` elements, like ``sharded``) holds the
+      mean-reduced gradient of this rank's shard once a reduce-scatter has
+      happened, else it is ``None``.
     """
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
-                 post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None) -> None:
+                 post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None,
+                 policy: BufferPolicy = BufferPolicy()) -> None:
         if not records:
             raise AssertionError("a flat buffer needs at least one parameter")
         # What it holds
@@ -76,10 +98,19 @@ class FlatBuffer:
         self.dtype: torch.dtype = records[0].param.dtype
         self._slices: tuple[ShardSlice, ...] = self.layout.shard_slices(group.rank)
 
+        # Precision and placement
+        self.compute_dtype: torch.dtype = policy.compute_dtype or self.dtype
+        self.reduce_dtype: torch.dtype = policy.reduce_dtype or self.compute_dtype
+        self.compute_device: torch.device = group.device
+        self.storage_device: torch.device = (
+            torch.device("cpu") if policy.offload_to_cpu else group.device)
+        self._pin: bool = (policy.pin_memory and self.storage_device.type == "cpu"
+                           and self.compute_device.type != "cpu")
+
         # Storage
-        self.sharded: torch.Tensor = self._shard_values(group.device)
+        self.sharded: torch.Tensor = self._shard_values(self.storage_device)
         self.unsharded: torch.Tensor = torch.empty(
-            self.layout.padded_numel, dtype=self.dtype, device=group.device,
+            self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
             requires_grad=self.requires_grad)
         self.sharded_grad: Optional[torch.Tensor] = None
         self.is_unsharded: bool = False
@@ -104,7 +135,8 @@ class FlatBuffer:
     def _shard_values(self, device: torch.device) -> torch.Tensor:
         """Copy this rank's slice of every parameter into a new shard; the
         full values are not kept (memory drops as soon as the caller lets go)."""
-        shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device,
+                            pin_memory=self._pin)
         for record, s in zip(self.records, self._slices):
             if s.length:
                 flat = record.param.detach().reshape(-1)
@@ -135,8 +167,11 @@ class FlatBuffer:
             self.reshard()
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
         self.unsharded.untyped_storage().resize_(nbytes)
+        # One copy to the compute device and dtype (none without offload or
+        # mixed precision), so the all-gather moves compute_dtype bytes.
+        shard = self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
         with _unsafe_preserve_version_counter(self.unsharded):
-            all_gather_into(self.unsharded.detach(), self.sharded, self.group)
+            all_gather_into(self.unsharded.detach(), shard, self.group)
         self.is_unsharded = True
         self._versions_at_unshard = tuple(r.param._version for r in self.records)
         self.use_unsharded_views()
@@ -173,10 +208,11 @@ class FlatBuffer:
         return self.unsharded.grad is not None
 
     def reduce_grad(self) -> None:
-        """Reduce-scatter (mean over ranks) the flat gradient that autograd
-        accumulated in ``unsharded.grad`` into ``sharded_grad``, honouring
-        what the user did to the parameters' ``.grad`` since the last step
-        (``None``: start from zero; a replaced tensor: start from it).
+        """Reduce-scatter (mean over ranks, in ``reduce_dtype``) the flat
+        gradient that autograd accumulated in ``unsharded.grad`` and add it to
+        ``sharded_grad``, honouring what the user did to the parameters'
+        ``.grad`` since the last step (``None``: start from zero; a replaced
+        tensor: start from it).
 
         Post-condition: ``unsharded.grad is None``; every parameter with
         elements on this rank has ``.grad`` viewing ``sharded_grad``.
@@ -185,18 +221,25 @@ class FlatBuffer:
         if flat_grad is None:
             return  # no gradient reached this buffer in this backward
         self.unsharded.grad = None
-        if self.sharded_grad is None:
-            self.sharded_grad = torch.empty_like(self.sharded)
+        flat_grad = flat_grad.to(self.reduce_dtype)
+        fresh = self.sharded_grad is None
+        if fresh:
+            self.sharded_grad = torch.empty(self.layout.shard_numel, dtype=self.dtype,
+                                            device=self.storage_device, pin_memory=self._pin)
             self._grad_views = [self.sharded_grad.narrow(0, s.shard_start, s.length)
                                 for s in self._slices]
-            reduce_scatter_mean(self.sharded_grad, flat_grad, self.group)
-        elif self._all_user_grads_cleared():
-            reduce_scatter_mean(self.sharded_grad, flat_grad, self.group)
+        overwrite = fresh or self._all_user_grads_cleared()
+        if overwrite and self.reduce_dtype == self.dtype and self.storage_device == self.compute_device:
+            reduce_scatter_mean(self.sharded_grad, flat_grad, self.group)  # straight into place
         else:
-            reduced = torch.empty_like(self.sharded_grad)
+            reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
+                                  device=self.compute_device)
             reduce_scatter_mean(reduced, flat_grad, self.group)
-            self._absorb_user_grads()
-            self.sharded_grad.add_(reduced)
+            if overwrite:
+                self.sharded_grad.copy_(reduced)  # blocking: the optimizer reads it on the host
+            else:
+                self._absorb_user_grads()
+                self.sharded_grad.add_(reduced.to(self.storage_device, self.dtype))
         del flat_grad
         self.attach_grads()
 

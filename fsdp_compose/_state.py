@@ -81,11 +81,14 @@ class _ShardState(_State):
         _check_ranks_agree([s for s in states if not s.validated])
 
     # ---------------------------------------------------------------- hooks
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.lazy_init()
+        args, kwargs = self.unit.cast_inputs(args, kwargs)
         self.unit.pre_forward(module, args, kwargs)
+        return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        output = self.unit.cast_output(output)
         completed = self.unit.post_forward(module, output, self._pre_backward)
         if completed and self.is_root:
             self._finish_incomplete_units()

@@ -9,15 +9,16 @@ backward) is the job of ``_state.py``.
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from ._comm import ShardGroup
-from ._flat_buffer import FlatBuffer, ParamRecord
-from ._tensors import tensors_requiring_grad
+from ._flat_buffer import BufferPolicy, FlatBuffer, ParamRecord
+from ._tensors import map_floating_tensors, tensors_requiring_grad
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 
 class TrainingState(Enum):
@@ -45,7 +46,9 @@ class ShardUnit:
 
     def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool,
+                 mp_policy: Optional[MixedPrecisionPolicy] = None,
+                 offload_policy: Optional[CPUOffloadPolicy] = None) -> None:
         # Structure
         self.modules: tuple[nn.Module, ...] = tuple(modules)
         """The annotated module(s) whose forward hooks drive this unit."""
@@ -53,8 +56,11 @@ class ShardUnit:
         """Every module whose parameters this unit took (its subtree minus
         subtrees of units annotated before it)."""
         self.group: ShardGroup = group
+        self.mp_policy: MixedPrecisionPolicy = mp_policy or MixedPrecisionPolicy()
+        self.offload_policy: Optional[CPUOffloadPolicy] = offload_policy
         self.buffers: list[FlatBuffer] = [
-            FlatBuffer(records, group, post_accumulate_grad=self._post_backward)
+            FlatBuffer(records, group, post_accumulate_grad=self._post_backward,
+                       policy=self._buffer_policy(records[0].param.dtype))
             for records in records_by_group]
         self.name: str = type(self.modules[0]).__name__
         """How messages name the unit; the FQN once a root knows it."""
@@ -70,6 +76,26 @@ class ShardUnit:
         self._modules_to_run: set[nn.Module] = set()
         """Modules of a multi-module unit whose forward has not finished yet
         in the current pass; the unit reshards when it empties."""
+
+    def _buffer_policy(self, dtype: torch.dtype) -> BufferPolicy:
+        mp, offload = self.mp_policy, self.offload_policy
+        floating = dtype.is_floating_point
+        return BufferPolicy(
+            compute_dtype=mp.param_dtype if floating else None,
+            reduce_dtype=mp.reduce_dtype if floating else None,
+            offload_to_cpu=offload is not None,
+            pin_memory=offload is not None and offload.pin_memory and torch.cuda.is_available())
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating-point inputs in ``param_dtype`` if the policy asks."""
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not self.mp_policy.cast_forward_inputs:
+            return args, kwargs
+        return map_floating_tensors((args, kwargs), lambda t: t.to(dtype))
+
+    def cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        return output if dtype is None else map_floating_tensors(output, lambda t: t.to(dtype))
 
     # --------------------------------------------------------------- queries
     @property

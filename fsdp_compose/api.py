@@ -21,6 +21,7 @@ from ._comm import default_mesh, shard_group_from_mesh
 from ._flat_buffer import FlatBuffer, ParamRecord
 from ._state import _ShardState, register_unit, state_of
 from ._unit import ShardUnit
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
 
@@ -56,8 +57,9 @@ class ShardedParamInfo(NamedTuple):
 
 
 def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: bool = True, mp_policy: object = None,
-                offload_policy: object = None,
+                reshard_after_forward: bool = True,
+                mp_policy: Optional[MixedPrecisionPolicy] = None,
+                offload_policy: Optional[CPUOffloadPolicy] = None,
                 ignored_params: Optional[Iterable[nn.Parameter]] = None) -> ModuleOrModules:
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
@@ -69,7 +71,10 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             process group, on CUDA when the backend is NCCL, else on CPU.
         reshard_after_forward: free the unsharded parameters after forward
             and all-gather them again for backward (the root never does).
-        mp_policy, offload_policy: reserved; must be ``None`` for now.
+        mp_policy: compute/communicate in lower precision for this unit
+            (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
+        offload_policy: keep this unit's shards, gradients and optimizer
+            state on the CPU (see :class:`CPUOffloadPolicy`).
         ignored_params: parameters left alone: not sharded, not reduced.
 
     Returns:
@@ -82,9 +87,11 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         for misuse (see ``docs/design.md`` section 6).
     """
     modules = _as_module_list(module)
-    if mp_policy is not None or offload_policy is not None:
-        raise NotImplementedError(
-            "fully_shard(mp_policy=..., offload_policy=...) are not implemented yet; pass None.")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be a CPUOffloadPolicy, got {type(offload_policy).__name__}")
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(
@@ -95,7 +102,10 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     managed = _managed_modules(modules)
     records = _collect_records(modules, managed, ignored)
     _check_params(records, group.device)
-    unit = ShardUnit(modules, managed, _group_records(records), group, reshard_after_forward)
+    unit = ShardUnit(modules, managed, _group_records(records), group, reshard_after_forward,
+                     mp_policy, offload_policy)
+    if mp_policy is not None and mp_policy.buffer_dtype is not None:
+        _cast_buffers(managed, mp_policy.buffer_dtype)
     for buffer in unit.buffers:
         for index, record in enumerate(buffer.records):
             _OWNERS[record.param] = _Owner(unit, buffer, index)
@@ -326,6 +336,13 @@ def _check_params(records: list[ParamRecord], device: torch.device) -> None:
                              "matching mesh).")
     for r in records:
         r.param.grad = None  # a gradient of the unsharded shape means nothing once sharded
+
+
+def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    for m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                m._buffers[name] = buf.to(dtype)
 
 
 def _group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:

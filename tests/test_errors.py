@@ -92,7 +92,7 @@ def two_dimensional_mesh():
     return _raises(lambda: fully_shard(nn.Linear(2, 2), mesh=mesh), "2-D mesh", "1-D")
 
 
-def policies_not_yet():
+def wrong_policy_type():
     return _raises(lambda: fully_shard(nn.Linear(2, 2), mp_policy=object()), "mp_policy")
 
 
@@ -106,7 +106,7 @@ def late_registered_parameter_is_still_detected():
 
 @pytest.mark.parametrize("case", [
     annotate_twice, child_after_parent, tied_weights_in_two_units, sparse_parameter,
-    non_contiguous_parameter, mixed_devices, meta_parameters, policies_not_yet,
+    non_contiguous_parameter, mixed_devices, meta_parameters, wrong_policy_type,
     late_registered_parameter_is_still_detected,
 ])
 def test_misuse_raises_clear_error(case):
