@@ -8,9 +8,11 @@ resizes its *storage* to zero bytes, and unsharding resizes it back and
 all-gathers into it. Tensors that autograd saved during forward (views of the
 buffer) therefore stay valid objects that hold no memory while the unit is
 sharded, and read correct values again once the pre-backward hook unshards.
-The all-gather writes through a detached alias under
-``_unsafe_preserve_version_counter``: it restores the same values, so
-autograd must not see it as an in-place modification of the saved views.
+The all-gather writes through a detached alias and restores the same
+values, so autograd must not see it as an in-place modification of the saved
+views: the version counter is put back after the collective is issued and
+again after it completes (gloo bumps it from its own thread when an
+asynchronous work finishes).
 The per-parameter views (split + view of the leaf) are built once and reused
 every iteration: their autograd nodes save no tensors, so one set of views
 can be differentiated through any number of times, and autograd accumulates
@@ -68,6 +70,20 @@ class BufferPolicy(NamedTuple):
     pin_memory: bool = False
 
 
+class _PendingGather(NamedTuple):
+    work: object  # torch.distributed.Work
+    shard: torch.Tensor  # the collective's input: alive until the work is done
+    version: int  # the unsharded buffer's version before the collective
+
+
+class _PendingReduce(NamedTuple):
+    work: object  # torch.distributed.Work
+    flat_grad: torch.Tensor  # the collective's input: alive until the work is done
+    output: torch.Tensor  # this rank's reduced chunk (sharded_grad itself when in_place)
+    in_place: bool
+    overwrite: bool  # the previous sharded_grad is discarded (zero_grad(set_to_none))
+
+
 class FlatBuffer:
     """Sharded storage plus unsharded working buffer for a list of parameters.
 
@@ -114,6 +130,10 @@ class FlatBuffer:
             requires_grad=self.requires_grad)
         self.sharded_grad: Optional[torch.Tensor] = None
         self.is_unsharded: bool = False
+        self._gather: Optional[_PendingGather] = None
+        """The in-flight all-gather into ``unsharded`` (issued, not waited)."""
+        self._reduce: Optional[_PendingReduce] = None
+        """The in-flight reduce-scatter of the flat gradient (issued, not waited)."""
         self._versions_at_unshard: tuple[int, ...] = ()
         """The parameters' version counters when the unsharded copy was made:
         an optimizer step bumps them, which makes the copy stale."""
@@ -159,6 +179,16 @@ class FlatBuffer:
         Post-condition: ``is_unsharded``; every slot holds a view of
         ``unsharded`` with the original shape.
         """
+        self.start_unshard()
+        self.finish_unshard()
+
+    def start_unshard(self) -> None:
+        """Issue the all-gather without waiting for it (a prefetch).
+
+        Post-condition: ``is_unsharded`` or ``is_gathering``.
+        """
+        if self._gather is not None:
+            return  # already in flight: a prefetch got here first
         if self.is_unsharded:
             if not self.is_stale:
                 return  # already unsharded: an earlier pre-forward or unshard() got here first
@@ -170,11 +200,29 @@ class FlatBuffer:
         # One copy to the compute device and dtype (none without offload or
         # mixed precision), so the all-gather moves compute_dtype bytes.
         shard = self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        version = self.unsharded._version
         with _unsafe_preserve_version_counter(self.unsharded):
-            all_gather_into(self.unsharded.detach(), shard, self.group)
+            work = all_gather_into(self.unsharded.detach(), shard, self.group, async_op=True)
+        self._gather = _PendingGather(work, shard, version)
+
+    def finish_unshard(self) -> None:
+        """Wait for the in-flight all-gather (if any) and switch to the
+        unsharded views. On CUDA the wait only orders the current stream
+        after the collective; the host does not block."""
+        gather = self._gather
+        if gather is None:
+            return  # nothing in flight: already unsharded (or never started)
+        self._gather = None
+        gather.work.wait()
+        # see [Note: storage and autograd]
+        torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (gather.version,))
         self.is_unsharded = True
         self._versions_at_unshard = tuple(r.param._version for r in self.records)
         self.use_unsharded_views()
+
+    @property
+    def is_gathering(self) -> bool:
+        return self._gather is not None
 
     @property
     def is_stale(self) -> bool:
@@ -194,6 +242,8 @@ class FlatBuffer:
         Post-condition: not ``is_unsharded``; ``unsharded`` holds no storage;
         every slot holds its original ``nn.Parameter``.
         """
+        if self._gather is not None:
+            self.finish_unshard()  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
             return  # already sharded: nothing to free
         for record in self.records:
@@ -208,18 +258,23 @@ class FlatBuffer:
         return self.unsharded.grad is not None
 
     def reduce_grad(self) -> None:
-        """Reduce-scatter (mean over ranks, in ``reduce_dtype``) the flat
-        gradient that autograd accumulated in ``unsharded.grad`` and add it to
-        ``sharded_grad``, honouring what the user did to the parameters'
-        ``.grad`` since the last step (``None``: start from zero; a replaced
-        tensor: start from it).
+        """Reduce the flat gradient now (``start_reduce`` + ``finish_reduce``)."""
+        self.start_reduce()
+        self.finish_reduce()
 
-        Post-condition: ``unsharded.grad is None``; every parameter with
-        elements on this rank has ``.grad`` viewing ``sharded_grad``.
+    def start_reduce(self) -> bool:
+        """Issue the reduce-scatter (mean over ranks, in ``reduce_dtype``) of
+        the flat gradient that autograd accumulated in ``unsharded.grad``;
+        returns whether one was issued.
+
+        Post-condition: ``unsharded.grad is None``; the flat gradient is kept
+        alive by the pending reduction until :meth:`finish_reduce`.
         """
+        if self._reduce is not None:
+            raise AssertionError(f"[rank {self.group.rank}] {self}: reduce-scatter already in flight")
         flat_grad = self.unsharded.grad
         if flat_grad is None:
-            return  # no gradient reached this buffer in this backward
+            return False  # no gradient reached this buffer in this backward
         self.unsharded.grad = None
         flat_grad = flat_grad.to(self.reduce_dtype)
         fresh = self.sharded_grad is None
@@ -229,19 +284,37 @@ class FlatBuffer:
             self._grad_views = [self.sharded_grad.narrow(0, s.shard_start, s.length)
                                 for s in self._slices]
         overwrite = fresh or self._all_user_grads_cleared()
-        if overwrite and self.reduce_dtype == self.dtype and self.storage_device == self.compute_device:
-            reduce_scatter_mean(self.sharded_grad, flat_grad, self.group)  # straight into place
-        else:
-            reduced = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                                  device=self.compute_device)
-            reduce_scatter_mean(reduced, flat_grad, self.group)
-            if overwrite:
-                self.sharded_grad.copy_(reduced)  # blocking: the optimizer reads it on the host
+        in_place = (overwrite and self.reduce_dtype == self.dtype
+                    and self.storage_device == self.compute_device)
+        output = self.sharded_grad if in_place else torch.empty(
+            self.layout.shard_numel, dtype=self.reduce_dtype, device=self.compute_device)
+        work = reduce_scatter_mean(output, flat_grad, self.group, async_op=True)
+        self._reduce = _PendingReduce(work, flat_grad, output, in_place, overwrite)
+        return True
+
+    def finish_reduce(self) -> None:
+        """Wait for the in-flight reduce-scatter and fold its result into
+        ``sharded_grad``.
+
+        Post-condition: every parameter with elements on this rank has
+        ``.grad`` viewing ``sharded_grad``.
+        """
+        pending = self._reduce
+        if pending is None:
+            return  # nothing in flight
+        self._reduce = None
+        pending.work.wait()
+        if not pending.in_place:
+            if pending.overwrite:
+                self.sharded_grad.copy_(pending.output)  # blocking: read on the host next
             else:
                 self._absorb_user_grads()
-                self.sharded_grad.add_(reduced.to(self.storage_device, self.dtype))
-        del flat_grad
+                self.sharded_grad.add_(pending.output.to(self.storage_device, self.dtype))
         self.attach_grads()
+
+    @property
+    def is_reducing(self) -> bool:
+        return self._reduce is not None
 
     def _all_user_grads_cleared(self) -> bool:
         return all(r.param.grad is None for r, s in zip(self.records, self._slices) if s.length)

@@ -72,10 +72,9 @@ class _ShardState(_State):
         states = [self] + [s for s in _states_below(self.unit.modules) if s is not self]
         context = ShardContext(self, states)
         for state in states:
-            if state.context is not None and state.context.root is state:
-                state.unit.is_root = False  # it ran alone before; now it is below us
             state.context = context
             state.unit.is_root = state is self
+            state.unit.scheduler = self.unit.scheduler
         _name_units(self.unit.modules, states)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
@@ -83,6 +82,8 @@ class _ShardState(_State):
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.lazy_init()
+        if self.is_root and self.unit.state is TrainingState.IDLE:
+            self.unit.scheduler.start_iteration()  # not a recomputation inside backward
         args, kwargs = self.unit.cast_inputs(args, kwargs)
         self.unit.pre_forward(module, args, kwargs)
         return args, kwargs
@@ -92,6 +93,7 @@ class _ShardState(_State):
         completed = self.unit.post_forward(module, output, self._pre_backward)
         if completed and self.is_root:
             self._finish_incomplete_units()
+            self._drop_unused_prefetches()
         return output
 
     def _finish_incomplete_units(self) -> None:
@@ -101,6 +103,15 @@ class _ShardState(_State):
             unit = state.unit
             if unit.state is TrainingState.FORWARD:
                 unit.complete_forward(None, state._pre_backward)
+
+    def _drop_unused_prefetches(self) -> None:
+        """Prefetched by last iteration's order, but not run this time (the
+        control flow changed): free them now instead of at end of backward."""
+        ran = {id(u) for u in self.unit.scheduler.forward_order}
+        for state in self.context.states:
+            unit = state.unit
+            if id(unit) not in ran and any(b.is_gathering for b in unit.buffers):
+                unit.reshard()
 
     def _pre_backward(self) -> None:
         context = self.context
@@ -113,6 +124,7 @@ class _ShardState(_State):
         """Queued once per backward: reshard what is left and reset every unit."""
         context = self.context
         context.backward_callback_queued = False
+        self.unit.scheduler.finish_reduces()
         for state in context.states:
             state.unit.finalize_backward()
 

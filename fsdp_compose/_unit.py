@@ -17,6 +17,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ._comm import ShardGroup
 from ._flat_buffer import BufferPolicy, FlatBuffer, ParamRecord
+from ._schedule import Scheduler
 from ._tensors import map_floating_tensors, tensors_requiring_grad
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -70,6 +71,12 @@ class ShardUnit:
         self.reshard_after_backward: bool = True
         self.requires_gradient_sync: bool = True
         self.is_root: bool = False
+        self.scheduler: Scheduler = Scheduler()
+        """Shared with every unit of the model once the root is initialised."""
+        self.forward_prefetch: Optional[list[ShardUnit]] = None
+        """Units to all-gather before this one's forward (None: by recorded order)."""
+        self.backward_prefetch: Optional[list[ShardUnit]] = None
+        """Units to all-gather when this one's backward starts (None: by order)."""
 
         # Per-iteration state
         self.state: TrainingState = TrainingState.IDLE
@@ -113,7 +120,9 @@ class ShardUnit:
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
         for buffer in self.buffers:
-            buffer.unshard()
+            buffer.start_unshard()  # all buffers' all-gathers in flight together
+        for buffer in self.buffers:
+            buffer.finish_unshard()
 
     def reshard(self) -> None:
         for buffer in self.buffers:
@@ -131,7 +140,8 @@ class ShardUnit:
         if not self._modules_to_run:
             self._modules_to_run = set(self.modules)
         self.state = TrainingState.FORWARD
-        self.unshard()
+        self.scheduler.record_forward(self)
+        self.scheduler.gather(self, self.scheduler.forward_targets(self))
         if self.frozen_buffers and torch.is_grad_enabled():
             self._register_frozen_post_backward(args, kwargs)
 
@@ -166,18 +176,16 @@ class ShardUnit:
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        self.scheduler.gather(self, self.scheduler.backward_targets(self))
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (unless accumulating without sync) and reshard the buffer."""
         if self.requires_gradient_sync:
-            buffer.reduce_grad()
+            self.scheduler.reduce(buffer)
         if self.reshard_after_backward:
             buffer.reshard()
-        if all(not b.has_unreduced_grad or not self.requires_gradient_sync
-               for b in self.trainable_buffers):
-            self.state = TrainingState.POST_BACKWARD
+        self.state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
         """Frozen buffers have no gradient hook; they reshard once the

@@ -1,0 +1,140 @@
+"""Overlap: which all-gathers to issue early, and how many collectives may be
+in flight at once.
+
+One :class:`Scheduler` is shared by every unit of a model (the root hands its
+own to the others at lazy init). It records the order in which units run
+forward, prefetches by that order, bounds the all-gathers in flight (which
+bounds unsharded memory) and the reduce-scatters in flight (each holds a full
+flat gradient alive until it completes).
+
+On CPU/gloo the collectives are ``async_op=True`` work handles that the
+process group runs on its own threads; on CUDA/NCCL they run on NCCL's stream
+and ``wait()`` only orders the compute stream after them, so the host never
+blocks on the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from ._flat_buffer import FlatBuffer
+
+if TYPE_CHECKING:  # only for annotations: units import this module
+    from ._unit import ShardUnit
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How far communication runs ahead of computation.
+
+    Attributes:
+        forward: before a unit's forward, issue the all-gather of the unit
+            that ran after it in the previous iteration's forward.
+        backward: when a unit's backward starts, issue the all-gather of the
+            unit that ran before it in this iteration's forward (before this
+            unit's own reduce-scatter).
+        max_inflight_all_gathers: at most this many all-gathers issued and
+            not yet waited on (the current unit's included); bounds the
+            unsharded memory to this many units beyond the root.
+        max_pending_reduces: at most this many reduce-scatters in flight;
+            the oldest is waited on before a new one is issued.
+    """
+
+    forward: bool = True
+    backward: bool = True
+    max_inflight_all_gathers: int = 2
+    max_pending_reduces: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_all_gathers < 1 or self.max_pending_reduces < 1:
+            raise ValueError("PrefetchPolicy limits must be >= 1, got "
+                             f"{self.max_inflight_all_gathers} and {self.max_pending_reduces}")
+
+
+class Scheduler:
+    """Forward order, prefetching and in-flight limits for one model."""
+
+    def __init__(self, policy: PrefetchPolicy = PrefetchPolicy()) -> None:
+        self.policy: PrefetchPolicy = policy
+        self.forward_order: list[ShardUnit] = []
+        """Units in the order their forward started in this iteration."""
+        self.previous_forward_order: list[ShardUnit] = []
+        """The same for the previous iteration (used by forward prefetch)."""
+        self._gathers: list[FlatBuffer] = []
+        """Buffers whose all-gather was issued here and may still be in flight."""
+        self._reduces: deque[FlatBuffer] = deque()
+        """Buffers with a reduce-scatter in flight, oldest first."""
+
+    # ---------------------------------------------------------------- order
+    def start_iteration(self) -> None:
+        """Called at the root's pre-forward: a new forward order begins."""
+        if self.forward_order:
+            self.previous_forward_order = self.forward_order
+        self.forward_order = []
+
+    def record_forward(self, unit: "ShardUnit") -> None:
+        if not any(u is unit for u in self.forward_order):
+            self.forward_order.append(unit)
+
+    def forward_targets(self, unit: "ShardUnit") -> list["ShardUnit"]:
+        if unit.forward_prefetch is not None:
+            return unit.forward_prefetch
+        if not self.policy.forward:
+            return []
+        return _after(self.previous_forward_order, unit)
+
+    def backward_targets(self, unit: "ShardUnit") -> list["ShardUnit"]:
+        if unit.backward_prefetch is not None:
+            return unit.backward_prefetch
+        if not self.policy.backward:
+            return []
+        return _after(self.forward_order[::-1], unit)
+
+    # ------------------------------------------------------------ all-gather
+    def gather(self, unit: "ShardUnit", prefetch: list["ShardUnit"]) -> None:
+        """Unshard ``unit``, issuing the all-gathers of ``prefetch`` while
+        its own is in flight (within the limit)."""
+        for buffer in unit.buffers:
+            buffer.start_unshard()
+            self._track(buffer)
+        for target in prefetch:
+            for buffer in target.buffers:
+                if buffer.is_unsharded and not buffer.is_stale or buffer.is_gathering:
+                    continue  # nothing to issue: already gathered or in flight
+                if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                    break
+                buffer.start_unshard()
+                self._track(buffer)
+        for buffer in unit.buffers:
+            buffer.finish_unshard()
+
+    def inflight_all_gathers(self) -> int:
+        self._gathers = [b for b in self._gathers if b.is_gathering]
+        return len(self._gathers)
+
+    def _track(self, buffer: FlatBuffer) -> None:
+        if buffer.is_gathering and not any(b is buffer for b in self._gathers):
+            self._gathers.append(buffer)
+
+    # -------------------------------------------------------- reduce-scatter
+    def reduce(self, buffer: FlatBuffer) -> None:
+        """Issue ``buffer``'s reduce-scatter; wait the oldest ones beyond the
+        limit."""
+        if buffer.start_reduce():
+            self._reduces.append(buffer)
+        while len(self._reduces) > self.policy.max_pending_reduces:
+            self._reduces.popleft().finish_reduce()
+
+    def finish_reduces(self) -> None:
+        while self._reduces:
+            self._reduces.popleft().finish_reduce()
+
+
+def _after(order: list["ShardUnit"], unit: "ShardUnit") -> list["ShardUnit"]:
+    """The unit right after ``unit`` in ``order`` (empty if none)."""
+    for index, candidate in enumerate(order):
+        if candidate is unit:
+            return order[index + 1:index + 2]
+    return []
