@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._comm import default_mesh, shard_group_from_mesh
 from ._flat_buffer import FlatBuffer, ParamRecord
 from ._state import _ShardState, register_unit, state_of
+from ._schedule import PrefetchPolicy
 from ._unit import ShardUnit
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -138,11 +139,17 @@ def flat_buffer_of(param: nn.Parameter) -> Optional[FlatBuffer]:
 
 
 class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``; ``wait()`` blocks until the
-    all-gathers are done (they are issued synchronously for now)."""
+    """Returned by ``unshard(async_op=True)``: the all-gathers are in flight;
+    ``wait()`` finishes them and switches the modules to the full views."""
+
+    def __init__(self, units: list[ShardUnit]) -> None:
+        self._units = units
 
     def wait(self) -> None:
-        return None
+        for unit in self._units:
+            for buffer in unit.buffers:
+                buffer.finish_unshard()
+        self._units = []
 
 
 class ShardedModule:
@@ -155,9 +162,15 @@ class ShardedModule:
         module attribute holds the full values in the original shape."""
         own = _own_state(self)
         own.lazy_init()
-        for state in _states(self, recurse):
-            state.unit.unshard()
-        return UnshardHandle() if async_op else None
+        units = [state.unit for state in _states(self, recurse)]
+        for unit in units:
+            for buffer in unit.buffers:
+                buffer.start_unshard()
+        handle = UnshardHandle(units)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self, *, recurse: bool = False) -> None:
         """Free the unsharded parameters; attributes are the sharded
@@ -180,6 +193,23 @@ class ShardedModule:
         optimizer updates the shards, not the unsharded copy."""
         for state in _states(self, recurse):
             state.unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        """Before this module's forward, issue the all-gathers of ``modules``
+        (annotated modules) instead of the one chosen by the recorded order."""
+        _own_state(self).unit.forward_prefetch = [_own_state(m).unit for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        """When this module's backward starts, issue the all-gathers of
+        ``modules`` instead of the one chosen by the recorded order."""
+        _own_state(self).unit.backward_prefetch = [_own_state(m).unit for m in modules]
+
+    def set_prefetch_policy(self, policy: PrefetchPolicy) -> None:
+        """Set forward/backward prefetch and the in-flight limits for the
+        whole model this module belongs to (call it on the root)."""
+        if not isinstance(policy, PrefetchPolicy):
+            raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
+        _own_state(self).unit.scheduler.policy = policy
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
