@@ -1,0 +1,83 @@
+"""The four data-parallel implementations under comparison, one ``build_<name>``
+function each. Not run directly: ``benchmarks/run.py`` uses them, e.g.
+
+    .venv/bin/python -m benchmarks.run --scenario all
+
+Every builder takes the plain, freshly seeded ``GPT`` (the same initial values
+on every rank) and returns the module to call for the forward pass. Nothing
+else differs between implementations: the loss, the optimizer (AdamW over the
+returned module's ``parameters()``) and the data are built by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_compose.testing import GPT
+from fsdp_compose.testing.gpt import Block
+
+
+def build_ddp(model: GPT) -> nn.Module:
+    """torch ``DistributedDataParallel`` (replicated parameters, bucketed
+    all-reduce of gradients overlapped with backward)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(model)
+
+
+def build_fsdp2(model: GPT) -> nn.Module:
+    """torch FSDP2: ``torch.distributed.fsdp.fully_shard`` on every block,
+    then on the root (DTensor parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_fsdp1(model: GPT) -> nn.Module:
+    """torch FSDP1: ``FullyShardedDataParallel(use_orig_params=True)`` with a
+    transformer auto-wrap policy on ``Block`` (so the units are the blocks and
+    the root, as for the other two FSDP implementations)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    return FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True,
+                                    device_id=torch.device("cpu"))
+
+
+def build_fsdp_compose(model: GPT) -> nn.Module:
+    """This project: ``fsdp_compose.fully_shard`` on every block, then on the root."""
+    from fsdp_compose import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+BUILDERS: dict[str, Callable[[GPT], nn.Module]] = {
+    "fsdp_compose": build_fsdp_compose,
+    "fsdp2": build_fsdp2,
+    "fsdp1": build_fsdp1,
+    "ddp": build_ddp,
+}
+"""Name -> builder, in the order tables and plots list them."""
+
+
+def units_of(model: GPT) -> list[list[nn.Parameter]]:
+    """The sharding units every FSDP implementation here uses: one per block,
+    plus the root (embeddings, final norm, head). Used by the analytic bound."""
+    taken: set[int] = set()
+    units = []
+    for block in model.blocks:
+        params = list(block.parameters())
+        taken.update(id(p) for p in params)
+        units.append(params)
+    units.append([p for p in model.parameters() if id(p) not in taken])
+    return units

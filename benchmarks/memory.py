@@ -1,0 +1,191 @@
+"""Per-rank memory: a measured peak (separate pass, not during timing) and an
+analytic bound. Not run directly: ``benchmarks/run.py`` uses it, e.g.
+
+    .venv/bin/python -m benchmarks.run --scenario default
+
+Measurement method: the PyTorch profiler with ``profile_memory=True``. On CPU,
+every tensor storage comes from c10's CPU allocator, which reports each
+allocation and free (with its size, from any thread, gloo's worker threads
+included) to an active profiler. The running sum of those events is the live
+tensor bytes of this process counted from the moment the profiler started; we
+start it before the model is built, so it covers the model, the wrapper's flat
+buffers/DTensors/DDP buckets, gradients, optimizer states, activations,
+unsharded parameters and collective staging buffers. Memory allocated before
+the profiler started (the other implementations' models) is invisible to it,
+so each implementation is measured in isolation within one process.
+
+Why not the alternatives (checked on torch 2.13 CPU, see BENCHMARKS.md):
+``torch.distributed._tools.mem_tracker.MemTracker`` refuses a second iteration
+without ``reset_mod_stats()`` and then fails on fsdp_compose ("post accumulate
+grad hooks cannot be registered on non-leaf tensors": inside forward, the
+module attributes are views of the flat buffer, not leaves); it also only sees
+storages created by dispatched ops or registered with ``track_external``, so it
+misses C++-side buffers (DDP's buckets). Process RSS measures glibc's heap, not
+tensors, and never goes down reliably.
+"""
+
+from __future__ import annotations
+
+import bisect
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+MiB = 2 ** 20
+_PHASE_PREFIX = "bench_phase:"
+
+
+@dataclass
+class MemoryReport:
+    """Live tensor bytes of one rank, counted from just before the model is built.
+
+    Attributes:
+        setup_peak: peak while building the model, wrapping it and creating
+            the optimizer (every implementation builds the full model first).
+        step_peaks: peak within each training step (forward, backward,
+            optimizer step, zero_grad).
+        after_step: live bytes right after each step.
+        persistent: live bytes after the last step once every rank passed a
+            barrier and Python collected garbage: parameters, gradients if
+            kept, optimizer states, wrapper buffers (gloo sometimes frees the
+            staging copy of a finished collective a little later, which
+            ``after_step`` may still count).
+    """
+
+    setup_peak: int = 0
+    step_peaks: list[int] = field(default_factory=list)
+    after_step: list[int] = field(default_factory=list)
+    persistent: int = 0
+
+    @property
+    def train_peak(self) -> int:
+        """Peak over the steady-state steps (all but the first, which creates
+        the optimizer states and runs lazy initialisation)."""
+        steady = self.step_peaks[1:] or self.step_peaks
+        return max(steady)
+
+
+def _walk(nodes) -> Iterator:
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children)
+
+
+def measure_training_memory(build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+                            step: Callable[[nn.Module, torch.optim.Optimizer, int], None],
+                            steps: int, settle: Callable[[], None]) -> MemoryReport:
+    """Run ``build()``, then ``steps`` calls of ``step(module, optim, i)``, then
+    ``settle()`` (e.g. a barrier and ``gc.collect()``) under the profiler and
+    return this rank's live-tensor-byte profile. What ``build`` returns is
+    dropped before this function returns."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function(_PHASE_PREFIX + "setup"):
+            module, optim = build()
+        for i in range(steps):
+            with record_function(_PHASE_PREFIX + f"step{i}"):
+                step(module, optim, i)
+        with record_function(_PHASE_PREFIX + "settle"):
+            settle()
+        del module, optim
+    return _report_from(prof, steps)
+
+
+def _report_from(prof: profile, steps: int) -> MemoryReport:
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    allocations: list[tuple[int, int]] = []
+    phases: dict[str, tuple[int, int]] = {}
+    for node in _walk(tree):
+        fields = node.extra_fields
+        if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
+            allocations.append((node.start_time_ns, fields.alloc_size))
+        elif node.name.startswith(_PHASE_PREFIX):
+            phases[node.name[len(_PHASE_PREFIX):]] = (node.start_time_ns, node.end_time_ns)
+    allocations.sort()
+    times = [t for t, _ in allocations]
+    live: list[int] = []
+    total = 0
+    for _, size in allocations:
+        total += size  # frees come as negative sizes
+        live.append(total)
+
+    def live_at(t_ns: int) -> int:
+        i = bisect.bisect_right(times, t_ns)
+        return live[i - 1] if i else 0
+
+    def peak_in(name: str) -> int:
+        start, end = phases[name]
+        lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        return max(live[lo:hi], default=live_at(start))
+
+    report = MemoryReport(setup_peak=peak_in("setup"))
+    for i in range(steps):
+        report.step_peaks.append(peak_in(f"step{i}"))
+        report.after_step.append(live_at(phases[f"step{i}"][1]))
+    report.persistent = live_at(phases["settle"][1])
+    return report
+
+
+# ------------------------------------------------------------ analytic side
+@contextmanager
+def _saved_tensor_bytes(exclude: set[int], out: dict[int, int]):
+    """Record the storages autograd saves for backward (keyed by storage
+    address, so views of one storage count once), except ``exclude``."""
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            out[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def activation_bytes(model: nn.Module, loss_fn: Callable[[nn.Module], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd keeps between forward and backward for one
+    per-rank batch of the plain (unwrapped) model: a measured estimate of the
+    activation memory, which is the same for every implementation here."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    with _saved_tensor_bytes(params, saved):
+        loss = loss_fn(model)
+    del loss
+    return sum(saved.values())
+
+
+def analytic_bounds(units: list[list[nn.Parameter]], world: int, activations: int,
+                    logits_bytes: int) -> dict[str, int]:
+    """Per-rank memory estimates in bytes (fp32, AdamW).
+
+    * ``sharded_state``: parameters + gradients + AdamW's two moments, each
+      1/world of the model (with each unit padded to a multiple of ``world``);
+    * ``two_largest_units``: parameters + flat gradients of the two largest
+      units, unsharded (the transient working set of FSDP with prefetch);
+    * ``fsdp_bound``: the two above + activations + the logits gradient;
+    * ``ddp_state``: replicated parameters, gradients, AdamW moments and the
+      gradient buckets (one more gradient-sized buffer);
+    * ``ddp_bound``: ``ddp_state`` + activations + the logits gradient.
+    """
+    sizes = [sum(p.numel() for p in unit) for unit in units]
+    padded = [-(-n // world) * world for n in sizes]
+    elem = 4
+    total = sum(sizes)
+    sharded_state = 4 * sum(padded) // world * elem
+    largest = sorted(sizes, reverse=True)[:2]
+    two_largest = 2 * sum(largest) * elem
+    ddp_state = 5 * total * elem
+    return {
+        "params_total": total * elem,
+        "sharded_state": sharded_state,
+        "two_largest_units": two_largest,
+        "activations": activations,
+        "logits_grad": logits_bytes,
+        "fsdp_bound": sharded_state + two_largest + activations + logits_bytes,
+        "ddp_state": ddp_state,
+        "ddp_bound": ddp_state + activations + logits_bytes,
+    }
