@@ -6,8 +6,15 @@ reduce-scattered after backward, while the original ``nn.Parameter`` objects
 stay registered under their original names.
 """
 
+from ._schedule import PrefetchPolicy
 from .api import ShardedModule, ShardedParamInfo, UnshardHandle, fully_shard, param_info
+from .clip import clip_grad_norm_, param_norms
+from .grad_scaler import ShardedGradScaler
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info"]
+__all__ = [
+    "fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
+    "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
+    "clip_grad_norm_", "param_norms", "ShardedGradScaler",
+]
 __version__ = "0.1.0"

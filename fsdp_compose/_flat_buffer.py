@@ -31,6 +31,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ._comm import ShardGroup, all_gather_into, reduce_scatter_mean
 from ._layout import FlatLayout, ShardSlice
+from ._staging import StagingPool
 
 
 @dataclass
@@ -134,6 +135,9 @@ class FlatBuffer:
         """The in-flight all-gather into ``unsharded`` (issued, not waited)."""
         self._reduce: Optional[_PendingReduce] = None
         """The in-flight reduce-scatter of the flat gradient (issued, not waited)."""
+        self.staging: Optional[StagingPool] = None
+        """Where the unsharded storage's memory comes from and goes back to
+        (CPU only; ``None``: the allocator directly)."""
         self._versions_at_unshard: tuple[int, ...] = ()
         """The parameters' version counters when the unsharded copy was made:
         an optimizer step bumps them, which makes the copy stale."""
@@ -196,7 +200,10 @@ class FlatBuffer:
             # across an optimizer step: gather the new values.
             self.reshard()
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
-        self.unsharded.untyped_storage().resize_(nbytes)
+        if self.staging is not None:
+            self.staging.fill(self.unsharded.untyped_storage(), nbytes)
+        else:
+            self.unsharded.untyped_storage().resize_(nbytes)
         # One copy to the compute device and dtype (none without offload or
         # mixed precision), so the all-gather moves compute_dtype bytes.
         shard = self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
@@ -249,7 +256,10 @@ class FlatBuffer:
         for record in self.records:
             for module, name in record.slots:
                 module._parameters[name] = record.param
-        self.unsharded.untyped_storage().resize_(0)
+        if self.staging is not None:
+            self.staging.drain(self.unsharded.untyped_storage())
+        else:
+            self.unsharded.untyped_storage().resize_(0)
         self.is_unsharded = False
 
     # --------------------------------------------------------------- reduce

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from ._flat_buffer import FlatBuffer
+from ._staging import StagingPool
 
 if TYPE_CHECKING:  # only for annotations: units import this module
     from ._unit import ShardUnit
@@ -66,6 +67,15 @@ class Scheduler:
         """Buffers whose all-gather was issued here and may still be in flight."""
         self._reduces: deque[FlatBuffer] = deque()
         """Buffers with a reduce-scatter in flight, oldest first."""
+        self.staging: StagingPool = StagingPool()
+        """Memory of released unsharded buffers, reused on the CPU."""
+
+    def adopt(self, buffers: list[FlatBuffer]) -> None:
+        """Make ``buffers`` (of a unit joining this model) use the shared
+        staging pool; only CPU buffers, see ``_staging.py``."""
+        for buffer in buffers:
+            if buffer.compute_device.type == "cpu" and not buffer.is_unsharded:
+                buffer.staging = self.staging
 
     # ---------------------------------------------------------------- order
     def start_iteration(self) -> None:

@@ -75,6 +75,7 @@ class _ShardState(_State):
             state.context = context
             state.unit.is_root = state is self
             state.unit.scheduler = self.unit.scheduler
+            self.unit.scheduler.adopt(state.unit.buffers)
         _name_units(self.unit.modules, states)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
