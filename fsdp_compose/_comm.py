@@ -51,7 +51,15 @@ def default_mesh() -> DeviceMesh:
             "torch.distributed.init_process_group(...) first (e.g. run under "
             "torchrun), or pass mesh= explicitly.")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    world = dist.group.WORLD
+    cached = _DEFAULT_MESH.get(device_type)
+    if cached is None or cached[0] is not world:  # one mesh per default process group
+        _DEFAULT_MESH[device_type] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
+    return _DEFAULT_MESH[device_type][1]
+
+
+# device type -> (the default process group it was built for, the mesh)
+_DEFAULT_MESH: dict[str, tuple[object, DeviceMesh]] = {}
 
 
 def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
