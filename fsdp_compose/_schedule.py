@@ -37,8 +37,9 @@ class PrefetchPolicy:
             unit that ran before it in this iteration's forward (before this
             unit's own reduce-scatter).
         max_inflight_all_gathers: at most this many all-gathers issued and
-            not yet waited on (the current unit's included); bounds the
-            unsharded memory to this many units beyond the root.
+            not yet waited on (the current unit's included). Unsharded units
+            beyond the root: at most this many in forward; in backward one
+            more, the unit whose gradient is still being accumulated.
         max_pending_reduces: at most this many reduce-scatters in flight;
             the oldest is waited on before a new one is issued.
     """

@@ -152,3 +152,32 @@ def test_memory_invariants(world):
         assert rep["peak_unsharded_units"] == 2
         assert all(s is TrainingState.IDLE for s in rep["states"].values())
         assert rep["local_over_full"] <= 1 / world + 0.05
+
+
+def staging_pool_is_reused():
+    """The unsharded memory released by resharding is lent again: the pool
+    stops growing after the first step and holds no more than the peak
+    unsharded working set: the root and three blocks (in backward: the block
+    whose gradient is still accumulating, the running one, the prefetched one)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model()
+    RECIPES["blocks+root"](model)
+    optim = make_optimizer(model, "sgd")
+    pool = state_of(model).unit.scheduler.staging  # the root's, shared at lazy init
+    sizes = []
+    for step in range(3):
+        x, y = global_batch(step, world, "plain")
+        per = x.shape[0] // world
+        model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        optim.step()
+        optim.zero_grad()
+        sizes.append(pool.pooled_bytes)
+    root_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model).unit.buffers)
+    block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
+    return sizes, root_bytes, block_bytes
+
+
+def test_staging_pool_is_reused():
+    sizes, root_bytes, block_bytes = run_distributed(2, staging_pool_is_reused)[0]
+    assert sizes[0] == sizes[1] == sizes[2] > 0
+    assert root_bytes + 2 * block_bytes <= sizes[0] <= root_bytes + 3 * block_bytes
