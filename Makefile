@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	@$(VPY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --no-input $(TORCH_PIN)
-	$(VENV)/bin/pip install --no-input -q -e '.[test]'
+	$(VENV)/bin/pip install --no-input -q -e '.[test,hf]' '$(TORCH_PIN)'
 	@touch $@
 
 test: venv

@@ -9,12 +9,13 @@ stay registered under their original names.
 from ._schedule import PrefetchPolicy
 from .api import ShardedModule, ShardedParamInfo, UnshardHandle, fully_shard, param_info
 from .clip import clip_grad_norm_, param_norms
+from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = [
     "fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
-    "clip_grad_norm_", "param_norms", "ShardedGradScaler",
+    "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
 ]
 __version__ = "0.1.0"

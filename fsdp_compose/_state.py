@@ -19,6 +19,8 @@ from torch.distributed._composable import contract
 from torch.distributed._composable_state import _State
 
 from ._comm import all_gather_fingerprints
+from ._compile import run_eagerly
+from ._registration import Snapshot, check_registration, registration_snapshot
 from ._unit import ShardUnit, TrainingState
 
 
@@ -52,12 +54,21 @@ class _ShardState(_State):
         self.context: Optional[ShardContext] = None
         self.validated: bool = False
         """Whether ranks have been checked to agree on this unit's layout."""
+        self.in_forward_method: set[int] = set()
+        """ids of modules running a method given to ``register_forward_method``:
+        their own ``module(...)`` calls inside it are part of that pass."""
+        self.registration: Snapshot = ()
+        """Parameters and children of the managed modules at annotation."""
 
     def bind(self, unit: ShardUnit) -> None:
         self.unit = unit
+        self.registration = registration_snapshot(unit.managed_modules)
+        # Hooks run eagerly under torch.compile (a graph break each): they
+        # resize storages and swap module attributes, which dynamo must not trace.
+        pre_forward, post_forward = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
         for module in unit.modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward, always_call=False)
+            module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(post_forward, always_call=False)
 
     @property
     def is_root(self) -> bool:
@@ -82,7 +93,10 @@ class _ShardState(_State):
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if id(module) in self.in_forward_method:
+            return args, kwargs  # inside a registered forward method: already unsharded
         self.lazy_init()
+        check_registration(self.registration, self.context.root.unit.modules[0])
         if self.is_root and self.unit.state is TrainingState.IDLE:
             self.unit.scheduler.start_iteration()  # not a recomputation inside backward
         args, kwargs = self.unit.cast_inputs(args, kwargs)
@@ -90,6 +104,8 @@ class _ShardState(_State):
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if id(module) in self.in_forward_method:
+            return output  # the registered method's own post-forward follows
         output = self.unit.cast_output(output)
         completed = self.unit.post_forward(module, output, self._pre_backward)
         if completed and self.is_root:

@@ -1,0 +1,30 @@
+"""Keeping ``torch.compile`` out of the hooks.
+
+``module.compile()`` (or ``torch.compile(module)``) traces ``Module.__call__``
+including its forward hooks. Ours resize storages, run collectives and swap
+module attributes, which dynamo must not put in a graph: under compilation
+each hook is a graph break and runs eagerly. Outside compilation the hook is
+called directly, so using ``fully_shard`` without ``torch.compile`` never
+imports ``torch._dynamo``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, TypeVar
+
+import torch
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def run_eagerly(fn: _F) -> _F:
+    """``fn``, never traced by dynamo (a graph break that runs it eagerly)."""
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(fn, recursive=True)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return hook  # type: ignore[return-value]

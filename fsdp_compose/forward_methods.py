@@ -1,0 +1,85 @@
+"""Methods other than ``forward`` that use the parameters like ``forward``.
+
+``fully_shard`` drives a unit from its module's forward hooks, so only
+``module(...)`` (that is ``__call__``) unshards the parameters. A method such
+as Hugging Face's ``generate`` that reads the module's own parameters without
+going through ``module(...)`` (a PEFT model's ``generate`` calls the wrapped
+model's ``generate``, never ``PeftModel.forward``) would see the 1-D local
+shards. :func:`register_forward_method` makes such a method behave like
+``forward``::
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    register_forward_method(model, "generate")
+    tokens = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+
+The method runs between the unit's forward pre- and post-hook logic: the
+unit is all-gathered once before it and, unless autograd needs the
+parameters, resharded after it. Calls of ``module(...)`` made by the method
+itself (one per generated token) are part of that one pass and do not
+all-gather the unit again.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch.nn as nn
+
+from ._state import state_of
+
+_WRAPPED = "_fsdp_compose_forward_method"
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` unshard and reshard ``module``'s
+    ``fully_shard`` unit the way ``module(...)`` does.
+
+    Args:
+        module: a module annotated by :func:`fully_shard` (one module of a
+            multi-module unit is fine).
+        method_name: the name of a method of ``module`` other than
+            ``forward`` (e.g. ``"generate"``). Registering it again is a no-op.
+
+    The method is replaced on this instance only (the class is untouched).
+
+    Raises:
+        ValueError: ``module`` is not annotated, or ``method_name`` is
+            ``"forward"``.
+        AttributeError: ``module`` has no callable attribute ``method_name``.
+    """
+    state = state_of(module)
+    if state is None:
+        raise ValueError(
+            f"register_forward_method({type(module).__name__}, {method_name!r}): the module is not "
+            "annotated by fully_shard; call fully_shard(module) first.")
+    if method_name == "forward":
+        raise ValueError("register_forward_method: forward already unshards the parameters; "
+                         "pass the name of another method, e.g. 'generate'.")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise AttributeError(f"{type(module).__name__} has no method {method_name!r}")
+    if getattr(method, _WRAPPED, False):
+        return
+    func = method.__func__ if isinstance(method, types.MethodType) else None
+
+    @functools.wraps(method)
+    def wrapped(self: nn.Module, *args, **kwargs):
+        call = (lambda *a, **k: func(self, *a, **k)) if func is not None else method
+        running = state.in_forward_method
+        if id(self) in running:  # the method calls itself: one pass already runs
+            return call(*args, **kwargs)
+        hooked = state._pre_forward(self, args, kwargs)
+        if hooked is not None:  # the pre-forward may cast the inputs (mixed precision)
+            args, kwargs = hooked
+        running.add(id(self))
+        try:
+            output = call(*args, **kwargs)
+        finally:
+            running.discard(id(self))
+        return state._post_forward(self, args, output)
+
+    setattr(wrapped, _WRAPPED, True)
+    setattr(module, method_name, types.MethodType(wrapped, module))
