@@ -40,8 +40,9 @@ LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "d
 
 
 # -------------------------------------------------------------- environment
-def environment(world: int, started: datetime.datetime, load_before: tuple,
-                load_after: tuple) -> dict[str, Any]:
+def environment(world: int) -> dict[str, Any]:
+    """Machine and code, taken at start-up, when the ranks import the library
+    (its files may change while the benchmark runs)."""
     import fsdp_compose
     repo = Path(__file__).resolve().parent.parent
     source = Path(fsdp_compose.__file__).resolve().parent
@@ -55,13 +56,24 @@ def environment(world: int, started: datetime.datetime, load_before: tuple,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "git_commit": _git(repo, "rev-parse", "--short", "HEAD"),
+        "fsdp_compose_last_commit": _git(repo, "log", "-1", "--format=%h %s", "--", "fsdp_compose"),
         "fsdp_compose_source": str(source),
         "fsdp_compose_dirty": (bool(_git(repo, "status", "--porcelain", "--", "fsdp_compose"))
                                if in_repo else None),
-        "started": started.isoformat(timespec="seconds"),
-        "duration_s": round((datetime.datetime.now() - started).total_seconds(), 1),
-        "loadavg_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
     }
+
+
+def start_clock(env: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``env`` with the start time and load average of a scenario."""
+    return env | {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "loadavg_1min_before_after": [round(os.getloadavg()[0], 2)]}
+
+
+def stop_clock(env: dict[str, Any]) -> None:
+    """Add the duration and the load average at the end of a scenario."""
+    started = datetime.datetime.fromisoformat(env["started"])
+    env["duration_s"] = round((datetime.datetime.now() - started).total_seconds(), 1)
+    env["loadavg_1min_before_after"].append(round(os.getloadavg()[0], 2))
 
 
 def _nproc() -> int:

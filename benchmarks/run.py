@@ -119,13 +119,13 @@ def worker(rank: int, world: int, init_method: str, all_settings: list[Settings]
     torch.set_num_interop_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
+    code = report.environment(world) if rank == 0 else {}  # the code this process imported
     try:
         for s in all_settings:
-            started = datetime.datetime.now()
-            load_before = os.getloadavg()
+            env = report.start_clock(code)
             raw = run_scenario(s, rank, world, log)
             if rank == 0:
-                env = report.environment(world, started, load_before, os.getloadavg())
+                report.stop_clock(env)
                 summary = report.summarize(s, raw, env)
                 report.write(summary, raw, out_dir, log)
             dist.barrier()
