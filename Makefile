@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.stamp
 # `pip install torch` would pull a multi-GB CUDA build from PyPI.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo lora-demo bench clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+
+# LoRA fine-tuning of a small Hugging Face Llama (PEFT) on 2 CPU ranks; ~1 min.
+lora-demo: venv
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/lora_finetune.py
 
 # Compare fsdp_compose with DDP, FSDP2 and FSDP1 (see BENCHMARKS.md); ~10 min.
 # BENCH_ARGS=--quick for a ~1 min smoke run, or e.g. BENCH_ARGS="--scenario many-small".

@@ -5,8 +5,9 @@ parameter registered (or replaced) later on one of those modules, or a new
 child module with parameters of its own, would silently stay unsharded: full
 size on every rank and its gradient never averaged across ranks. The unit
 remembers what its modules held at annotation time, and every forward checks
-that nothing was added, raising an error that names the parameter. Buffers
-are not looked at: registering or changing buffers stays fine.
+that nothing was added (and that ``replicate`` was not applied to one of its
+modules afterwards), raising an error that names the parameter or module.
+Buffers are not looked at: registering or changing buffers stays fine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch.nn as nn
+
+from ._compose import is_replicated
 
 Snapshot = tuple[tuple[nn.Module, dict[str, int], dict[str, int]], ...]
 """Per managed module: (module, {param name: id}, {child name: id})."""
@@ -33,6 +36,8 @@ def check_registration(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
     wrapper, is fine). Parameters may be swapped for plain tensors (the
     unsharded views) by the unit itself."""
     for module, params, children in snapshot:
+        if is_replicated(module):
+            _raise_replicated(module, root)
         for name, value in module._parameters.items():
             if value is None or params.get(name) == id(value) or not isinstance(value, nn.Parameter):
                 continue
@@ -69,3 +74,12 @@ def _raise(module: nn.Module, name: str, root: Optional[nn.Module], what: str) -
         "gradient would never be averaged across ranks. Register parameters (and modules that "
         "hold parameters) before calling fully_shard, or keep non-trainable state in buffers "
         "(register_buffer), which fully_shard leaves alone.")
+
+
+def _raise_replicated(module: nn.Module, root: Optional[nn.Module]) -> None:
+    name = next((n for n, m in root.named_modules(remove_duplicate=False) if m is module), "") \
+        if root is not None else ""
+    raise RuntimeError(
+        f"module '{name or type(module).__name__}' was annotated by replicate() after fully_shard "
+        "had taken its parameters; DDP would all-reduce shards. Call replicate() on it before "
+        "fully_shard on its ancestor (fully_shard then leaves the replicated subtree alone).")

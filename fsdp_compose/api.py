@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._comm import default_mesh, shard_group_from_mesh
+from ._compose import check_not_replicated, is_replicated
 from ._flat_buffer import FlatBuffer, ParamRecord
 from ._state import _ShardState, register_unit, state_of
 from ._schedule import PrefetchPolicy
@@ -98,6 +99,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             raise ValueError(
                 f"{type(m).__name__} module is already annotated by fully_shard; call "
                 "fully_shard once per module (use a list for several siblings as one unit).")
+    check_not_replicated(modules)
     group = shard_group_from_mesh(mesh if mesh is not None else default_mesh())
     ignored = _ignored_set(ignored_params)
     managed = _managed_modules(modules)
@@ -282,7 +284,7 @@ def _managed_modules(modules: list[nn.Module]) -> list[nn.Module]:
         seen.add(id(m))
         managed.append(m)
         for child in reversed(list(m.children())):
-            if state_of(child) is None:
+            if state_of(child) is None and not is_replicated(child):  # replicate() owns those
                 stack.append(child)
     return managed
 

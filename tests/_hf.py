@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compose import fully_shard
+from fsdp_compose import ShardedModule, fully_shard
 from fsdp_compose.testing import synthetic_tokens
 from tests._training import make_optimizer
 
@@ -76,13 +76,16 @@ def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full value under its original FQN, read through
-    ``unshard(recurse=True)`` (works on every rank)."""
+    ``unshard()`` of every annotated module (works on every rank)."""
     names = [n for n, _ in model.named_parameters()]
-    model.unshard(recurse=True)
+    annotated = [m for m in model.modules() if isinstance(m, ShardedModule)]
+    for m in annotated:  # the model itself may not be annotated (e.g. replicate at the root)
+        m.unshard()
     try:
         return {n: attr(model, n).detach().clone() for n in names}
     finally:
-        model.reshard(recurse=True)
+        for m in annotated:
+            m.reshard()
 
 
 def attr(model: nn.Module, fqn: str) -> torch.Tensor:
