@@ -22,6 +22,7 @@ exactly the reduce-scatter input.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -80,9 +81,9 @@ class _PendingGather(NamedTuple):
 class _PendingReduce(NamedTuple):
     work: object  # torch.distributed.Work
     flat_grad: torch.Tensor  # the collective's input: alive until the work is done
-    output: torch.Tensor  # this rank's reduced chunk (sharded_grad itself when in_place)
+    output: torch.Tensor  # this rank's reduced chunk (the new sharded_grad when in_place)
     in_place: bool
-    overwrite: bool  # the previous sharded_grad is discarded (zero_grad(set_to_none))
+    accumulate_into: Optional[torch.Tensor]  # the sharded_grad to add to (None: start anew)
 
 
 class FlatBuffer:
@@ -98,8 +99,9 @@ class FlatBuffer:
       storage only while ``is_unsharded``; it requires grad exactly when the
       group is trainable;
     * ``sharded_grad`` (``S`` elements, like ``sharded``) holds the
-      mean-reduced gradient of this rank's shard once a reduce-scatter has
-      happened, else it is ``None``.
+      mean-reduced gradient of this rank's shard. Only the parameters'
+      ``.grad`` views keep it alive (the buffer holds a weak reference), so
+      ``zero_grad(set_to_none=True)`` frees it between iterations.
     """
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
@@ -129,7 +131,7 @@ class FlatBuffer:
         self.unsharded: torch.Tensor = torch.empty(
             self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
             requires_grad=self.requires_grad)
-        self.sharded_grad: Optional[torch.Tensor] = None
+        self._sharded_grad: Optional[weakref.ref] = None
         self.is_unsharded: bool = False
         self._gather: Optional[_PendingGather] = None
         """The in-flight all-gather into ``unsharded`` (issued, not waited)."""
@@ -145,7 +147,6 @@ class FlatBuffer:
         # Views, built once
         self._sharded_views: list[torch.Tensor] = [
             self.sharded.narrow(0, s.shard_start, s.length) for s in self._slices]
-        self._grad_views: list[Optional[torch.Tensor]] = [None] * len(records)
         self._unsharded_views: list[torch.Tensor] = self._build_unsharded_views()
         self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
         for record, view in zip(records, self._sharded_views):
@@ -287,24 +288,21 @@ class FlatBuffer:
             return False  # no gradient reached this buffer in this backward
         self.unsharded.grad = None
         flat_grad = flat_grad.to(self.reduce_dtype)
-        fresh = self.sharded_grad is None
-        if fresh:
-            self.sharded_grad = torch.empty(self.layout.shard_numel, dtype=self.dtype,
-                                            device=self.storage_device, pin_memory=self._pin)
-            self._grad_views = [self.sharded_grad.narrow(0, s.shard_start, s.length)
-                                for s in self._slices]
-        overwrite = fresh or self._all_user_grads_cleared()
+        existing = self.sharded_grad
+        overwrite = existing is None or self._all_user_grads_cleared()
+        if overwrite:
+            existing = None  # the user dropped every .grad: start from zero
         in_place = (overwrite and self.reduce_dtype == self.dtype
                     and self.storage_device == self.compute_device)
-        output = self.sharded_grad if in_place else torch.empty(
-            self.layout.shard_numel, dtype=self.reduce_dtype, device=self.compute_device)
+        output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
+                             device=self.compute_device)
         work = reduce_scatter_mean(output, flat_grad, self.group, async_op=True)
-        self._reduce = _PendingReduce(work, flat_grad, output, in_place, overwrite)
+        self._reduce = _PendingReduce(work, flat_grad, output, in_place, existing)
         return True
 
     def finish_reduce(self) -> None:
-        """Wait for the in-flight reduce-scatter and fold its result into
-        ``sharded_grad``.
+        """Wait for the in-flight reduce-scatter and fold its result into the
+        sharded gradient.
 
         Post-condition: every parameter with elements on this rank has
         ``.grad`` viewing ``sharded_grad``.
@@ -314,13 +312,23 @@ class FlatBuffer:
             return  # nothing in flight
         self._reduce = None
         pending.work.wait()
-        if not pending.in_place:
-            if pending.overwrite:
-                self.sharded_grad.copy_(pending.output)  # blocking: read on the host next
-            else:
-                self._absorb_user_grads()
-                self.sharded_grad.add_(pending.output.to(self.storage_device, self.dtype))
-        self.attach_grads()
+        if pending.in_place:
+            grad = pending.output  # already the right dtype and device
+        elif pending.accumulate_into is None:
+            grad = torch.empty(self.layout.shard_numel, dtype=self.dtype,
+                               device=self.storage_device, pin_memory=self._pin)
+            grad.copy_(pending.output)  # blocking: read on the host next
+        else:
+            grad = pending.accumulate_into
+            self._absorb_user_grads(grad)
+            grad.add_(pending.output.to(self.storage_device, self.dtype))
+        self._sharded_grad = weakref.ref(grad)
+        self._attach_grads(grad)
+
+    @property
+    def sharded_grad(self) -> Optional[torch.Tensor]:
+        """The sharded gradient, while any parameter's ``.grad`` views it."""
+        return None if self._sharded_grad is None else self._sharded_grad()
 
     @property
     def is_reducing(self) -> bool:
@@ -329,26 +337,25 @@ class FlatBuffer:
     def _all_user_grads_cleared(self) -> bool:
         return all(r.param.grad is None for r, s in zip(self.records, self._slices) if s.length)
 
-    def _absorb_user_grads(self) -> None:
-        """Make ``sharded_grad`` agree with the parameters' ``.grad`` as the
-        user left them (``zero_grad(set_to_none=True)`` or a replaced grad)."""
-        for record, view in zip(self.records, self._grad_views):
-            grad = record.param.grad
-            if view is None or view.numel() == 0 or grad is view:
+    def _absorb_user_grads(self, grad: torch.Tensor) -> None:
+        """Make ``grad`` agree with the parameters' ``.grad`` as the user left
+        them (``None``: zero; a replaced tensor: its values)."""
+        for record, s in zip(self.records, self._slices):
+            if not s.length:
                 continue
-            if grad is None:
-                view.zero_()
-            else:
-                view.copy_(grad)
+            region = grad.narrow(0, s.shard_start, s.length)
+            user = record.param.grad
+            if user is None:
+                region.zero_()
+            elif user.data_ptr() != region.data_ptr():
+                region.copy_(user)
 
-    def attach_grads(self) -> None:
-        """Point each parameter's ``.grad`` at its slice of ``sharded_grad``
-        (``None`` where this rank owns no element)."""
-        if self.sharded_grad is None:
-            return
-        for record, view in zip(self.records, self._grad_views):
-            if view is not None and view.numel():
-                record.param.grad = view
+    def _attach_grads(self, grad: torch.Tensor) -> None:
+        """Point each parameter's ``.grad`` at its slice of ``grad`` (``None``
+        where this rank owns no element)."""
+        for record, s in zip(self.records, self._slices):
+            if s.length:
+                record.param.grad = grad.narrow(0, s.shard_start, s.length)
 
     def discard_unreduced_grad(self) -> None:
         self.unsharded.grad = None

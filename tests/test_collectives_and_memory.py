@@ -142,6 +142,8 @@ def memory_invariants():
     local = sum(p.numel() for p in model.parameters())
     full = sum(b.layout.numel for b in _buffers(model))
     report["local_over_full"] = local / full
+    optim.zero_grad(set_to_none=True)
+    report["grads_freed"] = all(b.sharded_grad is None for b in _buffers(model))
     return report
 
 
@@ -152,6 +154,7 @@ def test_memory_invariants(world):
         assert rep["peak_unsharded_units"] == 2
         assert all(s is TrainingState.IDLE for s in rep["states"].values())
         assert rep["local_over_full"] <= 1 / world + 0.05
+        assert rep["grads_freed"]  # zero_grad(set_to_none=True) releases the sharded gradients
 
 
 def staging_pool_is_reused():
