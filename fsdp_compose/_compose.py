@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch.nn as nn
-from torch.distributed._composable.contract import _get_registry
+from torch.distributed._composable.contract import REGISTRY_KEY
 
 
 def is_replicated(module: nn.Module) -> bool:
-    """Whether torch's composable ``replicate`` annotated ``module``."""
-    registry = _get_registry(module)
+    """Whether torch's composable ``replicate`` annotated ``module`` (checked
+    on every forward: read the registry from ``__dict__``, where ``contract``
+    keeps it, rather than through ``nn.Module.__getattr__``)."""
+    registry = module.__dict__.get(REGISTRY_KEY)
     return registry is not None and "replicate" in registry
 
 
