@@ -13,11 +13,14 @@ values, so autograd must not see it as an in-place modification of the saved
 views: the version counter is put back after the collective is issued and
 again after it completes (gloo bumps it from its own thread when an
 asynchronous work finishes).
-The per-parameter views (split + view of the leaf) are built once and reused
-every iteration: their autograd nodes save no tensors, so one set of views
-can be differentiated through any number of times, and autograd accumulates
-the gradients of all original parameters into one flat gradient, which is
-exactly the reduce-scatter input.
+The per-parameter views (split + view of the leaf) route the gradients of
+all original parameters into one flat gradient, which is exactly the
+reduce-scatter input. Their autograd nodes save no tensors, but they are
+rebuilt at every forward that records a graph: the CPU autograd engine runs
+ready nodes by sequence number, newest first, so views built once at
+``fully_shard`` time would be the oldest nodes of every graph and would only
+run (and fire the post-backward hook that reduces and reshards) after all of
+backward, keeping every unit unsharded until the end.
 """
 
 from __future__ import annotations
@@ -238,6 +241,12 @@ class FlatBuffer:
         the unsharded copy was gathered."""
         return self.is_unsharded and self._versions_at_unshard != tuple(
             r.param._version for r in self.records)
+
+    def refresh_views(self) -> None:
+        """Build new per-parameter views for a forward that records a graph
+        (see the note above) and point the module attributes at them."""
+        self._unsharded_views = self._build_unsharded_views()
+        self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
         for record, view in zip(self.records, self._unsharded_views):

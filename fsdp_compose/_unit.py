@@ -142,8 +142,11 @@ class ShardUnit:
         self.state = TrainingState.FORWARD
         self.scheduler.record_forward(self)
         self.scheduler.gather(self, self.scheduler.forward_targets(self))
-        if self.frozen_buffers and torch.is_grad_enabled():
-            self._register_frozen_post_backward(args, kwargs)
+        if torch.is_grad_enabled():
+            for buffer in self.trainable_buffers:
+                buffer.refresh_views()  # see [Note: storage and autograd]
+            if self.frozen_buffers:
+                self._register_frozen_post_backward(args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any,
                      pre_backward: Callable[[], None]) -> bool:

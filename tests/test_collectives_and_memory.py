@@ -12,6 +12,7 @@ import torch.distributed as dist
 from fsdp_compose.api import flat_buffer_of
 from fsdp_compose._unit import TrainingState
 from fsdp_compose._state import state_of
+from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import (RECIPES, build_model, freeze_like_lora, global_batch,
                              make_optimizer)
 from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
@@ -163,7 +164,8 @@ def staging_pool_is_reused():
     unsharded working set: the root and three blocks (in backward: the block
     whose gradient is still accumulating, the running one, the prefetched one)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layers=6))  # more blocks than the bound, so holding all would show
     RECIPES["blocks+root"](model)
     optim = make_optimizer(model, "sgd")
     pool = state_of(model).unit.scheduler.staging  # the root's, shared at lazy init
