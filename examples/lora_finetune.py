@@ -31,14 +31,18 @@ import datetime
 import os
 import warnings
 
-import torch
-import torch.distributed as dist
-from peft import LoraConfig, get_peft_model
-from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
+# Nothing here comes from the Hugging Face hub (drop this line when you load
+# real weights with from_pretrained).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from fsdp_compose import fully_shard, param_info, register_forward_method
-from fsdp_compose.testing import synthetic_tokens
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from fsdp_compose import fully_shard, param_info, register_forward_method  # noqa: E402
+from fsdp_compose.testing import synthetic_tokens  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -8,6 +8,7 @@ the single-process reference start from the same weights. Sizes are uneven
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -17,6 +18,10 @@ import torch.nn as nn
 from fsdp_compose import ShardedModule, fully_shard
 from fsdp_compose.testing import synthetic_tokens
 from tests._training import make_optimizer
+
+# Models are built from configs: the hub must never be contacted (set before
+# transformers is imported: it reads the variable once).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 101
 SEQ = 12

@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from tests import _hf  # first: it keeps transformers off the hub
+
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from fsdp_compose import fully_shard, param_info, register_forward_method  # noqa: E402
 from fsdp_compose.api import flat_buffer_of  # noqa: E402
 from fsdp_compose._state import state_of  # noqa: E402
-from tests import _hf  # noqa: E402
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter  # noqa: E402
 from tests._training import make_optimizer  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
