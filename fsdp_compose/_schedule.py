@@ -41,13 +41,14 @@ class PrefetchPolicy:
             beyond the root: at most this many in forward; in backward one
             more, the unit whose gradient is still being accumulated.
         max_pending_reduces: at most this many reduce-scatters in flight;
-            the oldest is waited on before a new one is issued.
+            the oldest is waited on when a new one is issued (each holds a
+            full flat gradient alive until it completes).
     """
 
     forward: bool = True
     backward: bool = True
     max_inflight_all_gathers: int = 2
-    max_pending_reduces: int = 2
+    max_pending_reduces: int = 1
 
     def __post_init__(self) -> None:
         if self.max_inflight_all_gathers < 1 or self.max_pending_reduces < 1:
