@@ -27,7 +27,6 @@ Losses shown by rank 0's progress bar are the mean over all ranks.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import warnings
 
@@ -42,7 +41,7 @@ from tqdm import tqdm  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from fsdp_compose import fully_shard, param_info, register_forward_method  # noqa: E402
-from fsdp_compose.testing import synthetic_tokens  # noqa: E402
+from fsdp_compose.testing import init_from_torchrun, synthetic_tokens  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,16 +57,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-adapter", metavar="DIR", default=None,
                         help="write the trained adapter there (from rank 0)")
     return parser.parse_args()
-
-
-def setup() -> torch.device:
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cuda")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    return torch.device("cpu")
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -87,7 +76,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
 def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # peft calls deprecated transformers APIs
     args = parse_args()
-    device = setup()
+    device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(args, device)
 

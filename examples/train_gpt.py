@@ -15,14 +15,12 @@ Losses printed by rank 0 are the mean over all ranks.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
 from fsdp_compose import fully_shard, param_info
-from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from fsdp_compose.testing import GPT, GPTConfig, init_from_torchrun, synthetic_tokens
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,20 +36,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def setup() -> torch.device:
-    use_cuda = torch.cuda.is_available()
-    # A rank that dies must not leave the others waiting forever.
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cuda")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    return torch.device("cpu")
-
-
 def main() -> None:
     args = parse_args()
-    device = setup()
+    device = init_from_torchrun()
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width,
                     n_heads=args.heads, n_layers=args.layers)

@@ -49,10 +49,12 @@ def freeze_like_lora(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------- annotations
-def _blocks_and_root(model, **kw):
+def shard_blocks_and_root(model, **kw):
+    """The usual annotation: every block (with ``kw``), then the root."""
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model)
+    return model
 
 
 def _siblings(model, **kw):
@@ -71,7 +73,7 @@ def _partial(model, **kw):
 
 def _unused(model, **kw):
     fully_shard(model.unused_head)
-    _blocks_and_root(model)
+    shard_blocks_and_root(model)
 
 
 def _root_only(model, **kw):
@@ -79,8 +81,8 @@ def _root_only(model, **kw):
 
 
 RECIPES: dict[str, Callable] = {
-    "blocks+root": _blocks_and_root,
-    "no-reshard-after-forward": lambda m: _blocks_and_root(m, reshard_after_forward=False),
+    "blocks+root": shard_blocks_and_root,
+    "no-reshard-after-forward": lambda m: shard_blocks_and_root(m, reshard_after_forward=False),
     "siblings": _siblings,
     "partial": _partial,
     "unused": _unused,
@@ -120,6 +122,12 @@ def _micro_count(mode: str) -> int:
 def global_batch(step: int, world: int, mode: str):
     n = world * BATCH_PER_RANK * _micro_count(mode)
     return synthetic_tokens(step, n, CFG.seq_len, CFG.vocab_size, seed=7)
+
+
+def local_batch(step: int, rank: int, world: int, mode: str = "plain"):
+    """This rank's slice of ``global_batch``."""
+    x, y = global_batch(step, world, mode)
+    return _local(x, rank, world), _local(y, rank, world)
 
 
 def _local_step(model, x, y, mode, zero_grad_to_none, optim):

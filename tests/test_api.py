@@ -12,19 +12,17 @@ import torch.nn as nn
 from fsdp_compose import ShardedModule, fully_shard, param_info
 from fsdp_compose.api import flat_buffer_of
 from fsdp_compose.testing import GPT
+from tests._training import shard_blocks_and_root
 from tests.harness import run_distributed
 
 
 def identity_names_and_shapes():
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = GPT()
     before = dict(model.named_parameters())
     shapes = {n: p.shape for n, p in before.items()}
     buffers_before = dict(model.named_buffers())
     modules_before = [n for n, _ in model.named_modules()]
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     after = dict(model.named_parameters())
     assert list(after) == list(before) and all(after[n] is before[n] for n in before)
     assert dict(model.named_buffers()).keys() == buffers_before.keys()
@@ -69,9 +67,7 @@ def manual_unshard_reshard():
     torch.manual_seed(0)
     model = GPT()
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     originals = dict(model.named_parameters())
     handle = model.blocks[1].unshard(async_op=True)
     handle.wait()

@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_compose import fully_shard, param_info
 from fsdp_compose.clip import clip_grad_norm_, param_norms
 from tests._comm_counter import CollectiveCounter
-from tests._training import _attr, assert_parity, build_model, global_batch, make_optimizer
+from tests._training import (_attr, assert_parity, build_model, global_batch, local_batch,
+                             make_optimizer, shard_blocks_and_root)
 from tests.harness import run_distributed
 
 ALL_REDUCE = torch.ops.c10d.allreduce_.default
@@ -45,11 +46,6 @@ def _annotate_with_ignored(model: nn.Module) -> None:
         fully_shard(block, ignored_params={block.ln1.bias} if i == 0 else None)
     fully_shard(model, ignored_params={model.ln_f.weight})
 
-
-def _local_batch(step, rank, world):
-    x, y = global_batch(step, world, "plain")
-    per = x.shape[0] // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
 def _grad_pieces(model: nn.Module) -> dict:
@@ -97,7 +93,7 @@ def _clip_gpt_worker():
     model = _gpt_with_frozen()
     _annotate_with_ignored(model)
     assert {n for n, p in model.named_parameters() if param_info(p) is None} == set(IGNORED)
-    x, y = _local_batch(0, rank, world)
+    x, y = local_batch(0, rank, world)
     model.loss(x, y).backward()
     params = dict(model.named_parameters())
     for name in IGNORED:  # not reduced by fully_shard: average them as a user would
@@ -319,13 +315,11 @@ TRAIN_MAX_NORM = 0.3
 def _train_clipped_sharded():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     optim = make_optimizer(model, "adamw")
     losses, totals = [], []
     for step in range(CLIP_STEPS):
-        x, y = _local_batch(step, rank, world)
+        x, y = local_batch(step, rank, world)
         loss = model.loss(x, y)
         loss.backward()
         totals.append(clip_grad_norm_(model, TRAIN_MAX_NORM).item())

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from fsdp_compose import fully_shard
 from fsdp_compose.testing import GPT, GPTConfig
+from tests._training import shard_blocks_and_root
 from tests.harness import run_distributed
 
 
@@ -45,9 +46,7 @@ def tied_weights_in_two_units():
 def tied_weights_in_common_ancestor_train():
     """The fix the error suggests works: the shared weight lives in the root."""
     model = GPT(GPTConfig(tie_embeddings=True))
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     assert model.head.weight is model.tok_emb.weight
     tokens = torch.randint(97, (2, 16))
     model.loss(tokens, tokens).backward()

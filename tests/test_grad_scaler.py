@@ -12,17 +12,13 @@ from fsdp_compose import fully_shard
 from fsdp_compose.clip import clip_grad_norm_
 from fsdp_compose.grad_scaler import ShardedGradScaler
 from tests._comm_counter import CollectiveCounter
-from tests._training import _attr, assert_parity, build_model, global_batch, make_optimizer
+from tests._training import (_attr, assert_parity, build_model, global_batch, local_batch,
+                             make_optimizer, shard_blocks_and_root)
 from tests.harness import run_distributed
 
 ALL_REDUCE = str(torch.ops.c10d.allreduce_.default)
 INIT_SCALE = 2.0 ** 8  # a power of two: scaling and unscaling are exact in fp32
 
-
-def _local_batch(step, rank, world):
-    x, y = global_batch(step, world, "plain")
-    per = x.shape[0] // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
 def _shards(model):
@@ -45,14 +41,12 @@ def _poison_first_local_grad(model, value=math.inf):
 def _inf_on_one_rank_worker(bad_rank):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     optim = make_optimizer(model, "sgd")
     scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE)
     out = {}
 
-    x, y = _local_batch(0, rank, world)
+    x, y = local_batch(0, rank, world)
     scaler.scale(model.loss(x, y)).backward()
     if rank == bad_rank:
         _poison_first_local_grad(model)
@@ -69,7 +63,7 @@ def _inf_on_one_rank_worker(bad_rank):
     optim.zero_grad()
 
     # a clean step afterwards runs on every rank
-    x, y = _local_batch(1, rank, world)
+    x, y = local_batch(1, rank, world)
     scaler.scale(model.loss(x, y)).backward()
     before = _shards(model)
     scaler.step(optim)
@@ -143,14 +137,12 @@ def _scaler_kwargs():
 def _train_scaled_sharded():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     optim = make_optimizer(model, "adamw")
     scaler = ShardedGradScaler("cpu", **_scaler_kwargs())
     losses, scales = [], []
     for step in range(STEPS):
-        x, y = _local_batch(step, rank, world)
+        x, y = local_batch(step, rank, world)
         loss = model.loss(x, y)
         scaler.scale(loss).backward()
         if step == INJECT_STEP and rank == world - 1:

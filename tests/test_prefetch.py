@@ -10,7 +10,7 @@ from fsdp_compose import PrefetchPolicy, fully_shard
 from fsdp_compose._flat_buffer import FlatBuffer
 from fsdp_compose._schedule import Scheduler
 from fsdp_compose.api import flat_buffer_of
-from tests._training import build_model, global_batch, make_optimizer
+from tests._training import build_model, global_batch, make_optimizer, shard_blocks_and_root
 from tests.harness import run_distributed
 
 
@@ -46,9 +46,7 @@ class _InFlight:
 def train_with_policy(forward, backward, limit, steps=3):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     model.set_prefetch_policy(PrefetchPolicy(forward=forward, backward=backward,
                                              max_inflight_all_gathers=limit))
     optim = make_optimizer(model, "adamw")
@@ -103,9 +101,7 @@ ORDERS = [(0, 1, 2), (2, 0, 1), (0, 2)]
 def control_flow_changes():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Switchable()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     names = {id(flat_buffer_of(b.weight)): f"b{i}" for i, b in enumerate(model.blocks)}
     names[id(flat_buffer_of(model.inp.weight))] = "root"
     log = []
@@ -196,9 +192,7 @@ def test_prefetch_follows_recorded_order_when_control_flow_changes():
 
 def explicit_prefetch():
     model = build_model()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    shard_blocks_and_root(model)
     model.set_prefetch_policy(PrefetchPolicy(forward=False, backward=False))
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[2]])
     seen = []

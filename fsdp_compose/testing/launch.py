@@ -1,0 +1,25 @@
+"""Process-group setup for scripts started by ``torchrun`` (examples, benchmarks)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_torchrun(timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> torch.device:
+    """Initialise the default process group from torchrun's environment and
+    return the device this rank computes on: NCCL and this rank's GPU when
+    CUDA is available, else gloo on the CPU with the cores split between the
+    local ranks. ``timeout`` bounds every collective, so a rank that dies does
+    not leave the others waiting forever."""
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    return torch.device("cpu")
