@@ -80,23 +80,76 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
                       world_size=group.size(), device=device)
 
 
+class _DoneWork:
+    """What a collective over one rank returns: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup,
                     async_op: bool = False) -> Optional[dist.Work]:
     """All-gather ``shard`` from every rank into ``output`` (``F`` times its
-    size, rank-major). Returns the work handle when ``async_op``."""
+    size, rank-major). Returns the work handle when ``async_op``. Over one
+    rank it is a local copy (none at all when ``output`` is ``shard``)."""
+    if group.world_size == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return _DoneWork() if async_op else None
     return _all_gather_flat(output, shard, group=group.process_group, async_op=async_op)
 
 
-def reduce_scatter_mean(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
-                        async_op: bool = False) -> Optional[dist.Work]:
-    """Reduce-scatter ``flat`` (``F`` times ``output``'s size) with the mean
-    over ranks, leaving this rank's chunk in ``output``."""
-    return _reduce_scatter_flat(output, flat, op=dist.ReduceOp.AVG,
-                                group=group.process_group, async_op=async_op)
+def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                          divide_factor: Optional[float] = None, force_sum: bool = False,
+                          async_op: bool = False) -> Optional[dist.Work]:
+    """Reduce-scatter ``flat`` (``F`` times ``output``'s size): this rank's
+    chunk of the sum over ranks divided by ``divide_factor`` (``None``: the
+    mean, ``F``) lands in ``output``.
+
+    The mean is one ``AVG`` collective unless ``force_sum``; any other factor
+    is a ``SUM`` followed by a local division, which :func:`finish_scaling`
+    applies once the work is done. Over one rank nothing is communicated.
+    """
+    if group.world_size == 1:
+        if output.data_ptr() != flat.data_ptr():
+            output.copy_(flat)
+        finish_scaling(output, group, divide_factor, force_sum)
+        return _DoneWork() if async_op else None
+    op = dist.ReduceOp.SUM if _needs_post_division(group, divide_factor, force_sum) \
+        else dist.ReduceOp.AVG
+    return _reduce_scatter_flat(output, flat, op=op, group=group.process_group,
+                                async_op=async_op)
+
+
+def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
+                   force_sum: bool) -> None:
+    """The local division that completes :func:`reduce_scatter_scaled`
+    (a no-op when the collective averaged already)."""
+    if group.world_size == 1:
+        if divide_factor is not None and divide_factor != 1.0:
+            output.div_(divide_factor)
+    elif _needs_post_division(group, divide_factor, force_sum):
+        factor = group.world_size if divide_factor is None else divide_factor
+        if factor != 1.0:
+            output.div_(factor)
+
+
+def _needs_post_division(group: ShardGroup, divide_factor: Optional[float],
+                         force_sum: bool) -> bool:
+    mean = divide_factor is None or divide_factor == group.world_size
+    return force_sum or not mean
+
+
+def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
+    """In-place element-wise maximum over the ranks of ``group``."""
+    if group.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group)
 
 
 def all_gather_fingerprints(fingerprint: int, group: ShardGroup) -> list[int]:
     """Every rank's 63-bit ``fingerprint``, in rank order (one tiny all-gather)."""
+    if group.world_size == 1:
+        return [fingerprint]
     mine = torch.tensor([fingerprint], dtype=torch.int64, device=group.device)
     every = torch.empty(group.world_size, dtype=torch.int64, device=group.device)
     _all_gather_flat(every, mine, group=group.process_group)

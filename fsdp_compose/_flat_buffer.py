@@ -25,7 +25,6 @@ backward, keeping every unit unsharded until the end.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -33,7 +32,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from ._comm import ShardGroup, all_gather_into, reduce_scatter_mean
+from ._comm import ShardGroup, all_gather_into
+from ._flat_grad import FlatGradient
 from ._layout import FlatLayout, ShardSlice
 from ._staging import StagingPool
 
@@ -81,14 +81,6 @@ class _PendingGather(NamedTuple):
     version: int  # the unsharded buffer's version before the collective
 
 
-class _PendingReduce(NamedTuple):
-    work: object  # torch.distributed.Work
-    flat_grad: torch.Tensor  # the collective's input: alive until the work is done
-    output: torch.Tensor  # this rank's reduced chunk (the new sharded_grad when in_place)
-    in_place: bool
-    accumulate_into: Optional[torch.Tensor]  # the sharded_grad to add to (None: start anew)
-
-
 class FlatBuffer:
     """Sharded storage plus unsharded working buffer for a list of parameters.
 
@@ -99,12 +91,11 @@ class FlatBuffer:
       between iterations every original parameter's ``.data`` is the 1-D slice
       of it this rank owns;
     * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device) has
-      storage only while ``is_unsharded``; it requires grad exactly when the
-      group is trainable;
-    * ``sharded_grad`` (``S`` elements, like ``sharded``) holds the
-      mean-reduced gradient of this rank's shard. Only the parameters'
-      ``.grad`` views keep it alive (the buffer holds a weak reference), so
-      ``zero_grad(set_to_none=True)`` frees it between iterations.
+      storage only while ``is_unsharded``, except when ``aliased`` (one rank,
+      same dtype and device: it *is* ``sharded``'s storage and nothing is
+      ever gathered or freed); it requires grad exactly when some of its
+      parameters do (``requires_grad``);
+    * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
@@ -116,55 +107,44 @@ class FlatBuffer:
         self.records: list[ParamRecord] = records
         self.group: ShardGroup = group
         self.layout: FlatLayout = FlatLayout([r.shape for r in records], group.world_size)
-        self.requires_grad: bool = records[0].param.requires_grad
-        self.dtype: torch.dtype = records[0].param.dtype
         self._slices: tuple[ShardSlice, ...] = self.layout.shard_slices(group.rank)
+        self._param_requires_grad: tuple[bool, ...] = tuple(
+            r.param.requires_grad for r in records)
+        """Each parameter's ``requires_grad`` as of the last forward."""
+        self.requires_grad: bool = any(self._param_requires_grad)
+        self._post_accumulate_grad = post_accumulate_grad
+        self.policy: BufferPolicy = policy
 
-        # Precision and placement
-        self.compute_dtype: torch.dtype = policy.compute_dtype or self.dtype
-        self.reduce_dtype: torch.dtype = policy.reduce_dtype or self.compute_dtype
+        # Storage (all set by _install)
+        self.dtype: torch.dtype
+        self.compute_dtype: torch.dtype
+        self.reduce_dtype: torch.dtype
         self.compute_device: torch.device = group.device
-        self.storage_device: torch.device = (
-            torch.device("cpu") if policy.offload_to_cpu else group.device)
-        self._pin: bool = (policy.pin_memory and self.storage_device.type == "cpu"
-                           and self.compute_device.type != "cpu")
-
-        # Storage
-        self.sharded: torch.Tensor = self._shard_values(self.storage_device)
-        self.unsharded: torch.Tensor = torch.empty(
-            self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
-            requires_grad=self.requires_grad)
-        self._sharded_grad: Optional[weakref.ref] = None
+        self.storage_device: torch.device
+        self.pin_memory: bool
+        self.sharded: torch.Tensor
+        self.unsharded: torch.Tensor
+        self.aliased: bool
+        self._sharded_views: list[torch.Tensor]
+        self._unsharded_views: list[torch.Tensor]
         self.is_unsharded: bool = False
         self._gather: Optional[_PendingGather] = None
         """The in-flight all-gather into ``unsharded`` (issued, not waited)."""
-        self._reduce: Optional[_PendingReduce] = None
-        """The in-flight reduce-scatter of the flat gradient (issued, not waited)."""
         self.staging: Optional[StagingPool] = None
         """Where the unsharded storage's memory comes from and goes back to
         (CPU only; ``None``: the allocator directly)."""
         self._versions_at_unshard: tuple[int, ...] = ()
         """The parameters' version counters when the unsharded copy was made:
         an optimizer step bumps them, which makes the copy stale."""
-
-        # Views, built once
-        self._sharded_views: list[torch.Tensor] = [
-            self.sharded.narrow(0, s.shard_start, s.length) for s in self._slices]
-        self._unsharded_views: list[torch.Tensor] = self._build_unsharded_views()
-        self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
-        for record, view in zip(records, self._sharded_views):
-            record.param.data = view
-
-        if self.requires_grad and post_accumulate_grad is not None:
-            self.unsharded.register_post_accumulate_grad_hook(
-                lambda _tensor: post_accumulate_grad(self))
+        self.grad: FlatGradient = FlatGradient(self)
+        self._install(self._shard_values(records[0].param.dtype))
 
     # ------------------------------------------------------------------ setup
-    def _shard_values(self, device: torch.device) -> torch.Tensor:
-        """Copy this rank's slice of every parameter into a new shard; the
-        full values are not kept (memory drops as soon as the caller lets go)."""
-        shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device,
-                            pin_memory=self._pin)
+    def _shard_values(self, dtype: torch.dtype) -> torch.Tensor:
+        """Copy this rank's slice of every (full) parameter into a new shard;
+        the full values are not kept."""
+        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self._storage_device(),
+                            pin_memory=self._pinned(self._storage_device()))
         for record, s in zip(self.records, self._slices):
             if s.length:
                 flat = record.param.detach().reshape(-1)
@@ -172,13 +152,131 @@ class FlatBuffer:
                     flat[s.param_start:s.param_start + s.length])
         return shard
 
+    def _storage_device(self) -> torch.device:
+        return torch.device("cpu") if self.policy.offload_to_cpu else self.group.device
+
+    def _pinned(self, device: torch.device) -> bool:
+        return (self.policy.pin_memory and device.type == "cpu"
+                and self.compute_device.type != "cpu")
+
+    def _install(self, sharded: torch.Tensor) -> None:
+        """Make ``sharded`` the storage of the values and build everything
+        derived from it (dtypes, the unsharded buffer, views).
+
+        Post-condition: sharded state; every parameter's ``.data`` is its
+        slice of ``sharded``.
+        """
+        policy = self.policy
+        self.dtype = sharded.dtype
+        floating = self.dtype.is_floating_point
+        self.compute_dtype = (policy.compute_dtype if floating else None) or self.dtype
+        self.reduce_dtype = (policy.reduce_dtype if floating else None) or self.compute_dtype
+        self.storage_device = sharded.device
+        self.pin_memory = self._pinned(self.storage_device)
+        self.sharded = sharded
+        self.aliased = (self.group.world_size == 1 and self.compute_dtype == self.dtype
+                        and self.storage_device == self.compute_device)
+        if self.aliased:
+            self.unsharded = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+            with torch.no_grad():
+                self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,))
+            self.unsharded.requires_grad_(self.requires_grad)
+        else:
+            self.unsharded = torch.empty(
+                self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
+                requires_grad=self.requires_grad)
+        self._grad_hook_registered = False
+        self._register_grad_hook()
+        self._sharded_views = [sharded.narrow(0, s.shard_start, s.length) for s in self._slices]
+        self._unsharded_views = self._build_unsharded_views()
+        if not self.aliased:
+            self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
+        self.is_unsharded = False
+        for record, view in zip(self.records, self._sharded_views):
+            record.param.data = view
+
+    def _register_grad_hook(self) -> None:
+        if self.requires_grad and not self._grad_hook_registered and \
+                self._post_accumulate_grad is not None:
+            callback = self._post_accumulate_grad
+            self.unsharded.register_post_accumulate_grad_hook(lambda _tensor: callback(self))
+            self._grad_hook_registered = True
+
     def _build_unsharded_views(self) -> list[torch.Tensor]:
+        """Per-parameter views of ``unsharded``. A trainable parameter's view
+        is differentiable and marks the parameter used when its gradient is
+        computed (see [Note: used parameters]); a frozen one's is detached."""
         sizes = list(self.layout.numels)
         if self.layout.padding:
             sizes.append(self.layout.padding)
         with torch.enable_grad():
             chunks = torch.split(self.unsharded, sizes)
-            return [chunk.view(record.shape) for chunk, record in zip(chunks, self.records)]
+            views = []
+            for index, (chunk, record) in enumerate(zip(chunks, self.records)):
+                if self.requires_grad and self._param_requires_grad[index]:
+                    view = chunk.view(record.shape)
+                    view.register_hook(self.grad.mark_used_hook(index))
+                else:
+                    view = chunk.detach().view(record.shape)
+                views.append(view)
+        return views
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad`` changes the user made on the original
+        parameters since the last forward (freezing or unfreezing after
+        ``fully_shard``): a frozen parameter's view is detached, and the
+        buffer needs gradient memory only while some parameter trains."""
+        flags = tuple(r.param.requires_grad for r in self.records)
+        if flags == self._param_requires_grad:
+            return
+        self._param_requires_grad = flags
+        self.requires_grad = any(flags)
+        self.unsharded.requires_grad_(self.requires_grad)
+        self._register_grad_hook()
+        self._unsharded_views = self._build_unsharded_views()
+
+    def adopt_converted_params(self) -> bool:
+        """After ``module.to(dtype)`` / ``.double()`` / ``_apply``: the
+        parameters now hold converted copies of their slices (no longer views
+        of ``sharded``). Rebuild the storage from them in the new dtype and
+        point them back into it; their ``.grad`` follow. Returns whether
+        anything changed.
+
+        Pre-condition: sharded state (the caller resharded first).
+        """
+        params = [r.param for r in self.records]
+        if all(p.dtype == self.dtype and p.device == self.storage_device
+               and (v.numel() == 0 or p.data_ptr() == v.data_ptr())
+               for p, v in zip(params, self._sharded_views)):
+            return False  # the conversion left this buffer's parameters alone
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) > 1 or devices != {self.storage_device}:
+            described = ", ".join(f"'{r.fqn}': {r.param.dtype} on {r.param.device}"
+                                  for r in self.records)
+            raise ValueError(
+                f"after a module conversion the parameters of one flat buffer disagree or left "
+                f"the mesh's device {self.storage_device} ({described}). fully_shard supports "
+                "dtype conversions of the whole unit (module.to(dtype), .double(), .bfloat16()); "
+                "move the model to its device before fully_shard.")
+        dtype = dtypes.pop()
+        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.storage_device,
+                            pin_memory=self.pin_memory)
+        grads = [p.grad for p in params]
+        grad = None
+        if any(g is not None for g in grads):
+            grad = torch.zeros_like(shard)
+        for param, g, s in zip(params, grads, self._slices):
+            if s.length:
+                shard.narrow(0, s.shard_start, s.length).copy_(param.detach().reshape(-1))
+                if g is not None:
+                    grad.narrow(0, s.shard_start, s.length).copy_(g.reshape(-1))
+        self.grad.discard_unreduced()
+        for param in params:
+            param.grad = None  # the converted .grad no longer matches until re-pointed
+        self._install(shard)
+        self.grad.attach(grad, [g is not None for g in grads])
+        return True
 
     # -------------------------------------------------------------- unshard
     def unshard(self) -> None:
@@ -197,6 +295,11 @@ class FlatBuffer:
         """
         if self._gather is not None:
             return  # already in flight: a prefetch got here first
+        if self.aliased:
+            if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
+                self.is_unsharded = True
+                self.use_unsharded_views()
+            return
         if self.is_unsharded:
             if not self.is_stale:
                 return  # already unsharded: an earlier pre-forward or unshard() got here first
@@ -210,7 +313,9 @@ class FlatBuffer:
             self.unsharded.untyped_storage().resize_(nbytes)
         # One copy to the compute device and dtype (none without offload or
         # mixed precision), so the all-gather moves compute_dtype bytes.
-        shard = self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        # Over one rank the "all-gather" is that copy.
+        shard = self.sharded if self.group.world_size == 1 else self.sharded.to(
+            self.compute_device, self.compute_dtype, non_blocking=True)
         version = self.unsharded._version
         with _unsafe_preserve_version_counter(self.unsharded):
             work = all_gather_into(self.unsharded.detach(), shard, self.group, async_op=True)
@@ -239,7 +344,7 @@ class FlatBuffer:
     def is_stale(self) -> bool:
         """Whether the sharded values changed (e.g. an optimizer step) since
         the unsharded copy was gathered."""
-        return self.is_unsharded and self._versions_at_unshard != tuple(
+        return self.is_unsharded and not self.aliased and self._versions_at_unshard != tuple(
             r.param._version for r in self.records)
 
     def refresh_views(self) -> None:
@@ -266,108 +371,13 @@ class FlatBuffer:
         for record in self.records:
             for module, name in record.slots:
                 module._parameters[name] = record.param
+        self.is_unsharded = False
+        if self.aliased:
+            return  # the storage is the shard itself
         if self.staging is not None:
             self.staging.drain(self.unsharded.untyped_storage())
         else:
             self.unsharded.untyped_storage().resize_(0)
-        self.is_unsharded = False
-
-    # --------------------------------------------------------------- reduce
-    @property
-    def has_unreduced_grad(self) -> bool:
-        return self.unsharded.grad is not None
-
-    def reduce_grad(self) -> None:
-        """Reduce the flat gradient now (``start_reduce`` + ``finish_reduce``)."""
-        self.start_reduce()
-        self.finish_reduce()
-
-    def start_reduce(self) -> bool:
-        """Issue the reduce-scatter (mean over ranks, in ``reduce_dtype``) of
-        the flat gradient that autograd accumulated in ``unsharded.grad``;
-        returns whether one was issued.
-
-        Post-condition: ``unsharded.grad is None``; the flat gradient is kept
-        alive by the pending reduction until :meth:`finish_reduce`.
-        """
-        if self._reduce is not None:
-            raise AssertionError(f"[rank {self.group.rank}] {self}: reduce-scatter already in flight")
-        flat_grad = self.unsharded.grad
-        if flat_grad is None:
-            return False  # no gradient reached this buffer in this backward
-        self.unsharded.grad = None
-        flat_grad = flat_grad.to(self.reduce_dtype)
-        existing = self.sharded_grad
-        overwrite = existing is None or self._all_user_grads_cleared()
-        if overwrite:
-            existing = None  # the user dropped every .grad: start from zero
-        in_place = (overwrite and self.reduce_dtype == self.dtype
-                    and self.storage_device == self.compute_device)
-        output = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                             device=self.compute_device)
-        work = reduce_scatter_mean(output, flat_grad, self.group, async_op=True)
-        self._reduce = _PendingReduce(work, flat_grad, output, in_place, existing)
-        return True
-
-    def finish_reduce(self) -> None:
-        """Wait for the in-flight reduce-scatter and fold its result into the
-        sharded gradient.
-
-        Post-condition: every parameter with elements on this rank has
-        ``.grad`` viewing ``sharded_grad``.
-        """
-        pending = self._reduce
-        if pending is None:
-            return  # nothing in flight
-        self._reduce = None
-        pending.work.wait()
-        if pending.in_place:
-            grad = pending.output  # already the right dtype and device
-        elif pending.accumulate_into is None:
-            grad = torch.empty(self.layout.shard_numel, dtype=self.dtype,
-                               device=self.storage_device, pin_memory=self._pin)
-            grad.copy_(pending.output)  # blocking: read on the host next
-        else:
-            grad = pending.accumulate_into
-            self._absorb_user_grads(grad)
-            grad.add_(pending.output.to(self.storage_device, self.dtype))
-        self._sharded_grad = weakref.ref(grad)
-        self._attach_grads(grad)
-
-    @property
-    def sharded_grad(self) -> Optional[torch.Tensor]:
-        """The sharded gradient, while any parameter's ``.grad`` views it."""
-        return None if self._sharded_grad is None else self._sharded_grad()
-
-    @property
-    def is_reducing(self) -> bool:
-        return self._reduce is not None
-
-    def _all_user_grads_cleared(self) -> bool:
-        return all(r.param.grad is None for r, s in zip(self.records, self._slices) if s.length)
-
-    def _absorb_user_grads(self, grad: torch.Tensor) -> None:
-        """Make ``grad`` agree with the parameters' ``.grad`` as the user left
-        them (``None``: zero; a replaced tensor: its values)."""
-        for record, s in zip(self.records, self._slices):
-            if not s.length:
-                continue
-            region = grad.narrow(0, s.shard_start, s.length)
-            user = record.param.grad
-            if user is None:
-                region.zero_()
-            elif user.data_ptr() != region.data_ptr():
-                region.copy_(user)
-
-    def _attach_grads(self, grad: torch.Tensor) -> None:
-        """Point each parameter's ``.grad`` at its slice of ``grad`` (``None``
-        where this rank owns no element)."""
-        for record, s in zip(self.records, self._slices):
-            if s.length:
-                record.param.grad = grad.narrow(0, s.shard_start, s.length)
-
-    def discard_unreduced_grad(self) -> None:
-        self.unsharded.grad = None
 
     # ----------------------------------------------------------- inspection
     def full_param_views(self) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._flat_buffer import FlatBuffer
+from ._flat_grad import ReduceOptions
 from ._staging import StagingPool
 
 if TYPE_CHECKING:  # only for annotations: units import this module
@@ -76,7 +77,8 @@ class Scheduler:
         """Make ``buffers`` (of a unit joining this model) use the shared
         staging pool; only CPU buffers, see ``_staging.py``."""
         for buffer in buffers:
-            if buffer.compute_device.type == "cpu" and not buffer.is_unsharded:
+            if buffer.compute_device.type == "cpu" and not buffer.is_unsharded \
+                    and not buffer.aliased:
                 buffer.staging = self.staging
 
     # ---------------------------------------------------------------- order
@@ -102,7 +104,8 @@ class Scheduler:
             return unit.backward_prefetch
         if not self.policy.backward:
             return []
-        return _after(self.forward_order[::-1], unit)
+        return _after([u for u in self.forward_order[::-1]
+                       if u is unit or u.unshard_in_backward], unit)
 
     # ------------------------------------------------------------ all-gather
     def gather(self, unit: "ShardUnit", prefetch: list["ShardUnit"]) -> None:
@@ -131,17 +134,19 @@ class Scheduler:
             self._gathers.append(buffer)
 
     # -------------------------------------------------------- reduce-scatter
-    def reduce(self, buffer: FlatBuffer) -> None:
+    def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         """Issue ``buffer``'s reduce-scatter; wait the oldest ones beyond the
         limit."""
-        if buffer.start_reduce():
+        if buffer.grad.is_reducing:  # still in flight from an earlier backward of this step
+            self._reduces = deque(b for b in self._reduces if b is not buffer)
+        if buffer.grad.start_reduce(options):
             self._reduces.append(buffer)
         while len(self._reduces) > self.policy.max_pending_reduces:
-            self._reduces.popleft().finish_reduce()
+            self._reduces.popleft().grad.finish_reduce()
 
     def finish_reduces(self) -> None:
         while self._reduces:
-            self._reduces.popleft().finish_reduce()
+            self._reduces.popleft().grad.finish_reduce()
 
 
 def _after(order: list["ShardUnit"], unit: "ShardUnit") -> list["ShardUnit"]:

@@ -20,6 +20,7 @@ from torch.distributed._composable_state import _State
 
 from ._comm import all_gather_fingerprints
 from ._compile import run_eagerly
+from ._flat_grad import publish_gradients
 from ._registration import Snapshot, check_registration, registration_snapshot
 from ._unit import ShardUnit, TrainingState
 
@@ -107,7 +108,10 @@ class _ShardState(_State):
         if id(module) in self.in_forward_method:
             return output  # the registered method's own post-forward follows
         output = self.unit.cast_output(output)
-        completed = self.unit.post_forward(module, output, self._pre_backward)
+        root_unit = self.context.root.unit
+        inside_root_forward = root_unit.state is TrainingState.FORWARD and root_unit is not self.unit
+        completed = self.unit.post_forward(module, output, self._pre_backward,
+                                           pass_ends=not inside_root_forward)
         if completed and self.is_root:
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
@@ -115,11 +119,12 @@ class _ShardState(_State):
 
     def _finish_incomplete_units(self) -> None:
         """A multi-module unit some of whose modules did not run: its pass
-        ends with the root's forward."""
+        ends with the root's forward (the outputs of the modules that ran
+        carry their pre-backward hooks already)."""
         for state in self.context.states:
             unit = state.unit
             if unit.state is TrainingState.FORWARD:
-                unit.complete_forward(None, state._pre_backward)
+                unit.complete_forward()
 
     def _drop_unused_prefetches(self) -> None:
         """Prefetched by last iteration's order, but not run this time (the
@@ -138,10 +143,14 @@ class _ShardState(_State):
         self.unit.pre_backward()
 
     def _finalize_backward(self) -> None:
-        """Queued once per backward: reshard what is left and reset every unit."""
+        """Queued once per backward: publish the reduced gradients (unless
+        more backwards of this step follow, ``set_is_last_backward(False)``),
+        reshard what is left and reset every unit."""
         context = self.context
         context.backward_callback_queued = False
-        self.unit.scheduler.finish_reduces()
+        if self.unit.is_last_backward:
+            self.unit.scheduler.finish_reduces()
+            publish_gradients([b for state in context.states for b in state.unit.buffers])
         for state in context.states:
             state.unit.finalize_backward()
 

@@ -35,6 +35,16 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
 
 
 def map_floating_tensors(obj: Any, fn) -> Any:
-    """Apply ``fn`` to every floating-point tensor in a pytree of inputs."""
-    return pytree.tree_map(
-        lambda t: fn(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, obj)
+    """Apply ``fn`` to every floating-point tensor in ``obj``: through every
+    pytree-registered container (lists, tuples, dicts, Hugging Face
+    ``ModelOutput``) and through dataclasses, which are copied with the
+    mapped fields (frozen ones too); other objects are kept."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if obj.is_floating_point() else obj
+    if type(obj) in pytree.SUPPORTED_NODES:
+        return pytree.tree_map(lambda leaf: map_floating_tensors(leaf, fn), obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_floating_tensors(getattr(obj, f.name), fn)
+                   for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj

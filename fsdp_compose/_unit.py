@@ -17,6 +17,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ._comm import ShardGroup
 from ._flat_buffer import BufferPolicy, FlatBuffer, ParamRecord
+from ._flat_grad import ReduceOptions
 from ._schedule import Scheduler
 from ._tensors import map_floating_tensors, tensors_requiring_grad
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -47,7 +48,7 @@ class ShardUnit:
 
     def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
-                 reshard_after_forward: bool,
+                 reshard_after_forward: Optional[bool],
                  mp_policy: Optional[MixedPrecisionPolicy] = None,
                  offload_policy: Optional[CPUOffloadPolicy] = None) -> None:
         # Structure
@@ -63,13 +64,23 @@ class ShardUnit:
             FlatBuffer(records, group, post_accumulate_grad=self._post_backward,
                        policy=self._buffer_policy(records[0].param.dtype))
             for records in records_by_group]
+        self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
+            id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
         self.name: str = type(self.modules[0]).__name__
         """How messages name the unit; the FQN once a root knows it."""
 
         # Policy (changeable through the module methods)
-        self.reshard_after_forward: bool = reshard_after_forward
+        self.reshard_after_forward: Optional[bool] = reshard_after_forward
+        """``None``: reshard after forward unless this is the root."""
         self.reshard_after_backward: bool = True
         self.requires_gradient_sync: bool = True
+        self.unshard_in_backward: bool = True
+        """``False``: backward needs no parameter values (e.g. an embedding),
+        so it does not all-gather them again."""
+        self.reduce_options: ReduceOptions = ReduceOptions()
+        self.is_last_backward: bool = True
+        """Read on the root: ``False`` leaves reductions in flight and the
+        gradients unpublished at the end of backward (more backwards follow)."""
         self.is_root: bool = False
         self.scheduler: Scheduler = Scheduler()
         """Shared with every unit of the model once the root is initialised."""
@@ -83,6 +94,11 @@ class ShardUnit:
         self._modules_to_run: set[nn.Module] = set()
         """Modules of a multi-module unit whose forward has not finished yet
         in the current pass; the unit reshards when it empties."""
+        self._backward_possible: bool = False
+        """Some output of the current forward pass requires grad."""
+        self._frozen_uses: int = 0
+        """Forward calls whose frozen-parameter reads are still ahead in
+        backward; -1: some call's inputs need no grad, keep until the end."""
 
     def _buffer_policy(self, dtype: torch.dtype) -> BufferPolicy:
         mp, offload = self.mp_policy, self.offload_policy
@@ -105,6 +121,16 @@ class ShardUnit:
         return output if dtype is None else map_floating_tensors(output, lambda t: t.to(dtype))
 
     # --------------------------------------------------------------- queries
+    def locate(self, param: nn.Parameter) -> Optional[tuple[FlatBuffer, int]]:
+        """The buffer holding ``param`` and its index there (``None``: not here)."""
+        return self._buffer_of.get(id(param))
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return self.reshard_after_forward
+
     @property
     def is_unsharded(self) -> bool:
         return any(b.is_unsharded for b in self.buffers)
@@ -128,6 +154,12 @@ class ShardUnit:
         for buffer in self.buffers:
             buffer.reshard()
 
+    def adopt_converted_params(self) -> None:
+        """After a module conversion (``module.to(dtype)``): rebuild the
+        buffers from the converted parameters (see ``FlatBuffer``)."""
+        for buffer in self.buffers:
+            buffer.adopt_converted_params()
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Unshard for the forward of ``module`` (one of ``self.modules``)."""
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
@@ -137,41 +169,45 @@ class ShardUnit:
             for buffer in self.buffers:
                 buffer.use_unsharded_views()
             return
-        if not self._modules_to_run:
+        if not self._modules_to_run:  # a new pass starts
             self._modules_to_run = set(self.modules)
+            self._backward_possible = False
         self.state = TrainingState.FORWARD
         self.scheduler.record_forward(self)
         self.scheduler.gather(self, self.scheduler.forward_targets(self))
         if torch.is_grad_enabled():
+            for buffer in self.buffers:
+                buffer.sync_requires_grad()
             for buffer in self.trainable_buffers:
                 buffer.refresh_views()  # see [Note: storage and autograd]
             if self.frozen_buffers:
                 self._register_frozen_post_backward(args, kwargs)
 
-    def post_forward(self, module: nn.Module, output: Any,
-                     pre_backward: Callable[[], None]) -> bool:
-        """Finish the forward of ``module``; returns True when the unit's
-        pass is complete (every module of the unit has run)."""
+    def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[], None],
+                     pass_ends: bool) -> bool:
+        """Finish the forward of ``module``: the pre-backward hook goes on its
+        output. Returns True when the unit's pass is complete: every module
+        of the unit ran, or ``pass_ends`` (a module called on its own, outside
+        the root's forward, is a pass by itself)."""
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return False  # recomputation inside backward: stay unsharded
-        self._modules_to_run.discard(module)
-        if self._modules_to_run:
-            return False  # a sibling module of this unit has yet to run
-        self.complete_forward(output, pre_backward)
-        return True
-
-    def complete_forward(self, output: Any, pre_backward: Callable[[], None]) -> None:
-        """Register the pre-backward hook on ``output`` and reshard if no
-        backward will need the parameters or the policy says so."""
-        self._modules_to_run = set()
-        self.state = TrainingState.IDLE
-        backward_possible = False
         if torch.is_grad_enabled():
             tensors = tensors_requiring_grad(output)
             if tensors:
                 register_multi_grad_hook(tensors, lambda _grads: pre_backward(), mode="any")
-                backward_possible = True
-        if not backward_possible or (self.reshard_after_forward and not self.is_root):
+                self._backward_possible = True
+        self._modules_to_run.discard(module)
+        if self._modules_to_run and not pass_ends:
+            return False  # a sibling module of this unit has yet to run
+        self.complete_forward()
+        return True
+
+    def complete_forward(self) -> None:
+        """End the forward pass: reshard if no backward will need the
+        parameters or the policy says so."""
+        self._modules_to_run = set()
+        self.state = TrainingState.IDLE
+        if not self._backward_possible or self.reshards_after_forward:
             self.reshard()
 
     def pre_backward(self) -> None:
@@ -179,28 +215,42 @@ class ShardUnit:
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.state = TrainingState.PRE_BACKWARD
-        self.scheduler.gather(self, self.scheduler.backward_targets(self))
+        if self.unshard_in_backward:
+            self.scheduler.gather(self, self.scheduler.backward_targets(self))
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
-        it (unless accumulating without sync) and reshard the buffer."""
+        it (or keep it, accumulating without sync) and reshard the buffer."""
         if self.requires_gradient_sync:
-            self.scheduler.reduce(buffer)
+            self.scheduler.reduce(buffer, self.reduce_options)
+        else:
+            buffer.grad.stash_unreduced()
         if self.reshard_after_backward:
             buffer.reshard()
         self.state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
         """Frozen buffers have no gradient hook; they reshard once the
-        gradients of the forward inputs are computed, i.e. once every backward
-        node of this unit that could read them has run. Units whose inputs do
-        not require grad keep them until the end of backward."""
+        gradients of the forward inputs are computed for every forward call
+        of this pass (a module applied twice reads them in both backwards),
+        i.e. once every backward node of this unit that could read them has
+        run. A call whose inputs need no grad keeps them until the end of
+        backward."""
+        if self._frozen_uses < 0:
+            return  # already kept until the end of backward
         inputs = tensors_requiring_grad((args, kwargs))
-        if inputs:
-            register_multi_grad_hook(inputs, lambda _grads: self._reshard_frozen(), mode="all")
+        if not inputs:
+            self._frozen_uses = -1
+            return
+        self._frozen_uses += 1
+        register_multi_grad_hook(inputs, lambda _grads: self._frozen_use_done(), mode="all")
 
-    def _reshard_frozen(self) -> None:
-        if self.state is not TrainingState.IDLE and self.reshard_after_backward:
+    def _frozen_use_done(self) -> None:
+        if self._frozen_uses <= 0:
+            return  # kept until the end of backward (or the count was reset)
+        self._frozen_uses -= 1
+        if self._frozen_uses == 0 and self.state is not TrainingState.IDLE \
+                and self.reshard_after_backward:
             for buffer in self.frozen_buffers:
                 buffer.reshard()
 
@@ -209,6 +259,8 @@ class ShardUnit:
         go back to IDLE."""
         if self.reshard_after_backward and self.state is not TrainingState.FORWARD:
             self.reshard()
+        if self.state is not TrainingState.FORWARD:
+            self._frozen_uses = 0
         self.state = TrainingState.IDLE
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.weak import WeakIdKeyDictionary
+import weakref
 
 from ._comm import default_mesh, shard_group_from_mesh
 from ._compose import check_not_replicated, is_replicated
@@ -27,15 +27,24 @@ from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
 
-# Which flat buffer (and index in it) manages each original parameter. Weak,
-# so a model that is dropped releases its entries.
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(original parameter) -> the unit that manages it. Weak in the unit (a
+# dropped model releases its entries) and not a weak reference to the
+# parameter, which would stop torch.utils.swap_tensors (module.to() with
+# swap_module_params_on_conversion). The unit holds the parameter, so while
+# an entry lives its id cannot be reused.
+_OWNERS: "weakref.WeakValueDictionary[int, ShardUnit]" = weakref.WeakValueDictionary()
 
 
 class _Owner(NamedTuple):
     unit: ShardUnit
     buffer: FlatBuffer
     index: int
+
+
+def _owner_of(param: torch.Tensor) -> Optional[_Owner]:
+    unit = _OWNERS.get(id(param))
+    located = None if unit is None else unit.locate(param)
+    return None if located is None else _Owner(unit, *located)
 
 
 class ShardedParamInfo(NamedTuple):
@@ -59,7 +68,7 @@ class ShardedParamInfo(NamedTuple):
 
 
 def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: bool = True,
+                reshard_after_forward: Optional[bool] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None,
                 offload_policy: Optional[CPUOffloadPolicy] = None,
                 ignored_params: Optional[Iterable[nn.Parameter]] = None) -> ModuleOrModules:
@@ -72,7 +81,9 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         mesh: a 1-D ``DeviceMesh``; default: every rank of the default
             process group, on CUDA when the backend is NCCL, else on CPU.
         reshard_after_forward: free the unsharded parameters after forward
-            and all-gather them again for backward (the root never does).
+            and all-gather them again for backward. ``None`` (default): every
+            unit but the root (whose backward starts right after forward);
+            ``True``: the root too; ``False``: keep them until backward.
         mp_policy: compute/communicate in lower precision for this unit
             (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
         offload_policy: keep this unit's shards, gradients and optimizer
@@ -89,6 +100,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         for misuse (see ``docs/design.md`` section 6).
     """
     modules = _as_module_list(module)
+    _check_reshard_after_forward(reshard_after_forward)
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
@@ -110,8 +122,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     if mp_policy is not None and mp_policy.buffer_dtype is not None:
         _cast_buffers(managed, mp_policy.buffer_dtype)
     for buffer in unit.buffers:
-        for index, record in enumerate(buffer.records):
-            _OWNERS[record.param] = _Owner(unit, buffer, index)
+        for record in buffer.records:
+            _OWNERS[id(record.param)] = unit
     register_unit(module, unit)
     for m in modules:
         m.__class__ = _sharded_class(type(m))
@@ -124,7 +136,7 @@ def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
     """Original FQN and shape of a parameter sharded by ``fully_shard``
     (``None`` for a parameter it does not manage). Use it where code looks at
     ``param.ndim`` or names, e.g. to build weight-decay param groups."""
-    entry = _OWNERS.get(param)
+    entry = _owner_of(param)
     if entry is None:
         return None
     buffer, index = entry.buffer, entry.index
@@ -136,7 +148,7 @@ def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
 
 def flat_buffer_of(param: nn.Parameter) -> Optional[FlatBuffer]:
     """The flat buffer that manages ``param`` (for tests and tools)."""
-    entry = _OWNERS.get(param)
+    entry = _owner_of(param)
     return None if entry is None else entry.buffer
 
 
@@ -215,10 +227,74 @@ class ShardedModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` (the root never reshards after a
-        forward that needs a backward)."""
+        """Change ``reshard_after_forward`` (``True`` makes the root reshard
+        after forward too, and all-gather again for backward)."""
+        _check_reshard_after_forward(reshard_after_forward)
         for state in _states(self, recurse):
             state.unit.reshard_after_forward = reshard_after_forward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With ``False``, this unit's backward does not all-gather its
+        parameters again: only for units whose backward reads no parameter
+        values, e.g. an ``nn.Embedding`` (its weight gradient needs only the
+        indices). Any other backward would read freed memory."""
+        _own_state(self).unit.unshard_in_backward = unshard_in_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """With ``False``, the end of backward neither waits for the
+        reduce-scatters still in flight nor hands the gradients to the
+        parameters: more backwards of this step follow (micro-batches,
+        pipeline schedules). Set ``True`` before the step's last backward."""
+        for state in _states(self, recurse=True):
+            state.unit.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce gradients as the sum over ranks divided by ``factor``
+        instead of the mean (``factor=1.0``: summed gradients, for a loss
+        that is already normalised globally). Applies to every unit of this
+        module's subtree."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
+        for state in _states(self, recurse=True):
+            unit = state.unit
+            unit.reduce_options = unit.reduce_options._replace(divide_factor=float(factor))
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """With ``True``, collectives only ever ``SUM`` (the division by the
+        world size or the divide factor happens locally afterwards); the
+        gradients are the same. Applies to every unit of this subtree."""
+        for state in _states(self, recurse=True):
+            unit = state.unit
+            unit.reduce_options = unit.reduce_options._replace(force_sum=bool(enable))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter of this module by their
+        total norm over all ranks, like FSDP1's method (torch's
+        ``nn.utils.clip_grad_norm_`` would see only this rank's shards).
+        Returns the total norm. See :func:`fsdp_compose.clip_grad_norm_`."""
+        from .clip import clip_grad_norm_  # clip.py builds on this module
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def __new__(cls, *args, **kwargs):
+        # Constructing the sharded class (nn.Sequential slicing does
+        # ``self.__class__(...)``) gives a plain module of the original class:
+        # a fresh module has no fully_shard state.
+        original = cls.__mro__[2]  # (Sharded<X>, ShardedModule, X, ...)
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def _apply(self, fn, recurse: bool = True):
+        """``module.to(dtype)``, ``.double()``, ``.bfloat16()``, ...: convert
+        the shards, and rebuild each unit's flat buffers in the new dtype
+        (parameters keep their identity, ``.grad`` follows)."""
+        units = [state.unit for state in _states(self, recurse=True)]
+        for unit in units:
+            unit.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for unit in units:
+            unit.adopt_converted_params()
+        return result
 
 
 # ----------------------------------------------------------------- helpers
@@ -259,7 +335,23 @@ def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard takes nn.Module objects, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard got an nn.{type(m).__name__}, a container whose forward never runs, "
+                "so its parameters would never be all-gathered. Annotate its children instead "
+                "(for block in blocks: fully_shard(block)), or pass them as a list to form one "
+                "unit (fully_shard(list(blocks))).")
     return modules
+
+
+def _check_reshard_after_forward(value: object) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        raise NotImplementedError(
+            f"reshard_after_forward={value}: resharding to a smaller group after forward is not "
+            "supported yet; pass True, False or None.")
+    raise TypeError(f"reshard_after_forward must be a bool or None, got {type(value).__name__}")
 
 
 def _ignored_set(ignored_params: Optional[Iterable[nn.Parameter]]) -> set[int]:
@@ -314,7 +406,7 @@ def _collect_records(modules: list[nn.Module], managed: list[nn.Module],
             if id(param) in records:
                 records[id(param)].slots.append((m, attr))
                 continue
-            owner = _OWNERS.get(param)
+            owner = _owner_of(param)
             if owner is not None:
                 _raise_already_owned(fqn, owner, m, names)
             records[id(param)] = ParamRecord(param=param, slots=[(m, attr)], fqn=fqn,

@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALL_GATHER = torch.ops.c10d._allgather_base_.default
 REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
+ALL_REDUCE = torch.ops.c10d.allreduce_.default
 
 
 class CollectiveCounter(TorchDispatchMode):

@@ -198,9 +198,21 @@ def test_clip_matches_unsharded_reference(world):
 
 
 # ------------------------------ mixed dtypes, two process groups, empty shards
-def _synthetic_model() -> nn.ModuleDict:
+class _Holder(nn.Module):
+    """Named children (a plain module: fully_shard rejects an nn.ModuleDict)."""
+
+    def __init__(self, children: dict) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return getattr(self, name)
+
+
+def _synthetic_model() -> nn.Module:
     torch.manual_seed(3)
-    return nn.ModuleDict({
+    return _Holder({
         "a": nn.Linear(5, 3),
         "b": nn.Linear(3, 2).to(torch.bfloat16),   # its own dtype
         "c": nn.Linear(1, 1),                       # 2 elements: some ranks own none
@@ -276,7 +288,7 @@ def _nonfinite_worker():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
     fully_shard(model)
     model(torch.randn(3, 4)).sum().backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
     saved = [g.clone() for g in grads]
     out = {}
     for bad in (math.inf, math.nan):

@@ -15,7 +15,8 @@ from fsdp_compose._state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import (RECIPES, build_model, freeze_like_lora, global_batch,
                              make_optimizer)
-from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
+from tests._comm_counter import (ALL_GATHER as AG, ALL_REDUCE as AR, REDUCE_SCATTER as RS,
+                                 CollectiveCounter)
 from tests.harness import run_distributed
 
 
@@ -66,7 +67,8 @@ def count_step_collectives(recipe: str, lora: bool, mode: str):
     counts = comm.counts
     buffers = _buffers(model)
     return {
-        "other_collectives": sum(counts.values()) - counts[AG] - counts[RS],
+        "other_collectives": sum(counts.values()) - counts[AG] - counts[RS] - counts[AR],
+        "all_reduces": counts.get(AR, 0),
         "all_gathers": counts.get(AG, 0),
         "reduce_scatters": counts.get(RS, 0),
         "buffers": len(buffers),
@@ -94,6 +96,8 @@ def test_collectives_per_step(recipe, lora, mode):
     # one reduce-scatter per trainable buffer, only on the synced backward;
     # frozen-only units never reduce-scatter
     assert res["reduce_scatters"] == trainable
+    # one tiny all-reduce per synced backward: which parameters some rank used
+    assert res["all_reduces"] == 1
     assert res["other_collectives"] == 0
     if lora:
         assert res["frozen_only_units"] == 1 and trainable < n
@@ -128,7 +132,7 @@ def memory_invariants():
         assert b.unsharded.untyped_storage().nbytes() == 0, f"{b} keeps unsharded storage"
         assert not b.is_unsharded
         if not b.requires_grad:
-            assert b.sharded_grad is None, "frozen buffer allocated a gradient"
+            assert b.grad.sharded_grad is None, "frozen buffer allocated a gradient"
         assert b.sharded.numel() == b.layout.shard_numel
     for name, p in model.named_parameters():
         b = flat_buffer_of(p)
@@ -136,7 +140,7 @@ def memory_invariants():
         if not p.requires_grad:
             assert p.grad is None, f"frozen {name} has a gradient"
         elif p.numel():
-            assert p.grad.untyped_storage().data_ptr() == b.sharded_grad.untyped_storage().data_ptr()
+            assert p.grad.untyped_storage().data_ptr() == b.grad.sharded_grad.untyped_storage().data_ptr()
         for state in optim.state.get(p, {}).values():
             if torch.is_tensor(state) and state.ndim:
                 assert state.numel() == p.numel(), f"optimizer state of {name} is not sharded"
@@ -144,7 +148,7 @@ def memory_invariants():
     full = sum(b.layout.numel for b in _buffers(model))
     report["local_over_full"] = local / full
     optim.zero_grad(set_to_none=True)
-    report["grads_freed"] = all(b.sharded_grad is None for b in _buffers(model))
+    report["grads_freed"] = all(b.grad.sharded_grad is None for b in _buffers(model))
     return report
 
 

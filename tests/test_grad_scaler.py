@@ -78,7 +78,9 @@ def _inf_on_one_rank_worker(bad_rank):
     tiny_optim = torch.optim.SGD(tiny.parameters(), lr=0.1)
     tiny_scaler = ShardedGradScaler("cpu", init_scale=INIT_SCALE)
     tiny_scaler.scale(tiny(torch.ones(2, 1)).sum()).backward()
-    out["tiny_has_grad"] = any(p.grad is not None for p in tiny.parameters())
+    out["tiny_has_grad"] = any(p.grad is not None and p.grad.numel() for p in tiny.parameters())
+    # ranks that own no element still get (empty) gradients: same optimizer state everywhere
+    out["tiny_grads_not_none"] = all(p.grad is not None for p in tiny.parameters())
     if rank == 0:
         _poison_first_local_grad(tiny, math.nan)
     before = _shards(tiny)
@@ -121,6 +123,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(world):
         assert res["fused_scale"] == INIT_SCALE / 2, rank
     if world == 4:
         assert [r["tiny_has_grad"] for r in results] == [True, True, False, False]
+        assert all(r["tiny_grads_not_none"] for r in results)
 
 
 # ----------------------------------------------- parity with torch's scaler

@@ -152,7 +152,7 @@ def _lora_step_traffic():
         "with_grad": with_grad,
         "optim_state": optim_state,
         "frozen_buffers": len(frozen),
-        "frozen_grads": [b.sharded_grad is not None or b.unsharded.grad is not None
+        "frozen_grads": [b.grad.sharded_grad is not None or b.unsharded.grad is not None
                          or b.unsharded.requires_grad for b in frozen],
         "rs_bytes": comm.bytes[REDUCE_SCATTER], "rs_count": comm.counts[REDUCE_SCATTER],
         "ag_count": comm.counts[ALL_GATHER],

@@ -1,0 +1,275 @@
+"""The gradient side of one flat buffer: reduce-scatter, accumulation, and
+handing the sharded gradient to the original parameters.
+
+A :class:`FlatGradient` belongs to one :class:`~fsdp_compose._flat_buffer.FlatBuffer`
+(its ``owner``) and owns every tensor that holds that buffer's gradients
+between autograd and the optimizer:
+
+* the *unreduced* gradient: what autograd accumulated in ``owner.unsharded.grad``,
+  plus, when accumulating without sync in a lower compute precision, a
+  ``reduce_dtype`` accumulator (so micro-batches are summed in the reduce
+  dtype, not in bf16);
+* the *pending* reduce-scatter (issued, not waited);
+* the *reduced* sharded gradient: full precision, ``S`` elements. Until it
+  is published it is held here; once published, only the parameters'
+  ``.grad`` views keep it alive (a weak reference here), so
+  ``zero_grad(set_to_none=True)`` frees it.
+
+[Note: used parameters]
+Autograd's split backward fills zeros for a chunk nobody used, so the flat
+gradient cannot say which parameters took part in a backward. Each
+per-parameter view of the unsharded buffer carries a tensor hook that marks
+its parameter *used*. One process gives ``.grad is None`` to a parameter
+that took no part in any backward since the gradients were cleared, and
+optimizers with weight decay or momentum skip it; so do we. Which
+parameters were used is the union over ranks (one process sees the global
+batch), so publication all-reduces the flags once per backward for the
+whole model (:func:`publish_gradients`). A parameter used somewhere gets a
+``.grad`` on every rank, an empty one where the rank owns none of its
+elements, so every rank's optimizer holds state for the same parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ._comm import all_reduce_max, finish_scaling, reduce_scatter_scaled
+
+if TYPE_CHECKING:  # annotations only: the buffer owns its gradient
+    from ._flat_buffer import FlatBuffer
+
+
+class ReduceOptions(NamedTuple):
+    """How a unit's gradients are reduced across ranks.
+
+    Attributes:
+        divide_factor: the sum over ranks is divided by this (``None``: the
+            number of ranks, i.e. the mean).
+        force_sum: use only ``SUM`` collectives (divide locally afterwards).
+    """
+
+    divide_factor: Optional[float] = None
+    force_sum: bool = False
+
+
+class _PendingReduce(NamedTuple):
+    work: object  # torch.distributed.Work
+    flat_grad: torch.Tensor  # the collective's input: alive until the work is done
+    output: torch.Tensor  # this rank's reduced chunk, in reduce_dtype
+    options: ReduceOptions
+
+
+class FlatGradient:
+    """Gradient state of one flat buffer (see the module docstring)."""
+
+    def __init__(self, owner: "FlatBuffer") -> None:
+        self.owner: FlatBuffer = owner
+        count = len(owner.records)
+        self.used: list[bool] = [False] * count
+        """Per parameter: a gradient reached its view on this rank since the
+        last publication (see [Note: used parameters])."""
+        self._mark_used_hooks = [self._marker(i) for i in range(count)]
+        self._accumulated: Optional[torch.Tensor] = None
+        """Unreduced flat gradient summed in ``reduce_dtype`` over backwards
+        without sync (only when it differs from the compute dtype)."""
+        self._reduce: Optional[_PendingReduce] = None
+        self._unpublished: Optional[torch.Tensor] = None
+        """The reduced sharded gradient, not yet given to the parameters."""
+        self._published: Optional[weakref.ref] = None
+        """The sharded gradient the parameters' ``.grad`` views point into."""
+
+    def _marker(self, index: int):
+        def mark_used(_grad: torch.Tensor) -> None:
+            self.used[index] = True
+        return mark_used
+
+    def mark_used_hook(self, index: int):
+        """The tensor hook to put on parameter ``index``'s unsharded view."""
+        return self._mark_used_hooks[index]
+
+    # ------------------------------------------------------------ unreduced
+    @property
+    def has_unreduced(self) -> bool:
+        return self.owner.unsharded.grad is not None or self._accumulated is not None
+
+    def stash_unreduced(self) -> None:
+        """Backward without sync finished: keep its gradient for the next
+        reduction, summed in ``reduce_dtype`` if that is wider than the
+        compute dtype (autograd would otherwise sum micro-batches in bf16)."""
+        owner = self.owner
+        grad = owner.unsharded.grad
+        if grad is None or owner.reduce_dtype == owner.compute_dtype:
+            return  # autograd keeps accumulating in unsharded.grad at full precision
+        owner.unsharded.grad = None
+        if self._accumulated is None:
+            self._accumulated = grad.to(owner.reduce_dtype)
+        else:
+            self._accumulated.add_(grad)
+
+    def _take_unreduced(self) -> Optional[torch.Tensor]:
+        owner = self.owner
+        grad, accumulated = owner.unsharded.grad, self._accumulated
+        owner.unsharded.grad = None
+        self._accumulated = None
+        if accumulated is None:
+            return None if grad is None else grad.to(owner.reduce_dtype)
+        if grad is not None:
+            accumulated.add_(grad)
+        return accumulated
+
+    def discard_unreduced(self) -> None:
+        self.owner.unsharded.grad = None
+        self._accumulated = None
+
+    # --------------------------------------------------------------- reduce
+    @property
+    def is_reducing(self) -> bool:
+        return self._reduce is not None
+
+    def start_reduce(self, options: ReduceOptions) -> bool:
+        """Issue the reduce-scatter of the unreduced flat gradient; returns
+        whether one was issued (no gradient reached the buffer: none).
+
+        Post-condition: nothing unreduced is left; the flat gradient is kept
+        alive by the pending reduction until :meth:`finish_reduce`.
+        """
+        if self._reduce is not None:
+            self.finish_reduce()  # an earlier backward's (set_is_last_backward(False))
+        flat_grad = self._take_unreduced()
+        if flat_grad is None:
+            return False
+        owner = self.owner
+        single = owner.group.world_size == 1
+        output = flat_grad if single else torch.empty(
+            owner.layout.shard_numel, dtype=owner.reduce_dtype, device=owner.compute_device)
+        work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
+                                     options.force_sum, async_op=True)
+        self._reduce = _PendingReduce(work, flat_grad, output, options)
+        return True
+
+    def finish_reduce(self) -> None:
+        """Wait for the pending reduce-scatter and fold this rank's chunk
+        into the (unpublished) sharded gradient."""
+        pending = self._reduce
+        if pending is None:
+            return  # nothing in flight
+        self._reduce = None
+        pending.work.wait()
+        owner = self.owner
+        if owner.group.world_size > 1:
+            finish_scaling(pending.output, owner.group, *pending.options)
+        base = self._accumulation_base()
+        if base is not None:
+            base.add_(pending.output.to(owner.storage_device, owner.dtype))
+            self._unpublished = base
+        elif pending.output.dtype == owner.dtype and pending.output.device == owner.storage_device:
+            self._unpublished = pending.output
+        else:
+            grad = torch.empty(owner.layout.shard_numel, dtype=owner.dtype,
+                               device=owner.storage_device, pin_memory=owner.pin_memory)
+            grad.copy_(pending.output)  # blocking: the host reads it next
+            self._unpublished = grad
+
+    def _accumulation_base(self) -> Optional[torch.Tensor]:
+        """The sharded gradient a new reduction adds to: the unpublished
+        one, else the published one as the user left it (``None`` where
+        every owned parameter's ``.grad`` was cleared: start anew)."""
+        if self._unpublished is not None:
+            return self._unpublished
+        owner = self.owner
+        owned = [(r.param, s) for r, s in zip(owner.records, owner.local_slices()) if s.length]
+        if all(p.grad is None for p, _ in owned):
+            return None
+        base = self.sharded_grad
+        if base is None:  # the user's .grad tensors are not ours (e.g. after module.to())
+            base = torch.zeros(owner.layout.shard_numel, dtype=owner.dtype,
+                               device=owner.storage_device, pin_memory=owner.pin_memory)
+        for param, s in owned:
+            region = base.narrow(0, s.shard_start, s.length)
+            if param.grad is None:
+                region.zero_()
+            elif param.grad.data_ptr() != region.data_ptr():
+                region.copy_(param.grad.reshape(-1))
+        return base
+
+    # -------------------------------------------------------------- publish
+    @property
+    def has_unpublished(self) -> bool:
+        return self._unpublished is not None or self._reduce is not None
+
+    @property
+    def sharded_grad(self) -> Optional[torch.Tensor]:
+        """The published sharded gradient, while any ``.grad`` views it."""
+        return None if self._published is None else self._published()
+
+    def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
+        """Point each parameter's ``.grad`` at its slice of the reduced
+        gradient: those ``used`` on some rank, and those that had a gradient
+        already (accumulation); the others keep ``None``. Returns the
+        parameters used in this reduction (their post-accumulate-grad hooks
+        are due).
+
+        Pre-condition: no reduction in flight (:meth:`finish_reduce`).
+        """
+        grad, self._unpublished = self._unpublished, None
+        self.used = [False] * len(self.used)
+        if grad is None:
+            return []
+        self._published = weakref.ref(grad)
+        fresh = []
+        for record, s, was_used in zip(self.owner.records, self.owner.local_slices(), used):
+            param = record.param
+            if was_used or param.grad is not None:
+                param.grad = grad.narrow(0, s.shard_start, s.length)
+            if was_used:
+                fresh.append(param)
+        return fresh
+
+    def attach(self, grad: Optional[torch.Tensor], has_grad: Sequence[bool]) -> None:
+        """Adopt ``grad`` (``S`` elements, the parameters' dtype and device)
+        as the published sharded gradient of the parameters flagged in
+        ``has_grad``, e.g. after a dtype conversion."""
+        self._unpublished = None
+        self._published = None if grad is None else weakref.ref(grad)
+        if grad is None:
+            return
+        for record, s, flag in zip(self.owner.records, self.owner.local_slices(), has_grad):
+            if flag:
+                record.param.grad = grad.narrow(0, s.shard_start, s.length)
+
+
+def publish_gradients(buffers: Sequence["FlatBuffer"]) -> None:
+    """Finish the reductions of ``buffers`` and give their parameters the
+    reduced gradients, with ``.grad is None`` for parameters that no rank
+    used (see [Note: used parameters]); then run the parameters'
+    post-accumulate-grad hooks (e.g. an optimizer step in backward).
+
+    Every rank must pass the same buffers in the same order: one all-reduce
+    of the used flags runs per process group.
+    """
+    pending = [b for b in buffers if b.grad.has_unpublished]
+    for buffer in pending:
+        buffer.grad.finish_reduce()
+    by_group: dict[int, list[FlatBuffer]] = {}
+    for buffer in pending:
+        by_group.setdefault(id(buffer.group.process_group), []).append(buffer)
+    fresh: list[nn.Parameter] = []
+    for group_buffers in by_group.values():
+        flags = [u for b in group_buffers for u in b.grad.used]
+        group = group_buffers[0].group
+        if group.world_size > 1:
+            mask = torch.tensor(flags, dtype=torch.uint8, device=group.device)
+            all_reduce_max(mask, group)
+            flags = [bool(v) for v in mask.tolist()]
+        start = 0
+        for buffer in group_buffers:
+            count = len(buffer.records)
+            fresh += buffer.grad.publish(flags[start:start + count])
+            start += count
+    for param in fresh:
+        for hook in (param._post_accumulate_grad_hooks or {}).values():
+            hook(param)
