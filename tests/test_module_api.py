@@ -1,0 +1,316 @@
+"""The FSDP2 module API that annotated modules gain, checked numerically
+against a single-process reference on the global batch and by counting
+collectives (``tests/_comm_counter.py``).
+
+Numbering follows the issue: 10 ``reshard_after_forward`` default, 11 world
+size 1, 12 ``set_gradient_divide_factor`` / ``set_force_sum_reduction_for_comms``,
+13 ``set_is_last_backward``, 14 ``set_unshard_in_backward``, 15 the root's
+``clip_grad_norm_`` method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from fsdp_compose import fully_shard
+from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests._models import (D, PER_RANK, VOCAB, assemble_grads, assert_dicts_close, assert_parity,
+                           build_lm, full_params, grad_pieces, lm_loss, make_optim, plain_params,
+                           rank_slice, rank_world, shard_blocks_and_root, token_batch)
+from tests.harness import run_distributed
+
+TIMEOUT = 60
+N_BLOCKS = 2  # blocks + root: N = 3 units
+
+
+def reference_lm(world: int, steps: int, seed: int, optim_name: str = "sgd",
+                 per_rank: int = PER_RANK, scale: float = 1.0, max_norm: float | None = None):
+    """One process on the global batch: loss = ``scale`` x the mean loss;
+    optionally ``torch.nn.utils.clip_grad_norm_`` before each step. Returns
+    the final parameters, the gradients after each backward and the norms."""
+    model = build_lm(N_BLOCKS)
+    optim = make_optim(model.parameters(), optim_name)
+    grads, norms = [], []
+    for step in range(steps):
+        tokens, targets = token_batch(step, world * per_rank, seed=seed)
+        (scale * model.loss(tokens, targets)).backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, 2.0)))
+        optim.step()
+        optim.zero_grad()
+    return {"params": plain_params(model), "grads": grads, "norms": norms}
+
+
+def _local_batch(step: int, seed: int, per_rank: int = PER_RANK):
+    rank, world = rank_world()
+    tokens, targets = token_batch(step, world * per_rank, seed=seed)
+    return rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
+
+
+def _counts(counter) -> dict:
+    return {"all_gathers": counter.counts.get(ALL_GATHER, 0),
+            "reduce_scatters": counter.counts.get(REDUCE_SCATTER, 0),
+            "total": sum(counter.counts.values()),
+            "ops": sorted(str(op) for op in counter.counts)}
+
+
+# ============================================================================
+# 10. reshard_after_forward: default leaves the root unsharded; True reshards it
+# ============================================================================
+SEED_10 = 10
+
+
+def train_counting_root(root_kw: dict, steps: int = 3):
+    """Blocks annotated with no argument, the root with ``root_kw``. Counts
+    the collectives of step 1's forward+backward and records whether the
+    root's ``lm_head.weight`` is unsharded between forward and backward."""
+    model = build_lm(N_BLOCKS)
+    shard_blocks_and_root(model, **root_kw)
+    optim = make_optim(model.parameters(), "sgd")
+    counts, root_shapes = None, []
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_10)
+        counter = CollectiveCounter() if step == 1 else contextlib.nullcontext()
+        with counter:
+            logits = model(tokens)
+            root_shapes.append(tuple(model.lm_head.weight.shape))
+            lm_loss(logits, targets).backward()
+        if step == 1:
+            counts = _counts(counter)
+        optim.step()
+        optim.zero_grad()
+    return {"params": full_params(model), "counts": counts, "root_shapes": root_shapes}
+
+
+def test_reshard_after_forward_default_keeps_root_unsharded_and_true_reshards_it():
+    """Blocks annotated with no argument. Root with no argument: unsharded
+    from forward to backward, 2N-1 all-gathers per step for N units. Root
+    with ``reshard_after_forward=True``: resharded after forward and
+    gathered again for backward, 2N all-gathers. Parity in both."""
+    n = N_BLOCKS + 1
+    reference = reference_lm(2, 3, SEED_10)
+    default = run_distributed(2, train_counting_root, {}, timeout=TIMEOUT)
+    for rank, res in enumerate(default):
+        assert res["counts"]["all_gathers"] == 2 * n - 1, (rank, res["counts"])
+        assert all(shape == (VOCAB, D) for shape in res["root_shapes"]), (
+            f"rank {rank}: the root was resharded after forward by default: {res['root_shapes']}")
+    assert_parity(default, reference)
+    resharded = run_distributed(2, train_counting_root, {"reshard_after_forward": True},
+                                timeout=TIMEOUT)
+    for rank, res in enumerate(resharded):
+        assert all(len(shape) == 1 for shape in res["root_shapes"]), (
+            f"rank {rank}: reshard_after_forward=True on the root left it unsharded after "
+            f"forward (lm_head.weight shapes {res['root_shapes']})")
+        assert res["counts"]["all_gathers"] == 2 * n, (
+            f"rank {rank}: expected {2 * n} all-gathers (every unit, root included, gathered "
+            f"again for backward), got {res['counts']}")
+    assert_parity(resharded, reference)
+
+
+def annotate_with_int_reshard(value: int):
+    model = build_lm(N_BLOCKS)
+    try:
+        fully_shard(model, reshard_after_forward=value)
+    except (NotImplementedError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("value", [2, 1])
+def test_reshard_after_forward_integer_raises(value):
+    for rank, res in enumerate(run_distributed(2, annotate_with_int_reshard, value,
+                                               timeout=TIMEOUT)):
+        assert res is not None, (
+            f"rank {rank}: fully_shard(model, reshard_after_forward={value}) was accepted")
+        assert "reshard_after_forward" in res[1], res
+
+
+# ============================================================================
+# 11. World size 1: no collectives at all
+# ============================================================================
+SEED_11 = 11
+
+
+def train_world_one(steps: int = 3):
+    """Counts every c10d op of every step (forward with the root's lazy
+    initialisation, backward, optimizer step, zero_grad)."""
+    model = build_lm(N_BLOCKS)
+    shard_blocks_and_root(model)
+    optim = make_optim(model.parameters(), "sgd")
+    counter = CollectiveCounter()
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_11)
+        with counter:
+            model.loss(tokens, targets).backward()
+            optim.step()
+            optim.zero_grad()
+    return {"params": full_params(model), "counts": _counts(counter)}
+
+
+def test_world_size_one_runs_no_collectives():
+    [res] = run_distributed(1, train_world_one, timeout=TIMEOUT)
+    assert res["counts"]["total"] == 0, (
+        f"a world of one rank ran collectives during training steps: {res['counts']}")
+    assert_parity([res], reference_lm(1, 3, SEED_11))
+
+
+# ============================================================================
+# 12. set_gradient_divide_factor / set_force_sum_reduction_for_comms
+# ============================================================================
+SEED_12 = 12
+
+
+def grads_with_reduction(setting: str, steps: int = 2):
+    """Gradients (this rank's pieces) after each backward, with the setting
+    applied on the root only (it must reach every unit)."""
+    model = build_lm(N_BLOCKS)
+    shard_blocks_and_root(model)
+    if setting.startswith("divide-by-"):
+        model.set_gradient_divide_factor(float(setting[len("divide-by-"):]))
+    elif setting == "force-sum":
+        model.set_force_sum_reduction_for_comms(True)
+    elif setting != "default":
+        raise ValueError(setting)
+    optim = make_optim(model.parameters(), "sgd")
+    per_step = []
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_12)
+        model.loss(tokens, targets).backward()
+        per_step.append(grad_pieces(model))
+        optim.step()
+        optim.zero_grad()
+    return {"grads": per_step, "params": full_params(model)}
+
+
+def _assembled(results):
+    steps = len(results[0]["grads"])
+    return [assemble_grads([res["grads"][step] for res in results]) for step in range(steps)]
+
+
+@pytest.mark.parametrize("factor", [1.0, 3.0], ids=["sum", "divide-by-3"])
+def test_gradient_divide_factor(factor):
+    """Reduced gradient = sum over ranks / factor = (world / factor) x the
+    gradient of the global mean loss; factor 1.0 gives world x the default."""
+    world = 2
+    results = run_distributed(world, grads_with_reduction, f"divide-by-{factor}", timeout=TIMEOUT)
+    reference = reference_lm(world, 2, SEED_12, scale=world / factor)
+    for step, (got, want) in enumerate(zip(_assembled(results), reference["grads"])):
+        assert_dicts_close(got, want, 1e-5, f"step {step}: gradient of ")
+    assert_parity(results, reference)
+
+
+def test_force_sum_reduction_changes_no_numbers():
+    default = _assembled(run_distributed(2, grads_with_reduction, "default", timeout=TIMEOUT))
+    forced = _assembled(run_distributed(2, grads_with_reduction, "force-sum", timeout=TIMEOUT))
+    reference = reference_lm(2, 2, SEED_12)
+    for step in range(2):
+        what = f"step {step}: forced-sum gradient of "
+        assert_dicts_close(forced[step], default[step], 1e-6, what)
+        assert_dicts_close(forced[step], reference["grads"][step], 1e-5, what)
+
+
+# ============================================================================
+# 13. set_is_last_backward
+# ============================================================================
+SEED_13 = 13
+MICRO = 3
+PER_MICRO = 2
+
+
+def train_is_last_backward(steps: int = 2):
+    model = build_lm(N_BLOCKS)
+    shard_blocks_and_root(model)
+    optim = make_optim(model.parameters(), "adamw")
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_13, per_rank=MICRO * PER_MICRO)
+        for i, (x, y) in enumerate(zip(tokens.chunk(MICRO), targets.chunk(MICRO))):
+            model.set_is_last_backward(i == MICRO - 1)
+            (model.loss(x, y) / MICRO).backward()
+        optim.step()
+        optim.zero_grad()
+    return {"params": full_params(model)}
+
+
+def test_is_last_backward_false_between_micro_batches_parity():
+    results = run_distributed(2, train_is_last_backward, timeout=TIMEOUT)
+    assert_parity(results, reference_lm(2, 2, SEED_13, "adamw", per_rank=MICRO * PER_MICRO))
+
+
+# ============================================================================
+# 14. set_unshard_in_backward(False) on an embedding-only unit
+# ============================================================================
+SEED_14 = 14
+
+
+def train_embedding_unit(unshard_in_backward: bool, steps: int = 3):
+    model = build_lm(N_BLOCKS)
+    fully_shard(model.tok_emb)
+    shard_blocks_and_root(model)
+    if not unshard_in_backward:
+        model.tok_emb.set_unshard_in_backward(False)
+    optim = make_optim(model.parameters(), "sgd")
+    counts = None
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_14)
+        counter = CollectiveCounter() if step == 1 else contextlib.nullcontext()
+        with counter:
+            model.loss(tokens, targets).backward()
+        if step == 1:
+            counts = _counts(counter)
+        optim.step()
+        optim.zero_grad()
+    return {"params": full_params(model), "counts": counts}
+
+
+def test_unshard_in_backward_false_saves_the_embedding_all_gather():
+    """Units: tok_emb, 2 blocks, root. Default: 2N-1 = 7 all-gathers per
+    step; with ``tok_emb.set_unshard_in_backward(False)`` one fewer. Parity
+    in both; the embedding's gradient is still reduce-scattered."""
+    n = N_BLOCKS + 2
+    reference = reference_lm(2, 3, SEED_14)
+    for unshard_in_backward in (True, False):
+        results = run_distributed(2, train_embedding_unit, unshard_in_backward, timeout=TIMEOUT)
+        expected = 2 * n - 1 - (0 if unshard_in_backward else 1)
+        for rank, res in enumerate(results):
+            assert res["counts"]["all_gathers"] == expected, (
+                f"rank {rank}, unshard_in_backward={unshard_in_backward}: expected {expected} "
+                f"all-gathers, got {res['counts']}")
+            assert res["counts"]["reduce_scatters"] == n, (rank, res["counts"])
+        assert_parity(results, reference)
+
+
+# ============================================================================
+# 15. The root's clip_grad_norm_ method
+# ============================================================================
+SEED_15 = 15
+MAX_NORM = 0.1
+
+
+def train_clipped_by_method(steps: int = 2):
+    model = build_lm(N_BLOCKS)
+    shard_blocks_and_root(model)
+    optim = make_optim(model.parameters(), "sgd")
+    norms = []
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_15)
+        model.loss(tokens, targets).backward()
+        norms.append(float(model.clip_grad_norm_(MAX_NORM, norm_type=2.0)))
+        optim.step()
+        optim.zero_grad()
+    return {"params": full_params(model), "norms": norms}
+
+
+def test_root_clip_grad_norm_method_matches_torch_on_one_process():
+    world = 3
+    results = run_distributed(world, train_clipped_by_method, timeout=TIMEOUT)
+    reference = reference_lm(world, 2, SEED_15, max_norm=MAX_NORM)
+    assert all(n > 2 * MAX_NORM for n in reference["norms"]), "setup: the norms must be clipped"
+    for rank, res in enumerate(results):
+        for got, want in zip(res["norms"], reference["norms"]):
+            assert abs(got - want) <= 1e-5 * max(1.0, want), (
+                f"rank {rank}: total norm {got} vs torch.nn.utils.clip_grad_norm_ {want}")
+    assert_parity(results, reference)
