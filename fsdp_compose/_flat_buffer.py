@@ -15,7 +15,7 @@ again after it completes (gloo bumps it from its own thread when an
 asynchronous work finishes).
 The per-parameter views (split + view of the leaf) route the gradients of
 all original parameters into one flat gradient, which is exactly the
-reduce-scatter input. Their autograd nodes save no tensors, but they are
+reduce-scatter input (the gradient side lives in ``_flat_grad.py``). Their autograd nodes save no tensors, but they are
 rebuilt at every forward that records a graph: the CPU autograd engine runs
 ready nodes by sequence number, newest first, so views built once at
 ``fully_shard`` time would be the oldest nodes of every graph and would only
@@ -204,22 +204,20 @@ class FlatBuffer:
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
         """Per-parameter views of ``unsharded``. A trainable parameter's view
-        is differentiable and marks the parameter used when its gradient is
-        computed (see [Note: used parameters]); a frozen one's is detached."""
+        is differentiable; a frozen one's is detached. A hook on the split's
+        backward node sees which views received a gradient (see
+        [Note: used parameters])."""
         sizes = list(self.layout.numels)
         if self.layout.padding:
             sizes.append(self.layout.padding)
         with torch.enable_grad():
             chunks = torch.split(self.unsharded, sizes)
-            views = []
-            for index, (chunk, record) in enumerate(zip(chunks, self.records)):
-                if self.requires_grad and self._param_requires_grad[index]:
-                    view = chunk.view(record.shape)
-                    view.register_hook(self.grad.mark_used_hook(index))
-                else:
-                    view = chunk.detach().view(record.shape)
-                views.append(view)
-        return views
+            if self.requires_grad:
+                chunks[0].grad_fn.register_prehook(self.grad.mark_used)
+            return [chunk.view(record.shape) if self.requires_grad and trainable
+                    else chunk.detach().view(record.shape)
+                    for chunk, record, trainable in zip(chunks, self.records,
+                                                        self._param_requires_grad)]
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes the user made on the original

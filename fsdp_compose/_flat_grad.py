@@ -17,9 +17,9 @@ between autograd and the optimizer:
 
 [Note: used parameters]
 Autograd's split backward fills zeros for a chunk nobody used, so the flat
-gradient cannot say which parameters took part in a backward. Each
-per-parameter view of the unsharded buffer carries a tensor hook that marks
-its parameter *used*. One process gives ``.grad is None`` to a parameter
+gradient cannot say which parameters took part in a backward. A pre-hook on
+that split node (one per buffer per forward) sees which chunks received a
+gradient and marks their parameters *used*. One process gives ``.grad is None`` to a parameter
 that took no part in any backward since the gradients were cleared, and
 optimizers with weight decay or momentum skip it; so do we. Which
 parameters were used is the union over ranks (one process sees the global
@@ -72,7 +72,6 @@ class FlatGradient:
         self.used: list[bool] = [False] * count
         """Per parameter: a gradient reached its view on this rank since the
         last publication (see [Note: used parameters])."""
-        self._mark_used_hooks = [self._marker(i) for i in range(count)]
         self._accumulated: Optional[torch.Tensor] = None
         """Unreduced flat gradient summed in ``reduce_dtype`` over backwards
         without sync (only when it differs from the compute dtype)."""
@@ -82,14 +81,13 @@ class FlatGradient:
         self._published: Optional[weakref.ref] = None
         """The sharded gradient the parameters' ``.grad`` views point into."""
 
-    def _marker(self, index: int):
-        def mark_used(_grad: torch.Tensor) -> None:
-            self.used[index] = True
-        return mark_used
-
-    def mark_used_hook(self, index: int):
-        """The tensor hook to put on parameter ``index``'s unsharded view."""
-        return self._mark_used_hooks[index]
+    def mark_used(self, chunk_grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Pre-hook of the backward node of the split into per-parameter
+        views: a chunk whose gradient is ``None`` was not used."""
+        used = self.used
+        for index in range(len(used)):
+            if chunk_grads[index] is not None:
+                used[index] = True
 
     # ------------------------------------------------------------ unreduced
     @property
