@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from ._comm import ShardGroup
 from ._flat_buffer import BufferPolicy, FlatBuffer, ParamRecord
@@ -96,6 +96,9 @@ class ShardUnit:
         in the current pass; the unit reshards when it empties."""
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
+        self._saved_guard: Optional[saved_tensors_hooks] = None
+        """Active during a forward when ``unshard_in_backward`` is off: refuses
+        to let autograd save the parameters (backward would read freed memory)."""
         self._frozen_uses: int = 0
         """Forward calls whose frozen-parameter reads are still ahead in
         backward; -1: some call's inputs need no grad, keep until the end."""
@@ -176,6 +179,7 @@ class ShardUnit:
         self.scheduler.record_forward(self)
         self.scheduler.gather(self, self.scheduler.forward_targets(self))
         if torch.is_grad_enabled():
+            self._guard_saved_parameters()
             for buffer in self.buffers:
                 buffer.sync_requires_grad()
             for buffer in self.trainable_buffers:
@@ -191,6 +195,7 @@ class ShardUnit:
         the root's forward, is a pass by itself)."""
         if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return False  # recomputation inside backward: stay unsharded
+        self._release_saved_guard()
         if torch.is_grad_enabled():
             tensors = tensors_requiring_grad(output)
             if tensors:
@@ -209,6 +214,33 @@ class ShardUnit:
         self.state = TrainingState.IDLE
         if not self._backward_possible or self.reshards_after_forward:
             self.reshard()
+
+    def _guard_saved_parameters(self) -> None:
+        """With ``unshard_in_backward`` off, backward runs on freed parameter
+        memory; fail at forward, on every rank alike, if autograd saves a
+        parameter for backward (only an embedding-like backward is safe)."""
+        self._release_saved_guard()  # left over by a forward that raised
+        if self.unshard_in_backward:
+            return
+        storages = {b.unsharded.untyped_storage().data_ptr() for b in self.buffers}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() in storages:
+                raise RuntimeError(
+                    f"unit {self.name} has set_unshard_in_backward(False), but its forward saves "
+                    f"a parameter (shape {tuple(tensor.shape)}) for backward, which would then "
+                    "read freed memory. Only units whose backward reads no parameter values "
+                    "(e.g. nn.Embedding) may skip the backward all-gather; call "
+                    "set_unshard_in_backward(True) on this module.")
+            return tensor
+
+        self._saved_guard = saved_tensors_hooks(pack, lambda tensor: tensor)
+        self._saved_guard.__enter__()
+
+    def _release_saved_guard(self) -> None:
+        if self._saved_guard is not None:
+            guard, self._saved_guard = self._saved_guard, None
+            guard.__exit__(None, None, None)
 
     def pre_backward(self) -> None:
         """Unshard for backward (at most once per backward)."""

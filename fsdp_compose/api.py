@@ -237,7 +237,7 @@ class ShardedModule:
         """With ``False``, this unit's backward does not all-gather its
         parameters again: only for units whose backward reads no parameter
         values, e.g. an ``nn.Embedding`` (its weight gradient needs only the
-        indices). Any other backward would read freed memory."""
+        indices). A forward that saves a parameter for backward raises."""
         _own_state(self).unit.unshard_in_backward = unshard_in_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:

@@ -283,6 +283,30 @@ def test_unshard_in_backward_false_saves_the_embedding_all_gather():
         assert_parity(results, reference)
 
 
+def misuse_unshard_in_backward():
+    """A block whose backward needs its weights, told not to unshard in
+    backward: the forward must refuse, and the model stays usable after
+    the setting is put back."""
+    model = build_lm(N_BLOCKS)
+    shard_blocks_and_root(model)
+    model.blocks[0].set_unshard_in_backward(False)
+    tokens, targets = _local_batch(0, SEED_14)
+    try:
+        model.loss(tokens, targets).backward()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    model.blocks[0].set_unshard_in_backward(True)
+    model.loss(tokens, targets).backward()  # works again
+    return message
+
+
+def test_unshard_in_backward_false_on_a_unit_that_needs_its_weights_raises():
+    for message in run_distributed(2, misuse_unshard_in_backward, timeout=TIMEOUT):
+        assert message is not None and "set_unshard_in_backward(False)" in message, message
+        assert "'blocks.0'" in message and "nn.Embedding" in message, message
+
+
 # ============================================================================
 # 15. The root's clip_grad_norm_ method
 # ============================================================================
