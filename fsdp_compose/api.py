@@ -284,6 +284,21 @@ class ShardedModule:
         module.__init__(*args, **kwargs)
         return module
 
+    def __copy__(self):
+        self.__deepcopy__({})
+
+    def __deepcopy__(self, memo: dict):
+        raise TypeError(
+            f"cannot copy a {type(self).__name__} annotated by fully_shard: the copy would share "
+            "its hooks and flat buffers with the original. Copy the model before fully_shard, "
+            "or build a new one and load a state_dict into it.")
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(
+            f"cannot pickle (torch.save) a {type(self).__name__} annotated by fully_shard: each "
+            "rank holds only its shards. Save a state_dict instead (read under "
+            "model.unshard(recurse=True)), or copy/save the model before fully_shard.")
+
     def _apply(self, fn, recurse: bool = True):
         """``module.to(dtype)``, ``.double()``, ``.bfloat16()``, ...: convert
         the shards, and rebuild each unit's flat buffers in the new dtype

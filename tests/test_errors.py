@@ -103,10 +103,22 @@ def late_registered_parameter_is_still_detected():
     return _raises(lambda: fully_shard(model), "blocks.1.stolen", "blocks.0.ln1.weight")
 
 
+def deepcopy_of_an_annotated_model():
+    """A copy would share the original's hooks and flat buffers."""
+    import copy
+    import io
+    model = GPT()
+    shard_blocks_and_root(model)
+    _raises(lambda: copy.deepcopy(model.blocks[0]), "copy", "before fully_shard")
+    _raises(lambda: copy.copy(model.blocks[0]), "copy", "before fully_shard")
+    _raises(lambda: torch.save(model, io.BytesIO()), "state_dict")
+    return _raises(lambda: copy.deepcopy(nn.Sequential(model)), "before fully_shard")
+
+
 @pytest.mark.parametrize("case", [
     annotate_twice, child_after_parent, tied_weights_in_two_units, sparse_parameter,
     non_contiguous_parameter, mixed_devices, meta_parameters, wrong_policy_type,
-    late_registered_parameter_is_still_detected,
+    late_registered_parameter_is_still_detected, deepcopy_of_an_annotated_model,
 ])
 def test_misuse_raises_clear_error(case):
     messages = run_distributed(2, case)
