@@ -7,11 +7,12 @@ stay registered under their original names.
 """
 
 from ._schedule import PrefetchPolicy
-from .api import ShardedModule, ShardedParamInfo, UnshardHandle, fully_shard, param_info
+from .api import ShardedParamInfo, fully_shard, param_info
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .sharded_module import ShardedModule, UnshardHandle
 
 __all__ = [
     "fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",

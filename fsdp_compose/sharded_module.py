@@ -1,0 +1,219 @@
+"""The methods every module annotated by ``fully_shard`` gains.
+
+``fully_shard`` makes the module's class a dynamic subclass of its own class
+and :class:`ShardedModule` (``_sharded_class``); the methods have FSDP2's
+names and meaning, duck-typed (annotated modules are not torch's
+``FSDPModule``). Each one routes to the ``_ShardState`` of the module or of
+every unit in its subtree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ._schedule import PrefetchPolicy
+from ._state import _ShardState, state_of
+from ._unit import ShardUnit
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: the all-gathers are in flight;
+    ``wait()`` finishes them and switches the modules to the full views."""
+
+    def __init__(self, units: list[ShardUnit]) -> None:
+        self._units = units
+
+    def wait(self) -> None:
+        for unit in self._units:
+            for buffer in unit.buffers:
+                buffer.finish_unshard()
+        self._units = []
+
+
+class ShardedModule:
+    """Methods mixed into every module annotated by :func:`fully_shard`
+    (the module's class becomes a subclass of its own class and this one)."""
+
+    def unshard(self, async_op: bool = False, *, recurse: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this unit's parameters (and every unit below it with
+        ``recurse=True``); until :meth:`reshard`, each original parameter's
+        module attribute holds the full values in the original shape."""
+        own = _own_state(self)
+        own.lazy_init()
+        units = [state.unit for state in _states(self, recurse)]
+        for unit in units:
+            for buffer in unit.buffers:
+                buffer.start_unshard()
+        handle = UnshardHandle(units)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self, *, recurse: bool = False) -> None:
+        """Free the unsharded parameters; attributes are the sharded
+        ``nn.Parameter`` objects again."""
+        for state in _states(self, recurse):
+            state.unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, backward keeps the unsharded flat gradients (no
+        collectives) and the next backward with ``True`` reduces their sum."""
+        for state in _states(self, recurse):
+            state.unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """With ``False``, units stay unsharded after backward (saving the
+        next forward's all-gather during accumulation). Set it back to
+        ``True`` (or call ``reshard()``) before the optimizer step: the
+        optimizer updates the shards, not the unsharded copy."""
+        for state in _states(self, recurse):
+            state.unit.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        """Before this module's forward, issue the all-gathers of ``modules``
+        (annotated modules) instead of the one chosen by the recorded order."""
+        _own_state(self).unit.forward_prefetch = [_own_state(m).unit for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        """When this module's backward starts, issue the all-gathers of
+        ``modules`` instead of the one chosen by the recorded order."""
+        _own_state(self).unit.backward_prefetch = [_own_state(m).unit for m in modules]
+
+    def set_prefetch_policy(self, policy: PrefetchPolicy) -> None:
+        """Set forward/backward prefetch and the in-flight limits for the
+        whole model this module belongs to (call it on the root)."""
+        if not isinstance(policy, PrefetchPolicy):
+            raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
+        _own_state(self).unit.scheduler.policy = policy
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (``True`` makes the root reshard
+        after forward too, and all-gather again for backward)."""
+        check_reshard_after_forward(reshard_after_forward)
+        for state in _states(self, recurse):
+            state.unit.reshard_after_forward = reshard_after_forward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With ``False``, this unit's backward does not all-gather its
+        parameters again: only for units whose backward reads no parameter
+        values, e.g. an ``nn.Embedding`` (its weight gradient needs only the
+        indices). A forward that saves a parameter for backward raises."""
+        _own_state(self).unit.unshard_in_backward = unshard_in_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """With ``False``, the end of backward neither waits for the
+        reduce-scatters still in flight nor hands the gradients to the
+        parameters: more backwards of this step follow (micro-batches,
+        pipeline schedules). Set ``True`` before the step's last backward."""
+        for state in _states(self, recurse=True):
+            state.unit.is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce gradients as the sum over ranks divided by ``factor``
+        instead of the mean (``factor=1.0``: summed gradients, for a loss
+        that is already normalised globally). Applies to every unit of this
+        module's subtree."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
+        for state in _states(self, recurse=True):
+            unit = state.unit
+            unit.reduce_options = unit.reduce_options._replace(divide_factor=float(factor))
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """With ``True``, collectives only ever ``SUM`` (the division by the
+        world size or the divide factor happens locally afterwards); the
+        gradients are the same. Applies to every unit of this subtree."""
+        for state in _states(self, recurse=True):
+            unit = state.unit
+            unit.reduce_options = unit.reduce_options._replace(force_sum=bool(enable))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter of this module by their
+        total norm over all ranks, like FSDP1's method (torch's
+        ``nn.utils.clip_grad_norm_`` would see only this rank's shards).
+        Returns the total norm. See :func:`fsdp_compose.clip_grad_norm_`."""
+        from .clip import clip_grad_norm_  # clip.py builds on this module
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def __new__(cls, *args, **kwargs):
+        # Constructing the sharded class (nn.Sequential slicing does
+        # ``self.__class__(...)``) gives a plain module of the original class:
+        # a fresh module has no fully_shard state.
+        original = cls.__mro__[2]  # (Sharded<X>, ShardedModule, X, ...)
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __copy__(self):
+        self.__deepcopy__({})
+
+    def __deepcopy__(self, memo: dict):
+        raise TypeError(
+            f"cannot copy a {type(self).__name__} annotated by fully_shard: the copy would share "
+            "its hooks and flat buffers with the original. Copy the model before fully_shard, "
+            "or build a new one and load a state_dict into it.")
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(
+            f"cannot pickle (torch.save) a {type(self).__name__} annotated by fully_shard: each "
+            "rank holds only its shards. Save a state_dict instead (read under "
+            "model.unshard(recurse=True)), or copy/save the model before fully_shard.")
+
+    def _apply(self, fn, recurse: bool = True):
+        """``module.to(dtype)``, ``.double()``, ``.bfloat16()``, ...: convert
+        the shards, and rebuild each unit's flat buffers in the new dtype
+        (parameters keep their identity, ``.grad`` follows)."""
+        units = [state.unit for state in _states(self, recurse=True)]
+        for unit in units:
+            unit.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for unit in units:
+            unit.adopt_converted_params()
+        return result
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if issubclass(cls, ShardedModule):
+        return cls
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls),
+                                     {"__module__": cls.__module__})
+    return _SHARDED_CLASSES[cls]
+
+
+def _own_state(module: nn.Module) -> _ShardState:
+    state = state_of(module)
+    if state is None:
+        raise AssertionError(f"{type(module).__name__} has no fully_shard state")
+    return state
+
+
+def _states(module: nn.Module, recurse: bool) -> list[_ShardState]:
+    if not recurse:
+        return [_own_state(module)]
+    seen: dict[int, _ShardState] = {}
+    for sub in module.modules():
+        state = state_of(sub)
+        if state is not None:
+            seen.setdefault(id(state), state)
+    return list(seen.values())
+
+
+def check_reshard_after_forward(value: object) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        raise NotImplementedError(
+            f"reshard_after_forward={value}: resharding to a smaller group after forward is not "
+            "supported yet; pass True, False or None.")
+    raise TypeError(f"reshard_after_forward must be a bool or None, got {type(value).__name__}")
