@@ -237,13 +237,19 @@ def train_changing_requires_grad(change: str, optim_name: str, steps: int, world
             "frozen_values": frozen_values, "local_numel": local}
 
 
+def _sharded_and_reference(change: str, optim_name: str):
+    """Three steps of ``train_changing_requires_grad`` on 2 ranks and in one
+    process; parity is checked, the per-rank results are returned."""
+    results = run_distributed(2, train_changing_requires_grad, change, optim_name, 3,
+                              timeout=TIMEOUT)
+    assert_parity(results, train_changing_requires_grad(change, optim_name, 3, world=2))
+    return results
+
+
 @pytest.mark.parametrize("optim_name", OPTIMS)
 def test_freezing_after_fully_shard_stops_gradients_and_updates(optim_name):
     """3(a)"""
-    results = run_distributed(2, train_changing_requires_grad, "freeze", optim_name, 3,
-                              timeout=TIMEOUT)
-    reference = train_changing_requires_grad("freeze", optim_name, 3, world=2)
-    for rank, res in enumerate(results):
+    for rank, res in enumerate(_sharded_and_reference("freeze", optim_name)):
         for step in (1, 2):
             for name in FREEZE_LATER:
                 assert res["grads_none"][step][name], (
@@ -251,16 +257,12 @@ def test_freezing_after_fully_shard_stops_gradients_and_updates(optim_name):
         for name in FREEZE_LATER:
             diff = (res["params"][name] - res["frozen_values"][name]).abs().max().item()
             assert diff == 0.0, f"rank {rank}: frozen {name} moved by {diff}"
-    assert_parity(results, reference)
 
 
 @pytest.mark.parametrize("optim_name", OPTIMS)
 def test_unfreezing_after_fully_shard_trains_the_parameter(optim_name):
     """3(b)"""
-    results = run_distributed(2, train_changing_requires_grad, "unfreeze", optim_name, 3,
-                              timeout=TIMEOUT)
-    reference = train_changing_requires_grad("unfreeze", optim_name, 3, world=2)
-    for rank, res in enumerate(results):
+    for rank, res in enumerate(_sharded_and_reference("unfreeze", optim_name)):
         for name in UNFREEZE_LATER:
             assert res["grads_none"][0][name], f"rank {rank}: frozen {name} got a .grad"
             if res["local_numel"][name]:
@@ -268,4 +270,3 @@ def test_unfreezing_after_fully_shard_trains_the_parameter(optim_name):
                     assert not res["grads_none"][step][name], (
                         f"rank {rank}: {name} was unfrozen after step 0 but got no .grad "
                         f"in step {step}")
-    assert_parity(results, reference)
