@@ -154,3 +154,16 @@ def all_gather_fingerprints(fingerprint: int, group: ShardGroup) -> list[int]:
     every = torch.empty(group.world_size, dtype=torch.int64, device=group.device)
     _all_gather_flat(every, mine, group=group.process_group)
     return [int(v) for v in every.cpu()]
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+               input_counts: list[int], group: ShardGroup) -> None:
+    """Rank ``r`` sends ``input_counts[j]`` consecutive elements of ``input``
+    to each rank ``j`` (in rank order) and receives ``output_counts[r]`` into
+    ``output``, rank-major. Over one rank it is a copy. Used by checkpoint
+    conversions, not by the training step."""
+    if group.world_size == 1:
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, output_split_sizes=output_counts,
+                           input_split_sizes=input_counts, group=group.process_group)

@@ -10,7 +10,6 @@ Usage (run under ``torchrun``; see ``examples/train_gpt.py``)::
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -20,32 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._comm import default_mesh, shard_group_from_mesh
 from ._compose import check_not_replicated, is_replicated
 from ._flat_buffer import FlatBuffer, ParamRecord
+from ._owners import Owner, owner_of, register_owner
 from ._state import register_unit, state_of
+from .checkpoint import UnitStateDictHooks
 from ._unit import ShardUnit
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .sharded_module import _sharded_class, check_reshard_after_forward
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
-
-# id(original parameter) -> the unit that manages it. Weak in the unit (a
-# dropped model releases its entries) and not a weak reference to the
-# parameter, which would stop torch.utils.swap_tensors (module.to() with
-# swap_module_params_on_conversion). The unit holds the parameter, so while
-# an entry lives its id cannot be reused.
-_OWNERS: "weakref.WeakValueDictionary[int, ShardUnit]" = weakref.WeakValueDictionary()
-
-
-class _Owner(NamedTuple):
-    unit: ShardUnit
-    buffer: FlatBuffer
-    index: int
-
-
-def _owner_of(param: torch.Tensor) -> Optional[_Owner]:
-    unit = _OWNERS.get(id(param))
-    located = None if unit is None else unit.locate(param)
-    return None if located is None else _Owner(unit, *located)
-
 
 class ShardedParamInfo(NamedTuple):
     """What a sharded parameter was before sharding, and what this rank holds.
@@ -121,9 +102,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                      mp_policy, offload_policy)
     if mp_policy is not None and mp_policy.buffer_dtype is not None:
         _cast_buffers(managed, mp_policy.buffer_dtype)
-    for buffer in unit.buffers:
-        for record in buffer.records:
-            _OWNERS[id(record.param)] = unit
+    register_owner(unit)
+    UnitStateDictHooks(unit)
     register_unit(module, unit)
     for m in modules:
         m.__class__ = _sharded_class(type(m))
@@ -136,7 +116,7 @@ def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
     """Original FQN and shape of a parameter sharded by ``fully_shard``
     (``None`` for a parameter it does not manage). Use it where code looks at
     ``param.ndim`` or names, e.g. to build weight-decay param groups."""
-    entry = _owner_of(param)
+    entry = owner_of(param)
     if entry is None:
         return None
     buffer, index = entry.buffer, entry.index
@@ -148,7 +128,7 @@ def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
 
 def flat_buffer_of(param: nn.Parameter) -> Optional[FlatBuffer]:
     """The flat buffer that manages ``param`` (for tests and tools)."""
-    entry = _owner_of(param)
+    entry = owner_of(param)
     return None if entry is None else entry.buffer
 
 
@@ -221,7 +201,7 @@ def _collect_records(modules: list[nn.Module], managed: list[nn.Module],
             if id(param) in records:
                 records[id(param)].slots.append((m, attr))
                 continue
-            owner = _owner_of(param)
+            owner = owner_of(param)
             if owner is not None:
                 _raise_already_owned(fqn, owner, m, names)
             records[id(param)] = ParamRecord(param=param, slots=[(m, attr)], fqn=fqn,
@@ -229,7 +209,7 @@ def _collect_records(modules: list[nn.Module], managed: list[nn.Module],
     return list(records.values())
 
 
-def _raise_already_owned(fqn: str, owner: _Owner, module: nn.Module,
+def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
                          names: dict[int, str]) -> None:
     record = owner.buffer.records[owner.index]
     if any(module is m for m in owner.unit.managed_modules):

@@ -1,0 +1,46 @@
+"""Which unit manages a given original parameter.
+
+A registry from parameter to :class:`ShardUnit`, shared by the public API
+(``param_info``, overlap checks) and the checkpoint conversions, which meet
+parameters through optimizers and state dicts rather than through modules.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple, Optional
+
+import torch
+
+from ._flat_buffer import FlatBuffer
+from ._unit import ShardUnit
+
+# id(original parameter) -> the unit that manages it. Weak in the unit (a
+# dropped model releases its entries) and not a weak reference to the
+# parameter, which would stop torch.utils.swap_tensors (module.to() with
+# swap_module_params_on_conversion). The unit holds the parameter, so while
+# an entry lives its id cannot be reused.
+_OWNERS: "weakref.WeakValueDictionary[int, ShardUnit]" = weakref.WeakValueDictionary()
+
+
+class Owner(NamedTuple):
+    """Where a managed parameter lives: its unit, flat buffer, and index in
+    the buffer's records."""
+
+    unit: ShardUnit
+    buffer: FlatBuffer
+    index: int
+
+
+def register_owner(unit: ShardUnit) -> None:
+    """Record ``unit`` as the manager of every parameter in its buffers."""
+    for buffer in unit.buffers:
+        for record in buffer.records:
+            _OWNERS[id(record.param)] = unit
+
+
+def owner_of(param: torch.Tensor) -> Optional[Owner]:
+    """The unit, buffer and index managing ``param`` (``None``: not managed)."""
+    unit = _OWNERS.get(id(param))
+    located = None if unit is None else unit.locate(param)
+    return None if located is None else Owner(unit, *located)

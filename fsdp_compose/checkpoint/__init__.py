@@ -1,0 +1,15 @@
+"""Checkpointing of annotated models in torch FSDP2's layout.
+
+``model.state_dict()`` returns every managed parameter as a ``DTensor`` of
+its original shape placed ``Shard(0)`` on its unit's mesh, and
+``optimizer.state_dict()`` does the same for per-element state, so
+``torch.distributed.checkpoint`` (DCP) and its ``state_dict`` functions
+(``get_state_dict``, ``set_state_dict``, ``StateDictOptions``) work
+unchanged, and checkpoints load across world sizes, into torch FSDP2 and
+into unsharded models. See the README's "Checkpointing" section.
+"""
+
+from ._model import UnitStateDictHooks
+from ._optim import register_optimizer
+
+__all__ = ["register_optimizer", "UnitStateDictHooks"]

@@ -1,0 +1,149 @@
+"""Pure math for converting between the flat layout and torch FSDP2's
+per-parameter ``Shard(0)`` layout (the checkpoint format).
+
+A flat buffer shards the concatenation of its flattened parameters: rank
+``r`` owns the contiguous range ``[r * S, (r + 1) * S)`` (``S`` =
+``layout.shard_numel``), which cuts through parameters anywhere. A
+checkpoint wants, for every parameter of shape ``(d0, ...)``, rank ``j``'s
+``torch.chunk(param, F, dim=0)[j]``: rows ``[j * c, (j + 1) * c)`` clamped to
+``d0``, with ``c = ceil(d0 / F)`` (empty on the last ranks when ``d0 < F``).
+A 0-dim parameter cannot be sharded by rows; every rank gets all of it (a
+replicated value).
+
+In flat coordinates, rank ``j``'s rows of one parameter are one contiguous
+range, and its chunks of all selected parameters, in layout order, form an
+increasing set of ranges ``T_j``. One all-to-all converts between the two:
+
+* flat -> chunks: rank ``r`` sends rank ``j`` the elements of ``T_j`` that lie
+  in its shard, in increasing order. Rank ``j`` receives from ranks
+  ``0..F-1`` in order, and since the shards are increasing ranges too, the
+  received buffer *is* its chunks packed back to back (no unpacking).
+* chunks -> flat: the same exchange backwards. Rank ``j`` sends rank ``r`` a
+  contiguous slice of its packed chunks, and rank ``r`` writes what it
+  receives at the intervals it would have sent.
+
+Nothing here imports ``torch.distributed`` or allocates tensors; it is
+property-tested in ``tests/test_checkpoint_chunks.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from .._layout import FlatLayout
+
+
+class Chunk(NamedTuple):
+    """This rank's dim-0 chunk of one parameter.
+
+    Attributes:
+        param_index: the parameter's index in the layout.
+        packed_start: where the chunk starts in this rank's packed chunks.
+        shape: the chunk's shape (``(rows, *shape[1:])``; ``()`` for a
+            0-dim parameter).
+        numel: its number of elements.
+        row_start: index of its first row in the parameter (0 for 0-dim).
+    """
+
+    param_index: int
+    packed_start: int
+    shape: tuple[int, ...]
+    numel: int
+    row_start: int
+
+
+class ExchangePlan(NamedTuple):
+    """One rank's side of the flat <-> chunks all-to-all.
+
+    Attributes:
+        chunks: this rank's chunk of every selected parameter, in layout order.
+        send_intervals: ``(shard_start, length)`` ranges of this rank's shard,
+            in the order they are sent (grouped by destination rank).
+        send_counts: elements of this rank's shard that go to each rank
+            (flat -> chunks); sums of ``send_intervals`` per destination.
+        recv_counts: elements of this rank's packed chunks that come from
+            each rank's shard.
+    """
+
+    chunks: tuple[Chunk, ...]
+    send_intervals: tuple[tuple[int, int], ...]
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+
+    @property
+    def packed_numel(self) -> int:
+        return sum(self.recv_counts)
+
+
+def dim0_rows(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``torch.chunk(param, world_size, dim=0)[rank]``
+    (``lo == hi`` when that chunk is empty). 0-dim: ``(0, 1)`` on every rank."""
+    if len(shape) == 0:
+        return 0, 1
+    rows = shape[0]
+    per_rank = -(-rows // world_size)
+    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
+def chunk_shape(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, ...]:
+    """Shape of ``rank``'s dim-0 chunk of a parameter of ``shape``."""
+    if len(shape) == 0:
+        return ()
+    lo, hi = dim0_rows(shape, world_size, rank)
+    return (hi - lo, *shape[1:])
+
+
+def _target_ranges(layout: FlatLayout, rank: int,
+                   selected: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """``(param_index, flat_start, flat_end, row_start)`` of ``rank``'s chunk
+    of each selected parameter, in increasing flat order."""
+    ranges = []
+    for index in sorted(selected):
+        shape = layout.shapes[index]
+        lo, hi = dim0_rows(shape, layout.world_size, rank)
+        row_numel = 1 if len(shape) == 0 else (
+            layout.numels[index] // shape[0] if shape[0] else 0)
+        start = layout.offsets[index] + lo * row_numel
+        ranges.append((index, start, start + (hi - lo) * row_numel, lo))
+    return ranges
+
+
+def _intersect(ranges: list[tuple[int, int, int, int]], lo: int,
+               hi: int) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` inside ``[lo, hi)``, as ``(start, end)``."""
+    out = []
+    for _, start, end, _ in ranges:
+        s, e = max(start, lo), min(end, hi)
+        if s < e:
+            out.append((s, e))
+    return out
+
+
+def exchange_plan(layout: FlatLayout, rank: int, selected: Sequence[int]) -> ExchangePlan:
+    """This rank's side of the all-to-all that converts the selected
+    parameters between the flat layout and dim-0 chunks.
+
+    Every rank must pass the same ``selected`` (the exchange is collective).
+    """
+    world, shard = layout.world_size, layout.shard_numel
+    my_lo, my_hi = layout.shard_range(rank)
+    mine = _target_ranges(layout, rank, selected)
+
+    chunks, packed = [], 0
+    for index, start, end, row_start in mine:
+        numel = end - start
+        chunks.append(Chunk(index, packed, chunk_shape(layout.shapes[index], world, rank),
+                            numel, row_start))
+        packed += numel
+
+    send_intervals, send_counts = [], []
+    for dest in range(world):
+        theirs = mine if dest == rank else _target_ranges(layout, dest, selected)
+        parts = _intersect(theirs, my_lo, my_hi)
+        send_intervals.extend((s - my_lo, e - s) for s, e in parts)
+        send_counts.append(sum(e - s for s, e in parts))
+
+    recv_counts = [sum(e - s for s, e in _intersect(mine, src * shard, (src + 1) * shard))
+                   for src in range(world)]
+    return ExchangePlan(tuple(chunks), tuple(send_intervals), tuple(send_counts),
+                        tuple(recv_counts))

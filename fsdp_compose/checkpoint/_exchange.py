@@ -1,0 +1,93 @@
+"""Moving values between a flat buffer's layout and dim-0 chunks, and
+between dim-0 chunks and ``DTensor`` values (see ``_chunks.py`` for the
+math). Each conversion of a buffer is one all-to-all over the buffer's
+process group that moves only this rank's ``1/F`` share: no rank ever holds
+a parameter's full value.
+
+Every function here is collective over the buffer's group: all ranks must
+call it with the same ``selected`` parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from .._comm import ShardGroup, all_to_all
+from .._layout import FlatLayout
+from ._chunks import chunk_shape, exchange_plan
+
+
+def flat_to_chunks(flat: torch.Tensor, layout: FlatLayout, group: ShardGroup,
+                   selected: Sequence[int]) -> dict[int, torch.Tensor]:
+    """This rank's dim-0 chunk of each selected parameter, read from ``flat``
+    (``layout.shard_numel`` elements in the flat layout: the sharded values,
+    or a per-element optimizer state laid out the same way).
+
+    The chunks are views of one fresh tensor on ``flat``'s device.
+    """
+    plan = exchange_plan(layout, group.rank, selected)
+    source = flat.to(group.device)
+    pieces = [source.narrow(0, start, length) for start, length in plan.send_intervals]
+    send = torch.cat(pieces) if pieces else source.new_empty(0)
+    packed = source.new_empty(plan.packed_numel)
+    all_to_all(packed, send, list(plan.recv_counts), list(plan.send_counts), group)
+    packed = packed.to(flat.device)
+    return {c.param_index: packed.narrow(0, c.packed_start, c.numel).view(c.shape)
+            for c in plan.chunks}
+
+
+def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: ShardGroup,
+                   out: torch.Tensor) -> None:
+    """Write every given parameter's values (``chunks[i]`` is this rank's
+    dim-0 chunk of parameter ``i``) into ``out`` (``layout.shard_numel``
+    elements in the flat layout) at the positions this rank owns. Positions
+    of parameters not in ``chunks`` are left alone."""
+    plan = exchange_plan(layout, group.rank, sorted(chunks))
+    pieces = [chunks[c.param_index].reshape(-1).to(group.device, out.dtype)
+              for c in plan.chunks]
+    packed = torch.cat(pieces) if pieces else out.new_empty(0, device=group.device)
+    received = packed.new_empty(sum(plan.send_counts))
+    all_to_all(received, packed, list(plan.send_counts), list(plan.recv_counts), group)
+    received = received.to(out.device)
+    offset = 0
+    for start, length in plan.send_intervals:
+        out.narrow(0, start, length).copy_(received.narrow(0, offset, length))
+        offset += length
+
+
+def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGroup) -> torch.Tensor:
+    """``chunk`` (this rank's dim-0 chunk) as a ``DTensor`` of the global
+    ``shape`` placed ``Shard(0)`` on the group's mesh: torch FSDP2's layout.
+    A 0-dim value (every rank holds all of it) stays a plain tensor."""
+    if len(shape) == 0:
+        return chunk
+    return DTensor.from_local(chunk, group.mesh, [Shard(0)], run_check=False,
+                              shape=shape, stride=_contiguous_strides(shape))
+
+
+def local_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
+    """This rank's dim-0 chunk of a ``DTensor`` checkpoint value, moved there
+    from whatever mesh and placements it has. Returns ``None`` when the value
+    lives on another mesh: the caller then uses its full value
+    (``value.full_tensor()``, collective over that mesh)."""
+    if value.device_mesh != group.mesh:
+        return None
+    if tuple(value.placements) != (Shard(0),):
+        value = value.redistribute(group.mesh, [Shard(0)])
+    chunk = value.to_local()
+    expected = chunk_shape(tuple(value.shape), group.world_size, group.rank)
+    if tuple(chunk.shape) != expected:
+        raise AssertionError(f"[rank {group.rank}] a Shard(0) chunk of shape {tuple(value.shape)} "
+                             f"is {tuple(chunk.shape)} here, expected {expected}")
+    return chunk
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))

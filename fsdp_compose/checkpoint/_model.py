@@ -1,0 +1,195 @@
+"""``state_dict()`` / ``load_state_dict()`` of annotated modules in torch
+FSDP2's checkpoint layout.
+
+Between iterations each managed parameter is a 1-D slice of a flat shard,
+which is meaningless outside this process. At the ``state_dict`` boundary
+every managed parameter becomes a ``DTensor`` of its original shape placed
+``Shard(0)`` on the unit's mesh (exactly what torch FSDP2 returns, so DCP
+checkpoints of the two are interchangeable); at the ``load_state_dict``
+boundary such values, ``DTensor`` values on other meshes or placements, and
+plain full tensors are accepted and written into the shards in place
+(parameters keep their identity).
+
+Hooks sit on every module a unit manages, so ``state_dict()`` of any
+submodule converts too. Saving runs top-down then bottom-up: the first
+managed module reached (a state-dict *pre*-hook) converts all of the unit's
+parameters below it with one all-to-all per flat buffer and stashes the
+results, and each module's post-hook puts its own parameters' values into
+the dict. Loading runs top-down: the first managed module reached converts
+the unit's values below it and replaces them in the dict by the parameters
+themselves, so torch's own copy is a no-op and later hooks skip them.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .._flat_buffer import FlatBuffer, ParamRecord
+from .._unit import ShardUnit, TrainingState
+from ._exchange import as_checkpoint_value, chunks_to_flat, flat_to_chunks, local_chunk
+
+
+class _Stash(NamedTuple):
+    owner: nn.Module  # the module whose state_dict() call converted the values
+    values: dict[int, torch.Tensor]  # id(parameter) -> its checkpoint value
+
+
+class UnitStateDictHooks:
+    """The state-dict hooks of one unit, installed on its managed modules."""
+
+    def __init__(self, unit: ShardUnit) -> None:
+        self.unit: ShardUnit = unit
+        self._record_at: dict[tuple[int, str], ParamRecord] = {
+            (id(module), name): record
+            for buffer in unit.buffers for record in buffer.records
+            for module, name in record.slots}
+        """(id(module), attribute) -> the record of the parameter held there."""
+        self._stash: Optional[_Stash] = None
+        """Converted values of the ``state_dict()`` call in progress."""
+        for module in unit.managed_modules:
+            # partial, not bound methods: torch tags public hooks with an attribute
+            module.register_state_dict_pre_hook(partial(UnitStateDictHooks._before_state_dict, self))
+            module.register_state_dict_post_hook(partial(UnitStateDictHooks._after_state_dict, self))
+            module.register_load_state_dict_pre_hook(partial(UnitStateDictHooks._before_load, self))
+
+    # ----------------------------------------------------------------- save
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self._stash is not None and self._stash.owner is not module:
+            return  # an enclosing module's state_dict() converted this unit already
+        below = self._records_below(module)
+        skip_frozen = _torch_drops_frozen_params()
+        values: dict[int, torch.Tensor] = {}
+        group = self.unit.group
+        for buffer in self.unit.buffers:
+            selected = [i for i, r in enumerate(buffer.records)
+                        if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
+            if not selected:
+                continue  # the same on every rank: nothing of this buffer below `module`
+            chunks = flat_to_chunks(buffer.sharded.detach(), buffer.layout, group, selected)
+            for index, chunk in chunks.items():
+                record = buffer.records[index]
+                values[id(record.param)] = as_checkpoint_value(chunk, record.shape, group)
+        self._stash = _Stash(module, values)
+
+    def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                          local_metadata: dict) -> None:
+        stash = self._stash
+        if stash is None:
+            raise AssertionError(f"state_dict post-hook of {self.unit.name} ran without its pre-hook")
+        for name in module._parameters:
+            record = self._record_at.get((id(module), name))
+            key = prefix + name
+            if record is None or key not in state_dict:
+                continue
+            value = stash.values.get(id(record.param))
+            if value is not None:
+                state_dict[key] = value
+            # else: a frozen parameter torch's get_model_state_dict drops right after
+        if stash.owner is module:
+            self._stash = None
+
+    def _records_below(self, module: nn.Module) -> set[int]:
+        """ids of this unit's parameters held by ``module`` or its descendants."""
+        return {id(record.param) for sub in module.modules() for name in sub._parameters
+                if (record := self._record_at.get((id(sub), name))) is not None}
+
+    # ----------------------------------------------------------------- load
+    def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     local_metadata: dict, strict: bool, missing_keys: list[str],
+                     unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        keys = self._keys_below(module, prefix)
+        if not any(key in state_dict and state_dict[key] is not record.param
+                   for key, record in keys):
+            return  # nothing (left) to convert: an enclosing module's hook did it
+        self._make_loadable()
+        by_param: dict[int, tuple[ParamRecord, torch.Tensor]] = {}
+        for key, record in keys:
+            value = state_dict.get(key)
+            if value is None or value is record.param:
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(record.shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from "
+                    f"checkpoint, the shape in current model is {record.shape}.")
+            else:
+                by_param.setdefault(id(record.param), (record, value))
+            state_dict[key] = record.param  # torch's own copy becomes a no-op
+        for buffer in self.unit.buffers:
+            values = {i: by_param[id(r.param)][1] for i, r in enumerate(buffer.records)
+                      if id(r.param) in by_param}
+            if values:
+                _load_into(buffer, values)
+
+    def _keys_below(self, module: nn.Module, prefix: str) -> list[tuple[str, ParamRecord]]:
+        keys = []
+        for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
+            for attr in sub._parameters:
+                record = self._record_at.get((id(sub), attr))
+                if record is not None:
+                    keys.append((f"{name}.{attr}" if name else attr, record))
+        return keys
+
+    def _make_loadable(self) -> None:
+        unit = self.unit
+        if unit.state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"load_state_dict() reached {unit.name} during its {unit.state.name.lower()}; "
+                "load checkpoints between iterations (after optimizer.step(), before forward).")
+        unit.reshard()  # a manual unshard() or reshard_after_backward=False kept it unsharded
+
+
+def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
+    """Write checkpoint values (global shapes: ``DTensor`` or full tensors)
+    of the given parameters into this rank's slices of them.
+
+    Full tensors are sliced locally; ``DTensor`` values on the unit's mesh
+    are converted with one all-to-all (values on other meshes are gathered
+    in full first). Parameters are written through ``copy_`` so their version
+    counters mark any unsharded copy as stale."""
+    group, slices = buffer.group, buffer.local_slices()
+    chunks: dict[int, torch.Tensor] = {}
+    full: dict[int, torch.Tensor] = {}
+    for index, value in values.items():
+        if isinstance(value, DTensor):
+            chunk = local_chunk(value, group)
+            if chunk is None:
+                full[index] = value.full_tensor()
+            else:
+                chunks[index] = chunk
+        else:
+            full[index] = value
+    with torch.no_grad():
+        if chunks:
+            received = torch.empty(buffer.layout.shard_numel, dtype=buffer.dtype,
+                                   device=buffer.storage_device)
+            chunks_to_flat(chunks, buffer.layout, group, received)
+            for index in chunks:
+                s = slices[index]
+                buffer.records[index].param.copy_(received.narrow(0, s.shard_start, s.length))
+        for index, value in full.items():
+            s = slices[index]
+            flat = value.detach().reshape(-1)[s.param_start:s.param_start + s.length]
+            buffer.records[index].param.copy_(flat)
+
+
+def _torch_drops_frozen_params() -> bool:
+    """Whether this ``state_dict()`` runs inside torch's
+    ``get_model_state_dict(..., StateDictOptions(ignore_frozen_params=True))``,
+    which drops every frozen parameter right after. Converting those would
+    move the whole frozen base model across ranks for nothing (e.g. when
+    saving LoRA adapters), so they are left as local slices for torch to drop.
+    torch passes no flag to ``state_dict()``; its frame's ``info`` is read."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_get_model_state_dict" and \
+                frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            return bool(getattr(frame.f_locals.get("info"), "ignore_frozen_params", False))
+        frame = frame.f_back
+    return False
