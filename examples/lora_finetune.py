@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -121,11 +122,14 @@ def main() -> None:
         print("generated", out[0, prompt.shape[1]:].tolist())
 
     if args.save_adapter:
-        model.unshard(recurse=True)  # full values in the original shapes on every rank
+        # Collective (every rank): the trainable parameters only, gathered in
+        # their original shapes onto rank 0's CPU; the frozen base model is
+        # never communicated.
+        adapter = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
         if rank == 0:
-            model.save_pretrained(args.save_adapter)
+            model.save_pretrained(args.save_adapter, state_dict=adapter)
             print(f"adapter saved to {args.save_adapter}")
-        model.reshard(recurse=True)
     dist.destroy_process_group()
 
 

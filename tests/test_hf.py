@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tests import _hf  # first: it keeps transformers off the hub
 
@@ -38,9 +39,9 @@ def _train(tie, lora, optim_name):
     model = result.pop("model")
     result["fqns"] = {n: param_info(p).fqn for n, p in model.named_parameters()}
     result["tied"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    model.unshard(recurse=True)  # a full checkpoint in the original shapes
-    result["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.reshard(recurse=True)
+    # a full checkpoint in the original shapes, on every rank
+    result["state_dict"] = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True))
     root = state_of(model).unit
     result["root_owns"] = sorted(n for n, p in model.named_parameters()
                                  if any(flat_buffer_of(p) is b for b in root.buffers))
