@@ -11,5 +11,6 @@ into unsharded models. See the README's "Checkpointing" section.
 
 from ._model import UnitStateDictHooks
 from ._optim import register_optimizer
+from .store import CheckpointError, CheckpointStore
 
-__all__ = ["register_optimizer", "UnitStateDictHooks"]
+__all__ = ["CheckpointError", "CheckpointStore", "register_optimizer", "UnitStateDictHooks"]

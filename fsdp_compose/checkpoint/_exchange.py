@@ -26,7 +26,9 @@ def flat_to_chunks(flat: torch.Tensor, layout: FlatLayout, group: ShardGroup,
     (``layout.shard_numel`` elements in the flat layout: the sharded values,
     or a per-element optimizer state laid out the same way).
 
-    The chunks are views of one fresh tensor on ``flat``'s device.
+    Each chunk is a fresh tensor on ``flat``'s device with storage of its
+    own (a view of a larger buffer would be copied again by DCP's writer and
+    written whole by ``torch.save``).
     """
     plan = exchange_plan(layout, group.rank, selected)
     source = flat.to(group.device)
@@ -34,9 +36,8 @@ def flat_to_chunks(flat: torch.Tensor, layout: FlatLayout, group: ShardGroup,
     send = torch.cat(pieces) if pieces else source.new_empty(0)
     packed = source.new_empty(plan.packed_numel)
     all_to_all(packed, send, list(plan.recv_counts), list(plan.send_counts), group)
-    packed = packed.to(flat.device)
     return {c.param_index: packed.narrow(0, c.packed_start, c.numel).view(c.shape)
-            for c in plan.chunks}
+            .to(flat.device, copy=True) for c in plan.chunks}
 
 
 def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: ShardGroup,

@@ -197,4 +197,4 @@ def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
     for key, index in entries:
         if index in chunks:
             s = slices[index]
-            state[key][name] = flat.narrow(0, s.shard_start, s.length).clone()
+            state[key][name] = flat.narrow(0, s.shard_start, s.length)  # `flat` is fresh

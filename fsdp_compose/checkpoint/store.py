@@ -1,0 +1,254 @@
+"""Crash-safe checkpoint directories on top of ``torch.distributed.checkpoint``.
+
+``CheckpointStore(root, keep=2)`` keeps the last ``keep`` checkpoints of a
+run under ``root``, one DCP directory per saved step::
+
+    root/
+      step_00000010/              committed: complete, loadable
+      step_00000012/              committed: complete, loadable (newest)
+      step_00000014.partial-1a2b  being written, or left by a crash: never loaded
+      latest                      "12\\n": the newest committed step (for humans/tools)
+
+Invariants, at every moment (a rank may be killed at any instruction):
+
+* A directory named exactly ``step_<8 digits>`` is *committed*: every rank
+  finished writing its files into it and DCP's ``.metadata`` was written and
+  fsynced before it received that name, by one atomic ``os.replace`` of the
+  whole directory. It is never modified afterwards, only deleted (retention)
+  or, when the same step is saved again, moved aside (``.replaced-*``) just
+  before the new one takes its name.
+* Everything else under ``root`` (``*.partial-*``, ``*.replaced-*``,
+  ``latest.tmp-*``) is garbage that the store never loads; rank 0 deletes it
+  after the next successful save.
+* ``latest`` is replaced atomically (temp file, fsync, ``os.replace``) after
+  the rename, so it names a committed step or lags behind by one save (a crash
+  between the rename and the manifest write). The store itself trusts the
+  directory names, not this file: the newest committed step is the largest
+  ``step_<N>`` directory.
+
+Assumptions: ``root`` is on a file system that every rank sees (as DCP's
+``FileSystemWriter``/``FileSystemReader`` already require) and one job at a
+time writes to it. ``save`` and ``load_latest``/``load`` are collective over
+the process group (default: the default group); ``latest_step`` and ``steps``
+only read the file system and may be called on any subset of ranks.
+
+Usage (``state`` is what ``dcp.save``/``dcp.load`` accept: a dict of state
+dicts and ``Stateful`` objects, e.g. ``{"app": AppState(model, optim, ...)}``)::
+
+    store = CheckpointStore("ckpt", keep=2)
+    start = store.load_latest(state) or 0     # None when there is no checkpoint
+    for step in range(start + 1, steps + 1):
+        ...
+        if step % save_every == 0:
+            store.save(step, state)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["CheckpointStore", "CheckpointError"]
+
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last (on the coordinator)
+_MANIFEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory could not be loaded (missing, torn or mismatched).
+
+    Raised on every rank of the process group with the same message, which
+    names the directory and each failing rank's reason."""
+
+
+class CheckpointStore:
+    """Atomic, rotating DCP checkpoints of a run under ``root``.
+
+    ``keep`` (>= 1) committed checkpoints are retained: the one just saved
+    and the newest others. ``group`` is the process group the collective
+    calls use (default: the default group; without an initialised process
+    group everything runs as a single process).
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], keep: int = 2, *,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.group = group
+
+    # ------------------------------------------------------------------ paths
+    def path(self, step: int) -> Path:
+        """The committed directory of ``step`` (whether or not it exists)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.root / f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Committed steps on disk, ascending (local: reads the file system)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            m = _STEP_RE.match(entry.name)
+            if m and entry.is_dir():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or ``None`` (local: reads the file system)."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------- save
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Save ``state`` as checkpoint ``step``; collective. Returns its committed path.
+
+        1. rank 0 picks ``step_<N>.partial-<random>`` and broadcasts the name;
+        2. ``dcp.save`` writes into it (collective; rank 0 writes ``.metadata``
+           last), then a barrier: every rank's files are complete;
+        3. rank 0 renames it to ``step_<N>`` (atomic), fsyncs ``root``, rewrites
+           ``latest``, deletes committed checkpoints beyond ``keep`` and all
+           garbage (stale partials of crashed saves);
+        4. a barrier, so no rank runs ahead while rank 0 is still committing.
+
+        A crash before step 3's rename leaves only a ``.partial-*`` directory:
+        the previous checkpoints stay the newest committed ones.
+        """
+        final = self.path(step)
+        rank = self._rank()
+        name = [f"{final.name}.partial-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
+        if self._distributed():
+            dist.broadcast_object_list(name, src=self._global_rank0(), group=self.group)
+        partial = self.root / name[0]
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        dcp.save(state, checkpoint_id=partial, process_group=self.group)
+        self._barrier()
+        if rank == 0:
+            if not (partial / _METADATA).is_file():  # DCP finished without error: cannot happen
+                raise CheckpointError(f"dcp.save did not write {partial / _METADATA}")
+            if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside
+                os.replace(final, self.root / f"{final.name}.replaced-{uuid.uuid4().hex[:12]}")
+            os.replace(partial, final)
+            _fsync_dir(self.root)
+            self._write_manifest(step)
+            self._collect_garbage(step)
+        self._barrier()
+        return final
+
+    # ------------------------------------------------------------------- load
+    def load_latest(self, state: dict[str, Any]) -> Optional[int]:
+        """Load the newest committed checkpoint into ``state`` in place; collective.
+
+        Returns its step, or ``None`` (``state`` untouched) when there is none.
+        Rank 0 decides which step (so all ranks agree); ``.partial-*`` and other
+        garbage are ignored. Raises ``CheckpointError`` on every rank if it is
+        torn (no ``.metadata``) or does not match ``state`` (missing keys, other
+        shapes); it does not fall back to an older checkpoint.
+        """
+        step = [self.latest_step() if self._rank() == 0 else None]
+        if self._distributed():
+            dist.broadcast_object_list(step, src=self._global_rank0(), group=self.group)
+        if step[0] is None:
+            return None
+        self.load(step[0], state)
+        return step[0]
+
+    def load(self, step: int, state: dict[str, Any]) -> None:
+        """Load committed checkpoint ``step`` into ``state`` in place; collective.
+
+        Raises ``CheckpointError`` on every rank if it does not exist, is torn
+        or does not match ``state``."""
+        path = self.path(step)
+        problem = None
+        if not path.is_dir():
+            problem = "the directory does not exist"
+        elif not (path / _METADATA).is_file():
+            problem = (f"it has no {_METADATA} file (torn checkpoint: its writing did not "
+                       f"finish, or files were deleted since)")
+        self._raise_if_any(path, problem, "is not loadable")
+        problem = None
+        try:
+            dcp.load(state, checkpoint_id=path, process_group=self.group)
+        except Exception as e:  # DCP raises on every rank (CheckpointException wraps them all)
+            problem = f"{type(e).__name__}: {e}"
+        self._raise_if_any(path, problem, "does not match the state being loaded")
+
+    # -------------------------------------------------------------- internals
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if self._distributed() else 0
+
+    def _global_rank0(self) -> int:
+        if self.group is None:
+            return 0
+        return dist.get_global_rank(self.group, 0)
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier(group=self.group)
+
+    def _raise_if_any(self, path: Path, problem: Optional[str], what: str) -> None:
+        """Gather every rank's ``problem`` (None = fine); raise the same error everywhere."""
+        if self._distributed():
+            problems: list[Optional[str]] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(problems, problem, group=self.group)
+        else:
+            problems = [problem]
+        failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if not failed:
+            return
+        distinct = {p for _, p in failed}
+        if len(distinct) == 1:
+            ranks = ", ".join(str(r) for r, _ in failed)
+            detail = f"on rank(s) {ranks}: {distinct.pop()}"
+        else:
+            detail = "\n".join(f"  rank {r}: {p}" for r, p in failed)
+        raise CheckpointError(f"checkpoint {path} {what}: {detail}")
+
+    def _write_manifest(self, step: int) -> None:
+        tmp = self.root / f"{_MANIFEST}.tmp-{uuid.uuid4().hex[:12]}"
+        with open(tmp, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / _MANIFEST)
+        _fsync_dir(self.root)
+
+    def _collect_garbage(self, saved: int) -> None:
+        """Rank 0, after a commit: drop old checkpoints beyond ``keep`` and all garbage."""
+        others = [s for s in self.steps() if s != saved]
+        for old in sorted(others, reverse=True)[self.keep - 1:]:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+        for entry in self.root.iterdir():
+            if entry.name.startswith("step_") and (".partial-" in entry.name
+                                                   or ".replaced-" in entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.startswith(f"{_MANIFEST}.tmp-"):
+                entry.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames inside ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
