@@ -163,8 +163,9 @@ class ShardedModule:
     def __reduce_ex__(self, protocol: int):
         raise TypeError(
             f"cannot pickle (torch.save) a {type(self).__name__} annotated by fully_shard: each "
-            "rank holds only its shards. Save a state_dict instead (read under "
-            "model.unshard(recurse=True)), or copy/save the model before fully_shard.")
+            "rank holds only its shards. Save a state_dict instead (model.state_dict() or "
+            "torch.distributed.checkpoint, on every rank), or copy/save the model before "
+            "fully_shard.")
 
     def _apply(self, fn, recurse: bool = True):
         """``module.to(dtype)``, ``.double()``, ``.bfloat16()``, ...: convert
