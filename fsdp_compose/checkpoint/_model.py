@@ -114,7 +114,7 @@ class UnitStateDictHooks:
             if value is None or value is record.param:
                 continue
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(record.shape):
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                shape = value.shape if isinstance(value, torch.Tensor) else type(value)
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {shape} from "
                     f"checkpoint, the shape in current model is {record.shape}.")
