@@ -8,8 +8,8 @@
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint HOST:29500 examples/train_gpt.py
     # checkpoint every 5 steps; rerun the same command (or let torchrun restart
     # it, --max-restarts) to continue from the newest checkpoint, bit for bit
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py \\
-        --ckpt-dir ckpt --save-every 5 --resume
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
+        examples/train_gpt.py --ckpt-dir ckpt --save-every 5 --resume
 
 Every block is its own unit, then the root; the optimizer is a plain AdamW
 with decay/no-decay groups built from the parameters' original shapes, its
@@ -25,6 +25,8 @@ number is the data position and a resumed run at the same world size repeats
 an uninterrupted one exactly. `--fail-at-step K` is a testing aid: rank 1
 exits abruptly at the start of step K, on torchrun's first attempt only
 (TORCHELASTIC_RESTART_COUNT 0), to exercise restart and resume.
+A failing rank ends the attempt (torchrun stops the others); collectives
+time out after 5 minutes (`init_from_torchrun`) if a rank hangs instead.
 """
 
 from __future__ import annotations

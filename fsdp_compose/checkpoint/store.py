@@ -14,12 +14,13 @@ Invariants, at every moment (a rank may be killed at any instruction):
 * A directory named exactly ``step_<8 digits>`` is *committed*: every rank
   finished writing its files into it and DCP's ``.metadata`` was written and
   fsynced before it received that name, by one atomic ``os.replace`` of the
-  whole directory. It is never modified afterwards, only deleted (retention)
-  or, when the same step is saved again, moved aside (``.replaced-*``) just
-  before the new one takes its name.
+  whole directory. It is never modified afterwards: retention first renames
+  it (``.deleting-*``) then deletes it, and when the same step is saved again
+  the old one is moved aside (``.replaced-*``) just before the new one takes
+  its name.
 * Everything else under ``root`` (``*.partial-*``, ``*.replaced-*``,
-  ``latest.tmp-*``) is garbage that the store never loads; rank 0 deletes it
-  after the next successful save.
+  ``*.deleting-*``, ``latest.tmp-*``) is garbage that the store never loads;
+  rank 0 deletes it after the next successful save.
 * ``latest`` is replaced atomically (temp file, fsync, ``os.replace``) after
   the rename, so it names a committed step or lags behind by one save (a crash
   between the rename and the manifest write). The store itself trusts the
@@ -54,6 +55,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["CheckpointStore", "CheckpointError"]
 
@@ -73,7 +75,9 @@ class CheckpointStore:
     """Atomic, rotating DCP checkpoints of a run under ``root``.
 
     ``keep`` (>= 1) committed checkpoints are retained: the one just saved
-    and the newest others. ``group`` is the process group the collective
+    and the ``keep - 1`` newest others. ``load_latest`` loads the largest step
+    on disk, so a run that restarts from an older step by hand (``load``)
+    should start in an empty ``root`` or remove the newer checkpoints. ``group`` is the process group the collective
     calls use (default: the default group; without an initialised process
     group everything runs as a single process).
     """
@@ -119,7 +123,10 @@ class CheckpointStore:
         3. rank 0 renames it to ``step_<N>`` (atomic), fsyncs ``root``, rewrites
            ``latest``, deletes committed checkpoints beyond ``keep`` and all
            garbage (stale partials of crashed saves);
-        4. a barrier, so no rank runs ahead while rank 0 is still committing.
+        4. rank 0 tells every rank whether the commit succeeded (this is also the
+           closing barrier: no rank runs ahead while rank 0 is still committing),
+           and all raise ``CheckpointError`` if it did not. ``dcp.save``'s own
+           failures are DCP's ``CheckpointException``, raised on every rank.
 
         A crash before step 3's rename leaves only a ``.partial-*`` directory:
         the previous checkpoints stay the newest committed ones.
@@ -134,16 +141,15 @@ class CheckpointStore:
             self.root.mkdir(parents=True, exist_ok=True)
         dcp.save(state, checkpoint_id=partial, process_group=self.group)
         self._barrier()
+        problem, error = None, None
         if rank == 0:
-            if not (partial / _METADATA).is_file():  # DCP finished without error: cannot happen
-                raise CheckpointError(f"dcp.save did not write {partial / _METADATA}")
-            if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside
-                os.replace(final, self.root / f"{final.name}.replaced-{uuid.uuid4().hex[:12]}")
-            os.replace(partial, final)
-            _fsync_dir(self.root)
-            self._write_manifest(step)
-            self._collect_garbage(step)
-        self._barrier()
+            try:
+                self._commit(step, partial, final)
+            except Exception as e:  # reported on every rank below, not only here
+                problem, error = _describe(e), e
+        # doubles as the closing barrier: no rank returns before the commit is done
+        self._raise_if_any(final, f"was not committed (its files are in {partial.name})",
+                           problem, error)
         return final
 
     # ------------------------------------------------------------------- load
@@ -176,13 +182,15 @@ class CheckpointStore:
         elif not (path / _METADATA).is_file():
             problem = (f"it has no {_METADATA} file (torn checkpoint: its writing did not "
                        f"finish, or files were deleted since)")
-        self._raise_if_any(path, problem, "is not loadable")
-        problem = None
+        self._raise_if_any(path, "is not loadable", problem)
+        problem, error = None, None
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group)
-        except Exception as e:  # DCP raises on every rank (CheckpointException wraps them all)
-            problem = f"{type(e).__name__}: {e}"
-        self._raise_if_any(path, problem, "does not match the state being loaded")
+        except CheckpointException as e:  # DCP gathers every rank's failure and raises it on all
+            problem, error = {r: _describe(exc) for r, (exc, _) in e.failures.items()}, e
+        except Exception as e:
+            problem, error = _describe(e), e
+        self._raise_if_any(path, "could not be loaded into the given state", problem, error)
 
     # -------------------------------------------------------------- internals
     def _distributed(self) -> bool:
@@ -200,23 +208,41 @@ class CheckpointStore:
         if self._distributed():
             dist.barrier(group=self.group)
 
-    def _raise_if_any(self, path: Path, problem: Optional[str], what: str) -> None:
-        """Gather every rank's ``problem`` (None = fine); raise the same error everywhere."""
+    def _raise_if_any(self, path: Path, what: str, problem: Union[None, str, dict[int, str]],
+                      error: Optional[BaseException] = None) -> None:
+        """Gather every rank's ``problem`` (None: fine; a text: this rank's; a dict: by rank,
+        as DCP reports them) and raise the same ``CheckpointError`` on every rank if any."""
         if self._distributed():
-            problems: list[Optional[str]] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(problems, problem, group=self.group)
+            gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, problem, group=self.group)
         else:
-            problems = [problem]
-        failed = [(r, p) for r, p in enumerate(problems) if p is not None]
-        if not failed:
+            gathered = [problem]
+        by_rank: dict[int, str] = {}
+        for rank, p in enumerate(gathered):
+            if isinstance(p, dict):
+                by_rank.update(p)
+            elif p is not None:
+                by_rank[rank] = p
+        if not by_rank:
             return
-        distinct = {p for _, p in failed}
-        if len(distinct) == 1:
-            ranks = ", ".join(str(r) for r, _ in failed)
-            detail = f"on rank(s) {ranks}: {distinct.pop()}"
-        else:
-            detail = "\n".join(f"  rank {r}: {p}" for r, p in failed)
-        raise CheckpointError(f"checkpoint {path} {what}: {detail}")
+        ranks_of: dict[str, list[int]] = {}
+        for rank in sorted(by_rank):
+            ranks_of.setdefault(by_rank[rank], []).append(rank)
+        lines = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+                 for text, r in ranks_of.items()]
+        detail = lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines)
+        raise CheckpointError(f"checkpoint {path} {what}: {detail}") from error
+
+    def _commit(self, step: int, partial: Path, final: Path) -> None:
+        """Rank 0, after every rank's files are written: publish ``partial`` as ``final``."""
+        if not (partial / _METADATA).is_file():  # cannot happen after a successful dcp.save
+            raise FileNotFoundError(f"dcp.save did not write {partial / _METADATA}")
+        if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside
+            os.replace(final, self.root / f"{final.name}.replaced-{uuid.uuid4().hex[:12]}")
+        os.replace(partial, final)
+        _fsync_dir(self.root)
+        self._write_manifest(step)
+        self._collect_garbage(step)
 
     def _write_manifest(self, step: int) -> None:
         tmp = self.root / f"{_MANIFEST}.tmp-{uuid.uuid4().hex[:12]}"
@@ -231,13 +257,20 @@ class CheckpointStore:
         """Rank 0, after a commit: drop old checkpoints beyond ``keep`` and all garbage."""
         others = [s for s in self.steps() if s != saved]
         for old in sorted(others, reverse=True)[self.keep - 1:]:
-            shutil.rmtree(self.path(old), ignore_errors=True)
+            # renamed first, so that a crash during the deletion leaves garbage, not a
+            # half-deleted directory under a committed name
+            path = self.path(old)
+            os.replace(path, path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:12]}"))
         for entry in self.root.iterdir():
-            if entry.name.startswith("step_") and (".partial-" in entry.name
-                                                   or ".replaced-" in entry.name):
+            if entry.name.startswith("step_") and any(
+                    tag in entry.name for tag in (".partial-", ".replaced-", ".deleting-")):
                 shutil.rmtree(entry, ignore_errors=True)
             elif entry.name.startswith(f"{_MANIFEST}.tmp-"):
                 entry.unlink(missing_ok=True)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _fsync_dir(path: Path) -> None:

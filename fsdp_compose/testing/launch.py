@@ -16,7 +16,15 @@ def init_from_torchrun(timeout: datetime.timedelta = datetime.timedelta(minutes=
     local ranks. ``timeout`` bounds every collective, so a rank that dies does
     not leave the others waiting forever."""
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    # torchrun keeps one store for the whole job across restarts
+    # (--max-restarts); keys of a failed attempt would be read by the next
+    # one (a restarted rank then dials its dead peer's address), so every
+    # attempt gets its own key prefix.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"fsdp_compose/attempt_{attempt}", store)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return torch.device("cuda")
