@@ -34,6 +34,7 @@ every rank instead of silently mixing slices of different initialisations.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -75,15 +76,23 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
     for unit in units:
         unit.reshard()
     walk = _InitWalk()
-    for sub in module.modules():
+    uninitialised = []
+    for name, sub in module.named_modules():
         init = _initialiser(sub, init_fn)
         if init is None:
+            if any(p is not None for p in sub._parameters.values()):
+                uninitialised.append(f"'{name}' ({type(sub).__name__})")
             continue
         if any(p is not None for p in sub._parameters.values()):
             walk.enter(_unit_holding(sub))  # else: keep the open unit (no switch for buffers)
         with torch.no_grad():
             init()
     walk.enter(None)
+    if uninitialised:
+        warnings.warn(
+            f"materialize: {', '.join(uninitialised)} hold parameters but have no "
+            "reset_parameters(); their values are whatever an ancestor's reset_parameters() "
+            "wrote, or uninitialised memory. Pass init_fn to initialise them.", stacklevel=2)
     return module
 
 
@@ -149,13 +158,16 @@ class _InitWalk:
         self.full = []
 
 
+def _checksum(values: torch.Tensor) -> tuple[float, float]:
+    """Sums over all elements and every other one, in the values' own dtype:
+    reductions that make no unit-sized copy (a cast to a wider dtype would).
+    Identical values give identical sums; differently seeded ones do not."""
+    values = values.detach()
+    return float(values.sum()), float(values[::2].sum())
+
+
 def _check_same_values(unit: ShardUnit, full: list[torch.Tensor]) -> None:
-    digest = hashlib.sha256()
-    for values in full:
-        as_double = values.detach().double()
-        positions = torch.arange(values.numel(), dtype=torch.float64, device=values.device)
-        digest.update(torch.stack([as_double.sum(), (as_double * positions).sum()]).cpu()
-                      .numpy().tobytes())
+    digest = hashlib.sha256(repr([_checksum(values) for values in full]).encode())
     fingerprint = int.from_bytes(digest.digest()[:8], "little") >> 1
     every = all_gather_fingerprints(fingerprint, unit.group)
     if len(set(every)) > 1:
@@ -195,7 +207,14 @@ def allocate_meta(module: nn.Module, device: Optional[torch.device] = None) -> N
     if device is None:
         units = units_below(module)
         device = units[0].group.device if units else torch.device("cpu")
-    module.to_empty(device=device)
+    # A meta Parameter cannot take `.data = <real tensor>`: without swapping,
+    # torch would register new Parameter objects for unannotated parameters.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def _allocate(module: nn.Module, table: dict, name: str, tensor: torch.Tensor,
