@@ -11,6 +11,7 @@ from .api import ShardedParamInfo, fully_shard, param_info
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
+from .init import materialize, sync_module_states
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .sharded_module import ShardedModule, UnshardHandle
 
@@ -18,5 +19,6 @@ __all__ = [
     "fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
+    "materialize", "sync_module_states",
 ]
 __version__ = "0.1.0"

@@ -58,6 +58,14 @@ def default_mesh() -> DeviceMesh:
     return _DEFAULT_MESH[device_type][1]
 
 
+def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where tensors for collectives over ``group`` (default: the default
+    group) must live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # device type -> (the default process group it was built for, the mesh)
 _DEFAULT_MESH: dict[str, tuple[object, DeviceMesh]] = {}
 

@@ -143,8 +143,12 @@ class FlatBuffer:
     def _shard_values(self, dtype: torch.dtype) -> torch.Tensor:
         """Copy this rank's slice of every (full) parameter into a new shard;
         the full values are not kept."""
-        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self._storage_device(),
-                            pin_memory=self._pinned(self._storage_device()))
+        # deferred init: meta parameters give a meta shard (shapes only)
+        device = torch.device("meta") if self.records[0].param.is_meta else self._storage_device()
+        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device,
+                            pin_memory=self._pinned(device))
+        if device.type == "meta":
+            return shard
         for record, s in zip(self.records, self._slices):
             if s.length:
                 flat = record.param.detach().reshape(-1)
@@ -153,6 +157,7 @@ class FlatBuffer:
         return shard
 
     def _storage_device(self) -> torch.device:
+        """Where the shards live once materialised."""
         return torch.device("cpu") if self.policy.offload_to_cpu else self.group.device
 
     def _pinned(self, device: torch.device) -> bool:
@@ -176,7 +181,10 @@ class FlatBuffer:
         self.sharded = sharded
         self.aliased = (self.group.world_size == 1 and self.compute_dtype == self.dtype
                         and self.storage_device == self.compute_device)
-        if self.aliased:
+        if self.is_meta:  # nothing to allocate until materialised (rebuilt by adopt_converted_params)
+            self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
+                                         device="meta", requires_grad=self.requires_grad)
+        elif self.aliased:
             self.unsharded = torch.empty(0, dtype=self.dtype, device=self.compute_device)
             with torch.no_grad():
                 self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,))
@@ -189,7 +197,7 @@ class FlatBuffer:
         self._register_grad_hook()
         self._sharded_views = [sharded.narrow(0, s.shard_start, s.length) for s in self._slices]
         self._unsharded_views = self._build_unsharded_views()
-        if not self.aliased:
+        if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
         self.is_unsharded = False
         for record, view in zip(self.records, self._sharded_views):
@@ -249,7 +257,10 @@ class FlatBuffer:
             return False  # the conversion left this buffer's parameters alone
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
-        if len(dtypes) > 1 or devices != {self.storage_device}:
+        if self.is_meta and len(devices) == 1 and torch.device("meta") not in devices:
+            devices = {self._storage_device()}  # materialised (to_empty): where the policy keeps shards
+        if len(dtypes) > 1 or devices != {self.storage_device} and not self.is_meta or \
+                len(devices) > 1:
             described = ", ".join(f"'{r.fqn}': {r.param.dtype} on {r.param.device}"
                                   for r in self.records)
             raise ValueError(
@@ -257,15 +268,15 @@ class FlatBuffer:
                 f"the mesh's device {self.storage_device} ({described}). fully_shard supports "
                 "dtype conversions of the whole unit (module.to(dtype), .double(), .bfloat16()); "
                 "move the model to its device before fully_shard.")
-        dtype = dtypes.pop()
-        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.storage_device,
-                            pin_memory=self.pin_memory)
+        dtype, device = dtypes.pop(), devices.pop()
+        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device,
+                            pin_memory=self._pinned(device))
         grads = [p.grad for p in params]
         grad = None
         if any(g is not None for g in grads):
             grad = torch.zeros_like(shard)
         for param, g, s in zip(params, grads, self._slices):
-            if s.length:
+            if s.length and device.type != "meta":
                 shard.narrow(0, s.shard_start, s.length).copy_(param.detach().reshape(-1))
                 if g is not None:
                     grad.narrow(0, s.shard_start, s.length).copy_(g.reshape(-1))
@@ -275,6 +286,36 @@ class FlatBuffer:
         self._install(shard)
         self.grad.attach(grad, [g is not None for g in grads])
         return True
+
+    @property
+    def is_meta(self) -> bool:
+        """Whether the shards are still on the meta device (deferred init)."""
+        return self.sharded.is_meta
+
+    # ---------------------------------------------------- deferred initialisation
+    def gather_values(self) -> torch.Tensor:
+        """All-gather the parameters' values in their own dtype (not the
+        compute dtype) into a new padded flat tensor on the compute device.
+        Collective; for initialisation and loading, not the training step."""
+        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.compute_device)
+        all_gather_into(full, self.sharded.to(self.compute_device), self.group)
+        return full
+
+    def point_params_at(self, full: torch.Tensor) -> None:
+        """Make every original parameter's ``.data`` its view (original
+        shape) of ``full`` (from :meth:`gather_values`), e.g. so that an
+        initialiser sees whole parameters. Undo with :meth:`keep_own_slice`."""
+        for record, offset, numel in zip(self.records, self.layout.offsets, self.layout.numels):
+            record.param.data = full.narrow(0, offset, numel).view(record.shape)
+
+    def keep_own_slice(self, full: torch.Tensor) -> None:
+        """Copy this rank's chunk of ``full`` into the shard and make the
+        parameters their 1-D slices of it again."""
+        start, end = self.layout.shard_range(self.group.rank)
+        with torch.no_grad():
+            self.sharded.copy_(full[start:end])
+        for record, view in zip(self.records, self._sharded_views):
+            record.param.data = view
 
     # -------------------------------------------------------------- unshard
     def unshard(self) -> None:

@@ -97,6 +97,7 @@ class _ShardState(_State):
         if id(module) in self.in_forward_method:
             return args, kwargs  # inside a registered forward method: already unsharded
         self.lazy_init()
+        self.unit.check_materialized()
         check_registration(self.registration, self.context.root.unit.modules[0])
         if self.is_root and self.unit.state is TrainingState.IDLE:
             self.unit.scheduler.start_iteration()  # not a recomputation inside backward
@@ -176,6 +177,11 @@ def state_of(module: nn.Module) -> Optional[_ShardState]:
     return state if isinstance(state, _ShardState) and state.unit is not None else None
 
 
+def units_below(module: nn.Module) -> list[ShardUnit]:
+    """Every unit annotated in ``module``'s subtree, in module order."""
+    return [state.unit for state in _states_below((module,)) if state.unit is not None]
+
+
 def _states_below(modules: tuple[nn.Module, ...]) -> list[_ShardState]:
     seen: dict[int, _ShardState] = {}
     for top in modules:
@@ -209,7 +215,7 @@ def _check_devices(states: list[_ShardState]) -> None:
 
 
 def _layout_fingerprint(units: list[ShardUnit]) -> int:
-    text = repr([[(r.fqn, tuple(r.shape), str(r.param.dtype), r.param.requires_grad)
+    text = repr([[(r.fqn, tuple(r.shape), str(r.param.dtype), r.param.requires_grad, b.is_meta)
                   for b in u.buffers for r in b.records] for u in units])
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
@@ -231,8 +237,9 @@ def _check_ranks_agree(states: list[_ShardState]) -> None:
             differing = [r for r, p in enumerate(prints) if p != prints[0]]
             raise RuntimeError(
                 f"[rank {group.rank}] ranks disagree on the parameters of the fully_shard units "
-                f"{[u.name for u in units]}: ranks {differing} have different names, shapes or "
-                f"dtypes than rank 0 (this rank's fingerprint {mine:#x}). Build the same model "
-                "on every rank before calling fully_shard.")
+                f"{[u.name for u in units]}: ranks {differing} have different names, shapes, "
+                f"dtypes or meta-ness than rank 0 (this rank's fingerprint {mine:#x}). Build the same model "
+                "on every rank before calling fully_shard (and materialise meta parameters on every "
+                "rank before the first forward).")
         for state in group_states:
             state.validated = True

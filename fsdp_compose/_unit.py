@@ -146,6 +146,16 @@ class ShardUnit:
     def frozen_buffers(self) -> list[FlatBuffer]:
         return [b for b in self.buffers if not b.requires_grad]
 
+    def check_materialized(self) -> None:
+        """Raise if the unit's parameters are still on the meta device."""
+        for buffer in self.buffers:
+            if buffer.is_meta:
+                raise RuntimeError(
+                    f"parameter '{buffer.records[0].fqn}' of {self.name} is still on the meta "
+                    "device at forward. Call fsdp_compose.materialize(model) (or "
+                    "model.to_empty(device=...) and initialise the parameters) after fully_shard, "
+                    "before the first forward.")
+
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
         for buffer in self.buffers:

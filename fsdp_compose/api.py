@@ -232,6 +232,12 @@ def _check_params(records: list[ParamRecord], device: torch.device) -> None:
     devices: dict[torch.device, str] = {}
     for r in records:
         devices.setdefault(r.param.device, r.fqn)
+    if len(devices) > 1 and torch.device("meta") in devices:
+        real = next(fqn for dev, fqn in devices.items() if dev.type != "meta")
+        raise ValueError(
+            f"fully_shard got a unit with parameters on the meta device ('{devices[torch.device('meta')]}') "
+            f"and materialised ones ('{real}'); build the whole module on the meta device (then "
+            "fsdp_compose.materialize(model) after fully_shard), or on a real device.")
     if len(devices) > 1:
         listing = ", ".join(f"'{fqn}' on {dev}" for dev, fqn in devices.items())
         raise ValueError(f"parameters of one fully_shard unit are on different devices ({listing});"
@@ -241,15 +247,11 @@ def _check_params(records: list[ParamRecord], device: torch.device) -> None:
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"parameter '{r.fqn}' has layout {p.layout}; fully_shard needs dense "
                              "(strided) parameters. Convert it, or pass it in ignored_params.")
-        if p.is_meta:
-            raise NotImplementedError(
-                f"parameter '{r.fqn}' is on the meta device; materialise the module first "
-                "(module.to_empty(device=...) and initialise it) before fully_shard.")
         if not p.is_contiguous():
             raise ValueError(f"parameter '{r.fqn}' is not contiguous (strides {p.stride()}); "
                              "make it contiguous (param.data = param.data.contiguous()) before "
                              "fully_shard.")
-        if p.device.type not in (device.type, "cpu"):
+        if p.device.type not in (device.type, "cpu", "meta"):
             raise ValueError(f"parameter '{r.fqn}' is on {p.device} but the mesh computes on "
                              f"{device}; move the module to the mesh's device (or pass a "
                              "matching mesh).")

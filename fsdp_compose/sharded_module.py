@@ -174,7 +174,15 @@ class ShardedModule:
         units = [state.unit for state in _states(self, recurse=True)]
         for unit in units:
             unit.reshard()
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        # Leaving the meta device (to_empty) cannot use `param.data = ...`; torch
+        # would register new Parameter objects. swap_tensors keeps identity.
+        leaving_meta = any(buffer.is_meta for unit in units for buffer in unit.buffers)
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(swapping or leaving_meta)
+        try:
+            result = super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
         for unit in units:
             unit.adopt_converted_params()
         return result

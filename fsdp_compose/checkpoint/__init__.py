@@ -9,8 +9,10 @@ unchanged, and checkpoints load across world sizes, into torch FSDP2 and
 into unsharded models. See the README's "Checkpointing" section.
 """
 
+from ._full import load_safetensors, scatter_full_state_dict
 from ._model import UnitStateDictHooks
 from ._optim import register_optimizer
 from .store import CheckpointError, CheckpointStore
 
-__all__ = ["CheckpointError", "CheckpointStore", "register_optimizer", "UnitStateDictHooks"]
+__all__ = ["CheckpointError", "CheckpointStore", "load_safetensors", "register_optimizer",
+           "scatter_full_state_dict", "UnitStateDictHooks"]

@@ -1,0 +1,199 @@
+"""Loading whole (unsharded) weights into a sharded model without a whole
+copy on every rank: from one rank's state dict (scatter) or from
+``safetensors`` files (each rank reads only the rows it owns).
+
+torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` works too,
+but since managed parameters are plain 1-D shards to torch, it keeps every
+broadcast tensor whole on every rank until the final ``load_state_dict``:
+a whole model per rank. Here each rank only ever receives its shards.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._comm import backend_device
+from .._flat_buffer import FlatBuffer
+from .._owners import owner_of
+from .._state import units_below
+from ..init import allocate_meta
+
+StateDict = dict[str, torch.Tensor]
+
+
+def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], *, src: int = 0,
+                            strict: bool = True) -> None:
+    """Load ``src``'s whole state dict into every rank's shards.
+
+    Args:
+        module: a model annotated by ``fully_shard`` (its shards may still be
+            on the meta device on any rank: they are allocated first).
+        state_dict: on ``src``, plain tensors in the original shapes under
+            ``module.state_dict()``'s keys (e.g. a pretrained model's
+            ``state_dict()`` taken on the CPU before ``fully_shard``);
+            ignored on other ranks (pass ``None``).
+        src: the rank that holds ``state_dict``.
+        strict: raise (on every rank) for missing or unexpected keys;
+            mis-shaped keys always raise.
+
+    Each flat buffer is one ``scatter``: ``src`` lays out the buffer whole
+    and every rank receives only its shard (``src`` holds one buffer's
+    values beyond ``state_dict`` at a time). Buffers and parameters no
+    unit manages are broadcast, non-persistent buffers from ``src``'s
+    module. Parameters keep their identity. Collective.
+    """
+    rank = dist.get_rank()
+    shapes = [{k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()
+               if isinstance(v, torch.Tensor)} if rank == src else None]
+    dist.broadcast_object_list(shapes, src=src)
+    available = shapes[0]
+    allocate_meta(module)
+    entries = _entries(module)
+    _check_keys(entries, available, strict)
+    with torch.no_grad():
+        for unit in units_below(module):
+            for buffer in unit.buffers:
+                _scatter_buffer(buffer, entries.keys_of, state_dict if rank == src else None,
+                                available, src)
+        for key, tensor in entries.plain.items():
+            if key in available or not entries.persistent.get(key, True):
+                value = state_dict[key] if rank == src and key in available else tensor
+                staged = value.detach().to(backend_device(), tensor.dtype)
+                dist.broadcast(staged, src=src)
+                tensor.detach().copy_(staged)
+
+
+def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[str, Path]]],
+                     *, strict: bool = True) -> None:
+    """Load ``safetensors`` files (keys as ``module.state_dict()``'s) into
+    a sharded model: each rank reads only the rows that hold its slice of
+    every managed parameter, and whole buffers and unmanaged parameters. No
+    communication. Non-persistent buffers (not in checkpoints) are left as
+    they are: on a meta-built model initialise them first (e.g.
+    ``fsdp_compose.materialize(model, init_fn=...)``)."""
+    from safetensors import safe_open
+
+    paths = [files] if isinstance(files, (str, Path)) else list(files)
+    handles = [safe_open(str(p), framework="pt", device="cpu") for p in paths]
+    where = {key: h for h in handles for key in h.keys()}
+    available = {}
+    for key, handle in where.items():
+        piece = handle.get_slice(key)
+        available[key] = (tuple(piece.get_shape()), None)
+    allocate_meta(module)
+    entries = _entries(module)
+    _check_keys(entries, available, strict)
+    with torch.no_grad():
+        for unit in units_below(module):
+            for buffer in unit.buffers:
+                for record, s in zip(buffer.records, buffer.local_slices()):
+                    key = _first_present(entries.keys_of[id(record.param)], available)
+                    if key is None or s.length == 0:
+                        continue
+                    record.param.copy_(_read_flat_range(where[key], key, record.shape,
+                                                        s.param_start, s.length))
+        for key, tensor in entries.plain.items():
+            if key in where:
+                tensor.detach().copy_(where[key].get_tensor(key))
+
+
+# ----------------------------------------------------------------- helpers
+class _Entries:
+    """What a module's state dict holds, split by who stores it."""
+
+    def __init__(self) -> None:
+        self.keys_of: dict[int, list[str]] = {}
+        """id(managed parameter) -> its keys (several when tied)."""
+        self.shape_of: dict[str, tuple[int, ...]] = {}
+        self.plain: dict[str, torch.Tensor] = {}
+        """Buffers and unmanaged parameters, by key (non-persistent buffers too)."""
+        self.persistent: dict[str, bool] = {}
+
+
+def _entries(module: nn.Module) -> _Entries:
+    entries = _Entries()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        for name, param in sub._parameters.items():
+            if param is None:
+                continue
+            key = prefix + name
+            owner = owner_of(param)
+            if owner is None:
+                entries.plain[key] = param
+                entries.shape_of[key] = tuple(param.shape)
+            else:
+                entries.keys_of.setdefault(id(param), []).append(key)
+                entries.shape_of[key] = tuple(owner.buffer.records[owner.index].shape)
+        for name, buf in sub._buffers.items():
+            if buf is not None:
+                key = prefix + name
+                entries.plain[key] = buf
+                entries.persistent[key] = name not in sub._non_persistent_buffers_set
+                if entries.persistent[key]:
+                    entries.shape_of[key] = tuple(buf.shape)
+    return entries
+
+
+def _check_keys(entries: _Entries, available: dict, strict: bool) -> None:
+    """Raise on every rank (every rank knows ``available``) for mis-shaped
+    keys, and for missing or unexpected ones when ``strict``."""
+    errors = [f"size mismatch for {key}: copying a param with shape {available[key][0]} from "
+              f"checkpoint, the shape in current model is {torch.Size(shape)}."
+              for key, shape in entries.shape_of.items()
+              if key in available and tuple(available[key][0]) != shape]
+    if strict:
+        missing = [k for k in entries.shape_of if k not in available]
+        unexpected = [k for k in available if k not in entries.shape_of]
+        if missing:
+            errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
+        if unexpected:
+            errors.append("Unexpected key(s) in state_dict: "
+                          + ", ".join(f'"{k}"' for k in unexpected))
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict:\n\t" + "\n\t".join(errors))
+
+
+def _scatter_buffer(buffer: FlatBuffer, keys_of: dict[int, list[str]],
+                    state_dict: Optional[StateDict], available: dict, src: int) -> None:
+    group = buffer.group
+    present = [_first_present(keys_of[id(r.param)], available) for r in buffer.records]
+    if not any(present):
+        return  # the same on every rank: nothing of this buffer in the checkpoint
+    device = group.device
+    shard = torch.empty(buffer.layout.shard_numel, dtype=buffer.dtype, device=device)
+    chunks = None
+    if state_dict is not None:
+        full = torch.zeros(buffer.layout.padded_numel, dtype=buffer.dtype, device=device)
+        for key, offset, numel in zip(present, buffer.layout.offsets, buffer.layout.numels):
+            if key is not None:
+                full.narrow(0, offset, numel).copy_(state_dict[key].reshape(-1))
+        chunks = list(full.chunk(group.world_size))
+    if group.world_size == 1:
+        shard.copy_(chunks[0])
+    else:
+        dist.scatter(shard, chunks, src=src, group=group.process_group)
+    for record, s, key in zip(buffer.records, buffer.local_slices(), present):
+        if key is not None:
+            record.param.copy_(shard.narrow(0, s.shard_start, s.length))
+
+
+def _read_flat_range(handle, key: str, shape: torch.Size, start: int, length: int) -> torch.Tensor:
+    """Elements ``[start, start + length)`` of the flattened tensor ``key``,
+    reading only the dim-0 rows that contain them."""
+    if len(shape) == 0:
+        return handle.get_tensor(key).reshape(-1)[start:start + length]
+    row = math.prod(shape[1:])
+    first, last = start // row, -(-(start + length) // row)
+    rows = handle.get_slice(key)[first:last]
+    return rows.reshape(-1)[start - first * row:start - first * row + length]
+
+
+def _first_present(keys: list[str], available: dict) -> Optional[str]:
+    return next((k for k in keys if k in available), None)

@@ -1,0 +1,229 @@
+"""Models larger than one rank: deferred (meta-device) initialisation and
+making ranks agree on initial values.
+
+Recipe (every rank)::
+
+    with torch.device("meta"):
+        model = Transformer(cfg)            # shapes only, no memory
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)                      # shards stay on the meta device
+    torch.manual_seed(0)                    # the same seed on every rank
+    materialize(model)                      # allocate shards, initialise unit by unit
+
+[Note: initialising as if eagerly]
+``materialize`` visits modules in ``model.modules()`` order (pre-order, which
+is construction order for the usual ``__init__`` that creates children in
+the order it registers them) and calls each one's ``reset_parameters()``
+(or ``init_fn(module)``) with that module's own parameters whole: the unit
+that holds them is all-gathered into a buffer of the parameters' dtype and
+every parameter's ``.data`` points into it, so initialisers that look at
+the full shape (``kaiming_uniform_`` fan-in) are right. Every rank runs the
+same initialisers in the same order from the same random state, so every
+rank computes the same full values and keeps its slice: with the same seed,
+the result equals the eagerly built model's values exactly (on the same
+device type: CUDA and CPU generators differ). A unit is closed (each rank
+keeps its slice, the buffer is freed) when the walk moves on to another
+unit and re-gathered if the walk comes back (the root unit holds the
+embedding at the start and the head at the end), so at most one unit is
+whole at a time. When a unit is closed, one small all-gather compares a
+checksum of its values across ranks: ranks seeded differently raise on
+every rank instead of silently mixing slices of different initialisations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._comm import all_gather_fingerprints, backend_device
+from ._owners import owner_of
+from ._state import units_below
+from ._unit import ShardUnit
+
+InitFn = Callable[[nn.Module], None]
+
+
+def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
+                init_fn: Optional[InitFn] = None) -> nn.Module:
+    """Allocate what ``module`` holds on the meta device and initialise it
+    unit by unit (see [Note: initialising as if eagerly]).
+
+    Args:
+        module: a model whose units were annotated by ``fully_shard`` while
+            its parameters were on the meta device (unannotated parts are
+            materialised whole).
+        device: where unannotated parameters and buffers go (default: the
+            units' compute device; CPU without units). Shards go where
+            ``fully_shard`` keeps them (its mesh's device, or the CPU with a
+            ``CPUOffloadPolicy``).
+        init_fn: called as ``init_fn(m)`` for every module ``m`` in
+            ``module.modules()`` order with ``m``'s own parameters whole
+            (e.g. a Hugging Face model's ``model._init_weights``). Default:
+            ``m.reset_parameters()`` where ``m`` has one.
+
+    Returns:
+        ``module``. Parameters keep their identity (an optimizer may be built
+        before or after). Collective: call on every rank, with the same seed.
+    """
+    units = units_below(module)
+    allocate_meta(module, device)
+    for unit in units:
+        unit.reshard()
+    walk = _InitWalk()
+    uninitialised = []
+    for name, sub in module.named_modules():
+        init = _initialiser(sub, init_fn)
+        if init is None:
+            if any(p is not None for p in sub._parameters.values()):
+                uninitialised.append(f"'{name}' ({type(sub).__name__})")
+            continue
+        if any(p is not None for p in sub._parameters.values()):
+            walk.enter(_unit_holding(sub))  # else: keep the open unit (no switch for buffers)
+        with torch.no_grad():
+            init()
+    walk.enter(None)
+    if uninitialised:
+        warnings.warn(
+            f"materialize: {', '.join(uninitialised)} hold parameters but have no "
+            "reset_parameters(); their values are whatever an ancestor's reset_parameters() "
+            "wrote, or uninitialised memory. Pass init_fn to initialise them.", stacklevel=2)
+    return module
+
+
+def sync_module_states(module: nn.Module, src: int = 0,
+                       group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+    """Give every rank ``src``'s parameters and buffers (FSDP1's
+    ``sync_module_states``): one broadcast per tensor, in place (parameters
+    keep their identity). Call it *before* ``fully_shard``, when ``src``
+    still holds whole parameters; ranks other than ``src`` may hold meta
+    tensors, which are allocated on ``src``'s device. Collective.
+
+    After ``fully_shard`` no rank holds whole parameters any more: load
+    values with ``fsdp_compose.checkpoint.scatter_full_state_dict`` (each
+    rank receives only its shards) or torch's ``set_model_state_dict``.
+    """
+    managed = [name for name, p in module.named_parameters() if owner_of(p) is not None]
+    if managed:  # the same on every rank: raised everywhere
+        raise ValueError(
+            f"sync_module_states got a module whose parameters are already sharded by "
+            f"fully_shard (e.g. '{managed[0]}'), so no rank holds their whole values. Call "
+            "sync_module_states(model) before fully_shard, or load the values from rank 0 "
+            "with fsdp_compose.checkpoint.scatter_full_state_dict(model, state_dict, src=0).")
+    device = backend_device(group)
+    with torch.no_grad():
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        continue
+                    if tensor.is_meta:
+                        tensor = _allocate(sub, table, name, tensor, device)
+                    staged = tensor.detach().to(device)
+                    dist.broadcast(staged, src=src, group=group)
+                    if staged is not tensor:
+                        tensor.detach().copy_(staged)
+    return module
+
+
+# ----------------------------------------------------------------- helpers
+class _InitWalk:
+    """Keeps at most one unit whole while modules are initialised in order."""
+
+    def __init__(self) -> None:
+        self.unit: Optional[ShardUnit] = None
+        self.full: list[torch.Tensor] = []
+
+    def enter(self, unit: Optional[ShardUnit]) -> None:
+        if unit is self.unit:
+            return  # still inside the unit that is whole
+        if self.unit is not None:
+            self._close()
+        self.unit = unit
+        if unit is not None:
+            self.full = [buffer.gather_values() for buffer in unit.buffers]
+            for buffer, full in zip(unit.buffers, self.full):
+                buffer.point_params_at(full)
+
+    def _close(self) -> None:
+        unit = self.unit
+        for buffer, full in zip(unit.buffers, self.full):
+            buffer.keep_own_slice(full)
+        _check_same_values(unit, self.full)
+        self.full = []
+
+
+def _checksum(values: torch.Tensor) -> tuple[float, float]:
+    """Sums over all elements and every other one, in the values' own dtype:
+    reductions that make no unit-sized copy (a cast to a wider dtype would).
+    Identical values give identical sums; differently seeded ones do not."""
+    values = values.detach()
+    return float(values.sum()), float(values[::2].sum())
+
+
+def _check_same_values(unit: ShardUnit, full: list[torch.Tensor]) -> None:
+    digest = hashlib.sha256(repr([_checksum(values) for values in full]).encode())
+    fingerprint = int.from_bytes(digest.digest()[:8], "little") >> 1
+    every = all_gather_fingerprints(fingerprint, unit.group)
+    if len(set(every)) > 1:
+        differing = [r for r, f in enumerate(every) if f != every[0]]
+        raise RuntimeError(
+            f"materialize: ranks {differing} initialised different values than rank 0 for "
+            f"{unit.name} (first parameter '{unit.buffers[0].records[0].fqn}'). Seed every "
+            "rank the same (torch.manual_seed(seed)) before materialize, and use an init_fn "
+            "that depends only on the module.")
+
+
+def _initialiser(module: nn.Module, init_fn: Optional[InitFn]) -> Optional[Callable[[], None]]:
+    if init_fn is not None:
+        return lambda: init_fn(module)
+    reset = getattr(module, "reset_parameters", None)
+    return reset if callable(reset) else None
+
+
+def _unit_holding(module: nn.Module) -> Optional[ShardUnit]:
+    """The unit that manages ``module``'s own parameters (``None``: none do)."""
+    for param in module._parameters.values():
+        if param is not None:
+            owner = owner_of(param)
+            if owner is not None:
+                return owner.unit
+    return None
+
+
+def allocate_meta(module: nn.Module, device: Optional[torch.device] = None) -> None:
+    """``module.to_empty(device=...)`` if it holds meta tensors: annotated
+    units allocate only their shards (where ``fully_shard`` keeps them),
+    the rest goes to ``device`` (default: the units' compute device; CPU
+    without units). Values are uninitialised."""
+    if not any(t.is_meta for t in module.parameters()) and \
+            not any(t.is_meta for t in module.buffers()):
+        return
+    if device is None:
+        units = units_below(module)
+        device = units[0].group.device if units else torch.device("cpu")
+    # A meta Parameter cannot take `.data = <real tensor>`: without swapping,
+    # torch would register new Parameter objects for unannotated parameters.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+def _allocate(module: nn.Module, table: dict, name: str, tensor: torch.Tensor,
+              device: torch.device) -> torch.Tensor:
+    """Replace a meta parameter's data (identity kept) or a meta buffer by
+    uninitialised memory on ``device``."""
+    fresh = torch.empty_like(tensor, device=device)
+    if isinstance(tensor, nn.Parameter):  # a meta tensor cannot take `.data = ...`
+        torch.utils.swap_tensors(tensor, nn.Parameter(fresh, requires_grad=tensor.requires_grad))
+        return tensor
+    table[name] = fresh
+    return fresh
