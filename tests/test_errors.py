@@ -68,13 +68,17 @@ def non_contiguous_parameter():
 def mixed_devices():
     module = nn.Linear(4, 3)
     module.bias = nn.Parameter(torch.zeros(3, device="meta"))
-    return _raises(lambda: fully_shard(module), "'weight'", "'bias'", "different devices")
+    return _raises(lambda: fully_shard(module), "'weight'", "'bias'", "meta device",
+                   "materialised")
 
 
 def meta_parameters():
+    """Allowed at fully_shard (deferred init); a forward before materialising raises."""
     with torch.device("meta"):
         module = nn.Linear(4, 3)
-    return _raises(lambda: fully_shard(module), "meta", "to_empty")
+    fully_shard(module)
+    return _raises(lambda: module(torch.randn(2, 4)), "'weight'", "still on the meta device",
+                   "fsdp_compose.materialize(model)")
 
 
 def ranks_disagree_on_shapes():
