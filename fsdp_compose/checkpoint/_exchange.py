@@ -10,7 +10,8 @@ call it with the same ``selected`` parameters.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -20,24 +21,35 @@ from .._layout import FlatLayout
 from ._chunks import chunk_shape, exchange_plan
 
 
-def flat_to_chunks(flat: torch.Tensor, layout: FlatLayout, group: ShardGroup,
-                   selected: Sequence[int]) -> dict[int, torch.Tensor]:
-    """This rank's dim-0 chunk of each selected parameter, read from ``flat``
-    (``layout.shard_numel`` elements in the flat layout: the sharded values,
-    or a per-element optimizer state laid out the same way).
+Reader = Callable[[int, int], torch.Tensor]
+"""``read(start, length)``: elements ``[start, start + length)`` of this
+rank's shard of some flat-layout values (one parameter's part at a time)."""
 
-    Each chunk is a fresh tensor on ``flat``'s device with storage of its
-    own (a view of a larger buffer would be copied again by DCP's writer and
-    written whole by ``torch.save``).
+
+def flat_to_chunks(flat: Union[torch.Tensor, Reader], layout: FlatLayout, group: ShardGroup,
+                   selected: Sequence[int], *, dtype: Optional[torch.dtype] = None,
+                   home: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
+    """This rank's dim-0 chunk of each selected parameter, read from
+    ``flat``: this rank's ``layout.shard_numel`` elements in the flat layout
+    (the sharded values), or a :data:`Reader` over values held per parameter
+    (optimizer state; every interval read lies inside one parameter).
+
+    Each chunk is a fresh tensor with storage of its own (views of one
+    buffer would break ``copy.deepcopy`` of the ``DTensor`` wrapping them
+    and be copied again by DCP's writer), on ``home`` (default: ``flat``'s
+    device), in ``dtype`` (default: ``flat``'s; required with a reader).
     """
+    if isinstance(flat, torch.Tensor):
+        read, dtype, home = functools.partial(flat.narrow, 0), flat.dtype, home or flat.device
+    else:
+        read, home = flat, home or group.device
     plan = exchange_plan(layout, group.rank, selected)
-    source = flat.to(group.device)
-    pieces = [source.narrow(0, start, length) for start, length in plan.send_intervals]
-    send = torch.cat(pieces) if pieces else source.new_empty(0)
-    packed = source.new_empty(plan.packed_numel)
+    pieces = [read(start, length).to(group.device) for start, length in plan.send_intervals]
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=group.device)
+    packed = send.new_empty(plan.packed_numel)
     all_to_all(packed, send, list(plan.recv_counts), list(plan.send_counts), group)
     return {c.param_index: packed.narrow(0, c.packed_start, c.numel).view(c.shape)
-            .to(flat.device, copy=True) for c in plan.chunks}
+            .to(home, copy=True) for c in plan.chunks}
 
 
 def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: ShardGroup,

@@ -151,8 +151,8 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
 
     Full tensors are sliced locally; ``DTensor`` values on the unit's mesh
     are converted with one all-to-all (values on other meshes are gathered
-    in full first). Parameters are written through ``copy_`` so their version
-    counters mark any unsharded copy as stale."""
+    in full first). Pre-condition: the unit is resharded (no unsharded copy
+    exists that could go stale)."""
     group, slices = buffer.group, buffer.local_slices()
     chunks: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}
@@ -166,13 +166,8 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
         else:
             full[index] = value
     with torch.no_grad():
-        if chunks:
-            received = torch.empty(buffer.layout.shard_numel, dtype=buffer.dtype,
-                                   device=buffer.storage_device)
-            chunks_to_flat(chunks, buffer.layout, group, received)
-            for index in chunks:
-                s = slices[index]
-                buffer.records[index].param.copy_(received.narrow(0, s.shard_start, s.length))
+        if chunks:  # straight into the shard (only the given parameters' positions)
+            chunks_to_flat(chunks, buffer.layout, group, buffer.sharded)
         for index, value in full.items():
             s = slices[index]
             flat = value.detach().reshape(-1)[s.param_start:s.param_start + s.length]

@@ -19,6 +19,7 @@ stepped.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from itertools import chain
 from typing import Any, Optional
@@ -31,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._flat_buffer import FlatBuffer
 from .._owners import owner_of
-from ._exchange import as_checkpoint_value, chunks_to_flat, flat_to_chunks, local_chunk
+from ._exchange import Reader, as_checkpoint_value, chunks_to_flat, flat_to_chunks, local_chunk
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers the step pre-hook has looked at (hooks attached if needed)."""
@@ -101,18 +102,35 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
     _check_same_on_every_rank(plan)
     for buffer, name, entries in plan:
         _refuse_scalar_params(buffer, name, entries)
-        slices = buffer.local_slices()
         first = state[entries[0][0]][name]
-        flat = torch.zeros(buffer.layout.shard_numel, dtype=first.dtype, device=first.device)
-        for key, index in entries:
-            s = slices[index]
-            flat.narrow(0, s.shard_start, s.length).copy_(state[key][name])
-        chunks = flat_to_chunks(flat, buffer.layout, buffer.group, [i for _, i in entries])
+        chunks = flat_to_chunks(_reader(buffer, name, entries, state), buffer.layout,
+                                buffer.group, [i for _, i in entries], dtype=first.dtype,
+                                home=first.device)
         for key, index in entries:
             if state[key] is optimizer.state.get(params[key]):
                 state[key] = dict(state[key])  # never modify the optimizer's own state
             value = as_checkpoint_value(chunks[index], buffer.records[index].shape, buffer.group)
             state[key][name] = value
+
+
+def _reader(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
+            state: dict[Any, dict[str, Any]]) -> Reader:
+    """Reads shard intervals of state ``name`` straight from each
+    parameter's own state tensor (no flat copy is assembled)."""
+    slices = buffer.local_slices()
+    owned = sorted((slices[index].shard_start, slices[index].length, state[key][name])
+                   for key, index in entries if slices[index].length)
+    starts = [start for start, _, _ in owned]
+
+    def read(start: int, length: int) -> torch.Tensor:
+        at = bisect.bisect_right(starts, start) - 1
+        param_start, param_length, values = owned[at]
+        if not (at >= 0 and param_start <= start and start + length <= param_start + param_length):
+            raise AssertionError(f"[rank {buffer.group.rank}] interval ({start}, {length}) of "
+                                 f"'{name}' is not inside one parameter's slice")
+        return values.narrow(0, start - param_start, length)
+
+    return read
 
 
 def _refuse_scalar_params(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]]) -> None:
@@ -192,8 +210,8 @@ def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
         state[key][name] = value.detach().reshape(-1)[s.param_start:s.param_start + s.length].clone()
     if not chunks:
         return
-    flat = torch.zeros(buffer.layout.shard_numel, dtype=dtype, device=device)
-    chunks_to_flat(chunks, buffer.layout, group, flat)
+    flat = torch.empty(buffer.layout.shard_numel, dtype=dtype, device=device)
+    chunks_to_flat(chunks, buffer.layout, group, flat)  # writes every entry's slice
     for key, index in entries:
         if index in chunks:
             s = slices[index]
