@@ -11,6 +11,7 @@ flat gradient.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,17 +30,30 @@ class ShardGroup:
 
     Attributes:
         mesh: the 1-D device mesh.
-        process_group: its process group (the one all collectives use).
+        process_group: its process group (the one all collectives use), held
+            weakly: ``torch.distributed`` owns it, and a model that outlives
+            ``destroy_process_group()`` (torch's state-dict helpers cache
+            models) must not keep its threads running into interpreter exit.
         rank: this process's rank inside ``process_group``.
         world_size: the sharding factor ``F``.
         device: the compute device (CUDA for NCCL meshes, CPU otherwise).
     """
 
     mesh: DeviceMesh
-    process_group: dist.ProcessGroup
+    _process_group: "weakref.ref[dist.ProcessGroup]"
     rank: int
     world_size: int
     device: torch.device
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        group = self._process_group()
+        if group is None:
+            raise RuntimeError(
+                "the process group of this fully_shard unit was destroyed "
+                "(torch.distributed.destroy_process_group()); annotate a new model after "
+                "init_process_group.")
+        return group
 
 
 def default_mesh() -> DeviceMesh:
@@ -53,8 +67,9 @@ def default_mesh() -> DeviceMesh:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     world = dist.group.WORLD
     cached = _DEFAULT_MESH.get(device_type)
-    if cached is None or cached[0] is not world:  # one mesh per default process group
-        _DEFAULT_MESH[device_type] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
+    if cached is None or cached[0]() is not world:  # one mesh per default process group
+        _DEFAULT_MESH[device_type] = (weakref.ref(world),
+                                      init_device_mesh(device_type, (dist.get_world_size(),)))
     return _DEFAULT_MESH[device_type][1]
 
 
@@ -66,8 +81,8 @@ def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
-# device type -> (the default process group it was built for, the mesh)
-_DEFAULT_MESH: dict[str, tuple[object, DeviceMesh]] = {}
+# device type -> (the default process group it was built for, weakly; the mesh)
+_DEFAULT_MESH: dict[str, tuple["weakref.ref[dist.ProcessGroup]", DeviceMesh]] = {}
 
 
 def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
@@ -84,7 +99,7 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(mesh.device_type)
-    return ShardGroup(mesh=mesh, process_group=group, rank=group.rank(),
+    return ShardGroup(mesh=mesh, _process_group=weakref.ref(group), rank=group.rank(),
                       world_size=group.size(), device=device)
 
 

@@ -25,6 +25,7 @@ backward, keeping every unit unsharded until the end.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -206,8 +207,13 @@ class FlatBuffer:
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
                 self._post_accumulate_grad is not None:
-            callback = self._post_accumulate_grad
-            self.unsharded.register_post_accumulate_grad_hook(lambda _tensor: callback(self))
+            # Weak: the hook lives in the tensor's C++ hook list, an edge Python's
+            # garbage collector cannot see, so strong references from it back to
+            # this buffer (or its unit) would keep every unit, and the process
+            # group its ShardGroup holds, alive after the model is dropped.
+            buffer = weakref.ref(self)
+            callback = _called_weakly(self._post_accumulate_grad)
+            self.unsharded.register_post_accumulate_grad_hook(lambda _tensor: callback(buffer()))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
@@ -221,7 +227,7 @@ class FlatBuffer:
         with torch.enable_grad():
             chunks = torch.split(self.unsharded, sizes)
             if self.requires_grad:
-                chunks[0].grad_fn.register_prehook(self.grad.mark_used)
+                chunks[0].grad_fn.register_prehook(_called_weakly(self.grad.mark_used))
             return [chunk.view(record.shape) if self.requires_grad and trainable
                     else chunk.detach().view(record.shape)
                     for chunk, record, trainable in zip(chunks, self.records,
@@ -429,3 +435,20 @@ class FlatBuffer:
     def __repr__(self) -> str:
         kind = "trainable" if self.requires_grad else "frozen"
         return f"FlatBuffer({kind}, {self.dtype}, {len(self.records)} params, {self.layout})"
+
+
+def _called_weakly(fn: Callable) -> Callable:
+    """``fn`` (a bound method: weakly; anything else as is), called with the
+    same arguments while its object lives and while none is ``None``; a
+    no-op after. For hooks that autograd stores in C++, where a strong
+    reference back to a buffer makes a cycle Python cannot collect."""
+    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+
+    def call(*args):
+        target = ref()
+        if target is None or any(a is None for a in args):
+            return None
+        return target(*args)
+
+    return call
+

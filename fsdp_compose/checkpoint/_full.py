@@ -53,9 +53,7 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
                if isinstance(v, torch.Tensor)} if rank == src else None]
     dist.broadcast_object_list(shapes, src=src)
     available = shapes[0]
-    allocate_meta(module)
-    entries = _entries(module)
-    _check_keys(entries, available, strict)
+    entries = _prepare(module, available, strict)
     with torch.no_grad():
         for unit in units_below(module):
             for buffer in unit.buffers:
@@ -86,9 +84,7 @@ def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[s
     for key, handle in where.items():
         piece = handle.get_slice(key)
         available[key] = (tuple(piece.get_shape()), None)
-    allocate_meta(module)
-    entries = _entries(module)
-    _check_keys(entries, available, strict)
+    entries = _prepare(module, available, strict)
     with torch.no_grad():
         for unit in units_below(module):
             for buffer in unit.buffers:
@@ -114,6 +110,15 @@ class _Entries:
         self.plain: dict[str, torch.Tensor] = {}
         """Buffers and unmanaged parameters, by key (non-persistent buffers too)."""
         self.persistent: dict[str, bool] = {}
+
+
+def _prepare(module: nn.Module, available: dict, strict: bool) -> "_Entries":
+    """Allocate meta shards and tensors, then check the checkpoint's keys
+    and shapes (``available``: key -> (shape, dtype)) against the module's."""
+    allocate_meta(module)
+    entries = _entries(module)
+    _check_keys(entries, available, strict)
+    return entries
 
 
 def _entries(module: nn.Module) -> _Entries:
