@@ -172,6 +172,29 @@ def test_meta_init_matches_eager_build_and_trains_identically(world):
     assert total <= local < total + 4 * world, (local, total)
 
 
+def gpt_meta_values() -> dict:
+    """The library's test GPT (tied-free, embeddings + attention blocks)."""
+    from fsdp_compose.testing import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=97, seq_len=8, d_model=12, n_heads=3, n_layers=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    torch.manual_seed(SEED)
+    materialize(model)
+    return _full_state(model)
+
+
+def test_meta_init_of_the_test_gpt_matches_eager_build():
+    from fsdp_compose.testing import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=97, seq_len=8, d_model=12, n_heads=3, n_layers=2)
+    torch.manual_seed(SEED)
+    reference = GPT(cfg).state_dict()
+    for rank, values in enumerate(run_distributed(3, gpt_meta_values, timeout=TIMEOUT)):
+        _assert_exact(values, reference, f"rank {rank}: ")
+
+
 def unannotated_root_identity() -> dict:
     """Only the blocks are units: the root's own parameters (tok_emb, norm,
     lm_head) are unmanaged and materialised whole."""
