@@ -182,7 +182,7 @@ class FlatBuffer:
         self.sharded = sharded
         self.aliased = (self.group.world_size == 1 and self.compute_dtype == self.dtype
                         and self.storage_device == self.compute_device)
-        if self.is_meta:  # nothing to allocate until materialised (rebuilt by adopt_converted_params)
+        if self.is_meta:  # nothing to allocate until materialised (adopt_converted_params)
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
         elif self.aliased:
@@ -264,7 +264,7 @@ class FlatBuffer:
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if self.is_meta and len(devices) == 1 and torch.device("meta") not in devices:
-            devices = {self._storage_device()}  # materialised (to_empty): where the policy keeps shards
+            devices = {self._storage_device()}  # materialised (to_empty): the policy's place
         if len(dtypes) > 1 or devices != {self.storage_device} and not self.is_meta or \
                 len(devices) > 1:
             described = ", ".join(f"'{r.fqn}': {r.param.dtype} on {r.param.device}"

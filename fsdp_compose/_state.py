@@ -238,8 +238,8 @@ def _check_ranks_agree(states: list[_ShardState]) -> None:
             raise RuntimeError(
                 f"[rank {group.rank}] ranks disagree on the parameters of the fully_shard units "
                 f"{[u.name for u in units]}: ranks {differing} have different names, shapes, "
-                f"dtypes or meta-ness than rank 0 (this rank's fingerprint {mine:#x}). Build the same model "
-                "on every rank before calling fully_shard (and materialise meta parameters on every "
-                "rank before the first forward).")
+                f"dtypes or meta-ness than rank 0 (this rank's fingerprint {mine:#x}). Build the "
+                "same model on every rank before calling fully_shard (and materialise meta "
+                "parameters on every rank before the first forward).")
         for state in group_states:
             state.validated = True

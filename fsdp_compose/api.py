@@ -234,8 +234,9 @@ def _check_params(records: list[ParamRecord], device: torch.device) -> None:
         devices.setdefault(r.param.device, r.fqn)
     if len(devices) > 1 and torch.device("meta") in devices:
         real = next(fqn for dev, fqn in devices.items() if dev.type != "meta")
+        meta = devices[torch.device("meta")]
         raise ValueError(
-            f"fully_shard got a unit with parameters on the meta device ('{devices[torch.device('meta')]}') "
+            f"fully_shard got a unit with parameters on the meta device ('{meta}') "
             f"and materialised ones ('{real}'); build the whole module on the meta device (then "
             "fsdp_compose.materialize(model) after fully_shard), or on a real device.")
     if len(devices) > 1:
