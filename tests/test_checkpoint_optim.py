@@ -40,6 +40,7 @@ from fsdp_compose import param_info
 from fsdp_compose.checkpoint import register_optimizer
 from tests._models import (TinyLM, build_lm, global_mean, rank_slice, shard_blocks_and_root,
                            token_batch)
+from tests._training import make_optimizer
 from tests.harness import run_distributed
 
 GLOBAL_BATCH = 6  # divisible by 2 and 3: the same global batch on every world size
@@ -49,25 +50,16 @@ TIMEOUT = 120
 
 
 # ------------------------------------------------------------------ helpers
-def _ndim(p: torch.Tensor) -> int:
-    info = param_info(p)
-    return p.dim() if info is None else len(info.shape)
-
-
 def _optim(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     """SGD with momentum, or AdamW with decay / no-decay groups (two param
-    groups: the checkpoint must keep them apart). The same for a sharded
-    model and the unsharded reference (``param_info`` gives the original ndim)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    if name == "adamw":
-        decay = [p for p in params if _ndim(p) >= 2]
-        no_decay = [p for p in params if _ndim(p) < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                  {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=1e-2, betas=(0.8, 0.95))
-    raise ValueError(name)
+    groups: the checkpoint must keep them apart) and non-default betas (to
+    see hyper-parameters survive). The same for a sharded model and the
+    unsharded reference (``make_optimizer`` reads the original ndim)."""
+    optim = make_optimizer(model, name)
+    for group in optim.param_groups:
+        if "betas" in group:
+            group["betas"] = (0.8, 0.95)
+    return optim
 
 
 def _train(model, optim, steps, sharded: bool = True) -> list[float]:
@@ -580,7 +572,6 @@ def _perturb(model, which) -> None:
 
 def _lora_job(adapter_dir: str, full_dir: str) -> dict:
     from tests import _hf  # keeps transformers off the hub
-    from tests._training import make_optimizer
     warnings.filterwarnings("ignore", category=FutureWarning)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _hf.build_llama(lora=True)
