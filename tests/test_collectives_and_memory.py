@@ -14,7 +14,7 @@ from fsdp_compose._unit import TrainingState
 from fsdp_compose._state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import (RECIPES, build_model, freeze_like_lora, global_batch,
-                             make_optimizer)
+                             make_optimizer, shard_blocks_and_root)
 from tests._comm_counter import (ALL_GATHER as AG, ALL_REDUCE as AR, REDUCE_SCATTER as RS,
                                  CollectiveCounter)
 from tests.harness import run_distributed
@@ -190,3 +190,29 @@ def test_staging_pool_is_reused():
     sizes, root_bytes, block_bytes = run_distributed(2, staging_pool_is_reused)[0]
     assert sizes[0] == sizes[1] == sizes[2] > 0
     assert root_bytes + 2 * block_bytes <= sizes[0] <= root_bytes + 3 * block_bytes
+
+
+def _unit_freed_after_model_dropped(with_state_dict: bool) -> bool:
+    """Train a step (and optionally save state dicts), drop every reference,
+    and report whether the units were freed. Autograd keeps hooks in C++,
+    where a strong reference back to a buffer forms a cycle Python's garbage
+    collector cannot see; a leaked unit also keeps its process group alive."""
+    import gc
+    import weakref
+    model = shard_blocks_and_root(build_model("gpt"))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = global_batch(0, dist.get_world_size(), "plain")
+    model.loss(x, y).backward()
+    optim.step()
+    if with_state_dict:
+        model.state_dict()
+        optim.state_dict()
+    units = [weakref.ref(state_of(m).unit) for m in [*model.blocks, model]]
+    del model, optim, x, y
+    gc.collect()
+    return all(unit() is None for unit in units)
+
+
+@pytest.mark.parametrize("with_state_dict", [False, True])
+def test_dropping_a_model_frees_its_units(with_state_dict):
+    assert all(run_distributed(2, _unit_freed_after_model_dropped, with_state_dict))
