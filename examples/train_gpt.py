@@ -1,7 +1,12 @@
-"""Train a small GPT-style model with fsdp_compose on CPU ranks.
+"""Train a small GPT-style model with fsdp_compose under torchrun.
 
     # two CPU ranks on this machine (what `make demo` runs)
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    # bf16 compute, activation checkpointing, 4 micro-batches of 8 rows per step
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py \\
+        --mixed-precision bf16 --activation-checkpointing --batch-per-rank 8 --micro-batches 4
+    # the same steps with torch DDP and torch FSDP2 afterwards, side by side
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --compare
     # one node with GPUs: NCCL is picked automatically when CUDA is available
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --layers 12 --width 768
     # two nodes
@@ -11,76 +16,213 @@
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
         examples/train_gpt.py --ckpt-dir ckpt --save-every 5 --resume
 
-Every block is its own unit, then the root; the optimizer is a plain AdamW
-with decay/no-decay groups built from the parameters' original shapes, its
-learning rate follows a linear warmup then cosine decay (LambdaLR).
-Losses printed by rank 0 (`step N loss X`, N counted from 1, X the exact
-float) are the mean over all ranks.
+Every block is its own unit, then the root (each with the same
+`MixedPrecisionPolicy` under `--mixed-precision bf16`; with
+`--activation-checkpointing` each block is wrapped by torch's composable
+`checkpoint` first, which keeps parameter names). The optimizer is a plain
+AdamW with decay/no-decay groups built from the parameters' original shapes;
+its learning rate follows a linear warmup then cosine decay (LambdaLR).
+
+One optimizer step takes `--micro-batches` forward/backward passes of
+`--batch-per-rank` rows on every rank; gradients are synchronised only on the
+last one (`set_requires_gradient_sync(False)` before the others) and each
+micro-batch's loss is divided by the number of micro-batches, so
+`--batch-per-rank 2 --micro-batches 2` trains exactly like `--batch-per-rank 4`.
+The data of step N is a pure function of N, `--seed` and the global batch
+(`synthetic_tokens`), so the step number is the data position.
+
+Output (rank 0 unless `--log-all-ranks`): a tqdm progress bar on stderr with
+the loss, tokens/s and every rank's resident memory (one all_gather of a few
+numbers per step, which also averages the loss); `step N loss X` lines on
+stdout (N counted from 1, X the exact float mean over all ranks; every
+`--log-every` steps); a summary table at the end; in `--out-dir`,
+`summary.json` and, when matplotlib is installed (`pip install -e '.[bench]'`),
+`train_gpt.png` with the loss and memory curves. `--compare` then trains the
+same steps with torch DDP and torch FSDP2 (same seed, data, optimizer and
+options; DDP has no mixed precision and stays in fp32) and adds them to the
+table: final loss, mean step time (the first step, a warm-up, excluded),
+tokens/s and each rank's peak memory (process RSS high-water mark, reset
+before each run; on CUDA also the peak allocated device memory).
 
 Checkpoints (`--ckpt-dir`) are saved with `fsdp_compose.checkpoint.CheckpointStore`
 (torch.distributed.checkpoint underneath) and hold the model and optimizer
-(`get_state_dict`), the LR scheduler and the number of steps done. The data of
-step N is a pure function of N and the rank (`synthetic_tokens`), so the step
-number is the data position and a resumed run at the same world size repeats
-an uninterrupted one exactly. `--fail-at-step K` is a testing aid: rank 1
-exits abruptly at the start of step K, on torchrun's first attempt only
+(`get_state_dict`), the LR scheduler and the number of steps done, so a
+resumed run at the same world size repeats an uninterrupted one exactly.
+`--fail-at-step K` is a testing aid: rank 1 exits abruptly (or raises, with
+`--fail-mode raise`) at the start of step K, on torchrun's first attempt only
 (TORCHELASTIC_RESTART_COUNT 0), to exercise restart and resume.
-A failing rank ends the attempt (torchrun stops the others); collectives
-time out after 5 minutes (`init_from_torchrun`) if a rank hangs instead.
+
+Failures: an exception on a rank is printed with the rank (and recorded for
+torchrun's failure summary) and the rank exits with status 1, upon which
+torchrun stops the others; Ctrl-C prints a message and exits with status 130.
+Collectives time out after 5 minutes (`init_from_torchrun`) if a rank hangs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
 import math
 import os
+import resource
 import sys
-from typing import Any
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_compose import fully_shard, param_info
+from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
 from fsdp_compose.checkpoint import CheckpointStore
 from fsdp_compose.testing import GPT, GPTConfig, init_from_torchrun, synthetic_tokens
 
+try:
+    from tqdm import tqdm
+except ImportError:  # the `examples` extra; without it: no progress bar
+    tqdm = None
+
+IMPLS = ("fsdp_compose", "ddp", "fsdp2")
+
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch-per-rank", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=0,
-                        help="linear LR warmup steps before the cosine decay (default 0)")
-    parser.add_argument("--min-lr-ratio", type=float, default=1.0,
-                        help="final LR / --lr of the cosine decay (default 1.0: constant LR)")
-    parser.add_argument("--decay-steps", type=int, default=None,
-                        help="length of the schedule (default --steps; give it explicitly when a "
-                             "run is split into invocations with growing --steps)")
-    parser.add_argument("--ckpt-dir", default=None,
-                        help="save checkpoints here (default: no checkpointing)")
-    parser.add_argument("--save-every", type=int, default=0,
-                        help="save every N steps (and after the last one); needs --ckpt-dir")
-    parser.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --ckpt-dir if there is one")
-    parser.add_argument("--fail-at-step", type=int, default=None, metavar="K",
-                        help="testing aid: rank 1 exits abruptly (os._exit(1)) at the start of "
-                             "step K on torchrun's first attempt only")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--width", type=int, default=128)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--vocab", type=int, default=1024)
+    model.add_argument("--seq", type=int, default=64)
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    train.add_argument("--batch-per-rank", type=int, default=4,
+                       help="rows per micro-batch on each rank")
+    train.add_argument("--micro-batches", type=int, default=1,
+                       help="gradient accumulation: micro-batches per optimizer step")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--warmup", type=int, default=0,
+                       help="linear LR warmup steps before the cosine decay")
+    train.add_argument("--min-lr-ratio", type=float, default=1.0,
+                       help="final LR / --lr of the cosine decay (1.0: constant LR)")
+    train.add_argument("--decay-steps", type=int, default=None,
+                       help="length of the schedule (default --steps; give it explicitly when a "
+                            "run is split into invocations with growing --steps)")
+    train.add_argument("--seed", type=int, default=0, help="model initialisation and data")
+    train.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                       help="bf16: bf16 parameters and compute, fp32 gradient reduction "
+                            "(sharded parameters and optimizer stay fp32)")
+    train.add_argument("--reshard-after-forward", choices=("default", "true", "false"),
+                       default="default",
+                       help="default: every unit but the root; false: no all-gather in backward")
+    train.add_argument("--activation-checkpointing", action="store_true",
+                       help="recompute each block's activations in backward")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--out-dir", default=None,
+                     help="summary.json and the plot go here (default runs/train_gpt-<time>)")
+    out.add_argument("--log-every", type=int, default=1,
+                     help="print `step N loss X` every N steps (and the last)")
+    out.add_argument("--log-all-ranks", action="store_true",
+                     help="every rank prints its own loss and memory each logged step")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--compare", action="store_true",
+                     help="afterwards run the same steps with torch DDP and FSDP2 and compare")
+
+    ckpt = parser.add_argument_group("checkpointing")
+    ckpt.add_argument("--ckpt-dir", default=None,
+                      help="save checkpoints here (default: no checkpointing)")
+    ckpt.add_argument("--save-every", type=int, default=0,
+                      help="save every N steps (and after the last one); needs --ckpt-dir")
+    ckpt.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint in --ckpt-dir if there is one")
+    ckpt.add_argument("--fail-at-step", type=int, default=None, metavar="K",
+                      help="testing aid: rank 1 fails at the start of step K on torchrun's "
+                           "first attempt only")
+    ckpt.add_argument("--fail-mode", choices=("exit", "raise"), default="exit",
+                      help="how --fail-at-step fails: os._exit(1) (a crash) or an exception")
     args = parser.parse_args()
     if (args.save_every or args.resume) and not args.ckpt_dir:
         parser.error("--save-every and --resume need --ckpt-dir")
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    for name in ("steps", "batch_per_rank", "micro_batches", "log_every", "layers", "seq"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float):
+# ---------------------------------------------------------------- memory
+def _status_mib(key: str) -> Optional[float]:
+    """A ``/proc/self/status`` field (kB) in MiB, or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _maxrss_mib() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+
+
+def rss_mib() -> float:
+    now = _status_mib("VmRSS")
+    return now if now is not None else _maxrss_mib()
+
+
+def peak_rss_mib() -> float:
+    peak = _status_mib("VmHWM")
+    return peak if peak is not None else _maxrss_mib()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new high-water mark: return freed heap to the OS (glibc), then
+    reset VmHWM to the current RSS (where the kernel allows it; elsewhere the
+    peak is the process's since its start) and CUDA's peak statistics."""
+    gc.collect()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_mib(device: torch.device) -> tuple[float, float]:
+    if device.type != "cuda":
+        return 0.0, 0.0
+    return torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
+
+
+def per_rank(values: list[float], unit: str = "M") -> str:
+    """``"412M 410M"`` for a few ranks, ``"max 415M"`` for many."""
+    if len(values) <= 4:
+        return " ".join(f"{v:.0f}{unit}" for v in values)
+    return f"max {max(values):.0f}{unit}"
+
+
+# ---------------------------------------------------------------- model and optimizer
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio``."""
     def factor(done: int) -> float:
         if done < warmup:
@@ -90,12 +232,75 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return factor
 
 
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width,
+                     n_heads=args.heads, n_layers=args.layers)
+
+
+def build_model(args: argparse.Namespace, impl: str, device: torch.device) -> nn.Module:
+    """The seeded GPT (the same initial values on every rank), activation
+    checkpointing per block if asked (before sharding), then ``impl``'s data
+    parallelism: fully_shard every block and the root (fsdp_compose, torch
+    FSDP2, with the same options), or torch DDP."""
+    torch.manual_seed(args.seed)
+    model = GPT(model_config(args)).to(device)
+    if args.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+        for block in model.blocks:
+            checkpoint(block)
+    reshard = {"default": None, "true": True, "false": False}[args.reshard_after_forward]
+    bf16 = args.mixed_precision == "bf16"
+    if impl == "fsdp_compose":
+        kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
+        if bf16:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
+                  "reshard_after_forward": reshard}
+        if bf16:
+            kwargs["mp_policy"] = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            torch_fully_shard(block, **kwargs)
+        torch_fully_shard(model, **kwargs)
+        return model
+    if impl == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        ids = [torch.cuda.current_device()] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    raise ValueError(impl)
+
+
+def original_shape(p: torch.Tensor) -> torch.Size:
+    """fsdp_compose parameters are 1-D shards: ask ``param_info`` for the real
+    shape (DDP's are whole, FSDP2's DTensors report the global shape)."""
+    info = param_info(p)
+    return info.shape if info is not None else p.shape
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module):
+    decay = [p for p in model.parameters() if len(original_shape(p)) >= 2]
+    no_decay = [p for p in model.parameters() if len(original_shape(p)) < 2]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lr_lambda(args.warmup, args.decay_steps or args.steps, args.min_lr_ratio))
+    return optim, sched
+
+
 class TrainState(Stateful):
     """Everything a resumed run needs, as one DCP ``Stateful``: the model and
     optimizer in torch FSDP2's layout, the scheduler, and the steps done
     (which is also the data position: step N trains on ``synthetic_tokens(N - 1)``)."""
 
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer,
                  sched: torch.optim.lr_scheduler.LRScheduler) -> None:
         self.model, self.optim, self.sched = model, optim, sched
         self.step = 0
@@ -111,59 +316,299 @@ class TrainState(Stateful):
         self.step = int(sd["step"])
 
 
-def main() -> None:
-    args = parse_args()
-    device = init_from_torchrun()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width,
-                    n_heads=args.heads, n_layers=args.layers)
-    torch.manual_seed(0)  # every rank builds the same initial model
-    model = GPT(cfg).to(device)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+# ---------------------------------------------------------------- training
+@dataclass
+class RunStats:
+    """What one implementation's run measured (rank 0 has every rank's memory)."""
 
-    decay = [p for p in model.parameters() if len(param_info(p).shape) >= 2]
-    no_decay = [p for p in model.parameters() if len(param_info(p).shape) < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lr_lambda(args.warmup, args.decay_steps or args.steps, args.min_lr_ratio))
+    impl: str
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    rss: list[list[float]] = field(default_factory=list)       # per step, per rank (MiB)
+    peak_rss: list[float] = field(default_factory=list)        # per rank (MiB)
+    peak_cuda: list[float] = field(default_factory=list)       # per rank (MiB), CUDA only
+    tokens_per_step: int = 0
+
+    @property
+    def mean_step_s(self) -> float:
+        times = self.step_seconds[1:] or self.step_seconds  # step 1 is a warm-up
+        return sum(times) / len(times) if times else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.mean_step_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"impl": self.impl, "steps": self.steps, "losses": self.losses,
+                "final_loss": self.losses[-1] if self.losses else None,
+                "step_seconds": self.step_seconds, "mean_step_s": self.mean_step_s,
+                "tokens_per_s": self.tokens_per_s, "rss_mib": self.rss,
+                "peak_rss_mib": self.peak_rss, "peak_cuda_mib": self.peak_cuda}
+
+
+def say(msg: str, file=None) -> None:
+    """Print without breaking the progress bar, flushed (stdout is a pipe under torchrun)."""
+    file = file or sys.stdout
+    if tqdm is not None:
+        tqdm.write(msg, file=file)
+    else:
+        print(msg, file=file)
+    file.flush()
+
+
+def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.optim.Optimizer,
+          sched: torch.optim.lr_scheduler.LRScheduler, device: torch.device, first_step: int,
+          after_step: Optional[Callable[[int], None]] = None, main_run: bool = True) -> RunStats:
+    """Steps ``first_step..args.steps``. Every step: ``--micro-batches``
+    forward/backward passes (gradient sync on the last only), the optimizer
+    and scheduler steps, then one all_gather of (loss, memory) per rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = model_config(args)
+    per, micro = args.batch_per_rank, args.micro_batches
+    stats = RunStats(impl, tokens_per_step=per * micro * world * cfg.seq_len)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    bar = None
+    if rank == 0 and tqdm is not None and not args.no_progress and first_step <= args.steps:
+        bar = tqdm(total=args.steps, initial=first_step - 1, desc=impl, unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+    gathered = [torch.zeros(5, dtype=torch.float64, device=device) for _ in range(world)]
+    try:
+        for step in range(first_step, args.steps + 1):
+            if main_run and step == args.fail_at_step and rank == 1 and first_attempt:
+                print(f"rank 1: --fail-at-step {step}: exiting", flush=True)
+                if args.fail_mode == "exit":
+                    os._exit(1)
+                raise RuntimeError(f"--fail-at-step {step}: simulated failure on rank 1")
+            start = time.perf_counter()
+            x, y = synthetic_tokens(step - 1, per * micro * world, cfg.seq_len, cfg.vocab_size,
+                                    seed=args.seed)
+            rows = slice(rank * per * micro, (rank + 1) * per * micro)
+            x, y = x[rows].to(device), y[rows].to(device)
+            total = torch.zeros((), device=device)
+            for i in range(micro):
+                last = i == micro - 1
+                sync = contextlib.nullcontext()
+                if micro > 1:
+                    if impl == "ddp":
+                        sync = contextlib.nullcontext() if last else model.no_sync()
+                    else:
+                        model.set_requires_gradient_sync(last)
+                with sync:
+                    logits = model(x[i * per:(i + 1) * per])
+                    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                           y[i * per:(i + 1) * per].reshape(-1))
+                    if micro > 1:
+                        loss = loss / micro  # the mean over the whole step's rows
+                    loss.backward()
+                total += loss.detach()
+            optim.step()
+            optim.zero_grad()
+            sched.step()
+            cur_cuda, peak_cuda = cuda_mib(device)
+            mine = torch.tensor([total.item(), rss_mib(), peak_rss_mib(), cur_cuda, peak_cuda],
+                                dtype=torch.float64, device=device)
+            dist.all_gather(gathered, mine)
+            rows_all = torch.stack(gathered).tolist()  # world x 5
+            seconds = time.perf_counter() - start
+            mean_loss = float(torch.tensor([r[0] for r in rows_all], dtype=torch.float32).mean())
+            stats.steps.append(step)
+            stats.losses.append(mean_loss)
+            stats.step_seconds.append(seconds)
+            stats.rss.append([r[1] for r in rows_all])
+            stats.peak_rss = [r[2] for r in rows_all]
+            stats.peak_cuda = [r[4] for r in rows_all] if device.type == "cuda" else []
+            logged = step % args.log_every == 0 or step == args.steps
+            if main_run and logged:
+                if rank == 0:
+                    say(f"step {step} loss {mean_loss!r}")
+                if args.log_all_ranks:
+                    mem = f"rss {rows_all[rank][1]:.0f} MiB"
+                    if device.type == "cuda":
+                        mem += f", cuda {cur_cuda:.0f} MiB"
+                    say(f"[rank {rank}] step {step} local loss {rows_all[rank][0]:.6f} "
+                        f"{mem} {seconds * 1000:.1f} ms")
+            if bar is not None:
+                mem = [r[3] for r in rows_all] if device.type == "cuda" else [r[1] for r in rows_all]
+                bar.set_postfix_str(f"loss {mean_loss:.4f}, "
+                                    f"{stats.tokens_per_step / seconds:,.0f} tok/s, "
+                                    f"{'cuda' if device.type == 'cuda' else 'rss'} "
+                                    f"{per_rank(mem)}", refresh=False)
+                bar.update()
+            if after_step is not None:
+                after_step(step)
+    finally:
+        if bar is not None:
+            bar.close()
+    return stats
+
+
+# ---------------------------------------------------------------- report
+def summary_table(runs: list[RunStats], device: torch.device) -> str:
+    cuda = device.type == "cuda"
+    header = ["impl", "final loss", "step (ms)", "tokens/s", "peak RSS/rank (MiB)"]
+    if cuda:
+        header.append("peak CUDA/rank (MiB)")
+    rows = []
+    for r in runs:
+        row = [r.impl, f"{r.losses[-1]:.6f}" if r.losses else "-",
+               f"{r.mean_step_s * 1000:.1f}", f"{r.tokens_per_s:,.0f}",
+               " / ".join(f"{v:.0f}" for v in r.peak_rss)]
+        if cuda:
+            row.append(" / ".join(f"{v:.0f}" for v in r.peak_cuda))
+        rows.append(row)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    rule = "-" * len(fmt(header))
+    return "\n".join([rule, fmt(header), rule, *map(fmt, rows), rule])
+
+
+def plot(runs: list[RunStats], path: Path, mem_label: str, cuda: bool) -> Optional[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: no plot (install it with `pip install -e '.[bench]'`)")
+        return None
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        ax_loss.plot(r.steps, r.losses, label=r.impl)
+        mem = r.rss if not cuda else r.rss  # RSS per rank per step
+        world = len(mem[0]) if mem else 0
+        if world <= 4:
+            for k in range(world):
+                ax_mem.plot(r.steps, [m[k] for m in mem], label=f"{r.impl} rank {k}")
+        else:
+            ax_mem.plot(r.steps, [max(m) for m in mem], label=f"{r.impl} (max over ranks)")
+    ax_loss.set(xlabel="step", ylabel="loss (mean over ranks)", title="training loss")
+    ax_mem.set(xlabel="step", ylabel="MiB", title=mem_label)
+    for ax in (ax_loss, ax_mem):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def default_out_dir() -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / f"train_gpt-{stamp}"
+    n = 1
+    while path.exists():
+        path = Path("runs") / f"train_gpt-{stamp}-{n}"
+        n += 1
+    return path
+
+
+def report(args: argparse.Namespace, runs: list[RunStats], device: torch.device,
+           header: str, wall_s: float) -> None:
+    """Rank 0: the table, summary.json and the plot."""
+    cuda = device.type == "cuda"
+    out = Path(args.out_dir) if args.out_dir else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"\nsummary: {header}, {wall_s:.1f} s in all", flush=True)
+    if runs[0].losses:
+        print(summary_table(runs, device), flush=True)
+    else:
+        print("(no steps run: nothing to summarise)", flush=True)
+    (out / "summary.json").write_text(json.dumps(
+        {"args": vars(args), "world_size": dist.get_world_size(), "device": str(device),
+         "runs": [r.as_dict() for r in runs]}, indent=1))
+    print(f"wrote {out / 'summary.json'}", flush=True)
+    if runs[0].losses:
+        png = plot(runs, out / "train_gpt.png", "process RSS per rank", cuda)
+        if png is not None:
+            print(f"wrote {png}", flush=True)
+
+
+# ---------------------------------------------------------------- main
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
+    reset_peak_memory(device)
+    model = build_model(args, "fsdp_compose", device)
+    optim, sched = build_optimizer(args, model)
     state = TrainState(model, optim, sched)
     store = CheckpointStore(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+    total = sum(param_info(p).numel for p in model.parameters())
+    local = sum(p.numel() for p in model.parameters())
+    options = [args.mixed_precision if args.mixed_precision != "none" else "fp32",
+               f"reshard_after_forward={args.reshard_after_forward}"]
+    if args.activation_checkpointing:
+        options.append("activation checkpointing")
+    batch = args.batch_per_rank * args.micro_batches
+    header = (f"{world} ranks on {device.type} ({dist.get_backend()}), {total / 1e6:.2f}M parameters, "
+              f"{args.steps} steps of {batch} x {args.seq} tokens per rank"
+              + (f" ({args.micro_batches} micro-batches)" if args.micro_batches > 1 else "")
+              + f", {', '.join(options)}")
     if rank == 0:
-        total = sum(param_info(p).numel for p in model.parameters())
-        local = sum(p.numel() for p in model.parameters())
         print(f"{world} ranks on {device}: {total / 1e6:.2f}M parameters, "
-              f"{local / 1e6:.2f}M on this rank")
+              f"{local / 1e6:.2f}M on this rank", flush=True)
+    if args.log_all_ranks:
+        say(f"[rank {rank}] {local / 1e6:.2f}M parameters on this rank, "
+            f"rss {rss_mib():.0f} MiB")
     if store is not None and args.resume:
         resumed = store.load_latest({"train": state})
         if rank == 0:
             print(f"resumed from {store.path(resumed)} after step {state.step}" if resumed is not None
                   else f"no checkpoint in {args.ckpt_dir}: starting from scratch", flush=True)
 
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    per = args.batch_per_rank
-    for step in range(state.step + 1, args.steps + 1):
-        if step == args.fail_at_step and rank == 1 and first_attempt:
-            print(f"rank 1: --fail-at-step {step}: exiting", flush=True)
-            os._exit(1)
-        x, y = synthetic_tokens(step - 1, per * world, cfg.seq_len, cfg.vocab_size)
-        x, y = x[rank * per:(rank + 1) * per].to(device), y[rank * per:(rank + 1) * per].to(device)
-        loss = model.loss(x, y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        sched.step()
+    def after_step(step: int) -> None:
         state.step = step
-        dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
-        if rank == 0:
-            print(f"step {step} loss {loss.item()!r}", flush=True)
         if store is not None and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             path = store.save(step, {"train": state})
             if rank == 0:
-                print(f"saved {path}", flush=True)
+                say(f"saved {path}")
+
+    runs = [train(args, "fsdp_compose", model, optim, sched, device, state.step + 1, after_step)]
+    if args.compare:
+        del state, model, optim, sched
+        for impl in IMPLS[1:]:
+            reset_peak_memory(device)
+            model = build_model(args, impl, device)
+            optim, sched = build_optimizer(args, model)
+            runs.append(train(args, impl, model, optim, sched, device, 1, main_run=False))
+            del model, optim, sched
+    if rank == 0:
+        report(args, runs, device, header, time.perf_counter() - started)
     dist.destroy_process_group()
+
+
+def _rank() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
+    return os.environ.get("RANK", "?")
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        device = init_from_torchrun()
+        run(args, device)
+    except KeyboardInterrupt:
+        print(f"\n[rank {_rank()}] interrupted (Ctrl-C): exiting", file=sys.stderr, flush=True)
+        _exit(130)
+    except BaseException as e:  # noqa: BLE001 - any failure ends this rank, visibly
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        hint = ""
+        if isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or "Connection" in str(e):
+            hint = " (probably because another rank failed first: look for its error)"
+        print(f"[rank {_rank()}] failed{hint}:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        with contextlib.suppress(Exception):  # for torchrun's failure summary
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+            get_error_handler().record_exception(e)
+        _exit(1)
 
 
 if __name__ == "__main__":
@@ -173,6 +618,4 @@ if __name__ == "__main__":
     # autograd hooks) is destroyed during finalisation, and gloo aborts a few
     # percent of such exits ("terminate called without an active exception")
     # after all the work is done, failing the job. Everything is flushed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit(0)
