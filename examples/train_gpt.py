@@ -95,16 +95,25 @@ except ImportError:  # the `examples` extra; without it: no progress bar
 IMPLS = ("fsdp_compose", "ddp", "fsdp2")
 
 
+class _Help(argparse.HelpFormatter):
+    """Shows "(default: X)" unless the help text already says it or X is None/False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     model = parser.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=4)
-    model.add_argument("--width", type=int, default=128)
-    model.add_argument("--heads", type=int, default=4)
-    model.add_argument("--vocab", type=int, default=1024)
-    model.add_argument("--seq", type=int, default=64)
+    model.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    model.add_argument("--width", type=int, default=128, help="model dimension")
+    model.add_argument("--heads", type=int, default=4, help="attention heads")
+    model.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    model.add_argument("--seq", type=int, default=64, help="sequence length")
 
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=20, help="optimizer steps")
@@ -112,7 +121,7 @@ def parse_args() -> argparse.Namespace:
                        help="rows per micro-batch on each rank")
     train.add_argument("--micro-batches", type=int, default=1,
                        help="gradient accumulation: micro-batches per optimizer step")
-    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     train.add_argument("--warmup", type=int, default=0,
                        help="linear LR warmup steps before the cosine decay")
     train.add_argument("--min-lr-ratio", type=float, default=1.0,
@@ -126,7 +135,8 @@ def parse_args() -> argparse.Namespace:
                             "(sharded parameters and optimizer stay fp32)")
     train.add_argument("--reshard-after-forward", choices=("default", "true", "false"),
                        default="default",
-                       help="default: every unit but the root; false: no all-gather in backward")
+                       help="default (the default): every unit but the root; false: none "
+                            "(no all-gather in backward); true: all")
     train.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute each block's activations in backward")
 
@@ -143,7 +153,7 @@ def parse_args() -> argparse.Namespace:
 
     ckpt = parser.add_argument_group("checkpointing")
     ckpt.add_argument("--ckpt-dir", default=None,
-                      help="save checkpoints here (default: no checkpointing)")
+                      help="save checkpoints here (default: none)")
     ckpt.add_argument("--save-every", type=int, default=0,
                       help="save every N steps (and after the last one); needs --ckpt-dir")
     ckpt.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
@@ -166,31 +176,25 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- memory
-def _status_mib(key: str) -> Optional[float]:
-    """A ``/proc/self/status`` field (kB) in MiB, or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def _maxrss_mib() -> float:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
-def rss_mib() -> float:
-    now = _status_mib("VmRSS")
-    return now if now is not None else _maxrss_mib()
-
-
-def peak_rss_mib() -> float:
-    peak = _status_mib("VmHWM")
-    return peak if peak is not None else _maxrss_mib()
+def rss_mib() -> tuple[float, float]:
+    """This process's resident memory now and its high-water mark, in MiB
+    (``/proc/self/status``; elsewhere both are ``getrusage``'s maximum)."""
+    found: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    found[line[:5]] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    if len(found) < 2:
+        return _maxrss_mib(), _maxrss_mib()
+    return found["VmRSS"], found["VmHWM"]
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -214,11 +218,11 @@ def cuda_mib(device: torch.device) -> tuple[float, float]:
     return torch.cuda.memory_allocated() / 2**20, torch.cuda.max_memory_allocated() / 2**20
 
 
-def per_rank(values: list[float], unit: str = "M") -> str:
-    """``"412M 410M"`` for a few ranks, ``"max 415M"`` for many."""
+def per_rank(values: list[float], unit: str = "M", sep: str = " ") -> str:
+    """``"412M 410M"`` for a few ranks, ``"403M..415M"`` (min..max) for many."""
     if len(values) <= 4:
-        return " ".join(f"{v:.0f}{unit}" for v in values)
-    return f"max {max(values):.0f}{unit}"
+        return sep.join(f"{v:.0f}{unit}" for v in values)
+    return f"{min(values):.0f}{unit}..{max(values):.0f}{unit}"
 
 
 # ---------------------------------------------------------------- model and optimizer
@@ -326,6 +330,7 @@ class RunStats:
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     rss: list[list[float]] = field(default_factory=list)       # per step, per rank (MiB)
+    cuda: list[list[float]] = field(default_factory=list)      # per step, per rank (MiB), CUDA only
     peak_rss: list[float] = field(default_factory=list)        # per rank (MiB)
     peak_cuda: list[float] = field(default_factory=list)       # per rank (MiB), CUDA only
     tokens_per_step: int = 0
@@ -343,7 +348,7 @@ class RunStats:
         return {"impl": self.impl, "steps": self.steps, "losses": self.losses,
                 "final_loss": self.losses[-1] if self.losses else None,
                 "step_seconds": self.step_seconds, "mean_step_s": self.mean_step_s,
-                "tokens_per_s": self.tokens_per_s, "rss_mib": self.rss,
+                "tokens_per_s": self.tokens_per_s, "rss_mib": self.rss, "cuda_mib": self.cuda,
                 "peak_rss_mib": self.peak_rss, "peak_cuda_mib": self.peak_cuda}
 
 
@@ -375,6 +380,7 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
     gathered = [torch.zeros(5, dtype=torch.float64, device=device) for _ in range(world)]
     try:
         for step in range(first_step, args.steps + 1):
+            _where.update(impl=impl, step=step)
             if main_run and step == args.fail_at_step and rank == 1 and first_attempt:
                 print(f"rank 1: --fail-at-step {step}: exiting", flush=True)
                 if args.fail_mode == "exit":
@@ -406,7 +412,7 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
             optim.zero_grad()
             sched.step()
             cur_cuda, peak_cuda = cuda_mib(device)
-            mine = torch.tensor([total.item(), rss_mib(), peak_rss_mib(), cur_cuda, peak_cuda],
+            mine = torch.tensor([total.item(), *rss_mib(), cur_cuda, peak_cuda],
                                 dtype=torch.float64, device=device)
             dist.all_gather(gathered, mine)
             rows_all = torch.stack(gathered).tolist()  # world x 5
@@ -417,7 +423,9 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
             stats.step_seconds.append(seconds)
             stats.rss.append([r[1] for r in rows_all])
             stats.peak_rss = [r[2] for r in rows_all]
-            stats.peak_cuda = [r[4] for r in rows_all] if device.type == "cuda" else []
+            if device.type == "cuda":
+                stats.cuda.append([r[3] for r in rows_all])
+                stats.peak_cuda = [r[4] for r in rows_all]
             logged = step % args.log_every == 0 or step == args.steps
             if main_run and logged:
                 if rank == 0:
@@ -430,8 +438,9 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
                         f"{mem} {seconds * 1000:.1f} ms")
             if bar is not None:
                 mem = [r[3] for r in rows_all] if device.type == "cuda" else [r[1] for r in rows_all]
+                recent = stats.step_seconds[-10:]  # tokens/s over the last 10 steps
                 bar.set_postfix_str(f"loss {mean_loss:.4f}, "
-                                    f"{stats.tokens_per_step / seconds:,.0f} tok/s, "
+                                    f"{stats.tokens_per_step * len(recent) / sum(recent):,.0f} tok/s, "
                                     f"{'cuda' if device.type == 'cuda' else 'rss'} "
                                     f"{per_rank(mem)}", refresh=False)
                 bar.update()
@@ -440,6 +449,7 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
     finally:
         if bar is not None:
             bar.close()
+    _where.update(impl=None, step=None)
     return stats
 
 
@@ -453,9 +463,9 @@ def summary_table(runs: list[RunStats], device: torch.device) -> str:
     for r in runs:
         row = [r.impl, f"{r.losses[-1]:.6f}" if r.losses else "-",
                f"{r.mean_step_s * 1000:.1f}", f"{r.tokens_per_s:,.0f}",
-               " / ".join(f"{v:.0f}" for v in r.peak_rss)]
+               per_rank(r.peak_rss, "", " / ")]
         if cuda:
-            row.append(" / ".join(f"{v:.0f}" for v in r.peak_cuda))
+            row.append(per_rank(r.peak_cuda, "", " / "))
         rows.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = lambda cells: "  ".join(  # noqa: E731
@@ -464,7 +474,7 @@ def summary_table(runs: list[RunStats], device: torch.device) -> str:
     return "\n".join([rule, fmt(header), rule, *map(fmt, rows), rule])
 
 
-def plot(runs: list[RunStats], path: Path, mem_label: str, cuda: bool) -> Optional[Path]:
+def plot(runs: list[RunStats], path: Path, cuda: bool) -> Optional[Path]:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -473,17 +483,22 @@ def plot(runs: list[RunStats], path: Path, mem_label: str, cuda: bool) -> Option
         say("matplotlib is not installed: no plot (install it with `pip install -e '.[bench]'`)")
         return None
     fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        ax_loss.plot(r.steps, r.losses, label=r.impl)
-        mem = r.rss if not cuda else r.rss  # RSS per rank per step
+    styles = ("-", "--", ":", "-.")
+    for n, r in enumerate(runs):
+        color = f"C{n}"
+        ax_loss.plot(r.steps, r.losses, color=color, label=r.impl)
+        mem = r.cuda if cuda else r.rss  # per step, per rank
         world = len(mem[0]) if mem else 0
-        if world <= 4:
+        if world <= len(styles):
             for k in range(world):
-                ax_mem.plot(r.steps, [m[k] for m in mem], label=f"{r.impl} rank {k}")
+                ax_mem.plot(r.steps, [m[k] for m in mem], color=color, linestyle=styles[k],
+                            label=f"{r.impl} rank {k}")
         else:
-            ax_mem.plot(r.steps, [max(m) for m in mem], label=f"{r.impl} (max over ranks)")
+            ax_mem.plot(r.steps, [max(m) for m in mem], color=color,
+                        label=f"{r.impl} (max over ranks)")
     ax_loss.set(xlabel="step", ylabel="loss (mean over ranks)", title="training loss")
-    ax_mem.set(xlabel="step", ylabel="MiB", title=mem_label)
+    ax_mem.set(xlabel="step", ylabel="MiB",
+               title="allocated CUDA memory" if cuda else "process RSS (resident memory)")
     for ax in (ax_loss, ax_mem):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -512,6 +527,8 @@ def report(args: argparse.Namespace, runs: list[RunStats], device: torch.device,
     print(f"\nsummary: {header}, {wall_s:.1f} s in all", flush=True)
     if runs[0].losses:
         print(summary_table(runs, device), flush=True)
+        if args.mixed_precision != "none" and any(r.impl == "ddp" for r in runs):
+            print("ddp ran in fp32 (DDP has no mixed-precision policy)", flush=True)
     else:
         print("(no steps run: nothing to summarise)", flush=True)
     (out / "summary.json").write_text(json.dumps(
@@ -519,7 +536,7 @@ def report(args: argparse.Namespace, runs: list[RunStats], device: torch.device,
          "runs": [r.as_dict() for r in runs]}, indent=1))
     print(f"wrote {out / 'summary.json'}", flush=True)
     if runs[0].losses:
-        png = plot(runs, out / "train_gpt.png", "process RSS per rank", cuda)
+        png = plot(runs, out / "train_gpt.png", cuda)
         if png is not None:
             print(f"wrote {png}", flush=True)
 
@@ -549,7 +566,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
               f"{local / 1e6:.2f}M on this rank", flush=True)
     if args.log_all_ranks:
         say(f"[rank {rank}] {local / 1e6:.2f}M parameters on this rank, "
-            f"rss {rss_mib():.0f} MiB")
+            f"rss {rss_mib()[0]:.0f} MiB")
     if store is not None and args.resume:
         resumed = store.load_latest({"train": state})
         if rank == 0:
@@ -577,6 +594,9 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     dist.destroy_process_group()
 
 
+_where: dict[str, Any] = {"impl": None, "step": None}  # for error messages
+
+
 def _rank() -> str:
     if dist.is_available() and dist.is_initialized():
         return str(dist.get_rank())
@@ -589,26 +609,49 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _is_peer_failure(e: BaseException) -> bool:
+    """A collective failing because another rank went away (gloo: connection
+    reset/closed by peer; NCCL: remote error or abort)."""
+    text = str(e)
+    return isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer",
+                            "remote process exited", "NCCL communicator was aborted"))
+
+
 def main() -> None:
     args = parse_args()
     try:
         device = init_from_torchrun()
         run(args, device)
     except KeyboardInterrupt:
-        print(f"\n[rank {_rank()}] interrupted (Ctrl-C): exiting", file=sys.stderr, flush=True)
+        print(f"\n[rank {_rank()}] interrupted (Ctrl-C){_at()}: exiting", file=sys.stderr,
+              flush=True)
         _exit(130)
     except BaseException as e:  # noqa: BLE001 - any failure ends this rank, visibly
         if isinstance(e, SystemExit) and not e.code:
             raise
-        hint = ""
-        if isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or "Connection" in str(e):
-            hint = " (probably because another rank failed first: look for its error)"
-        print(f"[rank {_rank()}] failed{hint}:\n{traceback.format_exc()}", file=sys.stderr,
-              flush=True)
+        if _is_peer_failure(e):
+            # Secondary: the rank that failed first has printed the cause. One
+            # line here, and no error file, and a short pause before exiting, so
+            # that torchrun's summary names that rank as the root cause.
+            print(f"[rank {_rank()}] stopped{_at()}: a collective failed, probably because "
+                  f"another rank failed first (see its error): {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr, flush=True)
+            time.sleep(2)
+            _exit(1)
+        print(f"[rank {_rank()}] failed{_at()}: {type(e).__name__}: {e}\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # for torchrun's failure summary
             from torch.distributed.elastic.multiprocessing.errors import get_error_handler
             get_error_handler().record_exception(e)
         _exit(1)
+
+
+def _at() -> str:
+    if _where["step"] is None:
+        return ""
+    return f" at step {_where['step']}" + (
+        f" ({_where['impl']} run)" if _where["impl"] != "fsdp_compose" else "")
 
 
 if __name__ == "__main__":

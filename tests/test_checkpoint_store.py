@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -269,8 +270,9 @@ def _train_gpt(*args: str, restarts: int = 0) -> tuple[dict[int, float], str]:
     every attempt its own key prefix (without it a restarted rank can read its
     dead peer's gloo address: "connectFullMesh failed ... Connection refused")."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out_dir = tempfile.mkdtemp(prefix="train_gpt_out_")  # summary/plot, not under the repo
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts),
-           "examples/train_gpt.py", *SMALL, *args]
+           "examples/train_gpt.py", *SMALL, "--out-dir", out_dir, "--no-progress", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
