@@ -134,7 +134,9 @@ def test_failing_rank_ends_the_job_promptly(tmp_path, mode):
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert elapsed < 60, elapsed
-    assert sorted(_losses(proc.stdout)) == [1, 2]
+    # rank 0 may be stopped before it prints step 2 (torchrun kills it as soon
+    # as rank 1 is gone), but never trains past the failure
+    assert sorted(_losses(proc.stdout)) in ([1], [1, 2])
     assert "rank 1: --fail-at-step 3: exiting" in proc.stdout
     if mode == "raise":
         assert ("[rank 1] failed at step 3: RuntimeError: --fail-at-step 3: simulated failure "
