@@ -13,13 +13,14 @@ from .forward_methods import register_forward_method
 from .grad_scaler import ShardedGradScaler
 from .init import materialize, sync_module_states
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from .tools import describe, fully_shard_by
+from .tools import describe, estimate_memory, fully_shard_by, propose_units
 from .sharded_module import ShardedModule, UnshardHandle
 
 __all__ = [
     "fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
-    "materialize", "sync_module_states", "describe", "fully_shard_by",
+    "materialize", "sync_module_states", "describe", "fully_shard_by", "estimate_memory",
+    "propose_units",
 ]
 __version__ = "0.1.0"

@@ -6,10 +6,15 @@ by a rule.
   for a table per unit, ``to_dict()`` for JSON. Local, no collectives.
 * :func:`fully_shard_by` (``annotate.py``): ``fully_shard`` every module a
   class or predicate matches, bottom-up, then the model itself.
+* :func:`estimate_memory` / :func:`propose_units` (``planner.py``): per-rank
+  memory of an annotation planned on a ``meta`` model with no process
+  group, and an annotation that fits a budget.
 """
 
 from .annotate import fully_shard_by
 from .describe import BufferReport, ModelReport, ParamReport, Totals, UnitReport, describe
+from .planner import MemoryEstimate, Proposal, estimate_memory, propose_units
 
 __all__ = ["describe", "fully_shard_by", "ModelReport", "UnitReport", "BufferReport",
-           "ParamReport", "Totals"]
+           "ParamReport", "Totals", "estimate_memory", "propose_units", "MemoryEstimate",
+           "Proposal"]
