@@ -58,6 +58,19 @@ def _split(t: torch.Tensor, counts) -> list[torch.Tensor]:
     return list(torch.split(t, list(counts)))
 
 
+def _all_to_all(sends: list[torch.Tensor], counts: list) -> list[torch.Tensor]:
+    """Simulated ``all_to_all_single``: rank ``r`` sends ``counts[r][j]``
+    consecutive elements of ``sends[r]`` to rank ``j``; each rank receives
+    its pieces concatenated in source-rank order."""
+    outgoing = [_split(send, c) for send, c in zip(sends, counts)]
+    return [torch.cat([outgoing[src][dst] for src in range(len(sends))])
+            for dst in range(len(sends))]
+
+
+def _packed(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float64)
+
+
 @settings(max_examples=200, deadline=None)
 @given(cases())
 def test_plan_counts_are_consistent(case):
@@ -92,17 +105,11 @@ def test_flat_to_chunks_gives_torch_chunk(case):
     shapes, world, selected = case
     layout, params, shards = _setup(shapes, world)
     plans = [exchange_plan(layout, r, selected) for r in range(world)]
-    # rank r -> per-destination pieces
-    outgoing = []
-    for r, plan in enumerate(plans):
-        pieces = [shards[r][s:s + n] for s, n in plan.send_intervals]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float64)
-        outgoing.append(_split(send, plan.send_counts))
-    for j, plan in enumerate(plans):
-        received = [outgoing[src][j] for src in range(world)]
-        assert [t.numel() for t in received] == list(plan.recv_counts)
-        packed = torch.cat(received)
-        assert packed.numel() == plan.packed_numel
+    sends = [_packed([shards[r][s:s + n] for s, n in plan.send_intervals])
+             for r, plan in enumerate(plans)]
+    received = _all_to_all(sends, [plan.send_counts for plan in plans])
+    for j, (plan, packed) in enumerate(zip(plans, received)):
+        assert packed.numel() == plan.packed_numel == sum(plan.recv_counts)
         for c in plan.chunks:
             got = packed[c.packed_start:c.packed_start + c.numel].view(c.shape)
             want = _expected_chunk(params[c.param_index], world, j)
@@ -117,14 +124,11 @@ def test_chunks_to_flat_rebuilds_selected_positions(case):
     layout, params, shards = _setup(shapes, world)
     plans = [exchange_plan(layout, r, selected) for r in range(world)]
     # rank j packs its (correct) chunks and sends rank r the recv_counts[r] slice
-    outgoing = []
-    for j, plan in enumerate(plans):
-        pieces = [_expected_chunk(params[c.param_index], world, j).reshape(-1) for c in plan.chunks]
-        packed = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float64)
-        assert packed.numel() == plan.packed_numel
-        outgoing.append(_split(packed, plan.recv_counts))
-    for r, plan in enumerate(plans):
-        received = torch.cat([outgoing[j][r] for j in range(world)])
+    sends = [_packed([_expected_chunk(params[c.param_index], world, j).reshape(-1)
+                      for c in plan.chunks]) for j, plan in enumerate(plans)]
+    assert [t.numel() for t in sends] == [plan.packed_numel for plan in plans]
+    for r, (plan, received) in enumerate(zip(plans, _all_to_all(
+            sends, [plan.recv_counts for plan in plans]))):
         assert received.numel() == sum(plan.send_counts)
         out = torch.full((layout.shard_numel,), -1.0, dtype=torch.float64)
         offset = 0

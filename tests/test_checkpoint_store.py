@@ -200,29 +200,25 @@ def test_stale_partial_is_ignored_then_cleaned(tmp_path):
         assert r["steps"] == [3, 4]
 
 
-def test_torn_checkpoint_without_metadata_raises_on_every_rank(tmp_path):
+@pytest.mark.parametrize("case, step, fragments", [
+    ("no-metadata", "step_00000002", [".metadata", "torn"]),
+    ("no-data-file", "step_00000002", ["__1_0.distcp"]),
+    ("other-model-shape", "step_00000001", ["could not be loaded", "Size mismatch"]),
+])
+def test_bad_checkpoint_raises_the_same_error_on_every_rank(tmp_path, case, step, fragments):
+    """A torn checkpoint (no ``.metadata``, a data file missing) or one of a
+    model with other shapes: every rank raises one message naming the
+    checkpoint directory and what is wrong."""
     root = str(tmp_path / "ckpt")
-    messages = run_distributed(2, _save_then_tear, root, "metadata")
+    if case == "other-model-shape":
+        messages = run_distributed(2, _save_then_load_other_shape, root)
+    else:
+        messages = run_distributed(2, _save_then_tear, root,
+                                   "metadata" if case == "no-metadata" else "data")
     for msg in messages:
-        assert os.path.join(root, "step_00000002") in msg
-        assert ".metadata" in msg and "torn" in msg
-    assert messages[0] == messages[1]
-
-
-def test_checkpoint_missing_a_data_file_raises_on_every_rank(tmp_path):
-    root = str(tmp_path / "ckpt")
-    messages = run_distributed(2, _save_then_tear, root, "data")
-    for msg in messages:
-        assert os.path.join(root, "step_00000002") in msg and "__1_0.distcp" in msg
-    assert messages[0] == messages[1]
-
-
-def test_other_model_shape_raises_on_every_rank(tmp_path):
-    root = str(tmp_path / "ckpt")
-    messages = run_distributed(2, _save_then_load_other_shape, root)
-    for msg in messages:
-        assert os.path.join(root, "step_00000001") in msg
-        assert "could not be loaded" in msg and "Size mismatch" in msg
+        assert os.path.join(root, step) in msg
+        for fragment in fragments:
+            assert fragment in msg, (fragment, msg)
     assert messages[0] == messages[1]
 
 

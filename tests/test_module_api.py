@@ -45,6 +45,12 @@ def reference_lm(world: int, steps: int, seed: int, optim_name: str = "sgd",
     return {"params": plain_params(model), "grads": grads, "norms": norms}
 
 
+def _sharded_lm(optim_name: str) -> tuple:
+    """TinyLM (seeded) with every block and the root annotated, and its optimizer."""
+    model = shard_blocks_and_root(build_lm(N_BLOCKS))
+    return model, make_optim(model.parameters(), optim_name)
+
+
 def _local_batch(step: int, seed: int, per_rank: int = PER_RANK):
     rank, world = rank_world()
     tokens, targets = token_batch(step, world * per_rank, seed=seed)
@@ -138,9 +144,7 @@ SEED_11 = 11
 def train_world_one(steps: int = 3):
     """Counts every c10d op of every step (forward with the root's lazy
     initialisation, backward, optimizer step, zero_grad)."""
-    model = build_lm(N_BLOCKS)
-    shard_blocks_and_root(model)
-    optim = make_optim(model.parameters(), "sgd")
+    model, optim = _sharded_lm("sgd")
     counter = CollectiveCounter()
     for step in range(steps):
         tokens, targets = _local_batch(step, SEED_11)
@@ -222,9 +226,7 @@ PER_MICRO = 2
 
 
 def train_is_last_backward(steps: int = 2):
-    model = build_lm(N_BLOCKS)
-    shard_blocks_and_root(model)
-    optim = make_optim(model.parameters(), "adamw")
+    model, optim = _sharded_lm("adamw")
     for step in range(steps):
         tokens, targets = _local_batch(step, SEED_13, per_rank=MICRO * PER_MICRO)
         for i, (x, y) in enumerate(zip(tokens.chunk(MICRO), targets.chunk(MICRO))):
@@ -315,9 +317,7 @@ MAX_NORM = 0.1
 
 
 def train_clipped_by_method(steps: int = 2):
-    model = build_lm(N_BLOCKS)
-    shard_blocks_and_root(model)
-    optim = make_optim(model.parameters(), "sgd")
+    model, optim = _sharded_lm("sgd")
     norms = []
     for step in range(steps):
         tokens, targets = _local_batch(step, SEED_15)
