@@ -26,17 +26,26 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """The ranks one unit shards over, and where it computes.
+    """The ranks one unit shards over (and, for hybrid sharding, the ranks
+    it is replicated over), and where it computes.
+
+    A 1-D mesh shards over all its ranks. A 2-D mesh is ``(replicate,
+    shard)`` (torch FSDP2's convention for HSDP): the parameters are sharded
+    within the shard dim and replicated across the replicate dim; gradients
+    are reduce-scattered within the shard group, then all-reduced across
+    the replicate group. ``(world, 1)`` is pure replication (DDP-like).
 
     Attributes:
-        mesh: the 1-D device mesh.
-        process_group: its process group (the one all collectives use), held
+        mesh: the mesh ``fully_shard`` got (1-D, or 2-D ``(replicate, shard)``).
+        process_group: the shard group (all-gather, reduce-scatter), held
             weakly: ``torch.distributed`` owns it, and a model that outlives
             ``destroy_process_group()`` (torch's state-dict helpers cache
             models) must not keep its threads running into interpreter exit.
-        rank: this process's rank inside ``process_group``.
-        world_size: the sharding factor ``F``.
+        rank: this process's rank inside the shard group.
+        world_size: the sharding factor ``F`` (size of the shard group).
         device: the compute device (CUDA for NCCL meshes, CPU otherwise).
+        replicate_process_group: the replicate group (``None``: 1-D mesh).
+        replicate_size: the number of replicas ``R`` (1 for a 1-D mesh).
     """
 
     mesh: DeviceMesh
@@ -44,16 +53,36 @@ class ShardGroup:
     rank: int
     world_size: int
     device: torch.device
+    _replicate_group: Optional["weakref.ref[dist.ProcessGroup]"] = None
+    replicate_size: int = 1
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        group = self._process_group()
-        if group is None:
-            raise RuntimeError(
-                "the process group of this fully_shard unit was destroyed "
-                "(torch.distributed.destroy_process_group()); annotate a new model after "
-                "init_process_group.")
-        return group
+        return _alive(self._process_group)
+
+    @property
+    def replicate_process_group(self) -> Optional[dist.ProcessGroup]:
+        return None if self._replicate_group is None else _alive(self._replicate_group)
+
+    @property
+    def total_size(self) -> int:
+        """Every rank that holds a copy of the unit: ``R * F`` (the
+        denominator of the mean gradient)."""
+        return self.world_size * self.replicate_size
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.mesh.ndim == 2
+
+
+def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
+    group = ref()
+    if group is None:
+        raise RuntimeError(
+            "the process group of this fully_shard unit was destroyed "
+            "(torch.distributed.destroy_process_group()); annotate a new model after "
+            "init_process_group.")
+    return group
 
 
 def default_mesh() -> DeviceMesh:
@@ -86,21 +115,54 @@ _DEFAULT_MESH: dict[str, tuple["weakref.ref[dist.ProcessGroup]", DeviceMesh]] = 
 
 
 def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
-    """Validate ``mesh`` and describe it as a :class:`ShardGroup`."""
+    """Validate ``mesh`` (1-D, or 2-D ``(replicate, shard)``) and describe it
+    as a :class:`ShardGroup`."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; only 1-D meshes are "
-            "supported so far (hybrid sharding over a 2-D mesh is planned). Pass a 1-D mesh, "
-            "e.g. init_device_mesh(device_type, (world_size,)).")
-    group = mesh.get_group()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; pass a 1-D mesh "
+            "(full sharding) or a 2-D (replicate, shard) mesh (hybrid sharding), e.g. "
+            "init_device_mesh(device_type, (num_replicas, shard_size), "
+            "mesh_dim_names=('replicate', 'shard')). For tensor parallelism, pass the data-"
+            "parallel sub-mesh (mesh['dp']).")
+    group = mesh.get_group(mesh.ndim - 1)
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     if mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(mesh.device_type)
     return ShardGroup(mesh=mesh, _process_group=weakref.ref(group), rank=group.rank(),
-                      world_size=group.size(), device=device)
+                      world_size=group.size(), device=device,
+                      _replicate_group=None if replicate is None else weakref.ref(replicate),
+                      replicate_size=1 if replicate is None else replicate.size())
+
+
+def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
+    """The group of ``size`` consecutive ranks of ``group``'s shard group
+    that this rank belongs to: where a unit with ``reshard_after_forward=size``
+    keeps its parameters between forward and backward (each rank holds
+    ``F / size`` of the ``F`` shards, re-gathered from ``size`` ranks).
+
+    Collective over the members of the new group only (every member must
+    call it); groups are cached, so units share them.
+    """
+    if size < 1 or group.world_size % size:
+        raise AssertionError(f"post-forward group size {size} must divide {group.world_size}")
+    ranks = dist.get_process_group_ranks(group.process_group)
+    start = group.rank // size * size
+    members = tuple(ranks[start:start + size])
+    cached = _POST_FORWARD_GROUPS.get(members)
+    subgroup = None if cached is None else cached()
+    if subgroup is None:
+        subgroup = dist.new_group(list(members), use_local_synchronization=True)
+        _POST_FORWARD_GROUPS[members] = weakref.ref(subgroup)
+    return ShardGroup(mesh=group.mesh, _process_group=weakref.ref(subgroup),
+                      rank=subgroup.rank(), world_size=size, device=group.device)
+
+
+# global ranks of a post-forward group -> the group (weakly: torch.distributed owns it)
+_POST_FORWARD_GROUPS: dict[tuple[int, ...], "weakref.ref[dist.ProcessGroup]"] = {}
 
 
 class _DoneWork:
@@ -125,57 +187,86 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup
 def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                           divide_factor: Optional[float] = None, force_sum: bool = False,
                           async_op: bool = False) -> Optional[dist.Work]:
-    """Reduce-scatter ``flat`` (``F`` times ``output``'s size): this rank's
-    chunk of the sum over ranks divided by ``divide_factor`` (``None``: the
-    mean, ``F``) lands in ``output``.
+    """Reduce-scatter ``flat`` (``F`` times ``output``'s size) over the shard
+    group: this rank's chunk of the sum (or, for the mean, of the average)
+    lands in ``output``.
 
-    The mean is one ``AVG`` collective unless ``force_sum``; any other factor
-    is a ``SUM`` followed by a local division, which :func:`finish_scaling`
-    applies once the work is done. Over one rank nothing is communicated.
+    The gradient is complete after :func:`all_reduce_replicas` (hybrid
+    sharding) and :func:`finish_scaling`: the mean over all ``R * F`` ranks
+    when ``divide_factor`` is ``None`` (one ``AVG`` collective per group
+    unless ``force_sum``), else the sum divided by ``divide_factor``. Over
+    one rank nothing is communicated.
     """
     if group.world_size == 1:
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
-        finish_scaling(output, group, divide_factor, force_sum)
         return _DoneWork() if async_op else None
-    op = dist.ReduceOp.SUM if _needs_post_division(group, divide_factor, force_sum) \
-        else dist.ReduceOp.AVG
-    return _reduce_scatter_flat(output, flat, op=op, group=group.process_group,
-                                async_op=async_op)
+    return _reduce_scatter_flat(output, flat, op=_reduce_op(group, divide_factor, force_sum),
+                                group=group.process_group, async_op=async_op)
+
+
+def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
+                        divide_factor: Optional[float] = None, force_sum: bool = False,
+                        async_op: bool = False) -> Optional[dist.Work]:
+    """Hybrid sharding: all-reduce a reduce-scattered chunk across the
+    replicas (same op as the reduce-scatter). A no-op without replicas."""
+    replicate = group.replicate_process_group
+    if replicate is None or group.replicate_size == 1:
+        return _DoneWork() if async_op else None
+    return dist.all_reduce(output, op=_reduce_op(group, divide_factor, force_sum),
+                           group=replicate, async_op=async_op)
 
 
 def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
                    force_sum: bool) -> None:
-    """The local division that completes :func:`reduce_scatter_scaled`
-    (a no-op when the collective averaged already)."""
-    if group.world_size == 1:
-        if divide_factor is not None and divide_factor != 1.0:
-            output.div_(divide_factor)
-    elif _needs_post_division(group, divide_factor, force_sum):
-        factor = group.world_size if divide_factor is None else divide_factor
+    """The local division that completes the reduction (a no-op when the
+    collectives averaged already)."""
+    if _needs_post_division(group, divide_factor, force_sum):
+        factor = group.total_size if divide_factor is None else divide_factor
         if factor != 1.0:
             output.div_(factor)
 
 
+def _reduce_op(group: ShardGroup, divide_factor: Optional[float],
+               force_sum: bool) -> dist.ReduceOp:
+    return dist.ReduceOp.SUM if _needs_post_division(group, divide_factor, force_sum) \
+        else dist.ReduceOp.AVG
+
+
 def _needs_post_division(group: ShardGroup, divide_factor: Optional[float],
                          force_sum: bool) -> bool:
-    mean = divide_factor is None or divide_factor == group.world_size
+    mean = divide_factor is None or divide_factor == group.total_size
     return force_sum or not mean
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
-    """In-place element-wise maximum over the ranks of ``group``."""
+    """In-place element-wise maximum over every rank of ``group``'s mesh
+    (the shard group, then the replicas)."""
     if group.world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group)
+    replicate = group.replicate_process_group
+    if replicate is not None and group.replicate_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=replicate)
 
 
 def all_gather_fingerprints(fingerprint: int, group: ShardGroup) -> list[int]:
-    """Every rank's 63-bit ``fingerprint``, in rank order (one tiny all-gather)."""
-    if group.world_size == 1:
-        return [fingerprint]
-    mine = torch.tensor([fingerprint], dtype=torch.int64, device=group.device)
-    every = torch.empty(group.world_size, dtype=torch.int64, device=group.device)
-    _all_gather_flat(every, mine, group=group.process_group)
+    """Every rank's 63-bit ``fingerprint``: the shard group's in rank order,
+    then (hybrid sharding) those of this rank's replicas (one or two tiny
+    all-gathers)."""
+    every = _gather_int(fingerprint, group.process_group, group.world_size, group.device)
+    replicate = group.replicate_process_group
+    if replicate is not None and group.replicate_size > 1:
+        every += _gather_int(fingerprint, replicate, group.replicate_size, group.device)
+    return every
+
+
+def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
+                device: torch.device) -> list[int]:
+    if size == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = torch.empty(size, dtype=torch.int64, device=device)
+    _all_gather_flat(every, mine, group=process_group)
     return [int(v) for v in every.cpu()]
 
 

@@ -82,6 +82,14 @@ class _PendingGather(NamedTuple):
     version: int  # the unsharded buffer's version before the collective
 
 
+class _PostForwardCopy(NamedTuple):
+    """What ``reshard_after_forward=k`` keeps between forward and backward."""
+
+    group: ShardGroup  # the k ranks it is re-gathered from
+    piece: torch.Tensor  # this rank's 1/k of the unsharded buffer (compute dtype)
+    versions: tuple[int, ...]  # the parameters' versions when it was taken
+
+
 class FlatBuffer:
     """Sharded storage plus unsharded working buffer for a list of parameters.
 
@@ -134,6 +142,9 @@ class FlatBuffer:
         self.staging: Optional[StagingPool] = None
         """Where the unsharded storage's memory comes from and goes back to
         (CPU only; ``None``: the allocator directly)."""
+        self._post_forward: Optional[_PostForwardCopy] = None
+        """This rank's piece of the unsharded values, kept by a reshard after
+        forward to a smaller group (``reshard_after_forward=k``)."""
         self._versions_at_unshard: tuple[int, ...] = ()
         """The parameters' version counters when the unsharded copy was made:
         an optimizer step bumps them, which makes the copy stale."""
@@ -356,14 +367,19 @@ class FlatBuffer:
             self.staging.fill(self.unsharded.untyped_storage(), nbytes)
         else:
             self.unsharded.untyped_storage().resize_(nbytes)
-        # One copy to the compute device and dtype (none without offload or
-        # mixed precision), so the all-gather moves compute_dtype bytes.
-        # Over one rank the "all-gather" is that copy.
-        shard = self.sharded if self.group.world_size == 1 else self.sharded.to(
-            self.compute_device, self.compute_dtype, non_blocking=True)
+        kept, self._post_forward = self._post_forward, None
+        if kept is not None and kept.versions == self._param_versions():
+            # reshard_after_forward=k: gather from the k ranks of the smaller group
+            shard, group = kept.piece, kept.group
+        else:
+            # One copy to the compute device and dtype (none without offload or
+            # mixed precision), so the all-gather moves compute_dtype bytes.
+            # Over one rank the "all-gather" is that copy.
+            shard, group = self.sharded if self.group.world_size == 1 else self.sharded.to(
+                self.compute_device, self.compute_dtype, non_blocking=True), self.group
         version = self.unsharded._version
         with _unsafe_preserve_version_counter(self.unsharded):
-            work = all_gather_into(self.unsharded.detach(), shard, self.group, async_op=True)
+            work = all_gather_into(self.unsharded.detach(), shard, group, async_op=True)
         self._gather = _PendingGather(work, shard, version)
 
     def finish_unshard(self) -> None:
@@ -378,7 +394,7 @@ class FlatBuffer:
         # see [Note: storage and autograd]
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (gather.version,))
         self.is_unsharded = True
-        self._versions_at_unshard = tuple(r.param._version for r in self.records)
+        self._versions_at_unshard = self._param_versions()
         self.use_unsharded_views()
 
     @property
@@ -389,8 +405,11 @@ class FlatBuffer:
     def is_stale(self) -> bool:
         """Whether the sharded values changed (e.g. an optimizer step) since
         the unsharded copy was gathered."""
-        return self.is_unsharded and not self.aliased and self._versions_at_unshard != tuple(
-            r.param._version for r in self.records)
+        return self.is_unsharded and not self.aliased and \
+            self._versions_at_unshard != self._param_versions()
+
+    def _param_versions(self) -> tuple[int, ...]:
+        return tuple(r.param._version for r in self.records)
 
     def refresh_views(self) -> None:
         """Build new per-parameter views for a forward that records a graph
@@ -403,8 +422,11 @@ class FlatBuffer:
             for module, name in record.slots:
                 module._parameters[name] = view  # type: ignore[assignment]
 
-    def reshard(self) -> None:
-        """Restore the original parameters and free the unsharded storage.
+    def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
+        """Restore the original parameters and free the unsharded storage;
+        with ``keep_for_backward`` (a group of ``k`` ranks of the shard
+        group), first keep this rank's ``1/k`` of the unsharded values, so
+        that the next unshard gathers from those ``k`` ranks only.
 
         Post-condition: not ``is_unsharded``; ``unsharded`` holds no storage;
         every slot holds its original ``nn.Parameter``.
@@ -413,6 +435,12 @@ class FlatBuffer:
             self.finish_unshard()  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
             return  # already sharded: nothing to free
+        if keep_for_backward is not None and not self.aliased:
+            size = self.layout.padded_numel // keep_for_backward.world_size
+            piece = self.unsharded.detach().narrow(
+                0, keep_for_backward.rank * size, size).clone()
+            self._post_forward = _PostForwardCopy(keep_for_backward, piece,
+                                                  self._versions_at_unshard)
         for record in self.records:
             for module, name in record.slots:
                 module._parameters[name] = record.param
@@ -423,6 +451,10 @@ class FlatBuffer:
             self.staging.drain(self.unsharded.untyped_storage())
         else:
             self.unsharded.untyped_storage().resize_(0)
+
+    def drop_post_forward_copy(self) -> None:
+        """Free what ``reshard(keep_for_backward=...)`` kept (unused)."""
+        self._post_forward = None
 
     # ----------------------------------------------------------- inspection
     def full_param_views(self) -> list[torch.Tensor]:

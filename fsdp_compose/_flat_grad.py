@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._comm import all_reduce_max, finish_scaling, reduce_scatter_scaled
+from ._comm import all_reduce_max, all_reduce_replicas, finish_scaling, reduce_scatter_scaled
 
 if TYPE_CHECKING:  # annotations only: the buffer owns its gradient
     from ._flat_buffer import FlatBuffer
@@ -158,8 +158,10 @@ class FlatGradient:
         self._reduce = None
         pending.work.wait()
         owner = self.owner
-        if owner.group.world_size > 1:
-            finish_scaling(pending.output, owner.group, *pending.options)
+        # Hybrid sharding: the replicas' chunks are summed (or averaged) next.
+        # Blocking: the chunk is folded into the sharded gradient right after.
+        all_reduce_replicas(pending.output, owner.group, *pending.options)
+        finish_scaling(pending.output, owner.group, *pending.options)
         base = self._accumulation_base()
         if base is not None:
             base.add_(pending.output.to(owner.storage_device, owner.dtype))

@@ -9,13 +9,13 @@ backward) is the job of ``_state.py``.
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from ._comm import ShardGroup
+from ._comm import ShardGroup, post_forward_group
 from ._flat_buffer import BufferPolicy, FlatBuffer, ParamRecord
 from ._flat_grad import ReduceOptions
 from ._schedule import Scheduler
@@ -48,7 +48,7 @@ class ShardUnit:
 
     def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
-                 reshard_after_forward: Optional[bool],
+                 reshard_after_forward: Union[bool, int, None],
                  mp_policy: Optional[MixedPrecisionPolicy] = None,
                  offload_policy: Optional[CPUOffloadPolicy] = None) -> None:
         # Structure
@@ -70,8 +70,13 @@ class ShardUnit:
         """How messages name the unit; the FQN once a root knows it."""
 
         # Policy (changeable through the module methods)
-        self.reshard_after_forward: Optional[bool] = reshard_after_forward
+        self.reshard_after_forward: Optional[bool] = None
         """``None``: reshard after forward unless this is the root."""
+        self.post_forward_group: Optional[ShardGroup] = None
+        """``reshard_after_forward=k`` with ``1 < k < F``: after forward each
+        rank keeps ``F / k`` shards, re-gathered in backward from the ``k``
+        ranks of this group (``None``: reshard to the full shard group)."""
+        self.set_reshard_after_forward(reshard_after_forward)
         self.reshard_after_backward: bool = True
         self.requires_gradient_sync: bool = True
         self.unshard_in_backward: bool = True
@@ -111,6 +116,27 @@ class ShardUnit:
             reduce_dtype=mp.reduce_dtype if floating else None,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory and torch.cuda.is_available())
+
+    def set_reshard_after_forward(self, value: Union[bool, int, None]) -> None:
+        """``None``/``True``/``False``, or an int ``k`` dividing the sharding
+        factor ``F``: the size of the group the parameters stay sharded over
+        between forward and backward (``F``: the same as ``True``; ``1``:
+        every rank keeps them all, the same as ``False``). Collective over
+        the new group's members when ``1 < k < F`` (call it on every rank)."""
+        if value is None or isinstance(value, bool):
+            self.reshard_after_forward, self.post_forward_group = value, None
+            return
+        shard_size = self.group.world_size
+        if value < 1 or shard_size % value:
+            divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+            raise ValueError(
+                f"reshard_after_forward={value} for {self.name}: an int is the number of ranks "
+                f"the parameters stay sharded over after forward and must divide the shard "
+                f"group size {shard_size} (one of {divisors}; e.g. the ranks of one node). Pass "
+                "True, False or one of those.")
+        self.reshard_after_forward = value != 1
+        self.post_forward_group = post_forward_group(self.group, value) \
+            if 1 < value < shard_size else None
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point inputs in ``param_dtype`` if the policy asks."""
@@ -222,8 +248,12 @@ class ShardUnit:
         parameters or the policy says so."""
         self._modules_to_run = set()
         self.state = TrainingState.IDLE
-        if not self._backward_possible or self.reshards_after_forward:
+        if not self._backward_possible:
             self.reshard()
+        elif self.reshards_after_forward:
+            keep = self.post_forward_group if self.unshard_in_backward else None
+            for buffer in self.buffers:
+                buffer.reshard(keep_for_backward=keep)
 
     def _guard_saved_parameters(self) -> None:
         """With ``unshard_in_backward`` off, backward runs on freed parameter
@@ -301,6 +331,9 @@ class ShardUnit:
         go back to IDLE."""
         if self.reshard_after_backward and self.state is not TrainingState.FORWARD:
             self.reshard()
+        if self.state is not TrainingState.FORWARD:
+            for buffer in self.buffers:
+                buffer.drop_post_forward_copy()  # this backward did not need it
         if self.state is not TrainingState.FORWARD:
             self._frozen_uses = 0
         self.state = TrainingState.IDLE

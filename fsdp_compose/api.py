@@ -49,7 +49,7 @@ class ShardedParamInfo(NamedTuple):
 
 
 def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: Optional[bool] = None,
+                reshard_after_forward: Union[bool, int, None] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None,
                 offload_policy: Optional[CPUOffloadPolicy] = None,
                 ignored_params: Optional[Iterable[nn.Parameter]] = None) -> ModuleOrModules:
@@ -59,12 +59,23 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         module: one module, or a list of sibling modules that form one unit
             (unsharded at the first pre-forward among them, resharded after
             the last post-forward).
-        mesh: a 1-D ``DeviceMesh``; default: every rank of the default
-            process group, on CUDA when the backend is NCCL, else on CPU.
+        mesh: a 1-D ``DeviceMesh`` (full sharding over its ranks) or a 2-D
+            one with dims ``(replicate, shard)`` (hybrid sharding: sharded
+            within each shard group, replicated across the replicate dim;
+            gradients reduce-scattered within, then all-reduced across;
+            ``(world, 1)`` is pure replication, like DDP); default: a 1-D
+            mesh over every rank of the default process group, on CUDA when
+            the backend is NCCL, else on CPU. Must be the same on every rank
+            for a model (state dicts place values on it).
         reshard_after_forward: free the unsharded parameters after forward
             and all-gather them again for backward. ``None`` (default): every
             unit but the root (whose backward starts right after forward);
-            ``True``: the root too; ``False``: keep them until backward.
+            ``True``: the root too; ``False``: keep them until backward. An
+            int ``k`` dividing the shard group size ``F``: keep them sharded
+            over groups of ``k`` consecutive ranks between forward and
+            backward (each rank holds ``1/k`` of them; backward gathers
+            from ``k`` ranks only, e.g. within a node); ``F`` is ``True``
+            and ``1`` is ``False``.
         mp_policy: compute/communicate in lower precision for this unit
             (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
         offload_policy: keep this unit's shards, gradients and optimizer

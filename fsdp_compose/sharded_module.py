@@ -9,7 +9,7 @@ every unit in its subtree.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -92,13 +92,15 @@ class ShardedModule:
             raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
         _own_state(self).unit.scheduler.policy = policy
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+    def set_reshard_after_forward(self, reshard_after_forward: Union[bool, int], *,
                                   recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (``True`` makes the root reshard
-        after forward too, and all-gather again for backward)."""
+        after forward too, and all-gather again for backward; an int keeps
+        the parameters sharded over that many ranks between forward and
+        backward, see :func:`fully_shard`). Call it on every rank."""
         check_reshard_after_forward(reshard_after_forward)
         for state in _states(self, recurse):
-            state.unit.reshard_after_forward = reshard_after_forward
+            state.unit.set_reshard_after_forward(reshard_after_forward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With ``False``, this unit's backward does not all-gather its
@@ -219,10 +221,9 @@ def _states(module: nn.Module, recurse: bool) -> list[_ShardState]:
 
 
 def check_reshard_after_forward(value: object) -> None:
-    if value is None or isinstance(value, bool):
+    """Type check only; an int is checked against the unit's shard group by
+    :meth:`ShardUnit.set_reshard_after_forward`."""
+    if value is None or isinstance(value, (bool, int)):
         return
-    if isinstance(value, int):
-        raise NotImplementedError(
-            f"reshard_after_forward={value}: resharding to a smaller group after forward is not "
-            "supported yet; pass True, False or None.")
-    raise TypeError(f"reshard_after_forward must be a bool or None, got {type(value).__name__}")
+    raise TypeError(
+        f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__}")

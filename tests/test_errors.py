@@ -89,10 +89,11 @@ def ranks_disagree_on_shapes():
     return _raises(lambda: model(torch.randn(2, 4)), "disagree", "ranks [1]")
 
 
-def two_dimensional_mesh():
+def three_dimensional_mesh():
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (2, 2))
-    return _raises(lambda: fully_shard(nn.Linear(2, 2), mesh=mesh), "2-D mesh", "1-D")
+    mesh = init_device_mesh("cpu", (2, 2, 1))
+    return _raises(lambda: fully_shard(nn.Linear(2, 2), mesh=mesh), "3-D mesh",
+                   "(replicate, shard)")
 
 
 def wrong_policy_type():
@@ -138,8 +139,8 @@ def test_ranks_disagreeing_on_shapes_raise_on_every_rank_without_hanging():
     assert len(messages) == 2
 
 
-def test_two_dimensional_mesh_is_rejected():
-    run_distributed(4, two_dimensional_mesh)
+def test_three_dimensional_mesh_is_rejected():
+    run_distributed(4, three_dimensional_mesh)
 
 
 def test_fully_shard_before_init_process_group():

@@ -14,7 +14,7 @@ import functools
 from typing import Callable, Optional, Sequence, Union
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._comm import ShardGroup, all_to_all
 from .._layout import FlatLayout
@@ -71,13 +71,20 @@ def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: S
         offset += length
 
 
+def checkpoint_placements(group: ShardGroup) -> tuple[Placement, ...]:
+    """torch FSDP2's placements on the unit's mesh: ``(Shard(0),)``, or
+    ``(Replicate(), Shard(0))`` for hybrid sharding."""
+    return (Replicate(), Shard(0)) if group.is_hybrid else (Shard(0),)
+
+
 def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGroup) -> torch.Tensor:
     """``chunk`` (this rank's dim-0 chunk) as a ``DTensor`` of the global
-    ``shape`` placed ``Shard(0)`` on the group's mesh: torch FSDP2's layout.
-    A 0-dim value (every rank holds all of it) stays a plain tensor."""
+    ``shape`` on the unit's mesh (:func:`checkpoint_placements`): torch
+    FSDP2's layout. A 0-dim value (every rank holds all of it) stays a
+    plain tensor."""
     if len(shape) == 0:
         return chunk
-    return DTensor.from_local(chunk, group.mesh, [Shard(0)], run_check=False,
+    return DTensor.from_local(chunk, group.mesh, checkpoint_placements(group), run_check=False,
                               shape=shape, stride=_contiguous_strides(shape))
 
 
@@ -88,8 +95,9 @@ def local_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
     (``value.full_tensor()``, collective over that mesh)."""
     if value.device_mesh != group.mesh:
         return None
-    if tuple(value.placements) != (Shard(0),):
-        value = value.redistribute(group.mesh, [Shard(0)])
+    placements = checkpoint_placements(group)
+    if tuple(value.placements) != placements:
+        value = value.redistribute(group.mesh, placements)
     chunk = value.to_local()
     expected = chunk_shape(tuple(value.shape), group.world_size, group.rank)
     if tuple(chunk.shape) != expected:

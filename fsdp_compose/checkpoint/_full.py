@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._comm import backend_device
+from .._comm import ShardGroup, backend_device
 from .._flat_buffer import FlatBuffer
 from .._owners import owner_of
 from .._state import units_below
@@ -180,13 +180,32 @@ def _scatter_buffer(buffer: FlatBuffer, keys_of: dict[int, list[str]],
             if key is not None:
                 full.narrow(0, offset, numel).copy_(state_dict[key].reshape(-1))
         chunks = list(full.chunk(group.world_size))
-    if group.world_size == 1:
-        shard.copy_(chunks[0])
-    else:
-        dist.scatter(shard, chunks, src=src, group=group.process_group)
+    _scatter_chunks(shard, chunks, group, src)
     for record, s, key in zip(buffer.records, buffer.local_slices(), present):
         if key is not None:
             record.param.copy_(shard.narrow(0, s.shard_start, s.length))
+
+
+def _scatter_chunks(shard: torch.Tensor, chunks: Optional[list[torch.Tensor]],
+                    group: ShardGroup, src: int) -> None:
+    """Rank ``src``'s ``chunks`` (one per shard-group rank) to the ranks of
+    its shard group, then (hybrid sharding) from each of those across its
+    replicas: every rank ends with its own chunk."""
+    replicate = group.replicate_process_group
+    replica_row = None
+    if replicate is not None:
+        ranks = group.mesh.mesh
+        where = (ranks == src).nonzero()
+        if len(where) == 0:
+            raise ValueError(f"src rank {src} is not in the mesh {ranks.tolist()}")
+        replica_row = ranks[int(where[0][0])]
+    if replica_row is None or dist.get_rank() in replica_row.tolist():
+        if group.world_size == 1:
+            shard.copy_(chunks[0])
+        else:
+            dist.scatter(shard, chunks, src=src, group=group.process_group)
+    if replica_row is not None and group.replicate_size > 1:
+        dist.broadcast(shard, src=int(replica_row[group.rank]), group=replicate)
 
 
 def _read_flat_range(handle, key: str, shape: torch.Size, start: int, length: int) -> torch.Tensor:
