@@ -9,8 +9,10 @@
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --compare
     # one node with GPUs: NCCL is picked automatically when CUDA is available
     torchrun --standalone --nproc-per-node 8 examples/train_gpt.py --layers 12 --width 768
-    # two nodes
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-endpoint HOST:29500 examples/train_gpt.py
+    # two nodes, hybrid sharding: sharded within a node, replicated across nodes
+    # (run on every node; HOST is node 0's address)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        --rdzv-id job1 examples/train_gpt.py --hsdp
     # checkpoint every 5 steps; rerun the same command (or let torchrun restart
     # it, --max-restarts) to continue from the newest checkpoint, bit for bit
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
@@ -82,6 +84,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
 from fsdp_compose.checkpoint import CheckpointStore
@@ -104,6 +107,12 @@ class _Help(argparse.HelpFormatter):
         if shown and "default" not in text:
             text += " (default: %(default)s)"
         return text
+
+
+def _reshard_choice(value: str) -> str:
+    if value in ("default", "true", "false") or value.isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"expected default, true, false or an int, got {value!r}")
 
 
 def parse_args() -> argparse.Namespace:
@@ -133,10 +142,14 @@ def parse_args() -> argparse.Namespace:
     train.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
                        help="bf16: bf16 parameters and compute, fp32 gradient reduction "
                             "(sharded parameters and optimizer stay fp32)")
-    train.add_argument("--reshard-after-forward", choices=("default", "true", "false"),
-                       default="default",
+    train.add_argument("--reshard-after-forward", type=_reshard_choice, default="default",
                        help="default (the default): every unit but the root; false: none "
-                            "(no all-gather in backward); true: all")
+                            "(no all-gather in backward); true: all; an int k dividing the "
+                            "shard group size: keep the blocks sharded over k ranks between "
+                            "forward and backward")
+    train.add_argument("--hsdp", action="store_true",
+                       help="hybrid sharding on a (nodes, ranks per node) mesh: shard within "
+                            "a node, replicate across nodes (LOCAL_WORLD_SIZE ranks per node)")
     train.add_argument("--activation-checkpointing", action="store_true",
                        help="recompute each block's activations in backward")
 
@@ -252,10 +265,12 @@ def build_model(args: argparse.Namespace, impl: str, device: torch.device) -> nn
         from torch.distributed._composable import checkpoint
         for block in model.blocks:
             checkpoint(block)
-    reshard = {"default": None, "true": True, "false": False}[args.reshard_after_forward]
+    reshard = {"default": None, "true": True, "false": False}.get(args.reshard_after_forward)
+    if reshard is None and args.reshard_after_forward.isdigit():
+        reshard = int(args.reshard_after_forward)
     bf16 = args.mixed_precision == "bf16"
     if impl == "fsdp_compose":
-        kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
+        kwargs: dict[str, Any] = {"reshard_after_forward": reshard, "mesh": data_mesh(args, device)}
         if bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                        reduce_dtype=torch.float32)
@@ -264,11 +279,9 @@ def build_model(args: argparse.Namespace, impl: str, device: torch.device) -> nn
         fully_shard(model, **kwargs)
         return model
     if impl == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
-        kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),)),
-                  "reshard_after_forward": reshard}
+        kwargs = {"mesh": data_mesh(args, device), "reshard_after_forward": reshard}
         if bf16:
             kwargs["mp_policy"] = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
@@ -280,6 +293,17 @@ def build_model(args: argparse.Namespace, impl: str, device: torch.device) -> nn
         ids = [torch.cuda.current_device()] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
     raise ValueError(impl)
+
+
+def data_mesh(args: argparse.Namespace, device: torch.device) -> DeviceMesh:
+    """The data-parallel mesh: 1-D over every rank, or with ``--hsdp`` 2-D
+    ``(replicate, shard)`` = (nodes, ranks per node)."""
+    world = dist.get_world_size()
+    if not args.hsdp:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return init_device_mesh(device.type, (world // per_node, per_node),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def original_shape(p: torch.Tensor) -> torch.Size:
@@ -556,6 +580,9 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
                f"reshard_after_forward={args.reshard_after_forward}"]
     if args.activation_checkpointing:
         options.append("activation checkpointing")
+    if args.hsdp:
+        mesh = data_mesh(args, device)
+        options.append(f"HSDP {mesh.size(0)} replicas x {mesh.size(1)} shards")
     batch = args.batch_per_rank * args.micro_batches
     header = (f"{world} ranks on {device.type} ({dist.get_backend()}), {total / 1e6:.2f}M parameters, "
               f"{args.steps} steps of {batch} x {args.seq} tokens per rank"
