@@ -267,3 +267,25 @@ def _dcp_round_trip(root):
 def test_dcp_round_trip_under_hsdp_continues_identically(tmp_path):
     diffs = run_distributed(4, _dcp_round_trip, str(tmp_path / "ckpt"), timeout=120)
     assert diffs == [0.0] * 4, diffs
+
+
+def _grad_norm_under_hsdp():
+    from fsdp_compose.clip import clip_grad_norm_
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = _mesh((2, 2))
+    model = build_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = global_batch(0, world, "plain")
+    model.loss(_local(x, rank, world), _local(y, rank, world)).backward()
+    return clip_grad_norm_(model, max_norm=1e9).item()
+
+
+def test_gradient_norm_counts_each_replica_once():
+    reference = build_model()
+    x, y = global_batch(0, 4, "plain")
+    reference.loss(x, y).backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
+    for got in run_distributed(4, _grad_norm_under_hsdp, timeout=60):
+        assert got == pytest.approx(want, rel=1e-5), (got, want)
