@@ -97,7 +97,8 @@ class _ShardState(_State):
             while top.annotated_parent is not None:
                 top = top.annotated_parent
             top.lazy_init()
-X
+            assert self.context is not None, \
+                f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
             return
         states = [self] + [s for s in _states_below(self.unit.modules) if s is not self]
         context = ShardContext(self, states)
