@@ -11,6 +11,7 @@ callback that finishes the iteration.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -119,7 +120,7 @@ class _ShardState(_State):
         self.unit.check_materialized()
         check_registration(self.registration, self.context.root.unit.modules[0])
         if self.is_root and torch._C._current_graph_task_id() == -1:
-            self._check_previous_iteration_ended()  # not a recomputation in backward
+            self._reset_unfinished_iteration()  # not a recomputation in backward
         if self.is_root and self.unit.state is TrainingState.IDLE:
             self.unit.scheduler.start_iteration()  # not a recomputation inside backward
         args, kwargs = self.unit.cast_inputs(args, kwargs)
@@ -139,20 +140,22 @@ class _ShardState(_State):
             self._drop_unused_prefetches()
         return output
 
-    def _check_previous_iteration_ended(self) -> None:
+    def _reset_unfinished_iteration(self) -> None:
         """A forward or backward that raised leaves units mid-iteration
         (every rank alike when every rank raised); going on would mix the
-        two iterations, so say how to recover."""
+        two iterations (and a lost end-of-backward callback would never
+        publish gradients again), so reset as ``reset_iter_state()`` would."""
         context = self.context
         busy = [s.unit for s in context.states if s.unit.state is not TrainingState.IDLE]
         if busy or context.backward_callback_queued:
-            what = (f"{busy[0].name} is still in {busy[0].state.name}" if busy else
+            what = (f"{busy[0].name} was still in {busy[0].state.name}" if busy else
                     "the end of the last backward never ran")
-            raise RuntimeError(
+            warnings.warn(
                 f"forward of the root {self.unit.name} started, but the previous iteration did not "
-                f"finish ({what}): a forward or backward raised an exception. Call "
-                "reset_iter_state() on the root module after catching it, then run the next "
-                "iteration.")
+                f"finish ({what}): a forward or backward raised an exception. fsdp_compose reset "
+                "it and dropped its gradients; call reset_iter_state() on the root module after "
+                "catching such an exception to do this explicitly.", stacklevel=2)
+            self.reset_iter_state()
 
     def reset_iter_state(self) -> None:
         """See ``ShardedModule.reset_iter_state``. Runs on the root."""

@@ -157,8 +157,9 @@ class ShardedModule:
         iteration's gradients are dropped; ``.grad`` keeps what earlier
         iterations published (a reduction that completed before the
         exception may already be added to it when gradients were being
-        accumulated across steps: zero them). Until it is called, the
-        root's next forward raises."""
+        accumulated across steps: zero them). If it is not called, the
+        root's next forward does it, with a warning; ``optimizer.step()``
+        before either raises."""
         _own_state(self).reset_iter_state()
 
     def set_check_finite_gradients(self, enabled: bool) -> None:

@@ -62,7 +62,8 @@ def _assert_clean(model) -> None:
         assert isinstance(p, torch.nn.Parameter) and p.ndim == 1, name
 
 
-def train_with_failure(optim_name: str, where: str, fail_at: int = 1, steps: int = 4) -> dict:
+def train_with_failure(optim_name: str, where: str, explicit: bool = True, fail_at: int = 1,
+                       steps: int = 4) -> dict:
     """``where == "skip"``: the reference, which skips step ``fail_at``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard_blocks_and_root(build_model())
@@ -82,12 +83,17 @@ def train_with_failure(optim_name: str, where: str, fail_at: int = 1, steps: int
                     raise Injected("raised in the loss function")
                 loss.backward()
             armed["on"] = False
-            if where in ("forward", "backward"):  # left mid-iteration: the next forward says so
+            if where in ("forward", "backward"):  # left mid-iteration: optimizer.step() refuses
                 try:
-                    model.loss(x, y)
+                    optim.step()
                 except RuntimeError as exc:
                     told = str(exc)
-            model.reset_iter_state()
+            if explicit:
+                model.reset_iter_state()
+            else:  # the next forward resets, with a warning
+                with pytest.warns(UserWarning, match="previous iteration did not finish"):
+                    with torch.no_grad():
+                        model(x)
             _assert_clean(model)
             optim.zero_grad()
             continue
@@ -99,14 +105,17 @@ def train_with_failure(optim_name: str, where: str, fail_at: int = 1, steps: int
 
 
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
-@pytest.mark.parametrize("where", ["forward", "backward", "loss"])
-def test_reset_iter_state_equals_skipping_the_step(optim_name, where):
+@pytest.mark.parametrize("where,explicit", [("forward", True), ("backward", True),
+                                            ("loss", True), ("backward", False)])
+def test_reset_iter_state_equals_skipping_the_step(optim_name, where, explicit):
+    """Explicit reset_iter_state(), or the next forward resetting by itself."""
     want = run_distributed(2, train_with_failure, optim_name, "skip")[0]["params"]
-    for rank, got in enumerate(run_distributed(2, train_with_failure, optim_name, where)):
+    results = run_distributed(2, train_with_failure, optim_name, where, explicit)
+    for rank, got in enumerate(results):
         for name, value in want.items():
             assert torch.equal(got["params"][name], value), (rank, name)
         if where in ("forward", "backward"):
-            assert "previous iteration did not finish" in got["told"], got["told"]
+            assert "optimizer.step() while" in got["told"], got["told"]
             assert "reset_iter_state()" in got["told"]
 
 
