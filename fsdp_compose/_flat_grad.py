@@ -123,6 +123,20 @@ class FlatGradient:
         self.owner.unsharded.grad = None
         self._accumulated = None
 
+    def discard_iteration(self) -> None:
+        """Forget what an iteration that raised left here (``reset_iter_state``):
+        wait out its reduce-scatter (the collective still reads and writes
+        our tensors) and drop the result, the unreduced gradient, no-sync
+        accumulation and the used flags. Published ``.grad`` stays.
+
+        Post-condition: nothing pending, unreduced or unpublished."""
+        pending, self._reduce = self._reduce, None
+        if pending is not None:
+            pending.work.wait()
+        self._unpublished = None
+        self.discard_unreduced()
+        self.used = [False] * len(self.used)
+
     # --------------------------------------------------------------- reduce
     @property
     def is_reducing(self) -> bool:

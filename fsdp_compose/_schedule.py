@@ -88,6 +88,16 @@ class Scheduler:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
 
+    def discard_iteration(self) -> None:
+        """Forget an iteration that raised (``reset_iter_state``): its partial
+        forward order (forward prefetch keeps following the last complete
+        one) and the collectives it tracked, which the units have waited.
+
+        Pre-condition: no buffer is gathering or reducing any more."""
+        self.forward_order = []
+        self._gathers = []
+        self._reduces.clear()
+
     def record_forward(self, unit: "ShardUnit") -> None:
         if not any(u is unit for u in self.forward_order):
             self.forward_order.append(unit)

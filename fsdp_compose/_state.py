@@ -11,8 +11,10 @@ callback that finishes the iteration.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed._composable import contract
@@ -20,6 +22,7 @@ from torch.distributed._composable_state import _State
 
 from ._comm import all_gather_fingerprints
 from ._compile import run_eagerly
+from ._finite import check_finite_gradients
 from ._flat_grad import publish_gradients
 from ._registration import Snapshot, check_registration, registration_snapshot
 from ._unit import ShardUnit, TrainingState
@@ -60,6 +63,12 @@ class _ShardState(_State):
         their own ``module(...)`` calls inside it are part of that pass."""
         self.registration: Snapshot = ()
         """Parameters and children of the managed modules at annotation."""
+        self.annotated_parent: Optional[_ShardState] = None
+        """The state of the nearest module annotated above this one (set
+        when that module is annotated): its root must initialise this one."""
+        self.check_finite: bool = False
+        """Read on the root: check the gradients after every last backward
+        (``set_check_finite_gradients``)."""
 
     def bind(self, unit: ShardUnit) -> None:
         self.unit = unit
@@ -81,6 +90,17 @@ class _ShardState(_State):
         validate the model as a whole before the first collective."""
         if self.context is not None:
             return  # already initialised (as root or as a unit below a root)
+        if self.annotated_parent is not None:
+            # A submodule's forward or unshard() ran before its root's first
+            # forward: set up the whole model from the root, so this unit is
+            # one of its units (not a root of its own, with its own scheduler).
+            top = self.annotated_parent
+            while top.annotated_parent is not None:
+                top = top.annotated_parent
+            top.lazy_init()
+            assert self.context is not None, \
+                f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
+            return
         states = [self] + [s for s in _states_below(self.unit.modules) if s is not self]
         context = ShardContext(self, states)
         for state in states:
@@ -99,6 +119,8 @@ class _ShardState(_State):
         self.lazy_init()
         self.unit.check_materialized()
         check_registration(self.registration, self.context.root.unit.modules[0])
+        if self.is_root and torch._C._current_graph_task_id() == -1:
+            self._reset_unfinished_iteration()  # not a recomputation in backward
         if self.is_root and self.unit.state is TrainingState.IDLE:
             self.unit.scheduler.start_iteration()  # not a recomputation inside backward
         args, kwargs = self.unit.cast_inputs(args, kwargs)
@@ -117,6 +139,37 @@ class _ShardState(_State):
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
         return output
+
+    def _reset_unfinished_iteration(self) -> None:
+        """A forward or backward that raised leaves units mid-iteration
+        (every rank alike when every rank raised); going on would mix the
+        two iterations (and a lost end-of-backward callback would never
+        publish gradients again), so reset as ``reset_iter_state()`` would."""
+        context = self.context
+        busy = [s.unit for s in context.states if s.unit.state is not TrainingState.IDLE]
+        if busy or context.backward_callback_queued:
+            what = (f"{busy[0].name} was still in {busy[0].state.name}" if busy else
+                    "the end of the last backward never ran")
+            warnings.warn(
+                f"forward of the root {self.unit.name} started, but the previous iteration did not "
+                f"finish ({what}): a forward or backward raised an exception. fsdp_compose reset "
+                "it and dropped its gradients; call reset_iter_state() on the root module after "
+                "catching such an exception to do this explicitly.", stacklevel=2)
+            self.reset_iter_state()
+
+    def reset_iter_state(self) -> None:
+        """See ``ShardedModule.reset_iter_state``. Runs on the root."""
+        context = self.context
+        if context is not None and context.root is not self:
+            raise RuntimeError(
+                f"reset_iter_state() was called on {self.unit.name}, which is not the root; call "
+                f"it on the root module, {context.root.unit.name}.")
+        states = context.states if context is not None else [self]
+        for state in states:
+            state.unit.reset_iter_state()
+        self.unit.scheduler.discard_iteration()
+        if context is not None:
+            context.backward_callback_queued = False
 
     def _finish_incomplete_units(self) -> None:
         """A multi-module unit some of whose modules did not run: its pass
@@ -154,9 +207,19 @@ class _ShardState(_State):
             publish_gradients([b for state in context.states for b in state.unit.buffers])
         for state in context.states:
             state.unit.finalize_backward()
+        if self.check_finite and self.unit.is_last_backward:
+            check_finite_gradients(self.unit.modules[0])  # raises out of backward, every rank
 
 
 # ----------------------------------------------------------------- helpers
+def link_annotated_below(state: _ShardState) -> None:
+    """``state``'s module was just annotated: units annotated below it
+    (earlier, bottom-up) learn that a root above them will initialise them."""
+    for below in _states_below(state.unit.modules):
+        if below is not state and below.annotated_parent is None:
+            below.annotated_parent = state
+
+
 def _register_unit(module: Any, unit: ShardUnit) -> Any:
     state = register_unit.state(module if isinstance(module, nn.Module) else module[0])
     state.bind(unit)

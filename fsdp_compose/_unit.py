@@ -338,6 +338,23 @@ class ShardUnit:
             self._frozen_uses = 0
         self.state = TrainingState.IDLE
 
+    def reset_iter_state(self) -> None:
+        """Undo what an iteration that raised midway left on this unit:
+        wait its collectives, drop its gradients (see
+        ``FlatGradient.discard_iteration``), put the original parameters
+        back and return to IDLE.
+
+        Post-condition: IDLE, sharded, nothing in flight, no forward pass or
+        frozen-parameter use pending, no saved-tensor guard installed."""
+        self._release_saved_guard()
+        for buffer in self.buffers:
+            buffer.grad.discard_iteration()
+            buffer.reshard()  # waits an all-gather still in flight
+        self.state = TrainingState.IDLE
+        self._modules_to_run = set()
+        self._backward_possible = False
+        self._frozen_uses = 0
+
     def __repr__(self) -> str:
         return f"ShardUnit({self.name}, buffers={self.buffers})"
 

@@ -20,7 +20,8 @@ from ._comm import default_mesh, shard_group_from_mesh
 from ._compose import check_not_replicated, is_replicated
 from ._flat_buffer import FlatBuffer, ParamRecord
 from ._owners import Owner, owner_of, register_owner
-from ._state import register_unit, state_of
+from ._state import link_annotated_below, register_unit, state_of
+from ._step_guard import install_step_guard
 from .checkpoint import UnitStateDictHooks
 from ._unit import ShardUnit
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -104,6 +105,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                 f"{type(m).__name__} module is already annotated by fully_shard; call "
                 "fully_shard once per module (use a list for several siblings as one unit).")
     check_not_replicated(modules)
+    if mesh is not None:
+        _check_rank_in_mesh(mesh, modules[0])
     group = shard_group_from_mesh(mesh if mesh is not None else default_mesh())
     ignored = _ignored_set(ignored_params)
     managed = _managed_modules(modules)
@@ -116,6 +119,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     register_owner(unit)
     UnitStateDictHooks(unit)
     register_unit(module, unit)
+    link_annotated_below(state_of(modules[0]))
+    install_step_guard()
     for m in modules:
         m.__class__ = _sharded_class(type(m))
     if len(modules) == 1:
@@ -158,6 +163,18 @@ def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
                 "(for block in blocks: fully_shard(block)), or pass them as a list to form one "
                 "unit (fully_shard(list(blocks))).")
     return modules
+
+
+def _check_rank_in_mesh(mesh: object, module: nn.Module) -> None:
+    """A mesh built over ranks that exclude this one has no group here
+    (torch would fail later, deep inside, with an unrelated message)."""
+    if isinstance(mesh, DeviceMesh) and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard({type(module).__name__}) got a mesh over ranks "
+            f"{mesh.mesh.flatten().tolist()}, which does not include this rank "
+            f"({torch.distributed.get_rank()}). Call fully_shard with a mesh only on the ranks "
+            "it contains, or build the mesh over every rank that trains this module "
+            "(init_device_mesh(device_type, (world_size,))).")
 
 
 def _ignored_set(ignored_params: Optional[Iterable[nn.Parameter]]) -> set[int]:

@@ -136,6 +136,45 @@ class ShardedModule:
             unit = state.unit
             unit.reduce_options = unit.reduce_options._replace(force_sum=bool(enable))
 
+    def reset_iter_state(self) -> None:
+        """Recover from an exception that aborted a forward or backward
+        midway on every rank (e.g. in the loss function, or inside a
+        module's forward or backward). Call it on the root, after catching
+        the exception and before the next iteration::
+
+            try:
+                model.loss(x, y).backward()
+            except SomeError:
+                model.reset_iter_state()   # then go on with the next batch
+                optim.zero_grad()
+
+        It waits for the all-gathers and reduce-scatters still in flight
+        (every rank issued the same ones before raising), reshards every
+        unit (the modules hold the original parameters again), and clears
+        the iteration's state: training states back to IDLE, the partial
+        forward order (prefetch keeps following the last complete
+        iteration), unreduced gradients and no-sync accumulation, pending
+        reductions, used-parameter flags, frozen-parameter counters, the
+        saved-tensor guard and the queued end-of-backward flag. The failed
+        iteration's gradients are dropped; ``.grad`` keeps what earlier
+        iterations published (a reduction that completed before the
+        exception may already be added to it when gradients were being
+        accumulated across steps: zero them). If it is not called, the
+        root's next forward does it, with a warning; ``optimizer.step()``
+        before either raises."""
+        _own_state(self).reset_iter_state()
+
+    def set_check_finite_gradients(self, enabled: bool) -> None:
+        """With ``True`` (call it on the root), the end of every last
+        backward checks the gradients and raises ``RuntimeError`` on every
+        rank naming the first parameter (``named_parameters()`` order)
+        whose gradient holds a nan or inf on some rank. Costs a max-abs per
+        gradient, one all-reduce of one integer and one host sync per
+        step; nothing when off (the default). The model is usable after
+        the error: zero the gradients and skip the step. See
+        :func:`fsdp_compose.check_finite_gradients` to check on demand."""
+        _own_state(self).check_finite = bool(enabled)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter of this module by their
         total norm over all ranks, like FSDP1's method (torch's

@@ -34,7 +34,9 @@ Failures raise ``DistributedTestError`` (an ``AssertionError``) with a ``[rank N
 * a rank raised: its traceback.  If the others finished, a quick all-reduce health check keeps
   the pool (recreated if the check fails);
 * the call ran past ``timeout`` (``DistributedTimeoutError``): each stuck rank's Python stack,
-  dumped by ``faulthandler`` on SIGUSR1; the pool is killed and recreated on next use;
+  dumped by ``faulthandler`` on SIGUSR1; the pool is killed and recreated on next use. Once a
+  rank has raised, the others get ``FAILURE_GRACE`` seconds to finish (they are likely waiting
+  for it in a collective), so a rank failing alone is reported in seconds, not at ``timeout``;
 * a worker died (``WorkerDiedError``): its exit code (and crash dump, if any), reported as soon
   as the death is seen; the pool is killed and recreated on next use.
 """
@@ -78,6 +80,7 @@ DEFAULT_TIMEOUT = 90.0  # seconds per run_distributed call
 STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 cores takes a while
 HEALTH_CHECK_TIMEOUT = 10.0
 DEATH_GRACE = 1.0  # after a worker dies, how long the others get to report
+FAILURE_GRACE = 5.0  # after a rank raises, how long the others get to report
 PG_TIMEOUT = timedelta(seconds=60)  # gloo collective timeout inside the workers
 
 
@@ -197,6 +200,7 @@ class _Outcome:
     replies: dict[int, Reply] = field(default_factory=dict)
     dead: dict[int, str] = field(default_factory=dict)  # rank -> exit description + crash log
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> Python stack dump
+    cut_short: bool = False  # the stuck ranks were given FAILURE_GRACE after a rank raised
 
     @property
     def failed(self) -> bool:
@@ -288,6 +292,10 @@ class _Pool:
                 reply = self._receive(rank)
                 if reply is not None:
                     out.replies[rank] = reply
+                    if not reply[0] and pending and deadline - time.monotonic() > FAILURE_GRACE:
+                        # the others may be waiting for this rank in a collective
+                        deadline = time.monotonic() + FAILURE_GRACE
+                        out.cut_short = True
                     continue
                 self.procs[rank].join(1.0)
                 desc = "worker process died, " + _exit_description(self.procs[rank].exitcode)
@@ -370,9 +378,13 @@ def _make_error(what: str, out: _Outcome, timeout: float) -> DistributedTestErro
     problems = []
     if out.dead:
         problems.append(f"worker(s) of rank(s) {sorted(out.dead)} died")
-    if out.stuck:
+    failed = sorted(r for r, (ok, _, _) in out.replies.items() if not ok)
+    if out.stuck and out.cut_short:
+        problems.append(f"rank(s) {sorted(out.stuck)} still running {FAILURE_GRACE:g} s after "
+                        f"rank(s) {failed} raised (waiting for them in a collective?)")
+    elif out.stuck:
         problems.append(f"rank(s) {sorted(out.stuck)} still running after {timeout:g} s")
-    if failed := sorted(r for r, (ok, _, _) in out.replies.items() if not ok):
+    if failed:
         problems.append(f"rank(s) {failed} raised")
     lines = [f"{what} failed: {'; '.join(problems)}"]
     for rank in sorted({*out.replies, *out.dead, *out.stuck}):

@@ -120,6 +120,112 @@ def deepcopy_of_an_annotated_model():
     return _raises(lambda: copy.deepcopy(nn.Sequential(model)), "before fully_shard")
 
 
+def ranks_disagree_on_annotated_modules():
+    """Same model, but rank 1 does not annotate block 1 (it stays in the root's unit)."""
+    model = GPT()
+    for i, block in enumerate(model.blocks):
+        if not (i == 1 and dist.get_rank() == 1):
+            fully_shard(block)
+    fully_shard(model)
+    tokens = torch.randint(97, (2, 16))
+    return _raises(lambda: model(tokens), "disagree", "ranks [1]")
+
+
+def step_with_pending_reduce_scatter():
+    model = GPT()
+    shard_blocks_and_root(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(97, (2, 16))
+    model.set_is_last_backward(False)
+    model.loss(tokens, tokens).backward()
+    message = _raises(optim.step, "reduce-scatter", "still pending", "set_is_last_backward(True)",
+                      "parameter '")
+    model.set_is_last_backward(True)  # the fix: the next backward reduces and publishes both
+    model.loss(tokens, tokens).backward()
+    optim.step()
+    return message
+
+
+def step_with_unreduced_gradients():
+    model = GPT()
+    shard_blocks_and_root(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(97, (2, 16))
+    model.set_requires_gradient_sync(False)
+    model.loss(tokens, tokens).backward()
+    message = _raises(optim.step, "not reduced", "set_requires_gradient_sync(True)")
+    model.set_requires_gradient_sync(True)
+    model.loss(tokens, tokens).backward()
+    optim.step()
+    return message
+
+
+def step_inside_forward():
+    """optimizer.step() while a unit is unsharded for its forward (here from a
+    forward hook inside block 1); the model stays usable."""
+    model = GPT()
+    shard_blocks_and_root(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(97, (2, 16))
+    handle = model.blocks[1].mlp.register_forward_pre_hook(lambda m, a: optim.step())
+    message = _raises(lambda: model(tokens), "optimizer.step() while <root>",
+                      "parameter 'tok_emb.weight'", "in its forward", "reset_iter_state()")
+    handle.remove()
+    model.reset_iter_state()
+    model.loss(tokens, tokens).backward()
+    optim.step()
+    return message
+
+
+def step_after_unsharded_idle_is_fine():
+    """Not a misuse: a unit kept unsharded between iterations (manual
+    unshard(), reshard_after_backward=False) notices the step and gathers again."""
+    model = GPT()
+    shard_blocks_and_root(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.randint(97, (2, 16))
+    model.loss(tokens, tokens).backward()
+    model.blocks[0].unshard()
+    optim.step()
+    model.blocks[0].reshard()
+    return True
+
+
+def submodule_before_root_forward():
+    """A unit's forward before its root's first forward sets up the whole
+    model from the root: it is not a root of its own afterwards."""
+    from fsdp_compose._state import state_of
+    model = GPT()
+    shard_blocks_and_root(model)
+    with torch.no_grad():
+        model.blocks[1](torch.randn(2, 16, 24))
+    assert state_of(model).is_root and not state_of(model.blocks[1]).is_root
+    tokens = torch.randint(97, (2, 16))
+    model.loss(tokens, tokens).backward()
+    return state_of(model.blocks[1]).context is state_of(model).context
+
+
+def mesh_without_this_rank():
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh("cpu", [0])  # built on every rank; rank 1 is not in it
+    if dist.get_rank() == 0:
+        return "rank 0 is in the mesh"
+    return _raises(lambda: fully_shard(nn.Linear(2, 2), mesh=mesh), "Linear", "[0]",
+                   "does not include this rank (1)")
+
+
+@pytest.mark.parametrize("case", [
+    ranks_disagree_on_annotated_modules, step_with_pending_reduce_scatter,
+    step_with_unreduced_gradients, step_inside_forward, step_after_unsharded_idle_is_fine,
+    submodule_before_root_forward, mesh_without_this_rank,
+])
+def test_misuse_during_training(case):
+    results = run_distributed(2, case, timeout=60)
+    assert all(results)
+    if case.__name__.startswith("step_with") or case is step_inside_forward:
+        assert results[0] == results[1]  # the same error on every rank
+
+
 @pytest.mark.parametrize("case", [
     annotate_twice, child_after_parent, tied_weights_in_two_units, sparse_parameter,
     non_contiguous_parameter, mixed_devices, meta_parameters, wrong_policy_type,

@@ -144,6 +144,9 @@ def test_failing_rank_ends_the_job_promptly(tmp_path, mode):
         assert "Traceback" in proc.stderr
     assert "examples/train_gpt.py FAILED" in proc.stderr  # torchrun's summary
     assert "summary:" not in proc.stdout
+    # no orphan: every process whose command line names this run's --out-dir is gone
+    orphans = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert orphans.stdout.strip() == "", orphans.stdout
 
 
 def test_ctrl_c_stops_every_rank_with_a_message(tmp_path):

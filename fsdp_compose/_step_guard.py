@@ -1,0 +1,71 @@
+"""Refuse ``optimizer.step()`` over sharded parameters whose gradients are
+not ready: it would silently apply stale or missing gradients.
+
+One global optimizer step pre-hook (installed by the first ``fully_shard``)
+looks at the flat buffers of the parameters the optimizer holds. The state
+it reads is the same on every rank (every rank ran the same forward and
+backward), so every rank raises together, before any collective. Cost per
+step: a few attribute reads per flat buffer (the buffers of an optimizer
+are found once and cached while its parameter count stays the same).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._flat_buffer import FlatBuffer
+from ._owners import owner_of
+from ._unit import ShardUnit, TrainingState
+
+_installed: list[object] = []  # the hook handle, once installed
+_buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[tuple[ShardUnit, FlatBuffer]]]]" \
+    = weakref.WeakKeyDictionary()
+
+
+def install_step_guard() -> None:
+    """Install the step pre-hook (once per process)."""
+    if not _installed:
+        _installed.append(register_optimizer_step_pre_hook(_check_step))
+
+
+def _managed_buffers(optimizer: Optimizer) -> list[tuple[ShardUnit, FlatBuffer]]:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    cached = _buffers_of.get(optimizer)
+    if cached is not None and cached[0] == count:
+        return cached[1]
+    found: dict[int, tuple[ShardUnit, FlatBuffer]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = owner_of(param)
+            if entry is not None:
+                found.setdefault(id(entry.buffer), (entry.unit, entry.buffer))
+    _buffers_of[optimizer] = (count, list(found.values()))
+    return _buffers_of[optimizer][1]
+
+
+def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
+    in_backward = torch._C._current_graph_task_id() != -1  # e.g. optimizer in backward hooks
+    for unit, buffer in _managed_buffers(optimizer):
+        fqn = buffer.records[0].fqn
+        if unit.state is TrainingState.FORWARD or (unit.state is not TrainingState.IDLE
+                                                   and not in_backward):
+            raise RuntimeError(
+                f"optimizer.step() while {unit.name} (parameter '{fqn}') is in its "
+                f"{unit.state.name.lower()}: step after backward has finished. If a forward or "
+                "backward raised, call reset_iter_state() on the root module first.")
+        if buffer.grad.has_unpublished:
+            raise RuntimeError(
+                f"optimizer.step() while the reduce-scatter of {unit.name}'s gradients "
+                f"(parameter '{fqn}') is still pending: the last backward ran with "
+                "set_is_last_backward(False). Call set_is_last_backward(True) on the root "
+                "before the step's last backward.")
+        if buffer.grad.has_unreduced:
+            raise RuntimeError(
+                f"optimizer.step() while {unit.name}'s gradients (parameter '{fqn}') are not "
+                "reduced across ranks: the last backward ran with "
+                "set_requires_gradient_sync(False). Call set_requires_gradient_sync(True) before "
+                "the step's last backward.")
