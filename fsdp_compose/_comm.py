@@ -249,13 +249,14 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=replicate)
 
 
-def all_gather_fingerprints(fingerprint: int, group: ShardGroup) -> list[int]:
+def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
+                            include_replicas: bool = True) -> list[int]:
     """Every rank's 63-bit ``fingerprint``: the shard group's in rank order,
-    then (hybrid sharding) those of this rank's replicas (one or two tiny
-    all-gathers)."""
+    then (hybrid sharding, unless ``include_replicas`` is off) those of this
+    rank's replicas (one or two tiny all-gathers)."""
     every = _gather_int(fingerprint, group.process_group, group.world_size, group.device)
     replicate = group.replicate_process_group
-    if replicate is not None and group.replicate_size > 1:
+    if include_replicas and replicate is not None and group.replicate_size > 1:
         every += _gather_int(fingerprint, replicate, group.replicate_size, group.device)
     return every
 

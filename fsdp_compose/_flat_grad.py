@@ -40,6 +40,7 @@ import torch.nn as nn
 from ._comm import all_reduce_max, all_reduce_replicas, finish_scaling, reduce_scatter_scaled
 
 if TYPE_CHECKING:  # annotations only: the buffer owns its gradient
+    from ._divergence import DivergenceMonitor
     from ._flat_buffer import FlatBuffer
 
 
@@ -256,14 +257,17 @@ class FlatGradient:
                 record.param.grad = grad.narrow(0, s.shard_start, s.length)
 
 
-def publish_gradients(buffers: Sequence["FlatBuffer"]) -> None:
+def publish_gradients(buffers: Sequence["FlatBuffer"],
+                      divergence: Optional["DivergenceMonitor"] = None) -> None:
     """Finish the reductions of ``buffers`` and give their parameters the
     reduced gradients, with ``.grad is None`` for parameters that no rank
     used (see [Note: used parameters]); then run the parameters'
     post-accumulate-grad hooks (e.g. an optimizer step in backward).
 
     Every rank must pass the same buffers in the same order: one all-reduce
-    of the used flags runs per process group.
+    of the used flags runs per process group. ``divergence`` appends its
+    fingerprint of the collective sequence to the flags and checks it after
+    the all-reduce (see [Note: rank divergence] in ``_divergence.py``).
     """
     pending = [b for b in buffers if b.grad.has_unpublished]
     for buffer in pending:
@@ -276,9 +280,13 @@ def publish_gradients(buffers: Sequence["FlatBuffer"]) -> None:
         flags = [u for b in group_buffers for u in b.grad.used]
         group = group_buffers[0].group
         if group.world_size > 1:
-            mask = torch.tensor(flags, dtype=torch.uint8, device=group.device)
+            extra = divergence.payload(group) if divergence is not None else []
+            mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
             all_reduce_max(mask, group)
-            flags = [bool(v) for v in mask.tolist()]
+            values = mask.tolist()
+            if divergence is not None:
+                divergence.check(group, values[len(flags):])
+            flags = [bool(v) for v in values[:len(flags)]]
         start = 0
         for buffer in group_buffers:
             count = len(buffer.records)

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._divergence import DivergenceMonitor
 from ._flat_buffer import FlatBuffer
 from ._flat_grad import ReduceOptions
 from ._staging import StagingPool
@@ -72,6 +73,9 @@ class Scheduler:
         """Buffers with a reduce-scatter in flight, oldest first."""
         self.staging: StagingPool = StagingPool()
         """Memory of released unsharded buffers, reused on the CPU."""
+        self.divergence: DivergenceMonitor = DivergenceMonitor()
+        """Sees every collective issued here, before it is issued (see
+        [Note: rank divergence] in ``_divergence.py``)."""
 
     def adopt(self, buffers: list[FlatBuffer]) -> None:
         """Make ``buffers`` (of a unit joining this model) use the shared
@@ -87,6 +91,7 @@ class Scheduler:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
+        self.divergence.start_iteration()
 
     def discard_iteration(self) -> None:
         """Forget an iteration that raised (``reset_iter_state``): its partial
@@ -122,22 +127,28 @@ class Scheduler:
         """Unshard ``unit``, issuing the all-gathers of ``prefetch`` while
         its own is in flight (within the limit)."""
         for buffer in unit.buffers:
-            buffer.start_unshard()
-            self._track(buffer)
+            self._start_unshard(unit, buffer)
         for target in prefetch:
             for buffer in target.buffers:
                 if buffer.is_unsharded and not buffer.is_stale or buffer.is_gathering:
                     continue  # nothing to issue: already gathered or in flight
                 if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
                     break
-                buffer.start_unshard()
-                self._track(buffer)
+                self._start_unshard(unit, buffer)
         for buffer in unit.buffers:
             buffer.finish_unshard()
 
     def inflight_all_gathers(self) -> int:
         self._gathers = [b for b in self._gathers if b.is_gathering]
         return len(self._gathers)
+
+    def _start_unshard(self, issuer: "ShardUnit", buffer: FlatBuffer) -> None:
+        """Issue ``buffer``'s all-gather for ``issuer``'s pre-forward or
+        pre-backward (``buffer`` is another unit's when prefetching)."""
+        if _issues_all_gather(buffer):
+            self.divergence.before_all_gather(issuer, buffer)
+        buffer.start_unshard()
+        self._track(buffer)
 
     def _track(self, buffer: FlatBuffer) -> None:
         if buffer.is_gathering and not any(b is buffer for b in self._gathers):
@@ -149,6 +160,8 @@ class Scheduler:
         limit."""
         if buffer.grad.is_reducing:  # still in flight from an earlier backward of this step
             self._reduces = deque(b for b in self._reduces if b is not buffer)
+        if buffer.grad.has_unreduced:
+            self.divergence.before_reduce_scatter(buffer)
         if buffer.grad.start_reduce(options):
             self._reduces.append(buffer)
         while len(self._reduces) > self.policy.max_pending_reduces:
@@ -157,6 +170,12 @@ class Scheduler:
     def finish_reduces(self) -> None:
         while self._reduces:
             self._reduces.popleft().grad.finish_reduce()
+
+
+def _issues_all_gather(buffer: FlatBuffer) -> bool:
+    """Whether ``buffer.start_unshard()`` would issue a collective now."""
+    return not buffer.aliased and not buffer.is_gathering and \
+        (not buffer.is_unsharded or buffer.is_stale)
 
 
 def _after(order: list["ShardUnit"], unit: "ShardUnit") -> list["ShardUnit"]:

@@ -22,6 +22,7 @@ from torch.distributed._composable_state import _State
 
 from ._comm import all_gather_fingerprints
 from ._compile import run_eagerly
+from ._divergence import reduce_deferred
 from ._finite import check_finite_gradients
 from ._flat_grad import publish_gradients
 from ._registration import Snapshot, check_registration, registration_snapshot
@@ -111,6 +112,7 @@ class _ShardState(_State):
         _name_units(self.unit.modules, states)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
+        self.unit.scheduler.divergence.bind([s.unit for s in states])
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -138,6 +140,8 @@ class _ShardState(_State):
         if completed and self.is_root:
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
+            scheduler = self.unit.scheduler
+            scheduler.divergence.after_root_forward(scheduler.forward_order)
         return output
 
     def _reset_unfinished_iteration(self) -> None:
@@ -202,9 +206,13 @@ class _ShardState(_State):
         reshard what is left and reset every unit."""
         context = self.context
         context.backward_callback_queued = False
+        scheduler = self.unit.scheduler
+        reduce_deferred([state.unit for state in context.states], scheduler)
         if self.unit.is_last_backward:
-            self.unit.scheduler.finish_reduces()
-            publish_gradients([b for state in context.states for b in state.unit.buffers])
+            scheduler.finish_reduces()
+            scheduler.divergence.before_publish(scheduler.divergence.groups())
+            publish_gradients([b for state in context.states for b in state.unit.buffers],
+                              scheduler.divergence)
         for state in context.states:
             state.unit.finalize_backward()
         if self.check_finite and self.unit.is_last_backward:

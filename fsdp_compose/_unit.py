@@ -83,6 +83,11 @@ class ShardUnit:
         """``False``: backward needs no parameter values (e.g. an embedding),
         so it does not all-gather them again."""
         self.reduce_options: ReduceOptions = ReduceOptions()
+        self.reduce_scatter_unused_params: bool = False
+        """Rank-dependent backward use: keep the unit unsharded from forward to
+        the end of backward (no backward all-gather) and reduce every
+        trainable buffer there on every rank, zero where unused
+        (``_divergence.reduce_deferred``)."""
         self.is_last_backward: bool = True
         """Read on the root: ``False`` leaves reductions in flight and the
         gradients unpublished at the end of backward (more backwards follow)."""
@@ -156,6 +161,8 @@ class ShardUnit:
 
     @property
     def reshards_after_forward(self) -> bool:
+        if self.reduce_scatter_unused_params:
+            return False  # its backward may run on some ranks only: no all-gather there
         if self.reshard_after_forward is None:
             return not self.is_root
         return self.reshard_after_forward
@@ -288,12 +295,18 @@ class ShardUnit:
             return  # an earlier output of this unit already triggered it
         self.state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
-            self.scheduler.gather(self, self.scheduler.backward_targets(self))
+            # reduce_scatter_unused_params: this may run on some ranks only, so
+            # it issues no prefetch (it is still unsharded from forward)
+            targets = [] if self.reduce_scatter_unused_params else \
+                self.scheduler.backward_targets(self)
+            self.scheduler.gather(self, targets)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
-        if self.requires_gradient_sync:
+        if self.requires_gradient_sync and self.reduce_scatter_unused_params:
+            pass  # every rank reduces it at the end of backward (_divergence.reduce_deferred)
+        elif self.requires_gradient_sync:
             self.scheduler.reduce(buffer, self.reduce_options)
         else:
             buffer.grad.stash_unreduced()

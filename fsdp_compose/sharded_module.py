@@ -175,6 +175,38 @@ class ShardedModule:
         :func:`fsdp_compose.check_finite_gradients` to check on demand."""
         _own_state(self).check_finite = bool(enabled)
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """With ``True``, every rank reduces every trainable buffer of these
+        units in every backward with gradient sync, with a zero gradient
+        where its backward gave none, so a unit whose output reaches the loss
+        on some ranks only (mixture of experts, multi-modal branches) is
+        correct instead of pairing mismatched collectives (FSDP2's name).
+
+        The reductions are deferred to the end of backward, in unit order,
+        and the units stay unsharded from forward to the end of backward (no
+        backward all-gather, which only the ranks that use the unit would
+        issue): use it on the units whose use is rank-dependent. Parameters
+        no rank used still get ``.grad is None``. Every rank must still run
+        every unit's *forward*; forward-side divergence is detected, not
+        fixed (see ``set_check_rank_divergence``)."""
+        for state in _states(self, recurse):
+            state.unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_check_rank_divergence(self, enable: Optional[bool]) -> None:
+        """Whether to verify, before every collective of every iteration,
+        that all ranks issue it for the same unit (one tiny blocking
+        all-gather per collective), raising on every rank with the units
+        each rank was about to run. ``None`` (default): the first two
+        iterations only, or every one when the environment variable
+        ``FSDP_COMPOSE_CHECK_ORDER=1`` is set; ``False``: never. Call it on
+        the root; it takes effect at the next forward of the root. The
+        end-of-backward fingerprint check is always on (no extra
+        collective). See [Note: rank divergence] in ``_divergence.py``."""
+        if enable is not None and not isinstance(enable, bool):
+            raise TypeError(f"set_check_rank_divergence expects a bool or None, got {enable!r}")
+        _own_state(self).unit.scheduler.divergence.forced = enable
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter of this module by their
         total norm over all ranks, like FSDP1's method (torch's

@@ -113,7 +113,7 @@ def test_tied_module_annotated_alone_names_both_fqns(which):
 
 # ------------------------------------------------------------ 3. PEFT LoRA
 def _lora_step_traffic():
-    """Train 3 LoRA steps (counting the collectives of the second), then
+    """Train 3 LoRA steps (counting the collectives of the third), then
     report what holds gradients, optimizer state and reduce-scatter bytes."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -145,7 +145,7 @@ def _lora_step_traffic():
         if p.requires_grad:
             unit = name.split(".layers.")[1].split(".")[0] if ".layers." in name else "root"
             adapter_per_unit[unit] = adapter_per_unit.get(unit, 0) + param_info(p).numel
-    comm = counters[1]  # a steady-state step
+    comm = counters[2]  # a steady-state step (steps 0 and 1 also verify the collective order)
     return {
         "losses": losses,
         "params": _hf.full_params(model),
@@ -193,7 +193,8 @@ def _generate(lora, register):
         register_forward_method(model, "generate")
         register_forward_method(model, "generate")  # idempotent
     ids = _hf.batch(5, 1)[:, :6]
-    with torch.no_grad():  # the first forward also checks that ranks agree (one more all-gather)
+    with torch.no_grad():  # the first two forwards also verify that ranks agree (more all-gathers)
+        model(input_ids=ids)
         model(input_ids=ids)
     with CollectiveCounter() as comm:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),

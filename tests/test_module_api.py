@@ -72,7 +72,7 @@ SEED_10 = 10
 
 def train_counting_root(root_kw: dict, steps: int = 3):
     """Blocks annotated with no argument, the root with ``root_kw``. Counts
-    the collectives of step 1's forward+backward and records whether the
+    the collectives of step 2's (steady-state) forward+backward and records whether the
     root's ``lm_head.weight`` is unsharded between forward and backward."""
     model = build_lm(N_BLOCKS)
     shard_blocks_and_root(model, **root_kw)
@@ -80,12 +80,12 @@ def train_counting_root(root_kw: dict, steps: int = 3):
     counts, root_shapes = None, []
     for step in range(steps):
         tokens, targets = _local_batch(step, SEED_10)
-        counter = CollectiveCounter() if step == 1 else contextlib.nullcontext()
+        counter = CollectiveCounter() if step == 2 else contextlib.nullcontext()
         with counter:
             logits = model(tokens)
             root_shapes.append(tuple(model.lm_head.weight.shape))
             lm_loss(logits, targets).backward()
-        if step == 1:
+        if step == 2:  # steady state: steps 0 and 1 also verify the collective order
             counts = _counts(counter)
         optim.step()
         optim.zero_grad()
@@ -258,10 +258,10 @@ def train_embedding_unit(unshard_in_backward: bool, steps: int = 3):
     counts = None
     for step in range(steps):
         tokens, targets = _local_batch(step, SEED_14)
-        counter = CollectiveCounter() if step == 1 else contextlib.nullcontext()
+        counter = CollectiveCounter() if step == 2 else contextlib.nullcontext()
         with counter:
             model.loss(tokens, targets).backward()
-        if step == 1:
+        if step == 2:  # steady state: steps 0 and 1 also verify the collective order
             counts = _counts(counter)
         optim.step()
         optim.zero_grad()

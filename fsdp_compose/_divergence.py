@@ -1,0 +1,293 @@
+"""Rank divergence: detect ranks whose collectives belong to different units,
+and the deferred reductions of ``set_reduce_scatter_unused_params``.
+
+[Note: rank divergence]
+Collectives pair up across ranks by issue order, not by unit. Data-dependent
+control flow that differs between ranks (a unit skipped on one rank, units in
+different orders, a unit whose output reaches the loss on some ranks only)
+therefore pairs the all-gather of one unit with a collective of another: the
+ranks hang (different kinds or sizes) or silently mix values (same sizes).
+Two checks catch it, both on the sequence of *data collectives actually
+issued*, in issue order (a prefetch is an all-gather of another unit, issued
+early, and counts where it is issued):
+
+* **Verification** (the root's first two forward passes and their backwards;
+  always with ``set_check_rank_divergence(True)`` or the environment variable
+  ``FSDP_COMPOSE_CHECK_ORDER=1``; never with ``set_check_rank_divergence(False)``):
+  before every data collective, and before the end-of-backward all-reduce,
+  one tiny all-gather of what this rank is about to issue (kind, unit index
+  in the root's state list, buffer index, phase) over the collective's
+  process group. Every rank that reaches it sees the same values, so a
+  mismatch raises on every rank *before* the data collective, naming each
+  rank's unit. Costs one tiny blocking collective per data collective.
+* **Fingerprint** (always on, no extra collective): a 64-bit rolling hash of
+  the same sequence, per process group, is appended as 16 bytes (its bytes,
+  then their complements) to the used-parameter flags that
+  ``publish_gradients`` all-reduces with MAX at the end of the last backward.
+  After MAX, byte ``i`` and its complement sum to 255 on every rank iff all
+  ranks had the same byte ``i``; otherwise every rank raises there. This
+  catches divergence after the verification iterations *that keeps the number
+  and sizes of collectives equal* (e.g. two same-size units swapped), which
+  would otherwise mix values silently. Divergence that changes the number of
+  collectives in a later iteration pairs mismatched collectives before the end
+  of backward; the backend then fails or times out (gloo: its collective
+  timeout), so enable the check while debugging such control flow.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._comm import ShardGroup, all_gather_fingerprints
+
+if TYPE_CHECKING:  # annotations only: units and the scheduler import this module
+    from ._flat_buffer import FlatBuffer
+    from ._schedule import Scheduler
+    from ._unit import ShardUnit
+
+CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
+"""Set to ``1`` to verify the collective order in every iteration."""
+VERIFICATION_ITERATIONS = 2
+"""Forward passes of the root (with their backwards) verified by default."""
+_LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
+_MASK = (1 << 64) - 1
+_FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
+_KINDS = ("all-gather", "reduce-scatter", "end of backward", "forward")
+_PHASES = ("forward", "backward", "")
+FINGERPRINT_BYTES = 16
+"""Bytes appended to one process group's used flags (8 of the hash, 8 complements)."""
+
+
+class Collective(NamedTuple):
+    """One collective of the training step, as every rank must agree on it."""
+
+    kind: int  # index into _KINDS
+    unit: int  # position of the unit in the root's state list
+    buffer: int  # index of the flat buffer in its unit
+    phase: int  # index into _PHASES
+
+    @property
+    def code(self) -> int:
+        """A 63-bit integer naming it (the value the verification compares)."""
+        return (self.kind << 56) | (self.phase << 52) | (self.unit << 20) | self.buffer
+
+    def describe(self, units: Sequence["ShardUnit"]) -> str:
+        if self.kind == 2:
+            return "end-of-backward all-reduce (no more unit collectives)"
+        name = units[self.unit].name if self.unit < len(units) else f"unit #{self.unit}"
+        if self.kind == 3:
+            return f"forward of {name} (in the root's forward order)"
+        return f"{_KINDS[self.kind]} of {name} (buffer {self.buffer}) in {_PHASES[self.phase]}"
+
+
+def _decode(code: int) -> Collective:
+    return Collective((code >> 56) & 0x7F, (code >> 20) & 0xFFFFFFFF, code & 0xFFFFF,
+                      (code >> 52) & 0xF)
+
+
+class DivergenceMonitor:
+    """Records the unit collectives of one model and checks that every rank
+    issues the same ones (see [Note: rank divergence]). Owned by the model's
+    :class:`~fsdp_compose._schedule.Scheduler`; bound to the units at the
+    root's lazy init.
+
+    Invariant: between two comparisons on a process group, ``_fingerprints``
+    and ``_logs`` hold exactly the collectives issued on it since the last
+    comparison, in issue order.
+    """
+
+    def __init__(self) -> None:
+        self.forced: Optional[bool] = None
+        """``set_check_rank_divergence``: True verifies every iteration, False
+        never, None the first ``VERIFICATION_ITERATIONS`` (or with the env var)."""
+        self.verifying: bool = False
+        """Whether the current iteration runs the verification collectives."""
+        self.iterations: int = 0
+        """Forward passes of the root started so far."""
+        self._units: list[ShardUnit] = []
+        self._where: dict[int, tuple[int, int]] = {}
+        """id(buffer) -> (unit index, buffer index)."""
+        self._index: dict[int, int] = {}
+        """id(unit) -> unit index."""
+        self._fingerprints: dict[int, int] = {}
+        """id(process group) -> rolling hash since the last comparison."""
+        self._logs: dict[int, deque[Collective]] = {}
+        """id(process group) -> the collectives since the last comparison."""
+
+    def bind(self, units: Sequence["ShardUnit"]) -> None:
+        """Number the units (the root's state list order, the same on every
+        rank since the layouts were checked to agree)."""
+        self._units = list(units)
+        self._index = {id(unit): u for u, unit in enumerate(units)}
+        self._where = {id(b): (u, i) for u, unit in enumerate(units)
+                       for i, b in enumerate(unit.buffers)}
+
+    def start_iteration(self) -> None:
+        """At the root's pre-forward: decide whether this iteration verifies."""
+        self.iterations += 1
+        if self.forced is not None:
+            self.verifying = self.forced
+        else:
+            self.verifying = (self.iterations <= VERIFICATION_ITERATIONS
+                              or os.environ.get(CHECK_ENV, "0") not in ("", "0"))
+
+    # ----------------------------------------------------------- recording
+    def before_all_gather(self, issuer: "ShardUnit", buffer: "FlatBuffer") -> None:
+        """Called right before ``buffer``'s all-gather is issued, by
+        ``issuer``'s pre-forward or pre-backward (``buffer`` may belong to
+        another unit: a prefetch)."""
+        from ._unit import TrainingState  # _unit imports the scheduler, which imports us
+        self._issue(0, buffer, 0 if issuer.state is TrainingState.FORWARD else 1)
+
+    def before_reduce_scatter(self, buffer: "FlatBuffer") -> None:
+        """Called right before ``buffer``'s reduce-scatter is issued."""
+        self._issue(1, buffer, 1)
+
+    def _issue(self, kind: int, buffer: "FlatBuffer", phase: int) -> None:
+        group = buffer.group
+        if group.world_size == 1:
+            return  # nothing is communicated
+        unit_index, buffer_index = self._where.get(id(buffer), (0xFFFFF, 0))
+        entry = Collective(kind, unit_index, buffer_index, phase)
+        self._record(group, entry)
+        if self.verifying:
+            self._verify(entry, group)
+
+    def _record(self, group: ShardGroup, entry: Collective) -> None:
+        key = id(group.process_group)
+        self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
+        self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
+
+    def after_root_forward(self, order: Sequence["ShardUnit"]) -> None:
+        """The root's forward ended: fold the units' forward order into every
+        group's fingerprint and, when verifying, compare it across ranks now
+        (forward prefetch can make a skipped unit's all-gather happen anyway,
+        so the collectives of the forward alone may still agree)."""
+        entries = [Collective(3, self._index.get(id(u), 0xFFFFF), 0, 0) for u in order]
+        combined = _FNV_OFFSET
+        for entry in entries:
+            combined = _mix(combined, entry.code)
+        for group in self.groups():
+            if group.world_size == 1:
+                continue
+            for entry in entries:
+                self._record(group, entry)
+            if self.verifying and len(set(all_gather_fingerprints(
+                    combined >> 1, group, include_replicas=False))) > 1:
+                self._raise(group, None)
+
+    def _verify(self, entry: Collective, group: ShardGroup) -> None:
+        codes = all_gather_fingerprints(entry.code, group, include_replicas=False)
+        if len(set(codes)) > 1:
+            about = {rank: _decode(code) for rank, code in enumerate(codes)}
+            self._raise(group, about)
+
+    # ------------------------------------------------------- end of backward
+    def before_publish(self, groups: Sequence[ShardGroup]) -> None:
+        """End of the last backward, before the flags all-reduce: in a
+        verifying iteration, check that every rank got here (and not to one
+        more unit collective), once per process group of the model."""
+        if not self.verifying:
+            return
+        for group in groups:
+            if group.world_size > 1:
+                self._verify(Collective(2, 0, 0, 2), group)
+
+    def payload(self, group: ShardGroup) -> list[int]:
+        """The fingerprint bytes to append to ``group``'s used flags."""
+        value = self._fingerprints.get(id(group.process_group), _FNV_OFFSET)
+        raw = list(value.to_bytes(8, "little"))
+        return raw + [255 - b for b in raw]
+
+    def check(self, group: ShardGroup, reduced: Sequence[int]) -> None:
+        """After the MAX all-reduce of :meth:`payload` over ``group``: raise
+        on every rank if the ranks' fingerprints differed; else start a new
+        comparison window."""
+        if any(reduced[i] + reduced[8 + i] != 255 for i in range(8)):
+            self._raise(group, None)
+        key = id(group.process_group)
+        self._fingerprints.pop(key, None)
+        self._logs.pop(key, None)
+
+    def groups(self) -> list[ShardGroup]:
+        """One ShardGroup per process group of the model, in unit order."""
+        seen: dict[int, ShardGroup] = {}
+        for unit in self._units:
+            seen.setdefault(id(unit.group.process_group), unit.group)
+        return list(seen.values())
+
+    # --------------------------------------------------------------- errors
+    def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
+        """Every rank of ``group`` calls this together (they all saw the same
+        collective result): gather each rank's log and raise one message."""
+        log = list(self._logs.get(id(group.process_group), ()))
+        logs: list = [None] * group.world_size
+        dist.all_gather_object(logs, [c.code for c in log], group=group.process_group)
+        logs = [[_decode(code) for code in codes] for codes in logs]
+        lines = []
+        if about is not None:
+            for rank, entry in about.items():
+                lines.append(f"  rank {rank} is about to issue the {entry.describe(self._units)}")
+            forward = any(e.phase == 0 for e in about.values())
+            where = "before issuing it"
+        else:
+            first = _first_difference(logs)
+            for rank, entries in enumerate(logs):
+                entry = entries[first] if first < len(entries) else None
+                text = entry.describe(self._units) if entry is not None else \
+                    "nothing more (its sequence ended)"
+                lines.append(f"  rank {rank}: event #{first} since the last check is the {text}")
+            forward = any(first < len(e) and e[first].phase == 0 for e in logs)
+            where = ("after the root's forward, by comparing forward orders" if self.verifying
+                     and any(first < len(e) and e[first].kind == 3 for e in logs) else
+                     "at the end of backward, by the fingerprint of the collective sequence")
+        advice = (
+            "A unit's forward ran on some ranks only (or in a different order): every rank must "
+            "run the forward of every unit, in the same order, in every iteration (e.g. call a "
+            "unit a rank would skip on an empty or zero-weighted input). "
+            "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence."
+            if forward else
+            "A unit's backward (or reduction) ran on some ranks only: run every unit on every "
+            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
+            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
+            "rank reduces them at the end of backward.")
+        raise RuntimeError(
+            f"[rank {group.rank}] fully_shard ranks diverged: they were about to pair "
+            f"collectives of different units (detected {where}; rank-dependent control flow "
+            f"would otherwise hang or mix parameters of different units):\n"
+            + "\n".join(lines) + f"\n{advice} Set {CHECK_ENV}=1 (or call "
+            "set_check_rank_divergence(True) on the root) to check every iteration.")
+
+
+def _mix(fingerprint: int, code: int) -> int:
+    return ((fingerprint ^ code) * _FNV_PRIME) & _MASK
+
+
+def _first_difference(logs: list[list[Collective]]) -> int:
+    index = 0
+    while all(index < len(log) for log in logs) and len({log[index] for log in logs}) == 1:
+        index += 1
+    return index
+
+
+# ------------------------------------------------ reduce_scatter_unused_params
+def reduce_deferred(units: Sequence["ShardUnit"], scheduler: "Scheduler") -> None:
+    """End of backward: every unit with ``reduce_scatter_unused_params`` (and
+    gradient sync on) reduces every trainable buffer, in ``units`` order (the
+    root's state list, the same on every rank), with a zero gradient where
+    this rank's backward gave it none. Parameters no rank used keep
+    ``.grad`` unchanged: their used flags stay False on every rank."""
+    for unit in units:
+        if not (unit.reduce_scatter_unused_params and unit.requires_gradient_sync):
+            continue
+        for buffer in unit.trainable_buffers:
+            if not buffer.grad.has_unreduced:
+                buffer.unsharded.grad = torch.zeros(
+                    buffer.layout.padded_numel, dtype=buffer.compute_dtype,
+                    device=buffer.compute_device)
+            scheduler.reduce(buffer, unit.reduce_options)
