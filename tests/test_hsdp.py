@@ -122,7 +122,7 @@ def test_hsdp_collectives_per_group():
     blocks in forward and backward plus the root's once, over the shard group
     (size 2); one reduce-scatter per unit there; one all-reduce per unit
     across the replicas (size 2) plus the used flags over both groups."""
-    counts = run_distributed(4, _train, (2, 2), "sgd", steps=2, count_step=1, timeout=90)
+    counts = run_distributed(4, _train, (2, 2), "sgd", steps=3, count_step=2, timeout=90)
     units = CFG.n_layers + 1
     for c in counts:
         got = c["counts"]
@@ -137,7 +137,7 @@ def test_hsdp_collectives_per_group():
 def test_reshard_after_forward_int_gathers_from_the_smaller_group():
     """reshard_after_forward=2 on 4 ranks: the blocks' backward all-gathers
     run over groups of 2 ranks, their forward all-gathers over all 4."""
-    counts = run_distributed(4, _train, (4,), "sgd", steps=2, reshard=2, count_step=1,
+    counts = run_distributed(4, _train, (4,), "sgd", steps=3, reshard=2, count_step=2,
                              timeout=90)
     for c in counts:
         got = c["counts"]
