@@ -126,13 +126,15 @@ def annotate_with_int_reshard(value: int):
     return None
 
 
-@pytest.mark.parametrize("value", [2, 1])
-def test_reshard_after_forward_integer_raises(value):
+@pytest.mark.parametrize("value", [3, 0])
+def test_reshard_after_forward_integer_not_dividing_the_shard_size_raises(value):
+    """Integers are FSDP2's smaller post-forward groups (tests/test_hsdp.py);
+    one that does not divide the shard group size raises on every rank."""
     for rank, res in enumerate(run_distributed(2, annotate_with_int_reshard, value,
                                                timeout=TIMEOUT)):
         assert res is not None, (
             f"rank {rank}: fully_shard(model, reshard_after_forward={value}) was accepted")
-        assert "reshard_after_forward" in res[1], res
+        assert res[0] == "ValueError" and "must divide the shard group size 2" in res[1], res
 
 
 # ============================================================================
