@@ -30,6 +30,13 @@ call with the same parameters (as for any collective); whether a rank has a
 gradient locally does not matter (a rank owning no element of a parameter
 has ``grad is None`` for it while others do not).
 
+Tensor parallelism: a TP-sharded parameter (a ``DTensor`` with a ``Shard``
+placement before ``fully_shard``) holds other elements on every tp rank, so
+its ``|g|^p`` is summed over its flat buffer's group and then over the tp
+group; TP-replicated ones (``Replicate``) hold the same values on every tp
+rank and are summed over the buffer's group only (counted once). That is
+one more all-reduce (over tp) per call.
+
 Precision: per-tensor norms are computed in float32 (float64 for float64
 tensors), whatever the gradients' dtype (bf16/fp16 included); the sum of
 their p-th powers and the all-reduce use float64 (float32 on devices

@@ -385,6 +385,11 @@ def _refused(case: str):
         elif case == "mixed-precision":
             parallelize_module(block, mesh["tp"], PLAN)
             fully_shard(block, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+        elif case == "meta":
+            with torch.device("meta"):
+                block = Block()
+            parallelize_module(block, mesh["tp"], PLAN)
+            fully_shard(block, mesh=mesh["dp"])
         elif case == "offload":
             parallelize_module(block, mesh["tp"], PLAN)
             fully_shard(block, mesh=mesh["dp"], offload_policy=CPUOffloadPolicy())
@@ -395,7 +400,8 @@ def _refused(case: str):
 
 @pytest.mark.parametrize("case,words", [
     ("same-mesh", "same mesh"), ("hsdp", "hybrid sharding with tensor parallelism"),
-    ("mixed-precision", "mp_policy"), ("offload", "offload_policy")])
+    ("mixed-precision", "mp_policy"), ("offload", "offload_policy"),
+    ("meta", "meta device")])
 def test_unsupported_combinations_raise_naming_them(case, words):
     for message in run_distributed(4, _refused, case, timeout=60):
         assert message is not None and words in message and "q.weight" in message, message
