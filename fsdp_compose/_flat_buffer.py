@@ -37,6 +37,7 @@ from ._comm import ShardGroup, all_gather_into
 from ._flat_grad import FlatGradient
 from ._layout import FlatLayout, ShardSlice
 from ._staging import StagingPool
+from ._tensor_parallel import TensorParallelSpec, as_dtensor
 
 
 @dataclass
@@ -49,13 +50,18 @@ class ParamRecord:
             the unit (more than one when a parameter is shared inside a unit).
         fqn: its fully-qualified name relative to the outermost annotated
             module seen so far (updated when an ancestor is annotated).
-        shape: its original shape.
+        shape: its original shape (the TP-local shape for a tensor-parallel
+            parameter: what the flat layout holds).
+        tp: for a tensor-parallel parameter (a ``DTensor`` before
+            ``fully_shard``), what forward and state dicts need to present
+            it as one again (see ``_tensor_parallel.py``); else ``None``.
     """
 
     param: nn.Parameter
     slots: list[tuple[nn.Module, str]]
     fqn: str
     shape: torch.Size
+    tp: Optional[TensorParallelSpec] = None
 
 
 class BufferPolicy(NamedTuple):
@@ -239,10 +245,13 @@ class FlatBuffer:
             chunks = torch.split(self.unsharded, sizes)
             if self.requires_grad:
                 chunks[0].grad_fn.register_prehook(_called_weakly(self.grad.mark_used))
-            return [chunk.view(record.shape) if self.requires_grad and trainable
-                    else chunk.detach().view(record.shape)
-                    for chunk, record, trainable in zip(chunks, self.records,
-                                                        self._param_requires_grad)]
+            views = [chunk.view(record.shape) if self.requires_grad and trainable
+                     else chunk.detach().view(record.shape)
+                     for chunk, record, trainable in zip(chunks, self.records,
+                                                         self._param_requires_grad)]
+            # tensor parallelism: forward sees the DTensor again, over the local view
+            return [view if record.tp is None else as_dtensor(view, record.tp)
+                    for view, record in zip(views, self.records)]
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes the user made on the original

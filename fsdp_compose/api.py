@@ -15,11 +15,13 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ._comm import default_mesh, shard_group_from_mesh
 from ._compose import check_not_replicated, is_replicated
 from ._flat_buffer import FlatBuffer, ParamRecord
 from ._owners import Owner, owner_of, register_owner
+from . import _tensor_parallel
 from ._state import link_annotated_below, register_unit, state_of
 from ._step_guard import install_step_guard
 from .checkpoint import UnitStateDictHooks
@@ -111,6 +113,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     ignored = _ignored_set(ignored_params)
     managed = _managed_modules(modules)
     records = _collect_records(modules, managed, ignored)
+    _localize_tensor_parallel(records, group, mp_policy, offload_policy)
     _check_params(records, group.device)
     unit = ShardUnit(modules, managed, _group_records(records), group, reshard_after_forward,
                      mp_policy, offload_policy)
@@ -253,6 +256,23 @@ def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
         "shared parameter must live in one unit that is unsharded wherever it is used: annotate "
         "the common ancestor of both modules instead of the module that holds it, or pass it "
         "in ignored_params.")
+
+
+def _localize_tensor_parallel(records: list[ParamRecord], group, mp_policy, offload_policy) -> None:
+    """Replace every tensor-parallel (``DTensor``) parameter by a new plain
+    parameter of its TP-local values under the same name(s); the record
+    keeps what forward needs to present it as a ``DTensor`` again (see
+    ``_tensor_parallel.py``: a DTensor parameter cannot keep its identity)."""
+    tp_records = [r for r in records if isinstance(r.param, DTensor)]
+    if not tp_records:
+        return
+    _tensor_parallel.check_policies(tp_records[0].fqn, mp_policy is not None,
+                                    offload_policy is not None)
+    for r in tp_records:
+        r.param, r.tp = _tensor_parallel.localize(r.param, r.fqn, group)
+        r.shape = r.param.shape
+        for module, attr in r.slots:
+            module._parameters[attr] = r.param
 
 
 def _check_params(records: list[ParamRecord], device: torch.device) -> None:

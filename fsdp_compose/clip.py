@@ -30,6 +30,13 @@ call with the same parameters (as for any collective); whether a rank has a
 gradient locally does not matter (a rank owning no element of a parameter
 has ``grad is None`` for it while others do not).
 
+Tensor parallelism: a TP-sharded parameter (a ``DTensor`` with a ``Shard``
+placement before ``fully_shard``) holds other elements on every tp rank, so
+its ``|g|^p`` is summed over its flat buffer's group and then over the tp
+group; TP-replicated ones (``Replicate``) hold the same values on every tp
+rank and are summed over the buffer's group only (counted once). That is
+one more all-reduce (over tp) per call.
+
 Precision: per-tensor norms are computed in float32 (float64 for float64
 tensors), whatever the gradients' dtype (bf16/fp16 included); the sum of
 their p-th powers and the all-reduce use float64 (float32 on devices
@@ -40,14 +47,15 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Iterable, Optional, Union
+from typing import Iterable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ._comm import ShardGroup
-from .api import flat_buffer_of
+from ._owners import owner_of
+from ._tensor_parallel import norm_process_group
 
 __all__ = ["clip_grad_norm_", "param_norms"]
 
@@ -205,24 +213,53 @@ def _as_param_list(params: ParamsArg) -> list[torch.Tensor]:
     return out
 
 
+class _NormGroup(NamedTuple):
+    """Sharded parameters whose norms are summed over the same ranks."""
+
+    group: ShardGroup  # the data-parallel shard group of their flat buffers
+    tp_group: Optional[dist.ProcessGroup]  # TP-sharded parameters: also over tp
+    indices: list[int]  # positions in the parameter list
+
+    def all_reduce(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+        _all_reduce(vec, op, self.group)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            dist.all_reduce(vec, op=op, group=self.tp_group)
+        return vec
+
+    @property
+    def counts_replicated(self) -> bool:
+        """Whether this rank adds the replicated (unmanaged) parameters'
+        ``|g|^p``: one rank of all those the sum runs over."""
+        return self.group.rank == 0 and (self.tp_group is None or self.tp_group.rank() == 0)
+
+
 def _group_key(group: ShardGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group.process_group))
 
 
-def _partition(params: list[torch.Tensor]) -> tuple[list[tuple[ShardGroup, list[int]]], list[int]]:
-    """Indices of sharded parameters per distinct process group (by member
-    ranks, in order of first appearance) and of unmanaged parameters."""
-    groups: "OrderedDict[tuple[int, ...], tuple[ShardGroup, list[int]]]" = OrderedDict()
+def _partition(params: list[torch.Tensor]) -> tuple[list[_NormGroup], list[int]]:
+    """Indices of sharded parameters per distinct set of ranks to sum over
+    (the process group by member ranks, plus the tp group for TP-sharded
+    parameters; in order of first appearance) and of unmanaged parameters.
+
+    Tensor parallelism: a TP-sharded parameter's flat buffer holds this tp
+    rank's piece, so its norm is summed over dp and then tp; a TP-replicated
+    one (``Replicate`` placement) holds the same values on every tp rank
+    and is summed over dp only, so it counts once, not tp-size times."""
+    groups: "OrderedDict[tuple, _NormGroup]" = OrderedDict()
     unmanaged: list[int] = []
     for i, t in enumerate(params):
-        buffer = flat_buffer_of(t) if isinstance(t, nn.Parameter) else None
-        if buffer is None:
+        owner = owner_of(t) if isinstance(t, nn.Parameter) else None
+        if owner is None:
             unmanaged.append(i)
             continue
-        key = _group_key(buffer.group)
+        buffer = owner.buffer
+        tp_group = norm_process_group(buffer.records[owner.index].tp)
+        key = (_group_key(buffer.group),
+               None if tp_group is None else tuple(dist.get_process_group_ranks(tp_group)))
         if key not in groups:
-            groups[key] = (buffer.group, [])
-        groups[key][1].append(i)
+            groups[key] = _NormGroup(buffer.group, tp_group, [])
+        groups[key].indices.append(i)
     return list(groups.values()), unmanaged
 
 
@@ -318,19 +355,19 @@ def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool]) -
         return _pow_sum(unmanaged_norms, p, device).pow(1.0 / p)[0].float()
 
     parts = []
-    for n, (group, indices) in enumerate(groups):
-        device = group.device
-        local = _local_norms(grads_of(indices), p, foreach)
+    for n, norm_group in enumerate(groups):
+        device = norm_group.group.device
+        local = _local_norms(grads_of(norm_group.indices), p, foreach)
         if math.isinf(p):
             if n == 0:
                 local = local + unmanaged_norms
             vec = _max_with_nan_flag(local, device)
-            parts.append(_all_reduce(vec, dist.ReduceOp.MAX, group))
+            parts.append(norm_group.all_reduce(vec, dist.ReduceOp.MAX))
         else:
-            if n == 0 and group.rank == 0:
+            if n == 0 and norm_group.counts_replicated:
                 local = local + unmanaged_norms  # replicated: counted once
-            parts.append(_all_reduce(_pow_sum(local, p, device), dist.ReduceOp.SUM, group))
-    device = groups[0][0].device
+            parts.append(norm_group.all_reduce(_pow_sum(local, p, device), dist.ReduceOp.SUM))
+    device = groups[0].group.device
     if math.isinf(p):
         vec = torch.stack([v.to(device) for v in parts]).amax(dim=0)
         return torch.where(vec[1] > 0, math.nan, vec[0]).float()
@@ -349,23 +386,24 @@ def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Te
     inf = math.isinf(p)
     results: list[Optional[torch.Tensor]] = [None] * len(params)
     if groups:
-        plan = [(group, indices + unmanaged if n == 0 else indices)
-                for n, (group, indices) in enumerate(groups)]
+        plan = [(g, g.indices + unmanaged if n == 0 else g.indices)
+                for n, g in enumerate(groups)]
     else:
         plan = [(None, unmanaged)]
     unmanaged_set = set(unmanaged)
-    for group, indices in plan:
+    for norm_group, indices in plan:
         if not indices:
             continue
-        device = group.device if group is not None else _first_device(tensors, indices)
+        device = norm_group.group.device if norm_group is not None \
+            else _first_device(tensors, indices)
         acc = _acc_dtype(device)
         m = len(indices)
         # rows: value (|t|^p summed, or max), present?, nan? (inf-norm only)
         vec = torch.zeros(3 if inf else 2, m, dtype=acc, device=device)
         contributes = [j for j, i in enumerate(indices)
                        if tensors[i] is not None
-                       and not (not inf and group is not None and group.rank != 0
-                                and i in unmanaged_set)]
+                       and not (not inf and norm_group is not None
+                                and not norm_group.counts_replicated and i in unmanaged_set)]
         present = [j for j in contributes if tensors[indices[j]].numel()]
         norms = _local_norms([tensors[indices[j]] for j in present], p, foreach)
         if present:
@@ -379,8 +417,8 @@ def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Te
                 vec[0, pos] = vals.pow(p)
         if contributes:
             vec[1, torch.tensor(contributes, device=device)] = 1.0
-        if group is not None:
-            _all_reduce(vec, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group)
+        if norm_group is not None:
+            norm_group.all_reduce(vec, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         values = torch.where(vec[2] > 0, math.nan, vec[0]) if inf else vec[0].pow(1.0 / p)
         values = values.float()
         has = vec[1].tolist() if need_presence else [1.0] * m

@@ -16,7 +16,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from .. import _tensor_parallel
 from .._comm import ShardGroup, all_to_all
+from .._flat_buffer import ParamRecord
 from .._layout import FlatLayout
 from ._chunks import chunk_shape, exchange_plan
 
@@ -88,6 +90,41 @@ def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGrou
                               shape=shape, stride=_contiguous_strides(shape))
 
 
+def checkpoint_shape(record: ParamRecord) -> torch.Size:
+    """The shape of ``record``'s state-dict values: its original shape (the
+    global one for a tensor-parallel parameter)."""
+    return record.shape if record.tp is None else record.tp.shape
+
+
+def record_value(chunk: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
+    """``chunk`` (this rank's dim-0 chunk of the values the flat layout
+    holds for ``record``) as its state-dict value: :func:`as_checkpoint_value`,
+    or for a tensor-parallel parameter a ``DTensor`` on the (dp, tp) mesh
+    (see ``_tensor_parallel.checkpoint_value``)."""
+    if record.tp is None:
+        return as_checkpoint_value(chunk, record.shape, group)
+    return _tensor_parallel.checkpoint_value(chunk, record.tp)
+
+
+def loadable(value: torch.Tensor, record: ParamRecord,
+             group: ShardGroup) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A state-dict value of ``record`` (global shape) as either
+    ``(this rank's dim-0 chunk, None)``, to be written with one exchange,
+    or ``(None, whole value in the record's shape)``, to be sliced locally.
+    Collective over the value's mesh when it must be gathered."""
+    if record.tp is not None:
+        chunk = _tensor_parallel.local_chunk(value, record.tp) \
+            if isinstance(value, DTensor) else None
+        if chunk is not None:
+            _check_chunk(chunk, record.shape, group)
+            return chunk, None
+        return None, _tensor_parallel.tp_local_value(value, record.tp)
+    if isinstance(value, DTensor):
+        chunk = local_chunk(value, group)
+        return (chunk, None) if chunk is not None else (None, value.full_tensor())
+    return None, value
+
+
 def local_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
     """This rank's dim-0 chunk of a ``DTensor`` checkpoint value, moved there
     from whatever mesh and placements it has. Returns ``None`` when the value
@@ -99,11 +136,15 @@ def local_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
     if tuple(value.placements) != placements:
         value = value.redistribute(group.mesh, placements)
     chunk = value.to_local()
-    expected = chunk_shape(tuple(value.shape), group.world_size, group.rank)
-    if tuple(chunk.shape) != expected:
-        raise AssertionError(f"[rank {group.rank}] a Shard(0) chunk of shape {tuple(value.shape)} "
-                             f"is {tuple(chunk.shape)} here, expected {expected}")
+    _check_chunk(chunk, value.shape, group)
     return chunk
+
+
+def _check_chunk(chunk: torch.Tensor, shape: Sequence[int], group: ShardGroup) -> None:
+    expected = chunk_shape(tuple(shape), group.world_size, group.rank)
+    if tuple(chunk.shape) != expected:
+        raise AssertionError(f"[rank {group.rank}] a Shard(0) chunk of shape {tuple(shape)} "
+                             f"is {tuple(chunk.shape)} here, expected {expected}")
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

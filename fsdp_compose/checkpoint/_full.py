@@ -22,6 +22,7 @@ from .._comm import ShardGroup, backend_device
 from .._flat_buffer import FlatBuffer
 from .._owners import owner_of
 from .._state import units_below
+from .._tensor_parallel import refuse_full_load
 from ..init import allocate_meta
 
 StateDict = dict[str, torch.Tensor]
@@ -134,8 +135,11 @@ def _entries(module: nn.Module) -> _Entries:
                 entries.plain[key] = param
                 entries.shape_of[key] = tuple(param.shape)
             else:
+                record = owner.buffer.records[owner.index]
+                if record.tp is not None:  # the same on every rank: raised everywhere
+                    refuse_full_load(record.fqn)
                 entries.keys_of.setdefault(id(param), []).append(key)
-                entries.shape_of[key] = tuple(owner.buffer.records[owner.index].shape)
+                entries.shape_of[key] = tuple(record.shape)
         for name, buf in sub._buffers.items():
             if buf is not None:
                 key = prefix + name

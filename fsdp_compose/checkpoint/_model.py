@@ -28,11 +28,10 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .._flat_buffer import FlatBuffer, ParamRecord
 from .._unit import ShardUnit, TrainingState
-from ._exchange import as_checkpoint_value, chunks_to_flat, flat_to_chunks, local_chunk
+from ._exchange import checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
 
 
 class _Stash(NamedTuple):
@@ -74,7 +73,7 @@ class UnitStateDictHooks:
             chunks = flat_to_chunks(buffer.sharded.detach(), buffer.layout, group, selected)
             for index, chunk in chunks.items():
                 record = buffer.records[index]
-                values[id(record.param)] = as_checkpoint_value(chunk, record.shape, group)
+                values[id(record.param)] = record_value(chunk, record, group)
         self._stash = _Stash(module, values)
 
     def _after_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -113,11 +112,12 @@ class UnitStateDictHooks:
             value = state_dict.get(key)
             if value is None or value is record.param:
                 continue
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(record.shape):
+            expected = checkpoint_shape(record)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(expected):
                 shape = value.shape if isinstance(value, torch.Tensor) else type(value)
                 error_msgs.append(
                     f"size mismatch for {key}: copying a param with shape {shape} from "
-                    f"checkpoint, the shape in current model is {record.shape}.")
+                    f"checkpoint, the shape in current model is {expected}.")
             else:
                 by_param.setdefault(id(record.param), (record, value))
             state_dict[key] = record.param  # torch's own copy becomes a no-op
@@ -157,14 +157,11 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
     chunks: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}
     for index, value in values.items():
-        if isinstance(value, DTensor):
-            chunk = local_chunk(value, group)
-            if chunk is None:
-                full[index] = value.full_tensor()
-            else:
-                chunks[index] = chunk
+        chunk, whole = loadable(value, buffer.records[index], group)
+        if chunk is not None:
+            chunks[index] = chunk
         else:
-            full[index] = value
+            full[index] = whole
     with torch.no_grad():
         if chunks:  # straight into the shard (only the given parameters' positions)
             chunks_to_flat(chunks, buffer.layout, group, buffer.sharded)

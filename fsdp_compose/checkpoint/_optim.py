@@ -32,7 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .._flat_buffer import FlatBuffer
 from .._owners import owner_of
-from ._exchange import Reader, as_checkpoint_value, chunks_to_flat, flat_to_chunks, local_chunk
+from ._exchange import Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers the step pre-hook has looked at (hooks attached if needed)."""
@@ -109,7 +109,7 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
         for key, index in entries:
             if state[key] is optimizer.state.get(params[key]):
                 state[key] = dict(state[key])  # never modify the optimizer's own state
-            value = as_checkpoint_value(chunks[index], buffer.records[index].shape, buffer.group)
+            value = record_value(chunks[index], buffer.records[index], buffer.group)
             state[key][name] = value
 
 
@@ -193,19 +193,17 @@ def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
     dtype, device = None, None
     for key, index in entries:
         value, record = state[key][name], buffer.records[index]
-        if tuple(value.shape) != tuple(record.shape):
+        expected = checkpoint_shape(record)
+        if tuple(value.shape) != tuple(expected):
             raise ValueError(
                 f"optimizer state '{name}' of '{record.fqn}' has shape {tuple(value.shape)}; "
-                f"expected the parameter's shape {tuple(record.shape)} (a DTensor or a full "
+                f"expected the parameter's shape {tuple(expected)} (a DTensor or a full "
                 "tensor, as optimizer.state_dict() of an fsdp_compose model produces).")
-        if isinstance(value, DTensor):
-            chunk = local_chunk(value, group)
-            if chunk is None:
-                value = value.full_tensor()
-            else:
-                chunks[index] = chunk
-                dtype, device = chunk.dtype, chunk.device
-                continue
+        chunk, value = loadable(value, record, group)
+        if chunk is not None:
+            chunks[index] = chunk
+            dtype, device = chunk.dtype, chunk.device
+            continue
         s = slices[index]
         state[key][name] = value.detach().reshape(-1)[s.param_start:s.param_start + s.length].clone()
     if not chunks:

@@ -1,0 +1,217 @@
+"""Composition with tensor parallelism (2-D parallel: data-parallel
+sharding over ``mesh["dp"]`` of modules whose parameters torch's
+``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``).
+
+Usage (4 ranks, 2-way data parallel x 2-way tensor parallel)::
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optim = torch.optim.AdamW(model.parameters())   # after fully_shard (see below)
+
+What each piece holds (see ``docs/design.md``, "Tensor parallelism"):
+
+* the flat buffers hold the TP-local tensors (``param.to_local()``),
+  sharded over the dp mesh like any other parameter, so the flat layout
+  uses the TP-local shapes;
+* between iterations the parameter registered under the original name is
+  a NEW plain ``nn.Parameter`` (a 1-D shard view like every other one): a
+  ``DTensor`` parameter cannot become a plain view (``param.data = view``
+  resizes the wrapper but keeps its DTensor spec and local tensor, so
+  every later op still dispatches to the old values). Build the optimizer
+  after ``fully_shard``;
+* inside forward/backward the module sees a ``DTensor`` again, built by
+  ``DTensor.from_local`` on the per-parameter view of the all-gathered
+  buffer with the TP mesh, placements and global shape, so TP's own
+  collectives run as usual; ``from_local``'s backward redistributes the
+  gradient to the forward placements (a ``Partial`` gradient of a
+  ``Replicate`` parameter is all-reduced over tp) and hands autograd the
+  local gradient, which lands in the flat gradient;
+* state dicts place TP parameters on the (dp, tp) mesh with torch FSDP2's
+  placements (:func:`checkpoint_placements`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ._comm import ShardGroup
+
+
+@dataclass(frozen=True)
+class TensorParallelSpec:
+    """What a tensor-parallel parameter was, so that forward can see it again.
+
+    Attributes:
+        mesh: its 1-D tensor-parallel mesh.
+        placements: its placements on ``mesh`` (one).
+        shape: its global shape (the flat buffer holds the TP-local one).
+        stride: its global (contiguous) stride.
+        checkpoint_mesh: the 2-D mesh spanned by the data-parallel mesh and
+            ``mesh`` (their root, or the root's slice of the two dims).
+        checkpoint_placements: its placements on ``checkpoint_mesh`` (torch
+            FSDP2's: dp ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)``
+            where TP shards dim 0 too and comes after dp, plus ``placements``).
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    checkpoint_mesh: DeviceMesh
+    checkpoint_placements: tuple[Placement, ...]
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether tp ranks hold different pieces (else every tp rank holds all of it)."""
+        return any(p.is_shard() for p in self.placements)
+
+
+def check_policies(fqn: str, mixed_precision: bool, offload: bool) -> None:
+    """Combinations with TP this library does not support (tested to raise)."""
+    for used, what in ((mixed_precision, "an mp_policy"), (offload, "an offload_policy")):
+        if used:
+            raise NotImplementedError(
+                f"parameter '{fqn}' is tensor-parallel (a DTensor) and fully_shard got {what}; "
+                "this combination is not supported. Drop the policy for this unit, or shard "
+                "it without tensor parallelism.")
+
+
+def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Parameter,
+                                                                         TensorParallelSpec]:
+    """A new plain parameter holding ``param``'s TP-local values (same
+    ``requires_grad``), and what forward needs to rebuild the ``DTensor``.
+    Raises (naming ``fqn``) for combinations that are not supported."""
+    if not isinstance(param, DTensor):
+        raise AssertionError(f"'{fqn}' is not a DTensor parameter")
+    tp_mesh = param.device_mesh
+    dp_mesh = group.mesh
+    if group.is_hybrid:
+        raise NotImplementedError(
+            f"parameter '{fqn}' is a tensor-parallel DTensor and fully_shard got a 2-D (HSDP) "
+            "mesh; hybrid sharding with tensor parallelism is not supported. Pass a 1-D "
+            "data-parallel mesh (mesh['dp']).")
+    if tp_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter '{fqn}' is a DTensor on a {tp_mesh.ndim}-D mesh; fully_shard supports "
+            "tensor-parallel parameters on a 1-D mesh (parallelize_module(module, mesh['tp'], "
+            "plan)).")
+    if tp_mesh == dp_mesh:
+        raise ValueError(
+            f"parameter '{fqn}' is a DTensor on the same mesh fully_shard shards over; a "
+            "parameter can be sharded over a mesh dim once. Build a 2-D mesh "
+            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize over "
+            "mesh['tp'] and fully_shard over mesh['dp'].")
+    if param.is_meta:
+        raise NotImplementedError(
+            f"parameter '{fqn}' is a tensor-parallel DTensor on the meta device; deferred "
+            "initialisation with tensor parallelism is not supported. Materialise the module "
+            "before parallelize_module and fully_shard.")
+    if any(not (p.is_shard() or p.is_replicate()) for p in param.placements):
+        raise NotImplementedError(
+            f"parameter '{fqn}' has placements {param.placements}; fully_shard supports "
+            "Shard and Replicate tensor-parallel parameters.")
+    checkpoint_mesh, placements = _checkpoint_layout(fqn, dp_mesh, tp_mesh, param.placements[0])
+    spec = TensorParallelSpec(mesh=tp_mesh, placements=tuple(param.placements),
+                              shape=param.shape, stride=tuple(param.stride()),
+                              checkpoint_mesh=checkpoint_mesh, checkpoint_placements=placements)
+    local = param.to_local().detach()
+    if not local.is_contiguous():
+        local = local.contiguous()
+    return nn.Parameter(local, requires_grad=param.requires_grad), spec
+
+
+def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
+                       tp_placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The (dp, tp) mesh of a TP parameter's state-dict values, and its
+    placements there, in the root mesh's dim order.
+
+    The flat layout holds the TP-local tensor, and the checkpoint exchange
+    gives dp rank ``d`` ``torch.chunk(tp_local, dp_size, 0)[d]``. Where TP
+    shards dim 0 too that is "tp first, then dp": ``Shard(0)`` on dp when
+    the dp dim comes after the tp dim in the mesh (DTensor shards
+    left to right), ``_StridedShard(0, split_factor=tp_size)`` when it comes
+    before (torch FSDP2's placement for FSDP + TP)."""
+    root = dp_mesh._get_root_mesh()
+    dp_name, tp_name = _single_name(dp_mesh), _single_name(tp_mesh)
+    names = root.mesh_dim_names
+    if tp_mesh._get_root_mesh() != root or dp_name is None or tp_name is None or \
+            names is None or dp_name not in names or tp_name not in names:
+        raise ValueError(
+            f"parameter '{fqn}' is a DTensor on a mesh that is not a named dim of the data-"
+            "parallel mesh's parent; slice both from one mesh: init_device_mesh(device, "
+            "(dp, tp), mesh_dim_names=('dp', 'tp')), then mesh['tp'] for parallelize_module "
+            "and mesh['dp'] for fully_shard.")
+    dp_dim, tp_dim = names.index(dp_name), names.index(tp_name)
+    mesh = root if root.ndim == 2 else root[tuple(n for n in names if n in (dp_name, tp_name))]
+    dp_placement: Placement = Shard(0)
+    if isinstance(tp_placement, Shard) and tp_placement.dim == 0 and dp_dim < tp_dim:
+        dp_placement = _StridedShard(0, split_factor=tp_mesh.size())
+    placements = [dp_placement, tp_placement] if dp_dim < tp_dim else [tp_placement, dp_placement]
+    return mesh, tuple(placements)
+
+
+def _single_name(mesh: DeviceMesh) -> Optional[str]:
+    names = mesh.mesh_dim_names
+    return names[0] if names is not None and len(names) == 1 else None
+
+
+# ------------------------------------------------------------------ runtime
+def as_dtensor(view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
+    """The TP ``DTensor`` forward sees, over the TP-local ``view`` of the
+    unsharded buffer (differentiable: its gradient flows into ``view``)."""
+    return DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
+                              shape=spec.shape, stride=spec.stride)
+
+
+def norm_process_group(spec: Optional[TensorParallelSpec]) -> Optional[dist.ProcessGroup]:
+    """The extra group a gradient norm must be summed over: the tp group for
+    TP-sharded parameters (each tp rank holds other elements), ``None`` for
+    plain and TP-replicated ones (every tp rank holds the same values)."""
+    if spec is None or not spec.is_sharded:
+        return None
+    return spec.mesh.get_group()
+
+
+# --------------------------------------------------------------- checkpoint
+def checkpoint_value(chunk: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
+    """This rank's dim-0 chunk of the TP-local tensor as the state-dict
+    ``DTensor`` (global shape, on the (dp, tp) mesh)."""
+    return DTensor.from_local(chunk, spec.checkpoint_mesh, spec.checkpoint_placements,
+                              run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def local_chunk(value: DTensor, spec: TensorParallelSpec) -> Optional[torch.Tensor]:
+    """This rank's chunk when ``value`` has exactly the checkpoint layout
+    (no communication), else ``None``."""
+    if value.device_mesh == spec.checkpoint_mesh and \
+            tuple(value.placements) == spec.checkpoint_placements:
+        return value.to_local()
+    return None
+
+
+def tp_local_value(value: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
+    """The TP-local part of a checkpoint value in any other form (a
+    ``DTensor`` elsewhere is gathered in full first, collective over its
+    mesh; a full tensor is sliced locally)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return distribute_tensor(value.detach(), spec.mesh, spec.placements,
+                             src_data_rank=None).to_local()
+
+
+def refuse_full_load(fqn: str) -> None:
+    raise NotImplementedError(
+        f"parameter '{fqn}' is tensor-parallel; loading whole weights into it "
+        "(scatter_full_state_dict / safetensors) is not supported. Load a state dict with "
+        "model.load_state_dict() or torch.distributed.checkpoint.state_dict.set_state_dict().")
