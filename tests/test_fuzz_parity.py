@@ -212,10 +212,13 @@ def global_batch(spec: FuzzSpec, step: int):
     return x, tokens, y
 
 
-def make_optim(model: nn.Module, name: str) -> torch.optim.Optimizer:
+def make_optim(model: nn.Module, name: str) -> Optional[torch.optim.Optimizer]:
+    params = list(model.parameters())  # frozen ones too: the optimizer skips them
+    if not params:  # e.g. one LayerNorm without affine parameters
+        return None
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -264,8 +267,9 @@ def train_sharded(spec: FuzzSpec) -> dict:
         grads.append({n: None if p.grad is None else
                       (param_info(p).local_offset, p.grad.detach().clone())
                       for n, p in model.named_parameters()})
-        optim.step()
-        optim.zero_grad(set_to_none=spec.zero_to_none)
+        if optim is not None:
+            optim.step()
+            optim.zero_grad(set_to_none=spec.zero_to_none)
         _check_idle(model, f"after step {step}")
         loss = loss.detach().double()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
@@ -286,8 +290,9 @@ def train_reference(spec: FuzzSpec) -> dict:
             loss.backward()
         grads.append({n: None if p.grad is None else p.grad.detach().clone()
                       for n, p in model.named_parameters()})
-        optim.step()
-        optim.zero_grad(set_to_none=spec.zero_to_none)
+        if optim is not None:
+            optim.step()
+            optim.zero_grad(set_to_none=spec.zero_to_none)
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params}
