@@ -23,9 +23,12 @@ composable ``checkpoint`` on some nodes (before or after ``fully_shard``); a
 bottom-up set of ``fully_shard`` calls (sibling lists included, the root
 always last) with random ``reshard_after_forward``; a ``PrefetchPolicy``;
 world size 1-4; SGD with momentum or AdamW with weight decay; ``zero_grad``
-to ``None`` or to zeros.
+to ``None`` or to zeros; one or two micro-batches per step (the first with
+gradient sync, without it, or without it and kept unsharded); a ``no_grad``
+forward between steps.
 
-Checked against the reference at every step: the global mean loss; which
+Checked against the reference at every step: the global mean loss (and the
+``no_grad`` forward's); which
 parameters have ``.grad`` (``None`` or not) and this rank's 1-D gradient
 slice against the matching slice of the reference's full gradient; every unit
 back to ``IDLE`` and no unsharded storage held between steps; the parameters
@@ -114,6 +117,9 @@ class FuzzSpec:
     optim: str = "sgd"
     zero_to_none: bool = True
     steps: int = 3
+    micro: int = 1  # micro-batches per step (per_rank is a multiple)
+    accumulate: str = "sync"  # earlier micro-batches: sync / nosync / keep-unsharded (no sync)
+    eval_between: bool = False  # a no_grad forward after each step
 
 
 # ==================================================================== model
@@ -258,12 +264,20 @@ def train_sharded(spec: FuzzSpec) -> dict:
     model.set_prefetch_policy(PrefetchPolicy(*spec.prefetch))
     optim = make_optim(model, spec.optim)
     per = spec.per_rank
-    losses, grads = [], []
+    losses, grads, evals = [], [], []
     for step in range(spec.steps):
         x, tokens, y = (t[rank * per:(rank + 1) * per] for t in global_batch(spec, step))
-        loss = _loss(model(x, tokens, step), y)
-        if loss.requires_grad:
-            loss.backward()
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, (xm, tm, ym) in enumerate(zip(*(t.chunk(spec.micro) for t in (x, tokens, y)))):
+            last = i == spec.micro - 1
+            if spec.accumulate != "sync":
+                model.set_requires_gradient_sync(last)
+            if spec.accumulate == "keep-unsharded":
+                model.set_reshard_after_backward(last)
+            part = _loss(model(xm, tm, step), ym) / spec.micro
+            if part.requires_grad:
+                part.backward()
+            loss += part.detach().double()
         grads.append({n: None if p.grad is None else
                       (param_info(p).local_offset, p.grad.detach().clone())
                       for n, p in model.named_parameters()})
@@ -271,18 +285,23 @@ def train_sharded(spec: FuzzSpec) -> dict:
             optim.step()
             optim.zero_grad(set_to_none=spec.zero_to_none)
         _check_idle(model, f"after step {step}")
-        loss = loss.detach().double()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
+        if spec.eval_between:
+            with torch.no_grad():
+                out = _loss(model(x, tokens, step), y).double()
+            _check_idle(model, f"after the no_grad forward of step {step}")
+            dist.all_reduce(out, op=dist.ReduceOp.AVG)
+            evals.append(out.item())
     params = {n: (param_info(p).local_offset, p.detach().clone())
               for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
 def train_reference(spec: FuzzSpec) -> dict:
     model = build_model(spec)
     optim = make_optim(model, spec.optim)
-    losses, grads = [], []
+    losses, grads, evals = [], [], []
     for step in range(spec.steps):
         x, tokens, y = global_batch(spec, step)
         loss = _loss(model(x, tokens, step), y)
@@ -294,8 +313,11 @@ def train_reference(spec: FuzzSpec) -> dict:
             optim.step()
             optim.zero_grad(set_to_none=spec.zero_to_none)
         losses.append(loss.item())
+        if spec.eval_between:
+            with torch.no_grad():
+                evals.append(_loss(model(x, tokens, step), y).item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
 def _assert_piece(what: str, piece: tuple[int, torch.Tensor], full: torch.Tensor) -> None:
@@ -315,6 +337,8 @@ def check_parity(spec: FuzzSpec) -> None:
     for rank, res in enumerate(results):
         for step, (got, want) in enumerate(zip(res["losses"], ref["losses"])):
             assert abs(got - want) <= ATOL, f"rank {rank} step {step}: loss {got} vs {want}"
+        for step, (got, want) in enumerate(zip(res["evals"], ref["evals"], strict=True)):
+            assert abs(got - want) <= ATOL, f"rank {rank} step {step}: eval loss {got} vs {want}"
         for step, (got, want) in enumerate(zip(res["grads"], ref["grads"])):
             assert got.keys() == want.keys()
             for name, full in want.items():
@@ -349,7 +373,7 @@ def leaf_specs(draw) -> LeafSpec:
 @st.composite
 def node_specs(draw, depth: int) -> NodeSpec:
     n = draw(st.integers(1, 3))
-    children = tuple(draw(node_specs(depth - 1)) if depth > 1 and draw(st.integers(0, 2)) == 0
+    children = tuple(draw(node_specs(depth - 1)) if depth > 1 and draw(st.booleans())
                      else draw(leaf_specs()) for _ in range(n))
     linears = [i for i, c in enumerate(children) if isinstance(c, LeafSpec) and c.kind == "linear"]
     tie = None
@@ -392,12 +416,13 @@ def fuzz_specs(draw) -> FuzzSpec:
     # deeper first is bottom-up (a stable sort keeps post-order within a depth)
     annotations.sort(key=lambda a: -a.paths[0].count("."))
     annotations.append(Annotation(("",), draw(raf)))
+    micro = draw(st.integers(1, 2))
     return FuzzSpec(
         seed=draw(st.integers(0, 10_000)),
         world=draw(st.sampled_from([1, 2, 2, 3, 3, 4])),
         d=draw(st.integers(1, 6)),
         seq=draw(st.integers(1, 3)),
-        per_rank=draw(st.integers(1, 2)),
+        per_rank=micro * draw(st.integers(1, 2)),
         root=root,
         annotations=tuple(annotations),
         prefetch=(draw(st.booleans()), draw(st.booleans()), draw(st.integers(1, 3)),
@@ -406,6 +431,10 @@ def fuzz_specs(draw) -> FuzzSpec:
         optim=draw(st.sampled_from(["sgd", "adamw"])),
         zero_to_none=draw(st.booleans()),
         steps=draw(st.integers(2, 3)),
+        micro=micro,
+        accumulate=draw(st.sampled_from(["sync", "nosync", "keep-unsharded"])) if micro > 1
+        else "sync",
+        eval_between=draw(st.integers(0, 3)) == 0,
     )
 
 
