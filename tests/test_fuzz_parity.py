@@ -25,7 +25,8 @@ always last) with random ``reshard_after_forward``; a ``PrefetchPolicy``;
 world size 1-4; SGD with momentum or AdamW with weight decay; ``zero_grad``
 to ``None`` or to zeros; one or two micro-batches per step (the first with
 gradient sync, without it, or without it and kept unsharded); a ``no_grad``
-forward between steps.
+forward between steps; a child of the root applied again after the root's
+forward (like a chunked loss calling ``lm_head``).
 
 Checked against the reference at every step: the global mean loss (and the
 ``no_grad`` forward's); which
@@ -120,6 +121,7 @@ class FuzzSpec:
     micro: int = 1  # micro-batches per step (per_rank is a multiple)
     accumulate: str = "sync"  # earlier micro-batches: sync / nosync / keep-unsharded (no sync)
     eval_between: bool = False  # a no_grad forward after each step
+    outside_call: Optional[int] = None  # apply this child of the root again after its forward
 
 
 # ==================================================================== model
@@ -227,8 +229,11 @@ def make_optim(model: nn.Module, name: str) -> Optional[torch.optim.Optimizer]:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).mean()
+def _forward_loss(model: FuzzNode, spec: FuzzSpec, x, tokens, y, step: int) -> torch.Tensor:
+    h = model(x, tokens, step)
+    if spec.outside_call is not None:  # like a chunked loss calling lm_head itself
+        h = model._apply_child(spec.outside_call, h, tokens, step)
+    return ((h - y) ** 2).mean()
 
 
 # ================================================================ training
@@ -274,7 +279,7 @@ def train_sharded(spec: FuzzSpec) -> dict:
                 model.set_requires_gradient_sync(last)
             if spec.accumulate == "keep-unsharded":
                 model.set_reshard_after_backward(last)
-            part = _loss(model(xm, tm, step), ym) / spec.micro
+            part = _forward_loss(model, spec, xm, tm, ym, step) / spec.micro
             if part.requires_grad:
                 part.backward()
             loss += part.detach().double()
@@ -289,7 +294,7 @@ def train_sharded(spec: FuzzSpec) -> dict:
         losses.append(loss.item())
         if spec.eval_between:
             with torch.no_grad():
-                out = _loss(model(x, tokens, step), y).double()
+                out = _forward_loss(model, spec, x, tokens, y, step).double()
             _check_idle(model, f"after the no_grad forward of step {step}")
             dist.all_reduce(out, op=dist.ReduceOp.AVG)
             evals.append(out.item())
@@ -304,7 +309,7 @@ def train_reference(spec: FuzzSpec) -> dict:
     losses, grads, evals = [], [], []
     for step in range(spec.steps):
         x, tokens, y = global_batch(spec, step)
-        loss = _loss(model(x, tokens, step), y)
+        loss = _forward_loss(model, spec, x, tokens, y, step)
         if loss.requires_grad:
             loss.backward()
         grads.append({n: None if p.grad is None else p.grad.detach().clone()
@@ -315,7 +320,7 @@ def train_reference(spec: FuzzSpec) -> dict:
         losses.append(loss.item())
         if spec.eval_between:
             with torch.no_grad():
-                evals.append(_loss(model(x, tokens, step), y).item())
+                evals.append(_forward_loss(model, spec, x, tokens, y, step).item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
@@ -435,6 +440,10 @@ def fuzz_specs(draw) -> FuzzSpec:
         accumulate=draw(st.sampled_from(["sync", "nosync", "keep-unsharded"])) if micro > 1
         else "sync",
         eval_between=draw(st.integers(0, 3)) == 0,
+        # only a child with its own unit: the root's parameters are sharded after its forward
+        outside_call=draw(st.sampled_from([None, None, *(
+            i for i in range(len(root.children))
+            if any(f"c{i}" in a.paths for a in annotations))])),
     )
 
 
