@@ -21,7 +21,8 @@ skipped on odd steps, children called through ``torch.utils.checkpoint``);
 frozen parameters; a ``Linear`` weight tied between two siblings of one unit;
 composable ``checkpoint`` on some nodes (before or after ``fully_shard``); a
 bottom-up set of ``fully_shard`` calls (sibling lists included, the root
-always last) with random ``reshard_after_forward``; a ``PrefetchPolicy``;
+always last) with random ``reshard_after_forward``; a ``PrefetchPolicy``, and
+sometimes explicit prefetch targets (each unit the next annotated one);
 world size 1-4; SGD with momentum or AdamW with weight decay; ``zero_grad``
 to ``None`` or to zeros; one or two micro-batches per step (the first with
 gradient sync, without it, or without it and kept unsharded); a ``no_grad``
@@ -122,6 +123,7 @@ class FuzzSpec:
     accumulate: str = "sync"  # earlier micro-batches: sync / nosync / keep-unsharded (no sync)
     eval_between: bool = False  # a no_grad forward after each step
     outside_call: Optional[int] = None  # apply this child of the root again after its forward
+    explicit_prefetch: bool = False  # set_modules_to_{forward,backward}_prefetch along annotations
 
 
 # ==================================================================== model
@@ -176,7 +178,9 @@ def _build_leaf(spec: LeafSpec, d: int) -> nn.Module:
     if spec.kind == "embedding":
         return nn.Embedding(spec.size, d)
     if spec.kind == "layernorm":
-        return nn.LayerNorm(d, elementwise_affine=spec.bias)
+        # eps well above fp32 noise: with D = 1-2 the variance can be ~0, and
+        # eps=1e-5 then makes one ulp of the input move the loss by ~1e-5
+        return nn.LayerNorm(d, eps=0.1, elementwise_affine=spec.bias)
     if spec.kind == "conv1d":
         return nn.Conv1d(d, d, spec.size, padding=spec.size // 2, bias=spec.bias)
     raise ValueError(spec.kind)
@@ -267,6 +271,11 @@ def train_sharded(spec: FuzzSpec) -> dict:
     if spec.checkpoint_after_shard:
         _apply_checkpoint(model, spec)
     model.set_prefetch_policy(PrefetchPolicy(*spec.prefetch))
+    if spec.explicit_prefetch:  # each unit prefetches the next annotated one (and back)
+        firsts = [model.get_submodule(a.paths[0]) for a in spec.annotations]
+        for before, after in zip(firsts, firsts[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
     optim = make_optim(model, spec.optim)
     per = spec.per_rank
     losses, grads, evals = [], [], []
@@ -444,6 +453,7 @@ def fuzz_specs(draw) -> FuzzSpec:
         outside_call=draw(st.sampled_from([None, None, *(
             i for i in range(len(root.children))
             if any(f"c{i}" in a.paths for a in annotations))])),
+        explicit_prefetch=draw(st.integers(0, 3)) == 0,
     )
 
 
@@ -457,8 +467,68 @@ def test_fuzzed_parity(spec: FuzzSpec) -> None:
 
 
 # ======================================================= regression specs
-# Each failure the fuzzer found, written out (see the report in git history).
-REGRESSIONS: list = []
+# Each failure the fuzzer found, written out.
+def _ln(frozen=("weight", "bias"), bias=True) -> LeafSpec:
+    return LeafSpec("layernorm", bias=bias, frozen=frozen)
+
+
+REGRESSIONS = [
+    # World size 1, forward prefetch: a unit prefetched from the previous
+    # order that does not run this step (c0.c0 runs on even steps only) kept
+    # its module attributes pointing at the full views after the forward
+    # (the root dropped only prefetches still gathering; over one rank a
+    # "prefetch" is just the attribute swap), so c0.c0.weight was a plain
+    # tensor with .grad None instead of the parameter with zeroed .grad.
+    pytest.param(FuzzSpec(
+        seed=1, world=1, d=1, seq=1, per_rank=1,
+        root=NodeSpec(
+            children=(NodeSpec((LeafSpec("embedding", bias=False, size=6),),
+                               (CallSpec(0, odd_steps=False),)),
+                      NodeSpec((LeafSpec("linear", bias=False, frozen=("bias",)),
+                                LeafSpec("linear", bias=False, frozen=("weight", "bias")),
+                                LeafSpec("linear", bias=False)),
+                               (CallSpec(0, odd_steps=False, recompute=True),)),
+                      LeafSpec("linear", bias=False, frozen=("bias",))),
+            calls=(CallSpec(0, odd_steps=False),), checkpoint=True),
+        annotations=(Annotation(("c1.c0", "c1.c2")), Annotation(("c0.c0",)), Annotation(("",))),
+        prefetch=(True, False, 1, 1), checkpoint_after_shard=True, zero_to_none=False),
+        id="world1-unused-prefetch-keeps-views"),
+    # The same bug with a frozen unit: param_info() of the left-over view was None.
+    pytest.param(FuzzSpec(
+        seed=3763, world=1, d=3, seq=1, per_rank=2,
+        root=NodeSpec(
+            children=(_ln(), LeafSpec("conv1d", bias=False, size=3, frozen=("weight", "bias")),
+                      LeafSpec("conv1d", size=1, frozen=("weight",))),
+            calls=tuple(CallSpec(i, odd_steps=False, recompute=True) for i in (1, 2, 2, 0, 0))),
+        annotations=(Annotation(("c1",)), Annotation(("",))),
+        prefetch=(True, False, 1, 2), checkpoint_after_shard=True, steps=2, eval_between=True),
+        id="world1-unused-frozen-prefetch"),
+    # LayerNorm over D=2 with eps=1e-5 (before the model used eps=0.1): one
+    # ulp of a parameter moved the loss by 4.5e-6, so the sharded forward's
+    # last-bit differences exceeded 1e-5 (a conditioning problem of the test
+    # model, not a library bug; kept to hold the better-conditioned model).
+    pytest.param(FuzzSpec(
+        seed=3762, world=3, d=2, seq=1, per_rank=1,
+        root=NodeSpec(
+            children=(_ln(bias=False), LeafSpec("conv1d", bias=False, size=1,
+                                                frozen=("weight", "bias")),
+                      LeafSpec("linear", frozen=("weight",))),
+            calls=tuple(CallSpec(i, odd_steps=False, recompute=True) for i in (2, 2, 2, 0)),
+            checkpoint=True),
+        annotations=(Annotation(("",)),), prefetch=(False, False, 1, 1), zero_to_none=False,
+        steps=2, eval_between=True),
+        id="layernorm-d2-conditioning-grad"),
+    pytest.param(FuzzSpec(
+        seed=3763, world=4, d=2, seq=2, per_rank=2,
+        root=NodeSpec(
+            children=(_ln(bias=False), _ln(frozen=("weight",), bias=False),
+                      LeafSpec("conv1d", size=1, frozen=("weight",))),
+            calls=tuple(CallSpec(i, odd_steps=False, recompute=True) for i in (2, 2, 2, 0)),
+            checkpoint=True),
+        annotations=(Annotation(("",)),), prefetch=(False, False, 1, 1), zero_to_none=False,
+        steps=2, eval_between=True),
+        id="layernorm-d2-conditioning-loss"),
+]
 
 
 @pytest.mark.parametrize("spec", REGRESSIONS)
