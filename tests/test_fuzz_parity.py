@@ -30,18 +30,17 @@ forward between steps; a child of the root applied again after the root's
 forward (like a chunked loss calling ``lm_head``).
 
 Checked against the reference at every step: the global mean loss (and the
-``no_grad`` forward's); which
-parameters have ``.grad`` (``None`` or not) and this rank's 1-D gradient
-slice against the matching slice of the reference's full gradient; every unit
-back to ``IDLE`` and no unsharded storage held between steps; the parameters
-after the last step.
+``no_grad`` forward's); which parameters have ``.grad`` (``None`` or not) and
+this rank's 1-D gradient slice against the matching slice of the reference's
+full gradient; between steps, every unit back to ``IDLE``, no unsharded
+storage held and every module attribute the original ``nn.Parameter``; the
+parameters after the last step.
 
 Every failure found is kept below as an explicit regression spec.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -152,7 +151,8 @@ class FuzzNode(nn.Module):
                 h = fn(h)
         return h
 
-    def _apply_child(self, i: int, h: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
+    def _apply_child(self, i: int, h: torch.Tensor, tokens: torch.Tensor,
+                     step: int) -> torch.Tensor:
         child = getattr(self, f"c{i}")
         spec = self.spec.children[i]
         if isinstance(spec, NodeSpec):
@@ -248,8 +248,10 @@ def _apply_checkpoint(model: FuzzNode, spec: FuzzSpec) -> None:
             checkpoint(model.get_submodule(path))
 
 
-def _check_idle(model: nn.Module, where: str) -> None:
+def _check_idle(model: nn.Module, originals: dict[str, nn.Parameter], where: str) -> None:
     rank = dist.get_rank()
+    for name, p in model.named_parameters():
+        assert p is originals[name], f"rank {rank}: {name} is not the original parameter {where}"
     for unit in units_below(model):
         assert unit.state is TrainingState.IDLE, f"rank {rank}: {unit.name} {unit.state} {where}"
     for p in model.parameters():
@@ -260,8 +262,11 @@ def _check_idle(model: nn.Module, where: str) -> None:
 
 
 def train_sharded(spec: FuzzSpec) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Runs on every rank: per-step global losses and gradient pieces, the
+    final parameter pieces (``(local_offset, 1-D tensor)``)."""
+    rank = dist.get_rank()
     model = build_model(spec)
+    originals = dict(model.named_parameters())
     if not spec.checkpoint_after_shard:
         _apply_checkpoint(model, spec)
     for ann in spec.annotations:
@@ -298,13 +303,13 @@ def train_sharded(spec: FuzzSpec) -> dict:
         if optim is not None:
             optim.step()
             optim.zero_grad(set_to_none=spec.zero_to_none)
-        _check_idle(model, f"after step {step}")
+        _check_idle(model, originals, f"after step {step}")
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
         if spec.eval_between:
             with torch.no_grad():
                 out = _forward_loss(model, spec, x, tokens, y, step).double()
-            _check_idle(model, f"after the no_grad forward of step {step}")
+            _check_idle(model, originals, f"after the no_grad forward of step {step}")
             dist.all_reduce(out, op=dist.ReduceOp.AVG)
             evals.append(out.item())
     params = {n: (param_info(p).local_offset, p.detach().clone())
@@ -379,7 +384,8 @@ PARAM_NAMES = {"linear": ("weight", "bias"), "gate": ("weight", "bias"), "embedd
 @st.composite
 def leaf_specs(draw) -> LeafSpec:
     kind = draw(st.sampled_from(LEAF_KINDS))
-    size = {"embedding": draw(st.integers(1, 7)), "conv1d": draw(st.sampled_from([1, 3]))}.get(kind, 0)
+    sizes = {"embedding": st.integers(1, 7), "conv1d": st.sampled_from([1, 3])}
+    size = draw(sizes[kind]) if kind in sizes else 0
     frozen = tuple(n for n in PARAM_NAMES[kind] if draw(st.integers(0, 6)) == 0)
     return LeafSpec(kind, bias=draw(st.booleans()), size=size, frozen=frozen)
 
