@@ -130,6 +130,11 @@ class Scheduler:
             self._start_unshard(unit, buffer)
         for target in prefetch:
             for buffer in target.buffers:
+                if buffer.aliased:
+                    # One rank: nothing to fetch ahead. Unsharding would only swap the
+                    # module attributes, and a unit that then does not run would keep
+                    # the views (the root drops only prefetches still gathering).
+                    continue
                 if buffer.is_unsharded and not buffer.is_stale or buffer.is_gathering:
                     continue  # nothing to issue: already gathered or in flight
                 if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
