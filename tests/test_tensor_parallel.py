@@ -243,7 +243,7 @@ def test_collectives_run_over_their_mesh_dims():
     outputs o and down in forward, and in backward the input gradient of
     each Colwise module (q, k, v, up: a Partial gradient made Replicate);
     the used flags once over dp."""
-    counts = run_distributed(4, _train, "sgd", steps=2, count_step=1, timeout=120)
+    counts = run_distributed(4, _train, "sgd", steps=3, count_step=2, timeout=120)
     units = LAYERS + 1
     for got in (c["counts"] for c in counts):
         assert got[("_allgather_base_", "dp")] == 2 * units - 1, got
