@@ -279,7 +279,7 @@ def publish_gradients(buffers: Sequence["FlatBuffer"],
     for group_buffers in by_group.values():
         flags = [u for b in group_buffers for u in b.grad.used]
         group = group_buffers[0].group
-        if group.world_size > 1:
+        if group.total_size > 1:  # replicas too (F = 1 replication included)
             extra = divergence.payload(group) if divergence is not None else []
             mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
             all_reduce_max(mask, group)

@@ -134,6 +134,14 @@ def test_hsdp_collectives_per_group():
                             ("allreduce_", 2)}, got
 
 
+def test_replication_collectives():
+    """A (4, 1) mesh: nothing to gather or scatter (F = 1); per step one
+    all-reduce per unit across the 4 replicas plus the used flags."""
+    counts = run_distributed(4, _train, (4, 1), "sgd", steps=3, count_step=2, timeout=90)
+    for c in counts:
+        assert c["counts"] == {("allreduce_", 4): CFG.n_layers + 1 + 1}, c["counts"]
+
+
 def test_reshard_after_forward_int_gathers_from_the_smaller_group():
     """reshard_after_forward=2 on 4 ranks: the blocks' backward all-gathers
     run over groups of 2 ranks, their forward all-gathers over all 4."""
@@ -289,3 +297,35 @@ def test_gradient_norm_counts_each_replica_once():
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
     for got in run_distributed(4, _grad_norm_under_hsdp, timeout=60):
         assert got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x, use_head):
+        y = self.body(x)
+        return self.head(y).sum() if use_head else y.sum()
+
+
+def _used_on_one_replica(mesh_shape):
+    mesh = _mesh(mesh_shape)
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 4), use_head=dist.get_rank() == 0).backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2)], ids=["replicas", "shards"])
+def test_parameter_used_on_one_replica_gets_a_gradient_everywhere(mesh_shape):
+    """One process on the global batch gives ``head`` a gradient, so every
+    rank must (the used flags are agreed across replicas, not only shards)."""
+    per_rank = run_distributed(2, _used_on_one_replica, mesh_shape, timeout=60)
+    for grads in per_rank:
+        assert grads["head.weight"] is not None and grads["head.bias"] is not None, grads
+    if mesh_shape == (2, 1):  # replicas hold the same (whole) gradient
+        for name in per_rank[0]:
+            assert torch.equal(per_rank[0][name], per_rank[1][name]), name
