@@ -52,12 +52,22 @@ def build_fsdp1(model: GPT) -> nn.Module:
                                     device_id=torch.device("cpu"))
 
 
-def build_fsdp_compose(model: GPT) -> nn.Module:
-    """This project: ``fsdp_compose.fully_shard`` on every block, then on the root."""
-    from fsdp_compose import fully_shard
+def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
+                       retain_staging: bool = False) -> nn.Module:
+    """This project: ``fsdp_compose.fully_shard`` on every block, then on the
+    root. The keyword arguments make the A/B variants below (defaults: the
+    library's defaults)."""
+    from fsdp_compose import PrefetchPolicy, fully_shard, set_gloo_reduce_scatter_via_all_reduce
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    if retain_staging:
+        model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
+    # the gloo setting is process-wide: each variant sets its own at its forward
+    def set_gloo_path(*_) -> None:
+        set_gloo_reduce_scatter_via_all_reduce(gloo_all_reduce)
+
+    model.register_forward_pre_hook(set_gloo_path)
     return model
 
 
@@ -68,6 +78,14 @@ BUILDERS: dict[str, Callable[[GPT], nn.Module]] = {
     "ddp": build_ddp,
 }
 """Name -> builder, in the order tables and plots list them."""
+
+VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
+    "fsdp_compose_rs": functools.partial(build_fsdp_compose, gloo_all_reduce=False),
+    "fsdp_compose_retain": functools.partial(build_fsdp_compose, retain_staging=True),
+}
+"""A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
+own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
+the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

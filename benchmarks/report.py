@@ -36,7 +36,9 @@ from typing import Any, Callable
 import torch
 
 MiB = 2 ** 20
-LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "ddp": "DDP"}
+LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "ddp": "DDP",
+          "fsdp_compose_rs": "fsdp_compose (gloo RS)",
+          "fsdp_compose_retain": "fsdp_compose (retain pool)"}
 
 
 # -------------------------------------------------------------- environment
@@ -132,6 +134,11 @@ def summarize(s, raw: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
             "peak_mib_per_rank": [m[name]["train_peak"] / MiB for m in memory],
             "persistent_mib_per_rank": [m[name]["persistent"] / MiB for m in memory],
             "setup_peak_mib_per_rank": [m[name]["setup_peak"] / MiB for m in memory],
+            "rss_peak_growth_mib_per_rank": [m[name].get("rss_peak_growth", 0) / MiB
+                                             for m in memory],
+            "rss_held_mib_per_rank": [m[name].get("rss_held_after", 0) / MiB for m in memory],
+            "minor_faults_per_step_per_rank": [m[name].get("minor_faults_per_step", 0)
+                                               for m in memory],
             "losses": losses,
             "max_loss_diff_vs_reference": max(abs(a - b) for a, b in
                                               zip(losses[:compared], ref["losses"][:compared])),
@@ -181,6 +188,15 @@ def table(summary: dict[str, Any]) -> str:
             f"| {' / '.join(f'{v:.1f}' for v in r['peak_mib_per_rank'])} "
             f"| {' / '.join(f'{v:.1f}' for v in r['persistent_mib_per_rank'])} "
             f"| {r['max_loss_diff_vs_reference']:.1e} |")
+    if all("rss_peak_growth_mib_per_rank" in r for r in res.values()):
+        lines += ["", "| impl | RSS peak growth MiB r0 / r1 | RSS held after MiB r0 / r1 "
+                  "| minor page faults / step r0 / r1 |", "|---|---|---|---|"]
+        for name, r in res.items():
+            lines.append(
+                f"| {LABELS.get(name, name)} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['rss_peak_growth_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['rss_held_mib_per_rank'])} "
+                f"| {' / '.join(f'{v / 1e3:.1f}k' for v in r['minor_faults_per_step_per_rank'])} |")
     a = summary["analytic_mib"]
     lines.append("")
     lines.append(
