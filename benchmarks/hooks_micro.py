@@ -10,12 +10,15 @@ its cost differs between flat shards and DTensors and is not hook work).
 fsdp_compose, torch FSDP2 and the plain model (no wrapper) run round-robin;
 µs per unit per step = (median step - plain model's median step) / units.
 At world size 1 nothing is communicated, so what is left is the Python work
-of the hooks, the views and the bookkeeping of each unit.
+of the hooks, the views and the bookkeeping of each unit (and, unless
+``--no-gc``, the share of Python's garbage collections that the objects
+they allocate trigger).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import tempfile
@@ -58,6 +61,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-gc", action="store_true",
+                   help="disable Python's cyclic garbage collector while timing (its full "
+                        "collections scan every live object, ~0.2 s here, and fire every "
+                        "few steps: they dominate the per-unit figure, for every impl)")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.NamedTemporaryFile() as f:
@@ -77,15 +84,20 @@ def main() -> None:
             for _ in range(3):
                 step(model)  # warm-up, lazy init
         names = list(models)
+        gc.collect()
+        if args.no_gc:
+            gc.disable()
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 times[name].append(statistics.median(step(models[name])
                                                      for _ in range(args.steps)))
+        gc.enable()
         dist.destroy_process_group()
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     per_unit = {n: (med[n] - med["plain"]) * 1e3 / (args.units + 1) for n in med}
     print(f"{args.units} units + root, Linear({args.width}, {args.width}), batch {args.batch}, "
-          f"{args.rounds} rounds x {args.steps} steps; load average (1 min) "
+          f"{args.rounds} rounds x {args.steps} steps, gc {'off' if args.no_gc else 'on'}; "
+          f"load average (1 min) "
           f"{os.getloadavg()[0]:.2f}")
     print("| impl | step ms (median) | µs per unit per step over plain |")
     print("|---|---|---|")
