@@ -243,7 +243,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     for x, n in zip(xs, names):
         ax_t.annotate(f"{res[n]['step_ms']:.0f} ms", (x, 0), ha="center", va="bottom",
                       fontsize=8, color="white", xytext=(0, 4), textcoords="offset points")
-    ax_t.set_xticks(list(xs), labels)
+    ax_t.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
     ax_t.set_ylim(0, 1.15 * max(max(res[n]["step_ms_rounds"]) for n in names))
     ax_t.set_ylabel("step time (ms)")
     ax_t.set_title("step time (lower is better)")
@@ -263,7 +263,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     ax_m.axhline(a["sharded_state"], color="tab:green", linestyle=":",
                  label="sharded params+grads+AdamW")
     ax_m.axhline(a["ddp_bound"], color="tab:red", linestyle="--", label="DDP analytic bound")
-    ax_m.set_xticks(list(xs), labels)
+    ax_m.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
     top = max(a["ddp_bound"], *(max(res[n]["peak_mib_per_rank"]) for n in names))
     ax_m.set_ylim(0, 1.45 * top)
     ax_m.set_ylabel("MiB per rank (live tensor bytes)")
