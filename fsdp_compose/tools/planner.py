@@ -405,6 +405,8 @@ def _plan_unit(spec: _Spec, world: int, mp: MixedPrecisionPolicy, offload: bool)
         floating = dtype.is_floating_point
         compute = (mp.param_dtype if floating else None) or dtype
         reduce = (mp.reduce_dtype if floating else None) or compute
+        if world > 1 and floating and mp.reduce_comm_dtype is not None:
+            reduce = mp.reduce_comm_dtype  # what the collective reads (see _flat_grad.py)
         b = _Buffer(FlatLayout([p.shape for p in params], world), dtype.itemsize,
                     compute.itemsize, reduce.itemsize, params, offload or reduce != dtype,
                     offload or compute != dtype and world > 1,
