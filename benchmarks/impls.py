@@ -12,7 +12,7 @@ returned module's ``parameters()``) and the data are built by the caller.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,12 +52,27 @@ def build_fsdp1(model: GPT) -> nn.Module:
                                     device_id=torch.device("cpu"))
 
 
-def build_fsdp_compose(model: GPT) -> nn.Module:
-    """This project: ``fsdp_compose.fully_shard`` on every block, then on the root."""
-    from fsdp_compose import fully_shard
+def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
+                       retain_staging: bool = False, bf16: Optional[str] = None) -> nn.Module:
+    """This project: ``fsdp_compose.fully_shard`` on every block, then on the
+    root. The keyword arguments make the A/B variants below (defaults: the
+    library's defaults)."""
+    from fsdp_compose import (MixedPrecisionPolicy, PrefetchPolicy, fully_shard,
+                              set_gloo_reduce_scatter_via_all_reduce)
+    mp = None
+    if bf16 is not None:  # bf16 compute, fp32 reduction; "comm": the collective in bf16
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  reduce_comm_dtype=torch.bfloat16 if bf16 == "comm" else None)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if retain_staging:
+        model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
+    # the gloo setting is process-wide: each variant sets its own at its forward
+    def set_gloo_path(*_) -> None:
+        set_gloo_reduce_scatter_via_all_reduce(gloo_all_reduce)
+
+    model.register_forward_pre_hook(set_gloo_path)
     return model
 
 
@@ -68,6 +83,18 @@ BUILDERS: dict[str, Callable[[GPT], nn.Module]] = {
     "ddp": build_ddp,
 }
 """Name -> builder, in the order tables and plots list them."""
+
+VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
+    "fsdp_compose_rs": functools.partial(build_fsdp_compose, gloo_all_reduce=False),
+    "fsdp_compose_retain": functools.partial(build_fsdp_compose, retain_staging=True),
+    "fsdp_compose_bf16": functools.partial(build_fsdp_compose, bf16="fp32-comm"),
+    "fsdp_compose_bf16comm": functools.partial(build_fsdp_compose, bf16="comm"),
+}
+"""A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
+own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
+the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
+bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
+in bf16."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

@@ -36,7 +36,11 @@ from typing import Any, Callable
 import torch
 
 MiB = 2 ** 20
-LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "ddp": "DDP"}
+LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "ddp": "DDP",
+          "fsdp_compose_rs": "fsdp_compose (gloo RS)",
+          "fsdp_compose_retain": "fsdp_compose (retain pool)",
+          "fsdp_compose_bf16": "fsdp_compose bf16/fp32 RS",
+          "fsdp_compose_bf16comm": "fsdp_compose bf16/bf16 RS"}
 
 
 # -------------------------------------------------------------- environment
@@ -132,6 +136,11 @@ def summarize(s, raw: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
             "peak_mib_per_rank": [m[name]["train_peak"] / MiB for m in memory],
             "persistent_mib_per_rank": [m[name]["persistent"] / MiB for m in memory],
             "setup_peak_mib_per_rank": [m[name]["setup_peak"] / MiB for m in memory],
+            "rss_peak_growth_mib_per_rank": [m[name].get("rss_peak_growth", 0) / MiB
+                                             for m in memory],
+            "rss_held_mib_per_rank": [m[name].get("rss_held_after", 0) / MiB for m in memory],
+            "minor_faults_per_step_per_rank": [m[name].get("minor_faults_per_step", 0)
+                                               for m in memory],
             "losses": losses,
             "max_loss_diff_vs_reference": max(abs(a - b) for a, b in
                                               zip(losses[:compared], ref["losses"][:compared])),
@@ -181,6 +190,15 @@ def table(summary: dict[str, Any]) -> str:
             f"| {' / '.join(f'{v:.1f}' for v in r['peak_mib_per_rank'])} "
             f"| {' / '.join(f'{v:.1f}' for v in r['persistent_mib_per_rank'])} "
             f"| {r['max_loss_diff_vs_reference']:.1e} |")
+    if all("rss_peak_growth_mib_per_rank" in r for r in res.values()):
+        lines += ["", "| impl | RSS peak growth MiB r0 / r1 | RSS held after MiB r0 / r1 "
+                  "| minor page faults / step r0 / r1 |", "|---|---|---|---|"]
+        for name, r in res.items():
+            lines.append(
+                f"| {LABELS.get(name, name)} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['rss_peak_growth_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['rss_held_mib_per_rank'])} "
+                f"| {' / '.join(f'{v / 1e3:.1f}k' for v in r['minor_faults_per_step_per_rank'])} |")
     a = summary["analytic_mib"]
     lines.append("")
     lines.append(
@@ -225,7 +243,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     for x, n in zip(xs, names):
         ax_t.annotate(f"{res[n]['step_ms']:.0f} ms", (x, 0), ha="center", va="bottom",
                       fontsize=8, color="white", xytext=(0, 4), textcoords="offset points")
-    ax_t.set_xticks(list(xs), labels)
+    ax_t.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
     ax_t.set_ylim(0, 1.15 * max(max(res[n]["step_ms_rounds"]) for n in names))
     ax_t.set_ylabel("step time (ms)")
     ax_t.set_title("step time (lower is better)")
@@ -245,7 +263,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     ax_m.axhline(a["sharded_state"], color="tab:green", linestyle=":",
                  label="sharded params+grads+AdamW")
     ax_m.axhline(a["ddp_bound"], color="tab:red", linestyle="--", label="DDP analytic bound")
-    ax_m.set_xticks(list(xs), labels)
+    ax_m.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
     top = max(a["ddp_bound"], *(max(res[n]["peak_mib_per_rank"]) for n in names))
     ax_m.set_ylim(0, 1.45 * top)
     ax_m.set_ylabel("MiB per rank (live tensor bytes)")

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from fsdp_compose.testing import GPTConfig
 
 from benchmarks import report
-from benchmarks.impls import BUILDERS
+from benchmarks.impls import BUILDERS, VARIANTS
 from benchmarks.worker import Settings, run_scenario
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="~1 min smoke run: smaller models, 1 warm-up step, 2 rounds of 1 step, "
                         "2 reference/memory steps; writes to results/scratch/")
     p.add_argument("--impls", default=",".join(BUILDERS),
-                   help=f"comma-separated subset of {','.join(BUILDERS)}")
+                   help=f"comma-separated subset of {','.join(BUILDERS)}, plus the A/B "
+                        f"variants {','.join(VARIANTS)}")
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (ignored under torchrun)")
     timing = p.add_argument_group("steps (default: per scenario)")
     timing.add_argument("--warmup", type=int, help="untimed steps per implementation")
@@ -86,9 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path,
                    help=f"where JSON and PNG go (default {RESULTS}, or its scratch/ with --quick)")
     args = p.parse_args(argv)
-    unknown = set(args.impls.split(",")) - set(BUILDERS)
+    unknown = set(args.impls.split(",")) - set(BUILDERS) - set(VARIANTS)
     if unknown:
-        p.error(f"unknown --impls {sorted(unknown)}; choose from {list(BUILDERS)}")
+        p.error(f"unknown --impls {sorted(unknown)}; choose from {list(BUILDERS | VARIANTS)}")
     return args
 
 

@@ -9,7 +9,9 @@ Order of one scenario (all ranks in lockstep):
 1. rank 0 trains a single-process reference on the *global* batch for
    ``ref_steps`` steps and measures the activation bytes of one per-rank batch;
 2. memory pass: each implementation in turn is built, trained for
-   ``mem_steps`` steps under the allocation profiler, and dropped;
+   ``mem_steps`` steps under the allocation profiler, and dropped; then
+   again each in turn without the profiler, for the resident set's
+   high-water mark and the page faults per step;
 3. timing pass: all implementations are built side by side, warmed up, then
    run round-robin (``rounds`` rounds of ``steps`` steps each; the order
    rotates every round) so that machine noise hits all of them alike.
@@ -33,8 +35,9 @@ import torch.nn.functional as F
 
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 
-from .impls import BUILDERS, units_of
-from .memory import activation_bytes, analytic_bounds, measure_training_memory
+from .impls import BUILDERS, VARIANTS, units_of
+from .memory import (activation_bytes, analytic_bounds, measure_process_memory,
+                     measure_training_memory)
 
 
 @dataclass
@@ -71,7 +74,7 @@ def new_model(s: Settings) -> GPT:
 
 
 def build(s: Settings, name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    module = BUILDERS[name](new_model(s))
+    module = (BUILDERS | VARIANTS)[name](new_model(s))
     return module, torch.optim.AdamW(module.parameters(), lr=s.lr)
 
 
@@ -130,6 +133,15 @@ def memory_pass(s: Settings, rank: int, world: int) -> dict[str, dict]:
             steps=s.mem_steps,
             settle=lambda: (dist.barrier(), gc.collect(), time.sleep(0.1)))
         out[name] = asdict(report) | {"train_peak": report.train_peak}
+        gc.collect()
+    for name in s.impls:  # no profiler attached: RSS high-water mark and page faults
+        dist.barrier()
+        process = measure_process_memory(
+            build=lambda: build(s, name),
+            step=lambda module, optim, i: train_step(module, optim, *batches[i]),
+            steps=s.mem_steps,
+            settle=lambda: (dist.barrier(), gc.collect(), time.sleep(0.1)))
+        out[name] |= asdict(process)
         gc.collect()
     return out
 

@@ -6,6 +6,7 @@ reduce-scattered after backward, while the original ``nn.Parameter`` objects
 stay registered under their original names.
 """
 
+from ._comm import set_gloo_reduce_scatter_via_all_reduce
 from ._finite import check_finite_gradients
 from ._schedule import PrefetchPolicy
 from .api import ShardedParamInfo, fully_shard, param_info
@@ -22,6 +23,6 @@ __all__ = [
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "estimate_memory",
-    "propose_units", "check_finite_gradients",
+    "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
 ]
 __version__ = "0.1.0"

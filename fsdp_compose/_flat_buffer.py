@@ -71,7 +71,10 @@ class BufferPolicy(NamedTuple):
     Attributes:
         compute_dtype: dtype of the unsharded buffer and the all-gather
             (``None``: the parameters' dtype).
-        reduce_dtype: dtype of the reduce-scatter (``None``: ``compute_dtype``).
+        reduce_dtype: dtype of the reduction and of accumulation without
+            sync (``None``: ``compute_dtype``).
+        reduce_comm_dtype: dtype the reduce-scatter communicates in
+            (``None``: ``reduce_dtype``).
         offload_to_cpu: keep ``sharded``/``sharded_grad`` on the CPU.
         pin_memory: pin them (only meaningful with CUDA).
     """
@@ -80,6 +83,7 @@ class BufferPolicy(NamedTuple):
     reduce_dtype: Optional[torch.dtype] = None
     offload_to_cpu: bool = False
     pin_memory: bool = False
+    reduce_comm_dtype: Optional[torch.dtype] = None
 
 
 class _PendingGather(NamedTuple):
@@ -134,6 +138,7 @@ class FlatBuffer:
         self.dtype: torch.dtype
         self.compute_dtype: torch.dtype
         self.reduce_dtype: torch.dtype
+        self.reduce_comm_dtype: torch.dtype
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -194,6 +199,8 @@ class FlatBuffer:
         floating = self.dtype.is_floating_point
         self.compute_dtype = (policy.compute_dtype if floating else None) or self.dtype
         self.reduce_dtype = (policy.reduce_dtype if floating else None) or self.compute_dtype
+        self.reduce_comm_dtype = (policy.reduce_comm_dtype if floating else None) or \
+            self.reduce_dtype
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded

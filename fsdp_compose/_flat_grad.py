@@ -8,7 +8,7 @@ between autograd and the optimizer:
 * the *unreduced* gradient: what autograd accumulated in ``owner.unsharded.grad``,
   plus, when accumulating without sync in a lower compute precision, a
   ``reduce_dtype`` accumulator (so micro-batches are summed in the reduce
-  dtype, not in bf16);
+  dtype, not in bf16), cast to ``reduce_comm_dtype`` only for the collective;
 * the *pending* reduce-scatter (issued, not waited);
 * the *reduced* sharded gradient: full precision, ``S`` elements. Until it
   is published it is held here; once published, only the parameters'
@@ -109,16 +109,18 @@ class FlatGradient:
         else:
             self._accumulated.add_(grad)
 
-    def _take_unreduced(self) -> Optional[torch.Tensor]:
+    def _take_unreduced(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The unreduced flat gradient in ``dtype`` (micro-batches summed in
+        ``reduce_dtype`` first); nothing unreduced is left here."""
         owner = self.owner
         grad, accumulated = owner.unsharded.grad, self._accumulated
         owner.unsharded.grad = None
         self._accumulated = None
         if accumulated is None:
-            return None if grad is None else grad.to(owner.reduce_dtype)
+            return None if grad is None else grad.to(dtype)
         if grad is not None:
             accumulated.add_(grad)
-        return accumulated
+        return accumulated.to(dtype)
 
     def discard_unreduced(self) -> None:
         self.owner.unsharded.grad = None
@@ -152,13 +154,14 @@ class FlatGradient:
         """
         if self._reduce is not None:
             self.finish_reduce()  # an earlier backward's (set_is_last_backward(False))
-        flat_grad = self._take_unreduced()
-        if flat_grad is None:
-            return False
         owner = self.owner
         single = owner.group.world_size == 1
+        # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
+        flat_grad = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
+        if flat_grad is None:
+            return False
         output = flat_grad if single else torch.empty(
-            owner.layout.shard_numel, dtype=owner.reduce_dtype, device=owner.compute_device)
+            owner.layout.shard_numel, dtype=flat_grad.dtype, device=owner.compute_device)
         work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
                                      options.force_sum, async_op=True)
         self._reduce = _PendingReduce(work, flat_grad, output, options)
@@ -175,18 +178,20 @@ class FlatGradient:
         owner = self.owner
         # Hybrid sharding: the replicas' chunks are summed (or averaged) next.
         # Blocking: the chunk is folded into the sharded gradient right after.
-        all_reduce_replicas(pending.output, owner.group, *pending.options)
-        finish_scaling(pending.output, owner.group, *pending.options)
+        output = pending.output
+        all_reduce_replicas(output, owner.group, *pending.options)
+        output = output.to(owner.reduce_dtype)  # reduce_comm_dtype: widen before dividing
+        finish_scaling(output, owner.group, *pending.options)
         base = self._accumulation_base()
         if base is not None:
-            base.add_(pending.output.to(owner.storage_device, owner.dtype))
+            base.add_(output.to(owner.storage_device, owner.dtype))
             self._unpublished = base
-        elif pending.output.dtype == owner.dtype and pending.output.device == owner.storage_device:
-            self._unpublished = pending.output
+        elif output.dtype == owner.dtype and output.device == owner.storage_device:
+            self._unpublished = output
         else:
             grad = torch.empty(owner.layout.shard_numel, dtype=owner.dtype,
                                device=owner.storage_device, pin_memory=owner.pin_memory)
-            grad.copy_(pending.output)  # blocking: the host reads it next
+            grad.copy_(output)  # blocking: the host reads it next
             self._unpublished = grad
 
     def _accumulation_base(self) -> Optional[torch.Tensor]:

@@ -45,12 +45,18 @@ class PrefetchPolicy:
         max_pending_reduces: at most this many reduce-scatters in flight;
             the oldest is waited on when a new one is issued (each holds a
             full flat gradient alive until it completes).
+        retain_staging: CPU only: keep the staging pool's memory (the
+            largest unsharded working set) between iterations, so that the
+            next forward faults in no pages for it; ``False`` (default)
+            releases it at the end of each iteration, so nothing unsharded
+            is held between steps (see ``_staging.py``).
     """
 
     forward: bool = True
     backward: bool = True
     max_inflight_all_gathers: int = 2
     max_pending_reduces: int = 1
+    retain_staging: bool = False
 
     def __post_init__(self) -> None:
         if self.max_inflight_all_gathers < 1 or self.max_pending_reduces < 1:
@@ -175,6 +181,14 @@ class Scheduler:
     def finish_reduces(self) -> None:
         while self._reduces:
             self._reduces.popleft().grad.finish_reduce()
+
+    # -------------------------------------------------------------- staging
+    def end_iteration(self) -> None:
+        """The iteration's last use of unsharded memory is over (end of the
+        last backward, or a forward without backward): release the staging
+        pool unless the policy retains it between iterations."""
+        if not self.policy.retain_staging:
+            self.staging.clear()
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:

@@ -9,6 +9,14 @@ point at it) and only its data pointer is swapped with a pooled one.
 
 Only used on the CPU: on CUDA the caching allocator already reuses memory,
 and it also knows which stream still reads it, which a pool would not.
+
+Lifetime: the pool is emptied at the end of each iteration
+(``Scheduler.end_iteration``: after the last backward, or after a forward
+that records no graph) unless ``PrefetchPolicy(retain_staging=True)``. Within
+an iteration it never holds more than the unsharded working set it has seen
+(the in-flight limits bound that), so between steps nothing unsharded is kept;
+the price is that the first units of the next forward fault their pages in
+again (measured in BENCHMARKS.md, "Performance, round 2").
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ class StagingPool:
     Invariant: every pooled storage holds exactly its key's bytes; a storage
     lent out leaves nothing behind in the pool. The pool holds at most as many
     storages of a size as were unsharded at the same time, so its memory is
-    the peak of the unsharded working set, kept between iterations.
+    at most the peak of the unsharded working set of the current iteration
+    (of every iteration with ``retain_staging``).
     """
 
     def __init__(self) -> None:

@@ -142,6 +142,8 @@ class _ShardState(_State):
             self._drop_unused_prefetches()
             scheduler = self.unit.scheduler
             scheduler.divergence.after_root_forward(scheduler.forward_order)
+            if not torch.is_grad_enabled():
+                scheduler.end_iteration()  # no backward follows (e.g. evaluation)
         return output
 
     def _reset_unfinished_iteration(self) -> None:
@@ -215,6 +217,8 @@ class _ShardState(_State):
                               scheduler.divergence)
         for state in context.states:
             state.unit.finalize_backward()
+        if self.unit.is_last_backward:
+            scheduler.end_iteration()  # everything is resharded: free the staging pool
         if self.check_finite and self.unit.is_last_backward:
             check_finite_gradients(self.unit.modules[0])  # raises out of backward, every rank
 

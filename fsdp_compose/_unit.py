@@ -119,6 +119,7 @@ class ShardUnit:
         return BufferPolicy(
             compute_dtype=mp.param_dtype if floating else None,
             reduce_dtype=mp.reduce_dtype if floating else None,
+            reduce_comm_dtype=mp.reduce_comm_dtype if floating else None,
             offload_to_cpu=offload is not None,
             pin_memory=offload is not None and offload.pin_memory and torch.cuda.is_available())
 

@@ -24,9 +24,20 @@ class MixedPrecisionPolicy:
             (the local shard is cast once, before the all-gather, so the
             collective moves half the bytes for bf16/fp16). ``None``: no cast.
             Applies to floating-point parameters only.
-        reduce_dtype: dtype of the gradient reduce-scatter. ``None``: the
-            gradient's own dtype (``param_dtype`` when set). The reduced shard
-            is accumulated into the full-precision sharded gradient.
+        reduce_dtype: dtype gradients are reduced and accumulated in: the
+            reduce-scatter and the sum of micro-batches accumulated without
+            sync. ``None``: the gradient's own dtype (``param_dtype`` when
+            set). The reduced shard is accumulated into the full-precision
+            sharded gradient.
+        reduce_comm_dtype: dtype the reduce-scatter *communicates* in, when
+            it should be narrower than ``reduce_dtype`` (opt-in). E.g.
+            ``param_dtype=bf16, reduce_dtype=fp32, reduce_comm_dtype=bf16``:
+            micro-batches without sync are summed in an fp32 buffer, the
+            flat gradient is cast to bf16 just before the collective (half
+            the bytes), and the reduced bf16 shard is widened to fp32 before
+            the division by the world size and the accumulation into the
+            fp32 sharded gradient. ``None``: ``reduce_dtype``. Over one rank
+            nothing is communicated and no cast is made.
         output_dtype: cast floating-point outputs of the unit's forward to
             this dtype. ``None``: no cast.
         cast_forward_inputs: cast floating-point tensor inputs of the unit's
@@ -37,12 +48,14 @@ class MixedPrecisionPolicy:
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    reduce_comm_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
     buffer_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "reduce_comm_dtype", "output_dtype",
+                     "buffer_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"MixedPrecisionPolicy.{name} must be a floating-point "

@@ -5,6 +5,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_compose._comm import set_gloo_reduce_scatter_via_all_reduce
+
 ALL_GATHER = torch.ops.c10d._allgather_base_.default
 REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default
 ALL_REDUCE = torch.ops.c10d.allreduce_.default
@@ -12,13 +14,28 @@ ALL_REDUCE = torch.ops.c10d.allreduce_.default
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts every c10d op dispatched while active, with the bytes of its
-    first (output) tensor argument; also sees ops run inside backward."""
+    first (output) tensor argument; also sees ops run inside backward.
 
-    def __init__(self) -> None:
+    While active, gradient reductions use the portable reduce-scatter op
+    (not gloo's all-reduce emulation, see ``_comm.py``), so that counts
+    by op describe the library's collective structure on every backend;
+    ``gloo_all_reduce=True`` keeps the emulation (to count it)."""
+
+    def __init__(self, gloo_all_reduce: bool = False) -> None:
         super().__init__()
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
         self.dtypes: dict = {}
+        self._gloo_all_reduce = gloo_all_reduce
+        self._previous = None
+
+    def __enter__(self):
+        self._previous = set_gloo_reduce_scatter_via_all_reduce(self._gloo_all_reduce)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        set_gloo_reduce_scatter_via_all_reduce(self._previous)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_compose import PrefetchPolicy
 from fsdp_compose.api import flat_buffer_of
 from fsdp_compose._unit import TrainingState
 from fsdp_compose._state import state_of
@@ -106,6 +107,38 @@ def test_collectives_per_step(recipe, lora, mode):
         assert (n, trainable) == (4, 4)  # the exact numbers: 7 all-gathers, 4 reduce-scatters
 
 
+def gloo_all_reduce_path(via_all_reduce: bool):
+    """One step (after two warm-up steps) with the gloo reduce-scatter done as
+    an in-place all-reduce, or not; returns the counts by op and the
+    gradients of every rank's shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model()
+    RECIPES["blocks+root"](model)
+    optim = make_optimizer(model, "sgd")
+    for i in range(3):
+        x, y = global_batch(i, world, "plain")
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        with CollectiveCounter(gloo_all_reduce=via_all_reduce) as comm:
+            model.loss(x, y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        optim.step()
+        optim.zero_grad()
+    return {"reduce_scatters": comm.counts.get(RS, 0), "all_reduces": comm.counts.get(AR, 0),
+            "trainable_buffers": sum(b.requires_grad for b in _buffers(model)), "grads": grads}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_reduce_scatter_as_all_reduce_is_bit_identical(world):
+    """[Note: gloo reduce-scatter as an all-reduce]: same gradients to the
+    bit after three steps, one all-reduce in place of each reduce-scatter."""
+    emulated = run_distributed(world, gloo_all_reduce_path, True)
+    portable = run_distributed(world, gloo_all_reduce_path, False)
+    for a, b in zip(emulated, portable):
+        assert a["reduce_scatters"] == 0 and b["reduce_scatters"] == b["trainable_buffers"]
+        assert a["all_reduces"] == b["all_reduces"] + b["trainable_buffers"]  # + used flags
+        assert all(torch.equal(g, h) for g, h in zip(a["grads"], b["grads"]))
+
+
 def memory_invariants():
     """Runs on every rank: checks storage after a step and how many units are
     unsharded at once during forward."""
@@ -163,15 +196,17 @@ def test_memory_invariants(world):
         assert rep["grads_freed"]  # zero_grad(set_to_none=True) releases the sharded gradients
 
 
-def staging_pool_is_reused():
+def staging_pool_is_reused(retain: bool):
     """The unsharded memory released by resharding is lent again: the pool
     stops growing after the first step and holds no more than the peak
     unsharded working set: the root and three blocks (in backward: the block
-    whose gradient is still accumulating, the running one, the prefetched one)."""
+    whose gradient is still accumulating, the running one, the prefetched one).
+    Without ``retain_staging`` it is empty between steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layers=6))  # more blocks than the bound, so holding all would show
     RECIPES["blocks+root"](model)
+    model.set_prefetch_policy(PrefetchPolicy(retain_staging=retain))
     optim = make_optimizer(model, "sgd")
     pool = state_of(model).unit.scheduler.staging  # the root's, shared at lazy init
     sizes = []
@@ -188,9 +223,14 @@ def staging_pool_is_reused():
 
 
 def test_staging_pool_is_reused():
-    sizes, root_bytes, block_bytes = run_distributed(2, staging_pool_is_reused)[0]
+    sizes, root_bytes, block_bytes = run_distributed(2, staging_pool_is_reused, True)[0]
     assert sizes[0] == sizes[1] == sizes[2] > 0
     assert root_bytes + 2 * block_bytes <= sizes[0] <= root_bytes + 3 * block_bytes
+
+
+def test_staging_pool_is_released_between_steps_by_default():
+    sizes, _, _ = run_distributed(2, staging_pool_is_reused, False)[0]
+    assert sizes == [0, 0, 0]
 
 
 def _unit_freed_after_model_dropped(with_state_dict: bool) -> bool:

@@ -26,36 +26,49 @@ BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 STEPS = 3
 
 
-def _policies(recipe, low, reduce):
+def _policies(recipe, low, reduce, comm=None):
     """(policy for blocks, policy for root) of a recipe."""
     if recipe == "uniform":
-        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce,
+                                      reduce_comm_dtype=comm)
         return policy, policy
     # "fp32-root": blocks in low precision, the root (embeddings, final
     # norm, head) in fp32; blocks take and give fp32 activations.
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce, output_dtype=FP32), None
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce, reduce_comm_dtype=comm,
+                                output_dtype=FP32), None
 
 
-def train_mixed(recipe, low, reduce, offload, optim_name):
+def train_mixed(recipe, low, reduce, offload, optim_name, comm_dtype=None, micro=1):
+    """``micro`` > 1: each rank's batch in ``micro`` micro-batches, all but
+    the last without gradient sync (counted: the last one's collectives)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    block_policy, root_policy = _policies(recipe, low, reduce)
+    block_policy, root_policy = _policies(recipe, low, reduce, comm_dtype)
     offload_policy = CPUOffloadPolicy() if offload else None
     for block in model.blocks:
         fully_shard(block, mp_policy=block_policy, offload_policy=offload_policy)
     fully_shard(model, mp_policy=root_policy, offload_policy=offload_policy)
     optim = make_optimizer(model, optim_name)
-    losses, comm = [], None
+    losses, comm, accumulators = [], None, set()
     for step in range(STEPS):
         x, y = global_batch(step, world, "plain")
-        per = x.shape[0] // world
-        with CollectiveCounter() as counter:
-            loss = model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-            loss.backward()
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        step_loss = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            last = i == micro - 1
+            model.set_requires_gradient_sync(last)
+            with CollectiveCounter() as counter:
+                loss = model.loss(xm, ym) / micro
+                loss.backward()
+            if not last:  # the no-sync sum of micro-batches
+                accumulators |= {str(flat_buffer_of(p).grad._accumulated.dtype)
+                                 for p in model.parameters()
+                                 if flat_buffer_of(p).grad._accumulated is not None}
+            step_loss += loss.detach().float().item()
         comm = counter
         optim.step()
         optim.zero_grad()
-        loss = loss.detach().float()
+        loss = torch.tensor(step_loss)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
     placement = {str(p.device) for p in model.parameters()} | {
@@ -64,6 +77,7 @@ def train_mixed(recipe, low, reduce, offload, optim_name):
         str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
     full = gather_master_params(model)
     return {"losses": losses, "params": full, "placement": placement, "dtypes": dtypes,
+            "accumulators": accumulators,
             "ag_dtypes": {str(d) for d in comm.dtypes.get(ALL_GATHER, ())},
             "rs_dtypes": {str(d) for d in comm.dtypes.get(REDUCE_SCATTER, ())},
             "ag_bytes": comm.bytes[ALL_GATHER], "rs_bytes": comm.bytes[REDUCE_SCATTER]}
@@ -146,6 +160,25 @@ def test_bf16_reduce_parity_and_halved_bytes():
         assert low["rs_bytes"] * 2 == high["rs_bytes"]
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_bf16_comm_with_fp32_accumulation(micro):
+    """``reduce_comm_dtype=bf16`` under ``reduce_dtype=fp32``: the collective
+    moves bf16 (half the bytes), no-sync micro-batches are summed in fp32,
+    and the result is within bf16 tolerance of the fp32-reduced reference."""
+    results = run_distributed(2, train_mixed, "uniform", BF16, FP32, False, "adamw", BF16, micro)
+    wide = run_distributed(2, train_mixed, "uniform", BF16, FP32, False, "adamw", None, micro)
+    if micro == 1:
+        _compare(results, reference_mixed(2, "uniform", BF16, FP32, "adamw"), atol=1e-2,
+                 loss_atol=1e-2)
+    else:  # the reference has no micro-batches (bf16 compute on half batches rounds differently)
+        _compare(results, wide[0], atol=1e-2, loss_atol=1e-2)
+    for low, high in zip(results, wide):
+        assert low["rs_dtypes"] == {"torch.bfloat16"} and high["rs_dtypes"] == {"torch.float32"}
+        assert low["rs_bytes"] * 2 == high["rs_bytes"]
+        assert low["dtypes"] == {"torch.float32"}  # master weights and grads stay fp32
+        assert low["accumulators"] == (set() if micro == 1 else {"torch.float32"})
+
+
 def test_fp16_compute_parity():
     results = run_distributed(2, train_mixed, "uniform", FP16, FP32, False, "sgd")
     reference = reference_mixed(2, "uniform", FP16, FP32, "sgd")
@@ -179,3 +212,5 @@ def test_buffer_and_output_dtypes():
 def test_policy_validation():
     with pytest.raises(ValueError, match="param_dtype"):
         MixedPrecisionPolicy(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match="reduce_comm_dtype"):
+        MixedPrecisionPolicy(reduce_comm_dtype=torch.int8)

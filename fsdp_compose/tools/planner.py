@@ -40,9 +40,11 @@ Gradient shards exist from their reduce-scatter to the optimizer step
 temporaries. A unit's saved activations live from its forward to its
 backward; the root's, by where they were saved between the units.
 With ``backend="gloo"`` (CPU): each all-gather in flight stages a whole
-unsharded buffer and each reduce-scatter clones its input until the work is
-released; the unsharded memory of resharded units stays in the staging pool
-(``_staging.py``), so it counts at its high-water mark. Not estimated: gloo
+unsharded buffer; a reduce-scatter is an in-place all-reduce (no copy; with
+``set_gloo_reduce_scatter_via_all_reduce(False)`` gloo's reduce-scatter
+clones its input until the work is released); the unsharded memory of
+resharded units stays in the staging pool (``_staging.py``) until the end of
+the iteration, so it counts at its high-water mark. Not estimated: gloo
 sometimes keeps the clones of finished reduce-scatters alive into the next
 step (none to three whole unit-sized copies per rank at the peak, varying
 by rank and run, in ``tests/test_planner.py``'s runs; not a Python cycle).
@@ -58,6 +60,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._comm import gloo_reduce_scatter_via_all_reduce
 from .._layout import FlatLayout
 from ..policies import MixedPrecisionPolicy
 
@@ -402,6 +405,8 @@ def _plan_unit(spec: _Spec, world: int, mp: MixedPrecisionPolicy, offload: bool)
         floating = dtype.is_floating_point
         compute = (mp.param_dtype if floating else None) or dtype
         reduce = (mp.reduce_dtype if floating else None) or compute
+        if world > 1 and floating and mp.reduce_comm_dtype is not None:
+            reduce = mp.reduce_comm_dtype  # what the collective reads (see _flat_grad.py)
         b = _Buffer(FlatLayout([p.shape for p in params], world), dtype.itemsize,
                     compute.itemsize, reduce.itemsize, params, offload or reduce != dtype,
                     offload or compute != dtype and world > 1,
@@ -557,6 +562,10 @@ class _Step:
     def _moments(self) -> Iterator[_Moment]:
         plans, k, n = self.plans, self.prefetch, len(self.plans)
         gloo = self.staging
+        # gloo's reduce-scatter clones its input; the in-place all-reduce that
+        # replaces it by default does not (see [Note: gloo reduce-scatter as an
+        # all-reduce] in _comm.py)
+        gloo_reduce_copy = gloo and not gloo_reduce_scatter_via_all_reduce()
         keep_root = {0} if self.reshard_after_forward is not True else set()
 
         def staged(units) -> int:  # gloo's copy of each all-gather in flight
@@ -586,7 +595,7 @@ class _Step:
             flying = 0 if pending is None else plans[pending].flat_reduce + \
                 plans[pending].reduce_extra
             held = flying + (plans[0].view_grads if i else 0)  # root's parameter gradients
-            comm = flying if gloo else 0
+            comm = flying if gloo_reduce_copy else 0
             yield _Moment(_label("backward", p, "start"), live,
                           held + sum(plans[j].shard_copy for j in ahead),
                           comm + staged(ahead), frozenset(reduced), acts(i, True))
@@ -600,7 +609,7 @@ class _Step:
                 reduced.add(i)  # the reduce-scatter's output is the gradient shard
             yield _Moment(_label("backward", p, "reduce-scatter"), live,
                           held + p.flat_reduce + p.reduce_extra,
-                          comm + (p.flat_reduce if gloo else 0), frozenset(reduced),
+                          comm + (p.flat_reduce if gloo_reduce_copy else 0), frozenset(reduced),
                           acts(i, False))
             if pending is not None:
                 reduced.add(pending)
