@@ -23,18 +23,31 @@ composable ``checkpoint`` on some nodes (before or after ``fully_shard``); a
 bottom-up set of ``fully_shard`` calls (sibling lists included, the root
 always last) with random ``reshard_after_forward``; a ``PrefetchPolicy``, and
 sometimes explicit prefetch targets (each unit the next annotated one);
-world size 1-4; SGD with momentum or AdamW with weight decay; ``zero_grad``
-to ``None`` or to zeros; one or two micro-batches per step (the first with
-gradient sync, without it, or without it and kept unsharded); a ``no_grad``
-forward between steps; a child of the root applied again after the root's
-forward (like a chunked loss calling ``lm_head``).
+world size 1-4, at 4 sometimes a 2-D ``(replicate, shard)`` mesh, ``(2, 2)``
+(HSDP) or ``(4, 1)`` (replication), passed to every ``fully_shard``; an int
+``reshard_after_forward=k`` dividing the shard-group size on some units;
+the model built on the meta device and ``materialize``d (``eager_init``
+reproduces the eager build's values from the seed, tied weights included);
+SGD with momentum or AdamW with weight decay; ``zero_grad`` to ``None`` or
+to zeros; one or two micro-batches per step (the first with gradient sync,
+without it, or without it and kept unsharded); a ``no_grad`` forward
+between steps; a child of the root applied again after the root's forward
+(like a chunked loss calling ``lm_head``); a resume after some step: the
+model's and optimizer's state dicts (torch's ``get_state_dict``, DTensors)
+loaded with ``set_model_state_dict`` / ``set_optimizer_state_dict`` into a
+fresh model and optimizer built from another seed, which trains on (the
+optimizer load is not strict: parameters that never got a gradient have no
+state; zero ``.grad`` left by ``zero_grad(set_to_none=False)`` is given back,
+it is not part of a checkpoint). The model has no 0-dim parameters, whose
+optimizer state the library refuses to checkpoint.
 
 Checked against the reference at every step: the global mean loss (and the
 ``no_grad`` forward's); which parameters have ``.grad`` (``None`` or not) and
 this rank's 1-D gradient slice against the matching slice of the reference's
-full gradient; between steps, every unit back to ``IDLE``, no unsharded
-storage held and every module attribute the original ``nn.Parameter``; the
-parameters after the last step.
+full gradient; between steps (and after the resume), every unit back to
+``IDLE``, no unsharded storage held and every module attribute the original
+``nn.Parameter``; the parameters after the last step, the ranks of each
+replica together holding every element exactly once.
 
 Every failure found is kept below as an explicit regression spec.
 """
@@ -826,6 +839,24 @@ REGRESSIONS = [
                       calls=(CallSpec(0), CallSpec(1), CallSpec(2))),
         annotations=(Annotation(("c1",)), Annotation(("",))), mesh=(2, 2), meta_init=True),
         id="meta-init-hsdp-unit-entered-twice"),
+    # Open bug: c2 called after the root's forward (outside_call) with explicit
+    # prefetch targets (c2 forward-prefetches the root): c2's own pass gathers
+    # the root again after the root's forward is over, and with no backward to
+    # come (all parameters frozen) nothing frees it; the root's drop of unused
+    # prefetches runs only at the root's post-forward.
+    pytest.param(FuzzSpec(
+        seed=0, world=2, d=1, seq=1, per_rank=1,
+        root=NodeSpec(children=tuple(LeafSpec("linear", bias=False, frozen=("weight", "bias"))
+                                     for _ in range(3)),
+                      calls=(CallSpec(0, odd_steps=False, recompute=True),), tie=(0, 1),
+                      checkpoint=True),
+        annotations=(Annotation(("c2",)), Annotation(("",))), prefetch=(False, False, 2, 1),
+        zero_to_none=False, steps=2, eval_between=True, outside_call=2, explicit_prefetch=True,
+        meta_init=True),
+        marks=pytest.mark.xfail(strict=True, reason="an explicit forward prefetch issued by a "
+                                "unit called outside the root's forward leaves the root "
+                                "unsharded when no backward follows"),
+        id="outside-call-explicit-prefetch-leaves-root-unsharded"),
 ]
 
 
