@@ -308,8 +308,13 @@ class FlatBuffer:
         grad = None
         if any(g is not None for g in grads):
             grad = torch.zeros_like(shard)
+        # Leaving the meta device (to_empty), the parameters hold uninitialised
+        # memory: keep the zeros, so that every replica holds the same values
+        # (materialize compares a unit's checksums across replicas even when
+        # some of its modules are initialised later, after another unit).
+        leaving_meta = self.is_meta
         for param, g, s in zip(params, grads, self._slices):
-            if s.length and device.type != "meta":
+            if s.length and device.type != "meta" and not leaving_meta:
                 shard.narrow(0, s.shard_start, s.length).copy_(param.detach().reshape(-1))
                 if g is not None:
                     grad.narrow(0, s.shard_start, s.length).copy_(g.reshape(-1))

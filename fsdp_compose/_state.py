@@ -188,11 +188,15 @@ class _ShardState(_State):
 
     def _drop_unused_prefetches(self) -> None:
         """Prefetched by last iteration's order, but not run this time (the
-        control flow changed): free them now instead of at end of backward."""
+        control flow changed): free them now instead of at end of backward.
+        Also units prefetched again after their forward (by a unit called
+        twice, e.g. c1 in c1, c0, c1) when no backward will use them (a
+        ``no_grad`` forward): nothing else would free them."""
         ran = {id(u) for u in self.unit.scheduler.forward_order}
         for state in self.context.states:
             unit = state.unit
-            if id(unit) not in ran and any(b.is_gathering for b in unit.buffers):
+            if any(b.is_gathering for b in unit.buffers) and \
+                    (id(unit) not in ran or not unit.backward_possible):
                 unit.reshard()
 
     def _pre_backward(self) -> None:

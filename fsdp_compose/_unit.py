@@ -173,6 +173,11 @@ class ShardUnit:
         return any(b.is_unsharded for b in self.buffers)
 
     @property
+    def backward_possible(self) -> bool:
+        """Some output of this unit's current (or last) forward pass requires grad."""
+        return self._backward_possible
+
+    @property
     def trainable_buffers(self) -> list[FlatBuffer]:
         return [b for b in self.buffers if b.requires_grad]
 

@@ -244,6 +244,11 @@ class ShardedModule:
         """``module.to(dtype)``, ``.double()``, ``.bfloat16()``, ...: convert
         the shards, and rebuild each unit's flat buffers in the new dtype
         (parameters keep their identity, ``.grad`` follows)."""
+        if _converting:
+            # an enclosing module's _apply recursed here: it rebuilds every unit below
+            # it once all are converted (a sibling-list unit spans modules this call
+            # does not convert, so rebuilding here would see them half converted)
+            return super()._apply(fn, recurse)  # type: ignore[misc]
         units = [state.unit for state in _states(self, recurse=True)]
         for unit in units:
             unit.reshard()
@@ -252,9 +257,11 @@ class ShardedModule:
         leaving_meta = any(buffer.is_meta for unit in units for buffer in unit.buffers)
         swapping = torch.__future__.get_swap_module_params_on_conversion()
         torch.__future__.set_swap_module_params_on_conversion(swapping or leaving_meta)
+        _converting.append(self)
         try:
             result = super()._apply(fn, recurse)  # type: ignore[misc]
         finally:
+            _converting.pop()
             torch.__future__.set_swap_module_params_on_conversion(swapping)
         for unit in units:
             unit.adopt_converted_params()
@@ -262,6 +269,8 @@ class ShardedModule:
 
 
 _SHARDED_CLASSES: dict[type, type] = {}
+_converting: list[nn.Module] = []
+"""The outermost ``ShardedModule._apply`` in progress (empty: none)."""
 
 
 def _sharded_class(cls: type) -> type:

@@ -4,7 +4,7 @@ held to a single-process reference on the global batch where numbers matter.
 Numbering follows the issue ("What real code does"): 4 unused parameters
 get ``.grad is None``, 5 no-sync accumulation under mixed precision in fp32,
 6 post-accumulate-grad hooks on the original parameters, 7 ``module.to(dtype)``
-after ``fully_shard``, 8 mixed precision casts dataclass inputs, 9 containers.
+after ``fully_shard`` (and ``to_empty`` of a sibling-list unit), 8 mixed precision casts dataclass inputs, 9 containers.
 """
 
 from __future__ import annotations
@@ -310,6 +310,35 @@ def test_to_bfloat16_after_fully_shard_forward_works():
         assert torch.isfinite(torch.tensor(res["loss"])), res["loss"]
         assert res["same_objects"], (
             f"rank {rank}: model.to(torch.bfloat16) replaced parameter objects")
+
+
+def convert_sibling_list_unit(meta: bool):
+    """fully_shard([a, b]) under an annotated root, then the root's
+    ``.double()`` or ``materialize`` (``to_empty``): the root's conversion
+    recurses into a's ``_apply`` while b is still unconverted."""
+    from fsdp_compose import materialize
+    torch.manual_seed(SEED)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 3), nn.Linear(3, 1))
+    fully_shard([model[0], model[1]])
+    fully_shard(model)
+    if meta:
+        torch.manual_seed(SEED)
+        materialize(model)
+    else:
+        model.double()
+    return {n: v.full_tensor() for n, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["double", "materialize"])
+def test_conversions_of_a_sibling_list_unit(meta):
+    """7(d): found by tests/test_fuzz_parity.py (a sibling list on the meta device)"""
+    torch.manual_seed(SEED)
+    eager = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 3), nn.Linear(3, 1))
+    want = {n: (v if meta else v.double()) for n, v in eager.state_dict().items()}
+    for full in run_distributed(2, convert_sibling_list_unit, meta, timeout=TIMEOUT):
+        for name, value in want.items():
+            assert full[name].dtype == value.dtype and torch.equal(full[name], value), name
 
 
 # ============================================================================

@@ -172,6 +172,36 @@ def test_meta_init_matches_eager_build_and_trains_identically(world):
     assert total <= local < total + 4 * world, (local, total)
 
 
+def _revisiting_model() -> nn.Sequential:
+    """The root unit holds layers 0 and 2; layer 1 is a unit of its own, so
+    ``materialize`` closes the root unit before layer 2 is initialised."""
+    return nn.Sequential(nn.Linear(3, 2, bias=False), nn.Sequential(nn.Linear(2, 2)),
+                         nn.Linear(2, 3))
+
+
+def hsdp_meta_values(shape: tuple[int, int]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    with torch.device("meta"):
+        model = _revisiting_model()
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    torch.manual_seed(SEED)
+    materialize(model)
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (4, 1)], ids=["hsdp-2x2", "replicate-4x1"])
+def test_meta_init_under_hsdp_matches_eager_build(shape):
+    """Found by tests/test_fuzz_parity.py: closing the root unit compared the
+    replicas' checksums over layer 2's uninitialised memory (each replica its
+    own), and raised as if the ranks had been seeded differently."""
+    torch.manual_seed(SEED)
+    reference = _revisiting_model().state_dict()
+    for rank, values in enumerate(run_distributed(4, hsdp_meta_values, shape, timeout=TIMEOUT)):
+        _assert_exact(values, reference, f"rank {rank}: ")
+
+
 def gpt_meta_values() -> dict:
     """The library's test GPT (tied-free, embeddings + attention blocks)."""
     from fsdp_compose.testing import GPT, GPTConfig
