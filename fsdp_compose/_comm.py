@@ -323,6 +323,16 @@ def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
     return every
 
 
+def fingerprint_ranks(group: ShardGroup, include_replicas: bool = True) -> list[int]:
+    """The global rank behind each position of :func:`all_gather_fingerprints`'s
+    result (for messages)."""
+    ranks = dist.get_process_group_ranks(group.process_group)
+    replicate = group.replicate_process_group
+    if include_replicas and replicate is not None and group.replicate_size > 1:
+        ranks += dist.get_process_group_ranks(replicate)
+    return ranks
+
+
 def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
                 device: torch.device) -> list[int]:
     if size == 1:

@@ -20,7 +20,7 @@ from torch.autograd import Variable
 from torch.distributed._composable import contract
 from torch.distributed._composable_state import _State
 
-from ._comm import all_gather_fingerprints
+from ._comm import all_gather_fingerprints, fingerprint_ranks
 from ._compile import run_eagerly
 from ._divergence import reduce_deferred
 from ._finite import check_finite_gradients
@@ -313,11 +313,13 @@ def _check_ranks_agree(states: list[_ShardState]) -> None:
         prints = all_gather_fingerprints(_layout_fingerprint(units), group)
         if len(set(prints)) > 1:
             mine = _layout_fingerprint(units)
-            differing = [r for r, p in enumerate(prints) if p != prints[0]]
+            ranks = fingerprint_ranks(group)
+            differing = sorted({ranks[i] for i, p in enumerate(prints) if p != prints[0]})
             raise RuntimeError(
                 f"[rank {group.rank}] ranks disagree on the parameters of the fully_shard units "
                 f"{[u.name for u in units]}: ranks {differing} have different names, shapes, "
-                f"dtypes or meta-ness than rank 0 (this rank's fingerprint {mine:#x}). Build the "
+                f"dtypes or meta-ness than rank {ranks[0]} (this rank's fingerprint {mine:#x}). "
+                "Build the "
                 "same model on every rank before calling fully_shard (and materialise meta "
                 "parameters on every rank before the first forward).")
         for state in group_states:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._comm import all_gather_fingerprints, backend_device
+from ._comm import all_gather_fingerprints, backend_device, fingerprint_ranks
 from ._owners import owner_of
 from ._state import units_below
 from ._unit import ShardUnit
@@ -171,9 +171,10 @@ def _check_same_values(unit: ShardUnit, full: list[torch.Tensor]) -> None:
     fingerprint = int.from_bytes(digest.digest()[:8], "little") >> 1
     every = all_gather_fingerprints(fingerprint, unit.group)
     if len(set(every)) > 1:
-        differing = [r for r, f in enumerate(every) if f != every[0]]
+        ranks = fingerprint_ranks(unit.group)
+        differing = sorted({ranks[i] for i, f in enumerate(every) if f != every[0]})
         raise RuntimeError(
-            f"materialize: ranks {differing} initialised different values than rank 0 for "
+            f"materialize: ranks {differing} initialised different values than rank {ranks[0]} for "
             f"{unit.name} (first parameter '{unit.buffers[0].records[0].fqn}'). Seed every "
             "rank the same (torch.manual_seed(seed)) before materialize, and use an init_fn "
             "that depends only on the module.")

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_compose import fully_shard
 from fsdp_compose._state import state_of
-from tests._comm_counter import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter
+from tests._comm_counter import CollectiveCounter
 from tests._training import (CFG, build_model, global_batch, make_optimizer, train_reference,
                              _local)
 from tests.harness import run_distributed
@@ -185,7 +185,6 @@ def test_reshard_after_forward_trivial_ints():
 
 
 def _state_dict_round_trip(mesh_shape):
-    rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh(mesh_shape)
     model = build_model()
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}

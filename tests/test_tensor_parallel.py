@@ -9,7 +9,6 @@ Run: PYTHONPATH=. python -m pytest -q tests/test_tensor_parallel.py
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Optional
 
