@@ -137,6 +137,8 @@ class _ShardState(_State):
         inside_root_forward = root_unit.state is TrainingState.FORWARD and root_unit is not self.unit
         completed = self.unit.post_forward(module, output, self._pre_backward,
                                            pass_ends=not inside_root_forward)
+        if completed and not inside_root_forward and not self.is_root:
+            self.context.root._drop_prefetches_of_outside_call(self.unit)
         if completed and self.is_root:
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
@@ -197,6 +199,17 @@ class _ShardState(_State):
             unit = state.unit
             if any(b.is_gathering for b in unit.buffers) and \
                     (id(unit) not in ran or not unit.backward_possible):
+                unit.reshard()
+
+    def _drop_prefetches_of_outside_call(self, caller: ShardUnit) -> None:
+        """A unit called on its own outside the root's forward (a chunked
+        loss calling ``lm_head``) may have prefetched others by explicit
+        targets; those that no backward will use stay gathered with nothing
+        to free them: reshard them now."""
+        for state in self.context.states:
+            unit = state.unit
+            if unit is not caller and unit.state is TrainingState.IDLE and \
+                    any(b.is_gathering for b in unit.buffers) and not unit.backward_possible:
                 unit.reshard()
 
     def _pre_backward(self) -> None:

@@ -853,9 +853,6 @@ REGRESSIONS = [
         annotations=(Annotation(("c2",)), Annotation(("",))), prefetch=(False, False, 2, 1),
         zero_to_none=False, steps=2, eval_between=True, outside_call=2, explicit_prefetch=True,
         meta_init=True),
-        marks=pytest.mark.xfail(strict=True, reason="an explicit forward prefetch issued by a "
-                                "unit called outside the root's forward leaves the root "
-                                "unsharded when no backward follows"),
         id="outside-call-explicit-prefetch-leaves-root-unsharded"),
 ]
 
