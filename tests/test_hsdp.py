@@ -18,6 +18,7 @@ from fsdp_compose._state import state_of
 from tests._comm_counter import CollectiveCounter
 from tests._training import (CFG, build_model, global_batch, make_optimizer, train_reference,
                              _local)
+from tests._checkpointing import resume_through_dcp
 from tests.harness import run_distributed
 
 
@@ -232,8 +233,6 @@ def test_scatter_full_state_dict_reaches_every_replica():
 
 
 def _dcp_round_trip(root):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_state_dict, set_state_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh((2, 2))
 
@@ -251,21 +250,7 @@ def _dcp_round_trip(root):
         optim.step()
         optim.zero_grad()
 
-    model, optim = build(0)
-    for i in range(2):
-        step(model, optim, i)
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
-    fresh, fresh_optim = build(5)
-    step(fresh, fresh_optim, 0)  # give it optimizer state to overwrite
-    msd2, osd2 = get_state_dict(fresh, fresh_optim)
-    state = {"model": msd2, "optim": osd2}
-    dcp.load(state, checkpoint_id=root)
-    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    for i in range(2, 4):
-        step(model, optim, i)
-        step(fresh, fresh_optim, i)
+    model, fresh, osd = resume_through_dcp(build, step, root)
     a = {k: v.full_tensor() for k, v in model.state_dict().items()}
     b = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
     return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fsdp_compose.clip import clip_grad_norm_
 from tests._comm_counter import CollectiveCounter
+from tests._checkpointing import resume_through_dcp
 from tests.harness import run_distributed
 
 DIM, HEADS, HIDDEN, VOCAB, LAYERS, SEQ = 12, 2, 22, 19, 2, 5
@@ -316,8 +317,6 @@ def test_state_dict_uses_fsdp2_2d_placements():
 
 
 def _dcp_round_trip(root: str):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     mesh = _mesh()
 
     def build(seed):
@@ -335,22 +334,8 @@ def _dcp_round_trip(root: str):
         optim.step()
         optim.zero_grad()
 
-    model, optim = build(0)
-    for i in range(2):
-        step(model, optim, i)
-    msd, osd = get_state_dict(model, optim)
+    model, fresh, osd = resume_through_dcp(build, step, root)
     placements = tuple(osd["state"]["blocks.0.q.weight"]["exp_avg"].placements)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
-    fresh, fresh_optim = build(5)
-    step(fresh, fresh_optim, 0)  # optimizer state to overwrite
-    msd2, osd2 = get_state_dict(fresh, fresh_optim)
-    state = {"model": msd2, "optim": osd2}
-    dcp.load(state, checkpoint_id=root)
-    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    for i in range(2, 4):
-        step(model, optim, i)
-        step(fresh, fresh_optim, i)
     a = {k: v.full_tensor() for k, v in model.state_dict().items()}
     b = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
     # full tensors in: the same values come back
