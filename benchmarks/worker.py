@@ -124,25 +124,23 @@ def reference(s: Settings, world: int) -> dict[str, Any]:
 # -------------------------------------------------------------- 2. memory pass
 def memory_pass(s: Settings, rank: int, world: int) -> dict[str, dict]:
     batches = [rank_batch(s, i, rank, world) for i in range(s.mem_steps)]
+
+    def measure(measure_fn, name: str):
+        dist.barrier()
+        result = measure_fn(
+            build=lambda: build(s, name),
+            step=lambda module, optim, i: train_step(module, optim, *batches[i]),
+            steps=s.mem_steps,
+            settle=lambda: (dist.barrier(), gc.collect(), time.sleep(0.1)))
+        gc.collect()
+        return result
+
     out = {}
     for name in s.impls:
-        dist.barrier()
-        report = measure_training_memory(
-            build=lambda: build(s, name),
-            step=lambda module, optim, i: train_step(module, optim, *batches[i]),
-            steps=s.mem_steps,
-            settle=lambda: (dist.barrier(), gc.collect(), time.sleep(0.1)))
+        report = measure(measure_training_memory, name)
         out[name] = asdict(report) | {"train_peak": report.train_peak}
-        gc.collect()
     for name in s.impls:  # no profiler attached: RSS high-water mark and page faults
-        dist.barrier()
-        process = measure_process_memory(
-            build=lambda: build(s, name),
-            step=lambda module, optim, i: train_step(module, optim, *batches[i]),
-            steps=s.mem_steps,
-            settle=lambda: (dist.barrier(), gc.collect(), time.sleep(0.1)))
-        out[name] |= asdict(process)
-        gc.collect()
+        out[name] |= asdict(measure(measure_process_memory, name))
     return out
 
 

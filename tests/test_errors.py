@@ -131,11 +131,15 @@ def ranks_disagree_on_annotated_modules():
     return _raises(lambda: model(tokens), "disagree", "ranks [1]")
 
 
-def step_with_pending_reduce_scatter():
+def _sharded_gpt_with_sgd():
+    """A GPT with every block and the root annotated, SGD over it, and a batch."""
     model = GPT()
     shard_blocks_and_root(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(97, (2, 16))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randint(97, (2, 16))
+
+
+def step_with_pending_reduce_scatter():
+    model, optim, tokens = _sharded_gpt_with_sgd()
     model.set_is_last_backward(False)
     model.loss(tokens, tokens).backward()
     message = _raises(optim.step, "reduce-scatter", "still pending", "set_is_last_backward(True)",
@@ -147,10 +151,7 @@ def step_with_pending_reduce_scatter():
 
 
 def step_with_unreduced_gradients():
-    model = GPT()
-    shard_blocks_and_root(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(97, (2, 16))
+    model, optim, tokens = _sharded_gpt_with_sgd()
     model.set_requires_gradient_sync(False)
     model.loss(tokens, tokens).backward()
     message = _raises(optim.step, "not reduced", "set_requires_gradient_sync(True)")
@@ -163,10 +164,7 @@ def step_with_unreduced_gradients():
 def step_inside_forward():
     """optimizer.step() while a unit is unsharded for its forward (here from a
     forward hook inside block 1); the model stays usable."""
-    model = GPT()
-    shard_blocks_and_root(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(97, (2, 16))
+    model, optim, tokens = _sharded_gpt_with_sgd()
     handle = model.blocks[1].mlp.register_forward_pre_hook(lambda m, a: optim.step())
     message = _raises(lambda: model(tokens), "optimizer.step() while <root>",
                       "parameter 'tok_emb.weight'", "in its forward", "reset_iter_state()")
@@ -180,10 +178,7 @@ def step_inside_forward():
 def step_after_unsharded_idle_is_fine():
     """Not a misuse: a unit kept unsharded between iterations (manual
     unshard(), reshard_after_backward=False) notices the step and gathers again."""
-    model = GPT()
-    shard_blocks_and_root(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(97, (2, 16))
+    model, optim, tokens = _sharded_gpt_with_sgd()
     model.loss(tokens, tokens).backward()
     model.blocks[0].unshard()
     optim.step()
