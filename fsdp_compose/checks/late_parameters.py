@@ -16,7 +16,8 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from ._compose import is_replicated
+from ..runtime.owners import owner_of
+from .replicate import is_replicated
 
 Snapshot = tuple[tuple[nn.Module, dict[str, int], dict[str, int]], ...]
 """Per managed module: (module, {param name: id}, {child name: id})."""
@@ -56,9 +57,8 @@ def check_registration(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
 def _unmanaged_param(top: nn.Module) -> Optional[str]:
     """The name (relative to ``top``) of a parameter in ``top``'s subtree
     that no ``fully_shard`` unit manages (unsharded views are managed)."""
-    from .api import flat_buffer_of  # api imports this package's state: import late
     for name, p in top.named_parameters():
-        if isinstance(p, nn.Parameter) and flat_buffer_of(p) is None:
+        if isinstance(p, nn.Parameter) and owner_of(p) is None:
             return name
     return None
 
