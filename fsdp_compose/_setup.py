@@ -25,7 +25,7 @@ from .buffers.layout import FlatLayout
 from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, group_records,
                               resolve_dtypes)
 from .checks.divergence import DivergenceMonitor
-from .checks.late_parameters import check_registration, registration_snapshot
+from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
 from .checks.step_guard import install_step_guard
 from .comm.groups import ShardGroup
@@ -140,7 +140,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     attach_state(module, unit)
     state = state_of(modules[0])
     state.pre_forward_check = functools.partial(
-        check_registration, registration_snapshot(unit.managed_modules))
+        check_no_late_parameters, snapshot_modules(unit.managed_modules))
     state.new_observer = DivergenceMonitor
     link_annotated_below(state)
     install_step_guard()

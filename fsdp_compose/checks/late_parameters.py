@@ -23,14 +23,14 @@ Snapshot = tuple[tuple[nn.Module, dict[str, int], dict[str, int]], ...]
 """Per managed module: (module, {param name: id}, {child name: id})."""
 
 
-def registration_snapshot(managed_modules: Iterable[nn.Module]) -> Snapshot:
+def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
     """What each managed module registers now (taken at annotation)."""
     return tuple((m, {n: id(p) for n, p in m._parameters.items() if p is not None},
                   {n: id(c) for n, c in m._modules.items() if c is not None})
                  for m in managed_modules)
 
 
-def check_registration(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
+def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
     """Raise if a managed module holds a parameter, or a child module with
     parameters no unit manages, that it did not hold at annotation (a new
     child that only wraps managed modules, e.g. an activation-checkpoint
