@@ -350,8 +350,8 @@ def test_bf16_halves_the_unsharded_bytes():
 
 def test_offload_moves_the_persistent_bytes_to_the_cpu():
     model = _small_gpt()
-    device = estimate_memory(model, 4)
-    offload = estimate_memory(model, 4, offload=True)
+    device = estimate_memory(model, 4, backend="nccl")
+    offload = estimate_memory(model, 4, offload=True, backend="nccl")
     assert device.cpu_bytes == 0
     assert offload.cpu_bytes == offload.persistent == device.persistent
     assert offload.peak_parts.sharded_state == offload.peak_parts.grads == 0

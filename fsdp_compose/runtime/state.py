@@ -119,6 +119,8 @@ class _ShardState(_State):
                 f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
             return
         states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
+        _name_units(self.unit.modules, states)
+        settings = _pending_settings(states)  # may raise: before anything is shared
         observer = self.new_observer()
         context = ShardContext(self, states, Scheduler(PrefetchPolicy(), observer))
         for state in states:
@@ -126,8 +128,9 @@ class _ShardState(_State):
             state.unit.is_root = state is self
             state.unit.scheduler = context.scheduler
             context.scheduler.share_staging_pool(state.unit.buffers)
-        _name_units(self.unit.modules, states)
-        _apply_pending_settings(context)
+            state.pending_settings = {}
+        for apply in settings:
+            apply(context)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
         observer.bind([s.unit for s in states])
@@ -136,7 +139,7 @@ class _ShardState(_State):
         """A setting of the whole model (``set_prefetch_policy``,
         ``set_check_rank_divergence``) made through this module: applied to
         the model's shared context now if the root is initialised, else by
-        the root's lazy init (see :func:`_apply_pending_settings`)."""
+        the root's lazy init (see :func:`_pending_settings`)."""
         if self.context is not None:
             apply(self.context)
         else:
@@ -327,13 +330,13 @@ def _check_devices(states: list[_ShardState]) -> None:
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
-def _apply_pending_settings(context: ShardContext) -> None:
-    """Apply the model-wide settings made on any module of the model before
-    this lazy init, so none is lost. The same setting made with different
-    values on two modules is ambiguous: raise (every rank alike, before any
-    collective) naming both and the root to call it on."""
+def _pending_settings(states: list[_ShardState]) -> list[ModelSetting]:
+    """The model-wide settings made on any module of the model before its
+    lazy init, to apply to the model, so none is lost. The same setting
+    made with different values on two modules is ambiguous: raise (every
+    rank alike, before any collective) naming both and the root."""
     chosen: dict[str, tuple[object, ModelSetting, ShardUnit]] = {}
-    for state in context.states:
+    for state in states:
         for name, (value, apply) in state.pending_settings.items():
             if name in chosen and chosen[name][0] != value:
                 other = chosen[name][2]
@@ -341,11 +344,9 @@ def _apply_pending_settings(context: ShardContext) -> None:
                     f"{name}() was called with different values on {other.name} "
                     f"({chosen[name][0]!r}) and {state.unit.name} ({value!r}) before the first "
                     f"forward; it applies to the whole model. Call it once, on the root module "
-                    f"{context.root.unit.name}.")
+                    f"{states[0].unit.name}.")
             chosen.setdefault(name, (value, apply, state.unit))
-        state.pending_settings = {}
-    for _, apply, _ in chosen.values():
-        apply(context)
+    return [apply for _, apply, _ in chosen.values()]
 
 
 def _layout_fingerprint(units: list[ShardUnit]) -> int:
