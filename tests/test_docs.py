@@ -8,10 +8,11 @@ separated by commas)::
 
     <!-- snippet: setup -->            the page's preamble: runs before every other block of the
                                        page (the page says so in its text)
-    <!-- snippet: continues -->        runs after the block before it, in the same namespace
+    <!-- snippet: continues -->        runs after the python block before it, in one namespace
     <!-- snippet: ranks=4 -->          on 4 ranks instead of 2
     <!-- snippet: local -->            in one plain process, no process group, no setup block
     <!-- snippet: torchrun -->         a complete script: torchrun --standalone --nproc-per-node 2
+    <!-- snippet: slow (reason) -->    marked slow: only ``pytest -m slow`` runs it
     <!-- snippet: no-run (reason) -->  not run; the reason is required
 
 and before a ``text`` block::
@@ -43,7 +44,7 @@ from tests.harness import run_distributed
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_RANKS = 2
-OPTIONS = {"setup", "continues", "ranks", "local", "torchrun", "no-run", "output", "rank"}
+OPTIONS = {"setup", "continues", "ranks", "local", "torchrun", "slow", "no-run", "output", "rank"}
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(?P<body>.*?)\s*-->\s*$")
@@ -58,6 +59,7 @@ class Block:
     options: dict[str, str] = field(default_factory=dict)
     reason: str = ""
     previous: Block | None = None  # the fenced block before this one on the page
+    previous_python: Block | None = None  # the python block before this one on the page
     setup: Block | None = None  # the page's setup block
 
     @property
@@ -105,7 +107,8 @@ def parse(path: Path) -> list[Block]:
         marker = _MARKER.match(lines[before]) if before >= 0 else None
         options, reason = _parse_marker(marker.group("body")) if marker else ({}, "")
         block = Block(path, start + 1, m.group("lang"), "\n".join(body) + "\n", options, reason,
-                      blocks[-1] if blocks else None)
+                      blocks[-1] if blocks else None,
+                      next((b for b in reversed(blocks) if b.lang == "python"), None))
         if "setup" in options:
             setup = block
         block.setup = setup
@@ -121,7 +124,7 @@ def _chain(block: Block) -> list[Block]:
     """The blocks to run, in order, for ``block``: its setup, the blocks it continues, itself."""
     chain = [block]
     while "continues" in chain[0].options:
-        chain.insert(0, chain[0].previous)
+        chain.insert(0, chain[0].previous_python)
     mode = _mode(block)
     if mode == "ranks" and block.setup is not None and block.setup not in chain:
         chain.insert(0, block.setup)
@@ -191,7 +194,9 @@ def _run_torchrun(block: Block, tmp_path: Path) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[b.name for b in RUNNABLE])
+@pytest.mark.parametrize("block", [
+    pytest.param(b, id=b.name, marks=[pytest.mark.slow] if "slow" in b.options else [])
+    for b in RUNNABLE])
 def test_snippet_runs(block: Block, tmp_path: Path) -> None:
     chain = _chain(block)
     steps = [(b.name, b.code) for b in chain]
@@ -206,7 +211,8 @@ def test_snippet_runs(block: Block, tmp_path: Path) -> None:
         results = run_distributed(ranks, _exec_chain, steps, str(tmp_path), timeout=120)
         printed = results[int(expected.options.get("rank") or 0)] if expected else results[0]
     if expected is not None:
-        assert _matches(expected.code, printed), (
+        same = _matches(expected.code, printed)
+        assert same, (
             f"{block.name} printed something else than the output shown at {expected.name}:\n"
             f"--- shown\n{expected.code}--- printed\n{printed}")
 
@@ -226,7 +232,7 @@ def test_every_python_block_is_run_or_excluded_with_a_reason() -> None:
             problems.append(f"{b.name}: tag the block ```python (run) or ```text (not code)")
         if "output" in b.options and (b.previous is None or not b.previous.runs):
             problems.append(f"{b.name}: an output block must follow a python block that runs")
-        if "continues" in b.options and (b.previous is None or not b.previous.runs):
+        if "continues" in b.options and (b.previous_python is None or not b.previous_python.runs):
             problems.append(f"{b.name}: 'continues' must follow a python block that runs")
         if "setup" in b.options and b.lang != "python":
             problems.append(f"{b.name}: a setup block must be python")
