@@ -44,6 +44,7 @@ from tests.harness import run_distributed
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_RANKS = 2
+OPTIONAL = ("transformers", "peft", "safetensors")  # snippets importing these skip without them
 OPTIONS = {"setup", "continues", "ranks", "local", "torchrun", "slow", "no-run", "output", "rank"}
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
@@ -162,9 +163,9 @@ def _exec_chain(steps: list[tuple[str, str]], workdir: str) -> str:
             code = compile(source, filename, "exec")
             if i == len(steps) - 1:
                 with contextlib.redirect_stdout(out):
-                    exec(code, namespace)
+                    exec(code, namespace)  # noqa: S102 - running the docs is the point
             else:
-                exec(code, namespace)
+                exec(code, namespace)  # noqa: S102
     finally:
         os.chdir(cwd)
         sys.stdout.flush()
@@ -188,7 +189,7 @@ def _run_torchrun(block: Block, tmp_path: Path) -> str:
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(DEFAULT_RANKS),
                            str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
+                          timeout=180, check=False)
     assert proc.returncode == 0, (f"{block.name} failed under torchrun (exit {proc.returncode}):\n"
                                   f"{proc.stdout}\n{proc.stderr}")
     return proc.stdout
@@ -199,6 +200,10 @@ def _run_torchrun(block: Block, tmp_path: Path) -> str:
     for b in RUNNABLE])
 def test_snippet_runs(block: Block, tmp_path: Path) -> None:
     chain = _chain(block)
+    for extra in OPTIONAL:  # the `hf` / `safetensors` extras, as tests/test_hf.py
+        if re.search(rf"^\s*(from|import)\s+{extra}\b", "".join(b.code for b in chain),
+                     re.MULTILINE):
+            pytest.importorskip(extra)
     steps = [(b.name, b.code) for b in chain]
     mode = _mode(block)
     expected = _output_block(block)
@@ -226,8 +231,10 @@ def test_every_python_block_is_run_or_excluded_with_a_reason() -> None:
         unknown = set(b.options) - OPTIONS
         if unknown:
             problems.append(f"{b.name}: unknown snippet option(s) {sorted(unknown)}")
-        if "no-run" in b.options and not b.reason:
-            problems.append(f"{b.name}: no-run needs a reason: <!-- snippet: no-run (why) -->")
+        for needs_reason in ("no-run", "slow"):
+            if needs_reason in b.options and not b.reason:
+                problems.append(f"{b.name}: {needs_reason} needs a reason: "
+                                f"<!-- snippet: {needs_reason} (why) -->")
         if b.lang in ("py", "python3", "pycon"):
             problems.append(f"{b.name}: tag the block ```python (run) or ```text (not code)")
         if "output" in b.options and (b.previous is None or not b.previous.runs):
