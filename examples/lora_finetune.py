@@ -20,7 +20,10 @@ What it shows:
   * a plain torch.optim.AdamW over the trainable (adapter) parameters;
   * register_forward_method(model, "generate") so that PeftModel.generate,
     which never calls PeftModel.forward, sees full parameters;
-  * unshard(recurse=True) to save the full adapter from rank 0.
+  * with --save-adapter DIR, get_model_state_dict(model, options=StateDictOptions(
+    full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)) on every
+    rank gathers the adapter weights only, in their original shapes, onto rank 0's
+    CPU, and rank 0 writes them with save_pretrained (PEFT's format).
 Losses shown by rank 0's progress bar are the mean over all ranks.
 """
 

@@ -90,7 +90,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
 
     Raises:
         ValueError / RuntimeError naming the module or parameter and the fix,
-        for misuse (see ``docs/design.md`` section 6).
+        for misuse (see ``docs/errors.md``).
     """
     modules = _as_module_list(module)
     check_reshard_after_forward(reshard_after_forward)
