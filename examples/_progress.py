@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 try:
     from tqdm import tqdm
@@ -37,7 +37,7 @@ class Progress:
         min_interval_s: ...and whenever this long has passed since the last.
     """
 
-    def __init__(self, total: int, initial: int = 0, desc: str = "", file: Optional[TextIO] = None,
+    def __init__(self, total: int, initial: int = 0, desc: str = "", file: TextIO | None = None,
                  min_interval_s: float = 60.0) -> None:
         self.file: TextIO = file if file is not None else sys.stderr
         self.desc = desc

@@ -29,7 +29,8 @@ the steps in a file or pipe; examples/_progress.py) are the mean over all
 ranks. At the end rank 0 prints the loss at the first and last steps and
 what the generation check found, e.g.
 
-    loss (mean over ranks): 6.204 at step 1 -> 1.757 at step 120 (1.752 over the last 10 steps; a uniform guess over 512 tokens scores 6.238)
+    loss (mean over ranks): 6.204 at step 1 -> 1.757 at step 120 (1.755 over the last 10 steps)
+      (a uniform guess over the 512 tokens scores ln 512 = 6.238)
     greedy generation, 10 new tokens after a 12-token prompt (token ids):
       prompt                   172 47 295 192 323 172 47 117 192 323 172 135
       sharded model            117 192 323 172 47 117 192 323 172 47
@@ -114,8 +115,9 @@ def main() -> None:
         total = sum(param_info(p).numel for p in model.parameters())
         adapters = sum(param_info(p).numel for p in trainable)
         print(f"{world} rank{'s' if world > 1 else ''} on {device}: {total / 1e6:.2f}M parameters, "
-              f"{adapters / 1e3:.1f}K trainable ({100 * adapters / total:.2f}%); gradients reduce-scattered per step: "
-              f"{adapters * 4 / 1024:.1f} KiB (adapters only) instead of {total * 4 / 1024:.1f} KiB")
+              f"{adapters / 1e3:.1f}K trainable ({100 * adapters / total:.2f}%); gradients "
+              f"reduce-scattered per step: {adapters * 4 / 1024:.1f} KiB (adapters only) "
+              f"instead of {total * 4 / 1024:.1f} KiB")
 
     per = args.batch_per_rank
     model.train()
@@ -188,17 +190,19 @@ def generation_report(losses: list[float], vocab: int, prompt: list[int], genera
     sharded model's greedy continuation and of the data's noise-free
     continuation, then how many tokens follow the pattern and whether the
     unsharded model generated the same."""
+    def ids(tokens: list[int]) -> str:
+        return " ".join(map(str, tokens))
+
     tail = losses[-10:]
-    ids = lambda tokens: " ".join(map(str, tokens))  # noqa: E731
     rows = [("prompt", prompt), ("sharded model", generated), ("data pattern (no noise)", clean)]
     width = max(len(name) for name, _ in rows)
     hits = sum(g == c for g, c in zip(generated, clean))
     return "\n".join([
-        f"loss (mean over ranks): {losses[0]:.3f} at step 1 -> {losses[-1]:.3f} at step "
-        f"{len(losses)} ({sum(tail) / len(tail):.3f} over the last {len(tail)} steps; "
-        f"a uniform guess over {vocab} tokens scores {math.log(vocab):.3f})",
-        f"greedy generation, {len(generated)} new tokens after a {len(prompt)}-token prompt "
-        f"(token ids):",
+        (f"loss (mean over ranks): {losses[0]:.3f} at step 1 -> {losses[-1]:.3f} at step "
+         f"{len(losses)} ({sum(tail) / len(tail):.3f} over the last {len(tail)} steps)"),
+        f"  (a uniform guess over the {vocab} tokens scores ln {vocab} = {math.log(vocab):.3f})",
+        (f"greedy generation, {len(generated)} new tokens after a {len(prompt)}-token prompt "
+         f"(token ids):"),
         *(f"  {name.ljust(width)}  {ids(tokens)}" for name, tokens in rows),
         f"continues the training data's 5-token pattern: {hits} of {len(clean)} tokens",
         "matches the unsharded model's greedy output (same weights, one process): "

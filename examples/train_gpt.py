@@ -501,7 +501,8 @@ def summary_header(args: argparse.Namespace, world: int, where: str, n_params: i
     if first_step == 1:
         return f"{job}, {plural(args.steps, 'step')}"
     if ran <= 0:
-        return f"{job}; resumed after step {first_step - 1}: no steps run now (--steps {args.steps})"
+        return (f"{job}; resumed after step {first_step - 1}: no steps run now "
+                f"(--steps {args.steps})")
     span = f"{first_step}-{args.steps}" if ran > 1 else f"{args.steps}"
     return (f"{job}; resumed after step {first_step - 1}: {plural(ran, 'step')} run now ({span}), "
             f"step {args.steps} reached")
