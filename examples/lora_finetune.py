@@ -32,9 +32,9 @@ what the generation check found, e.g.
     loss (mean over ranks): 6.204 at step 1 -> 1.757 at step 120 (1.755 over the last 10 steps)
       (a uniform guess over the 512 tokens scores ln 512 = 6.238)
     greedy generation, 10 new tokens after a 12-token prompt (token ids):
-      prompt                   172 47 295 192 323 172 47 117 192 323 172 135
-      sharded model            117 192 323 172 47 117 192 323 172 47
-      data pattern (no noise)  117 192 323 172 47 117 192 323 172 47
+      prompt                     172 47 295 192 323 172 47 117 192 323 172 135
+      generated (sharded model)  117 192 323 172 47 117 192 323 172 47
+      data pattern (no noise)    117 192 323 172 47 117 192 323 172 47
     continues the training data's 5-token pattern: 10 of 10 tokens
     matches the unsharded model's greedy output (same weights, one process): yes
 
@@ -194,7 +194,7 @@ def generation_report(losses: list[float], vocab: int, prompt: list[int], genera
         return " ".join(map(str, tokens))
 
     tail = losses[-10:]
-    rows = [("prompt", prompt), ("sharded model", generated), ("data pattern (no noise)", clean)]
+    rows = [("prompt", prompt), ("generated (sharded model)", generated), ("data pattern (no noise)", clean)]
     width = max(len(name) for name, _ in rows)
     hits = sum(g == c for g, c in zip(generated, clean))
     return "\n".join([

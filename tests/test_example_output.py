@@ -172,9 +172,9 @@ def test_lora_report_compares_losses_and_says_what_generation_checked():
          "(1.960 over the last 10 steps)"),
         "  (a uniform guess over the 512 tokens scores ln 512 = 6.238)",
         "greedy generation, 3 new tokens after a 3-token prompt (token ids):",
-        "  prompt                   1 2 3",
-        "  sharded model            4 5 1",
-        "  data pattern (no noise)  4 5 6",
+        "  prompt                     1 2 3",
+        "  generated (sharded model)  4 5 1",
+        "  data pattern (no noise)    4 5 6",
         "continues the training data's 5-token pattern: 2 of 3 tokens",
         "matches the unsharded model's greedy output (same weights, one process): yes",
     ]
