@@ -23,8 +23,9 @@ What it shows:
   * get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
     cpu_offload=True, ignore_frozen_params=True)) on every rank gathers the
     adapter weights only, in their original shapes, onto rank 0's CPU (without
-    communicating the frozen base model); rank 0 then checks the sharded model's greedy generation against an unsharded
-    copy with the same weights, and can save the adapter.
+    communicating the frozen base model); rank 0 then checks the sharded
+    model's greedy generation against an unsharded copy with the same
+    weights, and can save the adapter (--save-adapter DIR, PEFT's format).
 Losses shown by rank 0's progress (a bar on a terminal, a line every tenth of
 the steps in a file or pipe; examples/_progress.py) are the mean over all
 ranks. At the end rank 0 prints the loss at the first and last steps and
