@@ -12,6 +12,7 @@ from ._schedule import PrefetchPolicy
 from .api import ShardedParamInfo, fully_shard, param_info
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
+from .full_params import full_params
 from .grad_scaler import ShardedGradScaler
 from .init import materialize, sync_module_states
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -24,5 +25,6 @@ __all__ = [
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
+    "full_params",
 ]
 __version__ = "0.1.0"

@@ -70,6 +70,9 @@ class _ShardState(_State):
         self.check_finite: bool = False
         """Read on the root: check the gradients after every last backward
         (``set_check_finite_gradients``)."""
+        self.held_whole: bool = False
+        """``fsdp_compose.full_params`` holds this unit's parameters whole:
+        forward reads them as they are (the hooks do nothing)."""
 
     def bind(self, unit: ShardUnit) -> None:
         self.unit = unit
@@ -118,6 +121,8 @@ class _ShardState(_State):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if id(module) in self.in_forward_method:
             return args, kwargs  # inside a registered forward method: already unsharded
+        if self.held_whole:
+            return args, kwargs  # inside full_params: the parameters are whole already
         self.lazy_init()
         self.unit.check_materialized()
         check_registration(self.registration, self.context.root.unit.modules[0])
@@ -132,6 +137,8 @@ class _ShardState(_State):
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if id(module) in self.in_forward_method:
             return output  # the registered method's own post-forward follows
+        if self.held_whole:
+            return output  # inside full_params: nothing was gathered
         output = self.unit.cast_output(output)
         root_unit = self.context.root.unit
         inside_root_forward = root_unit.state is TrainingState.FORWARD and root_unit is not self.unit
