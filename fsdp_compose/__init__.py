@@ -16,6 +16,7 @@ from .full_params import full_params
 from .grad_scaler import ShardedGradScaler
 from .init import materialize, sync_module_states
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .torch_norms import route_torch_grad_norms
 from .tools import describe, estimate_memory, fully_shard_by, propose_units
 from .sharded_module import ShardedModule, UnshardHandle
 
@@ -25,6 +26,6 @@ __all__ = [
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
-    "full_params",
+    "full_params", "route_torch_grad_norms",
 ]
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ from .checkpoint import UnitStateDictHooks
 from ._unit import ShardUnit
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .torch_policies import as_mp_policy, as_offload_policy
+from . import torch_norms
 from .sharded_module import _sharded_class, check_reshard_after_forward
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
@@ -126,6 +127,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     register_unit(module, unit)
     link_annotated_below(state_of(modules[0]))
     install_step_guard()
+    torch_norms.install()  # torch's clip_grad_norm_ / get_total_norm: global over shards
     for m in modules:
         m.__class__ = _sharded_class(type(m))
     if len(modules) == 1:
