@@ -355,10 +355,10 @@ def _pow_sum(norms: list[torch.Tensor], p: float, device: torch.device) -> torch
 def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
                 tensors: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
     groups, unmanaged = _partition(params)
-    local = [t.grad for t in params] if tensors is None else tensors
+    local_parts = [t.grad for t in params] if tensors is None else tensors
 
     def grads_of(indices: list[int]) -> list[torch.Tensor]:
-        return [g for g in (local[i] for i in indices) if g is not None and g.numel()]
+        return [g for g in (local_parts[i] for i in indices) if g is not None and g.numel()]
 
     unmanaged_norms = _local_norms(grads_of(unmanaged), p, foreach)
     if not groups:  # nothing sharded: a plain local norm
