@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --no-input -q -e '.[test,hf]' '$(TORCH_PIN)'
 	@touch $@
 
+# The layer contracts first (import-linter, pyproject.toml), then the tests.
 test: venv
+	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
 # Train a small GPT on 2 CPU ranks (~10 s): progress bar, summary table, and

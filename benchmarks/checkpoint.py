@@ -8,8 +8,8 @@ local disk.
 Each round builds each implementation afresh (interleaved, order alternating),
 trains one step so AdamW has state, then times
 
-* save: ``get_state_dict(model, optim)`` + ``dcp.save`` (the recipe in the
-  README), and
+* save: ``get_state_dict(model, optim)`` + ``dcp.save`` (the recipe in
+  docs/checkpointing.md), and
 * load: into a freshly built and annotated model and optimizer,
   ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``,
 

@@ -72,7 +72,7 @@ def _recognition_ms(params: list, grads: list, plain: torch.nn.Module,
     """What the routing adds to a call, without the norm itself or any
     collective: finding the managed parameters / gradients (best of 5)."""
     from fsdp_compose import torch_norms
-    from fsdp_compose._owners import owner_of
+    from fsdp_compose.runtime.owners import owner_of
 
     def best(fn: Callable[[], object]) -> float:
         runs = []

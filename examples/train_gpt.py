@@ -33,18 +33,22 @@ micro-batch's loss is divided by the number of micro-batches, so
 The data of step N is a pure function of N, `--seed` and the global batch
 (`synthetic_tokens`), so the step number is the data position.
 
-Output (rank 0 unless `--log-all-ranks`): a tqdm progress bar on stderr with
-the loss, tokens/s and every rank's resident memory (one all_gather of a few
-numbers per step, which also averages the loss); `step N loss X` lines on
-stdout (N counted from 1, X the exact float mean over all ranks; every
-`--log-every` steps); a summary table at the end; in `--out-dir`,
+Output (rank 0 unless `--log-all-ranks`): progress on stderr with the loss,
+tokens/s and every rank's resident memory (one all_gather of a few numbers per
+step, which also averages the loss): a tqdm bar on a terminal, one line every
+tenth of the steps when stderr is a file or a pipe (examples/_progress.py);
+`step N loss X` lines on stdout (N counted from 1, X the exact float mean over
+all ranks; every `--log-every` steps); a summary at the end (after `--resume`
+it counts the steps run now and names the step reached); in `--out-dir`,
 `summary.json` and, when matplotlib is installed (`pip install -e '.[bench]'`),
 `train_gpt.png` with the loss and memory curves. `--compare` then trains the
 same steps with torch DDP and torch FSDP2 (same seed, data, optimizer and
 options; DDP has no mixed precision and stays in fp32) and adds them to the
 table: final loss, mean step time (the first step, a warm-up, excluded),
 tokens/s and each rank's peak memory (process RSS high-water mark, reset
-before each run; on CUDA also the peak allocated device memory).
+before each run; on CUDA also the peak allocated device memory); the largest
+loss difference from fsdp_compose is printed and plotted (in fp32 the three
+usually agree exactly, so their loss curves coincide).
 
 Checkpoints (`--ckpt-dir`) are saved with `fsdp_compose.checkpoint.CheckpointStore`
 (torch.distributed.checkpoint underneath) and hold the model and optimizer
@@ -90,9 +94,11 @@ from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
 from fsdp_compose.checkpoint import CheckpointStore
 from fsdp_compose.testing import GPT, GPTConfig, init_from_torchrun, synthetic_tokens
 
+from _progress import Progress  # examples/_progress.py, next to this file
+
 try:
     from tqdm import tqdm
-except ImportError:  # the `examples` extra; without it: no progress bar
+except ImportError:  # the `examples` extra; without it: progress as plain lines
     tqdm = None
 
 IMPLS = ("fsdp_compose", "ddp", "fsdp2")
@@ -397,10 +403,9 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
     per, micro = args.batch_per_rank, args.micro_batches
     stats = RunStats(impl, tokens_per_step=per * micro * world * cfg.seq_len)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    bar = None
-    if rank == 0 and tqdm is not None and not args.no_progress and first_step <= args.steps:
-        bar = tqdm(total=args.steps, initial=first_step - 1, desc=impl, unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
+    progress = None
+    if rank == 0 and not args.no_progress and first_step <= args.steps:
+        progress = Progress(args.steps, initial=first_step - 1, desc=impl, file=sys.stderr)
     gathered = [torch.zeros(5, dtype=torch.float64, device=device) for _ in range(world)]
     try:
         for step in range(first_step, args.steps + 1):
@@ -460,24 +465,66 @@ def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.op
                         mem += f", cuda {cur_cuda:.0f} MiB"
                     say(f"[rank {rank}] step {step} local loss {rows_all[rank][0]:.6f} "
                         f"{mem} {seconds * 1000:.1f} ms")
-            if bar is not None:
+            if progress is not None:
                 mem = [r[3] for r in rows_all] if device.type == "cuda" else [r[1] for r in rows_all]
                 recent = stats.step_seconds[-10:]  # tokens/s over the last 10 steps
-                bar.set_postfix_str(f"loss {mean_loss:.4f}, "
-                                    f"{stats.tokens_per_step * len(recent) / sum(recent):,.0f} tok/s, "
-                                    f"{'cuda' if device.type == 'cuda' else 'rss'} "
-                                    f"{per_rank(mem)}", refresh=False)
-                bar.update()
+                progress.step(f"loss {mean_loss:.4f}, "
+                              f"{stats.tokens_per_step * len(recent) / sum(recent):,.0f} tok/s, "
+                              f"{'cuda' if device.type == 'cuda' else 'rss'} {per_rank(mem)}")
             if after_step is not None:
                 after_step(step)
     finally:
-        if bar is not None:
-            bar.close()
+        if progress is not None:
+            progress.close()
     _where.update(impl=None, step=None)
     return stats
 
 
 # ---------------------------------------------------------------- report
+def plural(n: int, word: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def summary_header(args: argparse.Namespace, world: int, where: str, n_params: int,
+                   options: list[str], first_step: int) -> str:
+    """The summary's first line, less the time: the job, the options and the
+    steps this invocation ran. From scratch that is ``"20 steps"``; after
+    ``--resume`` it is the steps run now and the step reached, since a
+    checkpoint at step 60 and ``--steps 70`` run 10 steps, not 70."""
+    batch = args.batch_per_rank * args.micro_batches
+    job = (f"{plural(world, 'rank')} on {where}, {n_params / 1e6:.2f}M parameters, "
+           f"{batch} x {args.seq} tokens per rank per step"
+           + (f" ({args.micro_batches} micro-batches)" if args.micro_batches > 1 else "")
+           + f", {', '.join(options)}")
+    ran = args.steps - first_step + 1
+    if first_step == 1:
+        return f"{job}, {plural(args.steps, 'step')}"
+    if ran <= 0:
+        return (f"{job}; resumed after step {first_step - 1}: no steps run now "
+                f"(--steps {args.steps})")
+    span = f"{first_step}-{args.steps}" if ran > 1 else f"{args.steps}"
+    return (f"{job}; resumed after step {first_step - 1}: {plural(ran, 'step')} run now ({span}), "
+            f"step {args.steps} reached")
+
+
+def loss_differences(runs: list[RunStats]) -> str:
+    """``"largest loss difference from fsdp_compose (steps 1-20): ddp 0 (identical),
+    fsdp2 2.4e-07"``: each other run against the first, over the steps both ran."""
+    ref = dict(zip(runs[0].steps, runs[0].losses))
+    parts, common = [], sorted(ref)
+    for r in runs[1:]:
+        diffs = [abs(loss - ref[step]) for step, loss in zip(r.steps, r.losses) if step in ref]
+        common = [s for s in common if s in r.steps]
+        if not diffs:
+            parts.append(f"{r.impl} -")
+        else:
+            worst = max(diffs)
+            parts.append(f"{r.impl} {worst:.2g}" + (" (identical)" if worst == 0 else ""))
+    span = f"steps {common[0]}-{common[-1]}" if len(common) > 1 else plural(len(common), "step")
+    return f"largest loss difference from {runs[0].impl} ({span}): {', '.join(parts)}"
+
+
 def summary_table(runs: list[RunStats], device: torch.device) -> str:
     cuda = device.type == "cuda"
     header = ["impl", "final loss", "step (ms)", "tokens/s", "peak RSS/rank (MiB)"]
@@ -499,6 +546,7 @@ def summary_table(runs: list[RunStats], device: torch.device) -> str:
 
 
 def plot(runs: list[RunStats], path: Path, cuda: bool) -> Optional[Path]:
+    """Write ``plot_figure`` to ``path``; without matplotlib say how to get it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -506,30 +554,73 @@ def plot(runs: list[RunStats], path: Path, cuda: bool) -> Optional[Path]:
     except ImportError:
         say("matplotlib is not installed: no plot (install it with `pip install -e '.[bench]'`)")
         return None
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = ("-", "--", ":", "-.")
-    for n, r in enumerate(runs):
-        color = f"C{n}"
-        ax_loss.plot(r.steps, r.losses, color=color, label=r.impl)
-        mem = r.cuda if cuda else r.rss  # per step, per rank
-        world = len(mem[0]) if mem else 0
-        if world <= len(styles):
-            for k in range(world):
-                ax_mem.plot(r.steps, [m[k] for m in mem], color=color, linestyle=styles[k],
-                            label=f"{r.impl} rank {k}")
-        else:
-            ax_mem.plot(r.steps, [max(m) for m in mem], color=color,
-                        label=f"{r.impl} (max over ranks)")
-    ax_loss.set(xlabel="step", ylabel="loss (mean over ranks)", title="training loss")
-    ax_mem.set(xlabel="step", ylabel="MiB",
-               title="allocated CUDA memory" if cuda else "process RSS (resident memory)")
-    for ax in (ax_loss, ax_mem):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig = plot_figure(runs, cuda)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": keep the legends outside the axes
     plt.close(fig)
     return path
+
+
+def plot_figure(runs: list[RunStats], cuda: bool):
+    """The loss curves and each rank's memory per step; with more than one run
+    (``--compare``) also each run's loss minus the first run's, since equal
+    losses (fp32 usually gives bit-identical ones) draw as one curve. The
+    memory legend sits right of its panel: the curves fill the whole width."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    compare = len(runs) > 1
+    fig, axes = plt.subplots(1, 3 if compare else 2, figsize=(15.5 if compare else 10.5, 4),
+                             sharex=True)
+    ax_loss, ax_mem = axes[0], axes[-1]
+    dashes = ("-", "--", ":", "-.")
+    for n, r in enumerate(runs):  # the first wide, the others narrower on top: all stay visible
+        ax_loss.plot(r.steps, r.losses, color=f"C{n}", linestyle=dashes[n % 4],
+                     linewidth=3 if compare and n == 0 else 1.5, label=r.impl)
+    ax_loss.set(xlabel="step", ylabel="loss (mean over ranks)", title="training loss")
+    ax_loss.legend(fontsize="small")
+
+    if compare:
+        ax_diff, ref = axes[1], dict(zip(runs[0].steps, runs[0].losses))
+        ax_diff.plot(runs[0].steps, [0.0] * len(runs[0].steps), color="C0", linewidth=3,
+                     label=f"{runs[0].impl} (reference)")
+        for n, r in enumerate(runs[1:], 1):
+            steps = [s for s in r.steps if s in ref]
+            diffs = [loss - ref[s] for s, loss in zip(r.steps, r.losses) if s in ref]
+            worst = max(map(abs, diffs), default=0.0)
+            ax_diff.plot(steps, diffs, color=f"C{n}", linestyle=dashes[n % 4], marker="ox+"[n % 3],
+                         fillstyle="none", label=f"{r.impl}: " + (
+                             f"at most {worst:.2g} apart" if worst else "identical at every step"))
+        ax_diff.set(xlabel="step", ylabel=f"loss - {runs[0].impl}'s loss",
+                    title=f"loss difference from {runs[0].impl}")
+        ax_diff.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax_diff.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2))
+
+    mems = [r.cuda if cuda else r.rss for r in runs]  # per run: per step, per rank
+    world = max((len(mem[0]) for mem in mems if mem), default=0)
+    each_rank = world <= len(dashes)  # else one line per run: the largest rank's
+    for n, (r, mem) in enumerate(zip(runs, mems)):
+        if each_rank:
+            for k in range(world):
+                ax_mem.plot(r.steps, [m[k] for m in mem], color=f"C{n}", linestyle=dashes[k])
+        else:
+            ax_mem.plot(r.steps, [max(m) for m in mem], color=f"C{n}")
+    # one entry per run (colour) and per rank (line style) rather than one per pair
+    handles = [Line2D([], [], color=f"C{n}", label=r.impl) for n, r in enumerate(runs)]
+    if each_rank:
+        handles += [Line2D([], [], color="grey", linestyle=dashes[k], label=f"rank {k}")
+                    for k in range(world)]
+    else:
+        handles.append(Line2D([], [], color="grey", label="max over ranks"))
+    ax_mem.legend(handles=handles, fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1),
+                  borderaxespad=0)
+    ax_mem.set(xlabel="step", ylabel="MiB",
+               title="allocated CUDA memory" if cuda else "process RSS (resident memory)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # whole steps
+    fig.tight_layout()
+    return fig
 
 
 def default_out_dir() -> Path:
@@ -551,6 +642,11 @@ def report(args: argparse.Namespace, runs: list[RunStats], device: torch.device,
     print(f"\nsummary: {header}, {wall_s:.1f} s in all", flush=True)
     if runs[0].losses:
         print(summary_table(runs, device), flush=True)
+        if len(runs) > 1:
+            print(loss_differences(runs), flush=True)
+            if runs[0].steps[0] != 1:
+                print(f"{', '.join(r.impl for r in runs[1:])} trained from step 1 "
+                      f"({runs[0].impl} resumed after step {runs[0].steps[0] - 1})", flush=True)
         if args.mixed_precision != "none" and any(r.impl == "ddp" for r in runs):
             print("ddp ran in fp32 (DDP has no mixed-precision policy)", flush=True)
     else:
@@ -583,13 +679,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     if args.hsdp:
         mesh = data_mesh(args, device)
         options.append(f"HSDP {mesh.size(0)} replicas x {mesh.size(1)} shards")
-    batch = args.batch_per_rank * args.micro_batches
-    header = (f"{world} ranks on {device.type} ({dist.get_backend()}), {total / 1e6:.2f}M parameters, "
-              f"{args.steps} steps of {batch} x {args.seq} tokens per rank"
-              + (f" ({args.micro_batches} micro-batches)" if args.micro_batches > 1 else "")
-              + f", {', '.join(options)}")
     if rank == 0:
-        print(f"{world} ranks on {device}: {total / 1e6:.2f}M parameters, "
+        print(f"{plural(world, 'rank')} on {device}: {total / 1e6:.2f}M parameters, "
               f"{local / 1e6:.2f}M on this rank", flush=True)
     if args.log_all_ranks:
         say(f"[rank {rank}] {local / 1e6:.2f}M parameters on this rank, "
@@ -607,7 +698,10 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             if rank == 0:
                 say(f"saved {path}")
 
-    runs = [train(args, "fsdp_compose", model, optim, sched, device, state.step + 1, after_step)]
+    first_step = state.step + 1  # after a resume, the step after the checkpoint's
+    header = summary_header(args, world, f"{device.type} ({dist.get_backend()})", total, options,
+                            first_step)
+    runs = [train(args, "fsdp_compose", model, optim, sched, device, first_step, after_step)]
     if args.compare:
         del state, model, optim, sched
         for impl in IMPLS[1:]:

@@ -6,16 +6,15 @@ reduce-scattered after backward, while the original ``nn.Parameter`` objects
 stay registered under their original names.
 """
 
-from ._comm import set_gloo_reduce_scatter_via_all_reduce
-from ._finite import check_finite_gradients
-from ._schedule import PrefetchPolicy
+from .comm.collectives import set_gloo_reduce_scatter_via_all_reduce
+from .checks.finite import check_finite_gradients
 from .api import ShardedParamInfo, fully_shard, param_info
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
 from .full_params import full_params
 from .grad_scaler import ShardedGradScaler
 from .init import materialize, sync_module_states
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from .torch_norms import route_torch_grad_norms
 from .tools import describe, estimate_memory, fully_shard_by, propose_units
 from .sharded_module import ShardedModule, UnshardHandle

@@ -1,4 +1,6 @@
-"""Public API: ``fully_shard`` and the methods an annotated module gains.
+"""Public API: ``fully_shard`` (argument checking; ``_setup.py`` builds the
+unit) and ``param_info``. The methods an annotated module gains are in
+``sharded_module.py``.
 
 Usage (run under ``torchrun``; see ``examples/train_gpt.py``)::
 
@@ -15,21 +17,17 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from ._comm import default_mesh, shard_group_from_mesh
-from ._compose import check_not_replicated, is_replicated
-from ._flat_buffer import FlatBuffer, ParamRecord
-from ._owners import Owner, owner_of, register_owner
-from . import _tensor_parallel
-from ._state import link_annotated_below, register_unit, state_of
-from ._step_guard import install_step_guard
+from ._setup import setup_unit
 from .checkpoint import UnitStateDictHooks
-from ._unit import ShardUnit
+from .checks.replicate import check_not_replicated
+from .comm.groups import default_mesh, shard_group_from_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from .torch_policies import as_mp_policy, as_offload_policy
+from .runtime.owners import owner_of
+from .runtime.state import state_of
+from .sharded_module import check_reshard_after_forward, sharded_class
 from . import torch_norms
-from .sharded_module import _sharded_class, check_reshard_after_forward
+from .torch_policies import as_mp_policy, as_offload_policy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
 
@@ -98,7 +96,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
 
     Raises:
         ValueError / RuntimeError naming the module or parameter and the fix,
-        for misuse (see ``docs/design.md`` section 6).
+        for misuse (see ``docs/errors.md``).
     """
     modules = _as_module_list(module)
     check_reshard_after_forward(reshard_after_forward)
@@ -113,25 +111,12 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     if mesh is not None:
         _check_rank_in_mesh(mesh, modules[0])
     group = shard_group_from_mesh(mesh if mesh is not None else default_mesh())
-    ignored = _ignored_set(ignored_params)
-    managed = _managed_modules(modules)
-    records = _collect_records(modules, managed, ignored)
-    _localize_tensor_parallel(records, group, mp_policy, offload_policy)
-    _check_params(records, group.device)
-    unit = ShardUnit(modules, managed, _group_records(records), group, reshard_after_forward,
-                     mp_policy, offload_policy)
-    if mp_policy is not None and mp_policy.buffer_dtype is not None:
-        _cast_buffers(managed, mp_policy.buffer_dtype)
-    register_owner(unit)
+    unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
+                      reshard_after_forward, mp_policy, offload_policy)
     UnitStateDictHooks(unit)
-    register_unit(module, unit)
-    link_annotated_below(state_of(modules[0]))
-    install_step_guard()
     torch_norms.install()  # torch's clip_grad_norm_ / get_total_norm: global over shards
     for m in modules:
-        m.__class__ = _sharded_class(type(m))
-    if len(modules) == 1:
-        _rename_below(modules[0])
+        m.__class__ = sharded_class(type(m))
     return module
 
 
@@ -147,12 +132,6 @@ def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
     local = buffer.local_slices()[index]
     return ShardedParamInfo(fqn=record.fqn, shape=record.shape, numel=record.shape.numel(),
                             local_numel=local.length, local_offset=local.param_start)
-
-
-def flat_buffer_of(param: nn.Parameter) -> Optional[FlatBuffer]:
-    """The flat buffer that manages ``param`` (for tests and tools)."""
-    entry = owner_of(param)
-    return None if entry is None else entry.buffer
 
 
 # ----------------------------------------------------------------- helpers
@@ -191,151 +170,3 @@ def _ignored_set(ignored_params: Optional[Iterable[nn.Parameter]]) -> set[int]:
             raise TypeError(f"ignored_params must hold nn.Parameter objects, got {type(p).__name__}")
         ignored.add(id(p))
     return ignored
-
-
-def _managed_modules(modules: list[nn.Module]) -> list[nn.Module]:
-    """The given modules and their descendants, minus the subtrees of
-    modules annotated before (they own their parameters already)."""
-    managed: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = list(reversed(modules))
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        managed.append(m)
-        for child in reversed(list(m.children())):
-            if state_of(child) is None and not is_replicated(child):  # replicate() owns those
-                stack.append(child)
-    return managed
-
-
-def _module_names(modules: list[nn.Module]) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for i, top in enumerate(modules):
-        prefix = f"[{i}]." if len(modules) > 1 else ""
-        for name, sub in top.named_modules(remove_duplicate=False):
-            names.setdefault(id(sub), (prefix + name).rstrip("."))
-    return names
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _collect_records(modules: list[nn.Module], managed: list[nn.Module],
-                     ignored: set[int]) -> list[ParamRecord]:
-    names = _module_names(modules)
-    records: dict[int, ParamRecord] = {}
-    for m in managed:
-        for attr, param in m._parameters.items():
-            if param is None or id(param) in ignored:
-                continue
-            fqn = _join(names.get(id(m), ""), attr)
-            if id(param) in records:
-                records[id(param)].slots.append((m, attr))
-                continue
-            owner = owner_of(param)
-            if owner is not None:
-                _raise_already_owned(fqn, owner, m, names)
-            records[id(param)] = ParamRecord(param=param, slots=[(m, attr)], fqn=fqn,
-                                             shape=param.shape)
-    return list(records.values())
-
-
-def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
-                         names: dict[int, str]) -> None:
-    record = owner.buffer.records[owner.index]
-    if any(module is m for m in owner.unit.managed_modules):
-        raise ValueError(
-            f"parameter '{record.fqn}' (here '{fqn}') is already managed by an earlier "
-            f"fully_shard call on an ancestor, {owner.unit.name}. Annotate bottom-up: call "
-            "fully_shard on children before their parents.")
-    owner_module, owner_attr = record.slots[0]
-    other = _join(names[id(owner_module)], owner_attr) if id(owner_module) in names else record.fqn
-    raise ValueError(
-        f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
-        f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head). A "
-        "shared parameter must live in one unit that is unsharded wherever it is used: annotate "
-        "the common ancestor of both modules instead of the module that holds it, or pass it "
-        "in ignored_params.")
-
-
-def _localize_tensor_parallel(records: list[ParamRecord], group, mp_policy, offload_policy) -> None:
-    """Replace every tensor-parallel (``DTensor``) parameter by a new plain
-    parameter of its TP-local values under the same name(s); the record
-    keeps what forward needs to present it as a ``DTensor`` again (see
-    ``_tensor_parallel.py``: a DTensor parameter cannot keep its identity)."""
-    tp_records = [r for r in records if isinstance(r.param, DTensor)]
-    if not tp_records:
-        return
-    _tensor_parallel.check_policies(tp_records[0].fqn, mp_policy is not None,
-                                    offload_policy is not None)
-    for r in tp_records:
-        r.param, r.tp = _tensor_parallel.localize(r.param, r.fqn, group)
-        r.shape = r.param.shape
-        for module, attr in r.slots:
-            module._parameters[attr] = r.param
-
-
-def _check_params(records: list[ParamRecord], device: torch.device) -> None:
-    """Reject what cannot be sharded, naming the parameter and the fix."""
-    devices: dict[torch.device, str] = {}
-    for r in records:
-        devices.setdefault(r.param.device, r.fqn)
-    if len(devices) > 1 and torch.device("meta") in devices:
-        real = next(fqn for dev, fqn in devices.items() if dev.type != "meta")
-        meta = devices[torch.device("meta")]
-        raise ValueError(
-            f"fully_shard got a unit with parameters on the meta device ('{meta}') "
-            f"and materialised ones ('{real}'); build the whole module on the meta device (then "
-            "fsdp_compose.materialize(model) after fully_shard), or on a real device.")
-    if len(devices) > 1:
-        listing = ", ".join(f"'{fqn}' on {dev}" for dev, fqn in devices.items())
-        raise ValueError(f"parameters of one fully_shard unit are on different devices ({listing});"
-                         " move the module to one device first (module.to(device)).")
-    for r in records:
-        p = r.param
-        if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"parameter '{r.fqn}' has layout {p.layout}; fully_shard needs dense "
-                             "(strided) parameters. Convert it, or pass it in ignored_params.")
-        if not p.is_contiguous():
-            raise ValueError(f"parameter '{r.fqn}' is not contiguous (strides {p.stride()}); "
-                             "make it contiguous (param.data = param.data.contiguous()) before "
-                             "fully_shard.")
-        if p.device.type not in (device.type, "cpu", "meta"):
-            raise ValueError(f"parameter '{r.fqn}' is on {p.device} but the mesh computes on "
-                             f"{device}; move the module to the mesh's device (or pass a "
-                             "matching mesh).")
-    for r in records:
-        r.param.grad = None  # a gradient of the unsharded shape means nothing once sharded
-
-
-def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
-    for m in modules:
-        for name, buf in m._buffers.items():
-            if buf is not None and buf.is_floating_point():
-                m._buffers[name] = buf.to(dtype)
-
-
-def _group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
-    """One group per (dtype, requires_grad), in order of first appearance, so
-    frozen parameters never cost gradient memory or reduce-scatter volume."""
-    groups: dict[tuple[torch.dtype, bool], list[ParamRecord]] = {}
-    for r in records:
-        groups.setdefault((r.param.dtype, r.param.requires_grad), []).append(r)
-    return list(groups.values())
-
-
-def _rename_below(top: nn.Module) -> None:
-    """Make the FQNs of every unit below ``top`` relative to ``top``."""
-    names = {id(m): n for n, m in top.named_modules(remove_duplicate=False)}
-    for name, sub in top.named_modules():
-        state = state_of(sub)
-        if state is None or state.unit.modules[0] is not sub:
-            continue
-        for buffer in state.unit.buffers:
-            for record in buffer.records:
-                module, attr = record.slots[0]
-                record.fqn = _join(names.get(id(module), name), attr)

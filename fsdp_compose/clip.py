@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._comm import ShardGroup
-from ._owners import owner_of
-from ._tensor_parallel import norm_process_group
+from .buffers.tensor_parallel import norm_process_group
+from .comm.groups import ShardGroup
+from .runtime.owners import owner_of
 
 __all__ = ["clip_grad_norm_", "param_norms"]
 

@@ -38,7 +38,6 @@ one unit at a time. Gradients (``.grad``) stay the sharded views they were.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Iterator, NamedTuple, Optional
 
 import torch
@@ -46,10 +45,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._comm import all_gather_fingerprints, fingerprint_ranks
-from ._flat_buffer import FlatBuffer
-from ._state import state_of, units_below
-from ._unit import ShardUnit, TrainingState
+from .buffers.flat_buffer import FlatBuffer
+from .comm.agreement import disagreement, fingerprint_of
+from .runtime.state import state_of, units_below
+from .runtime.training_state import TrainingState
+from .runtime.unit import ShardUnit
 
 __all__ = ["full_params"]
 
@@ -152,11 +152,11 @@ def _check_can_hold(units: list[ShardUnit]) -> None:
             raise RuntimeError(
                 f"full_params: {unit.name} (parameter '{_first_fqn(unit)}') is already held whole "
                 "by an enclosing full_params block; nest no second block over the same units.")
-        if unit.state is not TrainingState.IDLE or any(
+        if unit.training_state is not TrainingState.IDLE or any(
                 b.is_gathering or b.grad.is_reducing for b in unit.buffers):
             raise RuntimeError(
                 f"full_params: {unit.name} (parameter '{_first_fqn(unit)}') is in its "
-                f"{unit.state.name.lower()} or has collectives in flight; use full_params "
+                f"{unit.training_state.name.lower()} or has collectives in flight; use full_params "
                 "between iterations (after backward and the optimizer step), not inside a "
                 "forward or backward.")
         if unit.is_unsharded and unit.backward_possible:
@@ -242,23 +242,22 @@ def _point_params_at_shard(buffer: FlatBuffer) -> None:
 
 
 def _fingerprint(full: list[Optional[torch.Tensor]]) -> int:
-    """Sums over all elements and every other one, in the values' own
+    """Of sums over all elements and every other one, in the values' own
     dtype: identical values give identical sums."""
-    sums = [(float(t.sum()), float(t[::2].sum())) for t in full if t is not None]
-    return int.from_bytes(hashlib.sha256(repr(sums).encode()).digest()[:8], "little") >> 1
+    return fingerprint_of(repr([(float(t.sum()), float(t[::2].sum()))
+                                for t in full if t is not None]))
 
 
 def _check_same_values(held: list[_Held]) -> None:
     for unit, full in held:
         if not unit.buffers:
             continue
-        every = all_gather_fingerprints(_fingerprint(full), unit.group)
-        if len(set(every)) > 1:
-            ranks = fingerprint_ranks(unit.group)
-            differing = sorted({ranks[i] for i, f in enumerate(every) if f != every[0]})
+        differ = disagreement(_fingerprint(full), unit.group)
+        if differ is not None:
             raise RuntimeError(
-                f"full_params(writeback=True): ranks {differing} hold different values than rank "
-                f"{ranks[0]} for {unit.name} (parameters from '{_first_fqn(unit)}') at the end "
-                "of the block, so each rank's kept slice would come from a different model; "
-                "nothing was written back. Write the same values on every rank (seed every rank "
-                "the same before random initialisation), or use writeback=False.")
+                f"full_params(writeback=True): ranks {differ.differing} hold different values "
+                f"than rank {differ.reference} for {unit.name} (parameters from "
+                f"'{_first_fqn(unit)}') at the end of the block, so each rank's kept slice would "
+                "come from a different model; nothing was written back. Write the same values "
+                "on every rank (seed every rank the same before random initialisation), or use "
+                "writeback=False.")

@@ -33,7 +33,6 @@ every rank instead of silently mixing slices of different initialisations.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from typing import Callable, Optional
 
@@ -41,10 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._comm import all_gather_fingerprints, backend_device, fingerprint_ranks
-from ._owners import owner_of
-from ._state import units_below
-from ._unit import ShardUnit
+from .comm.agreement import disagreement, fingerprint_of
+from .comm.groups import backend_device
+from .runtime.owners import owner_of
+from .runtime.state import units_below
+from .runtime.tensors import swapping_params_on_conversion
+from .runtime.unit import ShardUnit
 
 InitFn = Callable[[nn.Module], None]
 
@@ -167,17 +168,14 @@ def _checksum(values: torch.Tensor) -> tuple[float, float]:
 
 
 def _check_same_values(unit: ShardUnit, full: list[torch.Tensor]) -> None:
-    digest = hashlib.sha256(repr([_checksum(values) for values in full]).encode())
-    fingerprint = int.from_bytes(digest.digest()[:8], "little") >> 1
-    every = all_gather_fingerprints(fingerprint, unit.group)
-    if len(set(every)) > 1:
-        ranks = fingerprint_ranks(unit.group)
-        differing = sorted({ranks[i] for i, f in enumerate(every) if f != every[0]})
+    differ = disagreement(fingerprint_of(repr([_checksum(values) for values in full])), unit.group)
+    if differ is not None:
         raise RuntimeError(
-            f"materialize: ranks {differing} initialised different values than rank {ranks[0]} for "
-            f"{unit.name} (first parameter '{unit.buffers[0].records[0].fqn}'). Seed every "
-            "rank the same (torch.manual_seed(seed)) before materialize, and use an init_fn "
-            "that depends only on the module.")
+            f"materialize: ranks {differ.differing} initialised different values than rank "
+            f"{differ.reference} for {unit.name} (first parameter "
+            f"'{unit.buffers[0].records[0].fqn}'). Seed every rank the same "
+            "(torch.manual_seed(seed)) before materialize, and use an init_fn that depends "
+            "only on the module.")
 
 
 def _initialiser(module: nn.Module, init_fn: Optional[InitFn]) -> Optional[Callable[[], None]]:
@@ -210,12 +208,8 @@ def allocate_meta(module: nn.Module, device: Optional[torch.device] = None) -> N
         device = units[0].group.device if units else torch.device("cpu")
     # A meta Parameter cannot take `.data = <real tensor>`: without swapping,
     # torch would register new Parameter objects for unannotated parameters.
-    swapping = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
+    with swapping_params_on_conversion():
         module.to_empty(device=device)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def _allocate(module: nn.Module, table: dict, name: str, tensor: torch.Tensor,

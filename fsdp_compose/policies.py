@@ -1,4 +1,5 @@
-"""Policies passed to ``fully_shard``: mixed precision and CPU offload.
+"""Policies: mixed precision and CPU offload (``fully_shard``'s arguments) and
+prefetching (``set_prefetch_policy`` on the root).
 
 Frozen dataclasses, so one policy object can be shared by many units.
 """
@@ -85,3 +86,39 @@ class CPUOffloadPolicy:
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How far communication runs ahead of computation.
+
+    Attributes:
+        forward: before a unit's forward, issue the all-gather of the unit
+            that ran after it in the previous iteration's forward.
+        backward: when a unit's backward starts, issue the all-gather of the
+            unit that ran before it in this iteration's forward (before this
+            unit's own reduce-scatter).
+        max_inflight_all_gathers: at most this many all-gathers issued and
+            not yet waited on (the current unit's included). Unsharded units
+            beyond the root: at most this many in forward; in backward one
+            more, the unit whose gradient is still being accumulated.
+        max_pending_reduces: at most this many reduce-scatters in flight;
+            the oldest is waited on when a new one is issued (each holds a
+            full flat gradient alive until it completes).
+        retain_staging: CPU only: keep the staging pool's memory (the
+            largest unsharded working set) between iterations, so that the
+            next forward faults in no pages for it; ``False`` (default)
+            releases it at the end of each iteration, so nothing unsharded
+            is held between steps (see ``buffers/staging.py``).
+    """
+
+    forward: bool = True
+    backward: bool = True
+    max_inflight_all_gathers: int = 2
+    max_pending_reduces: int = 1
+    retain_staging: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_all_gathers < 1 or self.max_pending_reduces < 1:
+            raise ValueError("PrefetchPolicy limits must be >= 1, got "
+                             f"{self.max_inflight_all_gathers} and {self.max_pending_reduces}")

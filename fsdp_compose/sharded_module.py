@@ -1,7 +1,7 @@
 """The methods every module annotated by ``fully_shard`` gains.
 
 ``fully_shard`` makes the module's class a dynamic subclass of its own class
-and :class:`ShardedModule` (``_sharded_class``); the methods have FSDP2's
+and :class:`ShardedModule` (``sharded_class``); the methods have FSDP2's
 names and meaning, duck-typed (annotated modules are not torch's
 ``FSDPModule``). Each one routes to the ``_ShardState`` of the module or of
 every unit in its subtree.
@@ -14,9 +14,13 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ._schedule import PrefetchPolicy
-from ._state import _ShardState, state_of
-from ._unit import ShardUnit
+from .checks.divergence import DivergenceMonitor
+from .checks.finite import check_finite_gradients
+from .clip import clip_grad_norm_
+from .policies import PrefetchPolicy
+from .runtime.state import ShardContext, _ShardState, state_of, states_below
+from .runtime.tensors import swapping_params_on_conversion
+from .runtime.unit import ShardUnit
 
 
 class UnshardHandle:
@@ -87,10 +91,16 @@ class ShardedModule:
 
     def set_prefetch_policy(self, policy: PrefetchPolicy) -> None:
         """Set forward/backward prefetch and the in-flight limits for the
-        whole model this module belongs to (call it on the root)."""
+        whole model this module belongs to (meant for the root; made on
+        another module before the first forward, the root applies it to the
+        whole model, and different values on two modules raise there)."""
         if not isinstance(policy, PrefetchPolicy):
             raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
-        _own_state(self).unit.scheduler.policy = policy
+
+        def apply(context: ShardContext) -> None:
+            context.scheduler.policy = policy
+
+        _own_state(self).change_model_setting("set_prefetch_policy", policy, apply)
 
     def set_reshard_after_forward(self, reshard_after_forward: Union[bool, int],
                                   recurse: bool = True) -> None:
@@ -177,7 +187,8 @@ class ShardedModule:
         step; nothing when off (the default). The model is usable after
         the error: zero the gradients and skip the step. See
         :func:`fsdp_compose.check_finite_gradients` to check on demand."""
-        _own_state(self).check_finite = bool(enabled)
+        _own_state(self).after_last_backward = \
+            (lambda: check_finite_gradients(self)) if enabled else None
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -206,17 +217,25 @@ class ShardedModule:
         ``FSDP_COMPOSE_CHECK_ORDER=1`` is set; ``False``: never. Call it on
         the root; it takes effect at the next forward of the root. The
         end-of-backward fingerprint check is always on (no extra
-        collective). See [Note: rank divergence] in ``_divergence.py``."""
+        collective). See [Note: rank divergence] in ``checks/divergence.py``.
+        Made on another module before the first forward, the root applies it
+        to the whole model (different values on two modules raise there)."""
         if enable is not None and not isinstance(enable, bool):
             raise TypeError(f"set_check_rank_divergence expects a bool or None, got {enable!r}")
-        _own_state(self).unit.scheduler.divergence.forced = enable
+
+        def apply(context: ShardContext) -> None:
+            observer = context.scheduler.observer
+            assert isinstance(observer, DivergenceMonitor), \
+                f"fully_shard installs a DivergenceMonitor, found {type(observer).__name__}"
+            observer.forced = enable
+
+        _own_state(self).change_model_setting("set_check_rank_divergence", enable, apply)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter of this module by their
         total norm over all ranks, like FSDP1's method (torch's
         ``nn.utils.clip_grad_norm_`` would see only this rank's shards).
         Returns the total norm. See :func:`fsdp_compose.clip_grad_norm_`."""
-        from .clip import clip_grad_norm_  # clip.py builds on this module
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def __new__(cls, *args, **kwargs):
@@ -259,16 +278,14 @@ class ShardedModule:
         # Leaving the meta device (to_empty) cannot use `param.data = ...`; torch
         # would register new Parameter objects. swap_tensors keeps identity.
         leaving_meta = any(buffer.is_meta for unit in units for buffer in unit.buffers)
-        swapping = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(swapping or leaving_meta)
         _converting.append(self)
         try:
-            result = super()._apply(fn, recurse)  # type: ignore[misc]
+            with swapping_params_on_conversion(leaving_meta):
+                result = super()._apply(fn, recurse)  # type: ignore[misc]
         finally:
             _converting.pop()
-            torch.__future__.set_swap_module_params_on_conversion(swapping)
         for unit in units:
-            unit.adopt_converted_params()
+            unit.rebuild_after_conversion()
         return result
 
 
@@ -277,7 +294,8 @@ _converting: list[nn.Module] = []
 """The outermost ``ShardedModule._apply`` in progress (empty: none)."""
 
 
-def _sharded_class(cls: type) -> type:
+def sharded_class(cls: type) -> type:
+    """The dynamic subclass of ``cls`` and :class:`ShardedModule` (one per class)."""
     if issubclass(cls, ShardedModule):
         return cls
     if cls not in _SHARDED_CLASSES:
@@ -294,14 +312,7 @@ def _own_state(module: nn.Module) -> _ShardState:
 
 
 def _states(module: nn.Module, recurse: bool) -> list[_ShardState]:
-    if not recurse:
-        return [_own_state(module)]
-    seen: dict[int, _ShardState] = {}
-    for sub in module.modules():
-        state = state_of(sub)
-        if state is not None:
-            seen.setdefault(id(state), state)
-    return list(seen.values())
+    return states_below((module,)) if recurse else [_own_state(module)]
 
 
 def check_reshard_after_forward(value: object) -> None:

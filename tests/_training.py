@@ -244,17 +244,17 @@ def assert_parity(results: list[dict], reference: dict, atol: float = 1e-5) -> f
 def gather_master_params(model: nn.Module) -> dict:
     """Full-precision full values of every parameter, gathered from the
     sharded master copies (``unshard()`` would give the compute dtype)."""
-    from fsdp_compose.api import flat_buffer_of
+    from tests._owners import buffer_of
     gathered = {}
     for name, p in model.named_parameters():
-        buffer = flat_buffer_of(p)
+        buffer = buffer_of(p)
         if id(buffer) not in gathered:
             full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype)
             dist.all_gather_into_tensor(full, buffer.sharded.detach().cpu())
             gathered[id(buffer)] = full
     out = {}
     for name, p in model.named_parameters():
-        buffer = flat_buffer_of(p)
+        buffer = buffer_of(p)
         index = next(i for i, r in enumerate(buffer.records) if r.param is p)
         offset, numel = buffer.layout.offsets[index], buffer.layout.numels[index]
         out[name] = gathered[id(buffer)][offset:offset + numel].view(buffer.layout.shapes[index]).clone()

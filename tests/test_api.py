@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose import ShardedModule, fully_shard, param_info
-from fsdp_compose.api import flat_buffer_of
+from tests._owners import buffer_of
 from fsdp_compose.testing import GPT
 from tests._training import shard_blocks_and_root
 from tests.harness import run_distributed
@@ -76,7 +76,7 @@ def manual_unshard_reshard():
     assert model.blocks[0].attn.qkv.weight.ndim == 1  # other units stay sharded
     model.blocks[1].reshard()
     assert model.blocks[1].attn.qkv.weight is originals["blocks.1.attn.qkv.weight"]
-    assert flat_buffer_of(originals["blocks.1.attn.qkv.weight"]).unsharded.untyped_storage().nbytes() == 0
+    assert buffer_of(originals["blocks.1.attn.qkv.weight"]).unsharded.untyped_storage().nbytes() == 0
 
     model.unshard(recurse=True)
     for name, want in reference.items():
@@ -141,7 +141,7 @@ def output_containers(kind):
     fully_shard(model)
     x = torch.randn(world * 2, 6, generator=torch.Generator().manual_seed(1))
     out = model(x[rank * 2:(rank + 1) * 2], kind)
-    buffers = {id(flat_buffer_of(p)): flat_buffer_of(p) for p in model.parameters()}.values()
+    buffers = {id(buffer_of(p)): buffer_of(p) for p in model.parameters()}.values()
     if kind == "nograd":
         assert not any(b.is_unsharded for b in buffers), "no backward can come: all resharded"
         return True
@@ -172,7 +172,7 @@ def no_grad_and_eval_forward():
         model(tokens)
     with torch.inference_mode():
         model(tokens)
-    buffers = {id(flat_buffer_of(p)): flat_buffer_of(p) for p in model.parameters()}.values()
+    buffers = {id(buffer_of(p)): buffer_of(p) for p in model.parameters()}.values()
     return [b.is_unsharded for b in buffers]
 
 

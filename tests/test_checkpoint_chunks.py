@@ -17,7 +17,7 @@ import math
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fsdp_compose._layout import FlatLayout
+from fsdp_compose.buffers.layout import FlatLayout
 from fsdp_compose.checkpoint._chunks import chunk_shape, dim0_rows, exchange_plan
 
 # 0-dim shapes, 0-size dims, dim 0 below the world size, 1-D .. 3-D

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import PrefetchPolicy
-from fsdp_compose.api import flat_buffer_of
-from fsdp_compose._unit import TrainingState
-from fsdp_compose._state import state_of
+from tests._owners import buffer_of
+from fsdp_compose.runtime.training_state import TrainingState
+from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import (RECIPES, build_model, freeze_like_lora, global_batch,
                              make_optimizer, shard_blocks_and_root)
@@ -25,7 +25,7 @@ from tests.harness import run_distributed
 def _buffers(model):
     seen = {}
     for p in model.parameters():
-        b = flat_buffer_of(p)
+        b = buffer_of(p)
         if b is not None:
             seen[id(b)] = b
     return list(seen.values())
@@ -161,7 +161,7 @@ def memory_invariants():
     optim.step()
 
     report = {"peak_unsharded_units": max(peak_unsharded_units),
-              "states": {u.name: u.state for u in units}}
+              "states": {u.name: u.training_state for u in units}}
     for b in _buffers(model):
         assert b.unsharded.untyped_storage().nbytes() == 0, f"{b} keeps unsharded storage"
         assert not b.is_unsharded
@@ -169,7 +169,7 @@ def memory_invariants():
             assert b.grad.sharded_grad is None, "frozen buffer allocated a gradient"
         assert b.sharded.numel() == b.layout.shard_numel
     for name, p in model.named_parameters():
-        b = flat_buffer_of(p)
+        b = buffer_of(p)
         assert p.untyped_storage().data_ptr() == b.sharded.untyped_storage().data_ptr(), name
         if not p.requires_grad:
             assert p.grad is None, f"frozen {name} has a gradient"
@@ -208,7 +208,6 @@ def staging_pool_is_reused(retain: bool):
     RECIPES["blocks+root"](model)
     model.set_prefetch_policy(PrefetchPolicy(retain_staging=retain))
     optim = make_optimizer(model, "sgd")
-    pool = state_of(model).unit.scheduler.staging  # the root's, shared at lazy init
     sizes = []
     for step in range(3):
         x, y = global_batch(step, world, "plain")
@@ -216,6 +215,7 @@ def staging_pool_is_reused(retain: bool):
         model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         optim.step()
         optim.zero_grad()
+        pool = state_of(model).context.scheduler.staging  # the model's, built at lazy init
         sizes.append(pool.pooled_bytes)
     root_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model).unit.buffers)
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)

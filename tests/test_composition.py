@@ -14,7 +14,7 @@ from tests import _hf  # first: it keeps transformers off the hub
 pytest.importorskip("transformers")
 
 from fsdp_compose import fully_shard  # noqa: E402
-from fsdp_compose.api import flat_buffer_of  # noqa: E402
+from tests._owners import buffer_of  # noqa: E402
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter  # noqa: E402
 from tests._training import make_optimizer  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
@@ -78,7 +78,7 @@ def _train_with_ac(how, lora=False):
     annotate_with_ac(model, how)
     optim = make_optimizer(model, "adamw")
     bases = {id(b): b.unsharded for p in model.parameters()
-             if (b := flat_buffer_of(p)) is not None}.values()
+             if (b := buffer_of(p)) is not None}.values()
     losses, stats = [], {}
     for step in range(3):
         ids = _hf.local(_hf.batch(step, world), rank, world)
@@ -200,7 +200,7 @@ def _train_replicate(how):
         losses.append(loss.item())
     return {"losses": losses, "params": _hf.full_params(model),
             "sharded": sorted(n for n, p in model.named_parameters()
-                              if flat_buffer_of(p) is not None),
+                              if buffer_of(p) is not None),
             "collectives": {str(op).split(".")[-2]: n for op, n in comm.counts.items()}}
 
 

@@ -189,7 +189,7 @@ def step_after_unsharded_idle_is_fine():
 def submodule_before_root_forward():
     """A unit's forward before its root's first forward sets up the whole
     model from the root: it is not a root of its own afterwards."""
-    from fsdp_compose._state import state_of
+    from fsdp_compose.runtime.state import state_of
     model = GPT()
     shard_blocks_and_root(model)
     with torch.no_grad():

@@ -223,7 +223,7 @@ def reshard_after_forward_recurse(recurse_args: tuple) -> list[int]:
 
 
 def _force_sum_flags(model: nn.Module, recurse_args: tuple) -> list[int]:
-    from fsdp_compose._state import state_of
+    from fsdp_compose.runtime.state import state_of
     model.set_force_sum_reduction_for_comms(True, recurse=bool(recurse_args[0]) if recurse_args
                                             else True)
     return [int(state_of(m).unit.reduce_options.force_sum) for m in (model.blocks[0], model)]

@@ -74,9 +74,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compose import PrefetchPolicy, fully_shard, materialize, param_info
-from fsdp_compose._state import units_below
-from fsdp_compose._unit import TrainingState
-from fsdp_compose.api import flat_buffer_of
+from fsdp_compose.runtime.state import units_below
+from fsdp_compose.runtime.training_state import TrainingState
+from tests._owners import buffer_of
 from tests.harness import run_distributed
 
 ATOL = 1e-5  # fp32, as tests/test_parity.py
@@ -319,9 +319,9 @@ def _check_idle(model: nn.Module, originals: dict[str, nn.Parameter], where: str
     for name, p in model.named_parameters():
         assert p is originals[name], f"rank {rank}: {name} is not the original parameter {where}"
     for unit in units_below(model):
-        assert unit.state is TrainingState.IDLE, f"rank {rank}: {unit.name} {unit.state} {where}"
+        assert unit.training_state is TrainingState.IDLE, f"rank {rank}: {unit.name} {unit.training_state} {where}"
     for p in model.parameters():
-        buffer = flat_buffer_of(p)
+        buffer = buffer_of(p)
         if buffer is not None and not buffer.aliased:
             held = buffer.unsharded.untyped_storage().nbytes()
             assert held == 0, f"rank {rank}: {param_info(p).fqn} unsharded ({held} B) {where}"

@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from fsdp_compose import fully_shard, param_info, register_forward_method  # noqa: E402
-from fsdp_compose.api import flat_buffer_of  # noqa: E402
-from fsdp_compose._state import state_of  # noqa: E402
+from tests._owners import buffer_of  # noqa: E402
+from fsdp_compose.runtime.state import state_of  # noqa: E402
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter  # noqa: E402
 from tests._training import make_optimizer  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
@@ -44,7 +44,7 @@ def _train(tie, lora, optim_name):
         model, options=StateDictOptions(full_state_dict=True))
     root = state_of(model).unit
     result["root_owns"] = sorted(n for n, p in model.named_parameters()
-                                 if any(flat_buffer_of(p) is b for b in root.buffers))
+                                 if any(buffer_of(p) is b for b in root.buffers))
     return result
 
 
@@ -136,7 +136,7 @@ def _lora_step_traffic():
     # after one more backward (no optimizer step yet), gradients are in place
     _hf.lm_loss(model, _hf.local(_hf.batch(3, world), rank, world)).backward()
     with_grad = sorted(names[p] for p in model.parameters() if p.grad is not None)
-    buffers = {id(b): b for p in model.parameters() if (b := flat_buffer_of(p)) is not None}
+    buffers = {id(b): b for p in model.parameters() if (b := buffer_of(p)) is not None}
     frozen = [b for b in buffers.values() if not b.requires_grad]
     optim_state = sorted(names[p] for p in optim.state)
     optim.zero_grad()

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_compose import fully_shard
-from fsdp_compose._state import state_of
+from fsdp_compose.runtime.state import state_of
 from tests._comm_counter import CollectiveCounter
 from tests._training import (CFG, build_model, global_batch, make_optimizer, train_reference,
                              _local)

@@ -3,7 +3,7 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fsdp_compose._layout import FlatLayout
+from fsdp_compose.buffers.layout import FlatLayout
 
 shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1, max_size=8)
 world_st = st.integers(1, 16)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from fsdp_compose.api import flat_buffer_of
+from tests._owners import buffer_of
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests._training import build_model, gather_master_params, global_batch, make_optimizer
 from tests.harness import run_distributed
@@ -61,9 +61,9 @@ def train_mixed(recipe, low, reduce, offload, optim_name, comm_dtype=None, micro
                 loss = model.loss(xm, ym) / micro
                 loss.backward()
             if not last:  # the no-sync sum of micro-batches
-                accumulators |= {str(flat_buffer_of(p).grad._accumulated.dtype)
+                accumulators |= {str(buffer_of(p).grad._accumulated.dtype)
                                  for p in model.parameters()
-                                 if flat_buffer_of(p).grad._accumulated is not None}
+                                 if buffer_of(p).grad._accumulated is not None}
             step_loss += loss.detach().float().item()
         comm = counter
         optim.step()
@@ -199,7 +199,7 @@ def buffer_dtype_and_output_dtype():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16, output_dtype=FP16,
                                                      buffer_dtype=BF16))
-    buffers = flat_buffer_of(model[0].weight)
+    buffers = buffer_of(model[0].weight)
     out = model(torch.randn(3, 4))
     return (out.dtype, model[1].running_mean.dtype, buffers.compute_dtype, buffers.dtype)
 

@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
-from fsdp_compose._layout import FlatLayout
+from fsdp_compose.buffers.layout import FlatLayout
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 from fsdp_compose.tools.planner import (MemoryEstimate, default_units, estimate_memory,
                                         propose_units)
@@ -194,9 +194,9 @@ def _grad_bytes(model: nn.Module) -> int:
 
 
 def _flat_buffers(model):
-    from fsdp_compose.api import flat_buffer_of
+    from tests._owners import buffer_of
     return list({id(b): b for p in model.parameters()
-                 if (b := flat_buffer_of(p)) is not None}.values())
+                 if (b := buffer_of(p)) is not None}.values())
 
 
 # ------------------------------------------------------------ validation
@@ -350,8 +350,8 @@ def test_bf16_halves_the_unsharded_bytes():
 
 def test_offload_moves_the_persistent_bytes_to_the_cpu():
     model = _small_gpt()
-    device = estimate_memory(model, 4)
-    offload = estimate_memory(model, 4, offload=True)
+    device = estimate_memory(model, 4, backend="nccl")
+    offload = estimate_memory(model, 4, offload=True, backend="nccl")
     assert device.cpu_bytes == 0
     assert offload.cpu_bytes == offload.persistent == device.persistent
     assert offload.peak_parts.sharded_state == offload.peak_parts.grads == 0
@@ -408,8 +408,8 @@ def test_propose_units():
 
 
 def _all_levels(model):
-    from fsdp_compose.tools.planner import _granularities
-    return list(_granularities(model))
+    from fsdp_compose.tools.planner.units import granularities
+    return list(granularities(model))
 
 
 def test_report():
@@ -417,7 +417,37 @@ def test_report():
     text = str(est)
     for row in ("sharded parameters", "optimizer state", "total peak", "largest unit <root>"):
         assert row.split()[0] in text
+    # no CUDA here: the default backend is gloo, and the table says it assumed it
+    assert est.backend == "gloo" and est.backend_assumed
+    assert "(gloo, assumed: no CUDA on this machine)" in text.splitlines()[0]
+    given = str(estimate_memory(_small_gpt(), 8, backend="nccl"))
+    assert given.splitlines()[0].endswith("ranks (nccl)")
     import json
     data = json.loads(json.dumps(est.to_dict()))
     assert data["total_peak"] == sum(data["peak_parts"].values()) == est.total_peak
     assert isinstance(est, MemoryEstimate)
+
+
+def _kib(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"B": 1 / 1024, "KiB": 1, "MiB": 1024, "GiB": 1024 ** 2}[unit]
+
+
+def test_report_peak_parts_add_up_and_activations_are_labelled():
+    """The table names what the peak leaves out, and its breakdown line adds
+    up to the total peak (with activations the total is not the state peak
+    plus activations: they peak at different moments)."""
+    model = _small_gpt()
+    x = torch.randint(0, 97, (2, 16))
+    est = estimate_memory(model, 2, backend="nccl", batch_fn=lambda m: m(x).sum())
+    lines = str(est).splitlines()
+    rows = {line[:33].strip(): line[33:].strip() for line in lines[1:]}
+    assert "peak w/o staging, activations" in rows
+    assert rows["activations"].endswith("(saved by one batch's forward)")
+    total = _kib(rows["total peak"].split(" at ")[0])
+    parts = rows[""].removeprefix("= ").split(" + ")
+    summed = sum(_kib(" ".join(part.split()[-2:])) for part in parts)
+    assert [" ".join(part.split()[:-2]) for part in parts] == \
+        ["state", "grads", "working set", "staging", "activations"]
+    assert summed == pytest.approx(total, abs=0.05), (summed, total, lines)
+    assert est.total_peak == sum(est.peak_parts)

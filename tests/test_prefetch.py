@@ -7,9 +7,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose import PrefetchPolicy, fully_shard
-from fsdp_compose._flat_buffer import FlatBuffer
-from fsdp_compose._schedule import Scheduler
-from fsdp_compose.api import flat_buffer_of
+from fsdp_compose.buffers.flat_buffer import FlatBuffer
+from fsdp_compose.runtime.scheduler import Scheduler
+from tests._owners import buffer_of
 from tests._training import build_model, global_batch, make_optimizer, shard_blocks_and_root
 from tests.harness import run_distributed
 
@@ -102,8 +102,8 @@ def control_flow_changes():
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Switchable()
     shard_blocks_and_root(model)
-    names = {id(flat_buffer_of(b.weight)): f"b{i}" for i, b in enumerate(model.blocks)}
-    names[id(flat_buffer_of(model.inp.weight))] = "root"
+    names = {id(buffer_of(b.weight)): f"b{i}" for i, b in enumerate(model.blocks)}
+    names[id(buffer_of(model.inp.weight))] = "root"
     log = []
     forward_targets, backward_targets = Scheduler.forward_targets, Scheduler.backward_targets
 
@@ -130,7 +130,7 @@ def control_flow_changes():
             optim.step()
             optim.zero_grad()
             losses.append(loss.detach())
-            left = [b for b in {id(flat_buffer_of(p)): flat_buffer_of(p)
+            left = [b for b in {id(buffer_of(p)): buffer_of(p)
                                 for p in model.parameters()}.values()
                     if b.is_unsharded or b.is_gathering]
             assert not left, f"step {step}: {left} still unsharded"
@@ -198,8 +198,8 @@ def explicit_prefetch():
     seen = []
 
     def probe(module, args):
-        seen.append(flat_buffer_of(model.blocks[2].ln1.weight).is_gathering
-                    or flat_buffer_of(model.blocks[2].ln1.weight).is_unsharded)
+        seen.append(buffer_of(model.blocks[2].ln1.weight).is_gathering
+                    or buffer_of(model.blocks[2].ln1.weight).is_unsharded)
     model.blocks[1].register_forward_pre_hook(probe)
     tokens = torch.randint(97, (2, 16))
     model.loss(tokens, tokens).backward()
@@ -215,7 +215,7 @@ def async_unshard():
     fully_shard(model.blocks[0])
     fully_shard(model)
     handle = model.unshard(async_op=True, recurse=True)
-    in_flight = flat_buffer_of(model.blocks[0].ln1.weight).is_gathering
+    in_flight = buffer_of(model.blocks[0].ln1.weight).is_gathering
     handle.wait()
     full = model.blocks[0].attn.qkv.weight.shape
     model.reshard(recurse=True)

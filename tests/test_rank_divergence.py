@@ -20,8 +20,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
-from fsdp_compose._divergence import CHECK_ENV
-from fsdp_compose._schedule import PrefetchPolicy
+from fsdp_compose.checks.divergence import CHECK_ENV
+from fsdp_compose.policies import PrefetchPolicy
 from tests._comm_counter import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter
 from tests._training import make_optimizer
 from tests.harness import run_distributed

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import check_finite_gradients, param_info
-from fsdp_compose._state import units_below
-from fsdp_compose._unit import TrainingState
+from fsdp_compose.runtime.state import units_below
+from fsdp_compose.runtime.training_state import TrainingState
 from tests._comm_counter import ALL_REDUCE as AR, CollectiveCounter
 from tests._training import (build_model, gather_master_params, local_batch, make_optimizer,
                              shard_blocks_and_root)
@@ -53,7 +53,7 @@ def _arm(model, where: str, armed: dict) -> None:
 
 def _assert_clean(model) -> None:
     for unit in units_below(model):
-        assert unit.state is TrainingState.IDLE, unit
+        assert unit.training_state is TrainingState.IDLE, unit
         assert not unit.is_unsharded, unit
         for buffer in unit.buffers:
             assert not buffer.is_gathering and not buffer.grad.has_unpublished

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy, clip_grad_norm_,
                           fully_shard)
-from fsdp_compose.api import flat_buffer_of
+from tests._owners import buffer_of
 from tests._models import build_lm, lm_loss, rank_slice, token_batch
 from tests.harness import run_distributed
 
@@ -96,7 +96,7 @@ def _hook_count(model: nn.Module) -> int:
             "_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks",
             "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
             "_load_state_dict_post_hooks"))
-    buffers = {id(b): b for p in model.parameters() if (b := flat_buffer_of(p)) is not None}
+    buffers = {id(b): b for p in model.parameters() if (b := buffer_of(p)) is not None}
     for buffer in buffers.values():
         for t in (buffer.unsharded, buffer.sharded):
             n += len(t._backward_hooks or {}) + len(t._post_accumulate_grad_hooks or {})

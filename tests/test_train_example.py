@@ -28,6 +28,8 @@ SMALL = ["--layers", "2", "--width", "32", "--heads", "2", "--vocab", "97", "--s
 STEPS = 6
 _LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 _ROW = re.compile(r"^(fsdp_compose|ddp|fsdp2) +(\S+) +(\S+) +(\S+) +(.+)$", re.MULTILINE)
+_PROGRESS = re.compile(r"^(fsdp_compose|ddp|fsdp2): step (\d+)/(\d+) \(\d+%\), \d+\.\d s, "
+                       r"loss \d+\.\d{4}, [\d,]+ tok/s, rss \d+M \d+M$", re.MULTILINE)
 
 
 def _torchrun(out_dir: Path, *args: str, env: dict[str, str] | None = None,
@@ -86,6 +88,36 @@ def test_compare_prints_a_table_and_the_implementations_agree(compare):
         for got, want in zip(run["losses"], summary["runs"][0]["losses"], strict=True):
             assert got == pytest.approx(want, abs=1e-4), run["impl"]
     assert (out / "train_gpt.png").exists() == ("wrote " + str(out / "train_gpt.png") in proc.stdout)
+    gaps = re.search(r"^largest loss difference from fsdp_compose \(steps 1-6\): "
+                     r"ddp (\S+)( \(identical\))?, fsdp2 (\S+)( \(identical\))?$",
+                     proc.stdout, re.MULTILINE)
+    assert gaps and float(gaps[1]) <= 1e-4 and float(gaps[3]) <= 1e-4, proc.stdout
+
+
+def test_progress_in_a_file_is_whole_lines(compare):
+    """stderr is a pipe here, as in a CI log or under nohup: no tqdm frames
+    (carriage returns, which text mode reads as newlines: look for tqdm's
+    rate instead), but a line per tenth of the steps for each run."""
+    proc, _ = compare
+    assert "step/s" not in proc.stderr, proc.stderr[-2000:]
+    lines = _PROGRESS.findall(proc.stderr)
+    assert [(impl, int(step)) for impl, step, _ in lines] == [
+        (impl, step) for impl in ("fsdp_compose", "ddp", "fsdp2") for step in range(1, STEPS + 1)]
+    assert {total for _, _, total in lines} == {str(STEPS)}
+
+
+@pytest.mark.slow  # two torchrun jobs, ~15 s; the text itself: tests/test_example_output.py
+def test_resumed_run_says_the_steps_run_now_and_the_step_reached(tmp_path):
+    """A checkpoint after step 4, then --steps 6 --resume: 2 steps ran, not 6."""
+    ckpt = str(tmp_path / "ckpt")
+    _torchrun(tmp_path / "first", "--steps", "4", "--ckpt-dir", ckpt, "--save-every", "4",
+              "--no-progress")
+    proc = _torchrun(tmp_path / "second", "--ckpt-dir", ckpt, "--resume", "--no-progress")
+    assert sorted(_losses(proc.stdout)) == [5, 6]
+    summary = re.search(r"^summary: (.*)$", proc.stdout, re.MULTILINE)[1]
+    assert summary.startswith("2 ranks on cpu (gloo), ")
+    assert "; resumed after step 4: 2 steps run now (5-6), step 6 reached, " in summary, summary
+    assert f"{STEPS} steps" not in summary
 
 
 def test_micro_batches_equal_a_doubled_batch(compare, tmp_path):

@@ -6,13 +6,13 @@ its original shape placed ``Shard(0)`` on its unit's mesh, and
 ``torch.distributed.checkpoint`` (DCP) and its ``state_dict`` functions
 (``get_state_dict``, ``set_state_dict``, ``StateDictOptions``) work
 unchanged, and checkpoints load across world sizes, into torch FSDP2 and
-into unsharded models. See the README's "Checkpointing" section.
+into unsharded models. See docs/checkpointing.md.
 
 Also here: :class:`CheckpointStore` (crash-safe, rotating DCP directories),
 :func:`scatter_full_state_dict` and :func:`load_safetensors` (whole weights
-into shards without a whole copy per rank; README "Models larger than one
-rank"), and :func:`register_optimizer` (for ``optimizer.load_state_dict``
-before the optimizer's first step). ``UnitStateDictHooks`` is installed by
+into shards without a whole copy per rank; docs/large-models.md), and
+:func:`register_optimizer` (for ``optimizer.load_state_dict`` before the
+optimizer's first step). ``UnitStateDictHooks`` is installed by
 ``fully_shard`` itself.
 """
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from .._layout import FlatLayout
+from ..buffers.layout import FlatLayout
 
 
 class Chunk(NamedTuple):

@@ -16,10 +16,11 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .. import _tensor_parallel
-from .._comm import ShardGroup, all_to_all
-from .._flat_buffer import ParamRecord
-from .._layout import FlatLayout
+from ..buffers import tensor_parallel
+from ..buffers.layout import FlatLayout
+from ..buffers.records import ParamRecord
+from ..comm.collectives import all_to_all
+from ..comm.groups import ShardGroup
 from ._chunks import chunk_shape, exchange_plan
 
 
@@ -100,10 +101,10 @@ def record_value(chunk: torch.Tensor, record: ParamRecord, group: ShardGroup) ->
     """``chunk`` (this rank's dim-0 chunk of the values the flat layout
     holds for ``record``) as its state-dict value: :func:`as_checkpoint_value`,
     or for a tensor-parallel parameter a ``DTensor`` on the (dp, tp) mesh
-    (see ``_tensor_parallel.checkpoint_value``)."""
+    (see ``tensor_parallel.checkpoint_value``)."""
     if record.tp is None:
         return as_checkpoint_value(chunk, record.shape, group)
-    return _tensor_parallel.checkpoint_value(chunk, record.tp)
+    return tensor_parallel.checkpoint_value(chunk, record.tp)
 
 
 def loadable(value: torch.Tensor, record: ParamRecord,
@@ -113,19 +114,19 @@ def loadable(value: torch.Tensor, record: ParamRecord,
     or ``(None, whole value in the record's shape)``, to be sliced locally.
     Collective over the value's mesh when it must be gathered."""
     if record.tp is not None:
-        chunk = _tensor_parallel.local_chunk(value, record.tp) \
+        chunk = tensor_parallel.local_chunk(value, record.tp) \
             if isinstance(value, DTensor) else None
         if chunk is not None:
             _check_chunk(chunk, record.shape, group)
             return chunk, None
-        return None, _tensor_parallel.tp_local_value(value, record.tp)
+        return None, tensor_parallel.tp_local_value(value, record.tp)
     if isinstance(value, DTensor):
-        chunk = local_chunk(value, group)
+        chunk = _resharded_chunk(value, group)
         return (chunk, None) if chunk is not None else (None, value.full_tensor())
     return None, value
 
 
-def local_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
+def _resharded_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
     """This rank's dim-0 chunk of a ``DTensor`` checkpoint value, moved there
     from whatever mesh and placements it has. Returns ``None`` when the value
     lives on another mesh: the caller then uses its full value

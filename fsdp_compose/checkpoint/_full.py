@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._comm import ShardGroup, backend_device
-from .._flat_buffer import FlatBuffer
-from .._owners import owner_of
-from .._state import units_below
-from .._tensor_parallel import refuse_full_load
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.tensor_parallel import refuse_full_load
+from ..comm.groups import ShardGroup, backend_device
+from ..runtime.owners import owner_of
+from ..runtime.state import units_below
 from ..init import allocate_meta
 
 StateDict = dict[str, torch.Tensor]

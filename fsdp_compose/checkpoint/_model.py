@@ -29,8 +29,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from .._flat_buffer import FlatBuffer, ParamRecord
-from .._unit import ShardUnit, TrainingState
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.records import ParamRecord
+from ..runtime.training_state import TrainingState
+from ..runtime.unit import ShardUnit
 from ._exchange import checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
 
 
@@ -138,9 +140,9 @@ class UnitStateDictHooks:
 
     def _make_loadable(self) -> None:
         unit = self.unit
-        if unit.state is not TrainingState.IDLE:
+        if unit.training_state is not TrainingState.IDLE:
             raise RuntimeError(
-                f"load_state_dict() reached {unit.name} during its {unit.state.name.lower()}; "
+                f"load_state_dict() reached {unit.name} during its {unit.training_state.name.lower()}; "
                 "load checkpoints between iterations (after optimizer.step(), before forward).")
         unit.reshard()  # a manual unshard() or reshard_after_backward=False kept it unsharded
 

@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._flat_buffer import FlatBuffer
-from .._owners import owner_of
+from ..buffers.flat_buffer import FlatBuffer
+from ..runtime.owners import owner_of
 from ._exchange import Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()

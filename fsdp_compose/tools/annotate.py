@@ -30,9 +30,11 @@ from typing import Any, Callable, Union
 
 import torch.nn as nn
 
-from .._owners import owner_of
-from .._state import state_of
-from ..api import _managed_modules, fully_shard
+from .._setup import managed_modules, taken
+from ..api import fully_shard
+from ..runtime.owners import owner_of
+from ..runtime.state import state_of
+from ._format import module_paths
 
 Match = Union[type, tuple[type, ...], Callable[[str, nn.Module], bool]]
 
@@ -68,11 +70,11 @@ def fully_shard_by(model: nn.Module, match: Match, **fully_shard_kwargs: Any) ->
         fully_shard_kwargs["ignored_params"] = list(fully_shard_kwargs["ignored_params"])
     ignored = {id(p) for p in fully_shard_kwargs.get("ignored_params") or ()}
     param_paths = _param_paths(model)
-    module_paths = _module_paths(model)
+    paths = module_paths(model)
     for fqn, module in _bottom_up(model):
         if module is model or not selects(fqn, module) or state_of(module) is not None:
             continue
-        shared = _shared_outside(module, module_paths[id(module)], param_paths, ignored)
+        shared = _shared_outside(module, paths[id(module)], param_paths, ignored)
         if shared is not None:
             inside, outside = shared
             warnings.warn(
@@ -125,13 +127,6 @@ def _bottom_up(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return order
 
 
-def _module_paths(model: nn.Module) -> dict[int, list[str]]:
-    paths: dict[int, list[str]] = {}
-    for name, sub in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(sub), []).append(name)
-    return paths
-
-
 def _param_paths(model: nn.Module) -> dict[int, list[str]]:
     """Every FQN under which each parameter is registered (tied ones have several)."""
     paths: dict[int, list[str]] = {}
@@ -148,7 +143,7 @@ def _shared_outside(module: nn.Module, prefixes: list[str], param_paths: dict[in
     def inside(name: str) -> bool:
         return any(not p or name.startswith(p + ".") for p in prefixes)
 
-    for sub in _managed_modules([module]):  # exactly the modules fully_shard would take from
+    for sub in managed_modules([module], taken):  # exactly the modules fully_shard takes from
         for param in sub._parameters.values():
             if param is None or id(param) in ignored or owner_of(param) is not None:
                 continue

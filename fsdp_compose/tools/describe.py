@@ -12,7 +12,7 @@ resolved policies, and per flat buffer the original parameters it holds:
 where each one starts in the unsharded buffer, which ranks own part of it
 and which elements this rank owns. This is the parameter assignment that
 FSDP's users must otherwise reconstruct from the layout rules (see
-``_layout.py``). Every FQN is relative to the ``model`` passed in.
+``buffers/layout.py``). Every FQN is relative to the ``model`` passed in.
 
 Before the first forward no root has been chosen yet: the report predicts
 it (the outermost annotated unit, as the first forward will decide), the
@@ -29,13 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._flat_buffer import FlatBuffer
-from .._owners import owner_of
-from .._schedule import PrefetchPolicy, Scheduler, _after
-from .._state import state_of, units_below
-from .._unit import ShardUnit
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .._setup import join_fqn
+from ..buffers.flat_buffer import FlatBuffer
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
+from ..runtime.owners import owner_of
+from ..runtime.scheduler import Scheduler
+from ..runtime.state import state_of, states_below, units_below
+from ..runtime.unit import ShardUnit
 from ..sharded_module import ShardedModule
+from ._format import format_bytes, module_paths
 
 ROOT_LABEL = "<root>"
 """How the model itself is named where an FQN would be empty."""
@@ -218,12 +220,12 @@ def describe(model: nn.Module) -> ModelReport:
     if not isinstance(model, nn.Module):
         raise TypeError(f"describe takes an nn.Module, got {type(model).__name__}")
     units = units_below(model)
-    paths = _module_paths(model)
+    paths = module_paths(model)
     labels = {id(u): _label(_unit_fqns(u, paths)) for u in units}
     initialized = any(_initialized(u) for u in units)
     roots = _roots(model, units, initialized)
     schedulers = _schedulers(units, roots)
-    order = [u for s in schedulers for u in _recorded_order(s)]
+    order = [u for s in schedulers for u in s.recorded_order()]
     unit_reports = tuple(_unit_report(u, paths, labels, id(u) in roots) for u in units)
     unmanaged = _unmanaged(model, units)
     return ModelReport(
@@ -236,18 +238,6 @@ def describe(model: nn.Module) -> ModelReport:
         unmanaged=tuple(fqn for fqn, _ in unmanaged),
         totals=_totals(unit_reports, unmanaged),
     )
-
-
-def _module_paths(model: nn.Module) -> dict[int, list[str]]:
-    """Every path (relative to ``model``) of every module, by id."""
-    paths: dict[int, list[str]] = {}
-    for name, sub in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(sub), []).append(name)
-    return paths
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _unit_fqns(unit: ShardUnit, paths: dict[int, list[str]]) -> tuple[str, ...]:
@@ -295,32 +285,29 @@ def _schedulers(units: list[ShardUnit], roots: set[int]) -> list[Scheduler]:
     for a submodule whose root lies outside it, its units' schedulers."""
     found: dict[int, Scheduler] = {}
     for unit in [u for u in units if id(u) in roots] or units:
-        found.setdefault(id(unit.scheduler), unit.scheduler)
+        scheduler = _scheduler(unit)
+        found.setdefault(id(scheduler), scheduler)
     return list(found.values())
 
 
-def _recorded_order(scheduler: Scheduler) -> list[ShardUnit]:
-    """The last complete (or running) forward's order; empty before one."""
-    return scheduler.forward_order or scheduler.previous_forward_order
+def _scheduler(unit: ShardUnit) -> Scheduler:
+    """The unit's scheduler; before the root's lazy init, the one it will
+    get: the policy set on any module of its subtree (else the default),
+    nothing recorded yet."""
+    if unit.scheduler is not None:
+        return unit.scheduler
+    pending = [s.pending_settings["set_prefetch_policy"][0]
+               for s in states_below(unit.modules) if "set_prefetch_policy" in s.pending_settings]
+    return Scheduler(pending[0] if pending else PrefetchPolicy())
 
 
 def _prefetch_plan(unit: ShardUnit) -> tuple[list[ShardUnit], list[ShardUnit]]:
-    """What the next iteration prefetches around ``unit`` (mirrors
-    ``Scheduler.forward_targets``/``backward_targets`` with the recorded
-    order; the in-flight limit may still hold some back)."""
-    scheduler = unit.scheduler
-    order = _recorded_order(scheduler)
-    if unit.forward_prefetch is not None:
-        forward = list(unit.forward_prefetch)
-    else:
-        forward = _after(order, unit) if scheduler.policy.forward else []
-    if unit.backward_prefetch is not None:
-        backward = list(unit.backward_prefetch)
-    elif scheduler.policy.backward:
-        backward = _after([u for u in order[::-1] if u is unit or u.unshard_in_backward], unit)
-    else:
-        backward = []
-    return forward, backward
+    """What the next iteration prefetches around ``unit``: the scheduler's
+    own choice with the recorded order (the in-flight limit may still hold
+    some back)."""
+    scheduler = _scheduler(unit)
+    order = scheduler.recorded_order()
+    return scheduler.forward_targets(unit, order), scheduler.backward_targets(unit, order)
 
 
 def _unit_report(unit: ShardUnit, paths: dict[int, list[str]], labels: dict[int, str],
@@ -351,7 +338,7 @@ def _buffer_report(buffer: FlatBuffer, paths: dict[int, list[str]]) -> BufferRep
     layout = buffer.layout
     params = []
     for index, (record, local) in enumerate(zip(buffer.records, buffer.local_slices())):
-        names = [_join(path, attr) for module, attr in record.slots
+        names = [join_fqn(path, attr) for module, attr in record.slots
                  for path in paths.get(id(module), [])]
         names = list(dict.fromkeys(names)) or [record.fqn]  # outside the model: its own FQN
         params.append(ParamReport(
@@ -378,7 +365,7 @@ def _unmanaged(model: nn.Module, units: list[ShardUnit]) -> list[tuple[str, nn.P
         for attr, param in module._parameters.items():
             if isinstance(param, nn.Parameter) and (id(module), attr) not in slots \
                     and owner_of(param) is None:
-                found.setdefault(id(param), (_join(name, attr), param))
+                found.setdefault(id(param), (join_fqn(name, attr), param))
     return list(found.values())
 
 
@@ -441,12 +428,12 @@ def _render(report: ModelReport) -> str:
         lines.append("not sharded (replicated on every rank): " + ", ".join(report.unmanaged))
     lines.append(
         f"totals: {totals.parameters:,} parameters ({totals.trainable:,} trainable); per rank "
-        f"{_bytes(totals.sharded_bytes_per_rank)} sharded parameters, "
-        f"{_bytes(totals.gradient_bytes_per_rank)} sharded gradients; "
+        f"{format_bytes(totals.sharded_bytes_per_rank)} sharded parameters, "
+        f"{format_bytes(totals.gradient_bytes_per_rank)} sharded gradients; "
         f"{totals.padding:,} padding elements")
     if totals.largest_unit:
         lines.append(f"largest unit unsharded: {totals.largest_unit}, "
-                     f"{_bytes(totals.largest_unit_unsharded_bytes)}")
+                     f"{format_bytes(totals.largest_unit_unsharded_bytes)}")
     return "\n".join(lines)
 
 
@@ -456,7 +443,7 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
     lines = [f"unit {index + 1}/{count}: {modules}",
              f"  {root}reshard_after_forward={unit.reshard_after_forward}, "
              f"{_precision(unit.mp_policy)}, {_offload(unit.offload_policy)}; "
-             f"unsharded {_bytes(unit.unsharded_bytes)}, per rank {_bytes(unit.shard_bytes)}"]
+             f"unsharded {format_bytes(unit.unsharded_bytes)}, per rank {format_bytes(unit.shard_bytes)}"]
     if not unit.buffers:
         lines.append("  no parameters of its own (units below took them all)")
     for b_index, buffer in enumerate(unit.buffers):
@@ -468,8 +455,8 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
         lines.append(
             f"  buffer {b_index}: {kind} {dtypes} on {buffer.storage_device}: "
             f"{buffer.numel:,} + {buffer.padding} padding = {buffer.unsharded_numel:,} elements "
-            f"({_bytes(buffer.unsharded_bytes)}); {buffer.shard_numel:,} per rank "
-            f"({_bytes(buffer.shard_bytes)})")
+            f"({format_bytes(buffer.unsharded_bytes)}); {buffer.shard_numel:,} per rank "
+            f"({format_bytes(buffer.shard_bytes)})")
         rows = [("parameter", "shape", "numel", "flat offset", "ranks", f"rank {unit.rank} owns")]
         for p in buffer.params:
             name = p.fqn + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
@@ -511,10 +498,3 @@ def _offload(policy: Optional[CPUOffloadPolicy]) -> str:
     if policy is None:
         return "no offload"
     return "CPU offload" + (" (pinned)" if policy.pin_memory else "")
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._owners import owner_of
+from ..runtime.owners import owner_of
 
 
 def check_finite_gradients(module: nn.Module) -> None:

@@ -1,8 +1,9 @@
 """Overlap: which all-gathers to issue early, and how many collectives may be
 in flight at once.
 
-One :class:`Scheduler` is shared by every unit of a model (the root hands its
-own to the others at lazy init). It records the order in which units run
+One :class:`Scheduler` is shared by every unit of a model: the root's lazy
+init builds it (with the model's :class:`PrefetchPolicy` and collective
+observer) and hands it to every unit. It records the order in which units run
 forward, prefetches by that order, bounds the all-gathers in flight (which
 bounds unsharded memory) and the reduce-scatters in flight (each holds a full
 flat gradient alive until it completes).
@@ -16,62 +17,36 @@ blocks on the device.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Optional, Protocol
 
-from ._divergence import DivergenceMonitor
-from ._flat_buffer import FlatBuffer
-from ._flat_grad import ReduceOptions
-from ._staging import StagingPool
-
-if TYPE_CHECKING:  # only for annotations: units import this module
-    from ._unit import ShardUnit
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.flat_grad import ReduceOptions
+from ..buffers.staging import StagingPool
+from ..policies import PrefetchPolicy
+from .observer import CollectiveObserver
+from .training_state import TrainingState
 
 
-@dataclass(frozen=True)
-class PrefetchPolicy:
-    """How far communication runs ahead of computation.
+class ScheduledUnit(Protocol):
+    """What the scheduler reads of a unit (``unit.ShardUnit``, which
+    imports this module)."""
 
-    Attributes:
-        forward: before a unit's forward, issue the all-gather of the unit
-            that ran after it in the previous iteration's forward.
-        backward: when a unit's backward starts, issue the all-gather of the
-            unit that ran before it in this iteration's forward (before this
-            unit's own reduce-scatter).
-        max_inflight_all_gathers: at most this many all-gathers issued and
-            not yet waited on (the current unit's included). Unsharded units
-            beyond the root: at most this many in forward; in backward one
-            more, the unit whose gradient is still being accumulated.
-        max_pending_reduces: at most this many reduce-scatters in flight;
-            the oldest is waited on when a new one is issued (each holds a
-            full flat gradient alive until it completes).
-        retain_staging: CPU only: keep the staging pool's memory (the
-            largest unsharded working set) between iterations, so that the
-            next forward faults in no pages for it; ``False`` (default)
-            releases it at the end of each iteration, so nothing unsharded
-            is held between steps (see ``_staging.py``).
-    """
-
-    forward: bool = True
-    backward: bool = True
-    max_inflight_all_gathers: int = 2
-    max_pending_reduces: int = 1
-    retain_staging: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_inflight_all_gathers < 1 or self.max_pending_reduces < 1:
-            raise ValueError("PrefetchPolicy limits must be >= 1, got "
-                             f"{self.max_inflight_all_gathers} and {self.max_pending_reduces}")
+    buffers: list[FlatBuffer]
+    training_state: TrainingState
+    unshard_in_backward: bool
+    forward_prefetch: Optional[list["ScheduledUnit"]]
+    backward_prefetch: Optional[list["ScheduledUnit"]]
 
 
 class Scheduler:
     """Forward order, prefetching and in-flight limits for one model."""
 
-    def __init__(self, policy: PrefetchPolicy = PrefetchPolicy()) -> None:
+    def __init__(self, policy: PrefetchPolicy = PrefetchPolicy(),
+                 observer: Optional[CollectiveObserver] = None) -> None:
         self.policy: PrefetchPolicy = policy
-        self.forward_order: list[ShardUnit] = []
+        self.forward_order: list["ScheduledUnit"] = []
         """Units in the order their forward started in this iteration."""
-        self.previous_forward_order: list[ShardUnit] = []
+        self.previous_forward_order: list["ScheduledUnit"] = []
         """The same for the previous iteration (used by forward prefetch)."""
         self._gathers: list[FlatBuffer] = []
         """Buffers whose all-gather was issued here and may still be in flight."""
@@ -79,13 +54,13 @@ class Scheduler:
         """Buffers with a reduce-scatter in flight, oldest first."""
         self.staging: StagingPool = StagingPool()
         """Memory of released unsharded buffers, reused on the CPU."""
-        self.divergence: DivergenceMonitor = DivergenceMonitor()
-        """Sees every collective issued here, before it is issued (see
-        [Note: rank divergence] in ``_divergence.py``)."""
+        self.observer: CollectiveObserver = observer or CollectiveObserver()
+        """Sees every collective issued here, before it is issued (the rank
+        divergence checks, [Note: rank divergence] in ``checks/divergence.py``)."""
 
-    def adopt(self, buffers: list[FlatBuffer]) -> None:
+    def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
         """Make ``buffers`` (of a unit joining this model) use the shared
-        staging pool; only CPU buffers, see ``_staging.py``."""
+        staging pool; only CPU buffers, see ``buffers/staging.py``."""
         for buffer in buffers:
             if buffer.compute_device.type == "cpu" and not buffer.is_unsharded \
                     and not buffer.aliased:
@@ -97,7 +72,7 @@ class Scheduler:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
-        self.divergence.start_iteration()
+        self.observer.start_iteration()
 
     def discard_iteration(self) -> None:
         """Forget an iteration that raised (``reset_iter_state``): its partial
@@ -109,27 +84,41 @@ class Scheduler:
         self._gathers = []
         self._reduces.clear()
 
-    def record_forward(self, unit: "ShardUnit") -> None:
+    def record_forward(self, unit: "ScheduledUnit") -> None:
         if not any(u is unit for u in self.forward_order):
             self.forward_order.append(unit)
 
-    def forward_targets(self, unit: "ShardUnit") -> list["ShardUnit"]:
+    def forward_targets(self, unit: "ScheduledUnit",
+                        order: Optional[list["ScheduledUnit"]] = None) -> list["ScheduledUnit"]:
+        """The units to all-gather before ``unit``'s forward: its explicit
+        targets, else the unit after it in ``order`` (default: the previous
+        iteration's forward order)."""
         if unit.forward_prefetch is not None:
-            return unit.forward_prefetch
+            return list(unit.forward_prefetch)
         if not self.policy.forward:
             return []
-        return _after(self.previous_forward_order, unit)
+        return _after(self.previous_forward_order if order is None else order, unit)
 
-    def backward_targets(self, unit: "ShardUnit") -> list["ShardUnit"]:
+    def backward_targets(self, unit: "ScheduledUnit",
+                         order: Optional[list["ScheduledUnit"]] = None) -> list["ScheduledUnit"]:
+        """The units to all-gather when ``unit``'s backward starts: its
+        explicit targets, else the unit before it in ``order`` (default:
+        this iteration's forward order) that all-gathers in backward."""
         if unit.backward_prefetch is not None:
-            return unit.backward_prefetch
+            return list(unit.backward_prefetch)
         if not self.policy.backward:
             return []
-        return _after([u for u in self.forward_order[::-1]
-                       if u is unit or u.unshard_in_backward], unit)
+        order = self.forward_order if order is None else order
+        return _after([u for u in order[::-1] if u is unit or u.unshard_in_backward], unit)
+
+    def recorded_order(self) -> list["ScheduledUnit"]:
+        """The running (else the last complete) forward's order; empty
+        before the first forward. What the next iteration prefetches by
+        (``tools/describe.py`` reports it with the two methods above)."""
+        return self.forward_order or self.previous_forward_order
 
     # ------------------------------------------------------------ all-gather
-    def gather(self, unit: "ShardUnit", prefetch: list["ShardUnit"]) -> None:
+    def gather(self, unit: "ScheduledUnit", prefetch: list["ScheduledUnit"]) -> None:
         """Unshard ``unit``, issuing the all-gathers of ``prefetch`` while
         its own is in flight (within the limit)."""
         for buffer in unit.buffers:
@@ -153,11 +142,11 @@ class Scheduler:
         self._gathers = [b for b in self._gathers if b.is_gathering]
         return len(self._gathers)
 
-    def _start_unshard(self, issuer: "ShardUnit", buffer: FlatBuffer) -> None:
+    def _start_unshard(self, issuer: "ScheduledUnit", buffer: FlatBuffer) -> None:
         """Issue ``buffer``'s all-gather for ``issuer``'s pre-forward or
         pre-backward (``buffer`` is another unit's when prefetching)."""
         if _issues_all_gather(buffer):
-            self.divergence.before_all_gather(issuer, buffer)
+            self.observer.before_all_gather(buffer, issuer.training_state)
         buffer.start_unshard()
         self._track(buffer)
 
@@ -172,7 +161,7 @@ class Scheduler:
         if buffer.grad.is_reducing:  # still in flight from an earlier backward of this step
             self._reduces = deque(b for b in self._reduces if b is not buffer)
         if buffer.grad.has_unreduced:
-            self.divergence.before_reduce_scatter(buffer)
+            self.observer.before_reduce_scatter(buffer)
         if buffer.grad.start_reduce(options):
             self._reduces.append(buffer)
         while len(self._reduces) > self.policy.max_pending_reduces:
@@ -197,7 +186,7 @@ def _issues_all_gather(buffer: FlatBuffer) -> bool:
         (not buffer.is_unsharded or buffer.is_stale)
 
 
-def _after(order: list["ShardUnit"], unit: "ShardUnit") -> list["ShardUnit"]:
+def _after(order: list["ScheduledUnit"], unit: "ScheduledUnit") -> list["ScheduledUnit"]:
     """The unit right after ``unit`` in ``order`` (empty if none)."""
     for index, candidate in enumerate(order):
         if candidate is unit:

@@ -1,9 +1,11 @@
-"""Finding the tensors inside arbitrary forward inputs and outputs."""
+"""Finding the tensors inside arbitrary forward inputs and outputs, and
+keeping parameter identity through module conversions."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -48,3 +50,19 @@ def map_floating_tensors(obj: Any, fn) -> Any:
                    for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **changes)
     return obj
+
+
+@contextlib.contextmanager
+def swapping_params_on_conversion(enabled: bool = True) -> Iterator[None]:
+    """Inside, ``module._apply`` (``to``, ``to_empty``, dtype casts) swaps
+    each parameter's contents with ``torch.utils.swap_tensors`` when
+    ``enabled`` (or when the user turned torch's switch on already), so the
+    ``nn.Parameter`` objects keep their identity even where ``param.data =``
+    is impossible (leaving the meta device); torch's setting is restored
+    on exit."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(before or enabled)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

@@ -17,9 +17,10 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._flat_buffer import FlatBuffer
-from ._owners import owner_of
-from ._unit import ShardUnit, TrainingState
+from ..buffers.flat_buffer import FlatBuffer
+from ..runtime.owners import owner_of
+from ..runtime.training_state import TrainingState
+from ..runtime.unit import ShardUnit
 
 _installed: list[object] = []  # the hook handle, once installed
 _buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[tuple[ShardUnit, FlatBuffer]]]]" \
@@ -51,11 +52,11 @@ def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
     in_backward = torch._C._current_graph_task_id() != -1  # e.g. optimizer in backward hooks
     for unit, buffer in _managed_buffers(optimizer):
         fqn = buffer.records[0].fqn
-        if unit.state is TrainingState.FORWARD or (unit.state is not TrainingState.IDLE
+        if unit.training_state is TrainingState.FORWARD or (unit.training_state is not TrainingState.IDLE
                                                    and not in_backward):
             raise RuntimeError(
                 f"optimizer.step() while {unit.name} (parameter '{fqn}') is in its "
-                f"{unit.state.name.lower()}: step after backward has finished. If a forward or "
+                f"{unit.training_state.name.lower()}: step after backward has finished. If a forward or "
                 "backward raised, call reset_iter_state() on the root module first.")
         if buffer.grad.has_unpublished:
             raise RuntimeError(

@@ -12,8 +12,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._flat_buffer import FlatBuffer
-from ._unit import ShardUnit
+from ..buffers.flat_buffer import FlatBuffer
+from .unit import ShardUnit
 
 # id(original parameter) -> the unit that manages it. Weak in the unit (a
 # dropped model releases its entries) and not a weak reference to the
@@ -32,7 +32,7 @@ class Owner(NamedTuple):
     index: int
 
 
-def register_owner(unit: ShardUnit) -> None:
+def record_owners(unit: ShardUnit) -> None:
     """Record ``unit`` as the manager of every parameter in its buffers."""
     for buffer in unit.buffers:
         for record in buffer.records:

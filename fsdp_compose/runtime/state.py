@@ -10,9 +10,8 @@ callback that finishes the iteration.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -20,13 +19,18 @@ from torch.autograd import Variable
 from torch.distributed._composable import contract
 from torch.distributed._composable_state import _State
 
-from ._comm import all_gather_fingerprints, fingerprint_ranks
-from ._compile import run_eagerly
-from ._divergence import reduce_deferred
-from ._finite import check_finite_gradients
-from ._flat_grad import publish_gradients
-from ._registration import Snapshot, check_registration, registration_snapshot
-from ._unit import ShardUnit, TrainingState
+from ..comm.agreement import disagreement, fingerprint_of
+from ..policies import PrefetchPolicy
+from .compile import run_eagerly
+from .end_of_backward import finish_backward
+from .observer import CollectiveObserver
+from .scheduler import Scheduler
+from .training_state import TrainingState
+from .unit import ShardUnit
+
+ModelSetting = Callable[["ShardContext"], None]
+"""Applies one model-wide setting (prefetch policy, divergence checking) to
+a model's shared context."""
 
 
 class ShardContext:
@@ -35,14 +39,19 @@ class ShardContext:
     Attributes:
         root: the root's state (outermost annotated module).
         states: every state in the root's subtree, root first, then in module
-            registration order.
+            order.
+        scheduler: the model's scheduler (prefetch order, in-flight limits,
+            the collective observer).
         backward_callback_queued: whether the end-of-backward callback is
             queued for the backward running now (queued once per backward).
     """
 
-    def __init__(self, root: "_ShardState", states: list["_ShardState"]) -> None:
+    def __init__(self, root: "_ShardState", states: list["_ShardState"],
+                 scheduler: Scheduler) -> None:
         self.root: _ShardState = root
         self.states: list[_ShardState] = states
+        self.scheduler: Scheduler = scheduler
+        """Shared by every unit of the model (``unit.scheduler``)."""
         self.backward_callback_queued: bool = False
 
 
@@ -62,21 +71,28 @@ class _ShardState(_State):
         self.in_forward_method: set[int] = set()
         """ids of modules running a method given to ``register_forward_method``:
         their own ``module(...)`` calls inside it are part of that pass."""
-        self.registration: Snapshot = ()
-        """Parameters and children of the managed modules at annotation."""
         self.annotated_parent: Optional[_ShardState] = None
         """The state of the nearest module annotated above this one (set
         when that module is annotated): its root must initialise this one."""
-        self.check_finite: bool = False
-        """Read on the root: check the gradients after every last backward
-        (``set_check_finite_gradients``)."""
+        self.pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
+        """Runs at every pre-forward with the root module (``_setup.py``
+        installs the check for parameters registered after annotation)."""
+        self.new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
+        """Builds the model's collective observer when this state becomes
+        the root (``_setup.py`` installs the rank-divergence checks)."""
+        self.after_last_backward: Optional[Callable[[], None]] = None
+        """Read on the root: runs after every last backward, once everything
+        is resharded and published (``set_check_finite_gradients``)."""
+        self.pending_settings: dict[str, tuple[object, ModelSetting]] = {}
+        """Model-wide settings made on this module before the root's lazy
+        init: name -> (value, how to apply it); the root applies them."""
         self.held_whole: bool = False
         """``fsdp_compose.full_params`` holds this unit's parameters whole:
         forward reads them as they are (the hooks do nothing)."""
 
     def bind(self, unit: ShardUnit) -> None:
+        """Attach ``unit`` and install its forward hooks (once, at annotation)."""
         self.unit = unit
-        self.registration = registration_snapshot(unit.managed_modules)
         # Hooks run eagerly under torch.compile (a graph break each): they
         # resize storages and swap module attributes, which dynamo must not trace.
         pre_forward, post_forward = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
@@ -105,17 +121,32 @@ class _ShardState(_State):
             assert self.context is not None, \
                 f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
             return
-        states = [self] + [s for s in _states_below(self.unit.modules) if s is not self]
-        context = ShardContext(self, states)
+        states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
+        _name_units(self.unit.modules, states)
+        settings = _pending_settings(states)  # may raise: before anything is shared
+        observer = self.new_observer()
+        context = ShardContext(self, states, Scheduler(PrefetchPolicy(), observer))
         for state in states:
             state.context = context
             state.unit.is_root = state is self
-            state.unit.scheduler = self.unit.scheduler
-            self.unit.scheduler.adopt(state.unit.buffers)
-        _name_units(self.unit.modules, states)
+            state.unit.scheduler = context.scheduler
+            context.scheduler.share_staging_pool(state.unit.buffers)
+            state.pending_settings = {}
+        for apply in settings:
+            apply(context)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
-        self.unit.scheduler.divergence.bind([s.unit for s in states])
+        observer.bind([s.unit for s in states])
+
+    def change_model_setting(self, name: str, value: object, apply: ModelSetting) -> None:
+        """A setting of the whole model (``set_prefetch_policy``,
+        ``set_check_rank_divergence``) made through this module: applied to
+        the model's shared context now if the root is initialised, else by
+        the root's lazy init (see :func:`_pending_settings`)."""
+        if self.context is not None:
+            apply(self.context)
+        else:
+            self.pending_settings[name] = (value, apply)
 
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -125,11 +156,11 @@ class _ShardState(_State):
             return args, kwargs  # inside full_params: the parameters are whole already
         self.lazy_init()
         self.unit.check_materialized()
-        check_registration(self.registration, self.context.root.unit.modules[0])
+        self.pre_forward_check(self.context.root.unit.modules[0])
         if self.is_root and torch._C._current_graph_task_id() == -1:
             self._reset_unfinished_iteration()  # not a recomputation in backward
-        if self.is_root and self.unit.state is TrainingState.IDLE:
-            self.unit.scheduler.start_iteration()  # not a recomputation inside backward
+        if self.is_root and self.unit.training_state is TrainingState.IDLE:
+            self.context.scheduler.start_iteration()  # not a recomputation inside backward
         args, kwargs = self.unit.cast_inputs(args, kwargs)
         self.unit.pre_forward(module, args, kwargs)
         return args, kwargs
@@ -141,7 +172,7 @@ class _ShardState(_State):
             return output  # inside full_params: nothing was gathered
         output = self.unit.cast_output(output)
         root_unit = self.context.root.unit
-        inside_root_forward = root_unit.state is TrainingState.FORWARD and root_unit is not self.unit
+        inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not self.unit
         completed = self.unit.post_forward(module, output, self._pre_backward,
                                            pass_ends=not inside_root_forward)
         if completed and not inside_root_forward and not self.is_root:
@@ -149,8 +180,8 @@ class _ShardState(_State):
         if completed and self.is_root:
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
-            scheduler = self.unit.scheduler
-            scheduler.divergence.after_root_forward(scheduler.forward_order)
+            scheduler = self.context.scheduler
+            scheduler.observer.after_root_forward(scheduler.forward_order)
             if not torch.is_grad_enabled():
                 scheduler.end_iteration()  # no backward follows (e.g. evaluation)
         return output
@@ -161,9 +192,9 @@ class _ShardState(_State):
         two iterations (and a lost end-of-backward callback would never
         publish gradients again), so reset as ``reset_iter_state()`` would."""
         context = self.context
-        busy = [s.unit for s in context.states if s.unit.state is not TrainingState.IDLE]
+        busy = [s.unit for s in context.states if s.unit.training_state is not TrainingState.IDLE]
         if busy or context.backward_callback_queued:
-            what = (f"{busy[0].name} was still in {busy[0].state.name}" if busy else
+            what = (f"{busy[0].name} was still in {busy[0].training_state.name}" if busy else
                     "the end of the last backward never ran")
             warnings.warn(
                 f"forward of the root {self.unit.name} started, but the previous iteration did not "
@@ -182,8 +213,8 @@ class _ShardState(_State):
         states = context.states if context is not None else [self]
         for state in states:
             state.unit.reset_iter_state()
-        self.unit.scheduler.discard_iteration()
-        if context is not None:
+        if context is not None:  # else: never ran, nothing was scheduled
+            context.scheduler.discard_iteration()
             context.backward_callback_queued = False
 
     def _finish_incomplete_units(self) -> None:
@@ -192,7 +223,7 @@ class _ShardState(_State):
         carry their pre-backward hooks already)."""
         for state in self.context.states:
             unit = state.unit
-            if unit.state is TrainingState.FORWARD:
+            if unit.training_state is TrainingState.FORWARD:
                 unit.complete_forward()
 
     def _drop_unused_prefetches(self) -> None:
@@ -201,7 +232,7 @@ class _ShardState(_State):
         Also units prefetched again after their forward (by a unit called
         twice, e.g. c1 in c1, c0, c1) when no backward will use them (a
         ``no_grad`` forward): nothing else would free them."""
-        ran = {id(u) for u in self.unit.scheduler.forward_order}
+        ran = {id(u) for u in self.context.scheduler.forward_order}
         for state in self.context.states:
             unit = state.unit
             if any(b.is_gathering for b in unit.buffers) and \
@@ -215,7 +246,7 @@ class _ShardState(_State):
         to free them: reshard them now."""
         for state in self.context.states:
             unit = state.unit
-            if unit is not caller and unit.state is TrainingState.IDLE and \
+            if unit is not caller and unit.training_state is TrainingState.IDLE and \
                     any(b.is_gathering for b in unit.buffers) and not unit.backward_possible:
                 unit.reshard()
 
@@ -229,59 +260,52 @@ class _ShardState(_State):
     def _finalize_backward(self) -> None:
         """Queued once per backward: publish the reduced gradients (unless
         more backwards of this step follow, ``set_is_last_backward(False)``),
-        reshard what is left and reset every unit."""
+        reshard what is left and reset every unit (``end_of_backward.py``)."""
         context = self.context
         context.backward_callback_queued = False
-        scheduler = self.unit.scheduler
-        reduce_deferred([state.unit for state in context.states], scheduler)
-        if self.unit.is_last_backward:
-            scheduler.finish_reduces()
-            scheduler.divergence.before_publish(scheduler.divergence.groups())
-            publish_gradients([b for state in context.states for b in state.unit.buffers],
-                              scheduler.divergence)
-        for state in context.states:
-            state.unit.finalize_backward()
-        if self.unit.is_last_backward:
-            scheduler.end_iteration()  # everything is resharded: free the staging pool
-        if self.check_finite and self.unit.is_last_backward:
-            check_finite_gradients(self.unit.modules[0])  # raises out of backward, every rank
+        last = self.unit.is_last_backward
+        finish_backward([state.unit for state in context.states], context.scheduler, last)
+        if last and self.after_last_backward is not None:
+            self.after_last_backward()  # may raise out of backward, on every rank alike
 
 
 # ----------------------------------------------------------------- helpers
 def link_annotated_below(state: _ShardState) -> None:
     """``state``'s module was just annotated: units annotated below it
     (earlier, bottom-up) learn that a root above them will initialise them."""
-    for below in _states_below(state.unit.modules):
+    for below in states_below(state.unit.modules):
         if below is not state and below.annotated_parent is None:
             below.annotated_parent = state
 
 
-def _register_unit(module: Any, unit: ShardUnit) -> Any:
-    state = register_unit.state(module if isinstance(module, nn.Module) else module[0])
+def _attach_state(module: Any, unit: ShardUnit) -> Any:
+    state = attach_state.state(module if isinstance(module, nn.Module) else module[0])
     state.bind(unit)
     return module
 
 
 # torch's composable-API registry keys an API by its function's name; other
 # composable APIs (e.g. replicate) look for "fully_shard" there.
-_register_unit.__name__ = "fully_shard"
-register_unit = contract(state_cls=_ShardState)(_register_unit)
-"""Attach a new ``_ShardState`` for ``unit`` to the module(s) through the
-composable-API ``contract`` (which also checks that no FQN changed)."""
+_attach_state.__name__ = "fully_shard"
+attach_state = contract(state_cls=_ShardState)(_attach_state)
+"""Attach a new ``_ShardState`` bound to ``unit`` to the module(s) through
+the composable-API ``contract`` (which also checks that no FQN changed)."""
 
 
 def state_of(module: nn.Module) -> Optional[_ShardState]:
     """The ``_ShardState`` attached to ``module``, if it was annotated."""
-    state = register_unit.state(module)
+    state = attach_state.state(module)
     return state if isinstance(state, _ShardState) and state.unit is not None else None
 
 
 def units_below(module: nn.Module) -> list[ShardUnit]:
     """Every unit annotated in ``module``'s subtree, in module order."""
-    return [state.unit for state in _states_below((module,)) if state.unit is not None]
+    return [state.unit for state in states_below((module,)) if state.unit is not None]
 
 
-def _states_below(modules: tuple[nn.Module, ...]) -> list[_ShardState]:
+def states_below(modules: tuple[nn.Module, ...]) -> list[_ShardState]:
+    """Every state attached in the subtrees of ``modules`` (each once), in
+    module order."""
     seen: dict[int, _ShardState] = {}
     for top in modules:
         for sub in top.modules():
@@ -313,10 +337,29 @@ def _check_devices(states: list[_ShardState]) -> None:
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
+def _pending_settings(states: list[_ShardState]) -> list[ModelSetting]:
+    """The model-wide settings made on any module of the model before its
+    lazy init, to apply to the model, so none is lost. The same setting
+    made with different values on two modules is ambiguous: raise (every
+    rank alike, before any collective) naming both and the root."""
+    chosen: dict[str, tuple[object, ModelSetting, ShardUnit]] = {}
+    for state in states:
+        for name, (value, apply) in state.pending_settings.items():
+            if name in chosen and chosen[name][0] != value:
+                other = chosen[name][2]
+                raise ValueError(
+                    f"{name}() was called with different values on {other.name} "
+                    f"({chosen[name][0]!r}) and {state.unit.name} ({value!r}) before the first "
+                    f"forward; it applies to the whole model. Call it once, on the root module "
+                    f"{states[0].unit.name}.")
+            chosen.setdefault(name, (value, apply, state.unit))
+    return [apply for _, apply, _ in chosen.values()]
+
+
 def _layout_fingerprint(units: list[ShardUnit]) -> int:
-    text = repr([[(r.fqn, tuple(r.shape), str(r.param.dtype), r.param.requires_grad, b.is_meta)
-                  for b in u.buffers for r in b.records] for u in units])
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    return fingerprint_of(repr([[(r.fqn, tuple(r.shape), str(r.param.dtype),
+                                  r.param.requires_grad, b.is_meta)
+                                 for b in u.buffers for r in b.records] for u in units]))
 
 
 def _check_ranks_agree(states: list[_ShardState]) -> None:
@@ -330,17 +373,15 @@ def _check_ranks_agree(states: list[_ShardState]) -> None:
     for group_states in by_group.values():
         units = [s.unit for s in group_states]
         group = units[0].group
-        prints = all_gather_fingerprints(_layout_fingerprint(units), group)
-        if len(set(prints)) > 1:
-            mine = _layout_fingerprint(units)
-            ranks = fingerprint_ranks(group)
-            differing = sorted({ranks[i] for i, p in enumerate(prints) if p != prints[0]})
+        mine = _layout_fingerprint(units)
+        differ = disagreement(mine, group)
+        if differ is not None:
             raise RuntimeError(
                 f"[rank {group.rank}] ranks disagree on the parameters of the fully_shard units "
-                f"{[u.name for u in units]}: ranks {differing} have different names, shapes, "
-                f"dtypes or meta-ness than rank {ranks[0]} (this rank's fingerprint {mine:#x}). "
-                "Build the "
-                "same model on every rank before calling fully_shard (and materialise meta "
-                "parameters on every rank before the first forward).")
+                f"{[u.name for u in units]}: ranks {differ.differing} have different names, "
+                f"shapes, dtypes or meta-ness than rank {differ.reference} (this rank's "
+                f"fingerprint {mine:#x}). Build the same model on every rank before calling "
+                "fully_shard (and materialise meta parameters on every rank before the first "
+                "forward).")
         for state in group_states:
             state.validated = True

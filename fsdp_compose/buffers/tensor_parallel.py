@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._comm import ShardGroup
+from ..comm.groups import ShardGroup
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ again after it completes (gloo bumps it from its own thread when an
 asynchronous work finishes).
 The per-parameter views (split + view of the leaf) route the gradients of
 all original parameters into one flat gradient, which is exactly the
-reduce-scatter input (the gradient side lives in ``_flat_grad.py``). Their autograd nodes save no tensors, but they are
+reduce-scatter input (the gradient side lives in ``flat_grad.py``). Their autograd nodes save no tensors, but they are
 rebuilt at every forward that records a graph: the CPU autograd engine runs
 ready nodes by sequence number, newest first, so views built once at
 ``fully_shard`` time would be the oldest nodes of every graph and would only
@@ -26,64 +26,18 @@ backward, keeping every unit unsharded until the end.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.nn as nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from ._comm import ShardGroup, all_gather_into
-from ._flat_grad import FlatGradient
-from ._layout import FlatLayout, ShardSlice
-from ._staging import StagingPool
-from ._tensor_parallel import TensorParallelSpec, as_dtensor
-
-
-@dataclass
-class ParamRecord:
-    """One original parameter managed by a flat buffer.
-
-    Attributes:
-        param: the original ``nn.Parameter`` (identity kept for the user).
-        slots: every ``(module, attribute name)`` that registers it within
-            the unit (more than one when a parameter is shared inside a unit).
-        fqn: its fully-qualified name relative to the outermost annotated
-            module seen so far (updated when an ancestor is annotated).
-        shape: its original shape (the TP-local shape for a tensor-parallel
-            parameter: what the flat layout holds).
-        tp: for a tensor-parallel parameter (a ``DTensor`` before
-            ``fully_shard``), what forward and state dicts need to present
-            it as one again (see ``_tensor_parallel.py``); else ``None``.
-    """
-
-    param: nn.Parameter
-    slots: list[tuple[nn.Module, str]]
-    fqn: str
-    shape: torch.Size
-    tp: Optional[TensorParallelSpec] = None
-
-
-class BufferPolicy(NamedTuple):
-    """Precision and placement of one flat buffer (derived from the unit's
-    ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``).
-
-    Attributes:
-        compute_dtype: dtype of the unsharded buffer and the all-gather
-            (``None``: the parameters' dtype).
-        reduce_dtype: dtype of the reduction and of accumulation without
-            sync (``None``: ``compute_dtype``).
-        reduce_comm_dtype: dtype the reduce-scatter communicates in
-            (``None``: ``reduce_dtype``).
-        offload_to_cpu: keep ``sharded``/``sharded_grad`` on the CPU.
-        pin_memory: pin them (only meaningful with CUDA).
-    """
-
-    compute_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    offload_to_cpu: bool = False
-    pin_memory: bool = False
-    reduce_comm_dtype: Optional[torch.dtype] = None
+from ..comm.collectives import all_gather_into
+from ..comm.groups import ShardGroup
+from .flat_grad import FlatGradient
+from .layout import FlatLayout, ShardSlice
+from .records import BufferPolicy, ParamRecord, is_aliased, resolve_dtypes
+from .staging import StagingPool
+from .tensor_parallel import as_dtensor
 
 
 class _PendingGather(NamedTuple):
@@ -194,19 +148,15 @@ class FlatBuffer:
         Post-condition: sharded state; every parameter's ``.data`` is its
         slice of ``sharded``.
         """
-        policy = self.policy
-        self.dtype = sharded.dtype
-        floating = self.dtype.is_floating_point
-        self.compute_dtype = (policy.compute_dtype if floating else None) or self.dtype
-        self.reduce_dtype = (policy.reduce_dtype if floating else None) or self.compute_dtype
-        self.reduce_comm_dtype = (policy.reduce_comm_dtype if floating else None) or \
-            self.reduce_dtype
+        dtypes = resolve_dtypes(sharded.dtype, self.policy)
+        self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
+        self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded
-        self.aliased = (self.group.world_size == 1 and self.compute_dtype == self.dtype
-                        and self.storage_device == self.compute_device)
-        if self.is_meta:  # nothing to allocate until materialised (adopt_converted_params)
+        self.aliased = is_aliased(self.group.world_size, dtypes,
+                                  self.storage_device == self.compute_device)
+        if self.is_meta:  # nothing to allocate until materialised (rebuild_after_conversion)
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
         elif self.aliased:
@@ -274,7 +224,7 @@ class FlatBuffer:
         self._register_grad_hook()
         self._unsharded_views = self._build_unsharded_views()
 
-    def adopt_converted_params(self) -> bool:
+    def rebuild_after_conversion(self) -> bool:
         """After ``module.to(dtype)`` / ``.double()`` / ``_apply``: the
         parameters now hold converted copies of their slices (no longer views
         of ``sharded``). Rebuild the storage from them in the new dtype and

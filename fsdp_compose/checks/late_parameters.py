@@ -16,20 +16,21 @@ from typing import Iterable, Optional
 
 import torch.nn as nn
 
-from ._compose import is_replicated
+from ..runtime.owners import owner_of
+from .replicate import is_replicated
 
 Snapshot = tuple[tuple[nn.Module, dict[str, int], dict[str, int]], ...]
 """Per managed module: (module, {param name: id}, {child name: id})."""
 
 
-def registration_snapshot(managed_modules: Iterable[nn.Module]) -> Snapshot:
+def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
     """What each managed module registers now (taken at annotation)."""
     return tuple((m, {n: id(p) for n, p in m._parameters.items() if p is not None},
                   {n: id(c) for n, c in m._modules.items() if c is not None})
                  for m in managed_modules)
 
 
-def check_registration(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
+def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
     """Raise if a managed module holds a parameter, or a child module with
     parameters no unit manages, that it did not hold at annotation (a new
     child that only wraps managed modules, e.g. an activation-checkpoint
@@ -56,9 +57,8 @@ def check_registration(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
 def _unmanaged_param(top: nn.Module) -> Optional[str]:
     """The name (relative to ``top``) of a parameter in ``top``'s subtree
     that no ``fully_shard`` unit manages (unsharded views are managed)."""
-    from .api import flat_buffer_of  # api imports this package's state: import late
     for name, p in top.named_parameters():
-        if isinstance(p, nn.Parameter) and flat_buffer_of(p) is None:
+        if isinstance(p, nn.Parameter) and owner_of(p) is None:
             return name
     return None
 

@@ -3,40 +3,25 @@ them at each moment of an iteration.
 
 A unit owns its buffers and its training state; it never looks at other
 units. Deciding *when* to call these methods (hooks, the root, the end of
-backward) is the job of ``_state.py``.
+backward) is the job of ``state.py``.
 """
 
 from __future__ import annotations
 
-from enum import Enum, auto
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from ._comm import ShardGroup, post_forward_group
-from ._flat_buffer import BufferPolicy, FlatBuffer, ParamRecord
-from ._flat_grad import ReduceOptions
-from ._schedule import Scheduler
-from ._tensors import map_floating_tensors, tensors_requiring_grad
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
-
-
-class TrainingState(Enum):
-    """Where a unit is in the iteration."""
-
-    IDLE = auto()
-    """Between iterations: sharded (unless the user called ``unshard()`` or
-    ``reshard_after_backward=False`` kept it unsharded)."""
-    FORWARD = auto()
-    """Inside the forward of one of its modules: unsharded."""
-    PRE_BACKWARD = auto()
-    """Its outputs' gradients have arrived: unsharded for backward, gradients
-    not yet reduced."""
-    POST_BACKWARD = auto()
-    """Its gradients were reduced (or it kept them for accumulation without
-    sync) in this backward."""
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.flat_grad import ReduceOptions
+from ..buffers.records import ParamRecord, buffer_policy
+from ..comm.groups import ShardGroup, post_forward_group
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .scheduler import Scheduler
+from .tensors import map_floating_tensors, tensors_requiring_grad
+from .training_state import TrainingState
 
 
 class ShardUnit:
@@ -60,9 +45,9 @@ class ShardUnit:
         self.group: ShardGroup = group
         self.mp_policy: MixedPrecisionPolicy = mp_policy or MixedPrecisionPolicy()
         self.offload_policy: Optional[CPUOffloadPolicy] = offload_policy
+        policy = buffer_policy(self.mp_policy, offload_policy, torch.cuda.is_available())
         self.buffers: list[FlatBuffer] = [
-            FlatBuffer(records, group, post_accumulate_grad=self._post_backward,
-                       policy=self._buffer_policy(records[0].param.dtype))
+            FlatBuffer(records, group, post_accumulate_grad=self._post_backward, policy=policy)
             for records in records_by_group]
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
@@ -87,20 +72,22 @@ class ShardUnit:
         """Rank-dependent backward use: keep the unit unsharded from forward to
         the end of backward (no backward all-gather) and reduce every
         trainable buffer there on every rank, zero where unused
-        (``_divergence.reduce_deferred``)."""
+        (``end_of_backward.reduce_deferred``)."""
         self.is_last_backward: bool = True
         """Read on the root: ``False`` leaves reductions in flight and the
         gradients unpublished at the end of backward (more backwards follow)."""
         self.is_root: bool = False
-        self.scheduler: Scheduler = Scheduler()
-        """Shared with every unit of the model once the root is initialised."""
+        self.scheduler: Optional[Scheduler] = None
+        """The model's scheduler, set by the root's lazy init (shared by every
+        unit of the model); ``None`` before it."""
         self.forward_prefetch: Optional[list[ShardUnit]] = None
         """Units to all-gather before this one's forward (None: by recorded order)."""
         self.backward_prefetch: Optional[list[ShardUnit]] = None
         """Units to all-gather when this one's backward starts (None: by order)."""
 
         # Per-iteration state
-        self.state: TrainingState = TrainingState.IDLE
+        self.training_state: TrainingState = TrainingState.IDLE
+        """Where the unit is in the iteration; transitions below."""
         self._modules_to_run: set[nn.Module] = set()
         """Modules of a multi-module unit whose forward has not finished yet
         in the current pass; the unit reshards when it empties."""
@@ -112,16 +99,6 @@ class ShardUnit:
         self._frozen_uses: int = 0
         """Forward calls whose frozen-parameter reads are still ahead in
         backward; -1: some call's inputs need no grad, keep until the end."""
-
-    def _buffer_policy(self, dtype: torch.dtype) -> BufferPolicy:
-        mp, offload = self.mp_policy, self.offload_policy
-        floating = dtype.is_floating_point
-        return BufferPolicy(
-            compute_dtype=mp.param_dtype if floating else None,
-            reduce_dtype=mp.reduce_dtype if floating else None,
-            reduce_comm_dtype=mp.reduce_comm_dtype if floating else None,
-            offload_to_cpu=offload is not None,
-            pin_memory=offload is not None and offload.pin_memory and torch.cuda.is_available())
 
     def set_reshard_after_forward(self, value: Union[bool, int, None]) -> None:
         """``None``/``True``/``False``, or an int ``k`` dividing the sharding
@@ -161,7 +138,7 @@ class ShardUnit:
         return self._buffer_of.get(id(param))
 
     @property
-    def reshards_after_forward(self) -> bool:
+    def resolved_reshard_after_forward(self) -> bool:
         if self.reduce_scatter_unused_params:
             return False  # its backward may run on some ranks only: no all-gather there
         if self.reshard_after_forward is None:
@@ -206,15 +183,15 @@ class ShardUnit:
         for buffer in self.buffers:
             buffer.reshard()
 
-    def adopt_converted_params(self) -> None:
+    def rebuild_after_conversion(self) -> None:
         """After a module conversion (``module.to(dtype)``): rebuild the
         buffers from the converted parameters (see ``FlatBuffer``)."""
         for buffer in self.buffers:
-            buffer.adopt_converted_params()
+            buffer.rebuild_after_conversion()
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Unshard for the forward of ``module`` (one of ``self.modules``)."""
-        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             # Recomputation inside backward (activation checkpointing): the
             # buffers are unsharded for backward already; only restore the views.
             self.unshard()
@@ -224,7 +201,7 @@ class ShardUnit:
         if not self._modules_to_run:  # a new pass starts
             self._modules_to_run = set(self.modules)
             self._backward_possible = False
-        self.state = TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
         self.scheduler.record_forward(self)
         self.scheduler.gather(self, self.scheduler.forward_targets(self))
         if torch.is_grad_enabled():
@@ -242,7 +219,7 @@ class ShardUnit:
         output. Returns True when the unit's pass is complete: every module
         of the unit ran, or ``pass_ends`` (a module called on its own, outside
         the root's forward, is a pass by itself)."""
-        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return False  # recomputation inside backward: stay unsharded
         self._release_saved_guard()
         if torch.is_grad_enabled():
@@ -260,10 +237,10 @@ class ShardUnit:
         """End the forward pass: reshard if no backward will need the
         parameters or the policy says so."""
         self._modules_to_run = set()
-        self.state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
         if not self._backward_possible:
             self.reshard()
-        elif self.reshards_after_forward:
+        elif self.resolved_reshard_after_forward:
             keep = self.post_forward_group if self.unshard_in_backward else None
             for buffer in self.buffers:
                 buffer.reshard(keep_for_backward=keep)
@@ -297,9 +274,9 @@ class ShardUnit:
 
     def pre_backward(self) -> None:
         """Unshard for backward (at most once per backward)."""
-        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
-        self.state = TrainingState.PRE_BACKWARD
+        self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:
             # reduce_scatter_unused_params: this may run on some ranks only, so
             # it issues no prefetch (it is still unsharded from forward)
@@ -311,14 +288,14 @@ class ShardUnit:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
         if self.requires_gradient_sync and self.reduce_scatter_unused_params:
-            pass  # every rank reduces it at the end of backward (_divergence.reduce_deferred)
+            pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
         elif self.requires_gradient_sync:
             self.scheduler.reduce(buffer, self.reduce_options)
         else:
             buffer.grad.stash_unreduced()
         if self.reshard_after_backward:
             buffer.reshard()
-        self.state = TrainingState.POST_BACKWARD
+        self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
         """Frozen buffers have no gradient hook; they reshard once the
@@ -340,7 +317,7 @@ class ShardUnit:
         if self._frozen_uses <= 0:
             return  # kept until the end of backward (or the count was reset)
         self._frozen_uses -= 1
-        if self._frozen_uses == 0 and self.state is not TrainingState.IDLE \
+        if self._frozen_uses == 0 and self.training_state is not TrainingState.IDLE \
                 and self.reshard_after_backward:
             for buffer in self.frozen_buffers:
                 buffer.reshard()
@@ -348,14 +325,14 @@ class ShardUnit:
     def finalize_backward(self) -> None:
         """End of backward: reshard what is still unsharded (per policy) and
         go back to IDLE."""
-        if self.reshard_after_backward and self.state is not TrainingState.FORWARD:
+        if self.reshard_after_backward and self.training_state is not TrainingState.FORWARD:
             self.reshard()
-        if self.state is not TrainingState.FORWARD:
+        if self.training_state is not TrainingState.FORWARD:
             for buffer in self.buffers:
                 buffer.drop_post_forward_copy()  # this backward did not need it
-        if self.state is not TrainingState.FORWARD:
+        if self.training_state is not TrainingState.FORWARD:
             self._frozen_uses = 0
-        self.state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
 
     def reset_iter_state(self) -> None:
         """Undo what an iteration that raised midway left on this unit:
@@ -369,7 +346,7 @@ class ShardUnit:
         for buffer in self.buffers:
             buffer.grad.discard_iteration()
             buffer.reshard()  # waits an all-gather still in flight
-        self.state = TrainingState.IDLE
+        self.training_state = TrainingState.IDLE
         self._modules_to_run = set()
         self._backward_possible = False
         self._frozen_uses = 0

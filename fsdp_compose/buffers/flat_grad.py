@@ -1,7 +1,7 @@
 """The gradient side of one flat buffer: reduce-scatter, accumulation, and
 handing the sharded gradient to the original parameters.
 
-A :class:`FlatGradient` belongs to one :class:`~fsdp_compose._flat_buffer.FlatBuffer`
+A :class:`FlatGradient` belongs to one ``flat_buffer.FlatBuffer``
 (its ``owner``) and owns every tensor that holds that buffer's gradients
 between autograd and the optimizer:
 
@@ -24,7 +24,7 @@ that took no part in any backward since the gradients were cleared, and
 optimizers with weight decay or momentum skip it; so do we. Which
 parameters were used is the union over ranks (one process sees the global
 batch), so publication all-reduces the flags once per backward for the
-whole model (:func:`publish_gradients`). A parameter used somewhere gets a
+whole model (``runtime/end_of_backward.py``). A parameter used somewhere gets a
 ``.grad`` on every rank, an empty one where the rank owns none of its
 elements, so every rank's optimizer holds state for the same parameters.
 """
@@ -32,16 +32,35 @@ elements, so every rank's optimizer holds state for the same parameters.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-from ._comm import all_reduce_max, all_reduce_replicas, finish_scaling, reduce_scatter_scaled
+from ..comm.collectives import all_reduce_replicas, finish_scaling, reduce_scatter_scaled
+from ..comm.groups import ShardGroup
+from .layout import FlatLayout, ShardSlice
+from .records import ParamRecord
 
-if TYPE_CHECKING:  # annotations only: the buffer owns its gradient
-    from ._divergence import DivergenceMonitor
-    from ._flat_buffer import FlatBuffer
+
+class GradientOwner(Protocol):
+    """What a :class:`FlatGradient` reads of the flat buffer that owns it
+    (``flat_buffer.FlatBuffer``; a protocol, so that the buffer module
+    imports this one and not the other way round)."""
+
+    records: list[ParamRecord]
+    group: ShardGroup
+    layout: FlatLayout
+    unsharded: torch.Tensor
+    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reduce_comm_dtype: torch.dtype
+    compute_device: torch.device
+    storage_device: torch.device
+    pin_memory: bool
+
+    def local_slices(self) -> tuple[ShardSlice, ...]: ...
 
 
 class ReduceOptions(NamedTuple):
@@ -67,8 +86,8 @@ class _PendingReduce(NamedTuple):
 class FlatGradient:
     """Gradient state of one flat buffer (see the module docstring)."""
 
-    def __init__(self, owner: "FlatBuffer") -> None:
-        self.owner: FlatBuffer = owner
+    def __init__(self, owner: GradientOwner) -> None:
+        self.owner: GradientOwner = owner
         count = len(owner.records)
         self.used: list[bool] = [False] * count
         """Per parameter: a gradient reached its view on this rank since the
@@ -260,43 +279,3 @@ class FlatGradient:
         for record, s, flag in zip(self.owner.records, self.owner.local_slices(), has_grad):
             if flag:
                 record.param.grad = grad.narrow(0, s.shard_start, s.length)
-
-
-def publish_gradients(buffers: Sequence["FlatBuffer"],
-                      divergence: Optional["DivergenceMonitor"] = None) -> None:
-    """Finish the reductions of ``buffers`` and give their parameters the
-    reduced gradients, with ``.grad is None`` for parameters that no rank
-    used (see [Note: used parameters]); then run the parameters'
-    post-accumulate-grad hooks (e.g. an optimizer step in backward).
-
-    Every rank must pass the same buffers in the same order: one all-reduce
-    of the used flags runs per process group. ``divergence`` appends its
-    fingerprint of the collective sequence to the flags and checks it after
-    the all-reduce (see [Note: rank divergence] in ``_divergence.py``).
-    """
-    pending = [b for b in buffers if b.grad.has_unpublished]
-    for buffer in pending:
-        buffer.grad.finish_reduce()
-    by_group: dict[int, list[FlatBuffer]] = {}
-    for buffer in pending:
-        by_group.setdefault(id(buffer.group.process_group), []).append(buffer)
-    fresh: list[nn.Parameter] = []
-    for group_buffers in by_group.values():
-        flags = [u for b in group_buffers for u in b.grad.used]
-        group = group_buffers[0].group
-        if group.total_size > 1:  # replicas too (F = 1 replication included)
-            extra = divergence.payload(group) if divergence is not None else []
-            mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
-            all_reduce_max(mask, group)
-            values = mask.tolist()
-            if divergence is not None:
-                divergence.check(group, values[len(flags):])
-            flags = [bool(v) for v in values[:len(flags)]]
-        start = 0
-        for buffer in group_buffers:
-            count = len(buffer.records)
-            fresh += buffer.grad.publish(flags[start:start + count])
-            start += count
-    for param in fresh:
-        for hook in (param._post_accumulate_grad_hooks or {}).values():
-            hook(param)

@@ -1,5 +1,4 @@
-"""Rank divergence: detect ranks whose collectives belong to different units,
-and the deferred reductions of ``set_reduce_scatter_unused_params``.
+"""Rank divergence: detect ranks whose collectives belong to different units.
 
 [Note: rank divergence]
 Collectives pair up across ranks by issue order, not by unit. Data-dependent
@@ -38,17 +37,16 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from enum import IntEnum
+from typing import NamedTuple, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
-from ._comm import ShardGroup, all_gather_fingerprints
-
-if TYPE_CHECKING:  # annotations only: units and the scheduler import this module
-    from ._flat_buffer import FlatBuffer
-    from ._schedule import Scheduler
-    from ._unit import ShardUnit
+from ..buffers.flat_buffer import FlatBuffer
+from ..comm.agreement import all_gather_fingerprints
+from ..comm.groups import ShardGroup
+from ..runtime.observer import CollectiveObserver, ObservedUnit
+from ..runtime.training_state import TrainingState
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 """Set to ``1`` to verify the collective order in every iteration."""
@@ -57,8 +55,29 @@ VERIFICATION_ITERATIONS = 2
 _LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
-_KINDS = ("all-gather", "reduce-scatter", "end of backward", "forward")
-_PHASES = ("forward", "backward", "")
+
+
+class Kind(IntEnum):
+    """What a recorded event is (its value is part of the compared code)."""
+
+    ALL_GATHER = 0
+    REDUCE_SCATTER = 1
+    END_OF_BACKWARD = 2
+    """The flags all-reduce: no more unit collectives in this backward."""
+    FORWARD = 3
+    """A unit's place in the root's forward order (no collective of its own)."""
+
+
+class Phase(IntEnum):
+    """Where in the iteration a collective is issued."""
+
+    FORWARD = 0
+    BACKWARD = 1
+    NONE = 2
+
+
+_KIND_TEXT = {Kind.ALL_GATHER: "all-gather", Kind.REDUCE_SCATTER: "reduce-scatter",
+              Kind.END_OF_BACKWARD: "end of backward", Kind.FORWARD: "forward"}
 FINGERPRINT_BYTES = 16
 """Bytes appended to one process group's used flags (8 of the hash, 8 complements)."""
 
@@ -66,35 +85,36 @@ FINGERPRINT_BYTES = 16
 class Collective(NamedTuple):
     """One collective of the training step, as every rank must agree on it."""
 
-    kind: int  # index into _KINDS
+    kind: Kind
     unit: int  # position of the unit in the root's state list
     buffer: int  # index of the flat buffer in its unit
-    phase: int  # index into _PHASES
+    phase: Phase
 
     @property
     def code(self) -> int:
         """A 63-bit integer naming it (the value the verification compares)."""
         return (self.kind << 56) | (self.phase << 52) | (self.unit << 20) | self.buffer
 
-    def describe(self, units: Sequence["ShardUnit"]) -> str:
-        if self.kind == 2:
+    def describe(self, units: Sequence[ObservedUnit]) -> str:
+        if self.kind is Kind.END_OF_BACKWARD:
             return "end-of-backward all-reduce (no more unit collectives)"
         name = units[self.unit].name if self.unit < len(units) else f"unit #{self.unit}"
-        if self.kind == 3:
+        if self.kind is Kind.FORWARD:
             return f"forward of {name} (in the root's forward order)"
-        return f"{_KINDS[self.kind]} of {name} (buffer {self.buffer}) in {_PHASES[self.phase]}"
+        return (f"{_KIND_TEXT[self.kind]} of {name} (buffer {self.buffer}) in "
+                f"{self.phase.name.lower()}")
 
 
 def _decode(code: int) -> Collective:
-    return Collective((code >> 56) & 0x7F, (code >> 20) & 0xFFFFFFFF, code & 0xFFFFF,
-                      (code >> 52) & 0xF)
+    return Collective(Kind((code >> 56) & 0x7F), (code >> 20) & 0xFFFFFFFF, code & 0xFFFFF,
+                      Phase((code >> 52) & 0xF))
 
 
-class DivergenceMonitor:
+class DivergenceMonitor(CollectiveObserver):
     """Records the unit collectives of one model and checks that every rank
-    issues the same ones (see [Note: rank divergence]). Owned by the model's
-    :class:`~fsdp_compose._schedule.Scheduler`; bound to the units at the
-    root's lazy init.
+    issues the same ones (see [Note: rank divergence]). The model's
+    collective observer (``runtime/observer.py``): ``fully_shard`` hands it
+    in, the root's lazy init builds it and binds it to the units.
 
     Invariant: between two comparisons on a process group, ``_fingerprints``
     and ``_logs`` hold exactly the collectives issued on it since the last
@@ -109,7 +129,7 @@ class DivergenceMonitor:
         """Whether the current iteration runs the verification collectives."""
         self.iterations: int = 0
         """Forward passes of the root started so far."""
-        self._units: list[ShardUnit] = []
+        self._units: list[ObservedUnit] = []
         self._where: dict[int, tuple[int, int]] = {}
         """id(buffer) -> (unit index, buffer index)."""
         self._index: dict[int, int] = {}
@@ -119,7 +139,7 @@ class DivergenceMonitor:
         self._logs: dict[int, deque[Collective]] = {}
         """id(process group) -> the collectives since the last comparison."""
 
-    def bind(self, units: Sequence["ShardUnit"]) -> None:
+    def bind(self, units: Sequence[ObservedUnit]) -> None:
         """Number the units (the root's state list order, the same on every
         rank since the layouts were checked to agree)."""
         self._units = list(units)
@@ -137,18 +157,18 @@ class DivergenceMonitor:
                               or os.environ.get(CHECK_ENV, "0") not in ("", "0"))
 
     # ----------------------------------------------------------- recording
-    def before_all_gather(self, issuer: "ShardUnit", buffer: "FlatBuffer") -> None:
-        """Called right before ``buffer``'s all-gather is issued, by
-        ``issuer``'s pre-forward or pre-backward (``buffer`` may belong to
+    def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
+        """Called right before ``buffer``'s all-gather is issued, by a
+        unit's pre-forward or pre-backward (``buffer`` may belong to
         another unit: a prefetch)."""
-        from ._unit import TrainingState  # _unit imports the scheduler, which imports us
-        self._issue(0, buffer, 0 if issuer.state is TrainingState.FORWARD else 1)
+        phase = Phase.FORWARD if issuer_state is TrainingState.FORWARD else Phase.BACKWARD
+        self._issue(Kind.ALL_GATHER, buffer, phase)
 
-    def before_reduce_scatter(self, buffer: "FlatBuffer") -> None:
+    def before_reduce_scatter(self, buffer: FlatBuffer) -> None:
         """Called right before ``buffer``'s reduce-scatter is issued."""
-        self._issue(1, buffer, 1)
+        self._issue(Kind.REDUCE_SCATTER, buffer, Phase.BACKWARD)
 
-    def _issue(self, kind: int, buffer: "FlatBuffer", phase: int) -> None:
+    def _issue(self, kind: Kind, buffer: FlatBuffer, phase: Phase) -> None:
         group = buffer.group
         if group.world_size == 1:
             return  # nothing is communicated
@@ -163,12 +183,13 @@ class DivergenceMonitor:
         self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
 
-    def after_root_forward(self, order: Sequence["ShardUnit"]) -> None:
+    def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
         """The root's forward ended: fold the units' forward order into every
         group's fingerprint and, when verifying, compare it across ranks now
         (forward prefetch can make a skipped unit's all-gather happen anyway,
         so the collectives of the forward alone may still agree)."""
-        entries = [Collective(3, self._index.get(id(u), 0xFFFFF), 0, 0) for u in order]
+        entries = [Collective(Kind.FORWARD, self._index.get(id(u), 0xFFFFF), 0, Phase.FORWARD)
+                   for u in order]
         combined = _FNV_OFFSET
         for entry in entries:
             combined = _mix(combined, entry.code)
@@ -188,15 +209,15 @@ class DivergenceMonitor:
             self._raise(group, about)
 
     # ------------------------------------------------------- end of backward
-    def before_publish(self, groups: Sequence[ShardGroup]) -> None:
+    def before_publish(self) -> None:
         """End of the last backward, before the flags all-reduce: in a
         verifying iteration, check that every rank got here (and not to one
         more unit collective), once per process group of the model."""
         if not self.verifying:
             return
-        for group in groups:
+        for group in self.groups():
             if group.world_size > 1:
-                self._verify(Collective(2, 0, 0, 2), group)
+                self._verify(Collective(Kind.END_OF_BACKWARD, 0, 0, Phase.NONE), group)
 
     def payload(self, group: ShardGroup) -> list[int]:
         """The fingerprint bytes to append to ``group``'s used flags."""
@@ -233,7 +254,7 @@ class DivergenceMonitor:
         if about is not None:
             for rank, entry in about.items():
                 lines.append(f"  rank {rank} is about to issue the {entry.describe(self._units)}")
-            forward = any(e.phase == 0 for e in about.values())
+            forward = any(e.phase is Phase.FORWARD for e in about.values())
             where = "before issuing it"
         else:
             first = _first_difference(logs)
@@ -242,9 +263,9 @@ class DivergenceMonitor:
                 text = entry.describe(self._units) if entry is not None else \
                     "nothing more (its sequence ended)"
                 lines.append(f"  rank {rank}: event #{first} since the last check is the {text}")
-            forward = any(first < len(e) and e[first].phase == 0 for e in logs)
+            forward = any(first < len(e) and e[first].phase is Phase.FORWARD for e in logs)
             where = ("after the root's forward, by comparing forward orders" if self.verifying
-                     and any(first < len(e) and e[first].kind == 3 for e in logs) else
+                     and any(first < len(e) and e[first].kind is Kind.FORWARD for e in logs) else
                      "at the end of backward, by the fingerprint of the collective sequence")
         advice = (
             "A unit's forward ran on some ranks only (or in a different order): every rank must "
@@ -273,21 +294,3 @@ def _first_difference(logs: list[list[Collective]]) -> int:
     while all(index < len(log) for log in logs) and len({log[index] for log in logs}) == 1:
         index += 1
     return index
-
-
-# ------------------------------------------------ reduce_scatter_unused_params
-def reduce_deferred(units: Sequence["ShardUnit"], scheduler: "Scheduler") -> None:
-    """End of backward: every unit with ``reduce_scatter_unused_params`` (and
-    gradient sync on) reduces every trainable buffer, in ``units`` order (the
-    root's state list, the same on every rank), with a zero gradient where
-    this rank's backward gave it none. Parameters no rank used keep
-    ``.grad`` unchanged: their used flags stay False on every rank."""
-    for unit in units:
-        if not (unit.reduce_scatter_unused_params and unit.requires_gradient_sync):
-            continue
-        for buffer in unit.trainable_buffers:
-            if not buffer.grad.has_unreduced:
-                buffer.unsharded.grad = torch.zeros(
-                    buffer.layout.padded_numel, dtype=buffer.compute_dtype,
-                    device=buffer.compute_device)
-            scheduler.reduce(buffer, unit.reduce_options)

@@ -1,0 +1,251 @@
+"""From ``fully_shard``'s arguments to a running unit: which modules and
+parameters a unit takes, how they group into flat buffers, and wiring the
+unit into the runtime and the checks.
+
+One source of truth for the planner: ``tools/planner`` calls
+:func:`managed_modules`, :func:`collect_records` and :func:`plan_buffers`
+on a model with no process group, exactly as :func:`setup_unit` does for
+``fully_shard``, so an estimate cannot disagree with what the library builds.
+
+Argument checking (types, meshes) is ``api.py``'s; the per-step behaviour
+is the runtime's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .buffers import tensor_parallel
+from .buffers.layout import FlatLayout
+from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, group_records,
+                              resolve_dtypes)
+from .checks.divergence import DivergenceMonitor
+from .checks.late_parameters import check_no_late_parameters, snapshot_modules
+from .checks.replicate import is_replicated
+from .checks.step_guard import install_step_guard
+from .comm.groups import ShardGroup
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .runtime.owners import Owner, owner_of, record_owners
+from .runtime.state import attach_state, link_annotated_below, state_of
+from .runtime.unit import ShardUnit
+
+OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], None]
+"""Raises if a parameter (with its FQN here, the module holding it and the
+unit's module names) already belongs to another unit."""
+
+
+class BufferPlan(NamedTuple):
+    """One flat buffer a unit gets: its parameters, layout and dtypes."""
+
+    records: list[ParamRecord]
+    layout: FlatLayout
+    dtypes: BufferDtypes
+    requires_grad: bool
+
+
+# ------------------------------------------------------------------ planning
+def managed_modules(modules: Sequence[nn.Module],
+                    taken: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The given modules and their descendants, minus the subtrees that
+    ``taken`` says belong to someone else already (units annotated before,
+    bottom-up, and subtrees of ``replicate``)."""
+    managed: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = list(reversed(modules))
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        managed.append(m)
+        for child in reversed(list(m.children())):
+            if not taken(child):
+                stack.append(child)
+    return managed
+
+
+def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
+    """Every module below ``modules`` by id, named relative to them
+    (``[i].`` prefixes for a list of siblings)."""
+    names: dict[int, str] = {}
+    for i, top in enumerate(modules):
+        prefix = f"[{i}]." if len(modules) > 1 else ""
+        for name, sub in top.named_modules(remove_duplicate=False):
+            names.setdefault(id(sub), (prefix + name).rstrip("."))
+    return names
+
+
+def join_fqn(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
+                    ignored: set[int], check_owner: OwnerCheck) -> list[ParamRecord]:
+    """One record per distinct parameter of ``managed`` (a parameter
+    registered twice inside the unit gets two slots), in module order,
+    skipping ``ignored`` ids; ``check_owner`` rejects parameters of other
+    units."""
+    names = module_names(modules)
+    records: dict[int, ParamRecord] = {}
+    for m in managed:
+        for attr, param in m._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            fqn = join_fqn(names.get(id(m), ""), attr)
+            if id(param) in records:
+                records[id(param)].slots.append((m, attr))
+                continue
+            check_owner(param, fqn, m, names)
+            records[id(param)] = ParamRecord(param=param, slots=[(m, attr)], fqn=fqn,
+                                             shape=param.shape)
+    return list(records.values())
+
+
+def plan_buffers(records: list[ParamRecord], world_size: int,
+                 policy: BufferPolicy) -> list[BufferPlan]:
+    """The flat buffers of a unit with ``records`` sharded over
+    ``world_size`` ranks: one per ``(dtype, requires_grad)``."""
+    return [BufferPlan(group, FlatLayout([r.shape for r in group], world_size),
+                       resolve_dtypes(group[0].param.dtype, policy),
+                       group[0].param.requires_grad)
+            for group in group_records(records)]
+
+
+# --------------------------------------------------------------- fully_shard
+def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.Module],
+               group: ShardGroup, ignored: set[int],
+               reshard_after_forward: Union[bool, int, None],
+               mp_policy: Optional[MixedPrecisionPolicy],
+               offload_policy: Optional[CPUOffloadPolicy]) -> ShardUnit:
+    """Take the parameters of ``modules`` into a new unit over ``group``,
+    attach its ``_ShardState`` (hooks) and its checks.
+
+    Post-condition: every taken parameter is a 1-D view of its buffer's
+    shard and recorded as owned by the unit; units annotated earlier below
+    ``modules`` know a root above them will initialise them."""
+    managed = managed_modules(modules, taken)
+    records = collect_records(modules, managed, ignored, _check_not_owned)
+    _localize_tensor_parallel(records, group, mp_policy, offload_policy)
+    _check_params(records, group.device)
+    unit = ShardUnit(modules, managed, group_records(records), group, reshard_after_forward,
+                     mp_policy, offload_policy)
+    if mp_policy is not None and mp_policy.buffer_dtype is not None:
+        _cast_buffers(managed, mp_policy.buffer_dtype)
+    record_owners(unit)
+    attach_state(module, unit)
+    state = state_of(modules[0])
+    state.pre_forward_check = functools.partial(
+        check_no_late_parameters, snapshot_modules(unit.managed_modules))
+    state.new_observer = DivergenceMonitor
+    link_annotated_below(state)
+    install_step_guard()
+    if len(modules) == 1:
+        _rename_below(modules[0])
+    return unit
+
+
+def taken(module: nn.Module) -> bool:
+    """Annotated before (it owns its parameters already), or replicated
+    (``replicate`` owns them)."""
+    return state_of(module) is not None or is_replicated(module)
+
+
+def _check_not_owned(param: nn.Parameter, fqn: str, module: nn.Module,
+                     names: dict[int, str]) -> None:
+    owner = owner_of(param)
+    if owner is not None:
+        _raise_already_owned(fqn, owner, module, names)
+
+
+def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
+                         names: dict[int, str]) -> None:
+    record = owner.buffer.records[owner.index]
+    if any(module is m for m in owner.unit.managed_modules):
+        raise ValueError(
+            f"parameter '{record.fqn}' (here '{fqn}') is already managed by an earlier "
+            f"fully_shard call on an ancestor, {owner.unit.name}. Annotate bottom-up: call "
+            "fully_shard on children before their parents.")
+    owner_module, owner_attr = record.slots[0]
+    other = join_fqn(names[id(owner_module)], owner_attr) if id(owner_module) in names \
+        else record.fqn
+    raise ValueError(
+        f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
+        f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head). A "
+        "shared parameter must live in one unit that is unsharded wherever it is used: annotate "
+        "the common ancestor of both modules instead of the module that holds it, or pass it "
+        "in ignored_params.")
+
+
+def _localize_tensor_parallel(records: list[ParamRecord], group, mp_policy, offload_policy) -> None:
+    """Replace every tensor-parallel (``DTensor``) parameter by a new plain
+    parameter of its TP-local values under the same name(s); the record
+    keeps what forward needs to present it as a ``DTensor`` again (see
+    ``tensor_parallel.py``: a DTensor parameter cannot keep its identity)."""
+    tp_records = [r for r in records if isinstance(r.param, DTensor)]
+    if not tp_records:
+        return
+    tensor_parallel.check_policies(tp_records[0].fqn, mp_policy is not None,
+                                    offload_policy is not None)
+    for r in tp_records:
+        r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, group)
+        r.shape = r.param.shape
+        for module, attr in r.slots:
+            module._parameters[attr] = r.param
+
+
+def _check_params(records: list[ParamRecord], device: torch.device) -> None:
+    """Reject what cannot be sharded, naming the parameter and the fix."""
+    devices: dict[torch.device, str] = {}
+    for r in records:
+        devices.setdefault(r.param.device, r.fqn)
+    if len(devices) > 1 and torch.device("meta") in devices:
+        real = next(fqn for dev, fqn in devices.items() if dev.type != "meta")
+        meta = devices[torch.device("meta")]
+        raise ValueError(
+            f"fully_shard got a unit with parameters on the meta device ('{meta}') "
+            f"and materialised ones ('{real}'); build the whole module on the meta device (then "
+            "fsdp_compose.materialize(model) after fully_shard), or on a real device.")
+    if len(devices) > 1:
+        listing = ", ".join(f"'{fqn}' on {dev}" for dev, fqn in devices.items())
+        raise ValueError(f"parameters of one fully_shard unit are on different devices ({listing});"
+                         " move the module to one device first (module.to(device)).")
+    for r in records:
+        p = r.param
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"parameter '{r.fqn}' has layout {p.layout}; fully_shard needs dense "
+                             "(strided) parameters. Convert it, or pass it in ignored_params.")
+        if not p.is_contiguous():
+            raise ValueError(f"parameter '{r.fqn}' is not contiguous (strides {p.stride()}); "
+                             "make it contiguous (param.data = param.data.contiguous()) before "
+                             "fully_shard.")
+        if p.device.type not in (device.type, "cpu", "meta"):
+            raise ValueError(f"parameter '{r.fqn}' is on {p.device} but the mesh computes on "
+                             f"{device}; move the module to the mesh's device (or pass a "
+                             "matching mesh).")
+    for r in records:
+        r.param.grad = None  # a gradient of the unsharded shape means nothing once sharded
+
+
+def _cast_buffers(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    for m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                m._buffers[name] = buf.to(dtype)
+
+
+def _rename_below(top: nn.Module) -> None:
+    """Make the FQNs of every unit below ``top`` relative to ``top``."""
+    names = {id(m): n for n, m in top.named_modules(remove_duplicate=False)}
+    for name, sub in top.named_modules():
+        state = state_of(sub)
+        if state is None or state.unit.modules[0] is not sub:
+            continue
+        for buffer in state.unit.buffers:
+            for record in buffer.records:
+                module, attr = record.slots[0]
+                record.fqn = join_fqn(names.get(id(module), name), attr)

@@ -1,0 +1,116 @@
+"""What one flat buffer holds and in which dtypes: parameter records, the
+grouping of a unit's parameters into buffers, and the dtype rules.
+
+Pure functions of shapes, dtypes and policies (no process group): the same
+code serves ``fully_shard`` and the memory planner (``tools/planner``), so
+the two cannot disagree on which buffers a unit gets or what they weigh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .tensor_parallel import TensorParallelSpec
+
+
+@dataclass
+class ParamRecord:
+    """One original parameter managed by a flat buffer.
+
+    Attributes:
+        param: the original ``nn.Parameter`` (identity kept for the user).
+        slots: every ``(module, attribute name)`` that registers it within
+            the unit (more than one when a parameter is shared inside a unit).
+        fqn: its fully-qualified name relative to the outermost annotated
+            module seen so far (updated when an ancestor is annotated).
+        shape: its original shape (the TP-local shape for a tensor-parallel
+            parameter: what the flat layout holds).
+        tp: for a tensor-parallel parameter (a ``DTensor`` before
+            ``fully_shard``), what forward and state dicts need to present
+            it as one again (see ``tensor_parallel.py``); else ``None``.
+    """
+
+    param: nn.Parameter
+    slots: list[tuple[nn.Module, str]]
+    fqn: str
+    shape: torch.Size
+    tp: Optional[TensorParallelSpec] = None
+
+
+class BufferPolicy(NamedTuple):
+    """Precision and placement of one flat buffer (derived from the unit's
+    ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy`` by :func:`buffer_policy`).
+
+    Attributes:
+        compute_dtype: dtype of the unsharded buffer and the all-gather
+            (``None``: the parameters' dtype).
+        reduce_dtype: dtype of the reduction and of accumulation without
+            sync (``None``: ``compute_dtype``).
+        reduce_comm_dtype: dtype the reduce-scatter communicates in
+            (``None``: ``reduce_dtype``).
+        offload_to_cpu: keep ``sharded``/``sharded_grad`` on the CPU.
+        pin_memory: pin them (only meaningful with CUDA).
+    """
+
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    offload_to_cpu: bool = False
+    pin_memory: bool = False
+    reduce_comm_dtype: Optional[torch.dtype] = None
+
+
+class BufferDtypes(NamedTuple):
+    """The dtypes of one flat buffer, resolved (no ``None``).
+
+    Attributes:
+        param: the parameters' own dtype: shards and sharded gradients.
+        compute: the unsharded buffer and the all-gather.
+        reduce: the reduction and accumulation without sync.
+        reduce_comm: what the reduce-scatter moves (narrower than
+            ``reduce`` only with ``reduce_comm_dtype``).
+    """
+
+    param: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    reduce_comm: torch.dtype
+
+
+def buffer_policy(mp_policy: MixedPrecisionPolicy, offload_policy: Optional[CPUOffloadPolicy],
+                  cuda_available: bool) -> BufferPolicy:
+    """A unit's policies, as its flat buffers see them."""
+    return BufferPolicy(
+        compute_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+        reduce_comm_dtype=mp_policy.reduce_comm_dtype, offload_to_cpu=offload_policy is not None,
+        pin_memory=offload_policy is not None and offload_policy.pin_memory and cuda_available)
+
+
+def resolve_dtypes(dtype: torch.dtype, policy: BufferPolicy) -> BufferDtypes:
+    """The dtypes of a buffer of ``dtype`` parameters under ``policy``;
+    mixed precision applies to floating-point buffers only."""
+    floating = dtype.is_floating_point
+    compute = (policy.compute_dtype if floating else None) or dtype
+    reduce = (policy.reduce_dtype if floating else None) or compute
+    reduce_comm = (policy.reduce_comm_dtype if floating else None) or reduce
+    return BufferDtypes(dtype, compute, reduce, reduce_comm)
+
+
+def is_aliased(world_size: int, dtypes: BufferDtypes, stored_where_computed: bool) -> bool:
+    """One rank, same dtype, shards on the compute device: the unsharded
+    buffer *is* the shard's storage (nothing is ever gathered or freed)."""
+    return world_size == 1 and dtypes.compute == dtypes.param and stored_where_computed
+
+
+def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
+    """One group (one flat buffer) per ``(dtype, requires_grad)``, in order
+    of first appearance, so frozen parameters never cost gradient memory or
+    reduce-scatter volume."""
+    groups: dict[tuple[torch.dtype, bool], list[ParamRecord]] = {}
+    for r in records:
+        groups.setdefault((r.param.dtype, r.param.requires_grad), []).append(r)
+    return list(groups.values())

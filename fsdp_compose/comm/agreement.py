@@ -1,0 +1,74 @@
+"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints.
+
+Used before the first data collective of a model (its layout), after
+materialisation (the initialised values) and by the rank-divergence checks:
+every rank sees the same gathered values, so every rank raises the same
+error together instead of one rank raising while the others hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_flat
+from .groups import ShardGroup
+
+
+def fingerprint_of(text: str) -> int:
+    """A 63-bit fingerprint of ``text`` (the same on every rank for the same text)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+class Disagreement(NamedTuple):
+    """Which global ranks hold a fingerprint other than the reference rank's."""
+
+    differing: list[int]
+    reference: int
+
+
+def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
+    """Gather every rank's ``fingerprint`` over ``group`` (shard group, then
+    replicas); ``None`` when all are equal, else the global ranks that differ
+    from the first. Collective: every rank of ``group`` must call it."""
+    every = all_gather_fingerprints(fingerprint, group)
+    if len(set(every)) == 1:
+        return None
+    ranks = fingerprint_ranks(group)
+    return Disagreement(sorted({ranks[i] for i, f in enumerate(every) if f != every[0]}),
+                        ranks[0])
+
+
+def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
+                            include_replicas: bool = True) -> list[int]:
+    """Every rank's 63-bit ``fingerprint``: the shard group's in rank order,
+    then (hybrid sharding, unless ``include_replicas`` is off) those of this
+    rank's replicas (one or two tiny all-gathers)."""
+    every = _gather_int(fingerprint, group.process_group, group.world_size, group.device)
+    replicate = group.replicate_process_group
+    if include_replicas and replicate is not None and group.replicate_size > 1:
+        every += _gather_int(fingerprint, replicate, group.replicate_size, group.device)
+    return every
+
+
+def fingerprint_ranks(group: ShardGroup, include_replicas: bool = True) -> list[int]:
+    """The global rank behind each position of :func:`all_gather_fingerprints`'s
+    result (for messages)."""
+    ranks = dist.get_process_group_ranks(group.process_group)
+    replicate = group.replicate_process_group
+    if include_replicas and replicate is not None and group.replicate_size > 1:
+        ranks += dist.get_process_group_ranks(replicate)
+    return ranks
+
+
+def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
+                device: torch.device) -> list[int]:
+    if size == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = torch.empty(size, dtype=torch.int64, device=device)
+    all_gather_flat(every, mine, group=process_group)
+    return [int(v) for v in every.cpu()]

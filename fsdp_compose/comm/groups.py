@@ -1,0 +1,157 @@
+"""The process groups a unit shards over: meshes, shard and replicate groups.
+
+Everything here is set up once, at ``fully_shard`` time (or lazily for the
+default mesh); the per-step collectives over these groups are in
+``collectives.py``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks one unit shards over (and, for hybrid sharding, the ranks
+    it is replicated over), and where it computes.
+
+    A 1-D mesh shards over all its ranks. A 2-D mesh is ``(replicate,
+    shard)`` (torch FSDP2's convention for HSDP): the parameters are sharded
+    within the shard dim and replicated across the replicate dim; gradients
+    are reduce-scattered within the shard group, then all-reduced across
+    the replicate group. ``(world, 1)`` is pure replication (DDP-like).
+
+    Attributes:
+        mesh: the mesh ``fully_shard`` got (1-D, or 2-D ``(replicate, shard)``).
+        process_group: the shard group (all-gather, reduce-scatter), held
+            weakly: ``torch.distributed`` owns it, and a model that outlives
+            ``destroy_process_group()`` (torch's state-dict helpers cache
+            models) must not keep its threads running into interpreter exit.
+        rank: this process's rank inside the shard group.
+        world_size: the sharding factor ``F`` (size of the shard group).
+        device: the compute device (CUDA for NCCL meshes, CPU otherwise).
+        replicate_process_group: the replicate group (``None``: 1-D mesh).
+        replicate_size: the number of replicas ``R`` (1 for a 1-D mesh).
+    """
+
+    mesh: DeviceMesh
+    _process_group: "weakref.ref[dist.ProcessGroup]"
+    rank: int
+    world_size: int
+    device: torch.device
+    _replicate_group: Optional["weakref.ref[dist.ProcessGroup]"] = None
+    replicate_size: int = 1
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return _alive(self._process_group)
+
+    @property
+    def replicate_process_group(self) -> Optional[dist.ProcessGroup]:
+        return None if self._replicate_group is None else _alive(self._replicate_group)
+
+    @property
+    def total_size(self) -> int:
+        """Every rank that holds a copy of the unit: ``R * F`` (the
+        denominator of the mean gradient)."""
+        return self.world_size * self.replicate_size
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.mesh.ndim == 2
+
+
+def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
+    group = ref()
+    if group is None:
+        raise RuntimeError(
+            "the process group of this fully_shard unit was destroyed "
+            "(torch.distributed.destroy_process_group()); annotate a new model after "
+            "init_process_group.")
+    return group
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group, on CUDA when
+    the backend is NCCL, else on CPU."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed to be initialised: call "
+            "torch.distributed.init_process_group(...) first (e.g. run under "
+            "torchrun), or pass mesh= explicitly.")
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    world = dist.group.WORLD
+    cached = _DEFAULT_MESH.get(device_type)
+    if cached is None or cached[0]() is not world:  # one mesh per default process group
+        _DEFAULT_MESH[device_type] = (weakref.ref(world),
+                                      init_device_mesh(device_type, (dist.get_world_size(),)))
+    return _DEFAULT_MESH[device_type][1]
+
+
+def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where tensors for collectives over ``group`` (default: the default
+    group) must live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# device type -> (the default process group it was built for, weakly; the mesh)
+_DEFAULT_MESH: dict[str, tuple["weakref.ref[dist.ProcessGroup]", DeviceMesh]] = {}
+
+
+def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
+    """Validate ``mesh`` (1-D, or 2-D ``(replicate, shard)``) and describe it
+    as a :class:`ShardGroup`."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; pass a 1-D mesh "
+            "(full sharding) or a 2-D (replicate, shard) mesh (hybrid sharding), e.g. "
+            "init_device_mesh(device_type, (num_replicas, shard_size), "
+            "mesh_dim_names=('replicate', 'shard')). For tensor parallelism, pass the data-"
+            "parallel sub-mesh (mesh['dp']).")
+    group = mesh.get_group(mesh.ndim - 1)
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(mesh.device_type)
+    return ShardGroup(mesh=mesh, _process_group=weakref.ref(group), rank=group.rank(),
+                      world_size=group.size(), device=device,
+                      _replicate_group=None if replicate is None else weakref.ref(replicate),
+                      replicate_size=1 if replicate is None else replicate.size())
+
+
+def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
+    """The group of ``size`` consecutive ranks of ``group``'s shard group
+    that this rank belongs to: where a unit with ``reshard_after_forward=size``
+    keeps its parameters between forward and backward (each rank holds
+    ``F / size`` of the ``F`` shards, re-gathered from ``size`` ranks).
+
+    Collective over the members of the new group only (every member must
+    call it); groups are cached, so units share them.
+    """
+    if size < 1 or group.world_size % size:
+        raise AssertionError(f"post-forward group size {size} must divide {group.world_size}")
+    ranks = dist.get_process_group_ranks(group.process_group)
+    start = group.rank // size * size
+    members = tuple(ranks[start:start + size])
+    cached = _POST_FORWARD_GROUPS.get(members)
+    subgroup = None if cached is None else cached()
+    if subgroup is None:
+        subgroup = dist.new_group(list(members), use_local_synchronization=True)
+        _POST_FORWARD_GROUPS[members] = weakref.ref(subgroup)
+    return ShardGroup(mesh=group.mesh, _process_group=weakref.ref(subgroup),
+                      rank=subgroup.rank(), world_size=size, device=group.device)
+
+
+# global ranks of a post-forward group -> the group (weakly: torch.distributed owns it)
+_POST_FORWARD_GROUPS: dict[tuple[int, ...], "weakref.ref[dist.ProcessGroup]"] = {}

@@ -1,0 +1,95 @@
+"""The end of backward, model-wide: deferred reductions, waiting the
+reductions in flight, and handing the gradients to the parameters.
+
+Called once per backward by the root (``state.py``), for every unit of the
+model in the root's state-list order, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ..buffers.flat_buffer import FlatBuffer
+from ..comm.collectives import all_reduce_max
+from .observer import CollectiveObserver
+from .scheduler import Scheduler
+from .unit import ShardUnit
+
+
+def finish_backward(units: Sequence[ShardUnit], scheduler: Scheduler,
+                    is_last_backward: bool) -> None:
+    """The root's end-of-backward callback, for ``units`` (root first):
+    run the deferred reductions, and for the step's last backward wait
+    every reduction and publish the gradients; then reshard what is left
+    and return every unit to IDLE; free the staging pool after the last.
+
+    Post-condition: every unit IDLE; after the last backward nothing is in
+    flight and every reduced gradient is published."""
+    reduce_deferred(units, scheduler)
+    if is_last_backward:
+        scheduler.finish_reduces()
+        scheduler.observer.before_publish()
+        publish_gradients([b for unit in units for b in unit.buffers], scheduler.observer)
+    for unit in units:
+        unit.finalize_backward()
+    if is_last_backward:
+        scheduler.end_iteration()  # everything is resharded: free the staging pool
+
+
+def reduce_deferred(units: Sequence[ShardUnit], scheduler: Scheduler) -> None:
+    """Every unit with ``reduce_scatter_unused_params`` (and gradient sync
+    on) reduces every trainable buffer, in ``units`` order, with a zero
+    gradient where this rank's backward gave it none, so every rank issues
+    the same reductions whatever its backward used. Parameters no rank used
+    keep ``.grad`` unchanged: their used flags stay False on every rank."""
+    for unit in units:
+        if not (unit.reduce_scatter_unused_params and unit.requires_gradient_sync):
+            continue
+        for buffer in unit.trainable_buffers:
+            if not buffer.grad.has_unreduced:
+                buffer.unsharded.grad = torch.zeros(
+                    buffer.layout.padded_numel, dtype=buffer.compute_dtype,
+                    device=buffer.compute_device)
+            scheduler.reduce(buffer, unit.reduce_options)
+
+
+def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserver) -> None:
+    """Finish the reductions of ``buffers`` and give their parameters the
+    reduced gradients, with ``.grad is None`` for parameters that no rank
+    used (see [Note: used parameters]); then run the parameters'
+    post-accumulate-grad hooks (e.g. an optimizer step in backward).
+
+    Every rank must pass the same buffers in the same order: one all-reduce
+    of the used flags runs per process group. ``observer`` may append bytes
+    to the flags and check them after the all-reduce (the fingerprint of the
+    collective sequence, [Note: rank divergence] in ``checks/divergence.py``).
+    """
+    pending = [b for b in buffers if b.grad.has_unpublished]
+    for buffer in pending:
+        buffer.grad.finish_reduce()
+    by_group: dict[int, list[FlatBuffer]] = {}
+    for buffer in pending:
+        by_group.setdefault(id(buffer.group.process_group), []).append(buffer)
+    fresh: list[nn.Parameter] = []
+    for group_buffers in by_group.values():
+        flags = [u for b in group_buffers for u in b.grad.used]
+        group = group_buffers[0].group
+        if group.total_size > 1:  # replicas too (F = 1 replication included)
+            extra = observer.payload(group)
+            mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
+            all_reduce_max(mask, group)
+            values = mask.tolist()
+            if extra:
+                observer.check(group, values[len(flags):])
+            flags = [bool(v) for v in values[:len(flags)]]
+        start = 0
+        for buffer in group_buffers:
+            count = len(buffer.records)
+            fresh += buffer.grad.publish(flags[start:start + count])
+            start += count
+    for param in fresh:
+        for hook in (param._post_accumulate_grad_hooks or {}).values():
+            hook(param)

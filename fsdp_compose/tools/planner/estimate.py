@@ -1,0 +1,112 @@
+"""The planner's entry points: :func:`estimate_memory` and :func:`propose_units`."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ...policies import MixedPrecisionPolicy
+from .._format import format_bytes
+from .activations import BatchFn, fake_forward
+from .report import MemoryEstimate
+from .simulation import Step, plan_unit
+from .units import Unit, default_units, granularities, resolve_units
+
+OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+"""Per-element state tensors of each optimizer (in the parameters' dtype)."""
+BACKENDS = ("nccl", "gloo")
+
+
+class Proposal(NamedTuple):
+    """The units to pass to ``fully_shard`` in order (the root last), and
+    their estimate."""
+
+    units: list[Unit]
+    estimate: MemoryEstimate
+
+
+def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequence[Unit]] = None,
+                    optimizer: str = "adamw", mp_policy: Optional[MixedPrecisionPolicy] = None,
+                    offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
+                    reshard_after_forward: Optional[bool] = None,
+                    backend: Optional[str] = None) -> MemoryEstimate:
+    """Estimate one rank's memory for training ``model`` annotated by ``units``.
+
+    Args:
+        model: the whole model on any device (``meta`` is enough: only
+            shapes, dtypes and ``requires_grad`` are read).
+        world_size: ranks the units shard over.
+        units: the ``fully_shard`` calls in order, ending with ``model`` (a
+            list entry is one unit of sibling modules). Default: :func:`default_units`.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum) or ``"none"``.
+        mp_policy: every unit's mixed precision.
+        offload: ``CPUOffloadPolicy()`` on every unit.
+        prefetch: units all-gathered ahead of the running one (the library's
+            default schedule prefetches one).
+        batch_fn: runs one forward of one rank's batch, e.g.
+            ``lambda m: m.loss(x, y)``, on fake tensors (``FakeTensorMode``:
+            tensors take no memory; ``.item()`` reads 1), to measure the
+            saved activations and the units' forward order.
+        reshard_after_forward: ``fully_shard``'s, for every unit.
+        backend: ``"nccl"`` (CUDA) or ``"gloo"`` (CPU); ``None`` (default):
+            the one this machine would use (``"nccl"`` where CUDA is
+            available, else ``"gloo"``); the report says which was assumed.
+
+    Raises:
+        ValueError: an unknown option, units that do not end with ``model``,
+            or a parameter shared by two units (naming it).
+    """
+    backend_assumed = backend is None
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    for name, value, allowed in (("optimizer", optimizer, OPTIMIZER_MOMENTS),
+                                 ("backend", backend, BACKENDS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
+    if world_size < 1 or prefetch < 0:
+        raise ValueError(f"need world_size >= 1 and prefetch >= 0, got {world_size}, {prefetch}")
+    offload = offload and backend == "nccl"  # on a CPU mesh offload changes nothing
+    specs = resolve_units(model, default_units(model) if units is None else units)
+    plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
+             for s in specs]
+    order, unit_acts, root_acts = list(range(len(specs) - 1)), [0] * len(specs), [0]
+    if batch_fn is not None:
+        ran, unit_acts, root_acts = fake_forward(model, [s.modules for s in specs[:-1]],
+                                                  batch_fn)
+        order = ran + [i for i in order if i not in ran]  # units the batch did not run last
+    step = Step([plans[-1]] + [plans[i] for i in order], [0] + [unit_acts[i] for i in order],
+                 root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
+                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
+                 reshard_after_forward)
+    return step.estimate(world_size, backend,
+                         None if batch_fn is None else sum(unit_acts) + sum(root_acts),
+                         backend_assumed)
+
+
+
+
+def propose_units(model: nn.Module, world_size: int, budget_bytes: int,
+                  **estimate_kwargs: Any) -> Proposal:
+    """The coarsest annotation whose ``total_peak`` fits ``budget_bytes``:
+    the root alone, every block and the root, then finer and finer: each
+    step splits the units the step before added into their children with
+    parameters (the first also adds the root's modules outside the blocks,
+    e.g. embeddings and head). A module that shares a parameter with one
+    outside it is never a unit of its own.
+
+    Raises:
+        ValueError: nothing fits; the message shows the best estimate.
+    """
+    best: Optional[Proposal] = None
+    for units in granularities(model):
+        estimate = estimate_memory(model, world_size, units=units, **estimate_kwargs)
+        if estimate.total_peak <= budget_bytes:
+            return Proposal(units, estimate)
+        if best is None or estimate.total_peak < best.estimate.total_peak:
+            best = Proposal(units, estimate)
+    raise ValueError(
+        f"no annotation fits {format_bytes(budget_bytes)} per rank on {world_size} ranks; the best "
+        f"({best.estimate.num_units} units) needs {format_bytes(best.estimate.total_peak)}:\n"
+        f"{best.estimate}\nTry more ranks, mixed precision, offload or a larger budget.")

@@ -1,0 +1,242 @@
+"""One training step of the library's schedule, replayed on byte counts.
+
+[Note: the simulated step]).
+``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
+
+[Note: the simulated step]
+A step is a list of moments in the library's order (``runtime/scheduler.py``,
+``runtime/unit.py``, ``buffers/flat_grad.py``); ``total_peak`` is the largest. Forward of
+unit i: the root (unsharded until its backward unless
+reshard_after_forward=True), unit i and the next ``prefetch`` units (in
+flight). Backward of unit i, in reverse order: the root, unit i and the
+next ``prefetch`` units in backward order, and then
+  (a) unit i's per-parameter gradients (the root's pile up from the start
+      of backward: its head runs last in forward) and the padded flat
+      gradient the split's backward concatenates them into, both alive for
+      a moment (plus a copy when reduce_dtype differs);
+  (b) its reduce-scatter, issued while the previous unit's is in flight
+      (max_pending_reduces=1): two flat gradients alive. The output is this
+      rank's gradient shard, extra only when its dtype or device differs.
+Gradient shards exist from their reduce-scatter to the optimizer step
+(``zero_grad(set_to_none=True)`` frees them); the step adds the optimizer's
+temporaries. A unit's saved activations live from its forward to its
+backward; the root's, by where they were saved between the units.
+With ``backend="gloo"`` (CPU): each all-gather in flight stages a whole
+unsharded buffer; a reduce-scatter is an in-place all-reduce (no copy; with
+``set_gloo_reduce_scatter_via_all_reduce(False)`` gloo's reduce-scatter
+clones its input until the work is released); the unsharded memory of
+resharded units stays in the staging pool (``buffers/staging.py``) until the end of
+the iteration, so it counts at its high-water mark. Not estimated: gloo
+sometimes keeps the clones of finished reduce-scatters alive into the next
+step (none to three whole unit-sized copies per rank at the peak, varying
+by rank and run, in ``tests/test_planner.py``'s runs; not a Python cycle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Optional
+
+import torch.nn as nn
+
+from ..._setup import plan_buffers
+from ...buffers.layout import FlatLayout
+from ...buffers.records import buffer_policy, is_aliased
+from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
+from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .report import MemoryEstimate, PeakParts
+from .units import ROOT, UnitSpec
+
+
+class UnitPlan(NamedTuple):
+    """Bytes of one unit on rank 0 (see [Note: the simulated step])."""
+
+    name: str
+    sharded: int
+    grads: int  # gradient shards (trainable buffers)
+    state: int  # one optimizer state tensor per owned trainable element
+    trainable_params: int
+    unsharded: tuple[int, ...]  # per buffer, compute dtype
+    view_grads: int  # per-parameter gradients before the split's backward
+    flat_grad: int  # the split's output, compute dtype
+    flat_reduce: int  # the reduce-scatter input, reduce dtype
+    reduce_extra: int  # reduce-scatter outputs that are not the gradient shard
+    shard_copy: int  # the cast/moved shard an all-gather reads
+    largest_slice: int  # bytes of the largest parameter slice a rank owns
+
+
+class _Buffer(NamedTuple):
+    layout: FlatLayout
+    size: int  # element sizes: parameters, compute (all-gather), reduce-scatter
+    compute: int
+    reduce: int
+    params: list[nn.Parameter]
+    extra_output: bool  # the reduce-scatter output is not the gradient shard
+    shard_copy: bool  # the all-gather reads a cast/moved copy of the shard
+    aliased: bool  # one rank: the unsharded buffer is the shard itself
+
+
+def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: bool) -> UnitPlan:
+    """The bytes of ``spec``'s flat buffers on rank 0, laid out and typed by
+    ``fully_shard``'s own ``_setup.plan_buffers``."""
+    policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
+    buffers, train = [], []
+    for plan in plan_buffers(spec.records, world, policy):
+        dtypes = plan.dtypes
+        # the reduce-scatter moves reduce_comm (one rank: nothing moves, no cast)
+        reduce = dtypes.reduce_comm if world > 1 else dtypes.reduce
+        b = _Buffer(plan.layout, dtypes.param.itemsize, dtypes.compute.itemsize, reduce.itemsize,
+                    [r.param for r in plan.records], offload or reduce != dtypes.param,
+                    offload or dtypes.compute != dtypes.param and world > 1,
+                    is_aliased(world, dtypes, stored_where_computed=not offload))
+        buffers.append(b)
+        if plan.requires_grad:
+            train.append(b)
+    return UnitPlan(
+        name=spec.name,
+        sharded=sum(b.layout.shard_numel * b.size for b in buffers),
+        grads=sum(b.layout.shard_numel * b.size for b in train),
+        # rank 0 owns no padding: min(shard, numel) elements
+        state=sum(min(b.layout.shard_numel, b.layout.numel) * b.size for b in train),
+        trainable_params=sum(len(b.params) for b in train),
+        unsharded=tuple(0 if b.aliased else b.layout.padded_numel * b.compute for b in buffers),
+        view_grads=sum(b.layout.numel * b.compute for b in train),
+        flat_grad=sum(b.layout.padded_numel * b.compute for b in train),
+        # one rank: the flat gradient itself becomes the gradient shard
+        flat_reduce=0 if world == 1 else sum(b.layout.padded_numel * b.reduce for b in train),
+        reduce_extra=sum(b.layout.shard_numel * b.reduce for b in train if b.extra_output),
+        shard_copy=sum(b.layout.shard_numel * b.compute for b in buffers if b.shard_copy),
+        largest_slice=max((min(p.numel(), b.layout.shard_numel) * b.size
+                           for b in train for p in b.params), default=0))
+
+
+class _Moment(NamedTuple):
+    label: str
+    live: frozenset  # plan indices whose parameters are unsharded
+    transient: int  # other working-set bytes
+    comm: int
+    reduced: frozenset  # plan indices whose gradient shard exists
+    acts: int
+
+
+@dataclass
+class Step:
+    """One training step (see [Note: the simulated step]); plans in forward
+    order, the root first."""
+
+    plans: list[UnitPlan]
+    unit_acts: list[int]
+    root_acts: list[int]  # by position: after that many units started
+    moments: int
+    adam: bool
+    offload: bool
+    pool: bool  # the CPU staging pool keeps unsharded memory
+    staging: bool  # gloo copies what it communicates
+    prefetch: int
+    reshard_after_forward: Optional[bool]
+
+    def estimate(self, world: int, backend: str, activations: Optional[int],
+                 backend_assumed: bool = False) -> MemoryEstimate:
+        plans = self.plans
+        sharded = sum(p.sharded for p in plans)
+        grads = sum(p.grads for p in plans)
+        state = self.moments * sum(p.state for p in plans)
+        state += 4 * sum(p.trainable_params for p in plans) if self.adam else 0
+        fixed = 0 if self.offload else sharded + state
+        moments = list(self._moments())
+        pool = self._pool(moments) if self.pool else None
+        parts = []
+        for m in moments:
+            unsharded = pool if pool is not None else sum(sum(plans[i].unsharded) for i in m.live)
+            shard_grads = 0 if self.offload else sum(plans[i].grads for i in m.reduced)
+            parts.append(PeakParts(fixed, shard_grads, unsharded + m.transient, m.comm, m.acts))
+        peak = max(range(len(parts)), key=lambda i: sum(parts[i]))
+        largest = max(plans, key=lambda p: sum(p.unsharded))
+        return MemoryEstimate(
+            world_size=world, backend=backend, num_units=len(plans), sharded_params=sharded,
+            grads=grads, optimizer_state=state, persistent=sharded + grads + state,
+            transient_unsharded_peak=max(p.working_set for p in parts),
+            comm_staging=max(p.comm_staging for p in parts), activations=activations,
+            state_peak=max(sum(p[:3]) for p in parts),
+            total_peak=sum(parts[peak]), peak_at=moments[peak].label, peak_parts=parts[peak],
+            cpu_bytes=sharded + grads + state if self.offload else 0,
+            largest_unit=largest.name, largest_unit_bytes=sum(largest.unsharded),
+            backend_assumed=backend_assumed)
+
+    def _moments(self) -> Iterator[_Moment]:
+        plans, k, n = self.plans, self.prefetch, len(self.plans)
+        gloo = self.staging
+        # gloo's reduce-scatter clones its input; the in-place all-reduce that
+        # replaces it by default does not (see [Note: gloo reduce-scatter as an
+        # all-reduce] in comm/collectives.py)
+        gloo_reduce_copy = gloo and not gloo_reduce_scatter_via_all_reduce()
+        keep_root = {0} if self.reshard_after_forward is not True else set()
+
+        def staged(units) -> int:  # gloo's copy of each all-gather in flight
+            return sum(sum(plans[j].unsharded) for j in units) if gloo else 0
+
+        def acts(i: int, own: bool) -> int:  # root's saved before unit i, units 1..i
+            return sum(self.root_acts[:i]) + sum(self.unit_acts[1:i + own])
+
+        none = frozenset()
+        for i in range(n):  # forward
+            ahead = set(range(i + 1, min(i + k, n - 1) + 1))
+            kept = set(range(i)) if self.reshard_after_forward is False else set()
+            yield _Moment(_label("forward", plans[i], "all-gather"),
+                          frozenset({i} | ahead | keep_root | kept),
+                          sum(plans[j].shard_copy for j in ahead | {i}),
+                          staged(ahead | {i}), none, acts(i, True))
+        yield _Moment("end of forward", frozenset(keep_root | (set(range(n))
+                      if self.reshard_after_forward is False else set())), 0, 0, none,
+                      sum(self.root_acts) + sum(self.unit_acts))
+        reduced: set[int] = set()
+        pending: Optional[int] = None  # the unit whose reduce-scatter is in flight
+        for i in range(n - 1, -1, -1):  # backward
+            p = plans[i]
+            ahead = set(range(max(i - k, 1), i))
+            live = frozenset({0, i} | ahead | (set(range(i)) if self.reshard_after_forward
+                                               is False else set()))
+            flying = 0 if pending is None else plans[pending].flat_reduce + \
+                plans[pending].reduce_extra
+            held = flying + (plans[0].view_grads if i else 0)  # root's parameter gradients
+            comm = flying if gloo_reduce_copy else 0
+            yield _Moment(_label("backward", p, "start"), live,
+                          held + sum(plans[j].shard_copy for j in ahead),
+                          comm + staged(ahead), frozenset(reduced), acts(i, True))
+            if not p.flat_grad:
+                continue  # frozen only: no gradient, no reduce-scatter
+            cast = p.flat_reduce if p.flat_reduce != p.flat_grad else 0
+            yield _Moment(_label("backward", p, "gradients"), live,
+                          held + p.view_grads + p.flat_grad + cast, comm,
+                          frozenset(reduced), acts(i, False))
+            if not p.reduce_extra:
+                reduced.add(i)  # the reduce-scatter's output is the gradient shard
+            yield _Moment(_label("backward", p, "reduce-scatter"), live,
+                          held + p.flat_reduce + p.reduce_extra,
+                          comm + (p.flat_reduce if gloo_reduce_copy else 0), frozenset(reduced),
+                          acts(i, False))
+            if pending is not None:
+                reduced.add(pending)
+            pending = i
+        temp = 0
+        if self.adam and not self.offload:  # sqrt and division temporaries of the update
+            temp = 2 * max(p.largest_slice for p in plans) if self.pool else \
+                sum(p.grads for p in plans)  # CPU: per parameter; CUDA: foreach, whole shards
+        yield _Moment("optimizer step", none, temp, 0, frozenset(range(n)), 0)
+
+    def _pool(self, moments: list[_Moment]) -> int:
+        """The CPU staging pool's high-water mark: per buffer size, the most
+        buffers of that size unsharded at once."""
+        most: dict[int, int] = {}
+        for m in moments:
+            count: dict[int, int] = {}
+            for i in m.live:
+                for size in self.plans[i].unsharded:
+                    count[size] = count.get(size, 0) + 1
+            for size, c in count.items():
+                most[size] = max(most.get(size, 0), c)
+        return sum(size * c for size, c in most.items())
+
+
+def _label(phase: str, plan: UnitPlan, what: str) -> str:
+    return f"{phase} of {plan.name if plan.name == ROOT else repr(plan.name)}: {what}"
