@@ -19,7 +19,8 @@ import torch.nn as nn
 from fsdp_compose import MixedPrecisionPolicy, full_params, fully_shard
 from tests._comm_counter import CollectiveCounter
 from tests._models import (D, PER_RANK, SEQ, VOCAB, TinyLM, assert_dicts_close, build_lm,
-                           global_mean, lm_loss, make_optim, plain_params, rank_slice, rank_world, token_batch)
+                           global_mean, lm_loss, make_optim, plain_params, rank_slice, rank_world,
+                           token_batch)
 from tests.harness import run_distributed
 
 TIMEOUT = 90

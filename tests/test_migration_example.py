@@ -86,4 +86,4 @@ def test_the_guide_shows_the_scripts_as_they_are():
     fsdp2 = (EXAMPLE / "train_fsdp2.py").read_text()
     assert fsdp2 in _blocks(guide, "python"), "the FSDP2 listing differs from train_fsdp2.py"
     diff = port_diff()
-    assert diff in _blocks(guide, "diff"), "the diff in the guide is not the scripts' diff:\n" + diff
+    assert diff in _blocks(guide, "diff"), "the guide's diff is not the scripts' diff:\n" + diff

@@ -97,7 +97,8 @@ def norms_worker(foreach: bool) -> dict:
 
     out = {"empty": sorted(n for n, p in model.named_parameters()
                            if p.grad is not None and p.grad.numel() == 0),
-           "frozen_grads": [n for n in FROZEN if dict(model.named_parameters())[n].grad is not None],
+           "frozen_grads": [n for n, p in model.named_parameters()
+                            if n in FROZEN and p.grad is not None],
            "total": {}, "clip": {}, "clipped": {}, "counts": {}}
     for norm_type in NORM_TYPES:
         with CollectiveCounter() as counter:
