@@ -11,9 +11,11 @@ from .checks.finite import check_finite_gradients
 from .api import ShardedParamInfo, fully_shard, param_info
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
+from .full_params import full_params
 from .grad_scaler import ShardedGradScaler
 from .init import materialize, sync_module_states
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
+from .torch_norms import route_torch_grad_norms
 from .tools import describe, estimate_memory, fully_shard_by, propose_units
 from .sharded_module import ShardedModule, UnshardHandle
 
@@ -23,5 +25,6 @@ __all__ = [
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
+    "full_params", "route_torch_grad_norms",
 ]
 __version__ = "0.1.0"

@@ -26,6 +26,8 @@ from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
+from . import torch_norms
+from .torch_policies import as_mp_policy, as_offload_policy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
 
@@ -51,8 +53,8 @@ class ShardedParamInfo(NamedTuple):
 
 def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: Union[bool, int, None] = None,
-                mp_policy: Optional[MixedPrecisionPolicy] = None,
-                offload_policy: Optional[CPUOffloadPolicy] = None,
+                mp_policy: Optional[MixedPrecisionPolicy] = None,  # or torch's
+                offload_policy: Optional[CPUOffloadPolicy] = None,  # or torch's
                 ignored_params: Optional[Iterable[nn.Parameter]] = None) -> ModuleOrModules:
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
@@ -79,8 +81,12 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             and ``1`` is ``False``.
         mp_policy: compute/communicate in lower precision for this unit
             (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
+            torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` is
+            accepted too (converted field by field, ``torch_policies.py``).
         offload_policy: keep this unit's shards, gradients and optimizer
-            state on the CPU (see :class:`CPUOffloadPolicy`).
+            state on the CPU (see :class:`CPUOffloadPolicy`); torch's
+            ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are
+            accepted too.
         ignored_params: parameters left alone: not sharded, not reduced.
 
     Returns:
@@ -94,11 +100,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     """
     modules = _as_module_list(module)
     check_reshard_after_forward(reshard_after_forward)
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
-        raise TypeError(
-            f"offload_policy must be a CPUOffloadPolicy, got {type(offload_policy).__name__}")
+    mp_policy = as_mp_policy(mp_policy)  # torch FSDP2's policy objects are converted
+    offload_policy = as_offload_policy(offload_policy)
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(
@@ -111,6 +114,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy)
     UnitStateDictHooks(unit)
+    torch_norms.install()  # torch's clip_grad_norm_ / get_total_norm: global over shards
     for m in modules:
         m.__class__ = sharded_class(type(m))
     return module

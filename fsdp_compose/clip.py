@@ -107,16 +107,9 @@ def clip_grad_norm_(module_or_params: ParamsArg, max_norm: float, norm_type: flo
         single 1-D mesh; none when no parameter is sharded. No other
         collective and no host sync apart from ``error_if_nonfinite``.
     """
-    p = _check_norm_type(norm_type)
     params = _as_param_list(module_or_params)
     grads = [t.grad for t in params if t.grad is not None]
-    total = _total_norm(params, p, foreach)
-    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
-        raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped (the same on every rank). To disable this "
-            "error and scale the gradients by the non-finite norm anyway, set "
-            "`error_if_nonfinite=False`")
+    total = total_norm_over_ranks(params, norm_type, error_if_nonfinite, foreach)
     if grads:
         clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for (device, _), group in _by_device_and_dtype(grads).items():
@@ -126,6 +119,26 @@ def clip_grad_norm_(module_or_params: ParamsArg, max_norm: float, norm_type: flo
             else:
                 for g in group:
                     g.mul_(coef)
+    return total
+
+
+@torch.no_grad()
+def total_norm_over_ranks(params: list[torch.Tensor], norm_type: float = 2.0,
+                          error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
+                          tensors: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+    """The total norm of :func:`clip_grad_norm_` without the clipping:
+    over every rank, of ``tensors[i]`` (default: ``params[i].grad``), the
+    local part of ``params[i]`` (a managed parameter) or a replicated
+    tensor (anything else, e.g. ``params[i]`` itself when not managed).
+    Parameters are not deduplicated. Collective when any is managed."""
+    p = _check_norm_type(norm_type)
+    total = _total_norm(params, p, foreach, tensors)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped (the same on every rank). To disable this "
+            "error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`")
     return total
 
 
@@ -339,11 +352,13 @@ def _pow_sum(norms: list[torch.Tensor], p: float, device: torch.device) -> torch
     return total
 
 
-def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool]) -> torch.Tensor:
+def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
+                tensors: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
     groups, unmanaged = _partition(params)
+    local_parts = [t.grad for t in params] if tensors is None else tensors
 
     def grads_of(indices: list[int]) -> list[torch.Tensor]:
-        return [g for g in (params[i].grad for i in indices) if g is not None and g.numel()]
+        return [g for g in (local_parts[i] for i in indices) if g is not None and g.numel()]
 
     unmanaged_norms = _local_norms(grads_of(unmanaged), p, foreach)
     if not groups:  # nothing sharded: a plain local norm

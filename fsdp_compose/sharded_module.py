@@ -102,12 +102,14 @@ class ShardedModule:
 
         _own_state(self).change_model_setting("set_prefetch_policy", policy, apply)
 
-    def set_reshard_after_forward(self, reshard_after_forward: Union[bool, int], *,
+    def set_reshard_after_forward(self, reshard_after_forward: Union[bool, int],
                                   recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (``True`` makes the root reshard
         after forward too, and all-gather again for backward; an int keeps
         the parameters sharded over that many ranks between forward and
-        backward, see :func:`fully_shard`). Call it on every rank."""
+        backward, see :func:`fully_shard`) on every unit of this subtree
+        (``recurse=False``: this module's unit only; positional as in
+        FSDP2). Call it on every rank."""
         check_reshard_after_forward(reshard_after_forward)
         for state in _states(self, recurse):
             state.unit.set_reshard_after_forward(reshard_after_forward)
@@ -127,22 +129,24 @@ class ShardedModule:
         for state in _states(self, recurse=True):
             state.unit.is_last_backward = is_last_backward
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
+    def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Reduce gradients as the sum over ranks divided by ``factor``
         instead of the mean (``factor=1.0``: summed gradients, for a loss
         that is already normalised globally). Applies to every unit of this
-        module's subtree."""
+        module's subtree (``recurse=False``: this module's unit only, which
+        is what FSDP2's method, without ``recurse``, always does)."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
-        for state in _states(self, recurse=True):
+        for state in _states(self, recurse):
             unit = state.unit
             unit.reduce_options = unit.reduce_options._replace(divide_factor=float(factor))
 
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+    def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """With ``True``, collectives only ever ``SUM`` (the division by the
         world size or the divide factor happens locally afterwards); the
-        gradients are the same. Applies to every unit of this subtree."""
-        for state in _states(self, recurse=True):
+        gradients are the same. Applies to every unit of this subtree
+        (``recurse=False``: this module's unit only, as FSDP2's method)."""
+        for state in _states(self, recurse):
             unit = state.unit
             unit.reduce_options = unit.reduce_options._replace(force_sum=bool(enable))
 

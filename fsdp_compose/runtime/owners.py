@@ -44,3 +44,13 @@ def owner_of(param: torch.Tensor) -> Optional[Owner]:
     unit = _OWNERS.get(id(param))
     located = None if unit is None else unit.locate(param)
     return None if located is None else Owner(unit, *located)
+
+
+def live_units() -> list[ShardUnit]:
+    """Every unit that manages a parameter and is still alive (each once)."""
+    return list({id(unit): unit for unit in _OWNERS.values()}.values())
+
+
+def any_owner() -> bool:
+    """Whether any live unit manages a parameter (cheap: no iteration)."""
+    return len(_OWNERS) > 0

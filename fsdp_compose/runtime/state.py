@@ -86,6 +86,9 @@ class _ShardState(_State):
         self.pending_settings: dict[str, tuple[object, ModelSetting]] = {}
         """Model-wide settings made on this module before the root's lazy
         init: name -> (value, how to apply it); the root applies them."""
+        self.held_whole: bool = False
+        """``fsdp_compose.full_params`` holds this unit's parameters whole:
+        forward reads them as they are (the hooks do nothing)."""
 
     def bind(self, unit: ShardUnit) -> None:
         """Attach ``unit`` and install its forward hooks (once, at annotation)."""
@@ -149,6 +152,8 @@ class _ShardState(_State):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if id(module) in self.in_forward_method:
             return args, kwargs  # inside a registered forward method: already unsharded
+        if self.held_whole:
+            return args, kwargs  # inside full_params: the parameters are whole already
         self.lazy_init()
         self.unit.check_materialized()
         self.pre_forward_check(self.context.root.unit.modules[0])
@@ -163,6 +168,8 @@ class _ShardState(_State):
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if id(module) in self.in_forward_method:
             return output  # the registered method's own post-forward follows
+        if self.held_whole:
+            return output  # inside full_params: nothing was gathered
         output = self.unit.cast_output(output)
         root_unit = self.context.root.unit
         inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not self.unit

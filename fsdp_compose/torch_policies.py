@@ -1,0 +1,108 @@
+"""torch FSDP2's policy objects, accepted by ``fully_shard`` and converted to ours.
+
+Code ported from torch's ``fully_shard`` passes
+``torch.distributed.fsdp.MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` /
+``OffloadPolicy`` objects; :func:`as_mp_policy` and
+:func:`as_offload_policy` turn them into fsdp_compose's policies field by
+field (``fully_shard`` calls them on its arguments)::
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy   # torch's class
+    fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+Invariants:
+    * a converted policy behaves as the torch policy does under torch's
+      ``fully_shard`` (same field names and meanings);
+    * torch's "no policy" objects (``MixedPrecisionPolicy()`` with every
+      field at its default, the ``OffloadPolicy()`` base class) become
+      ``None``, as if no policy were passed;
+    * a field that has no fsdp_compose equivalent and is not at its default
+      (a future torch field), or an object of any other class, raises
+      ``TypeError`` naming the package of every class involved. The check
+      depends only on the arguments, so every rank raises alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+
+__all__ = ["as_mp_policy", "as_offload_policy"]
+
+
+def as_mp_policy(policy: object) -> Optional[MixedPrecisionPolicy]:
+    """``policy`` as an fsdp_compose :class:`MixedPrecisionPolicy` (or
+    ``None`` for no mixed precision); see the module docstring."""
+    if policy is None or isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    torch_cls = _torch_class("MixedPrecisionPolicy")
+    if torch_cls is None or not isinstance(policy, torch_cls):
+        raise TypeError(
+            f"fully_shard: mp_policy must be a {_qualname(MixedPrecisionPolicy)} or a "
+            f"{_torch_name('MixedPrecisionPolicy')}, got a {_qualname(type(policy))}.")
+    values = _convertible_fields(policy, MixedPrecisionPolicy, "mp_policy")
+    if all(values[name] == field.default for name, field in _fields(MixedPrecisionPolicy).items()
+           if name in values):
+        return None  # torch's default policy: no mixed precision
+    return MixedPrecisionPolicy(**values)
+
+
+def as_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
+    """``policy`` as an fsdp_compose :class:`CPUOffloadPolicy` (or ``None``
+    for no offloading); see the module docstring."""
+    if policy is None or isinstance(policy, CPUOffloadPolicy):
+        return policy
+    torch_base = _torch_class("OffloadPolicy")
+    torch_cpu = _torch_class("CPUOffloadPolicy")
+    if torch_cpu is not None and type(policy) is torch_cpu:
+        return CPUOffloadPolicy(**_convertible_fields(policy, CPUOffloadPolicy, "offload_policy"))
+    if torch_base is not None and type(policy) is torch_base:
+        return None  # torch's base class means "no offloading"
+    raise TypeError(
+        f"fully_shard: offload_policy must be a {_qualname(CPUOffloadPolicy)}, a "
+        f"{_torch_name('CPUOffloadPolicy')} or a {_torch_name('OffloadPolicy')} (no "
+        f"offloading), got a {_qualname(type(policy))}.")
+
+
+# ----------------------------------------------------------------- helpers
+def _torch_class(name: str) -> Optional[type]:
+    """torch's FSDP2 class ``name`` (``None`` where this torch has none)."""
+    try:
+        import torch.distributed.fsdp as torch_fsdp
+    except ImportError:  # torch built without distributed
+        return None
+    return getattr(torch_fsdp, name, None)
+
+
+def _torch_name(name: str) -> str:
+    cls = _torch_class(name)
+    return _qualname(cls) if cls is not None else f"torch.distributed.fsdp.{name}"
+
+
+def _qualname(cls: type) -> str:
+    """The class with its package, e.g. ``fsdp_compose.policies.MixedPrecisionPolicy``
+    (two classes of one name must not read the same in an error)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _convertible_fields(policy: object, ours: type, argument: str) -> dict[str, object]:
+    """The values of ``policy``'s dataclass fields that ``ours`` has too.
+    A field ``ours`` lacks must hold its default (it would be dropped)."""
+    mine = _fields(ours)
+    values: dict[str, object] = {}
+    for field in dataclasses.fields(policy):  # type: ignore[arg-type]
+        value = getattr(policy, field.name)
+        if field.name in mine:
+            values[field.name] = value
+        elif value != field.default:
+            raise TypeError(
+                f"fully_shard: {argument}={_qualname(type(policy))}(..., {field.name}={value!r}) "
+                f"cannot be converted: {_qualname(ours)} has no field '{field.name}'. Pass a "
+                f"{_qualname(ours)} (fields: {', '.join(mine)}), or leave '{field.name}' at "
+                f"its default ({field.default!r}).")
+    return values
