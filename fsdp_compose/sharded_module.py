@@ -17,6 +17,7 @@ import torch.nn as nn
 from .checks.divergence import DivergenceMonitor
 from .checks.finite import check_finite_gradients
 from .clip import clip_grad_norm_
+from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.state import ShardContext, _ShardState, state_of, states_below
 from .runtime.tensors import swapping_params_on_conversion
@@ -46,6 +47,10 @@ class ShardedModule:
         ``recurse=True``); until :meth:`reshard`, each original parameter's
         module attribute holds the full values in the original shape."""
         own = _own_state(self)
+        if own.context is None or own.context.scheduler.observer.checks_calls():
+            arrive(own.unit.group.process_group, f"unshard() of {own.unit.name}",
+                   "Call it on every rank (it all-gathers); to inspect full weights on one "
+                   "rank, unshard on every rank and read them there.")
         own.lazy_init()
         units = [state.unit for state in _states(self, recurse)]
         for unit in units:

@@ -145,6 +145,9 @@ class DivergenceMonitor(CollectiveObserver):
         """Root forwards whose order and grad mode every rank verified equal."""
         self.agreed_backwards: int = 0
         """Last backwards whose end every rank verified together."""
+        self.iteration_verified: bool = True
+        """Whether the current iteration started verifying (its per-step
+        collective calls, e.g. ``clip_grad_norm_`` at its step, are checked)."""
         self._units: list[ObservedUnit] = []
         self._where: dict[int, tuple[int, int]] = {}
         """id(buffer) -> (unit index, buffer index)."""
@@ -167,6 +170,10 @@ class DivergenceMonitor(CollectiveObserver):
         """At the root's pre-forward: decide whether this iteration verifies."""
         self.iterations += 1
         self.verifying = self._should_verify()
+        self.iteration_verified = self.verifying
+
+    def checks_calls(self) -> bool:
+        return self.iteration_verified
 
     def _should_verify(self) -> bool:
         """Read at the root's pre-forward, and again right after a verified
