@@ -54,9 +54,11 @@ import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.agreement import all_gather_fingerprints
+from ..comm.flight import watch
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
+from .flight_log import FlightRecorder
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 """Set to ``1`` to verify the collective order in every iteration."""
@@ -157,6 +159,11 @@ class DivergenceMonitor(CollectiveObserver):
         """id(process group) -> rolling hash since the last comparison."""
         self._logs: dict[int, deque[Collective]] = {}
         """id(process group) -> the collectives since the last comparison."""
+        self.flight: FlightRecorder = FlightRecorder(
+            lambda code: _decode(code).describe(self._units),
+            lambda codes: _advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
+        """The always-on ring of recent collectives, compared through the
+        store when a wait stalls or fails ([Note: flight log])."""
 
     def bind(self, units: Sequence[ObservedUnit]) -> None:
         """Number the units (the root's state list order, the same on every
@@ -165,6 +172,9 @@ class DivergenceMonitor(CollectiveObserver):
         self._index = {id(unit): u for u, unit in enumerate(units)}
         self._where = {id(b): (u, i) for u, unit in enumerate(units)
                        for i, b in enumerate(unit.buffers)}
+        for group in self.groups():
+            if group.world_size > 1:
+                watch(group.process_group, self.flight)
 
     def start_iteration(self) -> None:
         """At the root's pre-forward: decide whether this iteration verifies."""
@@ -211,6 +221,7 @@ class DivergenceMonitor(CollectiveObserver):
         key = id(group.process_group)
         self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
+        self.flight.record(group.process_group, self.iterations - 1, entry.code)  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
         """The root's forward ended: fold the units' forward order into every
@@ -311,22 +322,26 @@ class DivergenceMonitor(CollectiveObserver):
             where = ("after the root's forward, by comparing forward orders" if self.verifying
                      and any(first < len(e) and e[first].kind is Kind.FORWARD for e in logs) else
                      "at the end of backward, by the fingerprint of the collective sequence")
-        advice = (
-            "A unit's forward ran on some ranks only (or in a different order): every rank must "
-            "run the forward of every unit, in the same order, in every iteration (e.g. call a "
-            "unit a rank would skip on an empty or zero-weighted input). "
-            "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence."
-            if forward else
-            "A unit's backward (or reduction) ran on some ranks only: run every unit on every "
-            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
-            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
-            "rank reduces them at the end of backward.")
+        advice = _advice(forward)
         raise RuntimeError(
             f"[rank {group.rank}] fully_shard ranks diverged: they were about to pair "
             f"collectives of different units (detected {where}; rank-dependent control flow "
             f"would otherwise hang or mix parameters of different units):\n"
             + "\n".join(lines) + f"\n{advice} Set {CHECK_ENV}=1 (or call "
             "set_check_rank_divergence(True) on the root) to check every iteration.")
+
+
+def _advice(forward: bool) -> str:
+    """The fix, for divergence in forward (``forward``) or in backward."""
+    if forward:
+        return ("A unit's forward ran on some ranks only (or in a different order): every rank "
+                "must run the forward of every unit, in the same order, in every iteration (e.g. "
+                "call a unit a rank would skip on an empty or zero-weighted input). "
+                "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence.")
+    return ("A unit's backward (or reduction) ran on some ranks only: run every unit on every "
+            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
+            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
+            "rank reduces them at the end of backward.")
 
 
 def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
