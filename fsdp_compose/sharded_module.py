@@ -213,9 +213,12 @@ class ShardedModule:
         """Whether to verify, before every collective of every iteration,
         that all ranks issue it for the same unit (one tiny blocking
         all-gather per collective), raising on every rank with the units
-        each rank was about to run. ``None`` (default): the first two
-        iterations only, or every one when the environment variable
-        ``FSDP_COMPOSE_CHECK_ORDER=1`` is set; ``False``: never. Call it on
+        each rank was about to run. ``None`` (default): until the ranks
+        have verified the end of two last backwards together (the first two
+        training iterations, with any evaluation forward among them; at most
+        8 root forwards without a backward), or every iteration when the
+        environment variable ``FSDP_COMPOSE_CHECK_ORDER=1`` is set;
+        ``False``: never. Call it on
         the root; it takes effect at the next forward of the root. The
         end-of-backward fingerprint check is always on (no extra
         collective). See [Note: rank divergence] in ``checks/divergence.py``.

@@ -38,8 +38,11 @@ early, and counts where it is issued):
   and sizes of collectives equal* (e.g. two same-size units swapped), which
   would otherwise mix values silently. Divergence that changes the number of
   collectives in a later iteration pairs mismatched collectives before the end
-  of backward; the backend then fails or times out (gloo: its collective
-  timeout), so enable the check while debugging such control flow.
+  of backward: the wait that then stalls or fails consults the **flight log**
+  (an always-on ring of each rank's recent collectives, compared through the
+  rendezvous store, ``checks/flight_log.py`` and [Note: flight log]) and
+  raises where the ranks' logs first disagree; gloo aborts a process that
+  receives a collective of another size, which then reports nothing itself.
 """
 
 from __future__ import annotations
