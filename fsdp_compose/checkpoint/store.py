@@ -171,7 +171,7 @@ class CheckpointStore:
             dist.broadcast_object_list(step, src=self._global_rank0(), group=self.group)
         if step[0] is None:
             return None
-        self.load(step[0], state)
+        self._load(step[0], state)
         return step[0]
 
     def load(self, step: int, state: dict[str, Any]) -> None:
@@ -179,6 +179,10 @@ class CheckpointStore:
 
         Raises ``CheckpointError`` on every rank if it does not exist, is torn
         or does not match ``state``."""
+        self._arrive("CheckpointStore.load")
+        self._load(step, state)
+
+    def _load(self, step: int, state: dict[str, Any]) -> None:
         path = self.path(step)
         problem = None
         if not path.is_dir():

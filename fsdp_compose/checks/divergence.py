@@ -57,7 +57,6 @@ import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.agreement import all_gather_fingerprints
-from ..comm.flight import watch
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
@@ -177,7 +176,7 @@ class DivergenceMonitor(CollectiveObserver):
                        for i, b in enumerate(unit.buffers)}
         for group in self.groups():
             if group.world_size > 1:
-                watch(group.process_group, self.flight)
+                self.flight.attach(group.process_group)
 
     def start_iteration(self) -> None:
         """At the root's pre-forward: decide whether this iteration verifies."""

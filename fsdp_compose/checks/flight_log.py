@@ -19,11 +19,15 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..comm.flight import stall_seconds
+from ..comm.flight import stall_seconds, watch
 
 RING_SIZE = 256
 """Collectives remembered per process group (the last few iterations)."""
 _PREFIX = "fsdp_compose/flight"
+_models: dict[str, int] = {}
+"""process group name -> models attached to it so far in this process (the
+same on every rank that builds the same models: names one model's keys, so a
+stale key of an earlier model on the group is never compared)."""
 
 Describe = Callable[[int], str]
 """A collective's code -> its description ("all-gather of 'layers.3' ...")."""
@@ -41,6 +45,16 @@ class FlightRecorder:
         """id(process group) -> collectives recorded on it so far."""
         self._describe: Describe = describe
         self._advice: Advice = advice
+        self._keys: dict[str, str] = {}
+        """process group name -> the prefix of this model's keys on it."""
+
+    def attach(self, process_group: dist.ProcessGroup) -> None:
+        """Watch ``process_group``'s waits (the root's lazy init, once per group)."""
+        name = process_group.group_name
+        number = _models.get(name, 0)
+        _models[name] = number + 1
+        self._keys[name] = f"{_PREFIX}/{name}/{number}"
+        watch(process_group, self)
 
     def record(self, process_group: dist.ProcessGroup, iteration: int, code: int) -> None:
         """Called for every collective, before it is issued (the hot path:
@@ -65,7 +79,8 @@ class FlightRecorder:
             return  # no store: the backend's own error stands
         me = dist.get_rank()
         ranks = dist.get_process_group_ranks(process_group)
-        keys = {rank: f"{_PREFIX}/{process_group.group_name}/{rank}" for rank in ranks}
+        prefix = self._keys.get(process_group.group_name, f"{_PREFIX}/{process_group.group_name}")
+        keys = {rank: f"{prefix}/{rank}" for rank in ranks}
         ring = list(self._rings.get(id(process_group), ()))
         start = self._issued.get(id(process_group), 0) - len(ring)
         store.set(keys[me], json.dumps([start, ring]))
@@ -89,7 +104,9 @@ class FlightRecorder:
         """The stalled wait finished: withdraw the published ring (stale)."""
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.delete_key(f"{_PREFIX}/{process_group.group_name}/{dist.get_rank()}")
+            prefix = self._keys.get(process_group.group_name,
+                                    f"{_PREFIX}/{process_group.group_name}")
+            store.delete_key(f"{prefix}/{dist.get_rank()}")
         except (RuntimeError, ValueError):
             pass  # nothing published, or no store
 
