@@ -5,7 +5,8 @@ store and raises naming the first one where the ranks disagree
 ([Note: flight log] in ``fsdp_compose/comm/flight.py``).
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/test_flight_log.py``
-(gloo on CPU, 2 ranks; ``-m slow`` adds the step-100 case).
+(gloo on CPU, 2 ranks; ``-m slow`` adds the step-100 case and a torchrun
+job, ``tests/_flight_torchrun.py``).
 
 The model's units all have the same size: collectives of different units
 then pair without gloo noticing and stall. Where the sizes differ, gloo
@@ -16,8 +17,12 @@ to catch), and only the other ranks can report (docs/errors.md).
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +114,23 @@ def test_a_slow_rank_is_not_divergence():
     """Rank 0 stalls while rank 1 sleeps: it publishes its log, finds no
     disagreement (rank 1 published nothing), withdraws it and trains on."""
     assert run_distributed(2, _train, 8, 3, "slow", timeout=90) == [None, None]
+
+
+@pytest.mark.slow  # one torchrun job, ~20 s
+def test_a_unit_skipped_at_step_5_is_named_on_every_rank_under_torchrun():
+    root = Path(__file__).resolve().parents[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "tests/_flight_torchrun.py", "5"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root), STALL_ENV: str(STALL)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        found = re.search(rf"^RANK {rank} STEP (\d+) AFTER ([\d.]+) S\n(.*?)\nEND$", proc.stdout,
+                          re.MULTILINE | re.DOTALL)
+        assert found, f"rank {rank} printed no error:\n{proc.stdout[-3000:]}"
+        step, seconds, message = int(found[1]), float(found[2]), found[3]
+        assert step == 5 and seconds < 60, (step, seconds)
+        assert message.startswith(f"[rank {rank}] fully_shard ranks diverged: collective #")
+        assert "rank 0 ran the forward of 'blocks.2'" in message, message
+        assert "rank 1 ran the forward of 'blocks.3'" in message, message
