@@ -216,7 +216,7 @@ class ShardedModule:
         each rank was about to run. ``None`` (default): until the ranks
         have verified the end of two last backwards together (the first two
         training iterations, with any evaluation forward among them; at most
-        8 root forwards without a backward), or every iteration when the
+        8 root forwards without gradients), or every iteration when the
         environment variable ``FSDP_COMPOSE_CHECK_ORDER=1`` is set;
         ``False``: never. Call it on
         the root; it takes effect at the next forward of the root. The

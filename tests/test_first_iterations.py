@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 import fsdp_compose
 from fsdp_compose.comm.rendezvous import CALL_TIMEOUT_ENV
+from fsdp_compose.checks.divergence import VERIFICATION_FORWARD_LIMIT
+from tests._comm_counter import ALL_GATHER, CollectiveCounter
 from tests.harness import run_distributed
 from tests.test_rank_divergence import _batch, _build, _group, _rank_loss
 
@@ -101,3 +103,43 @@ def test_divergence_in_the_first_two_iterations_is_named_on_every_rank(phase, na
 def test_evaluation_on_every_rank_is_not_divergence():
     assert run_distributed(2, _diverge_at, "every-rank-evaluates", 0, timeout=TIMEOUT) == \
         [None, None]
+
+
+def _all_gathers_per_forward(accumulate: int, forwards: int):
+    """All-gathers of each root forward: ``accumulate`` micro-batches with
+    backward (gradient accumulation, the last one ends the step), or, with
+    ``accumulate=0``, ``forwards`` evaluations under ``torch.no_grad()``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = _group()
+    model = _build(group)
+    counts = []
+    for step in range(forwards):
+        x, y = _batch(step, world)
+        with CollectiveCounter() as comm:
+            if accumulate:
+                model.set_is_last_backward(step % accumulate == accumulate - 1)
+                _rank_loss(model, x[rank::world], y[rank::world], rank, range(world)).backward()
+            else:
+                with torch.no_grad():
+                    model(x[rank::world])
+        counts.append(comm.counts[ALL_GATHER])
+    dist.destroy_process_group(group)
+    return counts
+
+
+def test_a_model_that_only_evaluates_stops_verifying_after_the_limit():
+    counts = run_distributed(2, _all_gathers_per_forward, 0, VERIFICATION_FORWARD_LIMIT + 2,
+                             timeout=TIMEOUT)[0]
+    verified, steady = counts[1], counts[-1]
+    assert steady < verified  # the verification all-gathers are gone
+    assert counts[1:] == [verified] * (VERIFICATION_FORWARD_LIMIT - 1) + [steady] * 2, counts
+
+
+def test_gradient_accumulation_is_verified_until_two_steps_end():
+    """Micro-batch forwards have gradients: they do not close the window,
+    the end of the second step does (6 micro-batches per step: more
+    forwards than VERIFICATION_FORWARD_LIMIT before the second step ends)."""
+    counts = run_distributed(2, _all_gathers_per_forward, 6, 18, timeout=TIMEOUT)[0]
+    verified, steady = counts[6:12], counts[12:18]
+    assert all(v > s for v, s in zip(verified, steady)), counts
+    assert counts[1:6] == verified[1:], counts  # the first step: verified too

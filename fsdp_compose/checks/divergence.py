@@ -13,7 +13,7 @@ early, and counts where it is issued):
 * **Verification** (every collective until the ranks have agreed at the end
   of two last backwards, i.e. the first two training iterations with every
   forward among them, evaluation included, at most
-  ``VERIFICATION_FORWARD_LIMIT`` root forwards without backward; always with
+  ``VERIFICATION_FORWARD_LIMIT`` root forwards without gradients; always with
   ``set_check_rank_divergence(True)`` or the environment variable
   ``FSDP_COMPOSE_CHECK_ORDER=1``; never with ``set_check_rank_divergence(False)``):
   before every data collective, and before the end-of-backward all-reduce,
@@ -67,7 +67,9 @@ CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 VERIFICATION_ITERATIONS = 2
 """Training iterations (last backwards the ranks agreed on) verified by default."""
 VERIFICATION_FORWARD_LIMIT = 8
-"""Root forwards verified by default when fewer backwards end (inference only)."""
+"""Root forwards without gradients verified by default (a model that only
+evaluates never ends a backward; forwards with gradients, e.g. gradient
+accumulation's micro-batches, do not count)."""
 _LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
@@ -146,7 +148,8 @@ class DivergenceMonitor(CollectiveObserver):
         self.iterations: int = 0
         """Forward passes of the root started so far."""
         self.agreed_forwards: int = 0
-        """Root forwards whose order and grad mode every rank verified equal."""
+        """Root forwards without gradients whose order and grad mode every
+        rank verified equal."""
         self.agreed_backwards: int = 0
         """Last backwards whose end every rank verified together."""
         self.iteration_verified: bool = True
@@ -250,7 +253,7 @@ class DivergenceMonitor(CollectiveObserver):
                 if len(set(codes)) > 1:
                     self._raise(group, None)
                 verified = True
-        if verified:
+        if verified and not torch.is_grad_enabled():
             self.agreed_forwards += 1
             self.verifying = self._should_verify()
 
