@@ -60,7 +60,12 @@ def _prepare(name: str) -> nn.Module:
         return _model("meta")
     if name in ("unshard", "scatter_full_state_dict"):
         return _model()
-    return _trained()
+    model = _trained()
+    model.optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model.optim.step()  # per-element state (momentum) to convert
+    if name == "optimizer.load_state_dict":
+        model.saved = model.optim.state_dict()  # on every rank
+    return model
 
 
 def _call(name: str, model: nn.Module, directory: str) -> None:
@@ -79,6 +84,10 @@ def _call(name: str, model: nn.Module, directory: str) -> None:
         fsdp_compose.materialize(model)
     elif name == "scatter_full_state_dict":
         scatter_full_state_dict(model, _Net().state_dict())
+    elif name == "optimizer.state_dict":
+        model.optim.state_dict()
+    elif name == "optimizer.load_state_dict":
+        model.optim.load_state_dict(model.saved)
     elif name == "CheckpointStore.save":
         CheckpointStore(directory).save(1, {"model": model})
     else:
@@ -114,6 +123,8 @@ CALLS = {
     "materialize": "fsdp_compose.materialize",
     "scatter_full_state_dict": "fsdp_compose.scatter_full_state_dict",
     "CheckpointStore.save": "CheckpointStore.save",
+    "optimizer.state_dict": "optimizer.state_dict()",
+    "optimizer.load_state_dict": "optimizer.load_state_dict()",
 }
 
 
