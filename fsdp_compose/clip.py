@@ -55,7 +55,9 @@ import torch.nn as nn
 
 from .buffers.tensor_parallel import norm_process_group
 from .comm.groups import ShardGroup
+from .comm.rendezvous import arrive
 from .runtime.owners import owner_of
+from .runtime.unit import ShardUnit
 
 __all__ = ["clip_grad_norm_", "param_norms"]
 
@@ -232,6 +234,7 @@ class _NormGroup(NamedTuple):
     group: ShardGroup  # the data-parallel shard group of their flat buffers
     tp_group: Optional[dist.ProcessGroup]  # TP-sharded parameters: also over tp
     indices: list[int]  # positions in the parameter list
+    unit: ShardUnit  # the unit of the first of them (whose model says whether to check calls)
 
     def all_reduce(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         _all_reduce(vec, op, self.group)
@@ -244,6 +247,19 @@ class _NormGroup(NamedTuple):
         """Whether this rank adds the replicated (unmanaged) parameters'
         ``|g|^p``: one rank of all those the sum runs over."""
         return self.group.rank == 0 and (self.tp_group is None or self.tp_group.rank() == 0)
+
+
+def _meet(groups: list[_NormGroup], call: str) -> None:
+    """Before the first all-reduce of ``call``: in the verified iterations
+    of the model (or before its first forward), every rank of each group
+    meets at the store, so a call made on some ranks only raises naming it
+    ([Note: call rendezvous]); the steady-state step pays nothing."""
+    for norm_group in groups:
+        scheduler = norm_group.unit.scheduler
+        if scheduler is None or scheduler.observer.checks_calls():
+            arrive(norm_group.group.process_group, call,
+                   "Call it on every rank (not under `if rank == 0:`), e.g. right after "
+                   "backward on every rank, and log its result from rank 0.")
 
 
 def _group_key(group: ShardGroup) -> tuple[int, ...]:
@@ -271,7 +287,7 @@ def _partition(params: list[torch.Tensor]) -> tuple[list[_NormGroup], list[int]]
         key = (_group_key(buffer.group),
                None if tp_group is None else tuple(dist.get_process_group_ranks(tp_group)))
         if key not in groups:
-            groups[key] = _NormGroup(buffer.group, tp_group, [])
+            groups[key] = _NormGroup(buffer.group, tp_group, [], owner.unit)
         groups[key].indices.append(i)
     return list(groups.values()), unmanaged
 
@@ -360,6 +376,7 @@ def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
     def grads_of(indices: list[int]) -> list[torch.Tensor]:
         return [g for g in (local_parts[i] for i in indices) if g is not None and g.numel()]
 
+    _meet(groups, "fsdp_compose.clip_grad_norm_")
     unmanaged_norms = _local_norms(grads_of(unmanaged), p, foreach)
     if not groups:  # nothing sharded: a plain local norm
         all_grads = grads_of(list(range(len(params))))
@@ -398,6 +415,7 @@ def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Te
     """Full norm of each ``tensors[i]`` (the local part of ``params[i]``);
     one all-reduce per distinct process group."""
     groups, unmanaged = _partition(params)
+    _meet(groups, "fsdp_compose.param_norms")
     inf = math.isinf(p)
     results: list[Optional[torch.Tensor]] = [None] * len(params)
     if groups:

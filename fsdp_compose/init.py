@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from .comm.agreement import disagreement, fingerprint_of
 from .comm.groups import backend_device
+from .comm.rendezvous import arrive
 from .runtime.owners import owner_of
 from .runtime.state import units_below
 from .runtime.tensors import swapping_params_on_conversion
@@ -73,6 +74,8 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
         before or after). Collective: call on every rank, with the same seed.
     """
     units = units_below(module)
+    arrive(units[0].group.process_group if units else None, "fsdp_compose.materialize",
+           "Call it on every rank, with the same seed.")
     allocate_meta(module, device)
     for unit in units:
         unit.reshard()

@@ -17,6 +17,7 @@ import torch.nn as nn
 from .checks.divergence import DivergenceMonitor
 from .checks.finite import check_finite_gradients
 from .clip import clip_grad_norm_
+from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.state import ShardContext, _ShardState, state_of, states_below
 from .runtime.tensors import swapping_params_on_conversion
@@ -46,6 +47,10 @@ class ShardedModule:
         ``recurse=True``); until :meth:`reshard`, each original parameter's
         module attribute holds the full values in the original shape."""
         own = _own_state(self)
+        if own.context is None or own.context.scheduler.observer.checks_calls():
+            arrive(own.unit.group.process_group, f"unshard() of {own.unit.name}",
+                   "Call it on every rank (it all-gathers); to inspect full weights on one "
+                   "rank, unshard on every rank and read them there.")
         own.lazy_init()
         units = [state.unit for state in _states(self, recurse)]
         for unit in units:
@@ -212,9 +217,12 @@ class ShardedModule:
         """Whether to verify, before every collective of every iteration,
         that all ranks issue it for the same unit (one tiny blocking
         all-gather per collective), raising on every rank with the units
-        each rank was about to run. ``None`` (default): the first two
-        iterations only, or every one when the environment variable
-        ``FSDP_COMPOSE_CHECK_ORDER=1`` is set; ``False``: never. Call it on
+        each rank was about to run. ``None`` (default): until the ranks
+        have verified the end of two last backwards together (the first two
+        training iterations, with any evaluation forward among them; at most
+        8 root forwards without gradients), or every iteration when the
+        environment variable ``FSDP_COMPOSE_CHECK_ORDER=1`` is set;
+        ``False``: never. Call it on
         the root; it takes effect at the next forward of the root. The
         end-of-backward fingerprint check is always on (no extra
         collective). See [Note: rank divergence] in ``checks/divergence.py``.

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from fsdp_compose import fully_shard, param_info, register_forward_method  # noqa: E402
+from fsdp_compose.checks.divergence import VERIFICATION_FORWARD_LIMIT  # noqa: E402
 from tests._owners import buffer_of  # noqa: E402
 from fsdp_compose.runtime.state import state_of  # noqa: E402
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter  # noqa: E402
@@ -193,9 +194,9 @@ def _generate(lora, register):
         register_forward_method(model, "generate")
         register_forward_method(model, "generate")  # idempotent
     ids = _hf.batch(5, 1)[:, :6]
-    with torch.no_grad():  # the first two forwards also verify that ranks agree (more all-gathers)
-        model(input_ids=ids)
-        model(input_ids=ids)
+    with torch.no_grad():  # the first forwards also verify that ranks agree (more all-gathers)
+        for _ in range(VERIFICATION_FORWARD_LIMIT):
+            model(input_ids=ids)
     with CollectiveCounter() as comm:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=4, do_sample=False)

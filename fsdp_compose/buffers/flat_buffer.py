@@ -32,6 +32,7 @@ import torch
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ..comm.collectives import all_gather_into
+from ..comm.flight import wait_watched
 from ..comm.groups import ShardGroup
 from .flat_grad import FlatGradient
 from .layout import FlatLayout, ShardSlice
@@ -361,7 +362,7 @@ class FlatBuffer:
         if gather is None:
             return  # nothing in flight: already unsharded (or never started)
         self._gather = None
-        gather.work.wait()
+        wait_watched(gather.work, self.group.process_group)
         # see [Note: storage and autograd]
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (gather.version,))
         self.is_unsharded = True

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..comm.collectives import all_reduce_replicas, finish_scaling, reduce_scatter_scaled
+from ..comm.flight import wait_watched
 from ..comm.groups import ShardGroup
 from .layout import FlatLayout, ShardSlice
 from .records import ParamRecord
@@ -193,7 +194,7 @@ class FlatGradient:
         if pending is None:
             return  # nothing in flight
         self._reduce = None
-        pending.work.wait()
+        wait_watched(pending.work, self.owner.group.process_group)
         owner = self.owner
         # Hybrid sharding: the replicas' chunks are summed (or averaged) next.
         # Blocking: the chunk is folded into the sharded gradient right after.

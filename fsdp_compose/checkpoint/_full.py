@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.tensor_parallel import refuse_full_load
 from ..comm.groups import ShardGroup, backend_device
+from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ..runtime.state import units_below
 from ..init import allocate_meta
@@ -49,6 +50,8 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
     unit manages are broadcast, non-persistent buffers from ``src``'s
     module. Parameters keep their identity. Collective.
     """
+    arrive(None, "fsdp_compose.scatter_full_state_dict",
+           "Call it on every rank, with the state dict on `src` and None elsewhere.")
     rank = dist.get_rank()
     shapes = [{k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()
                if isinstance(v, torch.Tensor)} if rank == src else None]

@@ -31,9 +31,16 @@ import torch.nn as nn
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.records import ParamRecord
+from ..comm.rendezvous import arrive
 from ..runtime.training_state import TrainingState
 from ..runtime.unit import ShardUnit
 from ._exchange import checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
+
+
+_STATE_DICT_FIX = (
+    "The values of a fully_shard model are spread over the ranks: call state_dict() / "
+    "load_state_dict() on every rank (to write a file from rank 0 only, take the state dict "
+    "on every rank and save it under `if rank == 0:`; or use CheckpointStore).")
 
 
 class _Stash(NamedTuple):
@@ -63,6 +70,8 @@ class UnitStateDictHooks:
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._stash is not None and self._stash.owner is not module:
             return  # an enclosing module's state_dict() converted this unit already
+        arrive(self.unit.group.process_group, f"state_dict() (converting unit {self.unit.name})",
+               _STATE_DICT_FIX)
         below = self._records_below(module)
         skip_frozen = _torch_drops_frozen_params()
         values: dict[int, torch.Tensor] = {}
@@ -108,6 +117,8 @@ class UnitStateDictHooks:
         if not any(key in state_dict and state_dict[key] is not record.param
                    for key, record in keys):
             return  # nothing (left) to convert: an enclosing module's hook did it
+        arrive(self.unit.group.process_group,
+               f"load_state_dict() (converting unit {self.unit.name})", _STATE_DICT_FIX)
         self._make_loadable()
         by_param: dict[int, tuple[ParamRecord, torch.Tensor]] = {}
         for key, record in keys:

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..buffers.flat_buffer import FlatBuffer
+from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ._exchange import Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
 
@@ -88,7 +89,13 @@ def _by_buffer(params_by_key: dict[Any, torch.Tensor]) -> list[_BufferEntries]:
 
 
 # ------------------------------------------------------------------- save
+_OPTIM_FIX = ("Sharded optimizer state is spread over the ranks: call it on every rank (to "
+              "write a file from rank 0 only, take it on every rank and save it under "
+              "`if rank == 0:`; or use CheckpointStore).")
+
+
 def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    arrive(None, "optimizer.state_dict()", _OPTIM_FIX)
     params = dict(enumerate(_params(optimizer)))
     state = state_dict["state"]
     plan = []  # (buffer, state name, [(state key, buffer index)])
@@ -169,6 +176,7 @@ def _describe(summary: Optional[list]) -> str:
 
 # ------------------------------------------------------------------- load
 def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    arrive(None, "optimizer.load_state_dict()", _OPTIM_FIX)
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = dict(zip(saved_ids, _params(optimizer)))
     state = {key: dict(value) if isinstance(value, dict) else value

@@ -57,6 +57,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..comm.rendezvous import arrive
+
 __all__ = ["CheckpointStore", "CheckpointError"]
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -131,6 +133,7 @@ class CheckpointStore:
         A crash before step 3's rename leaves only a ``.partial-*`` directory:
         the previous checkpoints stay the newest committed ones.
         """
+        self._arrive("CheckpointStore.save")
         final = self.path(step)
         rank = self._rank()
         name = [f"{final.name}.partial-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
@@ -162,12 +165,13 @@ class CheckpointStore:
         torn (no ``.metadata``) or does not match ``state`` (missing keys, other
         shapes); it does not fall back to an older checkpoint.
         """
+        self._arrive("CheckpointStore.load_latest")
         step = [self.latest_step() if self._rank() == 0 else None]
         if self._distributed():
             dist.broadcast_object_list(step, src=self._global_rank0(), group=self.group)
         if step[0] is None:
             return None
-        self.load(step[0], state)
+        self._load(step[0], state)
         return step[0]
 
     def load(self, step: int, state: dict[str, Any]) -> None:
@@ -175,6 +179,10 @@ class CheckpointStore:
 
         Raises ``CheckpointError`` on every rank if it does not exist, is torn
         or does not match ``state``."""
+        self._arrive("CheckpointStore.load")
+        self._load(step, state)
+
+    def _load(self, step: int, state: dict[str, Any]) -> None:
         path = self.path(step)
         problem = None
         if not path.is_dir():
@@ -193,6 +201,12 @@ class CheckpointStore:
         self._raise_if_any(path, "could not be loaded into the given state", problem, error)
 
     # -------------------------------------------------------------- internals
+    def _arrive(self, call: str) -> None:
+        """Before the first collective of ``call`` ([Note: call rendezvous])."""
+        if self._distributed():
+            arrive(self.group, call, "Call it on every rank (each writes or reads its own "
+                   "shards); guard only printing or logging with `if rank == 0:`.")
+
     def _distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 

@@ -10,15 +10,24 @@ Two checks catch it, both on the sequence of *data collectives actually
 issued*, in issue order (a prefetch is an all-gather of another unit, issued
 early, and counts where it is issued):
 
-* **Verification** (the root's first two forward passes and their backwards;
-  always with ``set_check_rank_divergence(True)`` or the environment variable
+* **Verification** (every collective until the ranks have agreed at the end
+  of two last backwards, i.e. the first two training iterations with every
+  forward among them, evaluation included, at most
+  ``VERIFICATION_FORWARD_LIMIT`` root forwards without gradients; always with
+  ``set_check_rank_divergence(True)`` or the environment variable
   ``FSDP_COMPOSE_CHECK_ORDER=1``; never with ``set_check_rank_divergence(False)``):
   before every data collective, and before the end-of-backward all-reduce,
   one tiny all-gather of what this rank is about to issue (kind, unit index
   in the root's state list, buffer index, phase) over the collective's
-  process group. Every rank that reaches it sees the same values, so a
-  mismatch raises on every rank *before* the data collective, naming each
-  rank's unit. Costs one tiny blocking collective per data collective.
+  process group; after the root's forward, one of its forward order and
+  grad mode (a forward under ``torch.no_grad()`` on some ranks only, an
+  evaluation on one rank, is caught there). Every rank that reaches it sees
+  the same values, so a mismatch raises on every rank *before* the data
+  collective, naming each rank's unit. Costs one tiny blocking collective
+  per data collective. The window closes only at a point where the ranks
+  have just agreed (never by a rank's own count of forwards: a rank that ran
+  one more forward would stop verifying while the others go on, pairing a
+  verification all-gather with a data collective).
 * **Fingerprint** (always on, no extra collective): a 64-bit rolling hash of
   the same sequence, per process group, is appended as 16 bytes (its bytes,
   then their complements) to the used-parameter flags that
@@ -29,8 +38,11 @@ early, and counts where it is issued):
   and sizes of collectives equal* (e.g. two same-size units swapped), which
   would otherwise mix values silently. Divergence that changes the number of
   collectives in a later iteration pairs mismatched collectives before the end
-  of backward; the backend then fails or times out (gloo: its collective
-  timeout), so enable the check while debugging such control flow.
+  of backward: the wait that then stalls or fails consults the **flight log**
+  (an always-on ring of each rank's recent collectives, compared through the
+  rendezvous store, ``checks/flight_log.py`` and [Note: flight log]) and
+  raises where the ranks' logs first disagree; gloo aborts a process that
+  receives a collective of another size, which then reports nothing itself.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from collections import deque
 from enum import IntEnum
 from typing import NamedTuple, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
@@ -47,11 +60,16 @@ from ..comm.agreement import all_gather_fingerprints
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
+from .flight_log import FlightRecorder
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 """Set to ``1`` to verify the collective order in every iteration."""
 VERIFICATION_ITERATIONS = 2
-"""Forward passes of the root (with their backwards) verified by default."""
+"""Training iterations (last backwards the ranks agreed on) verified by default."""
+VERIFICATION_FORWARD_LIMIT = 8
+"""Root forwards without gradients verified by default (a model that only
+evaluates never ends a backward; forwards with gradients, e.g. gradient
+accumulation's micro-batches, do not count)."""
 _LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
@@ -124,11 +142,19 @@ class DivergenceMonitor(CollectiveObserver):
     def __init__(self) -> None:
         self.forced: Optional[bool] = None
         """``set_check_rank_divergence``: True verifies every iteration, False
-        never, None the first ``VERIFICATION_ITERATIONS`` (or with the env var)."""
+        never, None while the window is open (or with the env var)."""
         self.verifying: bool = False
-        """Whether the current iteration runs the verification collectives."""
+        """Whether the collectives issued now run the verification collectives."""
         self.iterations: int = 0
         """Forward passes of the root started so far."""
+        self.agreed_forwards: int = 0
+        """Root forwards without gradients whose order and grad mode every
+        rank verified equal."""
+        self.agreed_backwards: int = 0
+        """Last backwards whose end every rank verified together."""
+        self.iteration_verified: bool = True
+        """Whether the current iteration started verifying (its per-step
+        collective calls, e.g. ``clip_grad_norm_`` at its step, are checked)."""
         self._units: list[ObservedUnit] = []
         self._where: dict[int, tuple[int, int]] = {}
         """id(buffer) -> (unit index, buffer index)."""
@@ -138,6 +164,11 @@ class DivergenceMonitor(CollectiveObserver):
         """id(process group) -> rolling hash since the last comparison."""
         self._logs: dict[int, deque[Collective]] = {}
         """id(process group) -> the collectives since the last comparison."""
+        self.flight: FlightRecorder = FlightRecorder(
+            lambda code: _decode(code).describe(self._units),
+            lambda codes: _advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
+        """The always-on ring of recent collectives, compared through the
+        store when a wait stalls or fails ([Note: flight log])."""
 
     def bind(self, units: Sequence[ObservedUnit]) -> None:
         """Number the units (the root's state list order, the same on every
@@ -146,15 +177,28 @@ class DivergenceMonitor(CollectiveObserver):
         self._index = {id(unit): u for u, unit in enumerate(units)}
         self._where = {id(b): (u, i) for u, unit in enumerate(units)
                        for i, b in enumerate(unit.buffers)}
+        for group in self.groups():
+            if group.world_size > 1:
+                self.flight.attach(group.process_group)
 
     def start_iteration(self) -> None:
         """At the root's pre-forward: decide whether this iteration verifies."""
         self.iterations += 1
+        self.verifying = self._should_verify()
+        self.iteration_verified = self.verifying
+
+    def checks_calls(self) -> bool:
+        return self.iteration_verified
+
+    def _should_verify(self) -> bool:
+        """Read at the root's pre-forward, and again right after a verified
+        agreement (the only points where the default window may close: every
+        rank's counters are equal there, see [Note: rank divergence])."""
         if self.forced is not None:
-            self.verifying = self.forced
-        else:
-            self.verifying = (self.iterations <= VERIFICATION_ITERATIONS
-                              or os.environ.get(CHECK_ENV, "0") not in ("", "0"))
+            return self.forced
+        window = self.agreed_backwards < VERIFICATION_ITERATIONS and \
+            self.agreed_forwards < VERIFICATION_FORWARD_LIMIT
+        return window or os.environ.get(CHECK_ENV, "0") not in ("", "0")
 
     # ----------------------------------------------------------- recording
     def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
@@ -182,6 +226,7 @@ class DivergenceMonitor(CollectiveObserver):
         key = id(group.process_group)
         self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
+        self.flight.record(group.process_group, self.iterations - 1, entry.code)  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
         """The root's forward ended: fold the units' forward order into every
@@ -193,14 +238,24 @@ class DivergenceMonitor(CollectiveObserver):
         combined = _FNV_OFFSET
         for entry in entries:
             combined = _mix(combined, entry.code)
+        # the order's hash in the high bits, the grad mode in the lowest one
+        compared = ((combined >> 2) << 1) | int(torch.is_grad_enabled())
+        verified = False
         for group in self.groups():
             if group.world_size == 1:
                 continue
             for entry in entries:
                 self._record(group, entry)
-            if self.verifying and len(set(all_gather_fingerprints(
-                    combined >> 1, group, include_replicas=False))) > 1:
-                self._raise(group, None)
+            if self.verifying:
+                codes = all_gather_fingerprints(compared, group, include_replicas=False)
+                if len({code >> 1 for code in codes}) == 1 and len(set(codes)) > 1:
+                    _raise_grad_modes(group, codes)
+                if len(set(codes)) > 1:
+                    self._raise(group, None)
+                verified = True
+        if verified and not torch.is_grad_enabled():
+            self.agreed_forwards += 1
+            self.verifying = self._should_verify()
 
     def _verify(self, entry: Collective, group: ShardGroup) -> None:
         codes = all_gather_fingerprints(entry.code, group, include_replicas=False)
@@ -215,9 +270,14 @@ class DivergenceMonitor(CollectiveObserver):
         more unit collective), once per process group of the model."""
         if not self.verifying:
             return
+        verified = False
         for group in self.groups():
             if group.world_size > 1:
                 self._verify(Collective(Kind.END_OF_BACKWARD, 0, 0, Phase.NONE), group)
+                verified = True
+        if verified:
+            self.agreed_backwards += 1
+            self.verifying = self._should_verify()
 
     def payload(self, group: ShardGroup) -> list[int]:
         """The fingerprint bytes to append to ``group``'s used flags."""
@@ -267,22 +327,44 @@ class DivergenceMonitor(CollectiveObserver):
             where = ("after the root's forward, by comparing forward orders" if self.verifying
                      and any(first < len(e) and e[first].kind is Kind.FORWARD for e in logs) else
                      "at the end of backward, by the fingerprint of the collective sequence")
-        advice = (
-            "A unit's forward ran on some ranks only (or in a different order): every rank must "
-            "run the forward of every unit, in the same order, in every iteration (e.g. call a "
-            "unit a rank would skip on an empty or zero-weighted input). "
-            "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence."
-            if forward else
-            "A unit's backward (or reduction) ran on some ranks only: run every unit on every "
-            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
-            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
-            "rank reduces them at the end of backward.")
+        advice = _advice(forward)
         raise RuntimeError(
             f"[rank {group.rank}] fully_shard ranks diverged: they were about to pair "
             f"collectives of different units (detected {where}; rank-dependent control flow "
             f"would otherwise hang or mix parameters of different units):\n"
             + "\n".join(lines) + f"\n{advice} Set {CHECK_ENV}=1 (or call "
             "set_check_rank_divergence(True) on the root) to check every iteration.")
+
+
+def _advice(forward: bool) -> str:
+    """The fix, for divergence in forward (``forward``) or in backward."""
+    if forward:
+        return ("A unit's forward ran on some ranks only (or in a different order): every rank "
+                "must run the forward of every unit, in the same order, in every iteration (e.g. "
+                "call a unit a rank would skip on an empty or zero-weighted input). "
+                "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence.")
+    return ("A unit's backward (or reduction) ran on some ranks only: run every unit on every "
+            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
+            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
+            "rank reduces them at the end of backward.")
+
+
+def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
+    """The ranks ran the same units in a root forward, some with gradients
+    and some without (``codes``: each rank's compared value, grad mode in
+    bit 0)."""
+    ranks = dist.get_process_group_ranks(group.process_group)
+    without = [ranks[i] for i, code in enumerate(codes) if not code & 1]
+    with_grad = [ranks[i] for i, code in enumerate(codes) if code & 1]
+    raise RuntimeError(
+        f"[rank {group.rank}] fully_shard ranks diverged: ranks {without} ran a forward of the "
+        f"root without gradients (torch.no_grad(), e.g. an evaluation) where ranks {with_grad} "
+        "ran one with gradients (training), so their next collectives would pair a forward "
+        "with a backward (detected after the root's forward, by comparing forward orders and "
+        "grad modes). Every rank must run the same forwards: run the evaluation on every rank "
+        "(each on its part of the data, then reduce the metric), or on a separate, unsharded "
+        f"copy of the model. Set {CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the "
+        "root) to check every iteration.")
 
 
 def _mix(fingerprint: int, code: int) -> int:

@@ -12,11 +12,13 @@ reduce-scatter as an all-reduce]).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .flight import wait_watched
 from .groups import ShardGroup
 
 # torch >= 2.10 names the flat collectives *_single and deprecates the old names.
@@ -27,7 +29,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class _DoneWork:
     """What a collective over one rank returns: nothing to wait for."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
         return True
 
 
@@ -116,10 +118,13 @@ class _ChunkAfterAllReduce:
         self._output = output
         self._chunk = chunk
 
-    def wait(self) -> bool:
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self._work is None:
             return True  # waited already: the chunk was copied
-        self._work.wait()
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)  # raises if it runs out: the chunk is copied at a later wait
         self._work = None
         self._output.copy_(self._chunk)
         return True
@@ -163,7 +168,9 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
     """In-place element-wise maximum over every rank of ``group``'s mesh
     (the shard group, then the replicas)."""
     if group.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group,
+                               async_op=True)
+        wait_watched(work, group.process_group)
     replicate = group.replicate_process_group
     if replicate is not None and group.replicate_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=replicate)

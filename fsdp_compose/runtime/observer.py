@@ -55,6 +55,13 @@ class CollectiveObserver:
     def before_publish(self) -> None:
         """End of the last backward, before the used-flags all-reduce."""
 
+    def checks_calls(self) -> bool:
+        """Whether per-step collective calls (``clip_grad_norm_``,
+        ``param_norms``, ``unshard()``) meet at the store first now, so one
+        made on some ranks only raises naming it ([Note: call rendezvous]
+        in ``comm/rendezvous.py``): only in verified iterations."""
+        return False
+
     def payload(self, group: ShardGroup) -> list[int]:
         """Bytes (0-255) to append to ``group``'s used flags before their
         MAX all-reduce."""

@@ -1,0 +1,170 @@
+"""Each rank's recent collectives, compared through the rendezvous store
+when a collective stalls or fails (see [Note: flight log] in
+``comm/flight.py``).
+
+The ring buffer is always on and costs no collective: the model's
+``DivergenceMonitor`` records (iteration, code) for every collective it is
+told about, per process group. Only when a wait of the step stalls for
+``FSDP_COMPOSE_STALL_SECONDS`` or fails does a rank write its ring to the
+store (one key per rank) and read the others'; the first position where
+they disagree is what the error names, with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ..comm.flight import stall_seconds, watch
+
+RING_SIZE = 256
+"""Collectives remembered per process group (the last few iterations)."""
+_PREFIX = "fsdp_compose/flight"
+_models: dict[str, int] = {}
+"""process group name -> models attached to it so far in this process (the
+same on every rank that builds the same models: names one model's keys, so a
+stale key of an earlier model on the group is never compared)."""
+
+Describe = Callable[[int], str]
+"""A collective's code -> its description ("all-gather of 'layers.3' ...")."""
+Advice = Callable[[list[int]], str]
+"""The codes the ranks disagree on -> the fix to suggest."""
+
+
+class FlightRecorder:
+    """The ring of one model's collectives, per process group."""
+
+    def __init__(self, describe: Describe, advice: Advice) -> None:
+        self._rings: dict[int, deque[tuple[int, int]]] = {}
+        """id(process group) -> (iteration, code) of its latest collectives."""
+        self._issued: dict[int, int] = {}
+        """id(process group) -> collectives recorded on it so far."""
+        self._describe: Describe = describe
+        self._advice: Advice = advice
+        self._keys: dict[str, str] = {}
+        """process group name -> the prefix of this model's keys on it."""
+
+    def attach(self, process_group: dist.ProcessGroup) -> None:
+        """Watch ``process_group``'s waits (the root's lazy init, once per group)."""
+        name = process_group.group_name
+        number = _models.get(name, 0)
+        _models[name] = number + 1
+        self._keys[name] = f"{_PREFIX}/{name}/{number}"
+        watch(process_group, self)
+
+    def record(self, process_group: dist.ProcessGroup, iteration: int, code: int) -> None:
+        """Called for every collective, before it is issued (the hot path:
+        two dict look-ups and an append)."""
+        key = id(process_group)
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._rings[key] = deque(maxlen=RING_SIZE)
+        ring.append((iteration, code))
+        self._issued[key] = self._issued.get(key, 0) + 1
+
+    # ------------------------------------------------------------ stalls
+    def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
+                waited: float) -> None:
+        """Publish this rank's ring, read the others'; raise where they
+        disagree. With ``error`` (the wait failed), wait a little for the
+        others (they publish when their own waits stall) and raise what is
+        known, naming the ranks that published nothing."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            return  # no store: the backend's own error stands
+        me = dist.get_rank()
+        ranks = dist.get_process_group_ranks(process_group)
+        prefix = self._keys.get(process_group.group_name, f"{_PREFIX}/{process_group.group_name}")
+        keys = {rank: f"{prefix}/{rank}" for rank in ranks}
+        ring = list(self._rings.get(id(process_group), ()))
+        start = self._issued.get(id(process_group), 0) - len(ring)
+        store.set(keys[me], json.dumps([start, ring]))
+        deadline = time.monotonic() + (2 * stall_seconds() if error is not None else 0.0)
+        while True:
+            logs = {rank: _read(store, key) for rank, key in keys.items()}
+            logs = {rank: log for rank, log in logs.items() if log is not None}
+            complete = len(logs) == len(ranks)
+            found = _first_difference(logs, complete)
+            if found is not None or complete or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        if found is None and error is None:
+            return  # not (yet) a divergence: keep waiting
+        if found is None and complete:
+            return  # every rank logged the same collectives: the backend's error stands
+        raise RuntimeError(self._message(me, process_group, logs, found, error, waited,
+                                         [r for r in ranks if r not in logs])) from error
+
+    def recovered(self, process_group: dist.ProcessGroup) -> None:
+        """The stalled wait finished: withdraw the published ring (stale)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            prefix = self._keys.get(process_group.group_name,
+                                    f"{_PREFIX}/{process_group.group_name}")
+            store.delete_key(f"{prefix}/{dist.get_rank()}")
+        except (RuntimeError, ValueError):
+            pass  # nothing published, or no store
+
+    def _message(self, me: int, process_group: dist.ProcessGroup, logs: dict,
+                 found: Optional[int], error: Optional[BaseException], waited: float,
+                 missing: list[int]) -> str:
+        how = (f"a collective failed ({str(error).splitlines()[0][:200]})" if error is not None
+               else f"a collective waited {waited:g} s")
+        lines = []
+        if found is not None:
+            codes = []
+            for rank, (start, ring) in sorted(logs.items()):
+                entry = ring[found - start] if found - start < len(ring) else None
+                if entry is None:
+                    lines.append(f"  rank {rank} issued nothing more (it waits for an earlier one)")
+                else:
+                    lines.append(f"  rank {rank} ran the {self._describe(entry[1])} at iteration "
+                                 f"{entry[0]}")
+                    codes.append(entry[1])
+            head = (f"fully_shard ranks diverged: collective #{found} of process group "
+                    f"{process_group.group_name} differs between the ranks")
+            advice = self._advice(codes)
+        else:
+            start, ring = logs[me]
+            last = ", ".join(f"{self._describe(code)} (iteration {it})" for it, code in ring[-3:])
+            head = ("fully_shard ranks may have diverged: their collective logs could not be "
+                    f"compared (this rank's last ones: {last or 'none'})")
+            advice = ("Rank-dependent control flow is the usual cause: every rank must run the "
+                      "same units, forward and backward, in the same order.")
+        if missing:
+            lines.append(f"  ranks {missing} published no log: their process ended (gloo aborts "
+                         "a rank that receives a collective of another size than it posted; see "
+                         "its output) or they wait outside fsdp_compose")
+        return (f"[rank {me}] {head} (found after {how}, by comparing each rank's recent "
+                "collectives through the rendezvous store):\n" + "\n".join(lines) +
+                f"\n{advice} To find it before any collective pairs wrongly, set "
+                "FSDP_COMPOSE_CHECK_ORDER=1 (or call set_check_rank_divergence(True) on the root).")
+
+
+def _read(store: dist.Store, key: str) -> Optional[tuple[int, list[tuple[int, int]]]]:
+    if not store.check([key]):
+        return None
+    start, ring = json.loads(store.get(key).decode())
+    return start, [tuple(entry) for entry in ring]
+
+
+def _first_difference(logs: dict, complete: bool) -> Optional[int]:
+    """The first collective number at which the published rings disagree:
+    two ranks with different entries, or (every rank published, so every
+    rank is stuck) one rank with an entry where another has none."""
+    if len(logs) < 2:
+        return None
+    low = max(start for start, _ in logs.values())
+    high = max(start + len(ring) for start, ring in logs.values())
+    for number in range(low, high):
+        codes = {ring[number - start][1] if number - start < len(ring) else None
+                 for start, ring in logs.values()}
+        present = codes - {None}
+        if len(present) > 1 or (complete and None in codes and present):
+            return number
+    return None

@@ -1,0 +1,93 @@
+"""Waiting on the training step's collectives, with a watcher that is told
+when one stalls or fails.
+
+[Note: flight log]
+Rank divergence after the verified iterations (a unit skipped on one rank at
+step 100) pairs collectives of different units; the backend then times out
+or fails, naming no unit. Every wait of a data collective goes through
+:func:`wait_watched`: the fast path is one ``work.wait(timeout)`` (as cheap
+as ``wait()``); a wait that has not finished after :func:`stall_seconds`,
+or that raises, is reported to the watcher of its process group (the
+model's ``DivergenceMonitor``, injected through :func:`watch`), which
+publishes its recent collective log to the rendezvous store, reads the
+other ranks' logs, and raises a diagnosis where they disagree (see
+``checks/divergence.py``). When the wait finishes after all, the watcher
+is told to withdraw what it published. Gloo aborts the process of a rank
+that receives a collective of another size than it posted (no exception
+to catch); such a rank publishes nothing, and the others name it as gone.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from datetime import timedelta
+from typing import Optional, Protocol
+
+import torch.distributed as dist
+
+STALL_ENV = "FSDP_COMPOSE_STALL_SECONDS"
+"""Seconds a collective may wait before its watcher is told (default 10)."""
+DEFAULT_STALL_SECONDS = 10.0
+
+
+class Watcher(Protocol):
+    """Told about the stalled or failed collectives of one process group."""
+
+    def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
+                waited: float) -> None:
+        """A wait on ``process_group`` has lasted ``waited`` seconds (``error``
+        None: it goes on waiting afterwards) or raised ``error`` (re-raised
+        afterwards). May raise a diagnosis instead."""
+
+    def recovered(self, process_group: dist.ProcessGroup) -> None:
+        """A wait it was told about finished after all."""
+
+
+_watchers: "dict[str, weakref.ref[Watcher]]" = {}
+"""process group name -> its watcher (the latest model bound on it)."""
+
+
+def watch(process_group: dist.ProcessGroup, watcher: Watcher) -> None:
+    """Make ``watcher`` the one told about ``process_group``'s stalls (held
+    weakly: a dropped model stops watching). Gloo groups only: elsewhere a
+    wait with a timeout would block the host (NCCL's ``wait()`` does not)."""
+    if dist.get_backend(process_group) == "gloo":
+        _watchers[process_group.group_name] = weakref.ref(watcher)
+
+
+def stall_seconds() -> float:
+    """``FSDP_COMPOSE_STALL_SECONDS`` (read at each stall, default 10)."""
+    value = os.environ.get(STALL_ENV, "")
+    return float(value) if value else DEFAULT_STALL_SECONDS
+
+
+def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
+    """``work.wait()``, telling ``process_group``'s watcher (if any) when it
+    stalls or fails (see [Note: flight log])."""
+    ref = _watchers.get(process_group.group_name) if process_group is not None else None
+    watcher = ref() if ref is not None else None
+    if watcher is None:
+        work.wait()
+        return
+    stall = stall_seconds()
+    waited, told = 0.0, False
+    while True:
+        try:
+            work.wait(timedelta(seconds=stall))
+            break
+        except RuntimeError as error:
+            if not _is_timeout(error):
+                watcher.stalled(process_group, error, waited)
+                raise
+            waited += stall
+            told = True
+            watcher.stalled(process_group, None, waited)
+    if told:
+        watcher.recovered(process_group)
+
+
+def _is_timeout(error: RuntimeError) -> bool:
+    """Our own short wait ran out (gloo: "Operation timed out!"), not the
+    backend's collective timeout or a failure."""
+    return "Operation timed out!" in str(error) and "Timed out waiting" not in str(error)

@@ -1,0 +1,49 @@
+"""Run by ``tests/test_flight_log.py`` under torchrun (2 gloo ranks): rank 1
+skips blocks.2 at step ``sys.argv[1]``; each rank prints the error it gets
+and exits 0 (torchrun stops the job at the first non-zero exit, before the
+other rank could print).
+
+    PYTHONPATH=. FSDP_COMPOSE_STALL_SECONDS=3 torchrun --standalone \\
+        --nproc-per-node 2 tests/_flight_torchrun.py 5
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compose import fully_shard
+from fsdp_compose.testing.launch import init_from_torchrun
+from tests.test_flight_log import Uniform
+
+
+def main(at_step: int) -> None:
+    init_from_torchrun()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Uniform()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(at_step + 3):
+        start = time.perf_counter()
+        skip = 2 if rank == 1 and step == at_step else None
+        try:
+            model(torch.randn(4, 16), skip).sum().backward()
+        except RuntimeError as error:
+            print(f"RANK {rank} STEP {step} AFTER {time.perf_counter() - start:.1f} S\n{error}\nEND",
+                  flush=True)
+            os._exit(0)  # the group paired mismatched collectives: no clean teardown
+        optim.step()
+        optim.zero_grad()
+    print(f"RANK {rank} TRAINED THROUGH", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

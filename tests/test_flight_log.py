@@ -1,0 +1,136 @@
+"""Divergence after the verified iterations gets a diagnosis, not a backend
+error: when a collective of the step stalls (``FSDP_COMPOSE_STALL_SECONDS``)
+or fails, every rank publishes its recent collectives to the rendezvous
+store and raises naming the first one where the ranks disagree
+([Note: flight log] in ``fsdp_compose/comm/flight.py``).
+
+Run: ``PYTHONPATH=. python -m pytest -q tests/test_flight_log.py``
+(gloo on CPU, 2 ranks; ``-m slow`` adds the step-100 case and a torchrun
+job, ``tests/_flight_torchrun.py``).
+
+The model's units all have the same size: collectives of different units
+then pair without gloo noticing and stall. Where the sizes differ, gloo
+aborts the process that receives the larger message (``SIGABRT``, nothing
+to catch), and only the other ranks can report (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_compose import fully_shard
+from fsdp_compose.comm.flight import STALL_ENV
+from tests.harness import run_distributed
+
+STALL = 3
+
+
+class Uniform(nn.Module):
+    """Four same-size units under a root that owns no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, skip=None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = torch.tanh(block(x))
+        return x
+
+
+def _train(steps: int, at_step: int, what: str):
+    """Every rank trains ``steps`` steps; at ``at_step`` rank 1 skips
+    blocks.2 (``skip``) or only sleeps (``slow``). Returns (step, seconds
+    into the step, message) of the error, or None."""
+    os.environ[STALL_ENV] = str(STALL)
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=50))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = Uniform()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    result = None
+    try:
+        for step in range(steps):
+            odd = rank == 1 and step == at_step
+            if odd and what == "slow":
+                time.sleep(2 * STALL + 1)  # rank 0 stalls twice, then it goes on
+            start = time.perf_counter()
+            try:
+                model(torch.randn(4, 16), 2 if odd and what == "skip" else None).sum().backward()
+            except RuntimeError as error:
+                result = (step, time.perf_counter() - start, str(error))
+                break
+            optim.step()
+            optim.zero_grad()
+    finally:
+        del os.environ[STALL_ENV]
+    if result is None:
+        dist.destroy_process_group(group)
+    # else: the group paired mismatched collectives; it cannot be used (or destroyed) cleanly
+    return result
+
+
+def _check_diagnosis(results, at_step: int) -> None:
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} trained through the divergence"
+        step, seconds, message = result
+        assert step == at_step, f"rank {rank}: raised at step {step}: {message}"
+        assert seconds < 60, f"rank {rank} took {seconds:.1f} s"
+        assert message.startswith(f"[rank {rank}] fully_shard ranks diverged: collective #"), message
+        assert f"rank 0 ran the forward of 'blocks.2'" in message, message
+        assert f"rank 1 ran the forward of 'blocks.3'" in message, message
+        assert f"at iteration {at_step}" in message, message
+        assert "cannot fix forward-side divergence" in message  # the fix
+        assert "FSDP_COMPOSE_CHECK_ORDER=1" in message
+
+
+def test_a_unit_skipped_at_step_5_is_named_on_every_rank():
+    _check_diagnosis(run_distributed(2, _train, 8, 5, "skip", timeout=90), 5)
+
+
+@pytest.mark.slow
+def test_a_unit_skipped_at_step_100_is_named_on_every_rank():
+    _check_diagnosis(run_distributed(2, _train, 103, 100, "skip", timeout=150), 100)
+
+
+def test_a_slow_rank_is_not_divergence():
+    """Rank 0 stalls while rank 1 sleeps: it publishes its log, finds no
+    disagreement (rank 1 published nothing), withdraws it and trains on."""
+    assert run_distributed(2, _train, 8, 3, "slow", timeout=90) == [None, None]
+
+
+@pytest.mark.slow  # one torchrun job, ~20 s
+def test_a_unit_skipped_at_step_5_is_named_on_every_rank_under_torchrun():
+    root = Path(__file__).resolve().parents[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "tests/_flight_torchrun.py", "5"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root), STALL_ENV: str(STALL)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        found = re.search(rf"^RANK {rank} STEP (\d+) AFTER ([\d.]+) S\n(.*?)\nEND$", proc.stdout,
+                          re.MULTILINE | re.DOTALL)
+        assert found, f"rank {rank} printed no error:\n{proc.stdout[-3000:]}"
+        step, seconds, message = int(found[1]), float(found[2]), found[3]
+        assert step == 5 and seconds < 60, (step, seconds)
+        assert message.startswith(f"[rank {rank}] fully_shard ranks diverged: collective #")
+        assert "rank 0 ran the forward of 'blocks.2'" in message, message
+        assert "rank 1 ran the forward of 'blocks.3'" in message, message
