@@ -71,6 +71,9 @@ def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain"
                            False, optim)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
+    model.unshard(recurse=True)  # right after the step: nothing may read stale values
+    full = {n: _attr(model, n).detach().clone() for n in full_shapes}
+    model.reshard(recurse=True)
     # shapes between iterations, and which ranks got a .grad in the last backward
     x, y = global_batch(0, world, mode)
     optim.zero_grad(set_to_none=True)
@@ -84,9 +87,6 @@ def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain"
             assert p.grad.shape == p.shape, n
         assert p.ndim == _expected_local_ndim(name, len(full_shapes[n])), (n, p.shape)
     optim.zero_grad(set_to_none=True)
-    model.unshard(recurse=True)
-    full = {n: _attr(model, n).detach().clone() for n in full_shapes}
-    model.reshard(recurse=True)
     return {"losses": losses, "params": full, "evals": [], "local_shapes": local_shapes,
             "grads_none": grads_none, "full_shapes": full_shapes}
 

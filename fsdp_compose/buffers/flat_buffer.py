@@ -88,6 +88,10 @@ class FlatBuffer:
         self._moved_dims: tuple[int, ...] = tuple(
             p.dim if isinstance(p, ShardDim) else 0 for p in self.layout.placements)
         """``ShardDim(d)``: the dim stored first (0: none moved)."""
+        self._has_copies: bool = not all(
+            self.layout.is_contiguous(i) for i in range(len(records)))
+        """Some parameter's unsharded view is an assembled copy (``ShardDim``
+        pieces that are not contiguous), rebuilt at every unshard."""
         self._assembled: dict[int, torch.Tensor] = {}
         """Whole copies of parameters that are not contiguous in ``full``,
         handed out by :meth:`point_params_at` until :meth:`keep_own_slice`."""
@@ -231,7 +235,10 @@ class FlatBuffer:
         layout's segments (pieces of parameters and padding); a parameter
         that is not contiguous in it (``ShardDim``, whose rows are dealt
         as ``torch.chunk`` does) is assembled by a copy (``torch.cat``), as
-        FSDP2 copies every parameter out of its all-gather output."""
+        FSDP2 copies every parameter out of its all-gather output. Such a
+        copy holds values, not a view of the storage: it is rebuilt at every
+        unshard (:meth:`finish_unshard`), and one that autograd saved for
+        backward keeps its memory until then (resharding cannot free it)."""
         segments = self.layout.segments()
         with torch.enable_grad():
             chunks = torch.split(self.unsharded, [s.length for s in segments])
@@ -432,6 +439,8 @@ class FlatBuffer:
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (gather.version,))
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
+        if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)
+            self._unsharded_views = self._build_unsharded_views()
         self.use_unsharded_views()
 
     @property

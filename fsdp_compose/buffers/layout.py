@@ -294,12 +294,16 @@ class FlatLayout:
         return tuple(loads)
 
     def segments(self) -> tuple[Segment, ...]:
-        """``[0, padded_numel)`` cut into parameter pieces and padding, in
-        increasing order (a parameter with no elements gets one empty
-        segment at its offset, so that every parameter has at least one)."""
-        runs = [p for pieces in self._pieces for p in pieces]
-        runs += [Segment(self.offsets[i], 0, i, 0) for i, pieces in enumerate(self._pieces)
-                 if not pieces]
+        """``[0, padded_numel)`` cut into parameters and padding, in
+        increasing order: one segment per parameter that is contiguous in the
+        buffer (an empty one at its offset for a parameter with no elements),
+        one per piece of one that is not (``ShardDim``)."""
+        runs = []
+        for i, pieces in enumerate(self._pieces):
+            if self.is_contiguous(i):  # one run, whatever chunks it crosses (a view, no copy)
+                runs.append(Segment(self.offsets[i], self.numels[i], i, 0))
+            else:
+                runs.extend(pieces)
         runs.sort(key=lambda s: (s.start, s.length))
         out, cursor = [], 0
         for s in runs:
