@@ -7,11 +7,13 @@ Run: PYTHONPATH=$PWD python -m pytest -q tests/test_placements.py
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compose import Blocks, fully_shard, param_info
 from tests._training import (_attr, _local, _local_step, assert_parity, build_model, global_batch,
@@ -20,6 +22,7 @@ from tests.harness import run_distributed
 
 ATOL = 1e-5
 PLACEMENTS = {  # name -> (unit placement, shard_placement_fn kind)
+    "flat0": ("flat", None),
     "rows": ("rows", None),
     "blocks2": (Blocks(2), None),
     "owned": ("owned", None),
@@ -276,3 +279,43 @@ def test_state_dict_in_fsdp2_layout_loads_under_another_placement(saved_as, load
             expected = "(Shard(dim=1),)" if saved_as == "shard1" and want.ndim == 2 \
                 else "(Shard(dim=0),)"
             assert res["placements"][key] == expected, (key, res["placements"][key])
+
+
+def _adamw_step(model, optim, step):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(step, world, "plain")
+    model.loss(_local(x, rank, world), _local(y, rank, world)).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def resume_under_another_placement(saved_as: str, loaded_as: str) -> dict:
+    """Two AdamW steps under one placement, model and optimizer state dicts
+    (torch FSDP2's layout), a third step there and, after loading both, under
+    another placement: the two must agree."""
+    from fsdp_compose.checkpoint import register_optimizer
+    source = shard_with(build_model("gpt"), saved_as)
+    optim = make_optimizer(source, "adamw")
+    for step in range(2):
+        _adamw_step(source, optim, step)
+    # a copy: torch's load keeps the saved 'step' tensors, which the source's next step bumps
+    model_state, optim_state = source.state_dict(), copy.deepcopy(optim.state_dict())
+    kinds = sorted({repr(v.placements) for s in optim_state["state"].values()
+                    for v in s.values() if isinstance(v, DTensor)})
+    target = _perturbed(loaded_as, 5)
+    target_optim = make_optimizer(target, "adamw")
+    register_optimizer(target_optim)
+    target.load_state_dict(model_state)
+    target_optim.load_state_dict(optim_state)
+    _adamw_step(source, optim, 2)
+    _adamw_step(target, target_optim, 2)
+    return {"source": _full_values(source), "target": _full_values(target), "kinds": kinds}
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [("rows", "owned"), ("owned", "shard0"),
+                                                ("shard1", "owned"), ("owned", "rows")])
+def test_optimizer_state_round_trips_across_placements(saved_as, loaded_as):
+    for res in run_distributed(3, resume_under_another_placement, saved_as, loaded_as):
+        for key, want in res["source"].items():
+            torch.testing.assert_close(res["target"][key], want, rtol=0, atol=1e-6)
+        assert res["kinds"]
