@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_compose import Blocks, fully_shard, param_info
+from fsdp_compose import Blocks, MixedPrecisionPolicy, fully_shard, param_info
 from tests._training import (_attr, _local, _local_step, assert_parity, build_model, global_batch,
                              make_optimizer, train_reference)
 from tests.harness import run_distributed
@@ -45,26 +45,32 @@ def _placement_fn(kind):
     raise ValueError(kind)
 
 
-def shard_with(model: nn.Module, name: str) -> nn.Module:
+def shard_with(model: nn.Module, name: str, mixed: bool = False) -> nn.Module:
     placement, kind = PLACEMENTS[name]
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed else None
     for block in model.blocks:
-        fully_shard(block, placement=placement, shard_placement_fn=_placement_fn(kind))
-    fully_shard(model, placement=placement, shard_placement_fn=_placement_fn(kind))
+        fully_shard(block, placement=placement, shard_placement_fn=_placement_fn(kind),
+                    mp_policy=mp)
+    fully_shard(model, placement=placement, shard_placement_fn=_placement_fn(kind), mp_policy=mp)
     return model
 
 
 def _expected_local_ndim(name: str, full_ndim: int) -> int:
+    if name == "flat0":
+        return 1  # today's 1-D pieces
     if name == "shard0" or name == "shard1":
         return full_ndim
     return full_ndim if full_ndim else 1  # a 0-dim parameter stays flat
 
 
-def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain") -> dict:
+def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain",
+                 mixed: bool = False) -> dict:
     """Runs on every rank: the parity loop of tests/_training.py with a placement."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model("gpt")
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    shard_with(model, name)
+    shard_with(model, name, mixed)
     optim = make_optimizer(model, optim_name)
     losses, local_shapes, grads_none = [], {}, {}
     for step in range(steps):
@@ -75,7 +81,7 @@ def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain"
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
     model.unshard(recurse=True)  # right after the step: nothing may read stale values
-    full = {n: _attr(model, n).detach().clone() for n in full_shapes}
+    full = {n: _attr(model, n).detach().float().clone() for n in full_shapes}
     model.reshard(recurse=True)
     # shapes between iterations, and which ranks got a .grad in the last backward
     x, y = global_batch(0, world, mode)
@@ -118,7 +124,7 @@ def _check_shapes(name: str, results: list[dict]) -> None:
                 assert not r["grads_none"][n], (n, local)
 
 
-@pytest.mark.parametrize("name", list(PLACEMENTS))
+@pytest.mark.parametrize("name", [n for n in PLACEMENTS if n != "flat0"])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_parity_and_local_shapes(name, world, optim):
@@ -319,3 +325,74 @@ def test_optimizer_state_round_trips_across_placements(saved_as, loaded_as):
         for key, want in res["source"].items():
             torch.testing.assert_close(res["target"][key], want, rtol=0, atol=1e-6)
         assert res["kinds"]
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+@pytest.mark.parametrize("mode", ["accum-nosync", "accum-sync"])
+def test_gradient_accumulation_with_and_without_sync(name, mode):
+    results = run_distributed(3, train_placed, name, "sgd", 3, mode)
+    assert_parity(results, train_reference(3, "sgd", 3, mode), ATOL)
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_mixed_precision_equals_flat(name):
+    """bf16 compute, fp32 reduction: a placement moves where values live,
+    not what is computed, so it trains exactly like "flat" (same all-gathered
+    values, the same element-wise sums across ranks)."""
+    placed = run_distributed(2, train_placed, name, "adamw", 3, "accum-nosync", True)
+    flat = run_distributed(2, train_placed, "flat0", "adamw", 3, "accum-nosync", True)
+    for got, want in zip(placed, flat):
+        assert got["losses"] == want["losses"]
+        for key, value in want["params"].items():
+            torch.testing.assert_close(got["params"][key], value, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- errors
+class _WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_placements() -> dict:
+    rank = dist.get_rank()
+    out = {
+        "shard_dim": _error_of(lambda: fully_shard(_WithScalar(), shard_placement_fn=lambda p:
+                                                   Shard(2) if p.ndim == 2 else None)),
+        "blocks": _error_of(lambda: fully_shard(_WithScalar(), placement=Blocks(0))),
+        "scalar": _error_of(lambda: fully_shard(_WithScalar(), shard_placement_fn=lambda p:
+                                                "owned" if p.ndim == 0 else None)),
+        "unknown": _error_of(lambda: fully_shard(_WithScalar(), placement="diagonal")),
+        "fn": _error_of(lambda: fully_shard(_WithScalar(), shard_placement_fn="rows")),
+    }
+    # a unit-wide placement leaves the scalar flat: it trains
+    model = fully_shard(_WithScalar(), placement="owned")
+    model(torch.ones(2, 4)).sum().backward()
+    out["scalar_shape"] = tuple(model.scale.shape)
+    # ranks that disagree on a placement raise together at the first forward
+    model = fully_shard(_WithScalar(), placement="rows" if rank == 0 else "owned")
+    out["disagree"] = _error_of(lambda: model(torch.ones(2, 4)))
+    return out
+
+
+def test_bad_placements_raise_naming_the_parameter():
+    for rank, out in enumerate(run_distributed(2, bad_placements)):
+        assert "'lin.weight'" in out["shard_dim"] and "Shard(2)" in out["shard_dim"]
+        assert "Blocks(n) needs an integer n >= 1" in out["blocks"]
+        assert "'scale' is 0-dim" in out["scalar"]
+        assert "placement must be" in out["unknown"]
+        assert "TypeError: shard_placement_fn must be a callable" in out["fn"]
+        assert out["scalar_shape"] in ((1,), (0,))
+        assert "ranks disagree" in out["disagree"] and "placements" in out["disagree"]
