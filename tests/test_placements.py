@@ -396,3 +396,19 @@ def test_bad_placements_raise_naming_the_parameter():
         assert "TypeError: shard_placement_fn must be a callable" in out["fn"]
         assert out["scalar_shape"] in ((1,), (0,))
         assert "ranks disagree" in out["disagree"] and "placements" in out["disagree"]
+
+
+def scatter_from_rank0(name: str) -> dict:
+    from fsdp_compose.checkpoint import scatter_full_state_dict
+    reference = _perturbed("flat0", 7)  # any values: read back in full below
+    want = _full_values(reference)
+    model = _perturbed(name, 8)
+    scatter_full_state_dict(model, want if dist.get_rank() == 0 else None, src=0)
+    return {"want": want, "got": _full_values(model)}
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_scatter_full_state_dict_under_placements(name):
+    for res in run_distributed(3, scatter_from_rank0, name):
+        for key, want in res["want"].items():
+            torch.testing.assert_close(res["got"][key], want, rtol=0, atol=0)

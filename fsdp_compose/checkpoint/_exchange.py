@@ -191,3 +191,10 @@ def shard_dim_local(value: torch.Tensor, record: ParamRecord, group: ShardGroup)
         value = value.full_tensor()
     chunks = torch.chunk(value, group.world_size, dim)
     return chunks[group.rank] if group.rank < len(chunks) else value.narrow(dim, 0, 0)
+
+
+def stored_order(value: torch.Tensor, record: ParamRecord) -> torch.Tensor:
+    """A whole value in the order the flat buffer stores the parameter
+    (``Shard(d)``: dim ``d`` first)."""
+    dim = shard_dim(record)
+    return value.movedim(dim, 0) if dim else value
