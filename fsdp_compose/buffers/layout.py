@@ -172,7 +172,7 @@ class FlatLayout:
     chunks of a multiple of ``align`` elements."""
 
     __slots__ = ("shapes", "placements", "stored_shapes", "numels", "offsets", "numel",
-                 "world_size", "align", "padded_numel", "shard_numel", "_pieces")
+                 "world_size", "align", "padded_numel", "shard_numel", "_pieces", "_segments")
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int,
                  placements: Optional[Sequence[Placement]] = None, align: int = 1) -> None:
@@ -209,6 +209,7 @@ class FlatLayout:
         piece's start; a stream parameter is contiguous from there)."""
         self._pieces: tuple[tuple[Segment, ...], ...] = tuple(tuple(p) for p in pieces)
         """Per parameter, its nonempty pieces in increasing order."""
+        self._segments: tuple[Segment, ...] = self._cut_into_segments()
 
     # ------------------------------------------------------------- queries
     @property
@@ -298,6 +299,9 @@ class FlatLayout:
         increasing order: one segment per parameter that is contiguous in the
         buffer (an empty one at its offset for a parameter with no elements),
         one per piece of one that is not (``ShardDim``)."""
+        return self._segments
+
+    def _cut_into_segments(self) -> tuple[Segment, ...]:
         runs = []
         for i, pieces in enumerate(self._pieces):
             if self.is_contiguous(i):  # one run, whatever chunks it crosses (a view, no copy)
