@@ -412,3 +412,33 @@ def test_scatter_full_state_dict_under_placements(name):
     for res in run_distributed(3, scatter_from_rank0, name):
         for key, want in res["want"].items():
             torch.testing.assert_close(res["got"][key], want, rtol=0, atol=0)
+
+
+# ------------------------------------------- meta-device init, HSDP, offload
+def materialized_like_eager(name: str) -> dict:
+    """A model built on the meta device, sharded under a placement and
+    materialised, holds what an eager build holds; then it trains."""
+    from fsdp_compose import materialize
+    torch.manual_seed(1234)
+    with torch.device("meta"):
+        from fsdp_compose.testing import GPT
+        from tests._training import CFG
+        model = GPT(CFG)
+    shard_with(model, name)
+    torch.manual_seed(1234)
+    materialize(model)
+    got = _full_values(model)
+    optim = make_optimizer(model, "sgd")
+    _adamw_step(model, optim, 0)  # any optimizer: it must run on the materialised shards
+    return {"got": got}
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_meta_init_and_materialize_equal_an_eager_build(name):
+    torch.manual_seed(1234)
+    from fsdp_compose.testing import GPT
+    from tests._training import CFG
+    want = {n: p.detach() for n, p in GPT(CFG).named_parameters()}
+    for res in run_distributed(3, materialized_like_eager, name):
+        for key, value in want.items():
+            torch.testing.assert_close(res["got"][key], value, rtol=0, atol=0)

@@ -354,11 +354,15 @@ class FlatBuffer:
     def point_params_at(self, full: torch.Tensor) -> None:
         """Make every original parameter's ``.data`` its view (original
         shape) of ``full`` (from :meth:`gather_values`), e.g. so that an
-        initialiser sees whole parameters (a copy for a parameter that is not
-        contiguous in ``full``, written back by :meth:`keep_own_slice`)."""
+        initialiser sees whole parameters (a contiguous copy for a ``Shard(d)``
+        parameter, written back by :meth:`keep_own_slice`)."""
         for index, record in enumerate(self.records):
             whole = self._whole_from(full, index)
-            if not self.layout.is_contiguous(index):
+            if not self.layout.is_contiguous(index) or self._moved_dims[index]:
+                # a contiguous copy in the parameter's own dim order: random
+                # initialisers fill memory in order, so a movedim view would draw
+                # the same values into other positions than an eager build
+                whole = whole.contiguous()
                 self._assembled[index] = whole
             record.param.data = whole
 
