@@ -45,14 +45,20 @@ def _placement_fn(kind):
     raise ValueError(kind)
 
 
-def shard_with(model: nn.Module, name: str, mixed: bool = False) -> nn.Module:
+def shard_with(model: nn.Module, name: str, mixed: bool = False, mesh_shape=None,
+               reshard=None) -> nn.Module:
     placement, kind = PLACEMENTS[name]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed else None
+    mesh = None
+    if mesh_shape is not None:  # (replicate, shard): HSDP
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, placement=placement, shard_placement_fn=_placement_fn(kind),
-                    mp_policy=mp)
-    fully_shard(model, placement=placement, shard_placement_fn=_placement_fn(kind), mp_policy=mp)
+                    mp_policy=mp, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, placement=placement, shard_placement_fn=_placement_fn(kind), mp_policy=mp,
+                mesh=mesh)
     return model
 
 
@@ -65,12 +71,12 @@ def _expected_local_ndim(name: str, full_ndim: int) -> int:
 
 
 def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain",
-                 mixed: bool = False) -> dict:
+                 mixed: bool = False, mesh_shape=None, reshard=None) -> dict:
     """Runs on every rank: the parity loop of tests/_training.py with a placement."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model("gpt")
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    shard_with(model, name, mixed)
+    shard_with(model, name, mixed, mesh_shape, reshard)
     optim = make_optimizer(model, optim_name)
     losses, local_shapes, grads_none = [], {}, {}
     for step in range(steps):
@@ -442,3 +448,14 @@ def test_meta_init_and_materialize_equal_an_eager_build(name):
     for res in run_distributed(3, materialized_like_eager, name):
         for key, value in want.items():
             torch.testing.assert_close(res["got"][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_hsdp_and_integer_reshard_after_forward(name):
+    """4 ranks: a (2, 2) HSDP mesh (the placement applies within each shard
+    group), then a 1-D mesh with reshard_after_forward=2."""
+    reference = train_reference(4, "sgd", 3)
+    assert_parity(run_distributed(4, train_placed, name, "sgd", 3, "plain", False, (2, 2)),
+                  reference, ATOL)
+    assert_parity(run_distributed(4, train_placed, name, "sgd", 3, "plain", False, None, 2),
+                  reference, ATOL)
