@@ -459,3 +459,22 @@ def test_hsdp_and_integer_reshard_after_forward(name):
                   reference, ATOL)
     assert_parity(run_distributed(4, train_placed, name, "sgd", 3, "plain", False, None, 2),
                   reference, ATOL)
+
+
+def described(name: str) -> dict:
+    from fsdp_compose import describe
+    model = shard_with(build_model("gpt"), name)
+    report = describe(model).to_dict()
+    str(describe(model))  # the table renders
+    return report
+
+
+@pytest.mark.parametrize("name", ["owned", "shard1"])
+def test_describe_reports_placed_layouts(name):
+    report = run_distributed(2, described, name)[0]
+    buffers = [b for u in report["units"] for b in u["buffers"]]
+    assert all(b["unsharded_numel"] == b["numel"] + b["padding"] for b in buffers)
+    assert all(b["shard_numel"] * 2 == b["unsharded_numel"] for b in buffers)
+    params = [p for b in buffers for p in b["params"]]
+    if name == "owned":  # every non-scalar parameter on exactly one rank
+        assert all(len(p["owner_ranks"]) == 1 for p in params if p["numel"])
