@@ -478,3 +478,27 @@ def test_describe_reports_placed_layouts(name):
     params = [p for b in buffers for p in b["params"]]
     if name == "owned":  # every non-scalar parameter on exactly one rank
         assert all(len(p["owner_ranks"]) == 1 for p in params if p["numel"])
+
+
+def converted(name: str) -> dict:
+    """``model.double()`` after sharding: the buffers are rebuilt in float64
+    from the local pieces; shapes are kept and one step trains."""
+    model = shard_with(build_model("gpt"), name)
+    before = _full_values(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    model.double()
+    after = _full_values(model)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world, "plain")
+    model.loss(_local(x, rank, world), _local(y, rank, world)).backward()
+    assert all(p.grad is None or p.grad.shape == p.shape for p in model.parameters())
+    return {"before": before, "after": after}
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_dtype_conversion_after_sharding(name):
+    for res in run_distributed(3, converted, name):
+        for key, value in res["before"].items():
+            torch.testing.assert_close(res["after"][key], value.double(), rtol=0, atol=0)
