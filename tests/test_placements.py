@@ -502,3 +502,34 @@ def test_dtype_conversion_after_sharding(name):
     for res in run_distributed(3, converted, name):
         for key, value in res["before"].items():
             torch.testing.assert_close(res["after"][key], value.double(), rtol=0, atol=0)
+
+
+def norms_under(name: str) -> dict:
+    """clip_grad_norm_ and param_norms over a placed model, after one backward."""
+    from fsdp_compose import clip_grad_norm_, param_norms
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_with(build_model("gpt"), name)
+    x, y = global_batch(0, world, "plain")
+    model.loss(_local(x, rank, world), _local(y, rank, world)).backward()
+    per_param = {k: float(v) for k, v in param_norms(model).items()}
+    values = {k: float(v) for k, v in param_norms(model, kind="weight").items()}
+    total = float(clip_grad_norm_(model, 0.05))
+    clipped = {k: float(v) for k, v in param_norms(model).items()}
+    return {"per_param": per_param, "values": values, "total": total, "clipped": clipped}
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_clip_grad_norm_and_param_norms(name):
+    model = build_model("gpt")
+    x, y = global_batch(0, 3, "plain")
+    model.loss(x, y).backward()
+    want = {n: float(p.grad.norm()) for n, p in model.named_parameters()}
+    want_values = {n: float(p.detach().norm()) for n, p in model.named_parameters()}
+    want_total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    want_clipped = {n: float(p.grad.norm()) for n, p in model.named_parameters()}
+    for res in run_distributed(3, norms_under, name):
+        assert res["total"] == pytest.approx(want_total, rel=1e-5)
+        for key in want:
+            assert res["per_param"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+            assert res["values"][key] == pytest.approx(want_values[key], rel=1e-6), key
+            assert res["clipped"][key] == pytest.approx(want_clipped[key], rel=1e-5, abs=1e-7)
