@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_compose import Blocks, MixedPrecisionPolicy, fully_shard, param_info
+from fsdp_compose import Blocks, CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, param_info
 from tests._training import (_attr, _local, _local_step, assert_parity, build_model, global_batch,
                              make_optimizer, train_reference)
 from tests.harness import run_distributed
@@ -46,7 +46,7 @@ def _placement_fn(kind):
 
 
 def shard_with(model: nn.Module, name: str, mixed: bool = False, mesh_shape=None,
-               reshard=None) -> nn.Module:
+               reshard=None, offload: bool = False) -> nn.Module:
     placement, kind = PLACEMENTS[name]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed else None
@@ -56,7 +56,8 @@ def shard_with(model: nn.Module, name: str, mixed: bool = False, mesh_shape=None
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, placement=placement, shard_placement_fn=_placement_fn(kind),
-                    mp_policy=mp, mesh=mesh, reshard_after_forward=reshard)
+                    mp_policy=mp, mesh=mesh, reshard_after_forward=reshard,
+                    offload_policy=CPUOffloadPolicy() if offload else None)
     fully_shard(model, placement=placement, shard_placement_fn=_placement_fn(kind), mp_policy=mp,
                 mesh=mesh)
     return model
@@ -71,12 +72,12 @@ def _expected_local_ndim(name: str, full_ndim: int) -> int:
 
 
 def train_placed(name: str, optim_name: str, steps: int = 3, mode: str = "plain",
-                 mixed: bool = False, mesh_shape=None, reshard=None) -> dict:
+                 mixed: bool = False, mesh_shape=None, reshard=None, offload: bool = False) -> dict:
     """Runs on every rank: the parity loop of tests/_training.py with a placement."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model("gpt")
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    shard_with(model, name, mixed, mesh_shape, reshard)
+    shard_with(model, name, mixed, mesh_shape, reshard, offload)
     optim = make_optimizer(model, optim_name)
     losses, local_shapes, grads_none = [], {}, {}
     for step in range(steps):
@@ -533,3 +534,11 @@ def test_clip_grad_norm_and_param_norms(name):
             assert res["per_param"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
             assert res["values"][key] == pytest.approx(want_values[key], rel=1e-6), key
             assert res["clipped"][key] == pytest.approx(want_clipped[key], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+def test_cpu_offload_policy(name):
+    """The blocks with CPUOffloadPolicy (on a CPU mesh its storage path:
+    shards and gradients kept apart from the compute copies)."""
+    results = run_distributed(2, train_placed, name, "adamw", 3, "plain", False, None, None, True)
+    assert_parity(results, train_reference(2, "adamw", 3), ATOL)
