@@ -53,7 +53,8 @@ def build_fsdp1(model: GPT) -> nn.Module:
 
 
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
-                       retain_staging: bool = False, bf16: Optional[str] = None) -> nn.Module:
+                       retain_staging: bool = False, bf16: Optional[str] = None,
+                       placement: str = "flat") -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
@@ -64,8 +65,8 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   reduce_comm_dtype=torch.bfloat16 if bf16 == "comm" else None)
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, placement=placement)
+    fully_shard(model, mp_policy=mp, placement=placement)
     if retain_staging:
         model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
     # the gloo setting is process-wide: each variant sets its own at its forward
@@ -89,12 +90,14 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_retain": functools.partial(build_fsdp_compose, retain_staging=True),
     "fsdp_compose_bf16": functools.partial(build_fsdp_compose, bf16="fp32-comm"),
     "fsdp_compose_bf16comm": functools.partial(build_fsdp_compose, bf16="comm"),
+    "fsdp_compose_rows": functools.partial(build_fsdp_compose, placement="rows"),
+    "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
 the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
 bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
-in bf16."""
+in bf16, and the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

@@ -9,6 +9,7 @@ stay registered under their original names.
 from .comm.collectives import set_gloo_reduce_scatter_via_all_reduce
 from .checks.finite import check_finite_gradients
 from .api import ShardedParamInfo, fully_shard, param_info
+from .buffers.layout import Blocks
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
 from .full_params import full_params
@@ -20,7 +21,7 @@ from .tools import describe, estimate_memory, fully_shard_by, propose_units
 from .sharded_module import ShardedModule, UnshardHandle
 
 __all__ = [
-    "fully_shard", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
+    "fully_shard", "Blocks", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "estimate_memory",

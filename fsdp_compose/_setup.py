@@ -18,12 +18,12 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .buffers import tensor_parallel
-from .buffers.layout import FlatLayout
-from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, group_records,
-                              resolve_dtypes)
+from .buffers.layout import FLAT, Blocks, FlatLayout, Placement, ShardDim, check_placement
+from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
+                              group_records, resolve_dtypes)
 from .checks.divergence import DivergenceMonitor
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
@@ -33,6 +33,10 @@ from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import Owner, owner_of, record_owners
 from .runtime.state import attach_state, link_annotated_below, state_of
 from .runtime.unit import ShardUnit
+
+PlacementFn = Callable[[nn.Parameter], Optional[object]]
+"""FSDP2's ``shard_placement_fn``: a placement per parameter, or ``None``
+for the unit's."""
 
 OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], None]
 """Raises if a parameter (with its FQN here, the module holding it and the
@@ -110,7 +114,7 @@ def plan_buffers(records: list[ParamRecord], world_size: int,
                  policy: BufferPolicy) -> list[BufferPlan]:
     """The flat buffers of a unit with ``records`` sharded over
     ``world_size`` ranks: one per ``(dtype, requires_grad)``."""
-    return [BufferPlan(group, FlatLayout([r.shape for r in group], world_size),
+    return [BufferPlan(group, buffer_layout(group, world_size, policy),
                        resolve_dtypes(group[0].param.dtype, policy),
                        group[0].param.requires_grad)
             for group in group_records(records)]
@@ -121,16 +125,20 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                group: ShardGroup, ignored: set[int],
                reshard_after_forward: Union[bool, int, None],
                mp_policy: Optional[MixedPrecisionPolicy],
-               offload_policy: Optional[CPUOffloadPolicy]) -> ShardUnit:
+               offload_policy: Optional[CPUOffloadPolicy],
+               placement: object = FLAT,
+               shard_placement_fn: Optional[PlacementFn] = None) -> ShardUnit:
     """Take the parameters of ``modules`` into a new unit over ``group``,
     attach its ``_ShardState`` (hooks) and its checks.
 
-    Post-condition: every taken parameter is a 1-D view of its buffer's
-    shard and recorded as owned by the unit; units annotated earlier below
-    ``modules`` know a root above them will initialise them."""
+    Post-condition: every taken parameter is a view of its buffer's shard
+    (its local piece under its placement) and recorded as owned by the unit;
+    units annotated earlier below ``modules`` know a root above them will
+    initialise them."""
     managed = managed_modules(modules, taken)
     records = collect_records(modules, managed, ignored, _check_not_owned)
     _localize_tensor_parallel(records, group, mp_policy, offload_policy)
+    assign_placements(records, placement, shard_placement_fn)
     _check_params(records, group.device)
     unit = ShardUnit(modules, managed, group_records(records), group, reshard_after_forward,
                      mp_policy, offload_policy)
@@ -147,6 +155,41 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit
+
+
+def as_placement(value: object) -> object:
+    """FSDP2's ``Shard(d)`` as the layout's ``ShardDim(d)``; the rest as is
+    (checked per parameter by ``layout.check_placement``)."""
+    if isinstance(value, Shard):
+        return ShardDim(value.dim)
+    return value
+
+
+def check_unit_placement(placement: object) -> None:
+    """Reject a unit-wide placement that no parameter could take, before
+    anything is built (per-parameter checks name the parameter later)."""
+    placement = as_placement(placement)
+    if not (placement in ("flat", "rows", "owned")
+            or isinstance(placement, (Blocks, ShardDim))):
+        raise ValueError(f"placement must be 'flat', 'rows', 'owned', Blocks(n) or Shard(dim), "
+                         f"got {placement!r}")
+
+
+def assign_placements(records: list[ParamRecord], placement: object,
+                      shard_placement_fn: Optional[PlacementFn]) -> None:
+    """Each record's placement: ``shard_placement_fn(param)``, or the unit's
+    where it returns ``None``; checked against the parameter's shape (a
+    unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
+    one returned for it raises, naming it)."""
+    for r in records:
+        chosen = None if shard_placement_fn is None else shard_placement_fn(r.param)
+        value: Placement = as_placement(placement if chosen is None else chosen)
+        if r.tp is not None and value != FLAT:
+            if chosen is None:
+                continue  # a unit-wide placement: tensor-parallel parameters stay flat
+            raise ValueError(f"parameter '{r.fqn}' is tensor-parallel; only the 'flat' placement "
+                             f"is supported for it, got {value!r}")
+        r.placement = check_placement(value, r.shape, r.fqn, explicit=chosen is not None)
 
 
 def taken(module: nn.Module) -> bool:

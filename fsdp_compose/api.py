@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._setup import setup_unit
+from ._setup import PlacementFn, check_unit_placement, setup_unit
 from .checkpoint import UnitStateDictHooks
 from .checks.replicate import check_not_replicated
 from .comm.groups import default_mesh, shard_group_from_mesh
@@ -37,11 +37,13 @@ class ShardedParamInfo(NamedTuple):
     Attributes:
         fqn: original fully-qualified name, relative to the outermost module
             annotated so far (the root once the whole model is annotated).
-        shape: original shape (``param`` itself is 1-D between iterations).
+        shape: original shape (``param`` itself is its local piece between
+            iterations: 1-D under ``"flat"``, ``(rows_here, *rest)`` else).
         numel: original number of elements.
         local_numel: elements of it this rank owns (``param.numel()``).
         local_offset: index, in the flattened original, of the first owned
-            element (meaningless when ``local_numel == 0``).
+            element (meaningless when ``local_numel == 0``; for ``Shard(d)``
+            with ``d > 0``, in the flattening of ``param.movedim(d, 0)``).
     """
 
     fqn: str
@@ -55,7 +57,9 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: Union[bool, int, None] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None,  # or torch's
                 offload_policy: Optional[CPUOffloadPolicy] = None,  # or torch's
-                ignored_params: Optional[Iterable[nn.Parameter]] = None) -> ModuleOrModules:
+                ignored_params: Optional[Iterable[nn.Parameter]] = None,
+                placement: object = "flat",
+                shard_placement_fn: Optional[PlacementFn] = None) -> ModuleOrModules:
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
     Args:
@@ -88,11 +92,23 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are
             accepted too.
         ignored_params: parameters left alone: not sharded, not reduced.
+        placement: where rank boundaries may fall in this unit's parameters
+            (``docs/placements.md``): ``"flat"`` (default: anywhere; local
+            pieces are 1-D), ``"rows"`` (whole rows: a local piece is
+            ``(rows_here, *rest)``, so ``p.ndim`` is kept), ``Blocks(n)``
+            (whole blocks of ``n`` rows), ``"owned"`` (every parameter whole
+            on one rank, 0 rows and ``.grad is None`` elsewhere), or FSDP2's
+            ``Shard(dim)`` (``torch.chunk`` on ``dim``). Each rank's chunk of
+            a buffer stays equal, 16-byte aligned; still one all-gather and
+            one reduce-scatter per buffer.
+        shard_placement_fn: FSDP2's hook: called with each parameter, returns
+            its placement (any of the above) or ``None`` for ``placement``.
 
     Returns:
         ``module`` itself, whose class now also derives from
         :class:`ShardedModule`. Parameters keep their identity and FQNs; each
-        one's ``.data`` becomes the 1-D slice of the flat shard this rank owns.
+        one's ``.data`` becomes the view of the flat shard this rank owns
+        (its local piece under its placement).
 
     Raises:
         ValueError / RuntimeError naming the module or parameter and the fix,
@@ -107,12 +123,17 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             raise ValueError(
                 f"{type(m).__name__} module is already annotated by fully_shard; call "
                 "fully_shard once per module (use a list for several siblings as one unit).")
+    check_unit_placement(placement)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError("shard_placement_fn must be a callable taking a parameter and returning "
+                        f"a placement or None, got {type(shard_placement_fn).__name__}")
     check_not_replicated(modules)
     if mesh is not None:
         _check_rank_in_mesh(mesh, modules[0])
     group = shard_group_from_mesh(mesh if mesh is not None else default_mesh())
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
-                      reshard_after_forward, mp_policy, offload_policy)
+                      reshard_after_forward, mp_policy, offload_policy, placement,
+                      shard_placement_fn)
     UnitStateDictHooks(unit)
     torch_norms.install()  # torch's clip_grad_norm_ / get_total_norm: global over shards
     for m in modules:

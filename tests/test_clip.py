@@ -290,13 +290,16 @@ def _nonfinite_worker():
     model(torch.randn(3, 4)).sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
     saved = [g.clone() for g in grads]
+    holding = [None] * world  # 16-byte aligned chunks: the last ranks may hold none of it
+    dist.all_gather_object(holding, bool(grads))
+    last = max(r for r in range(world) if holding[r])
     out = {}
     for bad in (math.inf, math.nan):
         def inject():
             for g, s in zip(grads, saved):
                 g.copy_(s)
-            if rank == world - 1:
-                grads[0].view(-1)[0] = bad          # only the last rank sees it
+            if rank == last:
+                grads[0].view(-1)[0] = bad          # only the last holding rank sees it
         inject()
         try:
             clip_grad_norm_(model, 1.0, error_if_nonfinite=True)

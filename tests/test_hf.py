@@ -175,8 +175,10 @@ def test_peft_lora_grads_optimizer_state_and_traffic(world):
         # frozen base weights: no gradient memory at all
         assert res["frozen_buffers"] == 3 and not any(res["frozen_grads"])
         # reduce-scatter traffic is exactly the (padded) adapters: the counter
-        # sees each rank's output chunk, world x that is the input
-        padded = sum(math.ceil(n / world) * world for n in res["adapter_per_unit"].values())
+        # sees each rank's output chunk, world x that is the input; chunks are
+        # 16-byte aligned (a multiple of 8 fp32 elements, records.buffer_layout)
+        padded = sum(math.ceil(n / world / 8) * 8 * world
+                     for n in res["adapter_per_unit"].values())
         assert res["rs_count"] == len(res["adapter_per_unit"]) == 2  # the layers; no root adapter
         assert res["rs_bytes"] * world == padded * 4
         # one all-gather per flat buffer for forward (root: frozen; each layer:

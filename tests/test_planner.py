@@ -278,7 +278,8 @@ def _layouts(model: nn.Module, world: int, units=None):
             if id(p) not in taken:
                 taken.add(id(p))
                 groups.setdefault((p.dtype, p.requires_grad), []).append(p.shape)
-        out += [(FlatLayout(shapes, world), trainable) for (_, trainable), shapes in groups.items()]
+        out += [(FlatLayout(shapes, world, None, 8), trainable)  # 16-byte aligned chunks
+                for (_, trainable), shapes in groups.items()]
     return out
 
 

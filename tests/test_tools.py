@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python -m pytest -q tests/test_tools.py``
 
 ``describe`` is checked against layout math done here independently (running
-sums, padding to a multiple of the world size, contiguous per-rank chunks)
+sums, padding to equal 16-byte aligned chunks, contiguous per-rank chunks)
 and against ``param_info`` on every rank; ``fully_shard_by`` against the
 hand-written annotations of ``tests/_models.py`` and ``tests/_hf.py``.
 """
@@ -54,9 +54,10 @@ def _check_layout_math(units: list[dict], world: int) -> None:
             assert [p["flat_offset"] for p in params] == offsets
             assert all(p["numel"] == math.prod(p["shape"]) for p in params)
             numel = sum(p["numel"] for p in params)
-            padded = max(-(-numel // world) * world, world)
+            align = 8  # chunks 16-byte aligned in fp32 and in 2-byte dtypes (records.buffer_layout)
+            padded = -(-max(-(-numel // world), 1) // align) * align * world
             assert (buffer["numel"], buffer["unsharded_numel"]) == (numel, padded)
-            assert buffer["padding"] == padded - numel < world
+            assert buffer["padding"] == padded - numel < world * align
             assert buffer["shard_numel"] * world == padded
             assert buffer["unsharded_bytes"] == padded * 4  # float32
             assert buffer["shard_bytes"] == padded // world * 4

@@ -35,8 +35,8 @@ from ..comm.collectives import all_gather_into
 from ..comm.flight import wait_watched
 from ..comm.groups import ShardGroup
 from .flat_grad import FlatGradient
-from .layout import FlatLayout, ShardSlice
-from .records import BufferPolicy, ParamRecord, is_aliased, resolve_dtypes
+from .layout import FLAT, FlatLayout, ShardDim, ShardSlice
+from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
 
@@ -62,8 +62,9 @@ class FlatBuffer:
 
     * ``sharded`` (``S`` elements, the parameters' dtype, on the compute device
       or the CPU when offloaded) is the only persistent storage of the values;
-      between iterations every original parameter's ``.data`` is the 1-D slice
-      of it this rank owns;
+      between iterations every original parameter's ``.data`` is the view of
+      it this rank owns (:meth:`local_view`: 1-D under ``"flat"``, whole rows
+      ``(rows_here, *rest)`` under the other placements);
     * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device) has
       storage only while ``is_unsharded``, except when ``aliased`` (one rank,
       same dtype and device: it *is* ``sharded``'s storage and nothing is
@@ -80,8 +81,21 @@ class FlatBuffer:
         # What it holds
         self.records: list[ParamRecord] = records
         self.group: ShardGroup = group
-        self.layout: FlatLayout = FlatLayout([r.shape for r in records], group.world_size)
+        self.layout: FlatLayout = buffer_layout(records, group.world_size, policy)
         self._slices: tuple[ShardSlice, ...] = self.layout.shard_slices(group.rank)
+        self._local_shapes: tuple[tuple[int, ...], ...] = tuple(
+            self.layout.local_shape(i, group.rank) for i in range(len(records)))
+        """Shape of each parameter's piece here, in stored order."""
+        self._moved_dims: tuple[int, ...] = tuple(
+            p.dim if isinstance(p, ShardDim) else 0 for p in self.layout.placements)
+        """``ShardDim(d)``: the dim stored first (0: none moved)."""
+        self._has_copies: bool = not all(
+            self.layout.is_contiguous(i) for i in range(len(records)))
+        """Some parameter's unsharded view is an assembled copy (``ShardDim``
+        pieces that are not contiguous), rebuilt at every unshard."""
+        self._assembled: dict[int, torch.Tensor] = {}
+        """Whole copies of parameters that are not contiguous in ``full``,
+        handed out by :meth:`point_params_at` until :meth:`keep_own_slice`."""
         self._param_requires_grad: tuple[bool, ...] = tuple(
             r.param.requires_grad for r in records)
         """Each parameter's ``requires_grad`` as of the last forward."""
@@ -127,12 +141,35 @@ class FlatBuffer:
                             pin_memory=self._pinned(device))
         if device.type == "meta":
             return shard
-        for record, s in zip(self.records, self._slices):
+        for index, (record, s) in enumerate(zip(self.records, self._slices)):
             if s.length:
-                flat = record.param.detach().reshape(-1)
+                flat = self._stored(record.param.detach(), index).reshape(-1)
                 shard[s.shard_start:s.shard_start + s.length].copy_(
                     flat[s.param_start:s.param_start + s.length])
         return shard
+
+    def _stored(self, value: torch.Tensor, index: int) -> torch.Tensor:
+        """A whole parameter's value in the order the buffer stores it."""
+        d = self._moved_dims[index]
+        return value.movedim(d, 0) if d else value
+
+    def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s piece of ``flat`` (a tensor laid out like
+        this rank's shard: the shard, its gradient, an optimizer state), in
+        the parameter's local shape: 1-D (``"flat"``), ``(rows_here,
+        *rest)``, or for ``ShardDim(d)`` that with dim ``d`` moved back (a
+        non-contiguous view). Shares ``flat``'s memory."""
+        s = self._slices[index]
+        view = flat.narrow(0, s.shard_start, s.length).view(self._local_shapes[index])
+        d = self._moved_dims[index]
+        return view.movedim(0, d) if d else view
+
+    def grad_where_empty(self, index: int) -> bool:
+        """Whether a rank holding none of parameter ``index`` still gets an
+        (empty) ``.grad``: under ``"flat"`` yes, as ever; under the other
+        placements no (``None``, so an optimizer skips it and keeps no state
+        for it there, e.g. non-owners of an ``"owned"`` parameter)."""
+        return self.layout.placements[index] == FLAT
 
     def _storage_device(self) -> torch.device:
         """Where the shards live once materialised."""
@@ -171,7 +208,7 @@ class FlatBuffer:
                 requires_grad=self.requires_grad)
         self._grad_hook_registered = False
         self._register_grad_hook()
-        self._sharded_views = [sharded.narrow(0, s.shard_start, s.length) for s in self._slices]
+        self._sharded_views = [self.local_view(sharded, i) for i in range(len(self.records))]
         self._unsharded_views = self._build_unsharded_views()
         if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
@@ -195,18 +232,30 @@ class FlatBuffer:
         """Per-parameter views of ``unsharded``. A trainable parameter's view
         is differentiable; a frozen one's is detached. A hook on the split's
         backward node sees which views received a gradient (see
-        [Note: used parameters])."""
-        sizes = list(self.layout.numels)
-        if self.layout.padding:
-            sizes.append(self.layout.padding)
+        [Note: used parameters]). The split cuts the buffer into the
+        layout's segments (pieces of parameters and padding); a parameter
+        that is not contiguous in it (``ShardDim``, whose rows are dealt
+        as ``torch.chunk`` does) is assembled by a copy (``torch.cat``), as
+        FSDP2 copies every parameter out of its all-gather output. Such a
+        copy holds values, not a view of the storage: it is rebuilt at every
+        unshard (:meth:`finish_unshard`), and one that autograd saved for
+        backward keeps its memory until then (resharding cannot free it)."""
+        segments = self.layout.segments()
         with torch.enable_grad():
-            chunks = torch.split(self.unsharded, sizes)
+            chunks = torch.split(self.unsharded, [s.length for s in segments])
             if self.requires_grad:
                 chunks[0].grad_fn.register_prehook(_called_weakly(self.grad.mark_used))
-            views = [chunk.view(record.shape) if self.requires_grad and trainable
-                     else chunk.detach().view(record.shape)
-                     for chunk, record, trainable in zip(chunks, self.records,
-                                                         self._param_requires_grad)]
+            pieces: list[list[torch.Tensor]] = [[] for _ in self.records]
+            for chunk, segment in zip(chunks, segments):
+                if segment.param_index >= 0:
+                    pieces[segment.param_index].append(chunk)
+            views = []
+            for index, (record, trainable) in enumerate(zip(self.records,
+                                                            self._param_requires_grad)):
+                parts = pieces[index] if self.requires_grad and trainable else \
+                    [p.detach() for p in pieces[index]]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+                views.append(self._stored_to_full(flat, index))
             # tensor parallelism: forward sees the DTensor again, over the local view
             return [view if record.tp is None else as_dtensor(view, record.tp)
                     for view, record in zip(views, self.records)]
@@ -264,11 +313,11 @@ class FlatBuffer:
         # (materialize compares a unit's checksums across replicas even when
         # some of its modules are initialised later, after another unit).
         leaving_meta = self.is_meta
-        for param, g, s in zip(params, grads, self._slices):
+        for index, (param, g, s) in enumerate(zip(params, grads, self._slices)):
             if s.length and device.type != "meta" and not leaving_meta:
-                shard.narrow(0, s.shard_start, s.length).copy_(param.detach().reshape(-1))
+                self.local_view(shard, index).copy_(param.detach())
                 if g is not None:
-                    grad.narrow(0, s.shard_start, s.length).copy_(g.reshape(-1))
+                    self.local_view(grad, index).copy_(g)
         self.grad.discard_unreduced()
         for param in params:
             param.grad = None  # the converted .grad no longer matches until re-pointed
@@ -290,16 +339,44 @@ class FlatBuffer:
         all_gather_into(full, self.sharded.to(self.compute_device), self.group)
         return full
 
+    def _stored_to_full(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """A whole parameter (``flat``, in stored order) in its own shape."""
+        d = self._moved_dims[index]
+        view = flat.view(self.layout.stored_shapes[index])
+        return view.movedim(0, d) if d else view
+
+    def _whole_from(self, full: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index`` of ``full`` (a padded unsharded buffer): a view
+        where it is contiguous there, else an assembled copy."""
+        parts = [full.narrow(0, s.start, s.length) for s in self.layout.segments()
+                 if s.param_index == index]
+        return self._stored_to_full(parts[0] if len(parts) == 1 else torch.cat(parts), index)
+
     def point_params_at(self, full: torch.Tensor) -> None:
         """Make every original parameter's ``.data`` its view (original
         shape) of ``full`` (from :meth:`gather_values`), e.g. so that an
-        initialiser sees whole parameters. Undo with :meth:`keep_own_slice`."""
-        for record, offset, numel in zip(self.records, self.layout.offsets, self.layout.numels):
-            record.param.data = full.narrow(0, offset, numel).view(record.shape)
+        initialiser sees whole parameters (a contiguous copy for a ``Shard(d)``
+        parameter, written back by :meth:`keep_own_slice`)."""
+        for index, record in enumerate(self.records):
+            whole = self._whole_from(full, index)
+            if not self.layout.is_contiguous(index) or self._moved_dims[index]:
+                # a contiguous copy in the parameter's own dim order: random
+                # initialisers fill memory in order, so a movedim view would draw
+                # the same values into other positions than an eager build
+                whole = whole.contiguous()
+                self._assembled[index] = whole
+            record.param.data = whole
 
     def keep_own_slice(self, full: torch.Tensor) -> None:
         """Copy this rank's chunk of ``full`` into the shard and make the
-        parameters their 1-D slices of it again."""
+        parameters their local views of it again."""
+        for index, whole in self._assembled.items():  # copies handed out: write them back
+            flat = self._stored(whole, index).reshape(-1)
+            for s in self.layout.segments():
+                if s.param_index == index:
+                    full.narrow(0, s.start, s.length).copy_(
+                        flat.narrow(0, s.param_start, s.length))
+        self._assembled.clear()
         start, end = self.layout.shard_range(self.group.rank)
         with torch.no_grad():
             self.sharded.copy_(full[start:end])
@@ -367,6 +444,8 @@ class FlatBuffer:
         torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (gather.version,))
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
+        if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)
+            self._unsharded_views = self._build_unsharded_views()
         self.use_unsharded_views()
 
     @property

@@ -24,9 +24,13 @@ that took no part in any backward since the gradients were cleared, and
 optimizers with weight decay or momentum skip it; so do we. Which
 parameters were used is the union over ranks (one process sees the global
 batch), so publication all-reduces the flags once per backward for the
-whole model (``runtime/end_of_backward.py``). A parameter used somewhere gets a
-``.grad`` on every rank, an empty one where the rank owns none of its
-elements, so every rank's optimizer holds state for the same parameters.
+whole model (``runtime/end_of_backward.py``). A ``"flat"`` parameter used
+somewhere gets a ``.grad`` on every rank, an empty one where the rank owns
+none of its elements, so every rank's optimizer holds state for the same
+parameters. Under the other placements a rank that holds none of a
+parameter keeps ``.grad is None`` (non-owners of an ``"owned"`` parameter):
+its optimizer skips it and holds no state for it, which is what lets a
+matrix optimizer (Muon) run on whole matrices, each on one rank.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ class GradientOwner(Protocol):
     pin_memory: bool
 
     def local_slices(self) -> tuple[ShardSlice, ...]: ...
+
+    def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor: ...
+
+    def grad_where_empty(self, index: int) -> bool: ...
 
 
 class ReduceOptions(NamedTuple):
@@ -101,13 +109,17 @@ class FlatGradient:
         """The reduced sharded gradient, not yet given to the parameters."""
         self._published: Optional[weakref.ref] = None
         """The sharded gradient the parameters' ``.grad`` views point into."""
+        self._segment_params: tuple[int, ...] = tuple(
+            s.param_index for s in owner.layout.segments())
+        """The parameter each output of the split into views belongs to
+        (``-1``: padding)."""
 
     def mark_used(self, chunk_grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Pre-hook of the backward node of the split into per-parameter
         views: a chunk whose gradient is ``None`` was not used."""
         used = self.used
-        for index in range(len(used)):
-            if chunk_grads[index] is not None:
+        for grad, index in zip(chunk_grads, self._segment_params):
+            if index >= 0 and grad is not None:
                 used[index] = True
 
     # ------------------------------------------------------------ unreduced
@@ -221,19 +233,20 @@ class FlatGradient:
         if self._unpublished is not None:
             return self._unpublished
         owner = self.owner
-        owned = [(r.param, s) for r, s in zip(owner.records, owner.local_slices()) if s.length]
+        owned = [(r.param, i) for i, (r, s) in enumerate(zip(owner.records, owner.local_slices()))
+                 if s.length]
         if all(p.grad is None for p, _ in owned):
             return None
         base = self.sharded_grad
         if base is None:  # the user's .grad tensors are not ours (e.g. after module.to())
             base = torch.zeros(owner.layout.shard_numel, dtype=owner.dtype,
                                device=owner.storage_device, pin_memory=owner.pin_memory)
-        for param, s in owned:
-            region = base.narrow(0, s.shard_start, s.length)
+        for param, index in owned:
+            region = owner.local_view(base, index)
             if param.grad is None:
                 region.zero_()
             elif param.grad.data_ptr() != region.data_ptr():
-                region.copy_(param.grad.reshape(-1))
+                region.copy_(param.grad)
         return base
 
     # -------------------------------------------------------------- publish
@@ -261,10 +274,13 @@ class FlatGradient:
             return []
         self._published = weakref.ref(grad)
         fresh = []
-        for record, s, was_used in zip(self.owner.records, self.owner.local_slices(), used):
+        owner = self.owner
+        for index, (record, s, was_used) in enumerate(zip(owner.records, owner.local_slices(), used)):
             param = record.param
+            if not s.length and not owner.grad_where_empty(index):
+                continue  # holds none of it: .grad stays None here (see the note)
             if was_used or param.grad is not None:
-                param.grad = grad.narrow(0, s.shard_start, s.length)
+                param.grad = owner.local_view(grad, index)
             if was_used:
                 fresh.append(param)
         return fresh
@@ -277,6 +293,6 @@ class FlatGradient:
         self._published = None if grad is None else weakref.ref(grad)
         if grad is None:
             return
-        for record, s, flag in zip(self.owner.records, self.owner.local_slices(), has_grad):
+        for index, (record, flag) in enumerate(zip(self.owner.records, has_grad)):
             if flag:
-                record.param.grad = grad.narrow(0, s.shard_start, s.length)
+                record.param.grad = self.owner.local_view(grad, index)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .layout import FLAT, FlatLayout, Placement, alignment, is_fixed
 from .tensor_parallel import TensorParallelSpec
 
 
@@ -33,6 +34,8 @@ class ParamRecord:
         tp: for a tensor-parallel parameter (a ``DTensor`` before
             ``fully_shard``), what forward and state dicts need to present
             it as one again (see ``tensor_parallel.py``); else ``None``.
+        placement: where rank boundaries may fall in it (``layout.py``):
+            ``"flat"``, ``"rows"``, ``"owned"``, ``Blocks(n)`` or ``ShardDim(d)``.
     """
 
     param: nn.Parameter
@@ -40,6 +43,7 @@ class ParamRecord:
     fqn: str
     shape: torch.Size
     tp: Optional[TensorParallelSpec] = None
+    placement: Placement = FLAT
 
 
 class BufferPolicy(NamedTuple):
@@ -107,10 +111,24 @@ def is_aliased(world_size: int, dtypes: BufferDtypes, stored_where_computed: boo
 
 
 def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
-    """One group (one flat buffer) per ``(dtype, requires_grad)``, in order
-    of first appearance, so frozen parameters never cost gradient memory or
-    reduce-scatter volume."""
-    groups: dict[tuple[torch.dtype, bool], list[ParamRecord]] = {}
+    """One group (one flat buffer) per ``(dtype, requires_grad, fixed)``, in
+    order of first appearance, so frozen parameters never cost gradient
+    memory or reduce-scatter volume; parameters pinned to ranks (``"owned"``,
+    ``ShardDim``) and the others (a stream of flat/rows/blocks) never share
+    a layout (``layout.py``)."""
+    groups: dict[tuple[torch.dtype, bool, bool], list[ParamRecord]] = {}
     for r in records:
-        groups.setdefault((r.param.dtype, r.param.requires_grad), []).append(r)
+        key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement))
+        groups.setdefault(key, []).append(r)
     return list(groups.values())
+
+
+def buffer_layout(records: list[ParamRecord], world_size: int, policy: BufferPolicy) -> FlatLayout:
+    """The layout of one group's flat buffer: its placements, with chunks
+    16-byte aligned in the shard's, the gathered and the reduced dtype (and
+    in 2-byte dtypes, so that ``module.to(torch.bfloat16)`` keeps them so)."""
+    dtypes = resolve_dtypes(records[0].param.dtype, policy)
+    align = alignment(dtypes.param.itemsize, dtypes.compute.itemsize,
+                      dtypes.reduce_comm.itemsize, 2)
+    return FlatLayout([r.shape for r in records], world_size,
+                      [r.placement for r in records], align)

@@ -56,7 +56,7 @@ class ExchangePlan(NamedTuple):
     """One rank's side of the flat <-> chunks all-to-all.
 
     Attributes:
-        chunks: this rank's chunk of every selected parameter, in layout order.
+        chunks: this rank's chunk of every selected parameter, in flat order.
         send_intervals: ``(shard_start, length)`` ranges of this rank's shard,
             in the order they are sent (grouped by destination rank).
         send_counts: elements of this rank's shard that go to each rank
@@ -98,7 +98,8 @@ def _target_ranges(layout: FlatLayout, rank: int,
     """``(param_index, flat_start, flat_end, row_start)`` of ``rank``'s chunk
     of each selected parameter, in increasing flat order."""
     ranges = []
-    for index in sorted(selected):
+    # increasing flat order: by offset (index order under "flat" and "rows", not "owned")
+    for index in sorted(selected, key=lambda i: (layout.offsets[i], i)):
         shape = layout.shapes[index]
         lo, hi = dim0_rows(shape, layout.world_size, rank)
         row_numel = 1 if len(shape) == 0 else (

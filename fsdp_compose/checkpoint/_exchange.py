@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..buffers import tensor_parallel
-from ..buffers.layout import FlatLayout
+from ..buffers.layout import FlatLayout, ShardDim
 from ..buffers.records import ParamRecord
 from ..comm.collectives import all_to_all
 from ..comm.groups import ShardGroup
@@ -154,3 +154,47 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(running)
         running *= max(size, 1)
     return tuple(reversed(strides))
+
+
+# ------------------------------------------------------- FSDP2's Shard(d)
+def shard_dim(record: ParamRecord) -> Optional[int]:
+    """``d`` for a parameter placed ``Shard(d)`` (``ShardDim``), else ``None``."""
+    return record.placement.dim if isinstance(record.placement, ShardDim) else None
+
+
+def _shard_dim_placements(group: ShardGroup, dim: int) -> tuple[Placement, ...]:
+    return (Replicate(), Shard(dim)) if group.is_hybrid else (Shard(dim),)
+
+
+def shard_dim_value(local: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
+    """A ``Shard(d)`` parameter's state-dict value: this rank's piece *is*
+    ``torch.chunk(param, F, d)[rank]``, FSDP2's local tensor of ``Shard(d)``,
+    so it is placed as such with no exchange (a contiguous copy of it)."""
+    dim = shard_dim(record)
+    return DTensor.from_local(local.contiguous().clone(), group.mesh,
+                              _shard_dim_placements(group, dim), run_check=False,
+                              shape=record.shape, stride=_contiguous_strides(record.shape))
+
+
+def shard_dim_local(value: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
+    """This rank's ``torch.chunk(value, F, d)[rank]`` of a checkpoint value
+    for a ``Shard(d)`` parameter: a ``DTensor`` on the unit's mesh is
+    redistributed to ``Shard(d)`` (collective), one on another mesh is
+    gathered in full; a full tensor is cut locally."""
+    dim = shard_dim(record)
+    if isinstance(value, DTensor) and value.device_mesh == group.mesh:
+        placements = _shard_dim_placements(group, dim)
+        if tuple(value.placements) != placements:
+            value = value.redistribute(group.mesh, placements)
+        return value.to_local()
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    chunks = torch.chunk(value, group.world_size, dim)
+    return chunks[group.rank] if group.rank < len(chunks) else value.narrow(dim, 0, 0)
+
+
+def stored_order(value: torch.Tensor, record: ParamRecord) -> torch.Tensor:
+    """A whole value in the order the flat buffer stores the parameter
+    (``Shard(d)``: dim ``d`` first)."""
+    dim = shard_dim(record)
+    return value.movedim(dim, 0) if dim else value

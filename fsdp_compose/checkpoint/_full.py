@@ -25,6 +25,7 @@ from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ..runtime.state import units_below
 from ..init import allocate_meta
+from ._exchange import shard_dim, shard_dim_local, stored_order
 
 StateDict = dict[str, torch.Tensor]
 
@@ -92,12 +93,16 @@ def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[s
     with torch.no_grad():
         for unit in units_below(module):
             for buffer in unit.buffers:
-                for record, s in zip(buffer.records, buffer.local_slices()):
+                for index, (record, s) in enumerate(zip(buffer.records, buffer.local_slices())):
                     key = _first_present(entries.keys_of[id(record.param)], available)
                     if key is None or s.length == 0:
                         continue
-                    record.param.copy_(_read_flat_range(where[key], key, record.shape,
-                                                        s.param_start, s.length))
+                    if shard_dim(record) is not None:  # its piece is a column block: read whole
+                        buffer.local_view(buffer.sharded, index).copy_(shard_dim_local(
+                            where[key].get_tensor(key), record, buffer.group))
+                        continue
+                    buffer.sharded.narrow(0, s.shard_start, s.length).copy_(
+                        _read_flat_range(where[key], key, record.shape, s.param_start, s.length))
         for key, tensor in entries.plain.items():
             if key in where:
                 tensor.detach().copy_(where[key].get_tensor(key))
@@ -183,14 +188,18 @@ def _scatter_buffer(buffer: FlatBuffer, keys_of: dict[int, list[str]],
     chunks = None
     if state_dict is not None:
         full = torch.zeros(buffer.layout.padded_numel, dtype=buffer.dtype, device=device)
-        for key, offset, numel in zip(present, buffer.layout.offsets, buffer.layout.numels):
+        for segment in buffer.layout.segments():  # each parameter where the layout puts it
+            key = present[segment.param_index] if segment.param_index >= 0 else None
             if key is not None:
-                full.narrow(0, offset, numel).copy_(state_dict[key].reshape(-1))
+                stored = stored_order(state_dict[key], buffer.records[segment.param_index])
+                full.narrow(0, segment.start, segment.length).copy_(
+                    stored.reshape(-1).narrow(0, segment.param_start, segment.length))
         chunks = list(full.chunk(group.world_size))
     _scatter_chunks(shard, chunks, group, src)
-    for record, s, key in zip(buffer.records, buffer.local_slices(), present):
+    for s, key in zip(buffer.local_slices(), present):
         if key is not None:
-            record.param.copy_(shard.narrow(0, s.shard_start, s.length))
+            buffer.sharded.narrow(0, s.shard_start, s.length).copy_(
+                shard.narrow(0, s.shard_start, s.length))
 
 
 def _scatter_chunks(shard: torch.Tensor, chunks: Optional[list[torch.Tensor]],

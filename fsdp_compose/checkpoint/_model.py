@@ -34,7 +34,8 @@ from ..buffers.records import ParamRecord
 from ..comm.rendezvous import arrive
 from ..runtime.training_state import TrainingState
 from ..runtime.unit import ShardUnit
-from ._exchange import checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
+from ._exchange import (checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value,
+                        shard_dim, shard_dim_local, shard_dim_value)
 
 
 _STATE_DICT_FIX = (
@@ -81,6 +82,14 @@ class UnitStateDictHooks:
                         if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
             if not selected:
                 continue  # the same on every rank: nothing of this buffer below `module`
+            for index in selected:  # Shard(d): the local piece is FSDP2's, no exchange
+                record = buffer.records[index]
+                if shard_dim(record) is not None:
+                    values[id(record.param)] = shard_dim_value(
+                        buffer.local_view(buffer.sharded.detach(), index), record, group)
+            selected = [i for i in selected if shard_dim(buffer.records[i]) is None]
+            if not selected:
+                continue
             chunks = flat_to_chunks(buffer.sharded.detach(), buffer.layout, group, selected)
             for index, chunk in chunks.items():
                 record = buffer.records[index]
@@ -170,6 +179,11 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
     chunks: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}
     for index, value in values.items():
+        if shard_dim(buffer.records[index]) is not None:  # Shard(d): FSDP2's local piece
+            with torch.no_grad():
+                buffer.local_view(buffer.sharded, index).copy_(
+                    shard_dim_local(value, buffer.records[index], group))
+            continue
         chunk, whole = loadable(value, buffer.records[index], group)
         if chunk is not None:
             chunks[index] = chunk
@@ -178,10 +192,10 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
     with torch.no_grad():
         if chunks:  # straight into the shard (only the given parameters' positions)
             chunks_to_flat(chunks, buffer.layout, group, buffer.sharded)
-        for index, value in full.items():
+        for index, value in full.items():  # (not Shard(d): stored in its own order)
             s = slices[index]
             flat = value.detach().reshape(-1)[s.param_start:s.param_start + s.length]
-            buffer.records[index].param.copy_(flat)
+            buffer.sharded.narrow(0, s.shard_start, s.length).copy_(flat)
 
 
 def _torch_drops_frozen_params() -> bool:

@@ -33,7 +33,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
-from ._exchange import Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value
+from ._exchange import (Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable,
+                        record_value, shard_dim, shard_dim_local, shard_dim_value)
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers the step pre-hook has looked at (hooks attached if needed)."""
@@ -65,8 +66,10 @@ def _params(optimizer: Optimizer) -> list[torch.Tensor]:
 
 
 def _is_per_element(value: Any, param: torch.Tensor) -> bool:
+    """Shaped like the parameter's local piece (1-D under "flat", whole
+    rows under the other placements); a 0-dim ``step`` is not."""
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-        and value.dim() == 1 and value.shape == param.shape
+        and value.dim() >= 1 and value.shape == param.shape
 
 
 class _BufferEntries:
@@ -98,26 +101,37 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
     arrive(None, "optimizer.state_dict()", _OPTIM_FIX)
     params = dict(enumerate(_params(optimizer)))
     state = state_dict["state"]
-    plan = []  # (buffer, state name, [(state key, buffer index)])
+    plan = []  # (buffer, state name, [(state key, buffer index)], dtype, device)
     for group in _by_buffer(params):
         names = sorted({name for key, _ in group.entries
                         for name, value in state.get(key, {}).items()
                         if _is_per_element(value, params[key])})
         for name in names:
-            plan.append((group.buffer, name, [(key, index) for key, index in group.entries
-                                              if name in state.get(key, {})]))
-    _check_same_on_every_rank(plan)
-    for buffer, name, entries in plan:
+            entries = [(key, index) for key, index in group.entries if name in state.get(key, {})]
+            first = state[entries[0][0]][name]
+            plan.append((group.buffer, name, entries, first.dtype, first.device))
+    plan, scalars = _same_on_every_rank(plan, params, state)
+    for key, values in scalars.items():  # e.g. 'step' of a parameter held elsewhere
+        state[key] = {**values, **state.get(key, {})}
+    for buffer, name, entries, dtype, device in plan:
         _refuse_scalar_params(buffer, name, entries)
-        first = state[entries[0][0]][name]
-        chunks = flat_to_chunks(_reader(buffer, name, entries, state), buffer.layout,
-                                buffer.group, [i for _, i in entries], dtype=first.dtype,
-                                home=first.device)
+        for key, _ in entries:
+            if key not in state or state[key] is optimizer.state.get(params[key]):
+                state[key] = dict(state.get(key, {}))  # never modify the optimizer's own state
+        exchanged = [(key, i) for key, i in entries if shard_dim(buffer.records[i]) is None]
+        chunks = flat_to_chunks(_reader(buffer, name, exchanged, state), buffer.layout,
+                                buffer.group, [i for _, i in exchanged], dtype=dtype,
+                                home=device) if exchanged else {}
         for key, index in entries:
-            if state[key] is optimizer.state.get(params[key]):
-                state[key] = dict(state[key])  # never modify the optimizer's own state
-            value = record_value(chunks[index], buffer.records[index], buffer.group)
-            state[key][name] = value
+            record = buffer.records[index]
+            if shard_dim(record) is not None:  # FSDP2's Shard(d) local piece already
+                local = state[key].get(name)
+                if local is None:  # holds none of it: an empty piece
+                    local = buffer.local_view(torch.empty(buffer.layout.shard_numel, dtype=dtype,
+                                                          device=device), index)
+                state[key][name] = shard_dim_value(local, record, buffer.group)
+                continue
+            state[key][name] = record_value(chunks[index], record, buffer.group)
 
 
 def _reader(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
@@ -125,7 +139,8 @@ def _reader(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
     """Reads shard intervals of state ``name`` straight from each
     parameter's own state tensor (no flat copy is assembled)."""
     slices = buffer.local_slices()
-    owned = sorted((slices[index].shard_start, slices[index].length, state[key][name])
+    owned = sorted((slices[index].shard_start, slices[index].length,
+                    state[key][name].reshape(-1))  # whole rows (placements): one flat view
                    for key, index in entries if slices[index].length)
     starts = [start for start, _, _ in owned]
 
@@ -150,28 +165,72 @@ def _refuse_scalar_params(buffer: FlatBuffer, name: str, entries: list[tuple[Any
                 "parameter 1-D (shape (1,)), or pass it to fully_shard's ignored_params.")
 
 
-def _check_same_on_every_rank(plan: list) -> None:
+def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
+                        state: dict[Any, dict[str, Any]]) -> tuple[list, dict[Any, dict]]:
     """The conversions are collective: every rank must convert the same
     states of the same parameters, or they would wait for each other
-    forever. One object all-gather checks it and raises on every rank."""
+    forever. One object all-gather makes the plan the union over ranks.
+    The one difference allowed is state a rank cannot have: for parameters
+    of which it holds nothing under a placement other than "flat" (their
+    ``.grad`` stays ``None`` there, so its optimizer made none). Any other
+    difference raises on every rank (a second tiny all-gather agrees on it).
+    Returns the plan and, for parameters this rank has no state for, the
+    other state (``step``) a holder has, so every rank saves the same keys."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    summary = [(buffer.records[0].fqn, name, [i for _, i in entries])
-               for buffer, name, entries in plan]
+        return plan, {}
+    keys: dict[tuple[str, int], tuple[Any, FlatBuffer]] = {}  # (buffer, index) -> state key
+    for key, param in params.items():
+        owner = owner_of(param)
+        if owner is not None:
+            keys[(owner.buffer.records[0].fqn, owner.index)] = (key, owner.buffer)
+    summary = [(buffer.records[0].fqn, name, [i for _, i in entries], str(dtype))
+               for buffer, name, entries, dtype, _ in plan]
+    others = {(b.records[0].fqn, i): {n: v for n, v in state[key].items()
+                                     if not _is_per_element(v, params[key])}
+              for b, _, entries, _, _ in plan for key, i in entries}
     every: list[Optional[list]] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, summary)
-    if any(other != summary for other in every):
-        differing = next(r for r, other in enumerate(every) if other != summary)
-        raise RuntimeError(
-            "optimizer.state_dict(): ranks hold per-element optimizer state for different "
-            f"parameters (this rank: {_describe(summary)}; rank {differing}: "
-            f"{_describe(every[differing])}). Step the optimizer on every rank (e.g. with "
-            "gradients of zero) before saving, so that every rank has the same state.")
+    dist.all_gather_object(every, (summary, others))
+    every, held = [e[0] for e in every], [e[1] for e in every]
+    union: dict[tuple[str, str], tuple[set[int], str]] = {}
+    for other in every:
+        for fqn, name, indices, dtype in other or []:
+            union.setdefault((fqn, name), (set(), dtype))[0].update(indices)
+    mine = {(b.records[0].fqn, name): {i for _, i in entries} for b, name, entries, _, _ in plan}
+    merged, consistent = [], True
+    for (fqn, name), (indices, dtype) in sorted(union.items()):
+        if (fqn, min(indices)) not in keys:
+            consistent = False  # this rank's optimizer lacks the parameter altogether
+            continue
+        buffer = keys[(fqn, min(indices))][1]
+        slices = buffer.local_slices()
+        for i in indices - mine.get((fqn, name), set()):
+            if (fqn, i) not in keys or slices[i].length or buffer.grad_where_empty(i):
+                consistent = False
+        if consistent:
+            entries = [(keys[(fqn, i)][0], i) for i in sorted(indices)]
+            merged.append((buffer, name, entries, getattr(torch, dtype.split(".")[-1]),
+                           buffer.storage_device))
+    flags: list[Optional[bool]] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, consistent)
+    if all(flags):
+        missing = {}
+        for _, _, entries, _, _ in merged:
+            for key, i in entries:
+                if key not in state:
+                    fqn = next(f for (f, j), (k, _) in keys.items() if k == key)
+                    missing[key] = next(h[(fqn, i)] for h in held if (fqn, i) in h)
+        return merged, missing
+    differing = next(r for r, f in enumerate(flags) if not f)
+    raise RuntimeError(
+        "optimizer.state_dict(): ranks hold per-element optimizer state for different "
+        f"parameters (this rank: {_describe(summary)}; rank {differing}: "
+        f"{_describe(every[differing])}). Step the optimizer on every rank (e.g. with "
+        "gradients of zero) before saving, so that every rank has the same state.")
 
 
 def _describe(summary: Optional[list]) -> str:
     return ", ".join(f"{name} of {len(indices)} params in the buffer of '{fqn}'"
-                     for fqn, name, indices in summary or []) or "none"
+                     for fqn, name, indices, _ in summary or []) or "none"
 
 
 # ------------------------------------------------------------------- load
@@ -195,11 +254,15 @@ def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) ->
 def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
                 state: dict[Any, dict[str, Any]]) -> None:
     """Replace ``state[key][name]`` (global shape: ``DTensor`` or full tensor)
-    by this rank's 1-D slice for every entry."""
+    by this rank's piece, shaped like the parameter, for every entry."""
     slices, group = buffer.local_slices(), buffer.group
     chunks: dict[int, torch.Tensor] = {}
     dtype, device = None, None
     for key, index in entries:
+        if shard_dim(buffer.records[index]) is not None:  # FSDP2's Shard(d) local piece
+            state[key][name] = shard_dim_local(state[key][name], buffer.records[index],
+                                               group).clone()
+            continue
         value, record = state[key][name], buffer.records[index]
         expected = checkpoint_shape(record)
         if tuple(value.shape) != tuple(expected):
@@ -213,12 +276,14 @@ def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
             dtype, device = chunk.dtype, chunk.device
             continue
         s = slices[index]
-        state[key][name] = value.detach().reshape(-1)[s.param_start:s.param_start + s.length].clone()
+        piece = torch.empty(buffer.layout.shard_numel, dtype=value.dtype, device=value.device)
+        piece.narrow(0, s.shard_start, s.length).copy_(
+            value.detach().reshape(-1)[s.param_start:s.param_start + s.length])
+        state[key][name] = buffer.local_view(piece, index).clone()
     if not chunks:
         return
     flat = torch.empty(buffer.layout.shard_numel, dtype=dtype, device=device)
     chunks_to_flat(chunks, buffer.layout, group, flat)  # writes every entry's slice
     for key, index in entries:
         if index in chunks:
-            s = slices[index]
-            state[key][name] = flat.narrow(0, s.shard_start, s.length)  # `flat` is fresh
+            state[key][name] = buffer.local_view(flat, index)  # `flat` is fresh

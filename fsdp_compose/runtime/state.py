@@ -358,13 +358,14 @@ def _pending_settings(states: list[_ShardState]) -> list[ModelSetting]:
 
 def _layout_fingerprint(units: list[ShardUnit]) -> int:
     return fingerprint_of(repr([[(r.fqn, tuple(r.shape), str(r.param.dtype),
-                                  r.param.requires_grad, b.is_meta)
+                                  r.param.requires_grad, b.is_meta, repr(r.placement))
                                  for b in u.buffers for r in b.records] for u in units]))
 
 
 def _check_ranks_agree(states: list[_ShardState]) -> None:
     """One tiny all-gather per process group: every rank raises together if
-    any rank has a different set of parameter names, shapes or dtypes (a
+    any rank has a different set of parameter names, shapes, dtypes or
+    placements (a
     mismatch would otherwise hang or silently mix values in the first
     all-gather)."""
     by_group: dict[int, list[_ShardState]] = {}
@@ -379,7 +380,7 @@ def _check_ranks_agree(states: list[_ShardState]) -> None:
             raise RuntimeError(
                 f"[rank {group.rank}] ranks disagree on the parameters of the fully_shard units "
                 f"{[u.name for u in units]}: ranks {differ.differing} have different names, "
-                f"shapes, dtypes or meta-ness than rank {differ.reference} (this rank's "
+                f"shapes, dtypes, placements or meta-ness than rank {differ.reference} (this rank's "
                 f"fingerprint {mine:#x}). Build the same model on every rank before calling "
                 "fully_shard (and materialise meta parameters on every rank before the first "
                 "forward).")

@@ -88,7 +88,9 @@ class BufferReport:
         storage_device: where the shard lives (the CPU when offloaded).
         params: the original parameters, in flat-buffer order.
         numel: sum of their numels (no padding).
-        padding: elements appended so that every rank's shard is equal.
+        padding: elements added so that every rank's chunk is equal and 16-byte
+            aligned (at the end under "flat"; also between parameters under
+            the other placements).
         unsharded_numel: ``numel + padding``, the all-gathered buffer.
         unsharded_bytes: its size in ``compute_dtype``.
         shard_numel: elements per rank (``unsharded_numel / world_size``,
