@@ -296,9 +296,10 @@ class FlatLayout:
 
     def segments(self) -> tuple[Segment, ...]:
         """``[0, padded_numel)`` cut into parameters and padding, in
-        increasing order: one segment per parameter that is contiguous in the
-        buffer (an empty one at its offset for a parameter with no elements),
-        one per piece of one that is not (``ShardDim``)."""
+        increasing order, each segment starting where the previous ends: one
+        segment per parameter that is contiguous in the buffer (an empty one,
+        where the order reaches it, for a parameter with no elements), one
+        per piece of one that is not (``ShardDim``)."""
         return self._segments
 
     def _cut_into_segments(self) -> tuple[Segment, ...]:
@@ -311,10 +312,13 @@ class FlatLayout:
         runs.sort(key=lambda s: (s.start, s.length))
         out, cursor = [], 0
         for s in runs:
+            if s.length == 0:  # a parameter with no elements: an empty segment where we are
+                out.append(s._replace(start=cursor))
+                continue
             if s.start > cursor:
                 out.append(Segment(cursor, s.start - cursor, -1, 0))
             out.append(s)
-            cursor = max(cursor, s.start + s.length)
+            cursor = s.start + s.length
         if cursor < self.padded_numel:
             out.append(Segment(cursor, self.padded_numel - cursor, -1, 0))
         return tuple(out)
