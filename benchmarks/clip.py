@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +26,10 @@ if __package__ in (None, ""):
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+
+from benchmarks._two_ranks import gpt_arguments, run_two_ranks
 
 
 def _time_clip(clip, repeats: int) -> float:
@@ -97,25 +96,8 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, args, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = queue.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
+    args = gpt_arguments(__doc__.splitlines()[0], repeats=20)
+    results = run_two_ranks(_worker, args, timeout=600)
     base = results["fsdp2"][0]
     print("| impl | clip_grad_norm_ ms (median) | x FSDP2 | total norm |")
     print("|---|---|---|---|")

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,9 +34,10 @@ if __package__ in (None, ""):
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+
+from benchmarks._two_ranks import gpt_arguments, run_two_ranks
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -144,25 +143,8 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
-    world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, args, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        out = queue.get(timeout=1200)
-        for p in procs:
-            p.join(timeout=60)
+    args = gpt_arguments(__doc__.splitlines()[0], repeats=30)
+    out = run_two_ranks(_worker, args, timeout=1200)
     print(f"GPT layers={args.layers} d_model={args.d_model} vocab={args.vocab}: "
           f"{out['params']} parameters, {out['numel'] / 1e6:.1f} M elements; 2 CPU ranks (gloo); "
           f"median of {args.repeats}, max over ranks")

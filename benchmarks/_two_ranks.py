@@ -1,0 +1,41 @@
+"""What the small two-rank micro-benchmarks share: the GPT size arguments
+and starting two spawned gloo ranks that report through a queue."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def gpt_arguments(description: str, repeats: int) -> argparse.Namespace:
+    """``--layers --vocab --d-model --heads --repeats`` (the benchmark's default GPT)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser.parse_args()
+
+
+def run_two_ranks(worker: Callable, args: argparse.Namespace, timeout: float) -> Any:
+    """Spawn ``worker(rank, world, init_file, args, queue)`` on 2 ranks
+    (file rendezvous in a temporary directory); return what rank 0 puts on
+    the queue."""
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=worker, args=(r, world, init_file, args, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=timeout)
+        for p in procs:
+            p.join(timeout=60)
+    return result
