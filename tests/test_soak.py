@@ -72,6 +72,7 @@ def _build() -> nn.Module:
 def _tensor_census() -> tuple[int, int, int, int]:
     """(live tensors, bytes of their distinct storages and of loose storages,
     tensors with a grad_fn, gc-tracked objects)."""
+    time.sleep(0.05)  # gloo's worker thread may hold a finished collective's tensors a moment longer
     gc.collect()
     objects = gc.get_objects()
     tensors, with_graph, storages = 0, 0, {}
