@@ -4,11 +4,16 @@ and starting two spawned gloo ranks that report through a queue."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import tempfile
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fsdp_compose.testing import GPTConfig
 
 
 def gpt_arguments(description: str, repeats: int) -> argparse.Namespace:
@@ -39,3 +44,16 @@ def run_two_ranks(worker: Callable, args: argparse.Namespace, timeout: float) ->
         for p in procs:
             p.join(timeout=60)
     return result
+
+
+def join_gloo_group(rank: int, world: int, init_file: str, timeout_s: int) -> None:
+    """One thread per rank (two ranks share the machine), then the gloo group."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPT that :func:`gpt_arguments` describes (sequence length 128)."""
+    return GPTConfig(vocab_size=args.vocab, seq_len=128, d_model=args.d_model,
+                     n_heads=args.heads, n_layers=args.layers)

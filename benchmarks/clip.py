@@ -14,7 +14,6 @@ are measured, identically for all three.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -29,7 +28,8 @@ import torch.distributed as dist
 
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 
-from benchmarks._two_ranks import gpt_arguments, run_two_ranks
+from benchmarks._two_ranks import (gpt_arguments, gpt_config, join_gloo_group,
+                                    run_two_ranks)
 
 
 def _time_clip(clip, repeats: int) -> float:
@@ -66,11 +66,8 @@ def _model(cfg: GPTConfig, impl: str) -> torch.nn.Module:
 
 
 def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=128, d_model=args.d_model,
-                    n_heads=args.heads, n_layers=args.layers)
+    join_gloo_group(rank, world, init_file, timeout_s=120)
+    cfg = gpt_config(args)
     results = {}
     for impl in ("fsdp_compose", "fsdp2", "ddp"):
         model = _model(cfg, impl)

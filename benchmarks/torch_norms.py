@@ -20,7 +20,6 @@ rank times (median over ``--repeats``, max over ranks, a barrier before each):
 from __future__ import annotations
 
 import argparse
-import datetime
 import random
 import statistics
 import sys
@@ -35,9 +34,10 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from fsdp_compose.testing import GPT, synthetic_tokens
 
-from benchmarks._two_ranks import gpt_arguments, run_two_ranks
+from benchmarks._two_ranks import (gpt_arguments, gpt_config, join_gloo_group,
+                                    run_two_ranks)
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -97,13 +97,10 @@ def _recognition_ms(params: list, grads: list, plain: torch.nn.Module,
 
 
 def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    join_gloo_group(rank, world, init_file, timeout_s=300)
     from fsdp_compose import clip_grad_norm_, fully_shard
     from fsdp_compose.clip import total_norm_over_ranks
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=128, d_model=args.d_model,
-                    n_heads=args.heads, n_layers=args.layers)
+    cfg = gpt_config(args)
     torch.manual_seed(0)
     model = GPT(cfg)
     plain = GPT(cfg)
