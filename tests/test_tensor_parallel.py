@@ -131,7 +131,7 @@ class DimCounter(CollectiveCounter):
     def __init__(self, mesh) -> None:
         super().__init__()
         self.names = {tuple(sorted(dist.get_process_group_ranks(mesh.get_group(d)))): d
-                      for d in ("dp", "tp")}
+                      for d in mesh.mesh_dim_names}
         self.by_dim: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

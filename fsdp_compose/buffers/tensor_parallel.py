@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..comm.groups import ShardGroup
@@ -96,11 +96,6 @@ def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Param
         raise AssertionError(f"'{fqn}' is not a DTensor parameter")
     tp_mesh = param.device_mesh
     dp_mesh = group.mesh
-    if group.is_hybrid:
-        raise NotImplementedError(
-            f"parameter '{fqn}' is a tensor-parallel DTensor and fully_shard got a 2-D (HSDP) "
-            "mesh; hybrid sharding with tensor parallelism is not supported. Pass a 1-D "
-            "data-parallel mesh (mesh['dp']).")
     if tp_mesh.ndim != 1:
         raise NotImplementedError(
             f"parameter '{fqn}' is a DTensor on a {tp_mesh.ndim}-D mesh; fully_shard supports "
@@ -133,32 +128,43 @@ def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Param
 
 def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
                        tp_placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The (dp, tp) mesh of a TP parameter's state-dict values, and its
-    placements there, in the root mesh's dim order.
+    """The (dp, tp) or, for hybrid sharding, (dp_replicate, dp_shard, tp)
+    mesh of a TP parameter's state-dict values, and its placements there, in
+    the root mesh's dim order (torch FSDP2's: ``Replicate()`` on the
+    replicate dim).
 
     The flat layout holds the TP-local tensor, and the checkpoint exchange
-    gives dp rank ``d`` ``torch.chunk(tp_local, dp_size, 0)[d]``. Where TP
-    shards dim 0 too that is "tp first, then dp": ``Shard(0)`` on dp when
-    the dp dim comes after the tp dim in the mesh (DTensor shards
-    left to right), ``_StridedShard(0, split_factor=tp_size)`` when it comes
-    before (torch FSDP2's placement for FSDP + TP)."""
+    gives shard rank ``d`` ``torch.chunk(tp_local, dp_size, 0)[d]`` (every
+    replica alike). Where TP shards dim 0 too that is "tp first, then dp":
+    ``Shard(0)`` on the shard dim when it comes after the tp dim in the mesh
+    (DTensor shards left to right), ``_StridedShard(0, split_factor=tp_size)``
+    when it comes before (torch FSDP2's placement for FSDP + TP).
+
+    The tp mesh is matched to the dp mesh's root by name and ranks, not by
+    its own root: torch caches sliced meshes, so ``mesh["tp"]`` of a second
+    mesh over the same ranks may be the first mesh's slice."""
     root = dp_mesh._get_root_mesh()
-    dp_name, tp_name = _single_name(dp_mesh), _single_name(tp_mesh)
+    dp_names, tp_name = dp_mesh.mesh_dim_names, _single_name(tp_mesh)
     names = root.mesh_dim_names
-    if tp_mesh._get_root_mesh() != root or dp_name is None or tp_name is None or \
-            names is None or dp_name not in names or tp_name not in names:
+    if dp_names is None or tp_name is None or names is None or \
+            any(n not in names for n in (*dp_names, tp_name)) or \
+            not torch.equal(root[tp_name].mesh, tp_mesh.mesh):
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on a mesh that is not a named dim of the data-"
             "parallel mesh's parent; slice both from one mesh: init_device_mesh(device, "
             "(dp, tp), mesh_dim_names=('dp', 'tp')), then mesh['tp'] for parallelize_module "
-            "and mesh['dp'] for fully_shard.")
-    dp_dim, tp_dim = names.index(dp_name), names.index(tp_name)
-    mesh = root if root.ndim == 2 else root[tuple(n for n in names if n in (dp_name, tp_name))]
+            "and mesh['dp'] for fully_shard (for hybrid sharding: a (dp_replicate, dp_shard, "
+            "tp) mesh and mesh['dp_replicate', 'dp_shard']).")
+    shard_name = dp_names[-1]
+    shard_dim, tp_dim = names.index(shard_name), names.index(tp_name)
+    used = (*dp_names, tp_name)
+    mesh = root if root.ndim == len(used) else root[tuple(n for n in names if n in used)]
     dp_placement: Placement = Shard(0)
-    if isinstance(tp_placement, Shard) and tp_placement.dim == 0 and dp_dim < tp_dim:
+    if isinstance(tp_placement, Shard) and tp_placement.dim == 0 and shard_dim < tp_dim:
         dp_placement = _StridedShard(0, split_factor=tp_mesh.size())
-    placements = [dp_placement, tp_placement] if dp_dim < tp_dim else [tp_placement, dp_placement]
-    return mesh, tuple(placements)
+    by_name: dict[str, Placement] = {shard_name: dp_placement, tp_name: tp_placement}
+    by_name.update({n: Replicate() for n in dp_names[:-1]})
+    return mesh, tuple(by_name[n] for n in mesh.mesh_dim_names)
 
 
 def _single_name(mesh: DeviceMesh) -> Optional[str]:
