@@ -137,7 +137,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     initialise them."""
     managed = managed_modules(modules, taken)
     records = collect_records(modules, managed, ignored, _check_not_owned)
-    _localize_tensor_parallel(records, group, mp_policy, offload_policy)
+    _localize_tensor_parallel(records, group)
     assign_placements(records, placement, shard_placement_fn)
     _check_params(records, group.device)
     unit = ShardUnit(modules, managed, group_records(records), group, reshard_after_forward,
@@ -224,17 +224,12 @@ def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
         "in ignored_params.")
 
 
-def _localize_tensor_parallel(records: list[ParamRecord], group, mp_policy, offload_policy) -> None:
+def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup) -> None:
     """Replace every tensor-parallel (``DTensor``) parameter by a new plain
     parameter of its TP-local values under the same name(s); the record
     keeps what forward needs to present it as a ``DTensor`` again (see
     ``tensor_parallel.py``: a DTensor parameter cannot keep its identity)."""
-    tp_records = [r for r in records if isinstance(r.param, DTensor)]
-    if not tp_records:
-        return
-    tensor_parallel.check_policies(tp_records[0].fqn, mp_policy is not None,
-                                    offload_policy is not None)
-    for r in tp_records:
+    for r in (r for r in records if isinstance(r.param, DTensor)):
         r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, group)
         r.shape = r.param.shape
         for module, attr in r.slots:

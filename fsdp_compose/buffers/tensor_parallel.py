@@ -77,16 +77,6 @@ class TensorParallelSpec:
         return any(p.is_shard() for p in self.placements)
 
 
-def check_policies(fqn: str, mixed_precision: bool, offload: bool) -> None:
-    """Combinations with TP this library does not support (tested to raise)."""
-    for used, what in ((mixed_precision, "an mp_policy"), (offload, "an offload_policy")):
-        if used:
-            raise NotImplementedError(
-                f"parameter '{fqn}' is tensor-parallel (a DTensor) and fully_shard got {what}; "
-                "this combination is not supported. Drop the policy for this unit, or shard "
-                "it without tensor parallelism.")
-
-
 def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Parameter,
                                                                          TensorParallelSpec]:
     """A new plain parameter holding ``param``'s TP-local values (same
