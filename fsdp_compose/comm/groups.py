@@ -117,7 +117,8 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
             "(full sharding) or a 2-D (replicate, shard) mesh (hybrid sharding), e.g. "
             "init_device_mesh(device_type, (num_replicas, shard_size), "
             "mesh_dim_names=('replicate', 'shard')). For tensor parallelism, pass the data-"
-            "parallel sub-mesh (mesh['dp']).")
+            "parallel sub-mesh: mesh['dp'], or mesh['dp_replicate', 'dp_shard'] for HSDP x TP on "
+            "a (dp_replicate, dp_shard, tp) mesh.")
     group = mesh.get_group(mesh.ndim - 1)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     if mesh.device_type == "cuda":
