@@ -196,3 +196,26 @@ def test_default_resharding_gathers_per_micro_batch_forward(schedule_name):
     for res in results:
         assert res["counts"] == {"all_gather": MICRO + 2, "reduce_scatter": 2}, res
         assert res["resharded"], res
+
+
+def _refusals():
+    plain = nn.Linear(4, 4)
+    out = {}
+    try:
+        PipelineStage(plain, 0, 2, torch.device("cpu"))
+    except TypeError as e:
+        out["plain"] = str(e)
+    fully_shard(plain)
+    stage = PipelineStage(plain, dist.get_rank(), 2, torch.device("cpu"),
+                          input_args=torch.zeros(1, 4), output_args=torch.zeros(1, 4))
+    try:  # what a zero-bubble schedule asks for
+        stage.backward_maybe_with_nosync("input", {}, last_backward=False)
+    except NotImplementedError as e:
+        out["split"] = str(e)
+    return out
+
+
+def test_refusals_name_the_combination():
+    for res in run_distributed(2, _refusals, timeout=60):
+        assert "needs a stage module annotated by fully_shard, got Linear" in res["plain"], res
+        assert "split backward ('input')" in res["split"] and "zero-bubble" in res["split"], res
