@@ -16,6 +16,8 @@ Run: PYTHONPATH=. python -m pytest -q tests/test_hsdp_tp.py   (add -m slow for 8
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,11 +29,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_compose import fully_shard
-from fsdp_compose.clip import clip_grad_norm_
 from tests.harness import run_distributed
-from tests.test_tensor_parallel import (LAYERS, PLAN, DimCounter, _assert_parity, _null,
-                                        build_model, global_batch, make_optimizer,
-                                        train_reference)
+from tests._checkpointing import resume_through_dcp
+from tests.test_tensor_parallel import (LAYERS, PLAN, _assert_parity, build_model, global_batch,
+                                        make_optimizer, train_loop, train_reference)
 
 NAMES = ("dp_replicate", "dp_shard", "tp")
 DP = ("dp_replicate", "dp_shard")
@@ -61,26 +62,8 @@ def dp_slice(t: torch.Tensor, mesh) -> torch.Tensor:
 def train_3d(shape, optim_name, steps=3, max_norm=None, count_step=None):
     mesh = mesh_3d(shape)
     model = shard_3d(build_model(), mesh)
-    optim = make_optimizer(model, optim_name)
-    dp_size = mesh[DP].size()
-    losses, norms, counts = [], [], None
-    for step in range(steps):
-        x, y = global_batch(step, dp_size)
-        counter = DimCounter(mesh) if step == count_step else None
-        with counter if counter is not None else _null():
-            loss = model.loss(dp_slice(x, mesh), dp_slice(y, mesh))
-            loss.backward()
-        if counter is not None:
-            counts = dict(counter.by_dim)
-        if max_norm is not None:
-            norms.append(clip_grad_norm_(model, max_norm).item())
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "params": full, "counts": counts}
+    return train_loop(model, mesh, optim_name, lambda t: dp_slice(t, mesh), mesh[DP].size(),
+                      steps=steps, max_norm=max_norm, count_step=count_step)
 
 
 def _dp(shape) -> int:
@@ -174,7 +157,7 @@ def test_state_dict_uses_fsdp2_3d_placements(shape):
         assert m["blocks.0.norm1.weight"] == DP
 
 
-def _step(model, optim, mesh, i):
+def _step(model, optim, i, mesh):
     x, y = global_batch(i, mesh[DP].size())
     model.loss(dp_slice(x, mesh), dp_slice(y, mesh)).backward()
     optim.step()
@@ -195,24 +178,13 @@ def _save_then_resume(shape, root):
     """Train two steps on ``shape``, save through DCP, resume a scrambled
     copy on the same mesh, then both train two more steps."""
     mesh = mesh_3d(shape)
-    model = shard_3d(build_model(), mesh)
-    optim = make_optimizer(model, "adamw")
-    for i in range(2):
-        _step(model, optim, mesh, i)
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+
+    def build(seed):
+        model = shard_3d(_scrambled(seed) if seed else build_model(), mesh)
+        return model, make_optimizer(model, "adamw")
+
+    model, fresh, osd = resume_through_dcp(build, functools.partial(_step, mesh=mesh), root)
     placements = tuple(osd["state"]["blocks.0.q.weight"]["exp_avg"].placements)
-    fresh = shard_3d(_scrambled(5), mesh)
-    fresh_optim = make_optimizer(fresh, "adamw")
-    _step(fresh, fresh_optim, mesh, 0)  # optimizer state to overwrite
-    msd2, osd2 = get_state_dict(fresh, fresh_optim)
-    state = {"model": msd2, "optim": osd2}
-    dcp.load(state, checkpoint_id=root)
-    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    for i in range(2, 4):
-        _step(model, optim, mesh, i)
-        _step(fresh, fresh_optim, mesh, i)
     a = {k: v.full_tensor() for k, v in model.state_dict().items()}
     b = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
     return {"diff": max((a[k] - b[k]).abs().max().item() for k in a), "placements": placements}
@@ -235,7 +207,7 @@ def _save(shape, root):
     model = shard_3d(build_model(), mesh)
     optim = make_optimizer(model, "adamw")
     for i in range(2):
-        _step(model, optim, mesh, i)
+        _step(model, optim, i, mesh)
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
     return _full(model, optim)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -24,10 +22,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from fsdp_compose import fully_shard
-from fsdp_compose.clip import clip_grad_norm_
 from tests.harness import run_distributed
-from tests.test_tensor_parallel import (DIM, HEADS, LAYERS, Block, DimCounter, Model,
-                                        _assert_parity, _local, _null, make_optimizer)
+from tests.test_tensor_parallel import (DIM, HEADS, LAYERS, Block, Model, _assert_parity,
+                                        _local, train_loop)
 import tests.test_tensor_parallel as tp_test
 
 SEQ = 6  # sharded over tp=2 on the sequence dim
@@ -62,15 +59,7 @@ rank's sequence shard; its output (a sequence shard) is all-gathered."""
 
 
 def build_model() -> Model:
-    torch.manual_seed(0)
-    model = Model()
-    model.blocks = nn.ModuleList(SPBlock() for _ in range(LAYERS))
-    with torch.no_grad():  # LayerNorm's ones/zeros would hide a wrong gradient
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.normal_(1.0, 0.2)
-                m.bias.normal_(0.0, 0.2)
-    return model
+    return tp_test.build_model(SPBlock)
 
 
 def global_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,42 +76,13 @@ def _train(optim_name, steps=3, max_norm=None, count_step=None):
         parallelize_module(block, mesh["tp"], SP_PLAN)
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    optim = make_optimizer(model, optim_name)
-    losses, norms, counts = [], [], None
-    for step in range(steps):
-        x, y = global_batch(step, 2)
-        counter = DimCounter(mesh) if step == count_step else None
-        with counter if counter is not None else _null():
-            loss = model.loss(_local(x, mesh), _local(y, mesh))
-            loss.backward()
-        if counter is not None:
-            counts = dict(counter.by_dim)
-        if max_norm is not None:
-            norms.append(clip_grad_norm_(model, max_norm).item())
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return {"losses": losses, "norms": norms, "params": full, "counts": counts}
+    return train_loop(model, mesh, optim_name, lambda t: _local(t, mesh), 2, steps=steps,
+                      max_norm=max_norm, count_step=count_step, batch=global_batch)
 
 
 def train_reference(optim_name, steps=3, max_norm=None):
-    model = build_model()
-    optim = make_optimizer(model, optim_name)
-    losses, norms = [], []
-    for step in range(steps):
-        x, y = global_batch(step, 2)
-        loss = model.loss(x, y)
-        loss.backward()
-        if max_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms,
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return tp_test.train_reference(optim_name, steps, max_norm, dp=2, build=build_model,
+                                   batch=global_batch)
 
 
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])

@@ -60,10 +60,10 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, block_class: type = Block) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(block_class() for _ in range(LAYERS))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -83,9 +83,9 @@ PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
 biases Replicate (a TP-replicated DTensor parameter); the norms stay plain."""
 
 
-def build_model() -> Model:
+def build_model(block_class: type = Block) -> Model:
     torch.manual_seed(0)
-    model = Model()
+    model = Model(block_class)
     with torch.no_grad():  # LayerNorm's default ones/zeros would hide a wrong gradient
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
@@ -162,13 +162,25 @@ def _group_ranks(args) -> Optional[tuple[int, ...]]:
 def _train(optim_name: str, steps: int = 3, max_norm=None, count_step=None):
     mesh = _mesh()
     model = shard_2d(build_model(), mesh)
+    return train_loop(model, mesh, optim_name, lambda t: _local(t, mesh), mesh["dp"].size(),
+                      steps=steps, max_norm=max_norm, count_step=count_step)
+
+
+def train_loop(model, mesh, optim_name: str, local, dp: int, *, steps: int = 3, max_norm=None,
+               count_step=None, batch=None) -> dict:
+    """Train ``model`` (annotated) ``steps`` steps on ``batch(step, dp)``
+    (default :func:`global_batch`), each rank on ``local(rows)``; clip to
+    ``max_norm``; count the collectives of step ``count_step`` per mesh dim.
+    Returns the mean losses, the norms, the full parameters and the counts
+    (shared by the TP, HSDP x TP and SequenceParallel tests)."""
+    batch = batch or global_batch
     optim = make_optimizer(model, optim_name)
     losses, norms, counts = [], [], None
     for step in range(steps):
-        x, y = global_batch(step, mesh["dp"].size())
+        x, y = batch(step, dp)
         counter = DimCounter(mesh) if step == count_step else None
         with counter if counter is not None else _null():
-            loss = model.loss(_local(x, mesh), _local(y, mesh))
+            loss = model.loss(local(x), local(y))
             loss.backward()
         if counter is not None:
             counts = dict(counter.by_dim)
@@ -191,12 +203,15 @@ class _null:
         return False
 
 
-def train_reference(optim_name: str, steps: int = 3, max_norm=None, dp: int = 2):
-    model = build_model()
+def train_reference(optim_name: str, steps: int = 3, max_norm=None, dp: int = 2, *,
+                    build=None, batch=None):
+    """One process on the global batch (``build()`` default :func:`build_model`,
+    ``batch`` default :func:`global_batch`)."""
+    model = (build or build_model)()
     optim = make_optimizer(model, optim_name)
     losses, norms = [], []
     for step in range(steps):
-        x, y = global_batch(step, dp)
+        x, y = (batch or global_batch)(step, dp)
         # the mean of the dp ranks' mean losses (equal slices): the global mean
         loss = model.loss(x, y)
         loss.backward()
