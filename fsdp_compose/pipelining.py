@@ -78,13 +78,3 @@ class PipelineStage(_TorchPipelineStage):
         stage.set_reshard_after_backward(last_backward)
         stage.set_is_last_backward(last_backward)
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-
-    def _post_metadata_inference_cleanup(self) -> None:
-        """After torch's shape inference (dynamic mode runs one real forward
-        and backward): reshard the stage and drop that backward's
-        gradients, as torch does for its FSDP modules."""
-        super()._post_metadata_inference_cleanup()
-        stage: ShardedModule = self.submod  # type: ignore[assignment]
-        stage.reshard(recurse=True)
-        for param in self.submod.parameters():
-            param.grad = None

@@ -85,7 +85,8 @@ def global_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count_step=None):
+def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count_step=None,
+           static=True):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = build_model()
@@ -97,9 +98,9 @@ def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count
     example_in = (torch.zeros(ROWS, SEQ, dtype=torch.long) if pp_rank == 0
                   else torch.zeros(ROWS, SEQ, DIM, requires_grad=True))
     example_out = torch.zeros(ROWS, SEQ, DIM if pp_rank == 0 else VOCAB, requires_grad=True)
+    shapes = {"input_args": example_in, "output_args": example_out} if static else {}
     stage = PipelineStage(stage_module, pp_rank, 2, torch.device("cpu"),
-                          input_args=example_in, output_args=example_out,
-                          group=mesh["pp"].get_group())
+                          group=mesh["pp"].get_group(), **shapes)
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=MICRO, loss_fn=loss_fn)
     optim = make_optimizer(stage_module, optim_name)
     losses, counts, resharded = [], None, []
@@ -177,6 +178,18 @@ def test_parity_with_one_process_and_one_gather_per_unit(schedule_name, optim_na
     for res in results:
         assert res["counts"] == {"all_gather": 2, "reduce_scatter": 2}, res
         assert res["resharded"], res  # every unit resharded between steps
+
+
+def test_dynamic_shapes():
+    """Without ``input_args`` / ``output_args`` torch infers the shapes with
+    one real forward and backward at the first step; the steps still equal
+    one process, and the counted step gathers and reduces each unit once."""
+    results = run_distributed(4, _train, "gpipe", "adamw", reshard_after_forward=False,
+                              count_step=2, static=False, timeout=150)
+    _assert_parity(results, _reference("adamw"))
+    for res in results:
+        assert res["counts"] == {"all_gather": 2, "reduce_scatter": 2}, res
+        assert res["resharded"], res
 
 
 @pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
