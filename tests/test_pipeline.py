@@ -232,3 +232,96 @@ def test_refusals_name_the_combination():
     for res in run_distributed(2, _refusals, timeout=60):
         assert "needs a stage module annotated by fully_shard, got Linear" in res["plain"], res
         assert "split backward ('input')" in res["split"] and "zero-bubble" in res["split"], res
+
+
+class _Part(nn.Module):
+    """One of four interleaved stages: a slice of the model's modules, in order."""
+
+    def __init__(self, **parts: nn.Module) -> None:
+        super().__init__()
+        for name, module in parts.items():
+            setattr(self, name, module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self.children():
+            if isinstance(module, nn.ModuleList):
+                for block in module:
+                    x = block(x)
+            else:
+                x = module(x)
+        return x
+
+
+def _interleaved_stages(model: nn.Module) -> list[nn.Module]:
+    """embed + block 0 | block 1 | final norm | head: stage ``i`` runs on pp
+    rank ``i % 2``, so each rank holds two stages (Interleaved1F1B)."""
+    return [_Part(embed=model.embed, blocks=nn.ModuleList([model.blocks[0]])),
+            _Part(blocks=nn.ModuleList([model.blocks[1]])),
+            _Part(norm=model.norm), _Part(head=model.head)]
+
+
+_INTERLEAVED_NAMES = [{"embed": "embed", "blocks.0": "blocks.0"}, {"blocks.0": "blocks.1"},
+                      {"norm": "norm"}, {"head": "head"}]
+
+
+def _train_interleaved(optim_name, steps=3, count_step=None):
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    parts = _interleaved_stages(build_model())
+    mine = [i for i in range(4) if i % 2 == pp_rank]
+    stages, modules = [], []
+    for i in mine:
+        module = parts[i]
+        for block in getattr(module, "blocks", []):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(module, mesh=mesh["dp"])
+        modules.append(module)
+        stages.append(PipelineStage(module, i, 4, torch.device("cpu"),
+                                    group=mesh["pp"].get_group()))
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=loss_fn)
+    optims = [make_optimizer(m, optim_name) for m in modules]
+    losses, counts, resharded = [], None, []
+    for step in range(steps):
+        x, y = global_batch(step, 2)
+        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        counter = CollectiveCounter()
+        with counter if step == count_step else _null():
+            if pp_rank == 0:
+                schedule.step(x)
+            else:
+                mb_losses: list = []
+                schedule.step(target=y, losses=mb_losses)
+        if step == count_step:
+            counts = {"all_gather": counter.counts[ALL_GATHER],
+                      "reduce_scatter": counter.counts[REDUCE_SCATTER]}
+        resharded.append(all(buffer_of(p).unsharded.untyped_storage().size() == 0
+                             for m in modules for p in m.parameters()))
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+        if pp_rank == 1:
+            loss = torch.stack([l.detach() for l in mb_losses]).mean()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+            losses.append(loss.item())
+    params = {}
+    for i, module in zip(mine, modules):
+        for k, v in module.state_dict().items():
+            prefix = next(p for p in _INTERLEAVED_NAMES[i] if k.startswith(p + "."))
+            params[_INTERLEAVED_NAMES[i][prefix] + k[len(prefix):]] = v.full_tensor()
+    return {"stage": pp_rank, "losses": losses, "params": params, "counts": counts,
+            "resharded": all(resharded)}
+
+
+def test_interleaved_1f1b_two_stages_per_rank():
+    """Four stages on two pp ranks (each rank runs stages i and i + 2, each
+    its own root): parity with one process; per step each rank gathers and
+    reduces each of its flat buffers once: pp rank 0 holds block 0, stage
+    0's root (the embedding) and stage 2's (the norm); pp rank 1 holds block
+    1 and stage 3's root (the head); stage 1's root owns no parameter."""
+    results = run_distributed(4, _train_interleaved, "adamw", count_step=2, timeout=150)
+    _assert_parity(results, _reference("adamw"))
+    for res in results:
+        want = 3 if res["stage"] == 0 else 2
+        assert res["counts"] == {"all_gather": want, "reduce_scatter": want}, res
+        assert res["resharded"], res
