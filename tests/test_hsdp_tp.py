@@ -275,3 +275,33 @@ def test_checkpoint_saved_on_2x1x2_loads_on_1x2x2_and_on_1d_fsdp(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_saved_on_2x2x2_loads_on_1x4x2_and_on_1d_fsdp(tmp_path):
     _reshard_checkpoint((2, 2, 2), [(1, 4, 2), "fsdp"], tmp_path)
+
+
+# -------------------------------------------------------------- param_norms
+def _param_norms(shape):
+    from fsdp_compose.clip import param_norms
+    mesh = mesh_3d(shape)
+    model = shard_3d(build_model(), mesh)
+    x, y = global_batch(0, mesh[DP].size())
+    model.loss(dp_slice(x, mesh), dp_slice(y, mesh)).backward()
+    return {kind: {k: v.item() for k, v in param_norms(model, kind).items()}
+            for kind in ("grad", "weight")}
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2), pytest.param((2, 2, 2), marks=pytest.mark.slow)],
+                         ids=["1x2x2", "2x2x2"])
+def test_param_norms_match_one_process(shape):
+    """Each original parameter's norm (gradient and weight): TP-sharded
+    pieces summed over dp_shard and tp, TP-replicated ones and replicas once."""
+    world = shape[0] * shape[1] * shape[2]
+    reference = build_model()
+    x, y = global_batch(0, _dp(shape))
+    reference.loss(x, y).backward()
+    want = {"grad": {n: p.grad.norm().item() for n, p in reference.named_parameters()},
+            "weight": {n: p.detach().norm().item() for n, p in reference.named_parameters()}}
+    for got in run_distributed(world, _param_norms, shape, timeout=300):
+        for kind in ("grad", "weight"):
+            assert got[kind].keys() == want[kind].keys()
+            for name, value in want[kind].items():
+                assert got[kind][name] == pytest.approx(value, rel=1e-5, abs=1e-7), \
+                    (kind, name, got[kind][name], value)
