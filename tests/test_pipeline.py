@@ -13,7 +13,10 @@ AdamW). All-gathers over dp are counted per step: with
 both schedules; with the default (blocks reshard after each forward) a
 block is gathered once per micro-batch's forward and once for all the
 backwards (they keep it unsharded until the last). Gradients are reduced
-once per step (one reduce-scatter per unit).
+once per step (one reduce-scatter per unit). Memory between micro-batches:
+after each micro-batch's forward, GPipe holds no block whole by default and
+the stage's block with ``reshard_after_forward=False``; every unit is
+resharded when ``step()`` returns.
 
 Run: PYTHONPATH=. python -m pytest -q tests/test_pipeline.py
 """
@@ -31,6 +34,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from fsdp_compose import fully_shard
 from fsdp_compose.pipelining import PipelineStage
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from fsdp_compose.runtime.state import state_of
 from tests._owners import buffer_of
 from tests.harness import run_distributed
 from tests.test_tensor_parallel import DIM, SEQ, VOCAB, build_model, make_optimizer
@@ -103,6 +107,14 @@ def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count
                           group=mesh["pp"].get_group(), **shapes)
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=MICRO, loss_fn=loss_fn)
     optim = make_optimizer(stage_module, optim_name)
+    whole_blocks: list[int] = []  # after each micro-batch's forward: blocks held unsharded
+
+    def census(module, args, output):
+        whole_blocks.append(sum(any(b.unsharded.untyped_storage().size() > 0
+                                    for b in state_of(block).unit.buffers)
+                                for block in stage_module.blocks))
+
+    stage_module.register_forward_hook(census)
     losses, counts, resharded = [], None, []
     for step in range(steps):
         x, y = global_batch(step, 2)
@@ -116,7 +128,8 @@ def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count
                 schedule.step(target=y, losses=mb_losses)
         if step == count_step:
             counts = {"all_gather": counter.counts[ALL_GATHER],
-                      "reduce_scatter": counter.counts[REDUCE_SCATTER]}
+                      "reduce_scatter": counter.counts[REDUCE_SCATTER],
+                      "whole_blocks": whole_blocks[-MICRO:]}
         resharded.append(all(buffer_of(p).unsharded.untyped_storage().size() == 0
                              for p in stage_module.parameters()))
         optim.step()
@@ -176,7 +189,11 @@ def test_parity_with_one_process_and_one_gather_per_unit(schedule_name, optim_na
                               count_step=2, timeout=150)
     _assert_parity(results, _reference(optim_name))
     for res in results:
-        assert res["counts"] == {"all_gather": 2, "reduce_scatter": 2}, res
+        counts = dict(res["counts"])
+        whole = counts.pop("whole_blocks")
+        assert counts == {"all_gather": 2, "reduce_scatter": 2}, res
+        # memory: the stage's block stays whole between micro-batches
+        assert whole == [1] * MICRO, whole
         assert res["resharded"], res  # every unit resharded between steps
 
 
@@ -188,7 +205,9 @@ def test_dynamic_shapes():
                               count_step=2, static=False, timeout=150)
     _assert_parity(results, _reference("adamw"))
     for res in results:
-        assert res["counts"] == {"all_gather": 2, "reduce_scatter": 2}, res
+        counts = dict(res["counts"])
+        counts.pop("whole_blocks")
+        assert counts == {"all_gather": 2, "reduce_scatter": 2}, res
         assert res["resharded"], res
 
 
@@ -207,7 +226,11 @@ def test_default_resharding_gathers_per_micro_batch_forward(schedule_name):
     results = run_distributed(4, _train, schedule_name, "sgd", count_step=2, timeout=150)
     _assert_parity(results, _reference("sgd"))
     for res in results:
-        assert res["counts"] == {"all_gather": MICRO + 2, "reduce_scatter": 2}, res
+        counts = dict(res["counts"])
+        whole = counts.pop("whole_blocks")
+        assert counts == {"all_gather": MICRO + 2, "reduce_scatter": 2}, res
+        if schedule_name == "gpipe":  # between GPipe's forwards no block is whole
+            assert whole == [0] * MICRO, whole
         assert res["resharded"], res
 
 
