@@ -5,7 +5,8 @@ for a stage module annotated by :func:`fully_shard`.
 Usage (4 ranks: 2 pipeline stages x 2-way data parallel)::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    stage_module = build_stage(mesh["pp"].get_local_rank())   # this rank's layers
+    stage_index = mesh["pp"].get_local_rank()
+    stage_module = build_stage(stage_index)                    # this rank's layers
     for block in stage_module.blocks:
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
     fully_shard(stage_module, mesh=mesh["dp"])
