@@ -92,7 +92,7 @@ def global_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count_step=None,
            static=True):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_rank = mesh["pp"].get_local_rank()
     model = build_model()
     stage_module = (FirstStage if pp_rank == 0 else LastStage)(model)
     for block in stage_module.blocks:
@@ -106,7 +106,6 @@ def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count
     stage = PipelineStage(stage_module, pp_rank, 2, torch.device("cpu"),
                           group=mesh["pp"].get_group(), **shapes)
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=MICRO, loss_fn=loss_fn)
-    optim = make_optimizer(stage_module, optim_name)
     whole_blocks: list[int] = []  # after each micro-batch's forward: blocks held unsharded
 
     def census(module, args, output):
@@ -115,6 +114,22 @@ def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count
                                 for block in stage_module.blocks))
 
     stage_module.register_forward_hook(census)
+    res = _run_steps(schedule, [stage_module], optim_name, mesh, steps, count_step)
+    if res["counts"] is not None:
+        res["counts"]["whole_blocks"] = whole_blocks[-MICRO * (steps - count_step):][:MICRO]
+    res["params"] = {_full_name(pp_rank, k): v.full_tensor()
+                     for k, v in stage_module.state_dict().items()}
+    return res
+
+
+def _run_steps(schedule, modules, optim_name, mesh, steps, count_step) -> dict:
+    """``steps`` steps of ``schedule`` over this rank's stage ``modules``
+    (pp rank 0 feeds the tokens, pp rank 1 computes the losses), each dp
+    rank on its slice of the global batch. Returns this rank's pp rank, the
+    mean losses (pp rank 1), the all-gathers and reduce-scatters of step
+    ``count_step`` and whether every unit was resharded after every step."""
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    optims = [make_optimizer(m, optim_name) for m in modules]
     losses, counts, resharded = [], None, []
     for step in range(steps):
         x, y = global_batch(step, 2)
@@ -128,20 +143,17 @@ def _train(schedule_name, optim_name, steps=3, reshard_after_forward=None, count
                 schedule.step(target=y, losses=mb_losses)
         if step == count_step:
             counts = {"all_gather": counter.counts[ALL_GATHER],
-                      "reduce_scatter": counter.counts[REDUCE_SCATTER],
-                      "whole_blocks": whole_blocks[-MICRO:]}
+                      "reduce_scatter": counter.counts[REDUCE_SCATTER]}
         resharded.append(all(buffer_of(p).unsharded.untyped_storage().size() == 0
-                             for p in stage_module.parameters()))
-        optim.step()
-        optim.zero_grad()
+                             for m in modules for p in m.parameters()))
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
         if pp_rank == 1:
             loss = torch.stack([l.detach() for l in mb_losses]).mean()
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
             losses.append(loss.item())
-    params = {_full_name(pp_rank, k): v.full_tensor()
-              for k, v in stage_module.state_dict().items()}
-    return {"stage": pp_rank, "losses": losses, "params": params, "counts": counts,
-            "resharded": all(resharded)}
+    return {"stage": pp_rank, "losses": losses, "counts": counts, "resharded": all(resharded)}
 
 
 class _null:
@@ -290,7 +302,7 @@ _INTERLEAVED_NAMES = [{"embed": "embed", "blocks.0": "blocks.0"}, {"blocks.0": "
 def _train_interleaved(optim_name, steps=3, count_step=None):
     from torch.distributed.pipelining import ScheduleInterleaved1F1B
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_rank = mesh["pp"].get_local_rank()
     parts = _interleaved_stages(build_model())
     mine = [i for i in range(4) if i % 2 == pp_rank]
     stages, modules = [], []
@@ -303,37 +315,14 @@ def _train_interleaved(optim_name, steps=3, count_step=None):
         stages.append(PipelineStage(module, i, 4, torch.device("cpu"),
                                     group=mesh["pp"].get_group()))
     schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=loss_fn)
-    optims = [make_optimizer(m, optim_name) for m in modules]
-    losses, counts, resharded = [], None, []
-    for step in range(steps):
-        x, y = global_batch(step, 2)
-        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        counter = CollectiveCounter()
-        with counter if step == count_step else _null():
-            if pp_rank == 0:
-                schedule.step(x)
-            else:
-                mb_losses: list = []
-                schedule.step(target=y, losses=mb_losses)
-        if step == count_step:
-            counts = {"all_gather": counter.counts[ALL_GATHER],
-                      "reduce_scatter": counter.counts[REDUCE_SCATTER]}
-        resharded.append(all(buffer_of(p).unsharded.untyped_storage().size() == 0
-                             for m in modules for p in m.parameters()))
-        for optim in optims:
-            optim.step()
-            optim.zero_grad()
-        if pp_rank == 1:
-            loss = torch.stack([l.detach() for l in mb_losses]).mean()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
-            losses.append(loss.item())
+    res = _run_steps(schedule, modules, optim_name, mesh, steps, count_step)
     params = {}
     for i, module in zip(mine, modules):
         for k, v in module.state_dict().items():
             prefix = next(p for p in _INTERLEAVED_NAMES[i] if k.startswith(p + "."))
             params[_INTERLEAVED_NAMES[i][prefix] + k[len(prefix):]] = v.full_tensor()
-    return {"stage": pp_rank, "losses": losses, "params": params, "counts": counts,
-            "resharded": all(resharded)}
+    res["params"] = params
+    return res
 
 
 def test_interleaved_1f1b_two_stages_per_rank():
