@@ -466,19 +466,73 @@ def described(name: str) -> dict:
     from fsdp_compose import describe
     model = shard_with(build_model("gpt"), name)
     report = describe(model).to_dict()
-    str(describe(model))  # the table renders
+    report["text"] = str(describe(model))
+    # what this rank holds, read from the parameters themselves
+    report["held"] = [[r.param.numel() for r in b.records] for b in _buffers(model)]
     return report
 
 
-@pytest.mark.parametrize("name", ["owned", "shard1"])
+def _buffers(model: nn.Module) -> list:
+    """Every flat buffer, in describe()'s unit order."""
+    from fsdp_compose.runtime.state import units_below
+    return [buffer for unit in units_below(model) for buffer in unit.buffers]
+
+
+@pytest.mark.parametrize("name", ["owned", "shard1", "rows"])
 def test_describe_reports_placed_layouts(name):
-    report = run_distributed(2, described, name)[0]
-    buffers = [b for u in report["units"] for b in u["buffers"]]
-    assert all(b["unsharded_numel"] == b["numel"] + b["padding"] for b in buffers)
-    assert all(b["shard_numel"] * 2 == b["unsharded_numel"] for b in buffers)
-    params = [p for b in buffers for p in b["params"]]
-    if name == "owned":  # every non-scalar parameter on exactly one rank
-        assert all(len(p["owner_ranks"]) == 1 for p in params if p["numel"])
+    results = run_distributed(2, described, name)
+    for rank, report in enumerate(results):
+        buffers = [b for u in report["units"] for b in u["buffers"]]
+        assert all(b["unsharded_numel"] == b["numel"] + b["padding"] for b in buffers)
+        assert all(b["shard_numel"] * 2 == b["unsharded_numel"] for b in buffers)
+        params = [p for b in buffers for p in b["params"]]
+        if name == "owned":  # every non-scalar parameter on exactly one rank
+            assert all(len(p["owner_ranks"]) == 1 for p in params if p["numel"])
+        # per-rank loads: what each rank's parameters hold, and the imbalance from them
+        assert [sum(held) for held in report["held"]] == [b["rank_numels"][rank] for b in buffers]
+        for b in buffers:
+            loads = b["rank_numels"]
+            assert sum(loads) == b["numel"]
+            want = max(loads) * len(loads) / sum(loads) - 1 if sum(loads) else 0.0
+            assert b["imbalance"] == pytest.approx(want)
+        expected = {"owned": "owned", "shard1": "Shard(1)", "rows": "rows"}[name]
+        assert any(p["placement"] == expected for p in params)
+        assert f"placement {expected}" in report["text"] or \
+            f", {expected}" in report["text"], report["text"]
+        assert "the most loaded +" in report["text"]
+
+
+def planned_and_allocated(name: str) -> dict:
+    """This rank's shard bytes and trainable elements, as ``fully_shard``
+    allocated them under placement ``name``."""
+    model = shard_with(build_model("gpt"), name)
+    buffers = _buffers(model)
+    return {"shard_bytes": sum(b.layout.shard_numel * b.dtype.itemsize for b in buffers),
+            "trainable": [sum(r.param.numel() for r in b.records)
+                          for b in buffers if b.requires_grad]}
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "owned-matrices", "shard1"])
+def test_the_planner_lays_out_like_fully_shard(name):
+    """``estimate_memory(placement=, shard_placement_fn=)`` plans the layouts
+    ``fully_shard`` allocates: the same shard bytes per rank, and optimizer
+    state for the most loaded rank of each buffer (AdamW: two moments)."""
+    from fsdp_compose.tools.planner import estimate_memory
+    placement, kind = PLACEMENTS[name]
+    with torch.device("meta"):
+        model = build_model("gpt")
+    units = [*model.blocks, model]
+    flat = estimate_memory(model, 3, units=units)
+    est = estimate_memory(model, 3, units=units, placement=placement,
+                          shard_placement_fn=_placement_fn(kind))
+    results = run_distributed(3, planned_and_allocated, name)
+    assert est.sharded_params == results[0]["shard_bytes"]
+    if name != "shard1":  # (torch.chunk's pieces happen to load rank 0 as "flat" does here)
+        assert (est.sharded_params, est.optimizer_state) != \
+            (flat.sharded_params, flat.optimizer_state)  # the placement reached the planner
+    most_loaded = [max(loads) for loads in zip(*(r["trainable"] for r in results))]
+    params = len(list(model.parameters()))
+    assert est.optimizer_state == 2 * 4 * sum(most_loaded) + 4 * params  # + AdamW's steps
 
 
 def converted(name: str) -> dict:
