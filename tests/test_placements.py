@@ -596,3 +596,73 @@ def test_cpu_offload_policy(name):
     shards and gradients kept apart from the compute copies)."""
     results = run_distributed(2, train_placed, name, "adamw", 3, "plain", False, None, None, True)
     assert_parity(results, train_reference(2, "adamw", 3), ATOL)
+
+
+class _OneUsed(nn.Module):
+    """A used unit and a unit the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _one_used_steps(model: nn.Module, optim, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        torch.manual_seed(100 + step)
+        x = torch.randn(2 * world, 4)
+        local = x if rank is None else x[2 * rank:2 * rank + 2]
+        model(local).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+
+
+def saved_where_one_rank_holds_nothing() -> dict:
+    """3 ranks, ``"owned"``: the used unit's weight and bias live on ranks 0
+    and 1, so rank 2 holds none of the parameters that get gradients and has
+    no optimizer state; torch's ``get_state_dict`` initialises it alone. The
+    state saved must be one process's; a fresh model and optimizer loaded
+    from it train on like one process."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict, set_state_dict)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _OneUsed()
+    fully_shard(model.used, placement="owned")
+    fully_shard(model.unused)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _one_used_steps(model, optim, range(2), rank, world)
+    had_state = bool(optim.state)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    steps = {k: float(v["step"]) for k, v in optim_sd["state"].items()}
+    kept_state = bool(optim.state)
+    torch.manual_seed(1)
+    fresh = _OneUsed()
+    fully_shard(fresh.used, placement="owned")
+    fully_shard(fresh.unused)
+    fully_shard(fresh)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    set_state_dict(fresh, fresh_optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(strict=False))  # `unused` never had state
+    _one_used_steps(fresh, fresh_optim, range(2, 4), rank, world)
+    full = {n: v.full_tensor() for n, v in get_model_state_dict(fresh).items()}
+    return {"had_state": had_state, "kept_state": kept_state, "steps": steps, "full": full}
+
+
+def test_a_rank_holding_nothing_trained_saves_and_resumes_like_one_process():
+    results = run_distributed(3, saved_where_one_rank_holds_nothing)
+    assert [r["had_state"] for r in results] == [True, True, False]
+    assert results[2]["kept_state"] is False  # torch's initialisation there was undone
+    for r in results:  # the same keys and step counts on every rank: the used unit's, 2 steps
+        assert r["steps"] == {"used.weight": 2.0, "used.bias": 2.0}, r["steps"]
+    torch.manual_seed(0)
+    reference = _OneUsed()
+    optim = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    _one_used_steps(reference, optim, range(4), None, 3)
+    for name, want in reference.state_dict().items():
+        for r in results:
+            torch.testing.assert_close(r["full"][name], want, rtol=0, atol=1e-6)
