@@ -137,6 +137,10 @@ def parse_args() -> argparse.Namespace:
     train.add_argument("--micro-batches", type=int, default=1,
                        help="gradient accumulation: micro-batches per optimizer step")
     train.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    train.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                       help="muon: torch.optim.Muon on the blocks' weight matrices (each whole "
+                            "on one rank: placement 'owned'), AdamW on the rest")
+    train.add_argument("--muon-lr", type=float, default=0.02, help="peak learning rate (Muon)")
     train.add_argument("--warmup", type=int, default=0,
                        help="linear LR warmup steps before the cosine decay")
     train.add_argument("--min-lr-ratio", type=float, default=1.0,
@@ -281,7 +285,9 @@ def build_model(args: argparse.Namespace, impl: str, device: torch.device) -> nn
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                        reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block, **kwargs)
+            # Muon needs whole matrices: each lives on one rank, the others hold 0 rows
+            fully_shard(block, **kwargs, shard_placement_fn=(
+                _owned_matrices if args.optimizer == "muon" else None))
         fully_shard(model, **kwargs)
         return model
     if impl == "fsdp2":
@@ -319,14 +325,69 @@ def original_shape(p: torch.Tensor) -> torch.Size:
     return info.shape if info is not None else p.shape
 
 
-def build_optimizer(args: argparse.Namespace, model: nn.Module):
-    decay = [p for p in model.parameters() if len(original_shape(p)) >= 2]
-    no_decay = [p for p in model.parameters() if len(original_shape(p)) < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lr_lambda(args.warmup, args.decay_steps or args.steps, args.min_lr_ratio))
-    return optim, sched
+def _owned_matrices(param: nn.Parameter) -> Optional[str]:
+    """``shard_placement_fn`` for Muon: the blocks' weight matrices whole."""
+    return "owned" if param.ndim == 2 else None
+
+
+def muon_params(model: nn.Module) -> list[nn.Parameter]:
+    """The hidden weight matrices (the blocks' 2-D weights): Muon's share;
+    embeddings, head, norms and biases stay with AdamW."""
+    blocks = model.module.blocks if hasattr(model, "module") else model.blocks
+    return [p for p in blocks.parameters() if len(original_shape(p)) == 2]
+
+
+class Optimizers:
+    """Several optimizers stepped as one (torch's state-dict functions take
+    the list ``optimizers``)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = list(optimizers)
+
+    def step(self) -> None:
+        for optim in self.optimizers:
+            optim.step()
+
+    def zero_grad(self) -> None:
+        for optim in self.optimizers:
+            optim.zero_grad()
+
+
+class Schedulers:
+    """One LR schedule per optimizer of :class:`Optimizers`, stepped together."""
+
+    def __init__(self, schedulers: list[torch.optim.lr_scheduler.LRScheduler]) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for sched in self.schedulers:
+            sched.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(i): sched.state_dict() for i, sched in enumerate(self.schedulers)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for i, sched in enumerate(self.schedulers):
+            sched.load_state_dict(state[str(i)])
+
+
+def build_optimizer(args: argparse.Namespace, model: nn.Module) -> tuple[Optimizers, Schedulers]:
+    """AdamW (weight decay on the matrices, as nanoGPT), or with ``--optimizer
+    muon`` torch's Muon on the blocks' weight matrices and AdamW on the rest;
+    a warmup-cosine schedule for each."""
+    matrices = muon_params(model) if args.optimizer == "muon" else []
+    taken = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in taken]
+    decay = [p for p in rest if len(original_shape(p)) >= 2]
+    no_decay = [p for p in rest if len(original_shape(p)) < 2]
+    optims = [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)]
+    if matrices:
+        optims.append(torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.1,
+                                       adjust_lr_fn="match_rms_adamw"))
+    schedule = lr_lambda(args.warmup, args.decay_steps or args.steps, args.min_lr_ratio)
+    return Optimizers(*optims), Schedulers([torch.optim.lr_scheduler.LambdaLR(o, schedule)
+                                            for o in optims])
 
 
 class TrainState(Stateful):
@@ -334,17 +395,16 @@ class TrainState(Stateful):
     optimizer in torch FSDP2's layout, the scheduler, and the steps done
     (which is also the data position: step N trains on ``synthetic_tokens(N - 1)``)."""
 
-    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer,
-                 sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    def __init__(self, model: nn.Module, optim: Optimizers, sched: Schedulers) -> None:
         self.model, self.optim, self.sched = model, optim, sched
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optim)
+        msd, osd = get_state_dict(self.model, self.optim.optimizers)
         return {"model": msd, "optim": osd, "sched": self.sched.state_dict(), "step": self.step}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optim, model_state_dict=sd["model"],
+        set_state_dict(self.model, self.optim.optimizers, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
         self.sched.load_state_dict(sd["sched"])
         self.step = int(sd["step"])
@@ -392,8 +452,8 @@ def say(msg: str, file=None) -> None:
     file.flush()
 
 
-def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: torch.optim.Optimizer,
-          sched: torch.optim.lr_scheduler.LRScheduler, device: torch.device, first_step: int,
+def train(args: argparse.Namespace, impl: str, model: nn.Module, optim: Optimizers,
+          sched: Schedulers, device: torch.device, first_step: int,
           after_step: Optional[Callable[[int], None]] = None, main_run: bool = True) -> RunStats:
     """Steps ``first_step..args.steps``. Every step: ``--micro-batches``
     forward/backward passes (gradient sync on the last only), the optimizer
@@ -674,6 +734,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     local = sum(p.numel() for p in model.parameters())
     options = [args.mixed_precision if args.mixed_precision != "none" else "fp32",
                f"reshard_after_forward={args.reshard_after_forward}"]
+    if args.optimizer == "muon":
+        options.append("Muon on the block matrices (placement 'owned') + AdamW")
     if args.activation_checkpointing:
         options.append("activation checkpointing")
     if args.hsdp:
@@ -704,7 +766,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     runs = [train(args, "fsdp_compose", model, optim, sched, device, first_step, after_step)]
     if args.compare:
         del state, model, optim, sched
-        for impl in IMPLS[1:]:
+        # torch's Muon needs whole matrices: FSDP2's Shard(0) DTensors are not
+        for impl in [i for i in IMPLS[1:] if args.optimizer != "muon" or i != "fsdp2"]:
             reset_peak_memory(device)
             model = build_model(args, impl, device)
             optim, sched = build_optimizer(args, model)

@@ -73,7 +73,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_compose import PrefetchPolicy, fully_shard, materialize, param_info
+from fsdp_compose import Blocks, PrefetchPolicy, fully_shard, materialize, param_info
+from fsdp_compose.runtime.owners import owner_of
 from fsdp_compose.runtime.state import units_below
 from fsdp_compose.runtime.training_state import TrainingState
 from tests._owners import buffer_of
@@ -121,6 +122,7 @@ class Annotation:
 
     paths: tuple[str, ...]
     reshard_after_forward: Union[bool, int, None] = None  # an int divides the shard-group size
+    placement: object = "flat"  # fully_shard(placement=...): "flat", "rows", Blocks(n), "owned"
 
 
 @dataclass(frozen=True)
@@ -336,7 +338,7 @@ def build_sharded(spec: FuzzSpec, mesh: Optional[DeviceMesh], seed: int) -> Fuzz
     for ann in spec.annotations:
         modules = [model.get_submodule(p) for p in ann.paths]
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                    reshard_after_forward=ann.reshard_after_forward)
+                    reshard_after_forward=ann.reshard_after_forward, placement=ann.placement)
     if spec.checkpoint_after_shard:
         _apply_checkpoint(model, spec)
     if spec.meta_init:
@@ -358,20 +360,22 @@ def resume_fresh(spec: FuzzSpec, mesh: Optional[DeviceMesh], model: FuzzNode,
     built from another seed; returns them."""
     # torch initialises an optimizer without state by a zero-gradient step
     # (AdamW's `step` would then count one more step than the reference's):
-    # until some parameter got a gradient there is no optimizer state to save
-    mine = int(optim is not None and bool(optim.state))
-    agreed = torch.tensor([mine, -mine])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # (max, -min) of the flag over ranks
-    assert agreed[0] == -agreed[1], \
-        f"rank {dist.get_rank()}: ranks disagree on whether the optimizer has state"
-    with_optim = bool(mine)
+    # until some parameter got a gradient there is no optimizer state to save.
+    # Under "rows"/"owned" a rank holding none of the parameters that got
+    # gradients has none while the others have some: the state is saved.
+    anywhere = torch.tensor([int(optim is not None and bool(optim.state))])
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    with_optim = bool(anywhere)
     if with_optim:
         model_sd, optim_sd = get_state_dict(model, optim)
-    else:
+    elif any(True for _ in model.parameters()):
         model_sd = get_model_state_dict(model)
+    else:
+        model_sd = None  # torch's state-dict API refuses a model without parameters
     fresh = build_sharded(spec, mesh, seed=spec.seed + 1)
     fresh_optim = make_optim(fresh, spec.optim)
-    set_model_state_dict(fresh, model_sd)
+    if model_sd is not None:
+        set_model_state_dict(fresh, model_sd)
     if with_optim:  # not strict: parameters that never got a gradient have no state
         set_optimizer_state_dict(fresh, fresh_optim, optim_sd,
                                  options=StateDictOptions(strict=False))
@@ -429,7 +433,9 @@ def train_sharded(spec: FuzzSpec) -> dict:
             _check_idle(model, originals, f"after resuming from the state dicts of step {step}")
     params = {n: (param_info(p).local_offset, p.detach().clone())
               for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "evals": evals}
+    flat = {n: buffer_of(p).layout.placements[owner_of(p).index] == "flat"
+            for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "evals": evals, "flat": flat}
 
 
 def train_reference(spec: FuzzSpec) -> dict:
@@ -454,9 +460,17 @@ def train_reference(spec: FuzzSpec) -> dict:
     return {"losses": losses, "grads": grads, "params": params, "evals": evals}
 
 
-def _assert_piece(what: str, piece: tuple[int, torch.Tensor], full: torch.Tensor) -> None:
+def _assert_piece(what: str, piece: tuple[int, torch.Tensor], full: torch.Tensor,
+                  flat: bool = True) -> None:
+    """``piece``: 1-D under ``"flat"``; under the other drawn placements
+    (whole rows) the parameter's number of dimensions, contiguous."""
     offset, local = piece
-    assert local.dim() == 1, f"{what}: local piece has shape {tuple(local.shape)}"
+    if flat:
+        assert local.dim() == 1, f"{what}: local piece has shape {tuple(local.shape)}"
+    else:
+        assert local.shape[1:] == full.shape[1:], \
+            f"{what}: local piece has shape {tuple(local.shape)}, the parameter {tuple(full.shape)}"
+        local = local.reshape(-1)
     want = full.reshape(-1)[offset:offset + local.numel()] if local.numel() else full.new_empty(0)
     assert local.shape == want.shape, f"{what}: {local.numel()} elements at {offset} " \
                                       f"of {full.numel()}"
@@ -477,13 +491,17 @@ def check_parity(spec: FuzzSpec) -> None:
             assert got.keys() == want.keys()
             for name, full in want.items():
                 what = f"rank {rank} step {step}: {name}.grad"
+                flat, held = res["flat"][name], res["params"][name][1].numel()
+                if got[name] is None and full is not None and not flat and not held:
+                    continue  # a rank holding none of a non-flat parameter gets no .grad
                 assert (got[name] is None) == (full is None), \
                     f"{what} is {'None' if got[name] is None else 'set'}, reference " \
                     f"{'None' if full is None else 'set'}"
                 if full is not None:
-                    _assert_piece(what, got[name], full)
+                    _assert_piece(what, got[name], full, flat)
         for name, full in ref["params"].items():
-            _assert_piece(f"rank {rank}: parameter {name}", res["params"][name], full)
+            _assert_piece(f"rank {rank}: parameter {name}", res["params"][name], full,
+                          res["flat"][name])
     # the ranks of each replica together hold every element exactly once
     for replica in range(spec.world // spec.shard_size):
         ranks = [r for r in range(spec.world) if spec.replica_of(r) == replica]
@@ -553,19 +571,22 @@ def fuzz_specs(draw) -> FuzzSpec:
     divisors = [k for k in range(1, shard_size + 1) if shard_size % k == 0] \
         if shard_size > 1 else []
     raf = st.sampled_from([None, True, False, *divisors])
+    placements = st.sampled_from(["flat", "flat", "rows", Blocks(2), "owned"])
     annotations: list[Annotation] = []
     pending: dict[str, str] = {}  # parent -> a chosen child kept back to join a sibling list
     for path, parent in chosen:
         if parent in pending:
-            annotations.append(Annotation((pending.pop(parent), path), draw(raf)))
+            annotations.append(Annotation((pending.pop(parent), path), draw(raf),
+                                          draw(placements)))
         elif draw(st.integers(0, 3)) == 0:
             pending[parent] = path
         else:
-            annotations.append(Annotation((path,), draw(raf)))
-    annotations += [Annotation((p,), draw(raf)) for p in pending.values()]  # found no sibling
+            annotations.append(Annotation((path,), draw(raf), draw(placements)))
+    annotations += [Annotation((p,), draw(raf), draw(placements))
+                    for p in pending.values()]  # found no sibling
     # deeper first is bottom-up (a stable sort keeps post-order within a depth)
     annotations.sort(key=lambda a: -a.paths[0].count("."))
-    annotations.append(Annotation(("",), draw(raf)))
+    annotations.append(Annotation(("",), draw(raf), draw(placements)))
     micro = draw(st.integers(1, 2))
     steps = draw(st.integers(2, 3))
     return FuzzSpec(

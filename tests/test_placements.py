@@ -466,19 +466,73 @@ def described(name: str) -> dict:
     from fsdp_compose import describe
     model = shard_with(build_model("gpt"), name)
     report = describe(model).to_dict()
-    str(describe(model))  # the table renders
+    report["text"] = str(describe(model))
+    # what this rank holds, read from the parameters themselves
+    report["held"] = [[r.param.numel() for r in b.records] for b in _buffers(model)]
     return report
 
 
-@pytest.mark.parametrize("name", ["owned", "shard1"])
+def _buffers(model: nn.Module) -> list:
+    """Every flat buffer, in describe()'s unit order."""
+    from fsdp_compose.runtime.state import units_below
+    return [buffer for unit in units_below(model) for buffer in unit.buffers]
+
+
+@pytest.mark.parametrize("name", ["owned", "shard1", "rows"])
 def test_describe_reports_placed_layouts(name):
-    report = run_distributed(2, described, name)[0]
-    buffers = [b for u in report["units"] for b in u["buffers"]]
-    assert all(b["unsharded_numel"] == b["numel"] + b["padding"] for b in buffers)
-    assert all(b["shard_numel"] * 2 == b["unsharded_numel"] for b in buffers)
-    params = [p for b in buffers for p in b["params"]]
-    if name == "owned":  # every non-scalar parameter on exactly one rank
-        assert all(len(p["owner_ranks"]) == 1 for p in params if p["numel"])
+    results = run_distributed(2, described, name)
+    for rank, report in enumerate(results):
+        buffers = [b for u in report["units"] for b in u["buffers"]]
+        assert all(b["unsharded_numel"] == b["numel"] + b["padding"] for b in buffers)
+        assert all(b["shard_numel"] * 2 == b["unsharded_numel"] for b in buffers)
+        params = [p for b in buffers for p in b["params"]]
+        if name == "owned":  # every non-scalar parameter on exactly one rank
+            assert all(len(p["owner_ranks"]) == 1 for p in params if p["numel"])
+        # per-rank loads: what each rank's parameters hold, and the imbalance from them
+        assert [sum(held) for held in report["held"]] == [b["rank_numels"][rank] for b in buffers]
+        for b in buffers:
+            loads = b["rank_numels"]
+            assert sum(loads) == b["numel"]
+            want = max(loads) * len(loads) / sum(loads) - 1 if sum(loads) else 0.0
+            assert b["imbalance"] == pytest.approx(want)
+        expected = {"owned": "owned", "shard1": "Shard(1)", "rows": "rows"}[name]
+        assert any(p["placement"] == expected for p in params)
+        assert f"placement {expected}" in report["text"] or \
+            f", {expected}" in report["text"], report["text"]
+        assert "the most loaded +" in report["text"]
+
+
+def planned_and_allocated(name: str) -> dict:
+    """This rank's shard bytes and trainable elements, as ``fully_shard``
+    allocated them under placement ``name``."""
+    model = shard_with(build_model("gpt"), name)
+    buffers = _buffers(model)
+    return {"shard_bytes": sum(b.layout.shard_numel * b.dtype.itemsize for b in buffers),
+            "trainable": [sum(r.param.numel() for r in b.records)
+                          for b in buffers if b.requires_grad]}
+
+
+@pytest.mark.parametrize("name", ["rows", "owned", "owned-matrices", "shard1"])
+def test_the_planner_lays_out_like_fully_shard(name):
+    """``estimate_memory(placement=, shard_placement_fn=)`` plans the layouts
+    ``fully_shard`` allocates: the same shard bytes per rank, and optimizer
+    state for the most loaded rank of each buffer (AdamW: two moments)."""
+    from fsdp_compose.tools.planner import estimate_memory
+    placement, kind = PLACEMENTS[name]
+    with torch.device("meta"):
+        model = build_model("gpt")
+    units = [*model.blocks, model]
+    flat = estimate_memory(model, 3, units=units)
+    est = estimate_memory(model, 3, units=units, placement=placement,
+                          shard_placement_fn=_placement_fn(kind))
+    results = run_distributed(3, planned_and_allocated, name)
+    assert est.sharded_params == results[0]["shard_bytes"]
+    if name != "shard1":  # (torch.chunk's pieces happen to load rank 0 as "flat" does here)
+        assert (est.sharded_params, est.optimizer_state) != \
+            (flat.sharded_params, flat.optimizer_state)  # the placement reached the planner
+    most_loaded = [max(loads) for loads in zip(*(r["trainable"] for r in results))]
+    params = len(list(model.parameters()))
+    assert est.optimizer_state == 2 * 4 * sum(most_loaded) + 4 * params  # + AdamW's steps
 
 
 def converted(name: str) -> dict:
@@ -542,3 +596,73 @@ def test_cpu_offload_policy(name):
     shards and gradients kept apart from the compute copies)."""
     results = run_distributed(2, train_placed, name, "adamw", 3, "plain", False, None, None, True)
     assert_parity(results, train_reference(2, "adamw", 3), ATOL)
+
+
+class _OneUsed(nn.Module):
+    """A used unit and a unit the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _one_used_steps(model: nn.Module, optim, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        torch.manual_seed(100 + step)
+        x = torch.randn(2 * world, 4)
+        local = x if rank is None else x[2 * rank:2 * rank + 2]
+        model(local).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+
+
+def saved_where_one_rank_holds_nothing() -> dict:
+    """3 ranks, ``"owned"``: the used unit's weight and bias live on ranks 0
+    and 1, so rank 2 holds none of the parameters that get gradients and has
+    no optimizer state; torch's ``get_state_dict`` initialises it alone. The
+    state saved must be one process's; a fresh model and optimizer loaded
+    from it train on like one process."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict, set_state_dict)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _OneUsed()
+    fully_shard(model.used, placement="owned")
+    fully_shard(model.unused)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _one_used_steps(model, optim, range(2), rank, world)
+    had_state = bool(optim.state)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    steps = {k: float(v["step"]) for k, v in optim_sd["state"].items()}
+    kept_state = bool(optim.state)
+    torch.manual_seed(1)
+    fresh = _OneUsed()
+    fully_shard(fresh.used, placement="owned")
+    fully_shard(fresh.unused)
+    fully_shard(fresh)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    set_state_dict(fresh, fresh_optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(strict=False))  # `unused` never had state
+    _one_used_steps(fresh, fresh_optim, range(2, 4), rank, world)
+    full = {n: v.full_tensor() for n, v in get_model_state_dict(fresh).items()}
+    return {"had_state": had_state, "kept_state": kept_state, "steps": steps, "full": full}
+
+
+def test_a_rank_holding_nothing_trained_saves_and_resumes_like_one_process():
+    results = run_distributed(3, saved_where_one_rank_holds_nothing)
+    assert [r["had_state"] for r in results] == [True, True, False]
+    assert results[2]["kept_state"] is False  # torch's initialisation there was undone
+    for r in results:  # the same keys and step counts on every rank: the used unit's, 2 steps
+        assert r["steps"] == {"used.weight": 2.0, "used.bias": 2.0}, r["steps"]
+    torch.manual_seed(0)
+    reference = _OneUsed()
+    optim = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    _one_used_steps(reference, optim, range(4), None, 3)
+    for name, want in reference.state_dict().items():
+        for r in results:
+            torch.testing.assert_close(r["full"][name], want, rtol=0, atol=1e-6)

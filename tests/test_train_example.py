@@ -207,3 +207,22 @@ def test_ctrl_c_stops_every_rank_with_a_message(tmp_path):
     assert proc.returncode != 0
     assert elapsed < 30, elapsed
     assert re.search(r"\[rank [01]\] interrupted \(Ctrl-C\) at step \d+: exiting", err), err[-3000:]
+
+
+def test_muon_on_owned_matrices_trains_like_ddp(tmp_path):
+    """``--optimizer muon``: torch's Muon on the blocks' weight matrices,
+    each whole on one rank (placement "owned"), AdamW on the rest; DDP runs
+    the same optimizers on whole parameters. The same losses (torch's Muon
+    orthogonalises in bf16, so last-bit differences in the reduced gradients
+    may show: 1e-3), and each rank holds about half of the parameters."""
+    proc = _torchrun(tmp_path, "--optimizer", "muon", "--compare", "--no-progress")
+    losses = _assert_trained(proc, tmp_path)
+    assert "Muon on the block matrices (placement 'owned') + AdamW" in proc.stdout
+    rows = {m[0]: m for m in _ROW.findall(proc.stdout)}
+    assert list(rows) == ["fsdp_compose", "ddp"], proc.stdout  # FSDP2's DTensors: no Muon
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for got, want in zip(summary["runs"][1]["losses"], summary["runs"][0]["losses"], strict=True):
+        assert got == pytest.approx(want, abs=1e-3)
+    total, here = re.search(r"([\d.]+)M parameters, ([\d.]+)M on this rank", proc.stdout).groups()
+    assert 0.3 < float(here) / float(total) < 0.7, proc.stdout
+    assert losses[STEPS] < losses[1]

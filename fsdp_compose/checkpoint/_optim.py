@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..buffers.flat_buffer import FlatBuffer
+from ..comm.groups import backend_device
 from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ._exchange import (Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable,
@@ -39,6 +40,10 @@ from ._exchange import (Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers the step pre-hook has looked at (hooks attached if needed)."""
 _ATTACHED: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+_ZERO_STEPPED: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+"""Optimizers whose last step was torch's state initialisation
+(``torch.distributed.checkpoint.state_dict._init_optim_state``: no state
+yet, every ``lr`` 0, every gradient zeros), not a training step."""
 
 
 def register_optimizer(optimizer: Optimizer) -> None:
@@ -56,6 +61,25 @@ def register_optimizer(optimizer: Optimizer) -> None:
 def _on_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer not in _SEEN:  # one set lookup per step after the first
         register_optimizer(optimizer)
+    if not optimizer.state and optimizer in _ATTACHED:  # first steps only
+        if _is_zero_initialisation(optimizer):
+            _ZERO_STEPPED.add(optimizer)
+            return
+    if optimizer in _ZERO_STEPPED:
+        _ZERO_STEPPED.discard(optimizer)
+
+
+def _is_zero_initialisation(optimizer: Optimizer) -> bool:
+    """The step torch's ``get_state_dict`` takes on an optimizer without
+    state: ``lr`` 0 in every group, a zero gradient on every parameter that
+    requires one. Under placements other than "flat" a rank can be in that
+    situation while the others hold real state (it holds none of the
+    parameters that got gradients), so the state this step creates there is
+    not the state one process would save; see :func:`_drop_zero_step_state`."""
+    if any(float(group.get("lr", 1.0)) != 0.0 for group in optimizer.param_groups):
+        return False
+    return all(p.grad is not None and not bool(p.grad.any())
+               for p in _params(optimizer) if p.requires_grad)
 
 
 _STEP_HOOK = register_optimizer_step_pre_hook(_on_step)
@@ -100,6 +124,7 @@ _OPTIM_FIX = ("Sharded optimizer state is spread over the ranks: call it on ever
 def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
     arrive(None, "optimizer.state_dict()", _OPTIM_FIX)
     params = dict(enumerate(_params(optimizer)))
+    _drop_zero_step_state(optimizer, state_dict)
     state = state_dict["state"]
     plan = []  # (buffer, state name, [(state key, buffer index)], dtype, device)
     for group in _by_buffer(params):
@@ -132,6 +157,31 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
                 state[key][name] = shard_dim_value(local, record, buffer.group)
                 continue
             state[key][name] = record_value(chunks[index], record, buffer.group)
+
+
+def _drop_zero_step_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Undo torch's state initialisation on the ranks that took it while
+    other ranks hold state from training.
+
+    One process saves no state for parameters that never got a gradient,
+    and initialises state only when it has none at all. Sharded under
+    "rows" or "owned", a rank may hold none of the parameters that got
+    gradients, have no state, and get initialised alone: state with
+    ``step`` 1 for every parameter, which would be saved (another step
+    count than the holders') and trained on (AdamW's bias correction would
+    differ from one process's). Such a rank returns to no state, in the
+    optimizer and in ``state_dict``; the others' ``step`` reaches it below.
+    If every rank was initialised, the initialisation stands, as in one
+    process. Collective (one all-reduce of two integers) when distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    initialised = optimizer in _ZERO_STEPPED
+    flags = torch.tensor([int(initialised), int(not initialised)], device=backend_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if initialised and bool(flags[1]):
+        optimizer.state.clear()
+        state_dict["state"] = {}
+        _ZERO_STEPPED.discard(optimizer)
 
 
 def _reader(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
@@ -236,6 +286,7 @@ def _describe(summary: Optional[list]) -> str:
 # ------------------------------------------------------------------- load
 def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     arrive(None, "optimizer.load_state_dict()", _OPTIM_FIX)
+    _ZERO_STEPPED.discard(optimizer)  # the loaded state replaces an initialisation
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = dict(zip(saved_ids, _params(optimizer)))
     state = {key: dict(value) if isinstance(value, dict) else value

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .._setup import join_fqn
 from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.layout import Blocks, ShardDim
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
 from ..runtime.scheduler import Scheduler
@@ -62,6 +63,8 @@ class ParamReport:
         local_offset: index of the first of them in the flattened original
             (as ``param_info(p).local_offset``; meaningless when
             ``local_numel == 0``).
+        placement: how it is cut (``"flat"``, ``"rows"``, ``"Blocks(n)"``,
+            ``"owned"``, ``"Shard(d)"``; see docs/placements.md).
     """
 
     fqn: str
@@ -73,6 +76,7 @@ class ParamReport:
     owner_ranks: tuple[int, ...]
     local_numel: int
     local_offset: int
+    placement: str = "flat"
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,11 @@ class BufferReport:
             the same on every rank, padding included).
         shard_bytes: per-rank shard size in ``dtype`` (a trainable buffer's
             sharded gradient has the same size).
+        rank_numels: parameter elements (no padding) in each rank's chunk;
+            equal up to one element under "flat", uneven under the other
+            placements, which cut only at rows or whole parameters.
+        imbalance: ``max(rank_numels) / mean - 1`` (0: perfectly even): how
+            much more optimizer state and compute the most loaded rank has.
     """
 
     trainable: bool
@@ -111,6 +120,8 @@ class BufferReport:
     unsharded_bytes: int
     shard_numel: int
     shard_bytes: int
+    rank_numels: tuple[int, ...] = ()
+    imbalance: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -347,14 +358,33 @@ def _buffer_report(buffer: FlatBuffer, paths: dict[int, list[str]]) -> BufferRep
             fqn=names[0], aliases=tuple(names[1:]), shape=tuple(record.shape),
             numel=layout.numels[index], requires_grad=record.param.requires_grad,
             flat_offset=layout.offsets[index], owner_ranks=tuple(layout.owner_ranks(index)),
-            local_numel=local.length, local_offset=local.param_start))
+            local_numel=local.length, local_offset=local.param_start,
+            placement=placement_name(layout.placements[index])))
+    loads = layout.rank_numels()
     return BufferReport(
         trainable=buffer.requires_grad, dtype=buffer.dtype, compute_dtype=buffer.compute_dtype,
         reduce_dtype=buffer.reduce_dtype, storage_device=str(buffer.storage_device),
         params=tuple(params), numel=layout.numel, padding=layout.padding,
         unsharded_numel=layout.padded_numel,
         unsharded_bytes=layout.padded_numel * buffer.compute_dtype.itemsize,
-        shard_numel=layout.shard_numel, shard_bytes=layout.shard_numel * buffer.dtype.itemsize)
+        shard_numel=layout.shard_numel, shard_bytes=layout.shard_numel * buffer.dtype.itemsize,
+        rank_numels=loads, imbalance=_imbalance(loads))
+
+
+def placement_name(placement: object) -> str:
+    """``"flat"``, ``"rows"``, ``"owned"``, ``"Blocks(n)"`` or ``"Shard(d)"``."""
+    if isinstance(placement, str):
+        return placement
+    if isinstance(placement, Blocks):
+        return f"Blocks({placement.n})"
+    if isinstance(placement, ShardDim):
+        return f"Shard({placement.dim})"
+    return repr(placement)
+
+
+def _imbalance(loads: tuple[int, ...]) -> float:
+    total = sum(loads)
+    return max(loads) * len(loads) / total - 1 if total else 0.0
 
 
 def _unmanaged(model: nn.Module, units: list[ShardUnit]) -> list[tuple[str, nn.Parameter]]:
@@ -459,6 +489,12 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
             f"{buffer.numel:,} + {buffer.padding} padding = {buffer.unsharded_numel:,} elements "
             f"({format_bytes(buffer.unsharded_bytes)}); {buffer.shard_numel:,} per rank "
             f"({format_bytes(buffer.shard_bytes)})")
+        placements = sorted({p.placement for p in buffer.params})
+        if placements != ["flat"] or buffer.imbalance > 0.01:
+            loads = buffer.rank_numels
+            lines.append(f"    placement {', '.join(placements)}: parameter elements per rank "
+                         f"{min(loads):,} to {max(loads):,}, the most loaded "
+                         f"+{100 * buffer.imbalance:.1f}% over the mean")
         rows = [("parameter", "shape", "numel", "flat offset", "ranks", f"rank {unit.rank} owns")]
         for p in buffer.params:
             name = p.fqn + (f" (= {', '.join(p.aliases)})" if p.aliases else "")

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ..._setup import PlacementFn, assign_placements
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
@@ -31,7 +32,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                     optimizer: str = "adamw", mp_policy: Optional[MixedPrecisionPolicy] = None,
                     offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
                     reshard_after_forward: Optional[bool] = None,
-                    backend: Optional[str] = None) -> MemoryEstimate:
+                    backend: Optional[str] = None, placement: object = "flat",
+                    shard_placement_fn: Optional[PlacementFn] = None) -> MemoryEstimate:
     """Estimate one rank's memory for training ``model`` annotated by ``units``.
 
     Args:
@@ -53,6 +55,11 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         backend: ``"nccl"`` (CUDA) or ``"gloo"`` (CPU); ``None`` (default):
             the one this machine would use (``"nccl"`` where CUDA is
             available, else ``"gloo"``); the report says which was assumed.
+        placement, shard_placement_fn: ``fully_shard``'s, for every unit
+            (``"flat"``, ``"rows"``, ``Blocks(n)``, ``"owned"``, or per
+            parameter); the layouts are ``fully_shard``'s own. Optimizer
+            state counts the most loaded rank of each unit (under ``"owned"``
+            ranks differ), so the sum is an upper bound for any one rank.
 
     Raises:
         ValueError: an unknown option, units that do not end with ``model``,
@@ -69,6 +76,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         raise ValueError(f"need world_size >= 1 and prefetch >= 0, got {world_size}, {prefetch}")
     offload = offload and backend == "nccl"  # on a CPU mesh offload changes nothing
     specs = resolve_units(model, default_units(model) if units is None else units)
+    for spec in specs:
+        assign_placements(spec.records, placement, shard_placement_fn)
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
     order, unit_acts, root_acts = list(range(len(specs) - 1)), [0] * len(specs), [0]

@@ -54,7 +54,7 @@ class UnitPlan(NamedTuple):
     name: str
     sharded: int
     grads: int  # gradient shards (trainable buffers)
-    state: int  # one optimizer state tensor per owned trainable element
+    state: int  # one optimizer state tensor per trainable element on the most loaded rank
     trainable_params: int
     unsharded: tuple[int, ...]  # per buffer, compute dtype
     view_grads: int  # per-parameter gradients before the split's backward
@@ -96,8 +96,8 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
         name=spec.name,
         sharded=sum(b.layout.shard_numel * b.size for b in buffers),
         grads=sum(b.layout.shard_numel * b.size for b in train),
-        # rank 0 owns no padding: min(shard, numel) elements
-        state=sum(min(b.layout.shard_numel, b.layout.numel) * b.size for b in train),
+        # the most loaded rank's parameter elements (padding has no state)
+        state=sum(max(b.layout.rank_numels()) * b.size for b in train),
         trainable_params=sum(len(b.params) for b in train),
         unsharded=tuple(0 if b.aliased else b.layout.padded_numel * b.compute for b in buffers),
         view_grads=sum(b.layout.numel * b.compute for b in train),
