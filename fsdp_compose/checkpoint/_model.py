@@ -36,6 +36,7 @@ from ..runtime.training_state import TrainingState
 from ..runtime.unit import ShardUnit
 from ._exchange import (checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value,
                         shard_dim, shard_dim_local, shard_dim_value)
+from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 
 _STATE_DICT_FIX = (
@@ -75,13 +76,23 @@ class UnitStateDictHooks:
                _STATE_DICT_FIX)
         below = self._records_below(module)
         skip_frozen = _torch_drops_frozen_params()
-        values: dict[int, torch.Tensor] = {}
+        flat = flat_values_requested()
+        if flat:
+            self._make_loadable()  # the shards are what DCP writes from and reads into
+        values: dict[int, Any] = {}
         group = self.unit.group
         for buffer in self.unit.buffers:
             selected = [i for i, r in enumerate(buffer.records)
                         if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
+            if flat:  # zero-copy: views of the shard, no exchange (see _pieces.py)
+                for index in selected:
+                    if has_pieces(buffer, index):
+                        values[id(buffer.records[index].param)] = ShardPieces.of(
+                            buffer, index, buffer.local_view(buffer.sharded.detach(), index),
+                            lead=group.rank == 0)
+                selected = [i for i in selected if not has_pieces(buffer, i)]
             if not selected:
-                continue  # the same on every rank: nothing of this buffer below `module`
+                continue  # the same on every rank: nothing (left) of this buffer below `module`
             for index in selected:  # Shard(d): the local piece is FSDP2's, no exchange
                 record = buffer.records[index]
                 if shard_dim(record) is not None:
@@ -133,6 +144,13 @@ class UnitStateDictHooks:
         for key, record in keys:
             value = state_dict.get(key)
             if value is None or value is record.param:
+                continue
+            if isinstance(value, ShardPieces):  # flat_state_dict: DCP loaded it in place
+                if value.local is None or value.local.untyped_storage().data_ptr() != \
+                        record.param.untyped_storage().data_ptr():
+                    error_msgs.append(f"{key}: a flat_state_dict() value of another model; "
+                                      "load flat_state_dict values into the model they came from")
+                state_dict[key] = record.param
                 continue
             expected = checkpoint_shape(record)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(expected):

@@ -35,6 +35,7 @@ from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ._exchange import (Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable,
                         record_value, shard_dim, shard_dim_local, shard_dim_value)
+from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers the step pre-hook has looked at (hooks attached if needed)."""
@@ -113,11 +114,18 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
     plan, scalars = _same_on_every_rank(plan, params, state)
     for key, values in scalars.items():  # e.g. 'step' of a parameter held elsewhere
         state[key] = {**values, **state.get(key, {})}
+    flat = flat_values_requested()
     for buffer, name, entries, dtype, device in plan:
         _refuse_scalar_params(buffer, name, entries)
         for key, _ in entries:
             if key not in state or state[key] is optimizer.state.get(params[key]):
                 state[key] = dict(state.get(key, {}))  # never modify the optimizer's own state
+        if flat:  # zero-copy: the state tensors' pieces as they lie (see _pieces.py)
+            for key, index in entries:
+                if has_pieces(buffer, index):
+                    state[key][name] = ShardPieces.of(buffer, index, state[key].get(name),
+                                                      dtype=dtype, lead=buffer.group.rank == 0)
+            entries = [(key, i) for key, i in entries if not has_pieces(buffer, i)]
         exchanged = [(key, i) for key, i in entries if shard_dim(buffer.records[i]) is None]
         chunks = flat_to_chunks(_reader(buffer, name, exchanged, state), buffer.layout,
                                 buffer.group, [i for _, i in exchanged], dtype=dtype,
@@ -240,13 +248,24 @@ def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) ->
     params = dict(zip(saved_ids, _params(optimizer)))
     state = {key: dict(value) if isinstance(value, dict) else value
              for key, value in state_dict["state"].items()}
+    in_place = set()  # flat_state_dict values: DCP loaded them in place
+    for key, values in state.items():
+        for name, value in list(values.items()):
+            if isinstance(value, ShardPieces):
+                in_place.add((key, name))
+                if value.local is None:
+                    del values[name]  # this rank holds none of the parameter: no state here
+                else:
+                    values[name] = value.local
     for group in _by_buffer({k: p for k, p in params.items() if k in state}):
         buffer = group.buffer
         names = sorted({name for key, _ in group.entries for name, value in state[key].items()
-                        if isinstance(value, torch.Tensor) and value.dim() > 0})
+                        if isinstance(value, torch.Tensor) and value.dim() > 0
+                        and (key, name) not in in_place})
         for name in names:
             entries = [(key, index) for key, index in group.entries
-                       if isinstance(state[key].get(name), torch.Tensor)]
+                       if isinstance(state[key].get(name), torch.Tensor)
+                       and (key, name) not in in_place]
             _load_state(buffer, name, entries, state)
     return {**state_dict, "state": state}
 
