@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
@@ -97,7 +97,7 @@ class ShardPieces:
         s = buffer.local_slices()[index]
         if shape.numel() == 0:
             return cls(shape, local.dtype, local, [(Box((0,) * len(shape), tuple(shape), 0),
-                                                    local.new_empty(shape))] if lead else [])
+                                                    local.reshape(-1)[:0].view(shape))] if lead else [])
         dim = shard_dim(record)
         if dim is not None:  # Shard(d): one box, the piece in the parameter's own dim order
             lo = s.param_start // buffer.layout.row_numel(index) if s.length else 0
@@ -133,6 +133,20 @@ class ShardPieces:
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
                 for box, _ in self.boxes]
+
+    def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> "ShardPieces":
+        """The same boxes over ``copy(local)`` (a copy with ``local``'s strides)."""
+        if self.local is None:
+            return ShardPieces(self.shape, self.dtype, None, [])
+        local = copy(self.local)
+        if local.stride() != self.local.stride():
+            raise AssertionError(f"a staged copy has strides {local.stride()}, "
+                                 f"not {self.local.stride()}")
+        base = self.local.storage_offset()
+        return ShardPieces(self.shape, self.dtype, local, [
+            (box, local.as_strided(t.shape, t.stride(),
+                                   local.storage_offset() + t.storage_offset() - base))
+            for box, t in self.boxes])
 
     def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
         """The view of the box starting at ``offsets`` (shares ``local``'s memory)."""
