@@ -36,6 +36,9 @@ from ..runtime.training_state import TrainingState
 from ..runtime.unit import ShardUnit
 from ._exchange import (checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value,
                         shard_dim, shard_dim_local, shard_dim_value)
+from ._chunks import chunk_shape
+from ._exchange import checkpoint_placements
+from ._lazy import in_place, is_lazy, lazy_value
 from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 
@@ -91,6 +94,11 @@ class UnitStateDictHooks:
                             buffer, index, buffer.local_view(buffer.sharded.detach(), index),
                             lead=group.rank == 0)
                 selected = [i for i in selected if not has_pieces(buffer, i)]
+            else:  # converted when first used; DCP reads and writes the shard itself
+                for index in selected:
+                    if is_lazy(buffer, index):
+                        values[id(buffer.records[index].param)] = _lazy_param(buffer, index)
+                selected = [i for i in selected if not is_lazy(buffer, i)]
             if not selected:
                 continue  # the same on every rank: nothing (left) of this buffer below `module`
             for index in selected:  # Shard(d): the local piece is FSDP2's, no exchange
@@ -145,6 +153,9 @@ class UnitStateDictHooks:
             value = state_dict.get(key)
             if value is None or value is record.param:
                 continue
+            if in_place(value, self._sharded_of(record)):  # a lazy value of ours, unused
+                state_dict[key] = record.param  # live: whatever DCP loaded is in the shard
+                continue
             if isinstance(value, ShardPieces):  # flat_state_dict: DCP loaded it in place
                 if value.local is None or value.local.untyped_storage().data_ptr() != \
                         record.param.untyped_storage().data_ptr():
@@ -167,6 +178,10 @@ class UnitStateDictHooks:
             if values:
                 _load_into(buffer, values)
 
+    def _sharded_of(self, record: ParamRecord) -> torch.Tensor:
+        return next(b.sharded for b in self.unit.buffers
+                    if any(r is record for r in b.records))
+
     def _keys_below(self, module: nn.Module, prefix: str) -> list[tuple[str, ParamRecord]]:
         keys = []
         for name, sub in module.named_modules(prefix=prefix.rstrip("."), remove_duplicate=False):
@@ -183,6 +198,16 @@ class UnitStateDictHooks:
                 f"load_state_dict() reached {unit.name} during its {unit.training_state.name.lower()}; "
                 "load checkpoints between iterations (after optimizer.step(), before forward).")
         unit.reshard()  # a manual unshard() or reshard_after_backward=False kept it unsharded
+
+
+def _lazy_param(buffer: FlatBuffer, index: int) -> torch.Tensor:
+    record, group, source = buffer.records[index], buffer.group, buffer.sharded
+    pieces = ShardPieces.of(buffer, index, buffer.local_view(source.detach(), index),
+                            lead=group.rank == 0)
+    return lazy_value(record.shape, chunk_shape(record.shape, group.world_size, group.rank),
+                      pieces, source,
+                      lambda: flat_to_chunks(source.detach(), buffer.layout, group, [index])[index],
+                      group, checkpoint_placements(group), record.fqn, source.device)
 
 
 def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
