@@ -12,12 +12,16 @@ plain full tensors are accepted and written into the shards in place
 
 Hooks sit on every module a unit manages, so ``state_dict()`` of any
 submodule converts too. Saving runs top-down then bottom-up: the first
-managed module reached (a state-dict *pre*-hook) converts all of the unit's
-parameters below it with one all-to-all per flat buffer and stashes the
-results, and each module's post-hook puts its own parameters' values into
-the dict. Loading runs top-down: the first managed module reached converts
-the unit's values below it and replaces them in the dict by the parameters
-themselves, so torch's own copy is a no-op and later hooks skip them.
+managed module reached (a state-dict *pre*-hook) makes the values of all of
+the unit's parameters below it and stashes them, and each module's
+post-hook puts its own parameters' values into the dict. The values of the
+flat layouts are lazy ([Note: lazy checkpoint values] in ``_lazy.py``: DCP
+writes and reads the shard's boxes, other uses convert once); tensor-parallel
+ones are converted with one all-to-all per flat buffer, ``Shard(d)`` ones are
+the local pieces. Loading runs top-down: the first managed module reached
+converts the unit's values below it (lazy values of this model not used since
+are already in place: skipped) and replaces them in the dict by the
+parameters themselves, so torch's own copy is a no-op and later hooks skip them.
 """
 
 from __future__ import annotations

@@ -149,6 +149,11 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
                 state[key][name] = shard_dim_value(local, record, buffer.group)
                 continue
             state[key][name] = record_value(chunks[index], record, buffer.group)
+    # The same order on every rank (under "owned" a rank's optimizer made state only
+    # for what it holds, the rest was added above): code that uses the values in dict
+    # order (deepcopy, full_state_dict) converts them collectively, in that order.
+    state_dict["state"] = {key: dict(sorted(state[key].items())) if isinstance(state[key], dict)
+                           else state[key] for key in sorted(state, key=repr)}
 
 
 def _lazy_state(buffer: FlatBuffer, index: int, name: str, local: Optional[torch.Tensor],
