@@ -35,9 +35,9 @@ from fsdp_compose.checkpoint import FlatLoadPlanner, FlatSavePlanner, flat_state
 from fsdp_compose.checkpoint._boxes import range_boxes
 from fsdp_compose.checkpoint._pieces import ShardPieces
 from tests._comm_counter import CollectiveCounter
-from tests._training import _local, build_model, global_batch, make_optimizer
+from tests._training import build_model, make_optimizer
 from tests.harness import run_distributed
-from tests.test_placements import shard_with
+from tests.test_placements import _adamw_step, shard_with
 
 TIMEOUT = 90
 
@@ -68,12 +68,7 @@ def test_range_boxes_cover_the_range_in_order():
 
 
 # ------------------------------------------------------------------ on ranks
-def _step(model, optim, step):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = global_batch(step, world, "plain")
-    model.loss(_local(x, rank, world), _local(y, rank, world)).backward()
-    optim.step()
-    optim.zero_grad()
+_step = _adamw_step  # one step on this rank's slice of the global batch
 
 
 def _full_state(model, optim) -> dict:
