@@ -6,7 +6,9 @@ its original shape placed ``Shard(0)`` on its unit's mesh, and
 ``torch.distributed.checkpoint`` (DCP) and its ``state_dict`` functions
 (``get_state_dict``, ``set_state_dict``, ``StateDictOptions``) work
 unchanged, and checkpoints load across world sizes, into torch FSDP2 and
-into unsharded models. See docs/checkpointing.md.
+into unsharded models. The values are converted only when first used: DCP
+writes and reads the flat shards' pieces in place (``_lazy.py``). See
+docs/checkpointing.md.
 
 The zero-copy path (:func:`flat_state_dict` with :class:`FlatSavePlanner` /
 :class:`FlatLoadPlanner`) writes the flat shards' pieces as DCP boxes as they
