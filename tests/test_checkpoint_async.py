@@ -69,7 +69,8 @@ def async_saves(root: str, flat: bool) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["dtensor", "flat"])
+@pytest.mark.parametrize("flat", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["dtensor", "flat"])
 def test_async_save_writes_the_state_at_the_call(tmp_path, flat):
     for rank, out in enumerate(run_distributed(2, async_saves, str(tmp_path), flat,
                                                timeout=TIMEOUT)):

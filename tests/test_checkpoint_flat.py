@@ -1,6 +1,7 @@
-"""The zero-copy checkpoint path (``flat_state_dict`` + ``FlatSavePlanner`` /
-``FlatLoadPlanner``): each rank writes its flat shard's pieces as DCP boxes
-and reads them straight back.
+"""Checkpoints at disk speed: torch's recipe over lazy values, and the explicit
+zero-copy path (``flat_state_dict`` + ``FlatSavePlanner`` / ``FlatLoadPlanner``):
+each rank writes its flat shard's pieces as DCP boxes and reads them straight
+back.
 
 What must hold, each checked against code that does not use the path
 (torch's ``get_state_dict(..., full_state_dict=True)`` over our ``DTensor``
@@ -8,7 +9,9 @@ conversion, torch FSDP2, a plain model):
 
 * the boxes of a flat range cover it exactly, in order (pure math);
 * saving and loading exchange nothing (no all-to-all, no all-gather) and the
-  values handed to DCP share the shards' memory;
+  values handed to DCP share the shards' memory; through torch's recipe too
+  (``get_state_dict`` + ``dcp.save``, ``dcp.load`` + ``set_state_dict``), where
+  no lazy value is converted;
 * a checkpoint saved under one placement resumes under another (same
   optimizer step on both sides afterwards), and at another world size;
 * the files load into torch FSDP2 and into an unsharded model, and torch
@@ -33,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose.checkpoint import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
 from fsdp_compose.checkpoint._boxes import range_boxes
+from fsdp_compose.checkpoint._lazy import LazyChunk
 from fsdp_compose.checkpoint._pieces import ShardPieces
 from tests._comm_counter import CollectiveCounter
 from tests._training import build_model, make_optimizer
@@ -92,32 +96,50 @@ def _shares_shard_memory(model_sd: dict) -> bool:
     return bool(pieces) and views and len(storages) < len(pieces)
 
 
-def save_flat(placement: str, path: str, steps: int = 2) -> dict:
+def _unused_lazy(model_sd: dict, optim_sd: dict) -> bool:
+    """Every value of torch's recipe is a lazy chunk that nothing converted."""
+    values = list(model_sd.values()) + [v for s in optim_sd["state"].values() for v in s.values()
+                                        if isinstance(v, DTensor)]
+    return all(isinstance(v._local_tensor, LazyChunk) and not v._local_tensor.materialized
+               for v in values if isinstance(v, DTensor))
+
+
+def save_flat(placement: str, path: str, steps: int = 2, recipe: bool = False) -> dict:
     model = shard_with(build_model("gpt"), placement)
     optim = make_optimizer(model, "adamw")
     for step in range(steps):
         _step(model, optim, step)
     with CollectiveCounter() as counter:
-        msd, osd = flat_state_dict(model, optim)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, planner=FlatSavePlanner())
-    out = {"full": _full_state(model, optim), "views": _shares_shard_memory(msd),
+        if recipe:  # torch's own: get_state_dict + dcp.save, default planner
+            msd, osd = get_state_dict(model, optim)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        else:
+            msd, osd = flat_state_dict(model, optim)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, planner=FlatSavePlanner())
+    out = {"views": _unused_lazy(msd, osd) if recipe else _shares_shard_memory(msd),
            "exchanges": _exchanges(counter)}
+    out["full"] = _full_state(model, optim)
     _step(model, optim, steps)
     out["next"] = _full_state(model, optim)["model"]
     return out
 
 
-def load_flat(placement: str, path: str, steps: int = 2) -> dict:
+def load_flat(placement: str, path: str, steps: int = 2, recipe: bool = False) -> dict:
     model = shard_with(build_model("gpt"), placement)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)  # start from other values than the checkpoint's
     optim = make_optimizer(model, "adamw")
     with CollectiveCounter() as counter:
-        msd, osd = flat_state_dict(model, optim)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, planner=FlatLoadPlanner())
+        if recipe:  # torch's own: get_state_dict + dcp.load + set_state_dict
+            msd, osd = get_state_dict(model, optim)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        else:
+            msd, osd = flat_state_dict(model, optim)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, planner=FlatLoadPlanner())
+        unused = _unused_lazy(msd, osd) if recipe else True
         set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
-    out = {"full": _full_state(model, optim), "exchanges": _exchanges(counter)}
+    out = {"full": _full_state(model, optim), "exchanges": _exchanges(counter), "unused": unused}
     _step(model, optim, steps)
     out["next"] = _full_state(model, optim)["model"]
     return out
@@ -136,8 +158,12 @@ def _exact(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[k], w), f"{what}{k}: differs by {(got[k] - w).abs().max().item()}"
 
 
-@pytest.mark.parametrize("saved_as,loaded_as", [("flat0", "rows"), ("owned", "shard1"),
-                                                ("shard1", "flat0"), ("blocks2", "owned")])
+_SLOW = pytest.mark.slow  # the default run keeps one case of each test
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [
+    ("flat0", "rows"), pytest.param("owned", "shard1", marks=_SLOW),
+    pytest.param("shard1", "flat0", marks=_SLOW), pytest.param("blocks2", "owned", marks=_SLOW)])
 def test_resume_under_another_placement_without_exchange(tmp_path, saved_as, loaded_as):
     path = str(tmp_path / "ckpt")
     saved = run_distributed(3, save_flat, saved_as, path, timeout=TIMEOUT)
@@ -149,6 +175,24 @@ def test_resume_under_another_placement_without_exchange(tmp_path, saved_as, loa
         for key, want in s["next"].items():
             torch.testing.assert_close(l["next"][key], want, rtol=0, atol=1e-6)
         assert s["views"], f"rank {rank}: the saved values do not share the shards' memory"
+        assert s["exchanges"] == {} and l["exchanges"] == {}, (s["exchanges"], l["exchanges"])
+
+
+@pytest.mark.parametrize("saved_as,loaded_as", [("rows", "owned"),
+                                                pytest.param("owned", "flat0", marks=_SLOW)])
+def test_torch_recipe_saves_and_loads_in_place(tmp_path, saved_as, loaded_as):
+    """get_state_dict + dcp.save and dcp.load + set_state_dict with DCP's default
+    planners: no value is converted (lazy chunks stay unused), nothing is
+    exchanged, and the resumed run continues like the saved one."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(3, save_flat, saved_as, path, recipe=True, timeout=TIMEOUT)
+    loaded = run_distributed(3, load_flat, loaded_as, path, recipe=True, timeout=TIMEOUT)
+    for rank, (s, l) in enumerate(zip(saved, loaded)):
+        _exact(l["full"]["model"], s["full"]["model"], f"rank {rank} model ")
+        _exact(l["full"]["optim"], s["full"]["optim"], f"rank {rank} optim ")
+        for key, want in s["next"].items():
+            torch.testing.assert_close(l["next"][key], want, rtol=0, atol=1e-6)
+        assert s["views"] and l["unused"], f"rank {rank}: a value was converted"
         assert s["exchanges"] == {} and l["exchanges"] == {}, (s["exchanges"], l["exchanges"])
 
 
