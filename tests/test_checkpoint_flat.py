@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose.checkpoint import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
@@ -194,6 +195,26 @@ def test_torch_recipe_saves_and_loads_in_place(tmp_path, saved_as, loaded_as):
             torch.testing.assert_close(l["next"][key], want, rtol=0, atol=1e-6)
         assert s["views"] and l["unused"], f"rank {rank}: a value was converted"
         assert s["exchanges"] == {} and l["exchanges"] == {}, (s["exchanges"], l["exchanges"])
+
+
+def full_optimizer_state_under_owned() -> dict:
+    model = shard_with(build_model("gpt"), "owned")
+    optim = make_optimizer(model, "adamw")
+    for step in range(2):
+        _step(model, optim, step)
+    want = _full_state(model, optim)["optim"]  # gathered in sorted key order
+    _, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    got = {f"{k}.{n}": v for k, s in osd["state"].items() for n, v in s.items()}
+    return {"want": want, "got": got}
+
+
+def test_full_optimizer_state_dict_under_owned():
+    """torch's full_state_dict gathers the optimizer state in dict order: every
+    rank must list it in the same order (under "owned" a rank's optimizer has
+    state only for what it holds; it used to hang in mismatched all-gathers)."""
+    for rank, res in enumerate(run_distributed(3, full_optimizer_state_under_owned,
+                                               timeout=TIMEOUT)):
+        _exact(res["got"], res["want"], f"rank {rank} ")
 
 
 def test_flat_checkpoint_loads_at_another_world_size(tmp_path):
