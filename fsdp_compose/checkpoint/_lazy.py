@@ -113,6 +113,19 @@ class LazyChunk(torch.Tensor):
         state = "materialized" if self.materialized else "in the flat shard"
         return f"LazyChunk({tuple(self.shape)}, {self.dtype}, {state})"
 
+    def staged(self, value: DTensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+        """``value`` (a ``DTensor`` over this unused chunk) over a copy of
+        this rank's pieces, for an async save: DCP writes it; it cannot be
+        converted (the shard it would be converted from is not copied)."""
+        pieces = self.pieces.staged(copy)
+
+        def unavailable() -> torch.Tensor:
+            raise RuntimeError(f"a staged checkpoint value ({self._what}) is only written by DCP")
+
+        local = LazyChunk(tuple(self.shape), self.dtype, self.device, pieces, pieces.local,
+                          unavailable, self._group, self._what, self._offsets)
+        return DTensor(local, value._spec, requires_grad=False)
+
     # ----------------------------------------- DCP, through DTensor's delegation
     def __create_write_items__(self, fqn: str, obj: DTensor) -> list[WriteItem]:
         if self.materialized:

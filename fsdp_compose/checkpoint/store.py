@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ..comm.rendezvous import arrive
+from ._lazy import LazyChunk
 from ._pieces import ShardPieces
 from .flat import FlatLoadPlanner, FlatSavePlanner
 
@@ -376,7 +377,8 @@ def _fsync_dir(path: Path) -> None:
 def _staged(state: Any) -> Any:
     """A copy of ``state`` that training can no longer change: every tensor
     copied to host memory (pinned when it comes from an accelerator),
-    ``DTensor`` and :class:`ShardPieces` values rebuilt over their copies,
+    ``DTensor`` and :class:`ShardPieces` values rebuilt over their copies
+    (a lazy value of ours over a copy of this rank's pieces: no conversion),
     ``Stateful`` objects replaced by their ``state_dict()``, anything else
     deep-copied. What an async save writes from."""
     if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
@@ -385,6 +387,9 @@ def _staged(state: Any) -> Any:
         return {key: _staged(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(_staged(value) for value in state)
+    if isinstance(state, DTensor) and isinstance(state._local_tensor, LazyChunk) and \
+            not state._local_tensor.materialized:  # only this rank's pieces: no conversion
+        return state._local_tensor.staged(state, _host_copy)
     if isinstance(state, DTensor):
         return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh,
                                   state.placements, run_check=False, shape=state.shape,
