@@ -1,24 +1,34 @@
-"""Save and load time and memory of a sharded checkpoint: fsdp_compose vs
-torch FSDP2, in one run, both through torch.distributed.checkpoint (DCP) to
-local disk.
+"""Save and load time and memory of a sharded checkpoint: fsdp_compose (torch's
+recipe and the zero-copy path) vs torch FSDP2, in one run, all through
+torch.distributed.checkpoint (DCP) to local disk; and how long an async save
+blocks the training loop.
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint            # default model
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint --rounds 2 --layers 2
 
-Each round builds each implementation afresh (interleaved, order alternating),
+Each round builds each implementation afresh (interleaved, order rotating),
 trains one step so AdamW has state, then times
 
 * save: ``get_state_dict(model, optim)`` + ``dcp.save`` (the recipe in
-  docs/checkpointing.md), and
+  docs/checkpointing.md); ``fsdp_compose flat``: ``flat_state_dict`` +
+  ``dcp.save(..., planner=FlatSavePlanner())``, and
 * load: into a freshly built and annotated model and optimizer,
-  ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``,
+  ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` (``flat``:
+  ``flat_state_dict`` + ``dcp.load(..., planner=FlatLoadPlanner())`` +
+  ``set_state_dict``),
 
 and the per-rank memory each adds: torch-allocated bytes are not tracked on
 the CPU, so the measure is the process's resident-set high-water mark
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before each operation)
 minus the resident set just before it. The loaded values are checked equal
-to the saved ones. Rank 0 prints a table and writes
-``benchmarks/results/checkpoint.json``.
+to the saved ones.
+
+Async: ``CheckpointStore(async_save=True).save`` of the zero-copy state (the
+time until it returns: the training loop's blocking time, staging included)
+next to a synchronous ``CheckpointStore.save`` of the same state, and the
+time the background save then needs to finish (``wait``).
+
+Rank 0 prints a table and writes ``benchmarks/results/checkpoint.json``.
 """
 
 from __future__ import annotations
@@ -40,10 +50,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fsdp_compose.checkpoint import (CheckpointStore, FlatLoadPlanner, FlatSavePlanner,
+                                     flat_state_dict)
 from fsdp_compose.testing import GPT, GPTConfig
 from benchmarks.impls import BUILDERS
 
-IMPLS = ("fsdp_compose", "fsdp2")
+IMPLS = ("fsdp_compose", "fsdp_compose flat", "fsdp2")
+FLAT = "fsdp_compose flat"
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint.json"
 
 
@@ -72,7 +85,7 @@ def measured(fn: Callable[[], object]) -> tuple[float, int]:
 
 def build(cfg: GPTConfig, name: str, seed: int):
     torch.manual_seed(seed)
-    model = BUILDERS[name](GPT(cfg))
+    model = BUILDERS[name.split()[0]](GPT(cfg))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, optim
 
@@ -100,6 +113,11 @@ def one_round(cfg: GPTConfig, name: str, root: Path) -> dict[str, float]:
     dist.barrier()
 
     def save() -> None:
+        if name == FLAT:
+            msd, osd = flat_state_dict(model, optim)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path),
+                     planner=FlatSavePlanner())
+            return
         msd, osd = get_state_dict(model, optim)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
@@ -108,8 +126,13 @@ def one_round(cfg: GPTConfig, name: str, root: Path) -> dict[str, float]:
     fresh, fresh_optim = build(cfg, name, seed=2)
 
     def load() -> None:
-        msd, osd = get_state_dict(fresh, fresh_optim)
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
+        if name == FLAT:
+            msd, osd = flat_state_dict(fresh, fresh_optim)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path),
+                     planner=FlatLoadPlanner())
+        else:
+            msd, osd = get_state_dict(fresh, fresh_optim)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
         set_state_dict(fresh, fresh_optim, model_state_dict=msd, optim_state_dict=osd)
 
     load_s, load_bytes = measured(load)
@@ -118,6 +141,25 @@ def one_round(cfg: GPTConfig, name: str, root: Path) -> dict[str, float]:
         raise AssertionError(f"{name}: loaded values differ from the saved ones")
     return {"save_s": save_s, "save_rss_growth": save_bytes,
             "load_s": load_s, "load_rss_growth": load_bytes}
+
+
+def async_round(cfg: GPTConfig, root: Path, stores: tuple[CheckpointStore, CheckpointStore],
+                step: int) -> dict[str, float]:
+    """Blocking time of an async save vs a synchronous save of the same
+    (zero-copy) state, and the background save's remaining time."""
+    model, optim = build(cfg, FLAT, seed=1)
+    train_one_step(cfg, model, optim)
+    sync_store, async_store = stores
+
+    def state() -> dict:
+        msd, osd = flat_state_dict(model, optim)
+        return {"model": msd, "optim": osd}
+
+    sync_s, _ = measured(lambda: sync_store.save(step, state()))
+    block_s, block_bytes = measured(lambda: async_store.save(step, state()))
+    wait_s, _ = measured(async_store.wait)
+    return {"sync_save_s": sync_s, "async_block_s": block_s, "async_block_rss_growth": block_bytes,
+            "async_wait_s": wait_s}
 
 
 def main() -> None:
@@ -131,10 +173,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=16384, seq_len=128, d_model=512, n_heads=8, n_layers=args.layers)
     root = Path(tempfile.gettempdir()) / f"fsdp_compose_ckpt_bench_{os.getppid()}"
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in IMPLS}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in IMPLS + ("async",)}
+    stores = (CheckpointStore(root / "sync", keep=1),
+              CheckpointStore(root / "async", keep=1, async_save=True))
     for r in range(args.rounds):
-        for name in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
+        for name in IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]:
             runs[name].append(one_round(cfg, name, root))
+        runs["async"].append(async_round(cfg, root, stores, r))
     per_rank = [None] * world
     dist.all_gather_object(per_rank, runs)
     if rank == 0:
@@ -160,21 +205,31 @@ def summarize(per_rank: list[dict[str, list[dict[str, float]]]]) -> dict[str, di
             "load_ms": statistics.median(s["load_s"] for s in samples) * 1e3,
             "load_rss_growth_mib": max(s["load_rss_growth"] for s in samples) / 2**20,
         }
+    samples = [run for runs in per_rank for run in runs["async"]]
+    out["async"] = {key[:-2] + "_ms": statistics.median(s[key] for s in samples) * 1e3
+                    for key in ("sync_save_s", "async_block_s", "async_wait_s")}
+    out["async"]["async_block_rss_growth_mib"] = max(
+        s["async_block_rss_growth"] for s in samples) / 2**20
     return out
 
 
 def _print_table(summary: dict[str, dict[str, float]], cfg: GPTConfig, world: int) -> None:
     print(f"checkpoint save/load, GPT {cfg.n_layers} layers d{cfg.d_model} vocab "
           f"{cfg.vocab_size}, {world} ranks, AdamW state, DCP to local disk")
-    print(f"{'':14}{'save (ms)':>11}{'save +RSS':>14}{'load (ms)':>11}{'load +RSS':>14}")
-    for name, m in summary.items():
-        print(f"{name:14}{m['save_ms']:11.0f}{m['save_rss_growth_mib']:10.0f} MiB"
-              f"{m['load_ms']:11.0f}{m['load_rss_growth_mib']:10.0f} MiB")
-    mine, base = summary["fsdp_compose"], summary["fsdp2"]
-    print(f"fsdp_compose / fsdp2: save {mine['save_ms'] / base['save_ms']:.2f}x time, "
-          f"{mine['save_rss_growth_mib'] / max(base['save_rss_growth_mib'], 1e-9):.2f}x memory; "
-          f"load {mine['load_ms'] / base['load_ms']:.2f}x time, "
-          f"{mine['load_rss_growth_mib'] / max(base['load_rss_growth_mib'], 1e-9):.2f}x memory")
+    print(f"{'':18}{'save ms (/fsdp2)':>18}{'+RSS':>12}{'load ms (/fsdp2)':>17}{'+RSS':>12}")
+    base = summary["fsdp2"]
+    for name in IMPLS:
+        m = summary[name]
+        print(f"{name:18}{m['save_ms']:9.0f} ({m['save_ms'] / base['save_ms']:.2f}x)"
+              f"{m['save_rss_growth_mib']:8.0f} MiB"
+              f"{m['load_ms']:9.0f} ({m['load_ms'] / base['load_ms']:.2f}x)"
+              f"{m['load_rss_growth_mib']:8.0f} MiB")
+    a = summary["async"]
+    print(f"CheckpointStore (zero-copy state): synchronous save {a['sync_save_ms']:.0f} ms; "
+          f"async save blocks {a['async_block_ms']:.0f} ms "
+          f"({a['async_block_ms'] / a['sync_save_ms']:.0%} of it, "
+          f"+{a['async_block_rss_growth_mib']:.0f} MiB staged), then finishes in the "
+          f"background in {a['async_wait_ms']:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -506,15 +506,24 @@ def _adapter_only_job() -> dict:
     shard_blocks_and_root(model)
     optim = _optim(model, "adamw")
     _train(model, optim, range(1))
-    with _Traffic() as adapter_traffic:
+    # values are converted when first used ([Note: lazy checkpoint values]): taking a
+    # state dict moves nothing; using its values moves each one's Shard(0) chunk. (The
+    # conversion is called directly: a dispatch mode does not see the collectives run
+    # inside a tensor subclass's own dispatch, where using a value converts it.)
+    with _Traffic() as take_traffic:
         sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
-    with _Traffic() as all_traffic:
         all_sd = get_model_state_dict(model)
+    with _Traffic() as adapter_traffic:
+        for value in sd.values():
+            value._local_tensor.materialize()
+    with _Traffic() as all_traffic:
+        for value in all_sd.values():
+            value._local_tensor.materialize()
     with _Traffic() as full_traffic:
         full_sd = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
     return {"sd": _describe_dict(sd), "full_sd": _describe_dict(full_sd),
-            "all_keys": sorted(all_sd),
+            "all_keys": sorted(all_sd), "take_bytes": take_traffic.total,
             "adapter_ops": adapter_traffic.ops, "adapter_bytes": adapter_traffic.total,
             "all_bytes": all_traffic.total, "full_ops": full_traffic.ops,
             "full_bytes": full_traffic.total}
@@ -543,17 +552,18 @@ def test_adapter_only_state_dict_moves_no_frozen_weight():
         print(f"rank {rank}: adapter-only {res['adapter_bytes']} B {res['adapter_ops']}; "
               f"whole model {res['all_bytes']} B; adapter-only full {res['full_bytes']} B "
               f"{res['full_ops']}; trainable {trainable_bytes} B, frozen {frozen_bytes} B")
-        # only the trainable buffers (root: norm; block 1: fc2) are converted
-        assert [op for op, _ in res["adapter_ops"]] == ["c10d.alltoall_base_"] * 2
+        assert res["take_bytes"] == 0
+        # only the trainable parameters (root: norm; block 1: fc2) are converted, each once
+        assert [op for op, _ in res["adapter_ops"]] == ["c10d.alltoall_base_"] * 4
         assert res["adapter_bytes"] <= trainable_bytes < frozen_bytes
-        # full_state_dict: one all-gather per trainable parameter on top (padded)
-        assert [op for op, _ in res["full_ops"]] == \
-            ["c10d.alltoall_base_"] * 2 + ["_c10d_functional.all_gather_into_tensor"] * 4
+        # full_state_dict: one all-gather per trainable parameter (padded; the
+        # conversion before it runs inside DTensor's dispatch, unseen here)
+        assert [op for op, _ in res["full_ops"]] == ["_c10d_functional.all_gather_into_tensor"] * 4
         assert res["full_bytes"] < frozen_bytes
     # Measured on 2 ranks (bytes received per rank, rank 0 / rank 1): adapter-only
     # 288 / 216 (its Shard(0) chunks of the 504 trainable bytes, none of the 6840
-    # frozen ones); the whole model 3800 / 3544; adapter-only with
-    # full_state_dict=True 864 / 792 (+ all-gathers of the padded adapters).
+    # frozen ones); the whole model 3800 / 3544 (before lazy values, with one
+    # exchange per buffer; now one per parameter, the same bytes).
     # Each rank receives exactly its dim-0 chunks: the ranks together receive
     # every converted byte once.
     assert sum(res["adapter_bytes"] for res in results) == trainable_bytes

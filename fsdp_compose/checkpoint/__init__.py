@@ -6,7 +6,13 @@ its original shape placed ``Shard(0)`` on its unit's mesh, and
 ``torch.distributed.checkpoint`` (DCP) and its ``state_dict`` functions
 (``get_state_dict``, ``set_state_dict``, ``StateDictOptions``) work
 unchanged, and checkpoints load across world sizes, into torch FSDP2 and
-into unsharded models. See docs/checkpointing.md.
+into unsharded models. The values are converted only when first used: DCP
+writes and reads the flat shards' pieces in place (``_lazy.py``). See
+docs/checkpointing.md.
+
+The zero-copy path (:func:`flat_state_dict` with :class:`FlatSavePlanner` /
+:class:`FlatLoadPlanner`) writes the flat shards' pieces as DCP boxes as they
+lie and reads them straight back: same files, no conversion.
 
 Also here: :class:`CheckpointStore` (crash-safe, rotating DCP directories),
 :func:`scatter_full_state_dict` and :func:`load_safetensors` (whole weights
@@ -17,9 +23,11 @@ optimizer's first step). ``UnitStateDictHooks`` is installed by
 """
 
 from ._full import load_safetensors, scatter_full_state_dict
+from .flat import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
 from ._model import UnitStateDictHooks
 from ._optim import register_optimizer
 from .store import CheckpointError, CheckpointStore
 
-__all__ = ["CheckpointError", "CheckpointStore", "load_safetensors", "register_optimizer",
+__all__ = ["CheckpointError", "CheckpointStore", "FlatLoadPlanner", "FlatSavePlanner",
+           "flat_state_dict", "load_safetensors", "register_optimizer",
            "scatter_full_state_dict", "UnitStateDictHooks"]

@@ -12,12 +12,16 @@ plain full tensors are accepted and written into the shards in place
 
 Hooks sit on every module a unit manages, so ``state_dict()`` of any
 submodule converts too. Saving runs top-down then bottom-up: the first
-managed module reached (a state-dict *pre*-hook) converts all of the unit's
-parameters below it with one all-to-all per flat buffer and stashes the
-results, and each module's post-hook puts its own parameters' values into
-the dict. Loading runs top-down: the first managed module reached converts
-the unit's values below it and replaces them in the dict by the parameters
-themselves, so torch's own copy is a no-op and later hooks skip them.
+managed module reached (a state-dict *pre*-hook) makes the values of all of
+the unit's parameters below it and stashes them, and each module's
+post-hook puts its own parameters' values into the dict. The values of the
+flat layouts are lazy ([Note: lazy checkpoint values] in ``_lazy.py``: DCP
+writes and reads the shard's boxes, other uses convert once); tensor-parallel
+ones are converted with one all-to-all per flat buffer, ``Shard(d)`` ones are
+the local pieces. Loading runs top-down: the first managed module reached
+converts the unit's values below it (lazy values of this model not used since
+are already in place: skipped) and replaces them in the dict by the
+parameters themselves, so torch's own copy is a no-op and later hooks skip them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from ..runtime.training_state import TrainingState
 from ..runtime.unit import ShardUnit
 from ._exchange import (checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value,
                         shard_dim, shard_dim_local, shard_dim_value)
+from ._chunks import chunk_shape
+from ._exchange import checkpoint_placements
+from ._lazy import in_place, is_lazy, lazy_value
+from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 
 _STATE_DICT_FIX = (
@@ -75,13 +83,28 @@ class UnitStateDictHooks:
                _STATE_DICT_FIX)
         below = self._records_below(module)
         skip_frozen = _torch_drops_frozen_params()
-        values: dict[int, torch.Tensor] = {}
+        flat = flat_values_requested()
+        if flat:
+            self._make_loadable()  # the shards are what DCP writes from and reads into
+        values: dict[int, Any] = {}
         group = self.unit.group
         for buffer in self.unit.buffers:
             selected = [i for i, r in enumerate(buffer.records)
                         if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
+            if flat:  # zero-copy: views of the shard, no exchange (see _pieces.py)
+                for index in selected:
+                    if has_pieces(buffer, index):
+                        values[id(buffer.records[index].param)] = ShardPieces.of(
+                            buffer, index, buffer.local_view(buffer.sharded.detach(), index),
+                            lead=group.rank == 0)
+                selected = [i for i in selected if not has_pieces(buffer, i)]
+            else:  # converted when first used; DCP reads and writes the shard itself
+                for index in selected:
+                    if is_lazy(buffer, index):
+                        values[id(buffer.records[index].param)] = _lazy_param(buffer, index)
+                selected = [i for i in selected if not is_lazy(buffer, i)]
             if not selected:
-                continue  # the same on every rank: nothing of this buffer below `module`
+                continue  # the same on every rank: nothing (left) of this buffer below `module`
             for index in selected:  # Shard(d): the local piece is FSDP2's, no exchange
                 record = buffer.records[index]
                 if shard_dim(record) is not None:
@@ -134,6 +157,16 @@ class UnitStateDictHooks:
             value = state_dict.get(key)
             if value is None or value is record.param:
                 continue
+            if in_place(value, self._sharded_of(record)):  # a lazy value of ours, unused
+                state_dict[key] = record.param  # live: whatever DCP loaded is in the shard
+                continue
+            if isinstance(value, ShardPieces):  # flat_state_dict: DCP loaded it in place
+                if value.local is None or value.local.untyped_storage().data_ptr() != \
+                        record.param.untyped_storage().data_ptr():
+                    error_msgs.append(f"{key}: a flat_state_dict() value of another model; "
+                                      "load flat_state_dict values into the model they came from")
+                state_dict[key] = record.param
+                continue
             expected = checkpoint_shape(record)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(expected):
                 shape = value.shape if isinstance(value, torch.Tensor) else type(value)
@@ -148,6 +181,10 @@ class UnitStateDictHooks:
                       if id(r.param) in by_param}
             if values:
                 _load_into(buffer, values)
+
+    def _sharded_of(self, record: ParamRecord) -> torch.Tensor:
+        return next(b.sharded for b in self.unit.buffers
+                    if any(r is record for r in b.records))
 
     def _keys_below(self, module: nn.Module, prefix: str) -> list[tuple[str, ParamRecord]]:
         keys = []
@@ -165,6 +202,16 @@ class UnitStateDictHooks:
                 f"load_state_dict() reached {unit.name} during its {unit.training_state.name.lower()}; "
                 "load checkpoints between iterations (after optimizer.step(), before forward).")
         unit.reshard()  # a manual unshard() or reshard_after_backward=False kept it unsharded
+
+
+def _lazy_param(buffer: FlatBuffer, index: int) -> torch.Tensor:
+    record, group, source = buffer.records[index], buffer.group, buffer.sharded
+    pieces = ShardPieces.of(buffer, index, buffer.local_view(source.detach(), index),
+                            lead=group.rank == 0)
+    return lazy_value(record.shape, chunk_shape(record.shape, group.world_size, group.rank),
+                      pieces, source,
+                      lambda: flat_to_chunks(source.detach(), buffer.layout, group, [index])[index],
+                      group, checkpoint_placements(group), record.fqn, source.device)
 
 
 def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:

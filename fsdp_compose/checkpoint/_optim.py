@@ -36,6 +36,10 @@ from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ._exchange import (Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable,
                         record_value, shard_dim, shard_dim_local, shard_dim_value)
+from ._chunks import chunk_shape
+from ._exchange import checkpoint_placements
+from ._lazy import in_place, is_lazy, lazy_value
+from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers the step pre-hook has looked at (hooks attached if needed)."""
@@ -138,11 +142,24 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
     plan, scalars = _same_on_every_rank(plan, params, state)
     for key, values in scalars.items():  # e.g. 'step' of a parameter held elsewhere
         state[key] = {**values, **state.get(key, {})}
+    flat = flat_values_requested()
     for buffer, name, entries, dtype, device in plan:
         _refuse_scalar_params(buffer, name, entries)
         for key, _ in entries:
             if key not in state or state[key] is optimizer.state.get(params[key]):
                 state[key] = dict(state.get(key, {}))  # never modify the optimizer's own state
+        if flat:  # zero-copy: the state tensors' pieces as they lie (see _pieces.py)
+            for key, index in entries:
+                if has_pieces(buffer, index):
+                    state[key][name] = ShardPieces.of(buffer, index, state[key].get(name),
+                                                      dtype=dtype, lead=buffer.group.rank == 0)
+            entries = [(key, i) for key, i in entries if not has_pieces(buffer, i)]
+        else:  # converted when first used; DCP reads and writes the state tensors themselves
+            for key, index in entries:
+                if is_lazy(buffer, index):
+                    state[key][name] = _lazy_state(buffer, index, name, state[key].get(name),
+                                                   dtype, device)
+            entries = [(key, i) for key, i in entries if not is_lazy(buffer, i)]
         exchanged = [(key, i) for key, i in entries if shard_dim(buffer.records[i]) is None]
         chunks = flat_to_chunks(_reader(buffer, name, exchanged, state), buffer.layout,
                                 buffer.group, [i for _, i in exchanged], dtype=dtype,
@@ -157,6 +174,28 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
                 state[key][name] = shard_dim_value(local, record, buffer.group)
                 continue
             state[key][name] = record_value(chunks[index], record, buffer.group)
+    # The same order on every rank (under "owned" a rank's optimizer made state only
+    # for what it holds, the rest was added above): code that uses the values in dict
+    # order (deepcopy, full_state_dict) converts them collectively, in that order.
+    state_dict["state"] = {key: dict(sorted(state[key].items())) if isinstance(state[key], dict)
+                           else state[key] for key in sorted(state, key=repr)}
+
+
+def _lazy_state(buffer: FlatBuffer, index: int, name: str, local: Optional[torch.Tensor],
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """State ``name`` of parameter ``index`` as a lazy ``DTensor`` over this
+    rank's state tensor ``local`` (``None``: it holds none of the parameter)."""
+    record, group = buffer.records[index], buffer.group
+    pieces = ShardPieces.of(buffer, index, local, dtype=dtype, lead=group.rank == 0)
+
+    def convert() -> torch.Tensor:
+        held = {0: {name: local}} if local is not None else {}
+        read = _reader(buffer, name, [(0, index)] if held else [], held)
+        return flat_to_chunks(read, buffer.layout, group, [index], dtype=dtype, home=device)[index]
+
+    return lazy_value(record.shape, chunk_shape(record.shape, group.world_size, group.rank),
+                      pieces, local, convert, group, checkpoint_placements(group),
+                      f"{name} of {record.fqn}", device)
 
 
 def _drop_zero_step_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -291,13 +330,27 @@ def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) ->
     params = dict(zip(saved_ids, _params(optimizer)))
     state = {key: dict(value) if isinstance(value, dict) else value
              for key, value in state_dict["state"].items()}
+    loaded = set()  # (key, name) of values DCP loaded in place
+    for key, values in state.items():
+        for name, value in list(values.items()):
+            current = optimizer.state.get(params[key], {}).get(name) if key in params else None
+            if in_place(value, current):  # a lazy value of ours, unused: live, loaded in place
+                value = value._local_tensor.pieces
+            if isinstance(value, ShardPieces):  # also flat_state_dict's values
+                loaded.add((key, name))
+                if value.local is None:
+                    del values[name]  # this rank holds none of the parameter: no state here
+                else:
+                    values[name] = value.local
     for group in _by_buffer({k: p for k, p in params.items() if k in state}):
         buffer = group.buffer
         names = sorted({name for key, _ in group.entries for name, value in state[key].items()
-                        if isinstance(value, torch.Tensor) and value.dim() > 0})
+                        if isinstance(value, torch.Tensor) and value.dim() > 0
+                        and (key, name) not in loaded})
         for name in names:
             entries = [(key, index) for key, index in group.entries
-                       if isinstance(state[key].get(name), torch.Tensor)]
+                       if isinstance(state[key].get(name), torch.Tensor)
+                       and (key, name) not in loaded]
             _load_state(buffer, name, entries, state)
     return {**state_dict, "state": state}
 

@@ -33,6 +33,20 @@ time writes to it. ``save`` and ``load_latest``/``load`` are collective over
 the process group (default: the default group); ``latest_step`` and ``steps``
 only read the file system and may be called on any subset of ranks.
 
+Saves and loads go through :class:`~.flat.FlatSavePlanner` /
+:class:`~.flat.FlatLoadPlanner` (DCP's default planners that also handle
+:func:`~.flat.flat_state_dict` values, the zero-copy path).
+
+``async_save=True``: ``save`` returns once ``state`` is staged (copied to host
+memory, pinned for CUDA tensors) and writes and commits in a background
+thread over a process group of its own (gloo, created by the constructor:
+collective), so that its collectives never interleave with training's. The
+invariants above hold unchanged: the thread renames the directory only after
+every rank's write completed (a barrier), so a rank that dies mid-write
+leaves a ``.partial-*`` directory and the previous checkpoint the newest
+committed one. The next ``save``, ``load*`` and :meth:`CheckpointStore.wait`
+first wait for the save in flight and raise its error, if any.
+
 Usage (``state`` is what ``dcp.save``/``dcp.load`` accept: a dict of state
 dicts and ``Stateful`` objects, e.g. ``{"app": AppState(model, optim, ...)}``)::
 
@@ -46,18 +60,26 @@ dicts and ``Stateful`` objects, e.g. ``{"app": AppState(model, optim, ...)}``)::
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from ..comm.rendezvous import arrive
+from ._lazy import LazyChunk
+from ._pieces import ShardPieces
+from .flat import FlatLoadPlanner, FlatSavePlanner
 
 __all__ = ["CheckpointStore", "CheckpointError"]
 
@@ -81,16 +103,28 @@ class CheckpointStore:
     on disk, so a run that restarts from an older step by hand (``load``)
     should start in an empty ``root`` or remove the newer checkpoints. ``group`` is the process group the collective
     calls use (default: the default group; without an initialised process
-    group everything runs as a single process).
+    group everything runs as a single process). ``async_save``: see the
+    module's docstring; the constructor is then collective over every rank
+    of the default group (it creates the store's own gloo group).
     """
 
     def __init__(self, root: Union[str, os.PathLike], keep: int = 2, *,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, async_save: bool = False) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
         self.group = group
+        self.async_save = async_save
+        self._save_group: Optional[dist.ProcessGroup] = group
+        """The group the saves' collectives use: ``group``, or for async saves
+        a gloo group of the same ranks used by the background thread only."""
+        if async_save and self._distributed():
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            self._save_group = dist.new_group(ranks, backend="gloo")
+        self._in_flight: Optional[threading.Thread] = None
+        """The background thread of the async save not yet waited for."""
+        self._in_flight_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ paths
     def path(self, step: int) -> Path:
@@ -117,7 +151,9 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------- save
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Save ``state`` as checkpoint ``step``; collective. Returns its committed path.
+        """Save ``state`` as checkpoint ``step``; collective. Returns its committed path
+        (with ``async_save``: the path it will have once the background save commits;
+        :meth:`wait` for it).
 
         1. rank 0 picks ``step_<N>.partial-<random>`` and broadcasts the name;
         2. ``dcp.save`` writes into it (collective; rank 0 writes ``.metadata``
@@ -132,18 +168,50 @@ class CheckpointStore:
 
         A crash before step 3's rename leaves only a ``.partial-*`` directory:
         the previous checkpoints stay the newest committed ones.
+
+        With ``async_save``, steps 1-4 run in a background thread after ``state``
+        was staged to host memory (:func:`_staged`); this returns then.
         """
         self._arrive("CheckpointStore.save")
+        self.wait()  # one save in flight at a time; raises the previous one's error
+        if not self.async_save:
+            return self._save_now(step, state)
+        staged = _staged(state)
+        self._in_flight_error = None
+        self._in_flight = threading.Thread(target=self._save_in_background, args=(step, staged),
+                                           name=f"CheckpointStore.save({step})", daemon=True)
+        self._in_flight.start()
+        return self.path(step)
+
+    def wait(self) -> None:
+        """Wait for the async save in flight, if any; raise its error (on every
+        rank that had one: the save's own error handling gathers them). Call it
+        before the job ends so that the last checkpoint is committed."""
+        thread, self._in_flight = self._in_flight, None
+        if thread is not None:
+            thread.join()
+        error, self._in_flight_error = self._in_flight_error, None
+        if error is not None:
+            raise error
+
+    def _save_in_background(self, step: int, staged: dict[str, Any]) -> None:
+        try:
+            self._save_now(step, staged)
+        except BaseException as e:  # re-raised by wait() in the caller's thread
+            self._in_flight_error = e
+
+    def _save_now(self, step: int, state: dict[str, Any]) -> Path:
+        group = self._save_group
         final = self.path(step)
         rank = self._rank()
         name = [f"{final.name}.partial-{uuid.uuid4().hex[:12]}" if rank == 0 else None]
         if self._distributed():
-            dist.broadcast_object_list(name, src=self._global_rank0(), group=self.group)
+            dist.broadcast_object_list(name, src=self._global_rank0(), group=group)
         partial = self.root / name[0]
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        dcp.save(state, checkpoint_id=partial, process_group=self.group)
-        self._barrier()
+        dcp.save(state, checkpoint_id=partial, process_group=group, planner=FlatSavePlanner())
+        self._barrier(group)
         problem, error = None, None
         if rank == 0:
             try:
@@ -152,7 +220,7 @@ class CheckpointStore:
                 problem, error = _describe(e), e
         # doubles as the closing barrier: no rank returns before the commit is done
         self._raise_if_any(final, f"was not committed (its files are in {partial.name})",
-                           problem, error)
+                           problem, error, group=group)
         return final
 
     # ------------------------------------------------------------------- load
@@ -166,6 +234,7 @@ class CheckpointStore:
         shapes); it does not fall back to an older checkpoint.
         """
         self._arrive("CheckpointStore.load_latest")
+        self.wait()  # the save in flight may be the newest checkpoint
         step = [self.latest_step() if self._rank() == 0 else None]
         if self._distributed():
             dist.broadcast_object_list(step, src=self._global_rank0(), group=self.group)
@@ -180,6 +249,7 @@ class CheckpointStore:
         Raises ``CheckpointError`` on every rank if it does not exist, is torn
         or does not match ``state``."""
         self._arrive("CheckpointStore.load")
+        self.wait()
         self._load(step, state)
 
     def _load(self, step: int, state: dict[str, Any]) -> None:
@@ -193,7 +263,8 @@ class CheckpointStore:
         self._raise_if_any(path, "is not loadable", problem)
         problem, error = None, None
         try:
-            dcp.load(state, checkpoint_id=path, process_group=self.group)
+            dcp.load(state, checkpoint_id=path, process_group=self.group,
+                     planner=FlatLoadPlanner())
         except CheckpointException as e:  # DCP gathers every rank's failure and raises it on all
             problem, error = {r: _describe(exc) for r, (exc, _) in e.failures.items()}, e
         except Exception as e:
@@ -218,17 +289,19 @@ class CheckpointStore:
             return 0
         return dist.get_global_rank(self.group, 0)
 
-    def _barrier(self) -> None:
+    def _barrier(self, group: Optional[dist.ProcessGroup]) -> None:
         if self._distributed():
-            dist.barrier(group=self.group)
+            dist.barrier(group=group)
 
     def _raise_if_any(self, path: Path, what: str, problem: Union[None, str, dict[int, str]],
-                      error: Optional[BaseException] = None) -> None:
+                      error: Optional[BaseException] = None, *,
+                      group: Optional[dist.ProcessGroup] = None) -> None:
         """Gather every rank's ``problem`` (None: fine; a text: this rank's; a dict: by rank,
         as DCP reports them) and raise the same ``CheckpointError`` on every rank if any."""
+        group = group if group is not None else self.group
         if self._distributed():
-            gathered: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, problem, group=self.group)
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, problem, group=group)
         else:
             gathered = [problem]
         by_rank: dict[int, str] = {}
@@ -299,3 +372,37 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _staged(state: Any) -> Any:
+    """A copy of ``state`` that training can no longer change: every tensor
+    copied to host memory (pinned when it comes from an accelerator),
+    ``DTensor`` and :class:`ShardPieces` values rebuilt over their copies
+    (a lazy value of ours over a copy of this rank's pieces: no conversion),
+    ``Stateful`` objects replaced by their ``state_dict()``, anything else
+    deep-copied. What an async save writes from."""
+    if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
+        return _staged(state.state_dict())
+    if isinstance(state, dict):
+        return {key: _staged(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_staged(value) for value in state)
+    if isinstance(state, DTensor) and isinstance(state._local_tensor, LazyChunk) and \
+            not state._local_tensor.materialized:  # only this rank's pieces: no conversion
+        return state._local_tensor.staged(state, _host_copy)
+    if isinstance(state, DTensor):
+        return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh,
+                                  state.placements, run_check=False, shape=state.shape,
+                                  stride=state.stride())
+    if isinstance(state, ShardPieces):
+        return state.staged(_host_copy)
+    if isinstance(state, torch.Tensor):
+        return _host_copy(state)
+    return copy.deepcopy(state)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory with the same strides (pinned for accelerator tensors)."""
+    tensor = tensor.detach()
+    out = torch.empty_like(tensor, device="cpu", pin_memory=tensor.device.type != "cpu")
+    return out.copy_(tensor)

@@ -1,0 +1,171 @@
+"""State-dict values in torch FSDP2's layout that are converted only when
+used: torch's recipe (``get_state_dict`` + ``dcp.save``; ``dcp.load`` +
+``set_state_dict``) without a converted copy.
+
+[Note: lazy checkpoint values]
+``state_dict()`` returns, for each parameter (and per-element optimizer
+state) of the flat layouts, a ``DTensor`` of the original shape placed
+``Shard(0)``, exactly as before, whose local tensor is a :class:`LazyChunk`:
+a tensor with the chunk's shape and dtype but no memory. Two things can
+happen to it:
+
+* DCP plans and moves it: a ``DTensor`` asks its local tensor for
+  ``__create_write_items__`` / ``__create_chunk_list__`` /
+  ``__get_tensor_shard__`` (DCP's extension protocol). Unmaterialised, the
+  chunk answers with the boxes of this rank's piece of the *flat shard*
+  (:class:`~._pieces.ShardPieces`) and views of it: ``dcp.save`` writes the
+  shard as it lies, ``dcp.load`` reads straight into it (no exchange, no
+  copy), and the load hooks then see the value as loaded in place (live
+  values, as FSDP2's state dict holds its parameters themselves).
+* Anything else uses it (a tensor operation on it or on the ``DTensor``,
+  ``full_tensor()``, ``copy.deepcopy``, pickling): it is *materialised* then,
+  once: this rank's ``Shard(0)`` chunk is computed by the usual exchange
+  (``_exchange.flat_to_chunks``, collective over the unit's group, after the
+  call rendezvous), and from then on it is an ordinary chunk (DCP writes and
+  reads the chunk, loading converts it back).
+
+Materialising is collective: the ranks must use the values in the same
+order, as they must call ``full_tensor()`` (itself collective) in the same
+order. A use on some ranks only raises ``CallMismatchError`` naming
+``state_dict() value``, after ``FSDP_COMPOSE_CALL_TIMEOUT`` seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.planner_helpers import _create_write_items_for_dtensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._pytree import tree_map
+
+from ..buffers.flat_buffer import FlatBuffer
+from ..comm.groups import ShardGroup
+from ..comm.rendezvous import arrive
+from ._exchange import shard_dim
+from ._pieces import ShardPieces, has_pieces
+
+_FIX = ("Values of fsdp_compose's state dicts are converted to FSDP2's layout when first used, "
+        "collectively: use them (full_tensor(), tensor operations, deepcopy) on every rank "
+        "in the same order.")
+
+
+class LazyChunk(torch.Tensor):
+    """This rank's ``Shard(0)`` chunk of one value, computed when first used
+    (see [Note: lazy checkpoint values]).
+
+    Attributes:
+        pieces: this rank's piece of the value in the flat layout, as boxes.
+        source: the tensor the piece lives in (the flat shard, or an
+            optimizer state tensor): what "loaded in place" is checked against.
+    """
+
+    pieces: ShardPieces
+    source: torch.Tensor
+    _convert: Callable[[], torch.Tensor]
+    _value: Optional[torch.Tensor]
+    _what: str
+    _group: ShardGroup
+    _offsets: tuple[int, ...]
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                pieces: ShardPieces, source: torch.Tensor, convert: Callable[[], torch.Tensor],
+                group: ShardGroup, what: str, offsets: tuple[int, ...]) -> "LazyChunk":
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
+                                                requires_grad=False)
+        r.pieces, r.source, r._convert, r._value = pieces, source, convert, None
+        r._group, r._what, r._offsets = group, what, offsets
+        return r
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    @property
+    def materialized(self) -> bool:
+        return self._value is not None
+
+    def materialize(self) -> torch.Tensor:
+        """The chunk's values (computed once; collective the first time)."""
+        if self._value is None:
+            arrive(self._group.process_group, f"state_dict() value ({self._what}) first used",
+                   _FIX)
+            self._value = self._convert()
+        return self._value
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def real(x: Any) -> Any:
+            return x.materialize() if isinstance(x, LazyChunk) else x
+        return func(*tree_map(real, args), **tree_map(real, kwargs or {}))
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self.materialize().clone()
+
+    def __reduce_ex__(self, protocol: int):
+        return self.materialize().__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        state = "materialized" if self.materialized else "in the flat shard"
+        return f"LazyChunk({tuple(self.shape)}, {self.dtype}, {state})"
+
+    def staged(self, value: DTensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+        """``value`` (a ``DTensor`` over this unused chunk) over a copy of
+        this rank's pieces, for an async save: DCP writes it; it cannot be
+        converted (the shard it would be converted from is not copied)."""
+        pieces = self.pieces.staged(copy)
+
+        def unavailable() -> torch.Tensor:
+            raise RuntimeError(f"a staged checkpoint value ({self._what}) is only written by DCP")
+
+        local = LazyChunk(tuple(self.shape), self.dtype, self.device, pieces, pieces.local,
+                          unavailable, self._group, self._what, self._offsets)
+        return DTensor(local, value._spec, requires_grad=False)
+
+    # ----------------------------------------- DCP, through DTensor's delegation
+    def __create_write_items__(self, fqn: str, obj: DTensor) -> list[WriteItem]:
+        if self.materialized:
+            return [_create_write_items_for_dtensor(fqn, obj)]
+        return self.pieces.write_items(fqn)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        if self.materialized:  # an ordinary Shard(0) chunk (what DTensor itself would say)
+            return [ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=self.shape)]
+        return self.pieces.__create_chunk_list__()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if self.materialized:
+            return self._value
+        return self.pieces.view_at(tuple(index.offset))
+
+
+def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPieces,
+               source: torch.Tensor, convert: Callable[[], torch.Tensor], group: ShardGroup,
+               placements: tuple, what: str, device: torch.device) -> DTensor:
+    """A ``DTensor`` of global ``shape`` on the unit's mesh over a
+    :class:`LazyChunk` (``convert()`` computes its values when first used)."""
+    _, offsets = compute_local_shape_and_global_offset(shape, group.mesh, placements)
+    local = LazyChunk(chunk_shape, pieces.dtype, device, pieces, source, convert, group, what,
+                      tuple(offsets))
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    spec = DTensorSpec(group.mesh, placements, tensor_meta=TensorMeta(shape, stride, pieces.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def is_lazy(buffer: FlatBuffer, index: int) -> bool:
+    """Whether parameter ``index``'s state-dict values (and its per-element
+    optimizer state's) are lazy: every parameter of at least one dimension
+    of the flat layouts (not tensor-parallel, not ``Shard(d)``)."""
+    record = buffer.records[index]
+    return has_pieces(buffer, index) and shard_dim(record) is None and len(record.shape) > 0
+
+
+def in_place(value: Any, source: Optional[torch.Tensor]) -> bool:
+    """Whether ``value`` is an unmaterialised lazy value over ``source``:
+    whatever DCP loaded into it is in ``source`` already."""
+    local = value._local_tensor if isinstance(value, DTensor) else None
+    return isinstance(local, LazyChunk) and not local.materialized and local.source is source

@@ -1,0 +1,165 @@
+"""A rank's piece of one parameter (or of one per-element optimizer state of
+it) as a value DCP writes and reads in place: :class:`ShardPieces`.
+
+It is what ``state_dict()`` returns inside :func:`flat_values` (used by
+``fsdp_compose.checkpoint.flat_state_dict``): instead of a ``DTensor`` built
+by an exchange, an object that shares the flat shard's memory and tells DCP
+which boxes of the parameter it holds (``_boxes.py``). DCP's planners take
+the boxes from :meth:`ShardPieces.write_items` (``FlatSavePlanner``) and
+``__create_chunk_list__`` (the protocol ``DTensor`` implements), and
+:class:`~.flat.FlatSavePlanner` / :class:`~.flat.FlatLoadPlanner` hand DCP the
+box views to write from and read into. Loading therefore writes straight into the shards (and the
+optimizer's state tensors); the values are in place when ``dcp.load``
+returns, and ``set_state_dict`` / ``load_state_dict`` recognise these
+objects as already loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..buffers.flat_buffer import FlatBuffer
+from ._boxes import Box, dim_box, range_boxes
+from ._exchange import shard_dim
+
+_FLAT = contextvars.ContextVar("fsdp_compose_flat_state_dict", default=False)
+
+
+@contextlib.contextmanager
+def flat_values() -> Iterator[None]:
+    """Inside: ``state_dict()`` of annotated modules and optimizers returns
+    :class:`ShardPieces` for the parameters (and per-element optimizer
+    state) whose pieces can be written as they lie (all but
+    tensor-parallel ones, which keep their ``DTensor`` values)."""
+    token = _FLAT.set(True)
+    try:
+        yield
+    finally:
+        _FLAT.reset(token)
+
+
+def flat_values_requested() -> bool:
+    return _FLAT.get()
+
+
+def has_pieces(buffer: FlatBuffer, index: int) -> bool:
+    """Whether parameter ``index`` of ``buffer`` takes the zero-copy path
+    (tensor-parallel parameters are exchanged as before)."""
+    return buffer.records[index].tp is None
+
+
+class ShardPieces:
+    """This rank's piece of one parameter's values, as DCP boxes over views
+    of ``local`` (no copy).
+
+    Attributes:
+        shape: the parameter's global (original) shape.
+        dtype: the values' dtype.
+        local: the tensor holding the piece (the parameter's slice of the
+            flat shard, or its optimizer state tensor; loading writes into
+            it), or ``None`` where this rank holds no state for it.
+        boxes: ``(box, view of local in the box's shape)``, in increasing order.
+
+    Pickling raises: DCP's default planners would store this object as
+    bytes; :class:`~.flat.FlatSavePlanner` / ``FlatLoadPlanner`` are needed.
+    """
+
+    __slots__ = ("shape", "dtype", "local", "boxes", "_at")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, local: Optional[torch.Tensor],
+                 boxes: list[tuple[Box, torch.Tensor]]) -> None:
+        self.shape: torch.Size = torch.Size(shape)
+        self.dtype: torch.dtype = dtype
+        self.local: Optional[torch.Tensor] = local
+        self.boxes: list[tuple[Box, torch.Tensor]] = boxes
+        self._at: dict[tuple[int, ...], torch.Tensor] = {b.offsets: t for b, t in boxes}
+
+    @classmethod
+    def of(cls, buffer: FlatBuffer, index: int, local: Optional[torch.Tensor],
+           *, dtype: Optional[torch.dtype] = None, lead: bool = False) -> "ShardPieces":
+        """The pieces of parameter ``index`` of ``buffer`` held in ``local``
+        (shaped like the parameter's local piece: ``buffer.local_view(...)``
+        of the shard or of a tensor laid out like it, or an optimizer state).
+        ``local=None``: this rank holds none of it (no boxes; ``dtype`` required).
+        ``lead``: this rank writes the (empty) box of a parameter with no
+        elements, so that its key reaches the checkpoint's metadata."""
+        record = buffer.records[index]
+        shape = torch.Size(record.shape)
+        if local is None:
+            return cls(shape, dtype, None, [])
+        s = buffer.local_slices()[index]
+        if shape.numel() == 0:
+            return cls(shape, local.dtype, local, [(Box((0,) * len(shape), tuple(shape), 0),
+                                                    local.reshape(-1)[:0].view(shape))] if lead else [])
+        dim = shard_dim(record)
+        if dim is not None:  # Shard(d): one box, the piece in the parameter's own dim order
+            lo = s.param_start // buffer.layout.row_numel(index) if s.length else 0
+            rows = local.shape[dim] if s.length else 0
+            return cls(shape, local.dtype, local,
+                       [(dim_box(shape, dim, lo, lo + rows), local)] if rows else [])
+        if s.length and not local.is_contiguous():
+            raise AssertionError(f"[rank {buffer.group.rank}] the piece of '{record.fqn}' is not "
+                                 "contiguous; it cannot be cut into box views")
+        flat = local.reshape(-1)
+        return cls(shape, local.dtype, local, [
+            (box, flat.narrow(0, box.flat_start - s.param_start, box.numel).view(box.sizes))
+            for box in range_boxes(shape, s.param_start, s.param_start + s.length)])
+
+    # ------------------------------------------------ what DCP's planners call
+    def size(self) -> torch.Size:
+        """The global shape (DCP checks it against the checkpoint's)."""
+        return self.shape
+
+    def write_items(self, fqn: str) -> list[WriteItem]:
+        """One DCP write item per box (what ``FlatSavePlanner`` plans; not
+        the ``__create_write_items__`` protocol, so that DCP's default planner
+        treats this object as bytes and reaches ``__reduce__``'s message)."""
+        properties = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(box.offsets),
+                                                         sizes=torch.Size(box.sizes)),
+                              properties=properties, size=self.shape))
+                for box, _ in self.boxes]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+                for box, _ in self.boxes]
+
+    def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> "ShardPieces":
+        """The same boxes over ``copy(local)`` (a copy with ``local``'s strides)."""
+        if self.local is None:
+            return ShardPieces(self.shape, self.dtype, None, [])
+        local = copy(self.local)
+        if local.stride() != self.local.stride():
+            raise AssertionError(f"a staged copy has strides {local.stride()}, "
+                                 f"not {self.local.stride()}")
+        base = self.local.storage_offset()
+        return ShardPieces(self.shape, self.dtype, local, [
+            (box, local.as_strided(t.shape, t.stride(),
+                                   local.storage_offset() + t.storage_offset() - base))
+            for box, t in self.boxes])
+
+    def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
+        """The view of the box starting at ``offsets`` (shares ``local``'s memory)."""
+        return self._at[tuple(offsets)]
+
+    def __reduce__(self):
+        raise TypeError(
+            "a state dict of fsdp_compose.checkpoint.flat_state_dict() holds views of the flat "
+            "shards that only fsdp_compose's planners can write and read: pass "
+            "planner=FlatSavePlanner() to dcp.save / dcp.async_save and "
+            "planner=FlatLoadPlanner() to dcp.load (fsdp_compose.checkpoint), or use "
+            "CheckpointStore, which does.")
+
+    def __repr__(self) -> str:
+        return (f"ShardPieces(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"boxes={[(b.offsets, b.sizes) for b, _ in self.boxes]})")

@@ -1,0 +1,127 @@
+"""The zero-copy checkpoint path: each rank writes its flat shard's pieces
+as DCP boxes and reads them straight back into its shards.
+
+    from fsdp_compose.checkpoint import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
+
+    model_sd, optim_sd = flat_state_dict(model, optim)            # no copy, no exchange
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=d,
+             planner=FlatSavePlanner())
+    # resume: build, annotate, then (values land in the shards during dcp.load)
+    model_sd, optim_sd = flat_state_dict(model, optim)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=d,
+             planner=FlatLoadPlanner())
+    set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+The files are ordinary DCP checkpoints: each tensor is covered by boxes,
+only their cut differs from torch FSDP2's (``_boxes.py``), so FSDP2, an
+unsharded model and fsdp_compose at any world size or placement load them,
+and this path loads theirs (its load plan intersects the boxes it holds with
+the boxes on disk, as DCP does for ``DTensor`` values).
+
+``flat_state_dict`` has the keys and structure of torch's ``get_state_dict``
+(it calls it): the values of managed parameters and their per-element
+optimizer state are :class:`~._pieces.ShardPieces`; everything else (buffers,
+unmanaged parameters, ``step``, param groups, tensor-parallel parameters)
+is what ``get_state_dict`` returns. Both planners are DCP's default planners
+otherwise, so any state dict may be saved or loaded with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                           create_default_local_save_plan)
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.optim import Optimizer
+
+from ._pieces import ShardPieces, flat_values
+
+
+def flat_state_dict(model: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer], None] = None,
+                    *, options: Optional[StateDictOptions] = None
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``get_state_dict(model, optimizers)`` whose managed values share the
+    flat shards' memory (:class:`ShardPieces`) instead of being converted.
+    Collective (every rank). Save it with ``planner=FlatSavePlanner()``, load
+    into it with ``planner=FlatLoadPlanner()``; the values are then loaded,
+    and ``set_state_dict`` with it applies the rest (param groups).
+
+    Units must be between iterations; an unsharded unit is resharded (its
+    shards are what is written and read). Options that gather
+    (``full_state_dict``, ``cpu_offload``) are refused: use ``get_state_dict``."""
+    if options is not None and (options.full_state_dict or options.cpu_offload):
+        raise ValueError("flat_state_dict writes each rank's shards as they lie; for "
+                         "full_state_dict / cpu_offload use torch's get_state_dict")
+    with flat_values():
+        return get_state_dict(model, optimizers if optimizers is not None else [],
+                              options=options)
+
+
+class FlatSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that also writes :class:`ShardPieces`
+    (values of :func:`flat_state_dict`) from their box views, in place.
+    (Plan caching, ``enable_plan_caching``, is not supported.)"""
+
+    def create_local_plan(self) -> SavePlan:
+        ours = {fqn: v for fqn, v in self.state_dict.items() if isinstance(v, ShardPieces)}
+        rest = {fqn: v for fqn, v in self.state_dict.items() if fqn not in ours}
+        plan = create_default_local_save_plan(rest, self.is_coordinator)
+        plan = dataclasses.replace(plan, items=plan.items + [
+            item for fqn, value in ours.items() for item in value.write_items(fqn)])
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        return plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, ShardPieces):
+            return value.view_at(tuple(index.offset))
+        return super().lookup_object(index)
+
+
+class FlatLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that also reads into :class:`ShardPieces`
+    (values of :func:`flat_state_dict`): into the flat shards and optimizer
+    state tensors themselves."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
+                       is_coordinator: bool = False) -> None:
+        # DCP's set-up replaces values it does not know by None (``_init_state_dict``,
+        # which materialises meta tensors): keep ours aside and put them back.
+        ours = _take_pieces(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for container, key, value in ours:
+            container[key] = value
+        if ours and self.flatten_state_dict:
+            self.state_dict, self.mappings = flatten_state_dict(self.original_state_dict)
+        elif ours:
+            self.state_dict = self.original_state_dict
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, ShardPieces):
+            return value.view_at(tuple(index.offset))
+        return super().lookup_tensor(index)
+
+
+def _take_pieces(tree: Any) -> list[tuple[Any, Any, ShardPieces]]:
+    """Every :class:`ShardPieces` in a nested state dict, as (container, key,
+    value), each replaced by ``None`` in its container."""
+    found = []
+    items = tree.items() if isinstance(tree, dict) else \
+        enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in list(items):
+        if isinstance(value, ShardPieces):
+            found.append((tree, key, value))
+            tree[key] = None
+        else:
+            found += _take_pieces(value)
+    return found
