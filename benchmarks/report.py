@@ -141,6 +141,9 @@ def summarize(s, raw: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
             "rss_held_mib_per_rank": [m[name].get("rss_held_after", 0) / MiB for m in memory],
             "minor_faults_per_step_per_rank": [m[name].get("minor_faults_per_step", 0)
                                                for m in memory],
+            "tracker_peak_mib_per_rank": [m[name].get("tracker_peak", 0) / MiB for m in memory],
+            "tracker_after_mib_per_rank": [m[name].get("tracker_after", 0) / MiB for m in memory],
+            "direct_after_mib_per_rank": [m[name].get("direct_after", 0) / MiB for m in memory],
             "losses": losses,
             "max_loss_diff_vs_reference": max(abs(a - b) for a, b in
                                               zip(losses[:compared], ref["losses"][:compared])),
@@ -199,6 +202,19 @@ def table(summary: dict[str, Any]) -> str:
                 f"| {' / '.join(f'{v:.1f}' for v in r['rss_peak_growth_mib_per_rank'])} "
                 f"| {' / '.join(f'{v:.1f}' for v in r['rss_held_mib_per_rank'])} "
                 f"| {' / '.join(f'{v / 1e3:.1f}k' for v in r['minor_faults_per_step_per_rank'])} |")
+    if all(r.get("tracker_after_mib_per_rank") for r in res.values()):
+        lines += ["", "| impl | MemTracker peak MiB r0 / r1 | MemTracker after step MiB r0 / r1 "
+                  "| direct count after step MiB r0 / r1 (params + grads + optimizer state) "
+                  "| after step, tracker / direct |", "|---|---|---|---|---|"]
+        for name, r in res.items():
+            agree = [t / d if d else 0.0 for t, d in zip(r["tracker_after_mib_per_rank"],
+                                                         r["direct_after_mib_per_rank"])]
+            lines.append(
+                f"| {LABELS.get(name, name)} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['tracker_peak_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['tracker_after_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['direct_after_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.3f}' for v in agree)} |")
     a = summary["analytic_mib"]
     lines.append("")
     lines.append(
