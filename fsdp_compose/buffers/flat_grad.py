@@ -184,20 +184,34 @@ class FlatGradient:
         Post-condition: nothing unreduced is left; the flat gradient is kept
         alive by the pending reduction until :meth:`finish_reduce`.
         """
+        flat_grad = self.take_for_reduce()
+        if flat_grad is None:
+            return False
+        owner = self.owner
+        output = flat_grad if owner.group.world_size == 1 else torch.empty(
+            owner.layout.shard_numel, dtype=flat_grad.dtype, device=owner.compute_device)
+        work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
+                                     options.force_sum, async_op=True)
+        self.adopt_reduce(work, flat_grad, output, options)
+        return True
+
+    def take_for_reduce(self) -> Optional[torch.Tensor]:
+        """What :meth:`start_reduce` does before the collective: the
+        unreduced flat gradient in the dtype the collective moves (``None``:
+        no gradient reached the buffer); nothing unreduced is left here."""
         if self._reduce is not None:
             self.finish_reduce()  # an earlier backward's (set_is_last_backward(False))
         owner = self.owner
         single = owner.group.world_size == 1
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
-        flat_grad = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
-        if flat_grad is None:
-            return False
-        output = flat_grad if single else torch.empty(
-            owner.layout.shard_numel, dtype=flat_grad.dtype, device=owner.compute_device)
-        work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
-                                     options.force_sum, async_op=True)
+        return self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
+
+    def adopt_reduce(self, work: object, flat_grad: torch.Tensor, output: torch.Tensor,
+                     options: ReduceOptions) -> None:
+        """``work`` (issued by the caller) reduce-scatters ``flat_grad``
+        into ``output`` (this rank's chunk, ``S`` elements): it is this
+        buffer's pending reduction, finished by :meth:`finish_reduce`."""
         self._reduce = _PendingReduce(work, flat_grad, output, options)
-        return True
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduce-scatter and fold this rank's chunk
