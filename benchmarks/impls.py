@@ -54,7 +54,8 @@ def build_fsdp1(model: GPT) -> nn.Module:
 
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
-                       placement: str = "flat") -> nn.Module:
+                       placement: str = "flat", bucket_cap_mb: Optional[float] = None,
+                       split_root: bool = False) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
@@ -66,7 +67,12 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                                   reduce_comm_dtype=torch.bfloat16 if bf16 == "comm" else None)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp, placement=placement)
+    if split_root:  # the root's parameters gathered and reduced where they are used
+        fully_shard([model.tok_emb, model.pos_emb], mp_policy=mp, placement=placement)
+        fully_shard([model.ln_f, model.head], mp_policy=mp, placement=placement)
     fully_shard(model, mp_policy=mp, placement=placement)
+    if bucket_cap_mb is not None:
+        model.set_bucket_cap_mb(bucket_cap_mb)
     if retain_staging:
         model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
     # the gloo setting is process-wide: each variant sets its own at its forward
@@ -92,12 +98,17 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_bf16comm": functools.partial(build_fsdp_compose, bf16="comm"),
     "fsdp_compose_rows": functools.partial(build_fsdp_compose, placement="rows"),
     "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
+    "fsdp_compose_nobucket": functools.partial(build_fsdp_compose, bucket_cap_mb=0),
+    "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
 the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
 bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
-in bf16, and the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``)."""
+in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``),
+bucketing off (``set_bucket_cap_mb(0)``), and the root's embeddings and its
+final norm + head annotated as units of their own (gathered and reduced
+where they are used: the head's reduction overlaps the rest of backward)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

@@ -40,7 +40,9 @@ LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "d
           "fsdp_compose_rs": "fsdp_compose (gloo RS)",
           "fsdp_compose_retain": "fsdp_compose (retain pool)",
           "fsdp_compose_bf16": "fsdp_compose bf16/fp32 RS",
-          "fsdp_compose_bf16comm": "fsdp_compose bf16/bf16 RS"}
+          "fsdp_compose_bf16comm": "fsdp_compose bf16/bf16 RS",
+          "fsdp_compose_nobucket": "fsdp_compose (no buckets)",
+          "fsdp_compose_split": "fsdp_compose (split root)"}
 
 
 # -------------------------------------------------------------- environment

@@ -56,6 +56,9 @@ class Scheduler:
         each one fills (several for a bucket)."""
         self._reduces: deque[list[FlatBuffer]] = deque()
         """Reduce-scatters in flight, oldest first: the buffers of each."""
+        self._replicas: deque[list[FlatBuffer]] = deque()
+        """Hybrid sharding: the buffers whose reduce-scatter finished and
+        whose all-reduce over the replicas is in flight, oldest first."""
         self.buckets: BucketPlan = BucketPlan()
         """Which units share their collectives in this iteration
         (``buckets.py``; rebuilt at every :meth:`start_iteration`)."""
@@ -94,6 +97,7 @@ class Scheduler:
         self.forward_order = []
         self._gathers = []
         self._reduces.clear()
+        self._replicas.clear()
         self._held = {}
 
     def record_forward(self, unit: "ScheduledUnit") -> None:
@@ -219,8 +223,9 @@ class Scheduler:
 
     def _forget_reducing(self, buffer: FlatBuffer) -> None:
         if buffer.grad.is_reducing:  # still in flight from an earlier backward of this step
-            self._reduces = deque(g for g in ([b for b in g if b is not buffer]
-                                              for g in self._reduces) if g)
+            self._reduces, self._replicas = (
+                deque(g for g in ([b for b in g if b is not buffer] for g in queue) if g)
+                for queue in (self._reduces, self._replicas))
 
     def _reduce_held(self, key: int) -> None:
         bucket, ready, options = self._held.pop(key)
@@ -234,8 +239,16 @@ class Scheduler:
         self._keep_reduce_limit()
 
     def _keep_reduce_limit(self) -> None:
+        """Beyond the limit, the oldest reduce-scatter is waited; under
+        hybrid sharding its all-reduce over the replicas is then issued and
+        waited only when those exceed the limit in turn (or at the end)."""
         while len(self._reduces) > self.policy.max_pending_reduces:
-            for buffer in self._reduces.popleft():
+            oldest = self._reduces.popleft()
+            replicating = [b for b in oldest if b.grad.advance_reduce()]
+            if replicating:
+                self._replicas.append(replicating)
+        while len(self._replicas) > self.policy.max_pending_reduces:
+            for buffer in self._replicas.popleft():
                 buffer.grad.finish_reduce()
 
     def flush_held_reduces(self) -> None:
@@ -247,9 +260,10 @@ class Scheduler:
                 self._reduce_held(id(bucket))
 
     def finish_reduces(self) -> None:
-        while self._reduces:
-            for buffer in self._reduces.popleft():
-                buffer.grad.finish_reduce()
+        for queue in (self._replicas, self._reduces):  # oldest first
+            while queue:
+                for buffer in queue.popleft():
+                    buffer.grad.finish_reduce()
 
     # -------------------------------------------------------------- staging
     def end_iteration(self) -> None:
