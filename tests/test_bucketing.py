@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import PrefetchPolicy
+from fsdp_compose.runtime.buckets import RECOMMENDED_BUCKET_CAP_MB
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
@@ -14,6 +15,7 @@ from tests._training import local_batch, make_optimizer, shard_blocks_and_root
 from tests.harness import run_distributed
 
 CFG = GPTConfig(n_layers=5)
+RECOMMENDED = RECOMMENDED_BUCKET_CAP_MB
 
 
 def _train(cap_mb, optim_name, steps=4, count=False):
@@ -58,8 +60,8 @@ def _train(cap_mb, optim_name, steps=4, count=False):
 
 @pytest.mark.parametrize("world,optim_name", [(2, "adamw"), (3, "sgd")])
 def test_bucketing_is_bit_identical(world, optim_name):
-    off = run_distributed(world, _train, 0, optim_name)
-    on = run_distributed(world, _train, None, optim_name)  # the default
+    off = run_distributed(world, _train, None, optim_name)  # the default: off
+    on = run_distributed(world, _train, RECOMMENDED, optim_name)
     for a, b in zip(off, on):
         assert a["buckets"] == [] and b["buckets"] == [CFG.n_layers]
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
@@ -67,7 +69,7 @@ def test_bucketing_is_bit_identical(world, optim_name):
 
 def test_bucketing_counts_collectives_and_keeps_the_memory_bound():
     off = run_distributed(2, _train, 0, "sgd", 3, True)[0]
-    on = run_distributed(2, _train, None, "sgd", 3, True)[0]
+    on = run_distributed(2, _train, RECOMMENDED, "sgd", 3, True)[0]
     blocks = CFG.n_layers
     # off: the root once, every block in forward and backward; one reduction each
     assert (off["all_gathers"], off["reduce_scatters"]) == (1 + 2 * blocks, blocks + 1)
