@@ -207,16 +207,20 @@ def table(summary: dict[str, Any]) -> str:
     if all(r.get("tracker_after_mib_per_rank") for r in res.values()):
         lines += ["", "| impl | MemTracker peak MiB r0 / r1 | MemTracker after step MiB r0 / r1 "
                   "| direct count after step MiB r0 / r1 (params + grads + optimizer state) "
-                  "| after step, tracker / direct |", "|---|---|---|---|---|"]
+                  "| after step, tracker / direct | peak, tracker / profiler |",
+                  "|---|---|---|---|---|---|"]
         for name, r in res.items():
             agree = [t / d if d else 0.0 for t, d in zip(r["tracker_after_mib_per_rank"],
                                                          r["direct_after_mib_per_rank"])]
+            peaks = [t / p if p else 0.0 for t, p in zip(r["tracker_peak_mib_per_rank"],
+                                                         r["peak_mib_per_rank"])]
             lines.append(
                 f"| {LABELS.get(name, name)} "
                 f"| {' / '.join(f'{v:.1f}' for v in r['tracker_peak_mib_per_rank'])} "
                 f"| {' / '.join(f'{v:.1f}' for v in r['tracker_after_mib_per_rank'])} "
                 f"| {' / '.join(f'{v:.1f}' for v in r['direct_after_mib_per_rank'])} "
-                f"| {' / '.join(f'{v:.3f}' for v in agree)} |")
+                f"| {' / '.join(f'{v:.3f}' for v in agree)} "
+                f"| {' / '.join(f'{v:.3f}' for v in peaks)} |")
     a = summary["analytic_mib"]
     lines.append("")
     lines.append(
