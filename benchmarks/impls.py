@@ -60,7 +60,7 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
     from fsdp_compose import (MixedPrecisionPolicy, PrefetchPolicy, fully_shard,
-                              set_gloo_reduce_scatter_via_all_reduce)
+                              fully_shard_root, set_gloo_reduce_scatter_via_all_reduce)
     mp = None
     if bf16 is not None:  # bf16 compute, fp32 reduction; "comm": the collective in bf16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -68,9 +68,9 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
     for block in model.blocks:
         fully_shard(block, mp_policy=mp, placement=placement)
     if split_root:  # the root's parameters gathered and reduced where they are used
-        fully_shard([model.tok_emb, model.pos_emb], mp_policy=mp, placement=placement)
-        fully_shard([model.ln_f, model.head], mp_policy=mp, placement=placement)
-    fully_shard(model, mp_policy=mp, placement=placement)
+        fully_shard_root(model, mp_policy=mp, placement=placement)
+    else:
+        fully_shard(model, mp_policy=mp, placement=placement)
     if bucket_cap_mb is not None:
         model.set_bucket_cap_mb(bucket_cap_mb)
     if retain_staging:
