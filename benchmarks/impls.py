@@ -100,6 +100,8 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
     "fsdp_compose_bucket": functools.partial(build_fsdp_compose, bucket_cap_mb=4),
     "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
+    "fsdp_compose_tuned": functools.partial(build_fsdp_compose, bucket_cap_mb=4,
+                                            split_root=True),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
@@ -108,7 +110,7 @@ bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
 in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``),
 bucketing on (``set_bucket_cap_mb(4)``; off by default), and the root's embeddings and its
 final norm + head annotated as units of their own (gathered and reduced
-where they are used: the head's reduction overlaps the rest of backward)."""
+where they are used: the head's reduction overlaps the rest of backward), and both together (``fsdp_compose_tuned``)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:
