@@ -185,7 +185,8 @@ class Scheduler:
             self._gathers.append(gathering)
         for buffer in buffers:
             if not buffer.is_gathering and not buffer.is_unsharded:
-                self._start_unshard(issuer, buffer)  # could not join (kept post-forward piece)
+                buffer.start_unshard()  # could not join (kept post-forward piece); observed above
+                self._track(buffer)
         return True
 
     def _start_unshard(self, issuer: "ScheduledUnit", buffer: FlatBuffer) -> None:
