@@ -58,7 +58,8 @@ def _train(cap_mb, optim_name, steps=4, count=False):
             "peak_unsharded": peak[0]}
 
 
-@pytest.mark.parametrize("world,optim_name", [(2, "adamw"), (3, "sgd")])
+@pytest.mark.parametrize("world,optim_name", [
+    pytest.param(2, "adamw", marks=pytest.mark.slow), (3, "sgd")])
 def test_bucketing_is_bit_identical(world, optim_name):
     off = run_distributed(world, _train, None, optim_name)  # the default: off
     on = run_distributed(world, _train, RECOMMENDED, optim_name)

@@ -29,7 +29,8 @@ def _train_split(optim_name):
     return train_sharded("split-root", optim_name)
 
 
-@pytest.mark.parametrize("world,optim_name", [(2, "adamw"), (3, "sgd")])
+@pytest.mark.parametrize("world,optim_name", [
+    (2, "adamw"), pytest.param(3, "sgd", marks=pytest.mark.slow)])
 def test_split_root_trains_like_one_process(world, optim_name):
     results = run_distributed(world, _train_split, optim_name)
     assert_parity(results, train_reference(world, optim_name))
