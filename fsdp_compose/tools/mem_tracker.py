@@ -22,6 +22,8 @@ the tracker sees ([Note: staging and memory trackers] in
 
 from __future__ import annotations
 
+import warnings
+
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -39,6 +41,9 @@ class ShardedMemTracker(MemTracker):
 
     def _track_module_params_and_buffers(self, module: nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
-        if install_grad_hooks and any(not p.is_leaf for p in module.parameters()):
-            install_grad_hooks = False  # views of a flat buffer: no post-accumulate hook
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        if all(p.is_leaf for p in module.parameters()):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        with warnings.catch_warnings():  # views of a flat buffer: no post-accumulate hook,
+            warnings.filterwarnings(     # and their .grad (read by the tracker) is always None
+                "ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
