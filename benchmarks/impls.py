@@ -54,19 +54,25 @@ def build_fsdp1(model: GPT) -> nn.Module:
 
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
-                       placement: str = "flat") -> nn.Module:
+                       placement: str = "flat", bucket_cap_mb: Optional[float] = None,
+                       split_root: bool = False) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
     from fsdp_compose import (MixedPrecisionPolicy, PrefetchPolicy, fully_shard,
-                              set_gloo_reduce_scatter_via_all_reduce)
+                              fully_shard_root, set_gloo_reduce_scatter_via_all_reduce)
     mp = None
     if bf16 is not None:  # bf16 compute, fp32 reduction; "comm": the collective in bf16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   reduce_comm_dtype=torch.bfloat16 if bf16 == "comm" else None)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp, placement=placement)
-    fully_shard(model, mp_policy=mp, placement=placement)
+    if split_root:  # the root's parameters gathered and reduced where they are used
+        fully_shard_root(model, mp_policy=mp, placement=placement)
+    else:
+        fully_shard(model, mp_policy=mp, placement=placement)
+    if bucket_cap_mb is not None:
+        model.set_bucket_cap_mb(bucket_cap_mb)
     if retain_staging:
         model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
     # the gloo setting is process-wide: each variant sets its own at its forward
@@ -92,12 +98,19 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_bf16comm": functools.partial(build_fsdp_compose, bf16="comm"),
     "fsdp_compose_rows": functools.partial(build_fsdp_compose, placement="rows"),
     "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
+    "fsdp_compose_bucket": functools.partial(build_fsdp_compose, bucket_cap_mb=4),
+    "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
+    "fsdp_compose_tuned": functools.partial(build_fsdp_compose, bucket_cap_mb=4,
+                                            split_root=True),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
 the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
 bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
-in bf16, and the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``)."""
+in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``),
+bucketing on (``set_bucket_cap_mb(4)``; off by default), and the root's embeddings and its
+final norm + head annotated as units of their own (gathered and reduced
+where they are used: the head's reduction overlaps the rest of backward), and both together (``fsdp_compose_tuned``)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

@@ -14,14 +14,16 @@ unsharded parameters and collective staging buffers. Memory allocated before
 the profiler started (the other implementations' models) is invisible to it,
 so each implementation is measured in isolation within one process.
 
-Why not the alternatives (checked on torch 2.13 CPU, see BENCHMARKS.md):
-``torch.distributed._tools.mem_tracker.MemTracker`` refuses a second iteration
-without ``reset_mod_stats()`` and then fails on fsdp_compose ("post accumulate
-grad hooks cannot be registered on non-leaf tensors": inside forward, the
-module attributes are views of the flat buffer, not leaves); it also only sees
-storages created by dispatched ops or registered with ``track_external``, so it
-misses C++-side buffers (DDP's buckets). Process RSS measures glibc's heap, not
-tensors, and never goes down reliably.
+A third pass runs torch's ``MemTracker`` (what users run to compare FSDP
+setups) for every implementation: :func:`measure_mem_tracker`, through
+``fsdp_compose.tools.ShardedMemTracker``, which is ``MemTracker`` except that
+it installs no post-accumulate-grad hooks on non-leaf parameters (the views
+of fsdp_compose's and FSDP1's flat buffers, on which the plain tracker
+raises); its peak and after-step figures sit next to a direct count of the
+distinct storages of parameters, gradients and optimizer state. It only sees
+storages created by dispatched ops or registered with ``track_external``, so
+it misses C++-side buffers (DDP's buckets, gloo's copies). Process RSS
+measures glibc's heap, not tensors (:func:`measure_process_memory`).
 """
 
 from __future__ import annotations
@@ -203,6 +205,66 @@ def measure_process_memory(build: Callable[[], tuple[nn.Module, torch.optim.Opti
     del module, optim
     return ProcessReport(rss_peak_growth=peak - baseline, rss_held_after=held - baseline,
                          minor_faults_per_step=statistics.median(faults))
+
+
+# ------------------------------------------------------------ MemTracker
+@dataclass
+class TrackerReport:
+    """torch's ``MemTracker`` over the steady-state steps, next to a direct count.
+
+    Attributes:
+        tracker_peak: the tracker's peak over steps 2.. (its "peak" snapshot).
+        tracker_after: the tracker's live bytes right after the last step.
+        direct_after: the distinct storages of the parameters, their
+            gradients and the optimizer state right after the last step.
+        tracker_categories: the tracker's after-step bytes by category.
+    """
+
+    tracker_peak: int = 0
+    tracker_after: int = 0
+    direct_after: int = 0
+    tracker_categories: dict[str, int] = field(default_factory=dict)
+
+
+def direct_state_bytes(module: nn.Module, optim: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages of ``module``'s parameters, their
+    ``.grad`` and ``optim``'s tensor state (local shards of DTensors)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    tensors = [*module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
+    tensors += [t for state in optim.state.values() for t in state.values()
+                if isinstance(t, torch.Tensor)]
+    storages = {}
+    for tensor in tensors:
+        for storage in get_untyped_storages(tensor):
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def measure_mem_tracker(build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+                        step: Callable[[nn.Module, torch.optim.Optimizer, int], None],
+                        steps: int, settle: Callable[[], None]) -> TrackerReport:
+    """Step 1 untracked (lazy init, optimizer states), then the others
+    under the tracker (``reset_mod_stats()`` after each, as it requires)."""
+    from fsdp_compose.tools import ShardedMemTracker
+    settle()
+    module, optim = build()
+    step(module, optim, 0)
+    tracker = ShardedMemTracker()
+    tracker.track_external(module, optim)
+    with tracker:
+        for i in range(1, steps):
+            step(module, optim, i)
+            tracker.reset_mod_stats()
+    device = torch.device("cpu")
+    current = tracker.get_tracker_snapshot("current").get(device, {})
+    peak = tracker.get_tracker_snapshot("peak").get(device, {})
+    report = TrackerReport(tracker_peak=peak.get("Total", 0),
+                           tracker_after=current.get("Total", 0),
+                           direct_after=direct_state_bytes(module, optim),
+                           tracker_categories={str(getattr(k, "value", k)): v
+                                               for k, v in current.items()})
+    del module, optim, tracker
+    return report
 
 
 # ------------------------------------------------------------ analytic side

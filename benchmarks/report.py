@@ -40,7 +40,10 @@ LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "d
           "fsdp_compose_rs": "fsdp_compose (gloo RS)",
           "fsdp_compose_retain": "fsdp_compose (retain pool)",
           "fsdp_compose_bf16": "fsdp_compose bf16/fp32 RS",
-          "fsdp_compose_bf16comm": "fsdp_compose bf16/bf16 RS"}
+          "fsdp_compose_bf16comm": "fsdp_compose bf16/bf16 RS",
+          "fsdp_compose_bucket": "fsdp_compose (buckets 4 MiB)",
+          "fsdp_compose_split": "fsdp_compose (split root)",
+          "fsdp_compose_tuned": "fsdp_compose (buckets + split root)"}
 
 
 # -------------------------------------------------------------- environment
@@ -141,6 +144,9 @@ def summarize(s, raw: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
             "rss_held_mib_per_rank": [m[name].get("rss_held_after", 0) / MiB for m in memory],
             "minor_faults_per_step_per_rank": [m[name].get("minor_faults_per_step", 0)
                                                for m in memory],
+            "tracker_peak_mib_per_rank": [m[name].get("tracker_peak", 0) / MiB for m in memory],
+            "tracker_after_mib_per_rank": [m[name].get("tracker_after", 0) / MiB for m in memory],
+            "direct_after_mib_per_rank": [m[name].get("direct_after", 0) / MiB for m in memory],
             "losses": losses,
             "max_loss_diff_vs_reference": max(abs(a - b) for a, b in
                                               zip(losses[:compared], ref["losses"][:compared])),
@@ -199,6 +205,23 @@ def table(summary: dict[str, Any]) -> str:
                 f"| {' / '.join(f'{v:.1f}' for v in r['rss_peak_growth_mib_per_rank'])} "
                 f"| {' / '.join(f'{v:.1f}' for v in r['rss_held_mib_per_rank'])} "
                 f"| {' / '.join(f'{v / 1e3:.1f}k' for v in r['minor_faults_per_step_per_rank'])} |")
+    if all(r.get("tracker_after_mib_per_rank") for r in res.values()):
+        lines += ["", "| impl | MemTracker peak MiB r0 / r1 | MemTracker after step MiB r0 / r1 "
+                  "| direct count after step MiB r0 / r1 (params + grads + optimizer state) "
+                  "| after step, tracker / direct | peak, tracker / profiler |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in res.items():
+            agree = [t / d if d else 0.0 for t, d in zip(r["tracker_after_mib_per_rank"],
+                                                         r["direct_after_mib_per_rank"])]
+            peaks = [t / p if p else 0.0 for t, p in zip(r["tracker_peak_mib_per_rank"],
+                                                         r["peak_mib_per_rank"])]
+            lines.append(
+                f"| {LABELS.get(name, name)} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['tracker_peak_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['tracker_after_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.1f}' for v in r['direct_after_mib_per_rank'])} "
+                f"| {' / '.join(f'{v:.3f}' for v in agree)} "
+                f"| {' / '.join(f'{v:.3f}' for v in peaks)} |")
     a = summary["analytic_mib"]
     lines.append("")
     lines.append(

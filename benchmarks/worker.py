@@ -11,7 +11,8 @@ Order of one scenario (all ranks in lockstep):
 2. memory pass: each implementation in turn is built, trained for
    ``mem_steps`` steps under the allocation profiler, and dropped; then
    again each in turn without the profiler, for the resident set's
-   high-water mark and the page faults per step;
+   high-water mark and the page faults per step; and again under torch's
+   ``MemTracker`` (its peak and after-step figures, and a direct count);
 3. timing pass: all implementations are built side by side, warmed up, then
    run round-robin (``rounds`` rounds of ``steps`` steps each; the order
    rotates every round) so that machine noise hits all of them alike.
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 
 from .impls import BUILDERS, VARIANTS, units_of
-from .memory import (activation_bytes, analytic_bounds, measure_process_memory,
-                     measure_training_memory)
+from .memory import (activation_bytes, analytic_bounds, measure_mem_tracker,
+                     measure_process_memory, measure_training_memory)
 
 
 @dataclass
@@ -141,6 +142,8 @@ def memory_pass(s: Settings, rank: int, world: int) -> dict[str, dict]:
         out[name] = asdict(report) | {"train_peak": report.train_peak}
     for name in s.impls:  # no profiler attached: RSS high-water mark and page faults
         out[name] |= asdict(measure(measure_process_memory, name))
+    for name in s.impls:  # torch's MemTracker, next to a direct count of the state
+        out[name] |= asdict(measure(measure_mem_tracker, name))
     return out
 
 

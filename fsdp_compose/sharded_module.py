@@ -107,6 +107,26 @@ class ShardedModule:
 
         _own_state(self).change_model_setting("set_prefetch_policy", policy, apply)
 
+    def set_bucket_cap_mb(self, bucket_cap_mb: float) -> None:
+        """Coalesce the collectives of consecutive small units, for the whole
+        model this module belongs to: units of at most ``bucket_cap_mb`` MiB
+        unsharded, consecutive in the forward order, are gathered by one
+        all-gather and reduced by one reduce-scatter, in buckets of at most
+        that size (``0``, the default for now, turns bucketing off; 4 suits
+        many units of well under a MiB). Same numbers bit
+        for bit; see ``runtime/buckets.py`` and docs/performance.md. Takes
+        effect at the next iteration; made before the first forward, the
+        root applies it (like :meth:`set_prefetch_policy`)."""
+        cap = float(bucket_cap_mb)
+        if cap < 0:
+            raise ValueError(f"set_bucket_cap_mb({bucket_cap_mb!r}) on {_own_state(self).unit.name}: "
+                             "the cap must be >= 0 MiB (0 turns bucketing off)")
+
+        def apply(context: ShardContext) -> None:
+            context.scheduler.buckets.set_cap_mb(cap)
+
+        _own_state(self).change_model_setting("set_bucket_cap_mb", cap, apply)
+
     def set_reshard_after_forward(self, reshard_after_forward: Union[bool, int],
                                   recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (``True`` makes the root reshard

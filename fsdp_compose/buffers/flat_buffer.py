@@ -398,16 +398,35 @@ class FlatBuffer:
 
         Post-condition: ``is_unsharded`` or ``is_gathering``.
         """
+        prepared = self.prepare_unshard()
+        if prepared is None:
+            return
+        shard, group = prepared
+        version = self.unsharded._version
+        with _unsafe_preserve_version_counter(self.unsharded):
+            work = all_gather_into(self.unsharded.detach(), shard, group, async_op=True)
+        self._gather = _PendingGather(work, shard, version)
+
+    def prepare_unshard(self, coalescable: bool = False) -> Optional[tuple[torch.Tensor, ShardGroup]]:
+        """Everything :meth:`start_unshard` does before the collective: the
+        unsharded storage holds memory again; returns what to all-gather
+        and over which group (``None``: nothing to gather). With
+        ``coalescable``, only a plain gather over the shard group qualifies
+        (a kept post-forward piece does not: ``None`` and nothing done).
+        The caller then issues the collective and hands its work to
+        :meth:`adopt_gather` (``buffers/coalesced.py``)."""
         if self._gather is not None:
-            return  # already in flight: a prefetch got here first
+            return None  # already in flight: a prefetch got here first
         if self.aliased:
             if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
                 self.is_unsharded = True
                 self.use_unsharded_views()
-            return
+            return None
+        if coalescable and self._post_forward is not None:
+            return None
         if self.is_unsharded:
             if not self.is_stale:
-                return  # already unsharded: an earlier pre-forward or unshard() got here first
+                return None  # already unsharded: an earlier pre-forward or unshard() got here first
             # Kept unsharded (reshard_after_backward=False or a manual unshard())
             # across an optimizer step: gather the new values.
             self.reshard()
@@ -426,9 +445,12 @@ class FlatBuffer:
             # Over one rank the "all-gather" is that copy.
             shard, group = self.sharded if self.group.world_size == 1 else self.sharded.to(
                 self.compute_device, self.compute_dtype, non_blocking=True), self.group
-        version = self.unsharded._version
-        with _unsafe_preserve_version_counter(self.unsharded):
-            work = all_gather_into(self.unsharded.detach(), shard, group, async_op=True)
+        return shard, group
+
+    def adopt_gather(self, work: object, shard: torch.Tensor, version: int) -> None:
+        """The all-gather into ``unsharded`` that ``work`` completes (issued
+        by the caller after :meth:`prepare_unshard`; ``version``: the
+        buffer's version before it) is this buffer's in-flight gather."""
         self._gather = _PendingGather(work, shard, version)
 
     def finish_unshard(self) -> None:

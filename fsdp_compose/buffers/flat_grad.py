@@ -92,6 +92,12 @@ class _PendingReduce(NamedTuple):
     options: ReduceOptions
 
 
+class _PendingReplica(NamedTuple):
+    work: object  # torch.distributed.Work of the all-reduce over the replicas
+    output: torch.Tensor  # this rank's reduce-scattered chunk, reduced in place
+    options: ReduceOptions
+
+
 class FlatGradient:
     """Gradient state of one flat buffer (see the module docstring)."""
 
@@ -105,6 +111,9 @@ class FlatGradient:
         """Unreduced flat gradient summed in ``reduce_dtype`` over backwards
         without sync (only when it differs from the compute dtype)."""
         self._reduce: Optional[_PendingReduce] = None
+        self._replica: Optional[_PendingReplica] = None
+        """Hybrid sharding: the all-reduce over the replicas of the chunk the
+        reduce-scatter produced, in flight (:meth:`advance_reduce`)."""
         self._unpublished: Optional[torch.Tensor] = None
         """The reduced sharded gradient, not yet given to the parameters."""
         self._published: Optional[weakref.ref] = None
@@ -168,6 +177,9 @@ class FlatGradient:
         pending, self._reduce = self._reduce, None
         if pending is not None:
             pending.work.wait()
+        replica, self._replica = self._replica, None
+        if replica is not None:
+            replica.work.wait()
         self._unpublished = None
         self.discard_unreduced()
         self.used = [False] * len(self.used)
@@ -175,7 +187,7 @@ class FlatGradient:
     # --------------------------------------------------------------- reduce
     @property
     def is_reducing(self) -> bool:
-        return self._reduce is not None
+        return self._reduce is not None or self._replica is not None
 
     def start_reduce(self, options: ReduceOptions) -> bool:
         """Issue the reduce-scatter of the unreduced flat gradient; returns
@@ -184,36 +196,71 @@ class FlatGradient:
         Post-condition: nothing unreduced is left; the flat gradient is kept
         alive by the pending reduction until :meth:`finish_reduce`.
         """
-        if self._reduce is not None:
+        flat_grad = self.take_for_reduce()
+        if flat_grad is None:
+            return False
+        owner = self.owner
+        output = flat_grad if owner.group.world_size == 1 else torch.empty(
+            owner.layout.shard_numel, dtype=flat_grad.dtype, device=owner.compute_device)
+        work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
+                                     options.force_sum, async_op=True)
+        self.adopt_reduce(work, flat_grad, output, options)
+        return True
+
+    def take_for_reduce(self) -> Optional[torch.Tensor]:
+        """What :meth:`start_reduce` does before the collective: the
+        unreduced flat gradient in the dtype the collective moves (``None``:
+        no gradient reached the buffer); nothing unreduced is left here."""
+        if self.is_reducing:
             self.finish_reduce()  # an earlier backward's (set_is_last_backward(False))
         owner = self.owner
         single = owner.group.world_size == 1
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
-        flat_grad = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
-        if flat_grad is None:
-            return False
-        output = flat_grad if single else torch.empty(
-            owner.layout.shard_numel, dtype=flat_grad.dtype, device=owner.compute_device)
-        work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
-                                     options.force_sum, async_op=True)
-        self._reduce = _PendingReduce(work, flat_grad, output, options)
-        return True
+        return self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
 
-    def finish_reduce(self) -> None:
-        """Wait for the pending reduce-scatter and fold this rank's chunk
-        into the (unpublished) sharded gradient."""
+    def adopt_reduce(self, work: object, flat_grad: torch.Tensor, output: torch.Tensor,
+                     options: ReduceOptions) -> None:
+        """``work`` (issued by the caller) reduce-scatters ``flat_grad``
+        into ``output`` (this rank's chunk, ``S`` elements): it is this
+        buffer's pending reduction, finished by :meth:`finish_reduce`."""
+        self._reduce = _PendingReduce(work, flat_grad, output, options)
+
+    def advance_reduce(self) -> bool:
+        """Wait for the pending reduce-scatter; under hybrid sharding issue
+        the all-reduce over the replicas without waiting for it (it overlaps
+        what comes next) and return True (still in flight); else fold the
+        chunk into the sharded gradient and return False."""
         pending = self._reduce
         if pending is None:
-            return  # nothing in flight
+            return self._replica is not None
         self._reduce = None
-        wait_watched(pending.work, self.owner.group.process_group)
         owner = self.owner
-        # Hybrid sharding: the replicas' chunks are summed (or averaged) next.
-        # Blocking: the chunk is folded into the sharded gradient right after.
-        output = pending.output
-        all_reduce_replicas(output, owner.group, *pending.options)
+        wait_watched(pending.work, owner.group.process_group)
+        group = owner.group
+        if group.replicate_process_group is not None and group.replicate_size > 1:
+            work = all_reduce_replicas(pending.output, group, *pending.options, async_op=True)
+            self._replica = _PendingReplica(work, pending.output, pending.options)
+            return True
+        self._fold(pending.output, pending.options)
+        return False
+
+    def finish_reduce(self) -> None:
+        """Wait for the pending reduce-scatter (and, under hybrid sharding,
+        the all-reduce over the replicas) and fold this rank's chunk into
+        the (unpublished) sharded gradient."""
+        if self._reduce is not None:
+            self.advance_reduce()
+        replica, self._replica = self._replica, None
+        if replica is not None:
+            wait_watched(replica.work, self.owner.group.replicate_process_group)
+            self._fold(replica.output, replica.options)
+
+    def _fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
+        """The reduced chunk (every rank of the mesh summed or averaged)
+        scaled and added into the unpublished sharded gradient."""
+        owner = self.owner
         output = output.to(owner.reduce_dtype)  # reduce_comm_dtype: widen before dividing
-        finish_scaling(output, owner.group, *pending.options)
+        finish_scaling(output, owner.group, *options)
         base = self._accumulation_base()
         if base is not None:
             base.add_(output.to(owner.storage_device, owner.dtype))
@@ -252,7 +299,7 @@ class FlatGradient:
     # -------------------------------------------------------------- publish
     @property
     def has_unpublished(self) -> bool:
-        return self._unpublished is not None or self._reduce is not None
+        return self._unpublished is not None or self.is_reducing
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:

@@ -17,6 +17,18 @@ an iteration it never holds more than the unsharded working set it has seen
 (the in-flight limits bound that), so between steps nothing unsharded is kept;
 the price is that the first units of the next forward fault their pages in
 again (measured in BENCHMARKS.md, "Performance, round 2").
+
+[Note: staging and memory trackers]
+Swapping data pointers is invisible to tools that follow storage sizes
+through dispatched ops and ``UntypedStorage.resize_`` (torch's
+``MemTracker``): without telling them, a drained storage kept the size it
+had when last seen, and ``MemTracker`` counted every unit as unsharded after
+the step (the whole model's unsharded bytes too much, issue 22). A drain
+therefore ends with ``resize_(0)`` on the storage it emptied (free: it holds
+no memory any more), which such tools see; a fill is seen by the next op
+that writes the storage (the all-gather). Memory parked in the pool is
+free-but-kept to them (like the allocator's cache on CUDA); the pool is
+emptied at the end of each iteration.
 """
 
 from __future__ import annotations
@@ -54,6 +66,8 @@ class StagingPool:
             return
         shell = torch.UntypedStorage(0, device=storage.device)
         shell._swap_data_ptr_(storage)
+        # see [Note: staging and memory trackers]
+        storage.resize_(0)
         self._free.setdefault(nbytes, []).append(shell)
 
     def clear(self) -> None:

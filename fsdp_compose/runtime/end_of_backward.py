@@ -28,6 +28,7 @@ def finish_backward(units: Sequence[ShardUnit], scheduler: Scheduler,
 
     Post-condition: every unit IDLE; after the last backward nothing is in
     flight and every reduced gradient is published."""
+    scheduler.flush_held_reduces()  # buckets some of whose members had no backward
     reduce_deferred(units, scheduler)
     if is_last_backward:
         scheduler.finish_reduces()

@@ -19,10 +19,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Protocol
 
+from ..buffers.coalesced import gather_coalesced, reduce_coalesced
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
 from ..policies import PrefetchPolicy
+from .buckets import Bucket, BucketPlan
 from .observer import CollectiveObserver
 from .training_state import TrainingState
 
@@ -34,6 +36,7 @@ class ScheduledUnit(Protocol):
     buffers: list[FlatBuffer]
     training_state: TrainingState
     unshard_in_backward: bool
+    backward_possible: bool
     forward_prefetch: Optional[list["ScheduledUnit"]]
     backward_prefetch: Optional[list["ScheduledUnit"]]
 
@@ -48,10 +51,20 @@ class Scheduler:
         """Units in the order their forward started in this iteration."""
         self.previous_forward_order: list["ScheduledUnit"] = []
         """The same for the previous iteration (used by forward prefetch)."""
-        self._gathers: list[FlatBuffer] = []
-        """Buffers whose all-gather was issued here and may still be in flight."""
-        self._reduces: deque[FlatBuffer] = deque()
-        """Buffers with a reduce-scatter in flight, oldest first."""
+        self._gathers: list[list[FlatBuffer]] = []
+        """All-gathers issued here that may still be in flight: the buffers
+        each one fills (several for a bucket)."""
+        self._reduces: deque[list[FlatBuffer]] = deque()
+        """Reduce-scatters in flight, oldest first: the buffers of each."""
+        self._replicas: deque[list[FlatBuffer]] = deque()
+        """Hybrid sharding: the buffers whose reduce-scatter finished and
+        whose all-reduce over the replicas is in flight, oldest first."""
+        self.buckets: BucketPlan = BucketPlan()
+        """Which units share their collectives in this iteration
+        (``buckets.py``; rebuilt at every :meth:`start_iteration`)."""
+        self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
+        """Per bucket (by id): its buffers whose gradient is ready, held
+        until the bucket's last one is (:meth:`reduce`)."""
         self.staging: StagingPool = StagingPool()
         """Memory of released unsharded buffers, reused on the CPU."""
         self.observer: CollectiveObserver = observer or CollectiveObserver()
@@ -72,6 +85,7 @@ class Scheduler:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
+        self.buckets.rebuild(self.previous_forward_order)
         self.observer.start_iteration()
 
     def discard_iteration(self) -> None:
@@ -83,6 +97,8 @@ class Scheduler:
         self.forward_order = []
         self._gathers = []
         self._reduces.clear()
+        self._replicas.clear()
+        self._held = {}
 
     def record_forward(self, unit: "ScheduledUnit") -> None:
         if not any(u is unit for u in self.forward_order):
@@ -120,10 +136,14 @@ class Scheduler:
     # ------------------------------------------------------------ all-gather
     def gather(self, unit: "ScheduledUnit", prefetch: list["ScheduledUnit"]) -> None:
         """Unshard ``unit``, issuing the all-gathers of ``prefetch`` while
-        its own is in flight (within the limit)."""
-        for buffer in unit.buffers:
-            self._start_unshard(unit, buffer)
+        its own is in flight (within the limit). A unit in a bucket is
+        gathered with the rest of its bucket, by one all-gather."""
+        if not self._start_bucket(unit, unit):
+            for buffer in unit.buffers:
+                self._start_unshard(unit, buffer)
         for target in prefetch:
+            if self._start_bucket(unit, target, limited=True):
+                continue
             for buffer in target.buffers:
                 if buffer.aliased:
                     # One rank: nothing to fetch ahead. Unsharding would only swap the
@@ -139,8 +159,35 @@ class Scheduler:
             buffer.finish_unshard()
 
     def inflight_all_gathers(self) -> int:
-        self._gathers = [b for b in self._gathers if b.is_gathering]
+        """All-gathers issued here and not waited on yet (a bucket's is one)."""
+        self._gathers = [g for g in self._gathers if any(b.is_gathering for b in g)]
         return len(self._gathers)
+
+    def _start_bucket(self, issuer: "ScheduledUnit", unit: "ScheduledUnit",
+                      limited: bool = False) -> bool:
+        """If ``unit`` is in a bucket: issue one all-gather for the members
+        that need one (``limited``: only within the in-flight limit) and
+        return True; else False (nothing done)."""
+        bucket = self.buckets.of_unit(unit)
+        if bucket is None:
+            return False
+        members = bucket.gather_members(unit, issuer.training_state,
+                                        {id(u) for u in self.forward_order})
+        buffers = [b for m in members for b in m.buffers if _issues_all_gather(b)]
+        if not buffers:
+            return True  # nothing to issue: already gathered or in flight
+        if limited and self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+            return True
+        for buffer in buffers:
+            self.observer.before_all_gather(buffer, issuer.training_state)
+        gathering = gather_coalesced(buffers)
+        if gathering:
+            self._gathers.append(gathering)
+        for buffer in buffers:
+            if not buffer.is_gathering and not buffer.is_unsharded:
+                buffer.start_unshard()  # could not join (kept post-forward piece); observed above
+                self._track(buffer)
+        return True
 
     def _start_unshard(self, issuer: "ScheduledUnit", buffer: FlatBuffer) -> None:
         """Issue ``buffer``'s all-gather for ``issuer``'s pre-forward or
@@ -151,25 +198,73 @@ class Scheduler:
         self._track(buffer)
 
     def _track(self, buffer: FlatBuffer) -> None:
-        if buffer.is_gathering and not any(b is buffer for b in self._gathers):
-            self._gathers.append(buffer)
+        if buffer.is_gathering and not any(b is buffer for g in self._gathers for b in g):
+            self._gathers.append([buffer])
 
     # -------------------------------------------------------- reduce-scatter
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         """Issue ``buffer``'s reduce-scatter; wait the oldest ones beyond the
-        limit."""
-        if buffer.grad.is_reducing:  # still in flight from an earlier backward of this step
-            self._reduces = deque(b for b in self._reduces if b is not buffer)
+        limit. A buffer of a bucket is held until the bucket's last expected
+        gradient is ready; then one reduce-scatter goes for all of them."""
+        self._forget_reducing(buffer)
+        bucket = self.buckets.of_buffer(buffer)
+        if bucket is not None:
+            _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
+            if not any(b is buffer for b in ready):
+                ready.append(buffer)
+            expected = bucket.expected_reduces()
+            if all(any(b is e for b in ready) for e in expected):
+                self._reduce_held(id(bucket))
+            return
         if buffer.grad.has_unreduced:
             self.observer.before_reduce_scatter(buffer)
         if buffer.grad.start_reduce(options):
-            self._reduces.append(buffer)
+            self._reduces.append([buffer])
+        self._keep_reduce_limit()
+
+    def _forget_reducing(self, buffer: FlatBuffer) -> None:
+        if buffer.grad.is_reducing:  # still in flight from an earlier backward of this step
+            self._reduces, self._replicas = (
+                deque(g for g in ([b for b in g if b is not buffer] for g in queue) if g)
+                for queue in (self._reduces, self._replicas))
+
+    def _reduce_held(self, key: int) -> None:
+        bucket, ready, options = self._held.pop(key)
+        ordered = [b for b in bucket.buffers if any(r is b for r in ready)]  # bucket order
+        for buffer in ordered:
+            if buffer.grad.has_unreduced:
+                self.observer.before_reduce_scatter(buffer)
+        reducing = reduce_coalesced(ordered, options)
+        if reducing:
+            self._reduces.append(reducing)
+        self._keep_reduce_limit()
+
+    def _keep_reduce_limit(self) -> None:
+        """Beyond the limit, the oldest reduce-scatter is waited; under
+        hybrid sharding its all-reduce over the replicas is then issued and
+        waited only when those exceed the limit in turn (or at the end)."""
         while len(self._reduces) > self.policy.max_pending_reduces:
-            self._reduces.popleft().grad.finish_reduce()
+            oldest = self._reduces.popleft()
+            replicating = [b for b in oldest if b.grad.advance_reduce()]
+            if replicating:
+                self._replicas.append(replicating)
+        while len(self._replicas) > self.policy.max_pending_reduces:
+            for buffer in self._replicas.popleft():
+                buffer.grad.finish_reduce()
+
+    def flush_held_reduces(self) -> None:
+        """End of backward: reduce what buckets still hold (a member whose
+        backward did not run), bucket by bucket in plan order, the same on
+        every rank."""
+        for bucket in self.buckets.buckets:
+            if id(bucket) in self._held:
+                self._reduce_held(id(bucket))
 
     def finish_reduces(self) -> None:
-        while self._reduces:
-            self._reduces.popleft().grad.finish_reduce()
+        for queue in (self._replicas, self._reduces):  # oldest first
+            while queue:
+                for buffer in queue.popleft():
+                    buffer.grad.finish_reduce()
 
     # -------------------------------------------------------------- staging
     def end_iteration(self) -> None:

@@ -9,12 +9,18 @@ by a rule.
 * :func:`estimate_memory` / :func:`propose_units` (``planner.py``): per-rank
   memory of an annotation planned on a ``meta`` model with no process
   group, and an annotation that fits a budget.
+* :func:`fully_shard_root` (``split_root.py``): the root, its leftover
+  parameters split into the units where they are used (embeddings, head).
+* :class:`ShardedMemTracker` (``mem_tracker.py``): torch's ``MemTracker``
+  that also runs on ``fully_shard`` models.
 """
 
 from .annotate import fully_shard_by
+from .mem_tracker import ShardedMemTracker
+from .split_root import fully_shard_root
 from .describe import BufferReport, ModelReport, ParamReport, Totals, UnitReport, describe
 from .planner import MemoryEstimate, Proposal, estimate_memory, propose_units
 
 __all__ = ["describe", "fully_shard_by", "ModelReport", "UnitReport", "BufferReport",
            "ParamReport", "Totals", "estimate_memory", "propose_units", "MemoryEstimate",
-           "Proposal"]
+           "Proposal", "ShardedMemTracker", "fully_shard_root"]

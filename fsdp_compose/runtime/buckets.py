@@ -1,0 +1,145 @@
+"""Which units share their collectives: buckets of consecutive small units.
+
+A :class:`BucketPlan` is rebuilt from the previous iteration's forward order
+at the start of every iteration (``Scheduler.start_iteration``; the first
+iteration has no order yet and runs unbucketed). Consecutive units in that
+order that qualify (below) and share a key (process group, compute dtype,
+communication dtype, reduce options) are grouped greedily while the bucket's
+unsharded bytes stay within ``cap_bytes``; a bucket of one unit is no bucket.
+``cap_bytes = 0`` turns bucketing off. The collectives themselves are in
+``buffers/coalesced.py`` ([Note: bucketing]).
+
+A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
+nothing about it needs a collective of its own: not the root, no explicit
+prefetch targets, no ``reshard_after_forward=k`` group, no
+``reduce_scatter_unused_params``, all-gathers in backward, no CPU offload,
+one process group and one compute dtype over its buffers, none aliased (one
+rank with nothing to gather).
+
+Memory: a bucket is gathered as one all-gather and counts as one against
+``max_inflight_all_gathers``, so with bucketing on the unsharded bytes in
+flight are at most that limit times ``max(cap_bytes, largest unit)``; units
+above the cap are never bucketed, so a model of large units runs exactly as
+without bucketing. A bucket's gradients are held until its last member's
+backward finished (at most ``cap_bytes`` of flat gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..buffers.flat_buffer import FlatBuffer
+from .training_state import TrainingState
+
+DEFAULT_BUCKET_CAP_MB = 0.0
+"""Off by default for now. ``RECOMMENDED_BUCKET_CAP_MB`` is what helps many
+small units; turning it on by default waits for two things (issue 22's
+report): a unit skipped on one rank then changes the size of a coalesced
+collective, which gloo answers by aborting the process instead of the
+stall that the divergence diagnosis names (``comm/flight.py``); and the
+collective-count tests of the suite describe the unbucketed structure."""
+
+RECOMMENDED_BUCKET_CAP_MB = 4.0
+"""Buckets the ~0.2 MiB blocks of the many-small benchmark model by up to
+~20 and leaves units of more than 4 MiB alone."""
+
+
+class Bucket:
+    """Consecutive units (forward order) whose collectives are coalesced."""
+
+    def __init__(self, units: list) -> None:
+        self.units: list = units
+        self.buffers: list[FlatBuffer] = [b for u in units for b in u.buffers]
+
+    def gather_members(self, unit, issuer_state: TrainingState, ran: set[int]) -> list:
+        """The members to all-gather with ``unit`` now: ``unit`` and those
+        whose use is still ahead: in forward, those whose forward has not
+        run in this pass (``ran``: ids of the units that did); in backward,
+        those whose backward has not started and will run."""
+        backward = issuer_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+        if backward:
+            return [m for m in self.units if m is unit or (
+                m.training_state is TrainingState.IDLE and m.backward_possible)]
+        return [m for m in self.units if m is unit or id(m) not in ran]
+
+    def expected_reduces(self) -> list[FlatBuffer]:
+        """The buffers whose gradients this backward should reduce together."""
+        return [b for u in self.units if u.backward_possible and u.requires_gradient_sync
+                for b in u.trainable_buffers]
+
+
+class BucketPlan:
+    """The buckets of one model for the running iteration."""
+
+    def __init__(self, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+        self.cap_bytes: int = 0
+        self.set_cap_mb(cap_mb)
+        self.buckets: list[Bucket] = []
+        self._of_unit: dict[int, Bucket] = {}
+        self._of_buffer: dict[int, Bucket] = {}
+
+    def set_cap_mb(self, cap_mb: float) -> None:
+        if cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0 (0 turns bucketing off), got {cap_mb}")
+        self.cap_bytes = int(cap_mb * 2 ** 20)
+
+    def rebuild(self, order: Sequence) -> None:
+        """Bucket ``order`` (the previous iteration's forward order)."""
+        self.buckets, self._of_unit, self._of_buffer = [], {}, {}
+        if self.cap_bytes <= 0:
+            return
+        current: list = []
+        current_key, current_bytes = None, 0
+        for unit in order:
+            size = _unsharded_bytes(unit)
+            key = _key(unit) if size <= self.cap_bytes else None
+            if key is None or key != current_key or current_bytes + size > self.cap_bytes:
+                self._close(current)
+                current, current_key, current_bytes = [], key, 0
+            if key is not None:
+                current.append(unit)
+                current_bytes += size
+        self._close(current)
+
+    def _close(self, units: list) -> None:
+        if len(units) < 2:
+            return
+        bucket = Bucket(units)
+        self.buckets.append(bucket)
+        for unit in units:
+            self._of_unit[id(unit)] = bucket
+        for buffer in bucket.buffers:
+            self._of_buffer[id(buffer)] = bucket
+
+    def of_unit(self, unit) -> Optional[Bucket]:
+        return self._of_unit.get(id(unit))
+
+    def of_buffer(self, buffer: FlatBuffer) -> Optional[Bucket]:
+        return self._of_buffer.get(id(buffer))
+
+    def clear(self) -> None:
+        self.rebuild([])
+
+
+def _unsharded_bytes(unit) -> int:
+    return sum(b.layout.padded_numel * b.unsharded.element_size() for b in unit.buffers)
+
+
+def _key(unit) -> Optional[tuple]:
+    """What must agree between the units of one bucket; ``None``: the unit
+    needs collectives of its own (see the module docstring)."""
+    if unit.is_root or not unit.buffers or unit.forward_prefetch is not None or \
+            unit.backward_prefetch is not None or unit.post_forward_group is not None or \
+            unit.reduce_scatter_unused_params or not unit.unshard_in_backward or \
+            unit.offload_policy is not None:
+        return None
+    buffers = unit.buffers
+    if any(b.aliased or b.is_meta for b in buffers):
+        return None
+    groups = {id(b.group.process_group) for b in buffers}
+    dtypes = {b.compute_dtype for b in buffers}
+    comm = {b.reduce_comm_dtype for b in buffers if b.requires_grad}
+    if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1:
+        return None
+    return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
+            next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync)

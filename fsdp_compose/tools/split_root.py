@@ -1,0 +1,96 @@
+"""``fully_shard_root(model)``: annotate the root with its own parameters
+split where they are used.
+
+[Note: split root]
+The parameters left to the root (a GPT's embeddings before the blocks, its
+final norm and head after them) are one unit if ``fully_shard(model)`` takes
+them all: one all-gather before the first block that forward waits for, and
+one reduction when the last backward node (the embedding's) is done, which
+nothing overlaps. ``fully_shard_root`` first annotates, as units of their
+own, the run of the model's direct children before its first child that
+holds annotated units (the *prologue*) and the run after its last one (the
+*epilogue*), then the model. Both keep their parameters from forward to
+backward (``reshard_after_forward=False``, as the root would), so no
+collective is added beyond one all-gather and one reduction per run; in
+exchange the epilogue's all-gather is prefetched during the blocks instead
+of delaying the first one, and the epilogue's reduction starts right after
+its backward (the first of all) and overlaps the blocks' backward.
+
+Module order stands for use order: children are grouped by where they are
+registered. A parameter shared between the groups (tied embedding and head)
+must stay in one unit used in both places: then nothing is split (with a
+``UserWarning``), as ``fully_shard_by`` does for shared parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.nn as nn
+
+from .._setup import managed_modules, taken
+from ..api import fully_shard
+from ..runtime.owners import owner_of
+from ..runtime.state import state_of
+
+
+def fully_shard_root(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
+    """``fully_shard(model)`` after annotating the prologue and the
+    epilogue of its leftover parameters as units of their own (see
+    [Note: split root]). Call it where ``fully_shard(model)`` would go:
+    after the blocks. ``fully_shard_kwargs`` go to every call
+    (``reshard_after_forward`` is ``False`` for the prologue and epilogue).
+
+    Returns ``model``, annotated in place; with no annotated child to split
+    around it is plain ``fully_shard(model, ...)``.
+    """
+    children = list(model.children())
+    holds_units = [i for i, child in enumerate(children)
+                   if any(state_of(m) is not None for m in child.modules())]
+    if holds_units and state_of(model) is None:
+        prologue = _untaken(children[:holds_units[0]])
+        epilogue = _untaken(children[holds_units[-1] + 1:])
+        rest = [model] + [c for i, c in enumerate(children)
+                          if not any(c is m for m in prologue + epilogue)]
+        shared = _shared_between([prologue, epilogue, rest])
+        if shared is not None:
+            warnings.warn(
+                f"fully_shard_root: not splitting the root {type(model).__name__}: a parameter "
+                f"({shared}) is used by more than one of its parts (e.g. tied embeddings), so "
+                "its parameters stay in one unit.", UserWarning, stacklevel=2)
+        else:
+            kept = fully_shard_kwargs | {"reshard_after_forward": False}
+            for part in (prologue, epilogue):
+                if part:
+                    fully_shard(part if len(part) > 1 else part[0], **kept)
+    return fully_shard(model, **fully_shard_kwargs)
+
+
+def _untaken(children: list[nn.Module]) -> list[nn.Module]:
+    """Those of ``children`` holding parameters no unit owns yet."""
+    return [c for c in children if state_of(c) is None and _params(c)]
+
+
+def _params(module: nn.Module) -> dict[int, str]:
+    """The parameters ``fully_shard(module)`` would take (id -> name)."""
+    found = {}
+    for sub in managed_modules([module], taken):
+        for name, param in sub._parameters.items():
+            if param is not None and owner_of(param) is None:
+                found[id(param)] = name
+    return found
+
+
+def _shared_between(parts: list[list[nn.Module]]) -> str | None:
+    """A parameter of two of ``parts`` (the last one: the model's own
+    parameters and its other children), by name; ``None`` if none."""
+    seen: dict[int, int] = {}
+    for index, part in enumerate(parts):
+        for module in part:
+            params = {id(p): n for n, p in module._parameters.items() if p is not None} \
+                if module is parts[-1][0] else _params(module)
+            for key, name in params.items():
+                if seen.setdefault(key, index) != index:
+                    return name
+    return None
