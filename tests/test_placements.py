@@ -620,6 +620,15 @@ def _one_used_steps(model: nn.Module, optim, steps: range, rank: int, world: int
         optim.zero_grad(set_to_none=False)
 
 
+def _one_used_sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = _OneUsed()
+    fully_shard(model.used, placement="owned")
+    fully_shard(model.unused)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
 def saved_where_one_rank_holds_nothing() -> dict:
     """3 ranks, ``"owned"``: the used unit's weight and bias live on ranks 0
     and 1, so rank 2 holds none of the parameters that get gradients and has
@@ -629,23 +638,13 @@ def saved_where_one_rank_holds_nothing() -> dict:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_state_dict, set_state_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = _OneUsed()
-    fully_shard(model.used, placement="owned")
-    fully_shard(model.unused)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optim = _one_used_sharded(seed=0)
     _one_used_steps(model, optim, range(2), rank, world)
     had_state = bool(optim.state)
     model_sd, optim_sd = get_state_dict(model, optim)
     steps = {k: float(v["step"]) for k, v in optim_sd["state"].items()}
     kept_state = bool(optim.state)
-    torch.manual_seed(1)
-    fresh = _OneUsed()
-    fully_shard(fresh.used, placement="owned")
-    fully_shard(fresh.unused)
-    fully_shard(fresh)
-    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh, fresh_optim = _one_used_sharded(seed=1)
     set_state_dict(fresh, fresh_optim, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(strict=False))  # `unused` never had state
     _one_used_steps(fresh, fresh_optim, range(2, 4), rank, world)
