@@ -36,12 +36,14 @@ def main(at_step: int) -> None:
         try:
             model(torch.randn(4, 16), skip).sum().backward()
         except RuntimeError as error:
-            print(f"RANK {rank} STEP {step} AFTER {time.perf_counter() - start:.1f} S\n{error}\nEND",
-                  flush=True)
+            # one write: print() writes the text and its newline separately, and
+            # the other rank's report could land between them
+            os.write(1, f"RANK {rank} STEP {step} AFTER {time.perf_counter() - start:.1f} S\n"
+                        f"{error}\nEND\n".encode())
             os._exit(0)  # the group paired mismatched collectives: no clean teardown
         optim.step()
         optim.zero_grad()
-    print(f"RANK {rank} TRAINED THROUGH", flush=True)
+    os.write(1, f"RANK {rank} TRAINED THROUGH\n".encode())
     os._exit(0)
 
 

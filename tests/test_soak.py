@@ -69,6 +69,16 @@ def _build() -> nn.Module:
     return model
 
 
+def _is_storageless(tensor: torch.Tensor) -> bool:
+    """A wrapper subclass with no memory of its own (a lazy checkpoint value,
+    ``checkpoint/_lazy.py``): counted as a tensor, it has no storage bytes."""
+    try:
+        tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
 def _tensor_census() -> tuple[int, int, int, int]:
     """(live tensors, bytes of their distinct storages and of loose storages,
     tensors with a grad_fn, gc-tracked objects)."""
@@ -81,7 +91,7 @@ def _tensor_census() -> tuple[int, int, int, int]:
         if issubclass(cls, torch.Tensor):
             tensors += 1
             with_graph += obj.grad_fn is not None
-            if obj.device.type != "meta":
+            if obj.device.type != "meta" and not _is_storageless(obj):
                 s = obj.untyped_storage()
                 storages[s.data_ptr(), s.nbytes()] = s.nbytes()
         elif cls is torch.UntypedStorage:
