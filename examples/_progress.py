@@ -77,3 +77,13 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def say(msg: str, file=None) -> None:
+    """Print without breaking the progress bar, flushed (stdout is a pipe under torchrun)."""
+    file = file or sys.stdout
+    if tqdm is not None:
+        tqdm.write(msg, file=file)
+    else:
+        print(msg, file=file)
+    file.flush()

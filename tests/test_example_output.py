@@ -34,8 +34,16 @@ def _example(name: str) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def train_gpt() -> ModuleType:
-    return _example("train_gpt")
+def report() -> ModuleType:
+    """``train_gpt.py``'s reporting, ``examples/_report.py`` (the script
+    itself must import cleanly too)."""
+    _example("train_gpt")
+    return _example("_report")
+
+
+@pytest.fixture(scope="module")
+def progress() -> ModuleType:
+    return _example("_progress")
 
 
 def _args(**overrides) -> argparse.Namespace:
@@ -44,9 +52,9 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ summary
-def test_summary_header_counts_ranks_and_the_steps_this_run_did(train_gpt):
+def test_summary_header_counts_ranks_and_the_steps_this_run_did(report):
     def header(args: argparse.Namespace, world: int, first_step: int) -> str:
-        return train_gpt.summary_header(args, world, "cpu (gloo)", 1_060_000, ["fp32"],
+        return report.summary_header(args, world, "cpu (gloo)", 1_060_000, ["fp32"],
                                         first_step)
 
     assert header(_args(), 2, 1) == (
@@ -64,16 +72,16 @@ def test_summary_header_counts_ranks_and_the_steps_this_run_did(train_gpt):
         _args(micro_batches=2), 2, 1)
 
 
-def test_loss_differences_name_identical_runs_and_the_largest_gap(train_gpt):
-    run = train_gpt.RunStats
+def test_loss_differences_name_identical_runs_and_the_largest_gap(report):
+    run = report.RunStats
     ref = run("fsdp_compose", steps=[1, 2, 3], losses=[3.0, 2.0, 1.0])
     same = run("ddp", steps=[1, 2, 3], losses=[3.0, 2.0, 1.0])
     off = run("fsdp2", steps=[1, 2, 3], losses=[3.0, 2.25, 0.99])
-    assert train_gpt.loss_differences([ref, same, off]) == (
+    assert report.loss_differences([ref, same, off]) == (
         "largest loss difference from fsdp_compose (steps 1-3): ddp 0 (identical), fsdp2 0.25")
     # after a resume the first run has fewer steps: only the common ones count
     resumed = run("fsdp_compose", steps=[3], losses=[0.5])
-    assert train_gpt.loss_differences([resumed, same]) == (
+    assert report.loss_differences([resumed, same]) == (
         "largest loss difference from fsdp_compose (1 step): ddp 0.5")
 
 
@@ -81,54 +89,54 @@ def test_loss_differences_name_identical_runs_and_the_largest_gap(train_gpt):
 _LINE = re.compile(r"^train: step (\d+)/(\d+) \((\d+)%\), \d+\.\d s, loss \d\.\d{4}$")
 
 
-def _progress_lines(train_gpt, stream, total: int, initial: int = 0, **kw) -> str:
-    progress = train_gpt.Progress(total, initial=initial, desc="train", file=stream, **kw)
+def _progress_lines(module, stream, total: int, initial: int = 0, **kw) -> str:
+    progress = module.Progress(total, initial=initial, desc="train", file=stream, **kw)
     for step in range(initial + 1, total + 1):
         progress.step(f"loss {1 / step:.4f}")
     progress.close()
     return stream.getvalue()
 
 
-def test_progress_is_one_line_per_tenth_of_the_steps_in_a_file(train_gpt):
+def test_progress_is_one_line_per_tenth_of_the_steps_in_a_file(progress):
     """Not a terminal (a log file, a pipe): whole lines, no carriage returns."""
-    text = _progress_lines(train_gpt, io.StringIO(), 25)
+    text = _progress_lines(progress, io.StringIO(), 25)
     assert "\r" not in text
     lines = text.splitlines()
     assert all(_LINE.match(line) for line in lines), text
     assert [int(_LINE.match(line)[1]) for line in lines] == [3, 6, 9, 12, 15, 18, 21, 24, 25]
     assert lines[-1].startswith("train: step 25/25 (100%), ")
     # a resumed run: a tenth of the steps left, counted from the checkpoint
-    resumed = _progress_lines(train_gpt, io.StringIO(), 70, initial=60).splitlines()
+    resumed = _progress_lines(progress, io.StringIO(), 70, initial=60).splitlines()
     assert [int(_LINE.match(line)[1]) for line in resumed] == list(range(61, 71))
     # and at least every min_interval_s, however many steps that is
-    timed = _progress_lines(train_gpt, io.StringIO(), 100, min_interval_s=0).splitlines()
+    timed = _progress_lines(progress, io.StringIO(), 100, min_interval_s=0).splitlines()
     assert len(timed) == 100
 
 
-def test_progress_is_a_tqdm_bar_on_a_terminal(train_gpt):
+def test_progress_is_a_tqdm_bar_on_a_terminal(progress):
     pytest.importorskip("tqdm")
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    text = _progress_lines(train_gpt, Terminal(), 5)
+    text = _progress_lines(progress, Terminal(), 5)
     assert "\r" in text and "5/5" in text and not _LINE.search(text.split("\r")[-1])
 
 
 # ------------------------------------------------------------------ plot
-def _runs(train_gpt, steps: int, impls=("fsdp_compose", "ddp", "fsdp2")):
+def _runs(report, steps: int, impls=("fsdp_compose", "ddp", "fsdp2")):
     runs = []
     for impl in impls:
         losses = [7.0 / s + (0.01 if impl == "fsdp2" else 0.0) for s in range(1, steps + 1)]
         rss = [[340.0 + s + k for k in range(2)] for s in range(1, steps + 1)]
-        runs.append(train_gpt.RunStats(impl, steps=list(range(1, steps + 1)), losses=losses,
-                                       rss=rss))
+        runs.append(report.RunStats(impl, steps=list(range(1, steps + 1)), losses=losses,
+                                    rss=rss))
     return runs
 
 
 @pytest.mark.parametrize("impls", [("fsdp_compose",), ("fsdp_compose", "ddp", "fsdp2")])
-def test_plot_has_whole_step_ticks_and_legends_beside_the_data(train_gpt, impls):
+def test_plot_has_whole_step_ticks_and_legends_beside_the_data(report, impls):
     """Steps 1-20 are labelled with integers; the memory legend lies outside its
     panel (the curves span the whole width); under --compare a middle panel
     shows each run's loss minus the first one's and its legend says which are
@@ -138,7 +146,7 @@ def test_plot_has_whole_step_ticks_and_legends_beside_the_data(train_gpt, impls)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = train_gpt.plot_figure(_runs(train_gpt, 20, impls), cuda=False)
+    fig = report.plot_figure(_runs(report, 20, impls), cuda=False)
     try:
         fig.canvas.draw()
         axes = fig.axes
