@@ -171,6 +171,9 @@ def parse_args() -> argparse.Namespace:
     ckpt.add_argument("--save-every", type=int, default=0,
                       help="save every N steps (and after the last one); needs --ckpt-dir")
     ckpt.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    ckpt.add_argument("--async-save", action="store_true",
+                      help="save in the background: training waits only for the copy to "
+                           "host memory; a checkpoint counts once every rank committed it")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the newest checkpoint in --ckpt-dir if there is one")
     ckpt.add_argument("--fail-at-step", type=int, default=None, metavar="K",
@@ -179,8 +182,8 @@ def parse_args() -> argparse.Namespace:
     ckpt.add_argument("--fail-mode", choices=("exit", "raise"), default="exit",
                       help="how --fail-at-step fails: os._exit(1) (a crash) or an exception")
     args = parser.parse_args()
-    if (args.save_every or args.resume) and not args.ckpt_dir:
-        parser.error("--save-every and --resume need --ckpt-dir")
+    if (args.save_every or args.resume or args.async_save) and not args.ckpt_dir:
+        parser.error("--save-every, --resume and --async-save need --ckpt-dir")
     if args.width % args.heads:
         parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     for name in ("steps", "batch_per_rank", "micro_batches", "log_every", "layers", "seq"):
@@ -366,7 +369,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     model = build_model(args, "fsdp_compose", device)
     optim, sched = build_optimizer(args, model)
     state = TrainState(model, optim, sched)
-    store = CheckpointStore(args.ckpt_dir, keep=args.keep) if args.ckpt_dir else None
+    store = CheckpointStore(args.ckpt_dir, keep=args.keep, async_save=args.async_save) \
+        if args.ckpt_dir else None
     total = sum(param_info(p).numel for p in model.parameters())
     local = sum(p.numel() for p in model.parameters())
     options = [args.mixed_precision if args.mixed_precision != "none" else "fp32",
@@ -395,12 +399,16 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         if store is not None and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             path = store.save(step, {"train": state})
             if rank == 0:
-                say(f"saved {path}")
+                say(f"saving {path} in the background" if args.async_save else f"saved {path}")
 
     first_step = state.step + 1  # after a resume, the step after the checkpoint's
     header = summary_header(args, world, f"{device.type} ({dist.get_backend()})", total, options,
                             first_step)
     runs = [train(args, "fsdp_compose", model, optim, sched, device, first_step, after_step)]
+    if store is not None and args.async_save:
+        store.wait()  # the last checkpoint is committed before the job ends
+        if rank == 0 and store.latest_step() is not None:
+            say(f"saved {store.path(store.latest_step())}")
     if args.compare:
         del state, model, optim, sched
         # torch's Muon needs whole matrices: FSDP2's Shard(0) DTensors are not

@@ -226,3 +226,22 @@ def test_muon_on_owned_matrices_trains_like_ddp(tmp_path):
     total, here = re.search(r"([\d.]+)M parameters, ([\d.]+)M on this rank", proc.stdout).groups()
     assert 0.3 < float(here) / float(total) < 0.7, proc.stdout
     assert losses[STEPS] < losses[1]
+
+
+def test_async_checkpoints_resume_exactly(compare, tmp_path):
+    """``--async-save``: checkpoints at steps 2 and 4 written in the background
+    (the job waits for the last before it ends), then a resume from step 4
+    trains steps 5-6 to the same losses as the uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    first = _torchrun(tmp_path / "first", "--batch-per-rank", "4", "--steps", "4",
+                      "--save-every", "2", "--ckpt-dir", ckpt, "--async-save", "--no-progress")
+    assert "saving " in first.stdout and " in the background" in first.stdout
+    assert sorted(p.name for p in Path(ckpt).iterdir() if p.name.startswith("step_")) == \
+        ["step_00000002", "step_00000004"]  # both committed before the job ended
+    second = _torchrun(tmp_path / "second", "--batch-per-rank", "4", "--ckpt-dir", ckpt,
+                       "--resume", "--async-save", "--no-progress")
+    resumed = _losses(second.stdout)
+    assert sorted(resumed) == [5, 6], second.stdout
+    baseline = _losses(compare[0].stdout)
+    for step in (5, 6):
+        assert resumed[step] == baseline[step], (step, resumed[step], baseline[step])
