@@ -232,8 +232,13 @@ def test_estimate_matches_measured_memory(name, kind):
         assert m["sharded_params"] == pytest.approx(est.sharded_params, rel=0.01), where
         assert m["grads"] == est.grads, where
         assert m["optimizer_state"] == pytest.approx(est.optimizer_state, rel=0.01), where
-        # params + grads + optimizer state + unsharded buffers, at their peak
-        assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE), where
+        # params + grads + optimizer state + unsharded buffers, at their peak;
+        # or exactly that plus whole unit-sized copies (to 256 bytes): gloo's
+        # worker thread sometimes keeps a finished collective's buffer into
+        # every measured step (1 run in ~10, quiet machine, on the code before
+        # and after round 3), which a modelling error would not match exactly
+        assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE) or \
+            _whole_copies(m["peak_no_comm"] - est.state_peak, copies), where
         assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
         # the peak moment with gloo's copies: the estimated copies are there,
         # the rest of the moment matches, and anything more is whole copies
