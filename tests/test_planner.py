@@ -220,33 +220,46 @@ def _whole_copies(extra: int, sizes: list[int], slack: int = 256) -> bool:
 
 @pytest.mark.parametrize("name,kind", [("gpt", "blocks"), ("llama", "blocks"), ("gpt", "finer")])
 def test_estimate_matches_measured_memory(name, kind):
-    measured = run_distributed(2, _train_and_measure, name, kind, timeout=120)
+    """Up to three measurements, each on fresh ranks' models: gloo's worker
+    thread sometimes keeps a finished collective's buffers through every
+    measured step of a run (about 1 run in 10 on a quiet machine, on the code
+    before and after round 3; not part of the schedule the planner models).
+    A modelling error is deterministic and fails every attempt."""
     model = meta_model(name)
     units = annotation(model, kind)
     est = estimate_memory(model, 2, units=units, backend="gloo")
     forgetful = estimate_memory(model, 2, units=units, backend="gloo", optimizer="none")
     copies = [lay.padded_numel * 4 for lay, _ in _layouts(model, 2, units)]  # what gloo clones
-    for rank, m in enumerate(measured):
-        where = f"{name} {kind} rank {rank}: estimate {est.to_dict()}, measured {m}"
-        # the arithmetic of the sharded state, against the tensors themselves
-        assert m["sharded_params"] == pytest.approx(est.sharded_params, rel=0.01), where
-        assert m["grads"] == est.grads, where
-        assert m["optimizer_state"] == pytest.approx(est.optimizer_state, rel=0.01), where
-        # params + grads + optimizer state + unsharded buffers, at their peak;
-        # or exactly that plus whole unit-sized copies (to 256 bytes): gloo's
-        # worker thread sometimes keeps a finished collective's buffer into
-        # every measured step (1 run in ~10, quiet machine, on the code before
-        # and after round 3), which a modelling error would not match exactly
-        assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE) or \
-            _whole_copies(m["peak_no_comm"] - est.state_peak, copies), where
-        assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
-        # the peak moment with gloo's copies: the estimated copies are there,
-        # the rest of the moment matches, and anything more is whole copies
-        # of earlier reduce-scatter inputs that gloo kept (not estimated)
-        parts = est.peak_parts
-        assert m["peak"] - m["comm_at_peak"] == pytest.approx(
-            est.total_peak - parts.comm_staging, rel=TOLERANCE), where
-        assert _whole_copies(m["comm_at_peak"] - parts.comm_staging, copies), where
+    failures = []
+    for _ in range(3):
+        measured = run_distributed(2, _train_and_measure, name, kind, timeout=120)
+        try:
+            for rank, m in enumerate(measured):
+                _check_measured(f"{name} {kind} rank {rank}", m, est, forgetful, copies)
+            return
+        except AssertionError as error:
+            failures.append(str(error))
+    raise AssertionError("every attempt differed from the estimate:\n" + "\n".join(failures))
+
+
+def _check_measured(what: str, m: dict, est, forgetful, copies: list[int]) -> None:
+    where = f"{what}: estimate {est.to_dict()}, measured {m}"
+    # the arithmetic of the sharded state, against the tensors themselves
+    assert m["sharded_params"] == pytest.approx(est.sharded_params, rel=0.01), where
+    assert m["grads"] == est.grads, where
+    assert m["optimizer_state"] == pytest.approx(est.optimizer_state, rel=0.01), where
+    # params + grads + optimizer state + unsharded buffers, at their peak; or
+    # exactly that plus whole unit-sized copies (to 256 bytes) that gloo kept
+    assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE) or \
+        _whole_copies(m["peak_no_comm"] - est.state_peak, copies), where
+    assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
+    # the peak moment with gloo's copies: the estimated copies are there,
+    # the rest of the moment matches, and anything more is whole copies
+    # of earlier reduce-scatter inputs that gloo kept (not estimated)
+    parts = est.peak_parts
+    assert m["peak"] - m["comm_at_peak"] == pytest.approx(
+        est.total_peak - parts.comm_staging, rel=TOLERANCE), where
+    assert _whole_copies(m["comm_at_peak"] - parts.comm_staging, copies), where
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
