@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import PrefetchPolicy
+from fsdp_compose import PrefetchPolicy, describe
 from fsdp_compose.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
@@ -53,6 +53,7 @@ def _train(cap_mb, optim_name, steps=4, count=False):
             "all_gathers": counts and counts.get(AG, 0),
             "reduce_scatters": counts and counts.get(RS, 0),
             "buckets": [len(b.units) for b in scheduler.buckets.buckets],
+            "described": describe(model).buckets,
             "block_bytes": sum(b.layout.padded_numel * 4 for b in units[0].buffers),
             "root_bytes": sum(b.layout.padded_numel * 4 for b in units[-1].buffers),
             "peak_unsharded": peak[0]}
@@ -65,6 +66,8 @@ def test_bucketing_is_bit_identical(world, optim_name):
     on = run_distributed(world, _train, None, optim_name)  # the default: on
     for a, b in zip(off, on):
         assert a["buckets"] == [] and b["buckets"] == [CFG.n_layers]
+        assert a["described"] == () and b["described"] == (
+            tuple(f"blocks.{i}" for i in range(CFG.n_layers)),)
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
 
 
