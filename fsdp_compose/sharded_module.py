@@ -116,9 +116,9 @@ class ShardedModule:
         bucketing off). Same numbers bit for bit; see ``runtime/buckets.py``
         and docs/performance.md. Every rank must call it at the same point.
         Takes effect at the next root forward (the buckets follow the
-        forward order of the last step the ranks agreed on; the first step
-        runs unbucketed); made before the first forward, the root applies
-        it (like :meth:`set_prefetch_policy`)."""
+        forward order of the last step the ranks agreed on; the verified
+        first two steps run unbucketed); made before the first forward, the
+        root applies it (like :meth:`set_prefetch_policy`)."""
         cap = float(bucket_cap_mb)
         if cap < 0:
             raise ValueError(f"set_bucket_cap_mb({bucket_cap_mb!r}) on {_own_state(self).unit.name}: "

@@ -4,8 +4,10 @@ A :class:`BucketPlan` is rebuilt from the forward order of the step that
 just ended, at the end of its last backward, right after the ranks checked
 that they issued the same collectives (``Scheduler.order_agreed``): the plan
 is the same on every rank, and it is why a bucket's collectives can have a
-fixed size ([Note: bucketing]). The first iteration has no order yet and runs
-unbucketed; a model that never runs backward is never bucketed. Consecutive units in that
+fixed size ([Note: bucketing]). Iterations that verify every collective
+across ranks (the first two by default, or all of them with
+``FSDP_COMPOSE_CHECK_ORDER=1``) run unbucketed, so do models that never run
+backward. Consecutive units in that
 order that qualify (below) and share a key (process group, compute dtype,
 communication dtype, reduce options) are grouped greedily while the bucket's
 unsharded bytes stay within ``cap_bytes``; a bucket of one unit is no bucket.

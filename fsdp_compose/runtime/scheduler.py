@@ -94,8 +94,12 @@ class Scheduler:
         same as every other rank's (the fingerprint in ``publish_gradients``,
         which raises otherwise): rebuild the buckets from that forward order.
         The plan therefore changes only where the ranks agree on it, so it is
-        the same on every rank (the first iteration runs unbucketed)."""
-        self.buckets.rebuild(self.forward_order or self.previous_forward_order)
+        the same on every rank. Iterations that verify every collective
+        (the first two by default, [Note: rank divergence]) run unbucketed:
+        their checks then name the unit whose collective differs, and they
+        pay a blocking check per buffer anyway."""
+        verifying = self.observer.will_verify()
+        self.buckets.rebuild([] if verifying else self.forward_order or self.previous_forward_order)
 
     def discard_iteration(self) -> None:
         """Forget an iteration that raised (``reset_iter_state``): its partial
@@ -223,7 +227,7 @@ class Scheduler:
                 ready.append(buffer)
             expected = bucket.expected_reduces()
             if all(any(b is e for b in ready) for e in expected):
-                self._reduce_held(id(bucket))
+                self._reduce_held(id(bucket), buffer)
             return
         if buffer.grad.has_unreduced:
             self.observer.before_reduce_scatter(buffer)
@@ -237,10 +241,14 @@ class Scheduler:
                 deque(g for g in ([b for b in g if b is not buffer] for g in queue) if g)
                 for queue in (self._reduces, self._replicas))
 
-    def _reduce_held(self, key: int) -> None:
+    def _reduce_held(self, key: int, trigger: Optional[FlatBuffer] = None) -> None:
+        """One reduce-scatter for the bucket; ``trigger``: the buffer whose
+        gradient completed it, observed first (the rank-divergence checks
+        then name the unit whose backward made a rank reduce the bucket)."""
         bucket, _, options = self._held.pop(key)
         buffers = bucket.reduced_buffers()
-        for buffer in buffers:
+        observed = [trigger] if trigger is not None else []
+        for buffer in observed + [b for b in buffers if b is not trigger]:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
         reducing = reduce_coalesced(buffers, options)
