@@ -14,6 +14,10 @@ unsharded bytes stay within ``cap_bytes``; a bucket of one unit is no bucket.
 ``cap_bytes = 0`` turns bucketing off. The collectives themselves are in
 ``buffers/coalesced.py`` ([Note: bucketing]).
 
+Units kept unsharded from forward to backward (``reshard_after_forward=False``,
+e.g. ``fully_shard_root``'s embeddings and head) are never bucketed with units
+that reshard: the key includes it.
+
 A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
 nothing about it needs a collective of its own: not the root, no explicit
 prefetch targets, no ``reshard_after_forward=k`` group, no
@@ -157,4 +161,5 @@ def _key(unit) -> Optional[tuple]:
     if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
-            next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync)
+            next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync,
+            unit.resolved_reshard_after_forward())
