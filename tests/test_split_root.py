@@ -91,7 +91,10 @@ def test_split_root_counts_and_overlap(bucketed):
     assert result["head_shard"] not in result["block_shards"]
     assert reduces[0][1] == result["head_shard"], order
     last_gather = len(names) - 1 - names[::-1].index("_allgather_base_")
-    assert reduces[0][0] < last_gather, order
+    if bucketed:  # the bucket's backward all-gather was prefetched at the head's pre-backward
+        assert last_gather < reduces[0][0] < reduces[1][0], order
+    else:
+        assert reduces[0][0] < last_gather, order
 
 
 class _Tied(nn.Module):

@@ -162,4 +162,4 @@ def _key(unit) -> Optional[tuple]:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
             next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync,
-            unit.resolved_reshard_after_forward())
+            unit.resolved_reshard_after_forward)
