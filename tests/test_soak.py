@@ -79,6 +79,16 @@ def _is_storageless(tensor: torch.Tensor) -> bool:
     return False
 
 
+def _has_memory(storage: torch.UntypedStorage) -> bool:
+    """False for the storage of a wrapper subclass (a lazy checkpoint
+    value's, kept loose by a checkpoint plan): it has no data pointer."""
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _tensor_census() -> tuple[int, int, int, int]:
     """(live tensors, bytes of their distinct storages and of loose storages,
     tensors with a grad_fn, gc-tracked objects)."""
@@ -94,7 +104,7 @@ def _tensor_census() -> tuple[int, int, int, int]:
             if obj.device.type != "meta" and not _is_storageless(obj):
                 s = obj.untyped_storage()
                 storages[s.data_ptr(), s.nbytes()] = s.nbytes()
-        elif cls is torch.UntypedStorage:
+        elif cls is torch.UntypedStorage and _has_memory(obj):
             storages[obj.data_ptr(), obj.nbytes()] = obj.nbytes()
     return tensors, sum(storages.values()), with_graph, len(objects)
 
