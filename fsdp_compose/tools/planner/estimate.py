@@ -11,8 +11,10 @@ from ..._setup import PlacementFn, assign_placements
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
+from .buckets import cap_bytes, default_cap_mb, group_buckets
 from .report import MemoryEstimate
 from .simulation import Step, plan_unit
+from .split import split_root as split_root_units
 from .units import Unit, default_units, granularities, resolve_units
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
@@ -33,7 +35,9 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                     offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
                     reshard_after_forward: Optional[bool] = None,
                     backend: Optional[str] = None, placement: object = "flat",
-                    shard_placement_fn: Optional[PlacementFn] = None) -> MemoryEstimate:
+                    shard_placement_fn: Optional[PlacementFn] = None,
+                    bucket_cap_mb: Optional[float] = None,
+                    split_root: bool = False) -> MemoryEstimate:
     """Estimate one rank's memory for training ``model`` annotated by ``units``.
 
     Args:
@@ -60,6 +64,17 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
             parameter); the layouts are ``fully_shard``'s own. Optimizer
             state counts the most loaded rank of each unit (under ``"owned"``
             ranks differ), so the sum is an upper bound for any one rank.
+        bucket_cap_mb: ``set_bucket_cap_mb``'s; ``None`` (default): the
+            library's default (``runtime/buckets.py``'s
+            ``DEFAULT_BUCKET_CAP_MB``, read at the call). Consecutive small
+            units in forward order share one all-gather and one
+            reduce-scatter by ``BucketPlan``'s rule (``buckets.py`` here);
+            the report names the buckets.
+        split_root: plan ``fully_shard_root(model)`` in place of
+            ``fully_shard(model)``: the model's children with parameters
+            left to the root before its first unit (embeddings) and after
+            its last (final norm and head) become a unit each, kept
+            unsharded from forward to backward (``split.py`` here).
 
     Raises:
         ValueError: an unknown option, units that do not end with ``model``,
@@ -75,25 +90,37 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
     if world_size < 1 or prefetch < 0:
         raise ValueError(f"need world_size >= 1 and prefetch >= 0, got {world_size}, {prefetch}")
     offload = offload and backend == "nccl"  # on a CPU mesh offload changes nothing
-    specs = resolve_units(model, default_units(model) if units is None else units)
+    cap_mb = default_cap_mb() if bucket_cap_mb is None else float(bucket_cap_mb)
+    cap = cap_bytes(cap_mb)
+    units = default_units(model) if units is None else list(units)
+    prologue = epilogue = None
+    if split_root:
+        units, prologue, epilogue = split_root_units(model, units)
+    specs = resolve_units(model, units)
     for spec in specs:
         assign_placements(spec.records, placement, shard_placement_fn)
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
-    order, unit_acts, root_acts = list(range(len(specs) - 1)), [0] * len(specs), [0]
+    order = [i for i in range(len(specs) - 1) if i not in (prologue, epilogue)]
+    order = [i for i in (prologue,) if i is not None] + order + \
+        [i for i in (epilogue,) if i is not None]  # without batch_fn: call order, split parts around
+    unit_acts, root_acts, ran = [0] * len(specs), [0], order
     if batch_fn is not None:
         ran, unit_acts, root_acts = fake_forward(model, [s.modules for s in specs[:-1]],
                                                   batch_fn)
         order = ran + [i for i in order if i not in ran]  # units the batch did not run last
-    step = Step([plans[-1]] + [plans[i] for i in order], [0] + [unit_acts[i] for i in order],
-                 root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
-                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
-                 reshard_after_forward)
+    forward = [plans[-1]] + [plans[i] for i in order]  # the root first
+    # buckets follow the recorded forward order: the root and units that did not run stay alone
+    keys = [None] + [p.bucket_key for p in forward[1:len(ran) + 1]] + [None] * (len(order) - len(ran))
+    step = Step(forward, [0] + [unit_acts[i] for i in order],
+                root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
+                offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
+                reshard_after_forward,
+                buckets=group_buckets([sum(p.unsharded) for p in forward], keys, cap),
+                kept=frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
-                         backend_assumed)
-
-
+                         backend_assumed, cap_mb)
 
 
 def propose_units(model: nn.Module, world_size: int, budget_bytes: int,
