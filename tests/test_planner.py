@@ -29,6 +29,7 @@ by rank and run). Measured: 0.00% (GPT, blocks or 21 finer units) and +2.7%
 from __future__ import annotations
 
 import bisect
+from typing import Optional
 
 import pytest
 import torch
@@ -36,14 +37,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, fully_shard, fully_shard_root
 from fsdp_compose.buffers.layout import FlatLayout
+from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 from fsdp_compose.tools.planner import (MemoryEstimate, default_units, estimate_memory,
                                         propose_units)
 from tests.harness import run_distributed
 
 GPT_CFG = GPTConfig(vocab_size=2048, seq_len=16, d_model=128, n_heads=4, n_layers=4)
+MANY_CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=8)
+MANY_CAP = 0.15  # MiB: buckets of up to three ~49 KiB blocks
 LLAMA_SEQ = 8
 TOLERANCE = 0.10
 _PHASE = "planner_phase:"
@@ -51,8 +55,8 @@ _PHASE = "planner_phase:"
 
 def meta_model(name: str) -> nn.Module:
     with torch.device("meta"):
-        if name == "gpt":
-            return GPT(GPT_CFG)
+        if name in ("gpt", "many"):
+            return GPT(GPT_CFG if name == "gpt" else MANY_CFG)
         from transformers import LlamaForCausalLM
         from tests._hf import llama_config
         return LlamaForCausalLM(llama_config())
@@ -60,16 +64,17 @@ def meta_model(name: str) -> nn.Module:
 
 def real_model(name: str) -> nn.Module:
     torch.manual_seed(0)
-    if name == "gpt":
-        return GPT(GPT_CFG)
+    if name in ("gpt", "many"):
+        return GPT(GPT_CFG if name == "gpt" else MANY_CFG)
     from tests._hf import build_llama
     return build_llama()
 
 
 def loss_fn(name: str, step: int, rank: int, world: int):
     """One sequence per rank: activation memory stays small next to the model's."""
-    if name == "gpt":
-        x, y = synthetic_tokens(step, world, GPT_CFG.seq_len, GPT_CFG.vocab_size)
+    if name in ("gpt", "many"):
+        cfg = GPT_CFG if name == "gpt" else MANY_CFG
+        x, y = synthetic_tokens(step, world, cfg.seq_len, cfg.vocab_size)
         return lambda m: m.loss(x[rank:rank + 1], y[rank:rank + 1])
     from tests._hf import VOCAB
     ids, _ = synthetic_tokens(step, world, LLAMA_SEQ, VOCAB, seed=11)
@@ -131,14 +136,33 @@ def _timeline(prof, saved_ptrs: dict[int, set[int]]):
 
 
 def annotation(model: nn.Module, kind: str) -> list:
-    """``"blocks"``: every block, then the root; ``"finer"``: what
-    ``propose_units`` tries after that (the blocks' children, the root's
-    embeddings and head, then the root)."""
-    return default_units(model) if kind == "blocks" else _all_levels(model)[2]
+    """``"blocks"``: every block, then the root (``"split"``: the root by
+    ``fully_shard_root``); ``"finer"``: what ``propose_units`` tries after
+    that (the blocks' children, the root's embeddings and head, then the root)."""
+    return _all_levels(model)[2] if kind == "finer" else default_units(model)
 
 
-def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3) -> dict:
-    """Runs on every rank: build, annotate (``annotation``), train ``steps``
+def annotate(model: nn.Module, kind: str, cap_mb: Optional[float]) -> None:
+    """``annotation(model, kind)`` applied; ``set_bucket_cap_mb(cap_mb)``
+    unless ``None`` (the library's default)."""
+    *units, root = annotation(model, kind)
+    for unit in units:
+        fully_shard(unit)
+    (fully_shard_root if kind == "split" else fully_shard)(root)
+    if cap_mb is not None:
+        root.set_bucket_cap_mb(cap_mb)
+
+
+def runtime_buckets(model: nn.Module) -> list[tuple[str, ...]]:
+    """The buckets the runtime formed for the running iteration, named as
+    the planner names units."""
+    return [tuple(_label(model, u.modules) for u in b.units)
+            for b in state_of(model).context.scheduler.buckets.buckets]
+
+
+def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3,
+                       cap_mb: Optional[float] = None) -> dict:
+    """Runs on every rank: build, annotate (``annotate``), train ``steps``
     AdamW steps under the profiler; the steps after the first are measured."""
     rank, world = dist.get_rank(), dist.get_world_size()
     saved_ptrs: dict[int, set[int]] = {}
@@ -146,8 +170,7 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(_PHASE + "setup"):
             model = real_model(name)
-            for unit in annotation(model, kind):
-                fully_shard(unit)
+            annotate(model, kind, cap_mb)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         flat = {id(b.unsharded) for b in _flat_buffers(model)}
         for step in range(steps):
@@ -164,6 +187,7 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3) -> dict:
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     loss = loss_fn(name, step, rank, world)(model)
                 loss.backward()
+                result["buckets"] = runtime_buckets(model)
                 result["grads"] = _grad_bytes(model)
                 optim.step()
                 optim.zero_grad(set_to_none=True)
@@ -218,28 +242,72 @@ def _whole_copies(extra: int, sizes: list[int], slack: int = 256) -> bool:
     return any(abs(extra - t) <= slack for t in sums)
 
 
-@pytest.mark.parametrize("name,kind", [("gpt", "blocks"), ("llama", "blocks"), ("gpt", "finer")])
-def test_estimate_matches_measured_memory(name, kind):
+@pytest.mark.parametrize("name,kind,cap_mb", [
+    ("gpt", "blocks", None), ("llama", "blocks", None), ("gpt", "finer", None),
+    ("many", "blocks", MANY_CAP), ("many", "split", MANY_CAP)])
+def test_estimate_matches_measured_memory(name, kind, cap_mb):
     """Up to three measurements, each on fresh ranks' models: gloo's worker
     thread sometimes keeps a finished collective's buffers through every
     measured step of a run (about 1 run in 10 on a quiet machine, on the code
     before and after round 3; not part of the schedule the planner models).
-    A modelling error is deterministic and fails every attempt."""
+    A modelling error is deterministic and fails every attempt. ``cap_mb``
+    ``None``: bucketing at the library's default on both sides; ``"many"``:
+    8 small blocks bucketed by three (``"split"``: with the root split by
+    ``fully_shard_root``, its embeddings bucketed with the first blocks)."""
     model = meta_model(name)
     units = annotation(model, kind)
-    est = estimate_memory(model, 2, units=units, backend="gloo")
-    forgetful = estimate_memory(model, 2, units=units, backend="gloo", optimizer="none")
-    copies = [lay.padded_numel * 4 for lay, _ in _layouts(model, 2, units)]  # what gloo clones
+    options = dict(units=units, backend="gloo", bucket_cap_mb=cap_mb, split_root=kind == "split")
+    est = estimate_memory(model, 2, **options)
+    forgetful = estimate_memory(model, 2, **(options | {"optimizer": "none"}))
+    unbucketed = estimate_memory(model, 2, **(options | {"bucket_cap_mb": 0}))
+    if name == "many":
+        assert len(est.buckets) == 3 and not unbucketed.buckets
+    copies = _collective_sizes(model, kind, est)  # what gloo may keep
     failures = []
     for _ in range(3):
-        measured = run_distributed(2, _train_and_measure, name, kind, timeout=120)
+        measured = run_distributed(2, _train_and_measure, name, kind, 3, cap_mb, timeout=120)
         try:
             for rank, m in enumerate(measured):
+                assert m["buckets"] == list(est.buckets), (m["buckets"], est.buckets)
                 _check_measured(f"{name} {kind} rank {rank}", m, est, forgetful, copies)
+                if est.buckets:  # the measurement tells the bucketed schedule apart
+                    assert m["peak_no_comm"] != pytest.approx(unbucketed.state_peak,
+                                                              rel=TOLERANCE), m
             return
         except AssertionError as error:
             failures.append(str(error))
     raise AssertionError("every attempt differed from the estimate:\n" + "\n".join(failures))
+
+
+def annotated_units(model: nn.Module, kind: str) -> list:
+    """The ``fully_shard`` calls ``annotate`` makes, ``fully_shard_root``'s
+    own included (for the GPT: embeddings before the blocks, final norm and
+    head after them)."""
+    units = annotation(model, kind)
+    if kind == "split":
+        units = units[:-1] + [[model.tok_emb, model.pos_emb], [model.ln_f, model.head], model]
+    return units
+
+
+def _label(model: nn.Module, modules) -> str:
+    """A unit's name as the planner gives it (FQNs; several in brackets)."""
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    joined = ", ".join(names[id(m)] for m in modules)
+    return f"[{joined}]" if len(modules) > 1 else joined
+
+
+def _collective_sizes(model: nn.Module, kind: str, est: MemoryEstimate) -> list[int]:
+    """The bytes of what gloo may keep of a finished collective (fp32): a
+    unit's buffer, a bucket's packed buffer (F*T) and its reduced chunk (T)."""
+    units = annotated_units(model, kind)
+    done, sizes = 0, {}
+    for k, unit in enumerate(units):
+        layouts = _layouts(model, 2, units[:k + 1])
+        sizes[_label(model, unit)] = sum(lay.padded_numel * 4 for lay, _ in layouts[done:])
+        done = len(layouts)
+    buckets = [sum(sizes[n] for n in b) for b in est.buckets]
+    return list(sizes.values()) + buckets + [size // 2 for size in buckets]
 
 
 def _check_measured(what: str, m: dict, est, forgetful, copies: list[int]) -> None:

@@ -8,14 +8,16 @@ import torch
 import torch.nn as nn
 
 from ..._setup import PlacementFn, assign_placements
+from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
 from .buckets import cap_bytes, default_cap_mb, group_buckets
 from .report import MemoryEstimate
 from .simulation import Step, plan_unit
+from .split import root_parts
 from .split import split_root as split_root_units
-from .units import Unit, default_units, granularities, resolve_units
+from .units import Unit, UnitSpec, default_units, granularities, resolve_units
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """Per-element state tensors of each optimizer (in the parameters' dtype)."""
@@ -101,9 +103,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         assign_placements(spec.records, placement, shard_placement_fn)
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
-    order = [i for i in range(len(specs) - 1) if i not in (prologue, epilogue)]
-    order = [i for i in (prologue,) if i is not None] + order + \
-        [i for i in (epilogue,) if i is not None]  # without batch_fn: call order, split parts around
+    order = module_order(model, specs[:-1])
     unit_acts, root_acts, ran = [0] * len(specs), [0], order
     if batch_fn is not None:
         ran, unit_acts, root_acts = fake_forward(model, [s.modules for s in specs[:-1]],
@@ -117,10 +117,35 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
                 reshard_after_forward,
                 buckets=group_buckets([sum(p.unsharded) for p in forward], keys, cap),
-                kept=frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None))
+                kept=frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None),
+                root_late_grads=0 if split_root else _late_root_grads(model, units, specs[-1], mp_policy))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
                          backend_assumed, cap_mb)
+
+
+def module_order(model: nn.Module, specs: Sequence[UnitSpec]) -> list[int]:
+    """The units (indices into ``specs``) in the order their first module
+    is registered in ``model``: the forward order assumed without
+    ``batch_fn`` (as ``fully_shard_root`` assumes; call order is bottom-up,
+    e.g. embeddings and head after the blocks they surround)."""
+    position = {id(m): k for k, m in enumerate(model.modules())}
+    return sorted(range(len(specs)), key=lambda i: min(position[id(m)] for m in specs[i].modules))
+
+
+def _late_root_grads(model: nn.Module, units: Sequence[Unit], root: UnitSpec,
+                     mp_policy: Optional[MixedPrecisionPolicy]) -> int:
+    """Bytes (compute dtype) of the root's parameter gradients that only
+    arrive at the end of backward: those of its children before the first
+    unit (a GPT's embeddings; ``split.root_parts``' prologue). Nothing when
+    a parameter is shared between the parts (tied embeddings)."""
+    parts = root_parts(model, units)
+    if parts.shared is not None:
+        return 0
+    early = {id(p) for m in parts.prologue for p in m.parameters()}
+    policy = buffer_policy(mp_policy or MixedPrecisionPolicy(), None, cuda_available=False)
+    return sum(r.param.numel() * resolve_dtypes(r.param.dtype, policy).compute.itemsize
+               for r in root.records if r.param.requires_grad and id(r.param) in early)
 
 
 def propose_units(model: nn.Module, world_size: int, budget_bytes: int,

@@ -146,6 +146,7 @@ class Step:
     reshard_after_forward: Optional[bool]
     buckets: list[list[int]] = field(default_factory=list)  # plan indices sharing collectives
     kept: frozenset = frozenset()  # plan indices kept from forward to backward (split root)
+    root_late_grads: int = 0  # root parameter gradients that arrive at its own backward only
 
     def estimate(self, world: int, backend: str, activations: Optional[int],
                  backend_assumed: bool = False, bucket_cap_mb: float = 0.0) -> MemoryEstimate:
@@ -247,13 +248,17 @@ class Step:
             live = frozenset({0, i} | {j for j in group if j < i} | ahead
                              | {j for j in kept if j < i})
             flying = 0 if pending is None else self._reducing(pending)
-            held = flying + (plans[0].view_grads if i else 0)  # root's parameter gradients
+            # the root's parameter gradients, but for those of its modules before the units
+            held = flying + (plans[0].view_grads - self.root_late_grads if i else 0)
             # a bucket's flat gradients wait for its last member's backward
             held += sum(plans[j].flat_grad for j in group if j > i)
             comm = flying if gloo_reduce_copy else 0
-            transient, staged = self._gathering(
+            # the prefetched all-gathers' shard copies (a bucket's packed input
+            # and output too) stay until their first unit's backward waits
+            gathering, staged = self._gathering(
                 distinct([groups[t] for t in targets if groups[t] is not group]))
-            yield _Moment(_label("backward", p, "start"), live, held + transient,
+            held += gathering
+            yield _Moment(_label("backward", p, "start"), live, held,
                           comm + staged, frozenset(reduced), acts(i, True))
             if not p.flat_grad:
                 continue  # frozen only: no gradient, no reduce-scatter

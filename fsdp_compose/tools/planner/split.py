@@ -32,9 +32,19 @@ class SplitRoot(NamedTuple):
     epilogue: Optional[int]
 
 
-def split_root(model: nn.Module, units: Sequence[Unit]) -> SplitRoot:
-    """``units`` (ending with ``model``) as ``fully_shard_root(model)`` in
-    place of ``fully_shard(model)`` would annotate it."""
+class RootParts(NamedTuple):
+    """The model's children that ``fully_shard_root`` would make units:
+    before the first child holding a unit, after the last one; ``shared``:
+    a parameter used by two parts (then nothing is split), else ``None``."""
+
+    prologue: list[nn.Module]
+    epilogue: list[nn.Module]
+    shared: Optional[str]
+
+
+def root_parts(model: nn.Module, units: Sequence[Unit]) -> RootParts:
+    """The parts of the root's parameters around the units of ``units``
+    (ending with ``model``); empty when no child holds a unit."""
     earlier = list(units[:-1])
     annotated = {id(m) for u in earlier for m in ([u] if isinstance(u, nn.Module) else u)}
     owned = {id(p) for u in earlier for m in ([u] if isinstance(u, nn.Module) else u)
@@ -43,36 +53,41 @@ def split_root(model: nn.Module, units: Sequence[Unit]) -> SplitRoot:
     holds = [i for i, child in enumerate(children)
              if any(id(m) in annotated for m in child.modules())]
     if not holds:
-        return SplitRoot(list(units), None, None)  # nothing to split around: plain fully_shard
+        return RootParts([], [], None)
 
     def params(module: nn.Module) -> dict[int, str]:  # what fully_shard(module) would take
         return {id(p): name for sub in managed_modules([module], lambda m: id(m) in annotated)
                 for name, p in sub._parameters.items() if p is not None and id(p) not in owned}
 
-    def untaken(part: list[nn.Module]) -> list[nn.Module]:
-        return [c for c in part if id(c) not in annotated and params(c)]
-
-    prologue = untaken(children[:holds[0]])
-    epilogue = untaken(children[holds[-1] + 1:])
+    prologue, epilogue = ([c for c in part if id(c) not in annotated and params(c)]
+                          for part in (children[:holds[0]], children[holds[-1] + 1:]))
     in_parts = {id(c) for c in prologue + epilogue}
-    rest_params = {id(p): n for n, p in model._parameters.items() if p is not None}
+    rest = {id(p): n for n, p in model._parameters.items() if p is not None}
     for child in children:
         if id(child) not in in_parts:
-            rest_params.update(params(child))
+            rest.update(params(child))
     seen: dict[int, int] = {}
     for index, found in enumerate([{k: v for c in prologue for k, v in params(c).items()},
-                                   {k: v for c in epilogue for k, v in params(c).items()},
-                                   rest_params]):
+                                   {k: v for c in epilogue for k, v in params(c).items()}, rest]):
         for key, name in found.items():
             if seen.setdefault(key, index) != index:
-                warnings.warn(
-                    f"split_root: not splitting the root {type(model).__name__}: a parameter "
-                    f"({name}) is used by more than one of its parts (e.g. tied embeddings), "
-                    "so its parameters stay in one unit.", UserWarning, stacklevel=3)
-                return SplitRoot(list(units), None, None)
-    out: list[Unit] = earlier
+                return RootParts(prologue, epilogue, name)
+    return RootParts(prologue, epilogue, None)
+
+
+def split_root(model: nn.Module, units: Sequence[Unit]) -> SplitRoot:
+    """``units`` (ending with ``model``) as ``fully_shard_root(model)`` in
+    place of ``fully_shard(model)`` would annotate it."""
+    parts = root_parts(model, units)
+    if parts.shared is not None:
+        warnings.warn(
+            f"split_root: not splitting the root {type(model).__name__}: a parameter "
+            f"({parts.shared}) is used by more than one of its parts (e.g. tied embeddings), "
+            "so its parameters stay in one unit.", UserWarning, stacklevel=3)
+        return SplitRoot(list(units), None, None)
+    out: list[Unit] = list(units[:-1])
     indices: list[Optional[int]] = []
-    for part in (prologue, epilogue):
+    for part in (parts.prologue, parts.epilogue):
         indices.append(len(out) if part else None)
         if part:
             out.append(part if len(part) > 1 else part[0])
