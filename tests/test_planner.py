@@ -467,6 +467,127 @@ def test_prefetch_and_reshard_after_forward():
     assert keep.transient_unsharded_peak > base.transient_unsharded_peak
 
 
+# ------------------------------------------------------------ buckets, split root
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+BUCKET_CASES = [  # (model, annotation, cap MiB, frozen blocks, bf16)
+    ("many", "blocks", 0.15, (), False),  # three by three (cap / ~49 KiB blocks)
+    ("many", "blocks", 0.1, (), False),  # two by two
+    ("many", "split", 1.0, (), False),  # embeddings, every block, final norm and head
+    ("many", "blocks", 1.0, (2, 3), False),  # frozen blocks: another key, own bucket
+    ("many", "blocks", 0.05, (), True),  # bf16 halves the bytes: two by two again
+    ("gpt", "finer", 4.0, (), False),  # 20 units; forward order is not call order
+]
+
+
+def _model_for(case: tuple, meta: bool) -> nn.Module:
+    name, _, _, frozen, _ = case
+    model = meta_model(name) if meta else real_model(name)
+    for index in frozen:
+        model.blocks[index].requires_grad_(False)
+    return model
+
+
+def _runtime_buckets_of_cases(cases: list) -> list:
+    """Every rank: each case's model trained two steps; the buckets the
+    runtime formed (from the first step's forward order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = []
+    for case in cases:
+        name, kind, cap, _, bf16 = case
+        model = _model_for(case, meta=False)
+        *units, root = annotation(model, kind)
+        kwargs = {"mp_policy": BF16} if bf16 else {}
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        (fully_shard_root if kind == "split" else fully_shard)(root, **kwargs)
+        model.set_bucket_cap_mb(cap)
+        for step in range(2):
+            loss_fn(name, step, rank, world)(model).backward()
+        found.append(runtime_buckets(model))
+    return found
+
+
+def test_planned_buckets_are_the_runtimes():
+    """The planner's buckets (its own statement of ``BucketPlan``'s rule,
+    over planned sizes and keys, in module order) against those
+    ``BucketPlan`` forms on the real model, annotated by ``fully_shard``
+    (``fully_shard_root`` for ``"split"``): sizes, caps, keys (frozen
+    blocks, bf16), the split root's parts, and forward order."""
+    runtime = run_distributed(2, _runtime_buckets_of_cases, BUCKET_CASES, timeout=120)[0]
+    for case, found in zip(BUCKET_CASES, runtime):
+        model = _model_for(case, meta=True)
+        est = estimate_memory(model, 2, units=annotation(model, case[1]), bucket_cap_mb=case[2],
+                              split_root=case[1] == "split", mp_policy=BF16 if case[4] else None)
+        assert found and list(est.buckets) == found, (case, est.buckets, found)
+    assert [len(b) for b in runtime[0]] == [3, 3, 2] and [len(b) for b in runtime[1]] == [2] * 4
+    assert runtime[2] == [("[tok_emb, pos_emb]", *(f"blocks.{i}" for i in range(8)),
+                           "[ln_f, head]")]
+    assert ("blocks.2", "blocks.3") in runtime[3] and [len(b) for b in runtime[4]] == [2] * 4
+
+
+def test_group_buckets_rule():
+    from fsdp_compose.tools.planner.buckets import group_buckets
+    a, b = ("fp32", "fp32"), ("fp32", None)
+    assert group_buckets([10, 10, 10, 10], [a] * 4, 25) == [[0, 1], [2, 3]]
+    assert group_buckets([10, 10, 10, 10], [a] * 4, 0) == []  # off
+    assert group_buckets([10, 30, 10, 10, 10], [a] * 5, 25) == [[2, 3]]  # above the cap: alone
+    assert group_buckets([10, 10, 10, 10], [None, a, a, b], 100) == [[1, 2]]  # None, key change
+    assert group_buckets([10, 10, 10], [a, b, a], 100) == []  # a bucket of one is none
+
+
+def test_default_bucket_cap_is_read_at_the_call(monkeypatch):
+    from fsdp_compose.runtime import buckets as runtime_buckets_module
+    model = meta_model("many")
+    monkeypatch.setattr(runtime_buckets_module, "DEFAULT_BUCKET_CAP_MB", MANY_CAP)
+    on = estimate_memory(model, 2, backend="gloo")
+    assert on.bucket_cap_mb == MANY_CAP and len(on.buckets) == 3
+    assert on == estimate_memory(model, 2, backend="gloo", bucket_cap_mb=MANY_CAP)
+    monkeypatch.setattr(runtime_buckets_module, "DEFAULT_BUCKET_CAP_MB", 0.0)
+    off = estimate_memory(model, 2, backend="gloo")
+    assert off.buckets == () and off.state_peak < on.state_peak
+    with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
+        estimate_memory(model, 2, bucket_cap_mb=-1)
+
+
+def test_bucket_memory_arithmetic():
+    """One bucket of all 8 blocks on nccl (no pool, no staging): its
+    reduce-scatter moment holds the 8 flat gradients, their packed copy
+    (F*T), the reduced chunk (T) and the outputs (the gradient shards)."""
+    model = meta_model("many")
+    block = sum(lay.padded_numel * 4 for lay, _ in _layouts(model, 2, [model.blocks[0], model])[:1])
+    off = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0)
+    on = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=1.0)
+    assert on.buckets == (tuple(f"blocks.{i}" for i in range(8)),)
+    assert on.peak_at == "backward of 'blocks.0': bucket reduce-scatter (8 units)"
+    parts, root = on.peak_parts, on.largest_unit_bytes
+    assert on.largest_unit == "<root>"
+    # unsharded: the root and blocks.0; gradients: the root's (not its embeddings'),
+    # 8 flat ones, packed, reduced; shards: the 8 blocks' outputs
+    emb = (MANY_CFG.vocab_size + MANY_CFG.seq_len) * MANY_CFG.d_model * 4
+    head = sum(p.numel() for p in (*model.ln_f.parameters(), *model.head.parameters())) * 4
+    assert parts.working_set == root + block + head + 8 * block + 8 * block + 4 * block
+    assert parts.grads == 8 * block // 2 and emb + head + 8 * block == root + 8 * block
+    assert on.total_peak > off.total_peak
+
+
+def test_split_root():
+    model = meta_model("many")
+    plain = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0)
+    split = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0, split_root=True)
+    assert split.num_units == plain.num_units + 2
+    assert (split.sharded_params, split.grads) == (plain.sharded_params, plain.grads)
+    # the same units, annotated by hand (resharded after forward) hold less:
+    # the split parts are kept from forward to backward like the root
+    by_hand = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0, units=[
+        *model.blocks, [model.tok_emb, model.pos_emb], [model.ln_f, model.head], model])
+    assert (by_hand.num_units, by_hand.sharded_params) == (split.num_units, split.sharded_params)
+    assert by_hand.transient_unsharded_peak < split.transient_unsharded_peak
+    tied = _small_gpt(tie_embeddings=True)
+    with pytest.warns(UserWarning, match="not splitting the root GPT"):
+        kept_whole = estimate_memory(tied, 2, split_root=True)
+    assert kept_whole == estimate_memory(tied, 2)
+
+
 def test_units_and_their_errors():
     model = _small_gpt()
     assert default_units(model) == [*model.blocks, model]
