@@ -1,33 +1,45 @@
-"""One training step of the library's schedule, replayed on byte counts.
-
-[Note: the simulated step]).
+"""One training step of the library's schedule, replayed on byte counts
+([Note: the simulated step]).
 ``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 
 [Note: the simulated step]
 A step is a list of moments in the library's order (``runtime/scheduler.py``,
 ``runtime/unit.py``, ``buffers/flat_grad.py``); ``total_peak`` is the largest. Forward of
 unit i: the root (unsharded until its backward unless
-reshard_after_forward=True), unit i and the next ``prefetch`` units (in
-flight). Backward of unit i, in reverse order: the root, unit i and the
-next ``prefetch`` units in backward order, and then
+reshard_after_forward=True) and the kept units before i (the split root's
+parts), unit i and the next ``prefetch`` units (in flight). Backward of
+unit i, in reverse order: the root, the kept units before i, unit i and
+the next ``prefetch`` units in backward order, and then
   (a) unit i's per-parameter gradients (the root's pile up from the start
-      of backward: its head runs last in forward) and the padded flat
-      gradient the split's backward concatenates them into, both alive for
-      a moment (plus a copy when reduce_dtype differs);
+      of backward: its head runs last in forward; those of its modules
+      before the first unit, the embeddings, only at its own backward) and
+      the padded flat gradient the split's backward concatenates them
+      into, both alive for a moment (plus a copy when reduce_dtype differs);
   (b) its reduce-scatter, issued while the previous unit's is in flight
       (max_pending_reduces=1): two flat gradients alive. The output is this
       rank's gradient shard, extra only when its dtype or device differs.
+Buckets ([Note: bucketing] in ``buffers/coalesced.py``; which units:
+``buckets.py``): a unit's all-gather is its bucket's, issued for all
+members at once (fixed-size: every member, in forward and in backward) and
+counted as one against the prefetch; while in flight it holds the packed
+shards (T) and the output (F*T) besides the members' unsharded buffers (and
+until its first member waits, in backward through the prefetching unit's
+backward). A member's flat gradient is held until the bucket's last member
+in backward (its first in forward); then all of them are packed (F*T) and
+reduced into a chunk (T) and the members' outputs, alive with the packed
+gradients until the reduce-scatter is waited.
 Gradient shards exist from their reduce-scatter to the optimizer step
 (``zero_grad(set_to_none=True)`` frees them); the step adds the optimizer's
 temporaries. A unit's saved activations live from its forward to its
 backward; the root's, by where they were saved between the units.
-With ``backend="gloo"`` (CPU): each all-gather in flight stages a whole
-unsharded buffer; a reduce-scatter is an in-place all-reduce (no copy; with
+With ``backend="gloo"`` (CPU): each all-gather in flight stages a copy of
+its output; a reduce-scatter is an in-place all-reduce (no copy; with
 ``set_gloo_reduce_scatter_via_all_reduce(False)`` gloo's reduce-scatter
 clones its input until the work is released); the unsharded memory of
 resharded units stays in the staging pool (``buffers/staging.py``) until the end of
 the iteration, so it counts at its high-water mark. Not estimated: gloo
-sometimes keeps the clones of finished reduce-scatters alive into the next
+sometimes keeps the clones of finished reduce-scatters (with buckets: the
+packed gradients and reduced chunk) alive into the next
 step (none to three whole unit-sized copies per rank at the peak, varying
 by rank and run, in ``tests/test_planner.py``'s runs; not a Python cycle).
 """
