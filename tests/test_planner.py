@@ -404,10 +404,12 @@ def test_sharded_bytes_follow_the_flat_layout(world):
 
 
 def test_frozen_buffers_add_no_gradients_or_optimizer_state():
+    """Unbucketed (a model of frozen blocks is bucketed where a LoRA-like one
+    is not: another comparison)."""
     from tests._training import freeze_like_lora
     model = _small_gpt()
     freeze_like_lora(model)
-    est = estimate_memory(model, 3)
+    est = estimate_memory(model, 3, bucket_cap_mb=0)
     layouts = _layouts(model, 3)
     trainable = [lay for lay, t in layouts if t]
     assert len(trainable) < len(layouts)
@@ -418,7 +420,7 @@ def test_frozen_buffers_add_no_gradients_or_optimizer_state():
                                       for lay in trainable) + 4 * n_trainable
     for p in model.parameters():
         p.requires_grad_(False)
-    frozen = estimate_memory(model, 3)
+    frozen = estimate_memory(model, 3, bucket_cap_mb=0)
     assert frozen.grads == frozen.optimizer_state == 0
     assert frozen.sharded_params == est.sharded_params
     assert frozen.total_peak < est.total_peak
@@ -462,12 +464,13 @@ def test_offload_moves_the_persistent_bytes_to_the_cpu():
 
 
 def test_prefetch_and_reshard_after_forward():
+    """Unbucketed: one bucket of all blocks leaves nothing to prefetch ahead."""
     model = _small_gpt(n_layers=6)
-    none, one, two = (estimate_memory(model, 2, prefetch=k).transient_unsharded_peak
+    none, one, two = (estimate_memory(model, 2, prefetch=k, bucket_cap_mb=0).transient_unsharded_peak
                       for k in (0, 1, 2))
     assert none < one < two
-    base = estimate_memory(model, 2)
-    keep = estimate_memory(model, 2, reshard_after_forward=False)
+    base = estimate_memory(model, 2, bucket_cap_mb=0)
+    keep = estimate_memory(model, 2, reshard_after_forward=False, bucket_cap_mb=0)
     assert keep.transient_unsharded_peak > base.transient_unsharded_peak
 
 
@@ -609,18 +612,25 @@ def test_units_and_their_errors():
 
 
 def test_propose_units():
+    """Unbucketed; with a cap, each estimate is planned with it (buckets
+    regroup small units, so a finer annotation may save less)."""
     model = meta_model("gpt")
-    root_only = estimate_memory(model, 8, units=[model])
-    blocks = estimate_memory(model, 8)
+    off = {"bucket_cap_mb": 0}
+    root_only = estimate_memory(model, 8, units=[model], **off)
+    blocks = estimate_memory(model, 8, **off)
     assert blocks.total_peak < root_only.total_peak
-    units, est = propose_units(model, 8, root_only.total_peak)
+    units, est = propose_units(model, 8, root_only.total_peak, **off)
     assert units == [model] and est == root_only
-    units, est = propose_units(model, 8, root_only.total_peak - 1)
+    units, est = propose_units(model, 8, root_only.total_peak - 1, **off)
     assert units == [*model.blocks, model] and est == blocks
-    units, est = propose_units(model, 8, blocks.total_peak - 1)
+    units, est = propose_units(model, 8, blocks.total_peak - 1, **off)
     assert len(units) > 5 and est.total_peak < blocks.total_peak
-    assert est == estimate_memory(model, 8, units=units)
+    assert est == estimate_memory(model, 8, units=units, **off)
     assert any(u is model.head for u in units)  # the root's own modules split off
+    finer = estimate_memory(model, 8, units=_all_levels(model)[2], bucket_cap_mb=4)
+    assert finer.buckets
+    units, est = propose_units(model, 8, finer.total_peak, bucket_cap_mb=4)
+    assert est.bucket_cap_mb == 4 and est == estimate_memory(model, 8, units=units, bucket_cap_mb=4)
     with pytest.raises(ValueError, match="no annotation fits 1 B per rank on 8 ranks"):
         propose_units(model, 8, 1)
     tied = _small_gpt(tie_embeddings=True)
