@@ -102,40 +102,56 @@ def _in_comm(node) -> bool:
     return False
 
 
+def _in_optimizer(node) -> bool:
+    while node is not None:
+        if node.name.startswith("Optimizer.step"):
+            return True
+        node = node.parent
+    return False
+
+
 def _timeline(prof, saved_ptrs: dict[int, set[int]]):
     """Per allocation event, in time order: (time, live total, live comm,
-    live activations)."""
+    live activations, live rest by the step that allocated it: outside the
+    optimizer, so that what a step still holds of an earlier one shows)."""
     events, phases = [], {}
     for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):
         f = node.extra_fields
         if isinstance(f, torch._C._profiler._ExtraFields_Allocation):
-            events.append((node.start_time_ns, f.alloc_size, f.ptr, _in_comm(node)))
+            events.append((node.start_time_ns, f.alloc_size, f.ptr,
+                           _in_comm(node), _in_optimizer(node)))
         elif node.name.startswith(_PHASE):
             phases[node.name[len(_PHASE):]] = (node.start_time_ns, node.end_time_ns)
     events.sort(key=lambda e: e[0])
+    steps = [phases[f"step{k}"] for k in range(len(saved_ptrs))]
     saved_alloc = set()  # indices of the allocations autograd saved
     for step, ptrs in saved_ptrs.items():
         end = phases[f"forward{step}"][1]
         last = {}
-        for index, (t, size, ptr, _) in enumerate(events):
+        for index, (t, size, ptr, *_) in enumerate(events):
             if t > end:
                 break
             if size > 0 and ptr in ptrs:
                 last[ptr] = index
         saved_alloc.update(last.values())
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, str, int]] = {}
     totals = {"all": 0, "comm": 0, "acts": 0}
+    by_step = [0] * len(steps)
     out = []
-    for index, (t, size, ptr, comm) in enumerate(events):
+    for index, (t, size, ptr, comm, optimizer) in enumerate(events):
         if size > 0:
             kind = "acts" if index in saved_alloc else "comm" if comm else "all"
-            live[ptr] = (size, kind)
+            step = -1 if optimizer or kind != "all" else \
+                next((k for k, (a, b) in enumerate(steps) if a <= t <= b), -1)
+            live[ptr] = (size, kind, step)
         else:
-            _, kind = live.pop(ptr, (0, "all"))
+            _, kind, step = live.pop(ptr, (0, "all", -1))
         totals["all"] += size
         if kind != "all":
             totals[kind] += size
-        out.append((t, totals["all"], totals["comm"], totals["acts"]))
+        if step >= 0:
+            by_step[step] += size
+        out.append((t, totals["all"], totals["comm"], totals["acts"], tuple(by_step)))
     return out, phases
 
 
@@ -211,11 +227,16 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3,
     for step in range(1, steps):
         start, end = phases[f"step{step}"]
         window = series[bisect.bisect_left(times, start):bisect.bisect_right(times, end)]
-        total = max(window, key=lambda e: e[1] - e[3])
+
+        def stale(e, step=step) -> int:  # held since an earlier step (gloo's, see the docstring)
+            return sum(e[4][:step])
+        total = max(window, key=lambda e: e[1] - e[3] - stale(e))
+        rest = max(window, key=lambda e: e[1] - e[2] - e[3] - stale(e))
         measured.append({
-            "peak": total[1] - total[3],  # everything but activations
+            "peak": total[1] - total[3] - stale(total),  # everything but activations, stale
             "comm_at_peak": total[2],
-            "peak_no_comm": max(e[1] - e[2] - e[3] for e in window),
+            "peak_no_comm": rest[1] - rest[2] - rest[3] - stale(rest),
+            "stale": stale(rest),
             "activations": max(e[3] for e in window)})
     result.update(min(measured, key=lambda m: m["peak_no_comm"]))
     return result
@@ -325,6 +346,9 @@ def _check_measured(what: str, m: dict, est, forgetful, copies: list[int]) -> No
     assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE) or \
         _whole_copies(m["peak_no_comm"] - est.state_peak, copies), where
     assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
+    # what the step held of earlier steps (not counted above) is whole
+    # collective buffers, nothing else (up to a few scalars)
+    assert _whole_copies(m["stale"], copies, slack=1024), where
     # the peak moment with gloo's copies: the estimated copies are there,
     # the rest of the moment matches, and anything more is whole copies
     # of earlier reduce-scatter inputs that gloo kept (not estimated)
