@@ -15,9 +15,9 @@ of the hooks, the views and the bookkeeping of each unit (and, with the
 garbage collector on, the share of Python's garbage collections that the
 objects they allocate trigger). Both modes are measured by default, one
 table each, with the ratio to FSDP2 (issue 22's target: at most 0.35).
-fsdp_compose runs with bucketing on (``set_bucket_cap_mb(4)``): the plan is
-rebuilt every iteration and counted here; at world size 1 nothing is
-gathered, so no unit qualifies for a bucket.
+fsdp_compose runs with its defaults, bucketing on: the plan's bookkeeping
+is counted here; at world size 1 nothing is gathered, so no unit qualifies
+for a bucket.
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ def _fsdp_compose(model: nn.Sequential) -> nn.Module:
     from fsdp_compose import fully_shard
     for block in model:
         fully_shard(block)
-    root = fully_shard(model)
-    root.set_bucket_cap_mb(4)  # bucketing on: its per-iteration planning is counted
-    return root
+    return fully_shard(model)
 
 
 def _fsdp2(model: nn.Sequential) -> nn.Module:

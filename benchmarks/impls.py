@@ -98,19 +98,19 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_bf16comm": functools.partial(build_fsdp_compose, bf16="comm"),
     "fsdp_compose_rows": functools.partial(build_fsdp_compose, placement="rows"),
     "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
-    "fsdp_compose_bucket": functools.partial(build_fsdp_compose, bucket_cap_mb=4),
+    "fsdp_compose_nobucket": functools.partial(build_fsdp_compose, bucket_cap_mb=0),
+    "fsdp_compose_bucket1": functools.partial(build_fsdp_compose, bucket_cap_mb=1),
     "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
-    "fsdp_compose_tuned": functools.partial(build_fsdp_compose, bucket_cap_mb=4,
-                                            split_root=True),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
 the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
 bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
 in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``),
-bucketing on (``set_bucket_cap_mb(4)``; off by default), and the root's embeddings and its
-final norm + head annotated as units of their own (gathered and reduced
-where they are used: the head's reduction overlaps the rest of backward), and both together (``fsdp_compose_tuned``)."""
+bucketing off (``set_bucket_cap_mb(0)``; the default is 4 MiB) or with a 1 MiB
+cap, and the root's embeddings and its final norm + head annotated as units of
+their own (``fully_shard_root``: gathered and reduced where they are used, the
+head's reduction overlaps the rest of backward)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

@@ -112,10 +112,12 @@ class ShardedModule:
         model this module belongs to: units of at most ``bucket_cap_mb`` MiB
         unsharded, consecutive in the forward order, are gathered by one
         all-gather and reduced by one reduce-scatter, in buckets of at most
-        that size (``0``, the default for now, turns bucketing off; 4 suits
-        many units of well under a MiB). Same numbers bit
-        for bit; see ``runtime/buckets.py`` and docs/performance.md. Takes
-        effect at the next iteration; made before the first forward, the
+        that size (default ``DEFAULT_BUCKET_CAP_MB``, 4; ``0`` turns
+        bucketing off). Same numbers bit for bit; see ``runtime/buckets.py``
+        and docs/performance.md. Every rank must call it at the same point.
+        Takes effect at the next root forward (the buckets follow the
+        forward order of the last step the ranks agreed on; the verified
+        first two steps run unbucketed); made before the first forward, the
         root applies it (like :meth:`set_prefetch_policy`)."""
         cap = float(bucket_cap_mb)
         if cap < 0:

@@ -29,6 +29,7 @@ def main(at_step: int) -> None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    model.set_bucket_cap_mb(0)  # unbucketed: buckets pair and are named at the end of backward
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(at_step + 3):
         start = time.perf_counter()

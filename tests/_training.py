@@ -57,27 +57,35 @@ def shard_blocks_and_root(model, **kw):
     return model
 
 
+def unbucketed(model):
+    """``model`` with bucketing off: one all-gather and one reduce-scatter
+    per unit, the structure the per-unit counting tests describe (the
+    bucketed one is counted in ``tests/test_bucketing.py``)."""
+    model.set_bucket_cap_mb(0)
+    return model
+
+
 def _siblings(model, **kw):
     fully_shard([model.blocks[0], model.blocks[1]])          # two blocks as ONE unit
     fully_shard(model.blocks[2].mlp[1])                       # a module with no parameters
     fully_shard(model.blocks[2])
     fully_shard([model.tok_emb, model.pos_emb])               # used from the root's forward
-    fully_shard(model)
+    return fully_shard(model)
 
 
 def _partial(model, **kw):
     fully_shard(model.blocks[0])
     fully_shard(model.blocks[2].attn)
-    fully_shard(model)                                         # blocks[1] stays in the root unit
+    return fully_shard(model)                                  # blocks[1] stays in the root unit
 
 
 def _unused(model, **kw):
     fully_shard(model.unused_head)
-    shard_blocks_and_root(model)
+    return shard_blocks_and_root(model)
 
 
 def _root_only(model, **kw):
-    fully_shard(model)
+    return fully_shard(model)
 
 
 RECIPES: dict[str, Callable] = {

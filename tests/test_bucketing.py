@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compose import PrefetchPolicy
-from fsdp_compose.runtime.buckets import RECOMMENDED_BUCKET_CAP_MB
+from fsdp_compose import PrefetchPolicy, describe
+from fsdp_compose.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
@@ -15,7 +15,7 @@ from tests._training import local_batch, make_optimizer, shard_blocks_and_root
 from tests.harness import run_distributed
 
 CFG = GPTConfig(n_layers=5)
-RECOMMENDED = RECOMMENDED_BUCKET_CAP_MB
+DEFAULT = DEFAULT_BUCKET_CAP_MB
 
 
 def _train(cap_mb, optim_name, steps=4, count=False):
@@ -53,6 +53,7 @@ def _train(cap_mb, optim_name, steps=4, count=False):
             "all_gathers": counts and counts.get(AG, 0),
             "reduce_scatters": counts and counts.get(RS, 0),
             "buckets": [len(b.units) for b in scheduler.buckets.buckets],
+            "described": describe(model).buckets,
             "block_bytes": sum(b.layout.padded_numel * 4 for b in units[0].buffers),
             "root_bytes": sum(b.layout.padded_numel * 4 for b in units[-1].buffers),
             "peak_unsharded": peak[0]}
@@ -61,16 +62,18 @@ def _train(cap_mb, optim_name, steps=4, count=False):
 @pytest.mark.parametrize("world,optim_name", [
     pytest.param(2, "adamw", marks=pytest.mark.slow), (3, "sgd")])
 def test_bucketing_is_bit_identical(world, optim_name):
-    off = run_distributed(world, _train, None, optim_name)  # the default: off
-    on = run_distributed(world, _train, RECOMMENDED, optim_name)
+    off = run_distributed(world, _train, 0, optim_name)
+    on = run_distributed(world, _train, None, optim_name)  # the default: on
     for a, b in zip(off, on):
         assert a["buckets"] == [] and b["buckets"] == [CFG.n_layers]
+        assert a["described"] == () and b["described"] == (
+            tuple(f"blocks.{i}" for i in range(CFG.n_layers)),)
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
 
 
 def test_bucketing_counts_collectives_and_keeps_the_memory_bound():
     off = run_distributed(2, _train, 0, "sgd", 3, True)[0]
-    on = run_distributed(2, _train, RECOMMENDED, "sgd", 3, True)[0]
+    on = run_distributed(2, _train, DEFAULT, "sgd", 3, True)[0]
     blocks = CFG.n_layers
     # off: the root once, every block in forward and backward; one reduction each
     assert (off["all_gathers"], off["reduce_scatters"]) == (1 + 2 * blocks, blocks + 1)
@@ -101,3 +104,66 @@ def _negative_cap_raises() -> str:
 
 def test_bucket_cap_must_not_be_negative():
     assert all(">= 0" in message for message in run_distributed(2, _negative_cap_raises))
+
+
+class _Uneven(torch.nn.Module):
+    """Four blocks of different sizes (one bucket) under a root without
+    parameters; ``skip`` leaves one out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, h), torch.nn.Tanh(), torch.nn.Linear(h, 16))
+            for h in (8, 24, 40, 12))
+
+    def forward(self, x: torch.Tensor, skip=None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = block(x)
+        return x
+
+
+def _diverge_inside_a_bucket(at_step: int):
+    """Rank 1 skips blocks.1 at ``at_step`` (after the verified iterations):
+    its bucket collectives must still pair, and every rank raise a named
+    error at the end of that backward (before: different sizes, gloo
+    aborted the process)."""
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_compose import fully_shard
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=40))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = _Uneven()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_bucket_cap_mb(DEFAULT)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(at_step + 2):
+        skip = 1 if rank == 1 and step == at_step else None
+        try:
+            model(torch.randn(4, 16), skip).sum().backward()
+        except RuntimeError as error:
+            return step, [len(b.units) for b in state_of(model).context.scheduler.buckets.buckets], \
+                str(error)
+        optim.step()
+        optim.zero_grad()
+    dist.destroy_process_group(group)
+    return None
+
+
+def test_a_unit_skipped_inside_a_bucket_is_named_on_every_rank():
+    results = run_distributed(2, _diverge_inside_a_bucket, 4, timeout=90)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} trained through the divergence"
+        step, buckets, message = result
+        assert (step, buckets) == (4, [4]), (step, buckets, message)
+        assert message.startswith(f"[rank {rank}] fully_shard ranks diverged"), message
+        assert "at the end of backward" in message, message
+        assert "rank 0: event" in message and "forward of 'blocks.1'" in message, message
+        assert "rank 1: event" in message and "forward of 'blocks.2'" in message, message
+        assert "every rank must run the forward of every unit" in message, message

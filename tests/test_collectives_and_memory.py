@@ -15,7 +15,7 @@ from fsdp_compose.runtime.training_state import TrainingState
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import (RECIPES, build_model, freeze_like_lora, global_batch,
-                             make_optimizer, shard_blocks_and_root)
+                             make_optimizer, shard_blocks_and_root, unbucketed)
 from tests._comm_counter import (ALL_GATHER as AG, ALL_REDUCE as AR, REDUCE_SCATTER as RS,
                                  CollectiveCounter)
 from tests.harness import run_distributed
@@ -47,7 +47,7 @@ def count_step_collectives(recipe: str, lora: bool, mode: str):
     model = build_model()
     if lora:
         freeze_like_lora(model)
-    RECIPES[recipe](model)
+    unbucketed(RECIPES[recipe](model))
     optim = make_optimizer(model, "sgd")
 
     def step(i):
@@ -113,7 +113,7 @@ def gloo_all_reduce_path(via_all_reduce: bool):
     gradients of every rank's shard."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
-    RECIPES["blocks+root"](model)
+    unbucketed(RECIPES["blocks+root"](model))
     optim = make_optimizer(model, "sgd")
     for i in range(3):
         x, y = global_batch(i, world, "plain")
@@ -205,7 +205,7 @@ def staging_pool_is_reused(retain: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layers=6))  # more blocks than the bound, so holding all would show
-    RECIPES["blocks+root"](model)
+    unbucketed(RECIPES["blocks+root"](model))
     model.set_prefetch_policy(PrefetchPolicy(retain_staging=retain))
     optim = make_optimizer(model, "sgd")
     sizes = []

@@ -8,8 +8,10 @@ Run: ``PYTHONPATH=. python -m pytest -q tests/test_flight_log.py``
 (gloo on CPU, 2 ranks; ``-m slow`` adds the step-100 case and a torchrun
 job, ``tests/_flight_torchrun.py``).
 
-The model's units all have the same size: collectives of different units
-then pair without gloo noticing and stall. Where the sizes differ, gloo
+The model's units all have the same size and are not bucketed (a bucket's
+collectives have a fixed size: they pair, and the fingerprint names the
+divergence at the end of backward, ``tests/test_bucketing.py``):
+collectives of different units then pair without gloo noticing and stall. Where the sizes differ, gloo
 aborts the process that receives the larger message (``SIGABRT``, nothing
 to catch), and only the other ranks can report (docs/errors.md).
 """
@@ -64,6 +66,7 @@ def _train(steps: int, at_step: int, what: str):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model.set_bucket_cap_mb(0)  # unbucketed: buckets pair and are named at the end of backward
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     result = None
     try:

@@ -51,7 +51,7 @@ def _mesh(shape: tuple[int, ...]):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _train(mesh_shape, optim_name, steps=3, reshard=None, count_step=None):
+def _train(mesh_shape, optim_name, steps=3, reshard=None, count_step=None, bucket_cap_mb=None):
     """Every rank: blocks then the root, on ``mesh_shape``; returns the mean
     losses, the full parameters (gathered through the shard group) and
     the collectives of step ``count_step`` per (op, group size)."""
@@ -61,6 +61,8 @@ def _train(mesh_shape, optim_name, steps=3, reshard=None, count_step=None):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
+    if bucket_cap_mb is not None:
+        model.set_bucket_cap_mb(bucket_cap_mb)
     optim = make_optimizer(model, optim_name)
     losses, counts = [], None
     for step in range(steps):
@@ -118,17 +120,21 @@ def test_no_shard_on_two_ranks():
     _assert_parity(results, train_reference(2, "adamw"))
 
 
-def test_hsdp_collectives_per_group():
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_hsdp_collectives_per_group(bucketed):
     """Per step with the blocks + root on a (2, 2) mesh: all-gathers of the
     blocks in forward and backward plus the root's once, over the shard group
-    (size 2); one reduce-scatter per unit there; one all-reduce per unit
-    across the replicas (size 2) plus the used flags over both groups."""
-    counts = run_distributed(4, _train, (2, 2), "sgd", steps=3, count_step=2, timeout=90)
+    (size 2); one reduce-scatter per unit there (bucketed, by default: the
+    blocks are one bucket, gathered once each way and reduced once); one
+    all-reduce per unit across the replicas (size 2) plus the used flags over
+    both groups."""
+    counts = run_distributed(4, _train, (2, 2), "sgd", steps=3, count_step=2,
+                             bucket_cap_mb=None if bucketed else 0, timeout=90)
     units = CFG.n_layers + 1
     for c in counts:
         got = c["counts"]
-        assert got[("_allgather_base_", 2)] == 2 * units - 1, got
-        assert got[("_reduce_scatter_base_", 2)] == units, got
+        assert got[("_allgather_base_", 2)] == (3 if bucketed else 2 * units - 1), got
+        assert got[("_reduce_scatter_base_", 2)] == (2 if bucketed else units), got
         # gradients across replicas, and the used flags once over each dim
         assert got[("allreduce_", 2)] == units + 2, got
         assert set(got) == {("_allgather_base_", 2), ("_reduce_scatter_base_", 2),

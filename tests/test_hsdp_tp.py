@@ -72,9 +72,10 @@ def _dp(shape) -> int:
 
 # ------------------------------------------------------------------- parity
 def _expected_counts(shape) -> dict:
-    """Per step, by (op, mesh dim): FSDP's all-gathers (blocks in forward and
-    backward, the root once) and reduce-scatters (one per unit) over
-    dp_shard (none when it has one rank: the buffers alias the shards); one
+    """Per step, by (op, mesh dim): FSDP's all-gathers (the blocks, one
+    bucket by default, in forward and backward, the root once) and
+    reduce-scatters (the bucket's and the root's) over dp_shard (none when
+    it has one rank: the buffers alias the shards, nothing is bucketed); one
     gradient all-reduce per unit across dp_replicate; the used flags once
     over each dp dim that has more than one rank; TP's all-reduces over tp
     (as in the 2-D test: 6 per block)."""
@@ -82,8 +83,8 @@ def _expected_counts(shape) -> dict:
     units = LAYERS + 1
     want = {("all_reduce", "tp"): 6 * LAYERS}
     if shards > 1:
-        want[("_allgather_base_", "dp_shard")] = 2 * units - 1
-        want[("_reduce_scatter_base_", "dp_shard")] = units
+        want[("_allgather_base_", "dp_shard")] = 3
+        want[("_reduce_scatter_base_", "dp_shard")] = 2
         want[("allreduce_", "dp_shard")] = 1
     if replicas > 1:
         want[("allreduce_", "dp_replicate")] = units + 1

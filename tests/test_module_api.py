@@ -76,6 +76,7 @@ def train_counting_root(root_kw: dict, steps: int = 3):
     root's ``lm_head.weight`` is unsharded between forward and backward."""
     model = build_lm(N_BLOCKS)
     shard_blocks_and_root(model, **root_kw)
+    model.set_bucket_cap_mb(0)  # the per-unit structure (tests/test_bucketing.py counts buckets)
     optim = make_optim(model.parameters(), "sgd")
     counts, root_shapes = None, []
     for step in range(steps):
@@ -254,6 +255,7 @@ def train_embedding_unit(unshard_in_backward: bool, steps: int = 3):
     model = build_lm(N_BLOCKS)
     fully_shard(model.tok_emb)
     shard_blocks_and_root(model)
+    model.set_bucket_cap_mb(0)  # the per-unit structure (tests/test_bucketing.py counts buckets)
     if not unshard_in_backward:
         model.tok_emb.set_unshard_in_backward(False)
     optim = make_optim(model.parameters(), "sgd")

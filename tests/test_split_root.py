@@ -49,9 +49,11 @@ class _OrderedCounter(CollectiveCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _counted_step():
+def _counted_step(bucket_cap_mb=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _blocks_then_split_root(build_model())
+    if bucket_cap_mb is not None:
+        model.set_bucket_cap_mb(bucket_cap_mb)
     optim = make_optimizer(model, "sgd")
     for step in range(3):
         x, y = local_batch(step, rank, world)
@@ -69,15 +71,19 @@ def _counted_step():
                           state_of(model.ln_f).unit is units["head"]]}
 
 
-def test_split_root_counts_and_overlap():
-    result = run_distributed(2, _counted_step)[0]
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_split_root_counts_and_overlap(bucketed):
+    result = run_distributed(2, _counted_step, None if bucketed else 0)[0]
     order, blocks = result["order"], CFG.n_layers
     names = [name for name, _ in order]
     assert result["root_buffers"] == 0 and result["same_unit"] == [True, True]
-    # blocks twice; the embeddings and the norm + head once each (kept from
-    # forward to backward, as the root kept them); one reduction per unit
-    assert names.count("_allgather_base_") == 2 * blocks + 2
-    assert names.count("_reduce_scatter_base_") == blocks + 2
+    # blocks twice (bucketed, by default: the blocks are one bucket; the kept
+    # embeddings and head never join one); the embeddings and the norm + head
+    # once each (kept from forward to backward, as the root kept them); one
+    # reduction per unit (per bucket)
+    gathered = 1 if bucketed else blocks
+    assert names.count("_allgather_base_") == 2 * gathered + 2
+    assert names.count("_reduce_scatter_base_") == gathered + 2
     # the first reduction of backward is the head's (a single root's came last),
     # issued while the blocks' backward all-gathers are still to come
     reduces = [(i, size) for i, (name, size) in enumerate(order)
@@ -85,7 +91,10 @@ def test_split_root_counts_and_overlap():
     assert result["head_shard"] not in result["block_shards"]
     assert reduces[0][1] == result["head_shard"], order
     last_gather = len(names) - 1 - names[::-1].index("_allgather_base_")
-    assert reduces[0][0] < last_gather, order
+    if bucketed:  # the bucket's backward all-gather was prefetched at the head's pre-backward
+        assert last_gather < reduces[0][0] < reduces[1][0], order
+    else:
+        assert reduces[0][0] < last_gather, order
 
 
 class _Tied(nn.Module):

@@ -22,6 +22,17 @@ for bit (``tests/test_bucketing.py``); the price is the copies (small: only
 small units are bucketed) and the packed temporaries (the bucket's bytes).
 Each buffer keeps its own pending gather / reduction; they share one work,
 which the first wait completes for all of them.
+
+Fixed sizes: a bucket's collectives always carry *every* buffer of the
+bucket (``T`` is the bucket's, whatever this rank needs): a member already
+gathered contributes its shard and receives nothing, a member without a
+gradient contributes zeros. The bucket plan is the same on every rank (it
+changes only where the ranks have just agreed, ``runtime/buckets.py``), so
+ranks whose control flow differs inside a bucket (a unit skipped on one
+rank) still issue collectives of equal size: they pair instead of making
+gloo abort the process, and the fingerprint at the end of backward names
+the difference on every rank ([Note: rank divergence]). In a run without
+divergence every rank needs the same members, so nothing is padded.
 """
 
 from __future__ import annotations
@@ -60,50 +71,56 @@ class _CopyOutAfter:
         return True
 
 
-def gather_coalesced(buffers: Sequence[FlatBuffer]) -> list[FlatBuffer]:
-    """Issue one all-gather for every buffer of ``buffers`` that needs one
-    (same shard group and compute dtype: the caller's promise); returns the
-    buffers now gathering through it. A buffer that cannot join (kept
-    post-forward piece) is left alone, for its own all-gather."""
-    members: list[tuple[FlatBuffer, torch.Tensor, int]] = []
+def gather_coalesced(buffers: Sequence[FlatBuffer], wanted: Sequence[FlatBuffer]) -> list[FlatBuffer]:
+    """Issue one all-gather of the shards of every buffer of ``buffers`` (a
+    bucket's, same shard group and compute dtype: the caller's promise) and
+    fill those of ``wanted`` that need it; returns the buffers now gathering
+    through it. The collective's size depends on ``buffers`` only (see
+    [Note: bucketing]): a buffer not wanted, or that cannot join (already
+    gathered or in flight, a kept post-forward piece), contributes its shard
+    and receives nothing. Nothing is issued when no wanted buffer needs it."""
+    wanted_ids = {id(b) for b in wanted}
+    inputs: list[torch.Tensor] = []
+    members: list[tuple[FlatBuffer, torch.Tensor, int, int]] = []  # buffer, shard, version, offset
+    offset = 0
     for buffer in buffers:
-        prepared = buffer.prepare_unshard(coalescable=True)
+        prepared = buffer.prepare_unshard(coalescable=True) if id(buffer) in wanted_ids else None
         if prepared is not None:
-            members.append((buffer, prepared[0], buffer.unsharded._version))
+            members.append((buffer, prepared[0], buffer.unsharded._version, offset))
+            inputs.append(prepared[0])
+        else:
+            inputs.append(buffer.gather_input())
+        offset += buffer.layout.shard_numel
     if not members:
         return []
-    first = members[0][0]
-    group, world = first.group, first.group.world_size
-    total = sum(b.layout.shard_numel for b, _, _ in members)
-    packed = torch.cat([shard.reshape(-1) for _, shard, _ in members]) if len(members) > 1 \
-        else members[0][1]
+    first = buffers[0]
+    group, world, total = first.group, first.group.world_size, offset
+    packed = torch.cat([shard.reshape(-1) for shard in inputs]) if len(inputs) > 1 else inputs[0]
     out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
     work = all_gather_into(out, packed, group, async_op=True)
     grid = out.view(world, total)
-    copies, offset = [], 0
-    for buffer, _, _ in members:
+    copies = []
+    for buffer, _, _, start in members:
         size = buffer.layout.shard_numel
-        copies.append((buffer.unsharded.detach().view(world, size),
-                       grid[:, offset:offset + size]))
-        offset += size
+        copies.append((buffer.unsharded.detach().view(world, size), grid[:, start:start + size]))
     shared = _CopyOutAfter(work, copies)
-    for buffer, shard, version in members:
+    for buffer, shard, version, _ in members:
         buffer.adopt_gather(shared, shard, version)
-    return [b for b, _, _ in members]
+    return [b for b, _, _, _ in members]
 
 
 def reduce_coalesced(buffers: Sequence[FlatBuffer], options: ReduceOptions) -> list[FlatBuffer]:
-    """Issue one reduce-scatter for the unreduced gradients of ``buffers``
-    (same shard group and communication dtype: the caller's promise);
-    returns the buffers now reducing through it (those with a gradient)."""
-    members: list[tuple[FlatBuffer, torch.Tensor]] = []
-    for buffer in buffers:
-        flat = buffer.grad.take_for_reduce()
-        if flat is not None:
-            members.append((buffer, flat))
+    """Issue one reduce-scatter for the gradients of ``buffers`` (a bucket's
+    trainable buffers, same shard group and communication dtype: the
+    caller's promise); returns the buffers now reducing through it (those
+    with an unreduced gradient). The collective's size depends on
+    ``buffers`` only (see [Note: bucketing]): a buffer without a gradient
+    contributes zeros and receives nothing."""
+    grads: list[Optional[torch.Tensor]] = [b.grad.take_for_reduce() for b in buffers]
+    members = [(b, g) for b, g in zip(buffers, grads) if g is not None]
     if not members:
         return []
-    first = members[0][0]
+    first = buffers[0]
     group, world = first.group, first.group.world_size
     if world == 1:
         for buffer, flat in members:  # nothing to communicate: as start_reduce does
@@ -111,24 +128,30 @@ def reduce_coalesced(buffers: Sequence[FlatBuffer], options: ReduceOptions) -> l
                                          options.force_sum, async_op=True)
             buffer.grad.adopt_reduce(work, flat, flat, options)
         return [b for b, _ in members]
-    total = sum(b.layout.shard_numel for b, _ in members)
-    packed = torch.empty(world * total, dtype=members[0][1].dtype, device=first.compute_device)
+    total = sum(b.layout.shard_numel for b in buffers)
+    dtype = members[0][1].dtype
+    packed = torch.empty(world * total, dtype=dtype, device=first.compute_device)
     grid = packed.view(world, total)
-    offset = 0
-    for buffer, flat in members:
+    starts, offset = [], 0
+    for buffer, flat in zip(buffers, grads):
         size = buffer.layout.shard_numel
-        grid[:, offset:offset + size].copy_(flat.view(world, size))
+        if flat is None:
+            grid[:, offset:offset + size].zero_()
+        else:
+            grid[:, offset:offset + size].copy_(flat.view(world, size))
+        starts.append(offset)
         offset += size
-    reduced = torch.empty(total, dtype=packed.dtype, device=first.compute_device)
+    reduced = torch.empty(total, dtype=dtype, device=first.compute_device)
     work = reduce_scatter_scaled(reduced, packed, group, options.divide_factor,
                                  options.force_sum, async_op=True)
-    copies, outputs, offset = [], [], 0
-    for buffer, _ in members:
+    copies, outputs = [], []
+    for buffer, flat, start in zip(buffers, grads, starts):
+        if flat is None:
+            continue
         size = buffer.layout.shard_numel
-        output = torch.empty(size, dtype=packed.dtype, device=first.compute_device)
-        copies.append((output, reduced[offset:offset + size]))
+        output = torch.empty(size, dtype=dtype, device=first.compute_device)
+        copies.append((output, reduced[start:start + size]))
         outputs.append(output)
-        offset += size
     shared = _CopyOutAfter(work, copies)
     for (buffer, _), output in zip(members, outputs):
         buffer.grad.adopt_reduce(shared, packed, output, options)

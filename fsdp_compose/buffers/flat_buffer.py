@@ -440,12 +440,18 @@ class FlatBuffer:
             # reshard_after_forward=k: gather from the k ranks of the smaller group
             shard, group = kept.piece, kept.group
         else:
-            # One copy to the compute device and dtype (none without offload or
-            # mixed precision), so the all-gather moves compute_dtype bytes.
-            # Over one rank the "all-gather" is that copy.
-            shard, group = self.sharded if self.group.world_size == 1 else self.sharded.to(
-                self.compute_device, self.compute_dtype, non_blocking=True), self.group
+            shard, group = self.gather_input(), self.group
         return shard, group
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's shard as the all-gather moves it: one copy to the
+        compute device and dtype (none without offload or mixed precision),
+        so the collective moves ``compute_dtype`` bytes. Over one rank the
+        "all-gather" is that copy. No side effect on the buffer (a bucket's
+        all-gather packs it for members that gather nothing themselves)."""
+        if self.group.world_size == 1:
+            return self.sharded
+        return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
 
     def adopt_gather(self, work: object, shard: torch.Tensor, version: int) -> None:
         """The all-gather into ``unsharded`` that ``work`` completes (issued

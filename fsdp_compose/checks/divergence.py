@@ -190,6 +190,9 @@ class DivergenceMonitor(CollectiveObserver):
     def checks_calls(self) -> bool:
         return self.iteration_verified
 
+    def will_verify(self) -> bool:
+        return self._should_verify()
+
     def _should_verify(self) -> bool:
         """Read at the root's pre-forward, and again right after a verified
         agreement (the only points where the default window may close: every

@@ -1,13 +1,22 @@
 """Which units share their collectives: buckets of consecutive small units.
 
-A :class:`BucketPlan` is rebuilt from the previous iteration's forward order
-at the start of every iteration (``Scheduler.start_iteration``; the first
-iteration has no order yet and runs unbucketed). Consecutive units in that
+A :class:`BucketPlan` is rebuilt from the forward order of the step that
+just ended, at the end of its last backward, right after the ranks checked
+that they issued the same collectives (``Scheduler.order_agreed``): the plan
+is the same on every rank, and it is why a bucket's collectives can have a
+fixed size ([Note: bucketing]). Iterations that verify every collective
+across ranks (the first two by default, or all of them with
+``FSDP_COMPOSE_CHECK_ORDER=1``) run unbucketed, so do models that never run
+backward. Consecutive units in that
 order that qualify (below) and share a key (process group, compute dtype,
 communication dtype, reduce options) are grouped greedily while the bucket's
 unsharded bytes stay within ``cap_bytes``; a bucket of one unit is no bucket.
 ``cap_bytes = 0`` turns bucketing off. The collectives themselves are in
 ``buffers/coalesced.py`` ([Note: bucketing]).
+
+Units kept unsharded from forward to backward (``reshard_after_forward=False``,
+e.g. ``fully_shard_root``'s embeddings and head) are never bucketed with units
+that reshard: the key includes it.
 
 A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
 nothing about it needs a collective of its own: not the root, no explicit
@@ -31,18 +40,11 @@ from typing import Optional, Sequence
 from ..buffers.flat_buffer import FlatBuffer
 from .training_state import TrainingState
 
-DEFAULT_BUCKET_CAP_MB = 0.0
-"""Off by default for now. ``RECOMMENDED_BUCKET_CAP_MB`` is what helps many
-small units; turning it on by default waits for two things (issue 22's
-report): a unit skipped on one rank then changes the size of a coalesced
-collective, which gloo answers by aborting the process instead of the
-stall that the divergence diagnosis names (``comm/flight.py``); and the
-collective-count tests of the suite describe the unbucketed structure."""
-
-RECOMMENDED_BUCKET_CAP_MB = 4.0
+DEFAULT_BUCKET_CAP_MB = 4.0
 """Buckets the ~0.2 MiB blocks of the many-small benchmark model by up to
-~20 and leaves units of more than 4 MiB alone."""
-
+~20 and leaves units of more than 4 MiB unsharded (a 7B model's blocks are
+hundreds of MiB) exactly as without bucketing. ``set_bucket_cap_mb(0)``
+turns it off."""
 
 class Bucket:
     """Consecutive units (forward order) whose collectives are coalesced."""
@@ -62,6 +64,12 @@ class Bucket:
                 m.training_state is TrainingState.IDLE and m.backward_possible)]
         return [m for m in self.units if m is unit or id(m) not in ran]
 
+    def reduced_buffers(self) -> list[FlatBuffer]:
+        """What the bucket's reduce-scatter carries, whichever members have
+        a gradient (zeros for the others): the trainable buffers of the
+        members that synchronize gradients, the same on every rank."""
+        return [b for u in self.units if u.requires_gradient_sync for b in u.trainable_buffers]
+
     def expected_reduces(self) -> list[FlatBuffer]:
         """The buffers whose gradients this backward should reduce together."""
         return [b for u in self.units if u.backward_possible and u.requires_gradient_sync
@@ -73,19 +81,32 @@ class BucketPlan:
 
     def __init__(self, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
         self.cap_bytes: int = 0
-        self.set_cap_mb(cap_mb)
         self.buckets: list[Bucket] = []
         self._of_unit: dict[int, Bucket] = {}
         self._of_buffer: dict[int, Bucket] = {}
+        self._order: list = []
+        """The forward order the plan was built from (the last agreed one)."""
+        self._cap_changed: bool = False
+        self.set_cap_mb(cap_mb)
 
     def set_cap_mb(self, cap_mb: float) -> None:
+        """Change the cap; the last agreed order is re-bucketed with it at
+        the next root forward (:meth:`refresh`; every rank changes it at
+        the same point: a model setting)."""
         if cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0 (0 turns bucketing off), got {cap_mb}")
         self.cap_bytes = int(cap_mb * 2 ** 20)
+        self._cap_changed = True
+
+    def refresh(self) -> None:
+        """At a root forward (no bucket holds anything): apply a changed cap."""
+        if self._cap_changed:
+            self.rebuild(self._order)
 
     def rebuild(self, order: Sequence) -> None:
-        """Bucket ``order`` (the previous iteration's forward order)."""
+        """Bucket ``order`` (a forward order every rank agreed on)."""
         self.buckets, self._of_unit, self._of_buffer = [], {}, {}
+        self._order, self._cap_changed = list(order), False
         if self.cap_bytes <= 0:
             return
         current: list = []
@@ -117,8 +138,6 @@ class BucketPlan:
     def of_buffer(self, buffer: FlatBuffer) -> Optional[Bucket]:
         return self._of_buffer.get(id(buffer))
 
-    def clear(self) -> None:
-        self.rebuild([])
 
 
 def _unsharded_bytes(unit) -> int:
@@ -142,4 +161,5 @@ def _key(unit) -> Optional[tuple]:
     if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
-            next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync)
+            next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync,
+            unit.resolved_reshard_after_forward)

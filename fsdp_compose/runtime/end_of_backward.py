@@ -38,6 +38,7 @@ def finish_backward(units: Sequence[ShardUnit], scheduler: Scheduler,
         unit.finalize_backward()
     if is_last_backward:
         scheduler.end_iteration()  # everything is resharded: free the staging pool
+        scheduler.order_agreed()  # the fingerprint check above passed on every rank
 
 
 def reduce_deferred(units: Sequence[ShardUnit], scheduler: Scheduler) -> None:
@@ -68,15 +69,21 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
     to the flags and check them after the all-reduce (the fingerprint of the
     collective sequence, [Note: rank divergence] in ``checks/divergence.py``).
     """
-    pending = [b for b in buffers if b.grad.has_unpublished]
-    for buffer in pending:
-        buffer.grad.finish_reduce()
+    pending = {id(b) for b in buffers if b.grad.has_unpublished}
+    for buffer in buffers:
+        if id(buffer) in pending:
+            buffer.grad.finish_reduce()
     by_group: dict[int, list[FlatBuffer]] = {}
-    for buffer in pending:
+    for buffer in buffers:
         by_group.setdefault(id(buffer.group.process_group), []).append(buffer)
     fresh: list[nn.Parameter] = []
     for group_buffers in by_group.values():
-        flags = [u for b in group_buffers for u in b.grad.used]
+        if not any(id(b) in pending for b in group_buffers):
+            continue
+        # every buffer of the group has its flags (False where nothing is pending), so
+        # the all-reduce has the same size on every rank even if their backwards differed
+        flags = [u for b in group_buffers for u in (
+            b.grad.used if id(b) in pending else [False] * len(b.records))]
         group = group_buffers[0].group
         if group.total_size > 1:  # replicas too (F = 1 replication included)
             extra = observer.payload(group)
@@ -89,7 +96,8 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
         start = 0
         for buffer in group_buffers:
             count = len(buffer.records)
-            fresh += buffer.grad.publish(flags[start:start + count])
+            if id(buffer) in pending:
+                fresh += buffer.grad.publish(flags[start:start + count])
             start += count
     for param in fresh:
         for hook in (param._post_accumulate_grad_hooks or {}).values():

@@ -62,6 +62,12 @@ class CollectiveObserver:
         in ``comm/rendezvous.py``): only in verified iterations."""
         return False
 
+    def will_verify(self) -> bool:
+        """Whether the next iteration verifies every collective across
+        ranks before issuing it (the runtime then keeps it unbucketed, so a
+        divergence is named by the unit whose collective differs)."""
+        return False
+
     def payload(self, group: ShardGroup) -> list[int]:
         """Bytes (0-255) to append to ``group``'s used flags before their
         MAX all-reduce."""

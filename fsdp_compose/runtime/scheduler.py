@@ -61,7 +61,7 @@ class Scheduler:
         whose all-reduce over the replicas is in flight, oldest first."""
         self.buckets: BucketPlan = BucketPlan()
         """Which units share their collectives in this iteration
-        (``buckets.py``; rebuilt at every :meth:`start_iteration`)."""
+        (``buckets.py``; rebuilt where the ranks agree, :meth:`order_agreed`)."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
         """Per bucket (by id): its buffers whose gradient is ready, held
         until the bucket's last one is (:meth:`reduce`)."""
@@ -85,8 +85,21 @@ class Scheduler:
         if self.forward_order:
             self.previous_forward_order = self.forward_order
         self.forward_order = []
-        self.buckets.rebuild(self.previous_forward_order)
+        self.buckets.refresh()
         self.observer.start_iteration()
+
+    def order_agreed(self) -> None:
+        """Called at the end of the step's last backward, once every rank
+        has checked that its collectives, forward order included, were the
+        same as every other rank's (the fingerprint in ``publish_gradients``,
+        which raises otherwise): rebuild the buckets from that forward order.
+        The plan therefore changes only where the ranks agree on it, so it is
+        the same on every rank. Iterations that verify every collective
+        (the first two by default, [Note: rank divergence]) run unbucketed:
+        their checks then name the unit whose collective differs, and they
+        pay a blocking check per buffer anyway."""
+        verifying = self.observer.will_verify()
+        self.buckets.rebuild([] if verifying else self.forward_order or self.previous_forward_order)
 
     def discard_iteration(self) -> None:
         """Forget an iteration that raised (``reset_iter_state``): its partial
@@ -180,7 +193,7 @@ class Scheduler:
             return True
         for buffer in buffers:
             self.observer.before_all_gather(buffer, issuer.training_state)
-        gathering = gather_coalesced(buffers)
+        gathering = gather_coalesced(bucket.buffers, buffers)
         if gathering:
             self._gathers.append(gathering)
         for buffer in buffers:
@@ -214,7 +227,7 @@ class Scheduler:
                 ready.append(buffer)
             expected = bucket.expected_reduces()
             if all(any(b is e for b in ready) for e in expected):
-                self._reduce_held(id(bucket))
+                self._reduce_held(id(bucket), buffer)
             return
         if buffer.grad.has_unreduced:
             self.observer.before_reduce_scatter(buffer)
@@ -228,13 +241,17 @@ class Scheduler:
                 deque(g for g in ([b for b in g if b is not buffer] for g in queue) if g)
                 for queue in (self._reduces, self._replicas))
 
-    def _reduce_held(self, key: int) -> None:
-        bucket, ready, options = self._held.pop(key)
-        ordered = [b for b in bucket.buffers if any(r is b for r in ready)]  # bucket order
-        for buffer in ordered:
+    def _reduce_held(self, key: int, trigger: Optional[FlatBuffer] = None) -> None:
+        """One reduce-scatter for the bucket; ``trigger``: the buffer whose
+        gradient completed it, observed first (the rank-divergence checks
+        then name the unit whose backward made a rank reduce the bucket)."""
+        bucket, _, options = self._held.pop(key)
+        buffers = bucket.reduced_buffers()
+        observed = [trigger] if trigger is not None else []
+        for buffer in observed + [b for b in buffers if b is not trigger]:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
-        reducing = reduce_coalesced(ordered, options)
+        reducing = reduce_coalesced(buffers, options)
         if reducing:
             self._reduces.append(reducing)
         self._keep_reduce_limit()

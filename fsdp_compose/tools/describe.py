@@ -203,6 +203,9 @@ class ModelReport:
         execution_order: unit labels in the order their forward started in
             the last forward (empty before the first one).
         prefetch_policy: the root's :class:`PrefetchPolicy` (``None``: no unit).
+        buckets: the units whose collectives the next iteration coalesces,
+            one tuple of unit labels per bucket (``set_bucket_cap_mb``;
+            empty before the first backward and with bucketing off).
         unmanaged: FQNs of parameters no unit manages.
         totals: sums, see :class:`Totals`.
     """
@@ -213,6 +216,7 @@ class ModelReport:
     units: tuple[UnitReport, ...]
     execution_order: tuple[str, ...]
     prefetch_policy: Optional[PrefetchPolicy]
+    buckets: tuple[tuple[str, ...], ...]
     unmanaged: tuple[str, ...]
     totals: Totals
 
@@ -248,6 +252,8 @@ def describe(model: nn.Module) -> ModelReport:
         units=unit_reports,
         execution_order=tuple(labels.get(id(u), u.name) for u in order),
         prefetch_policy=schedulers[0].policy if schedulers else None,
+        buckets=tuple(tuple(labels.get(id(u), u.name) for u in bucket.units)
+                      for s in schedulers for bucket in s.buckets.buckets),
         unmanaged=tuple(fqn for fqn, _ in unmanaged),
         totals=_totals(unit_reports, unmanaged),
     )
@@ -448,6 +454,9 @@ def _render(report: ModelReport) -> str:
     lines.append("")
     if report.execution_order:
         lines.append("execution order (last forward): " + " -> ".join(report.execution_order))
+    for bucket in report.buckets:
+        lines.append(f"bucket of {len(bucket)} units (one all-gather, one reduce-scatter): "
+                     + ", ".join(bucket))
         policy = report.prefetch_policy
         if policy is not None:
             lines.append(f"prefetch (forward={policy.forward}, backward={policy.backward}, at "
