@@ -52,6 +52,14 @@ def unit_key(compute: Sequence[torch.dtype], reduce_comm: Sequence[torch.dtype],
     return compute[0], next(iter(reduce_comm), None)
 
 
+def with_reshard(key: BucketKey, reshards_after_forward: bool) -> BucketKey:
+    """``key`` with whether the unit reshards after forward: units kept
+    unsharded until backward (the split root's parts) are never bucketed
+    with units that reshard (the runtime's key holds
+    ``resolved_reshard_after_forward``)."""
+    return None if key is None else (key, reshards_after_forward)
+
+
 def group_buckets(sizes: Sequence[int], keys: Sequence[BucketKey],
                   cap: int) -> list[list[int]]:
     """The buckets (lists of indices, each at least two, consecutive) of

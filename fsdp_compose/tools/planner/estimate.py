@@ -12,7 +12,7 @@ from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
-from .buckets import cap_bytes, default_cap_mb, group_buckets
+from .buckets import cap_bytes, default_cap_mb, group_buckets, with_reshard
 from .report import MemoryEstimate
 from .simulation import Step, plan_unit
 from .split import root_parts
@@ -110,14 +110,16 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                                                   batch_fn)
         order = ran + [i for i in order if i not in ran]  # units the batch did not run last
     forward = [plans[-1]] + [plans[i] for i in order]  # the root first
+    kept = frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None)
     # buckets follow the recorded forward order: the root and units that did not run stay alone
-    keys = [None] + [p.bucket_key for p in forward[1:len(ran) + 1]] + [None] * (len(order) - len(ran))
+    keys = [None] + [with_reshard(forward[j].bucket_key,
+                                  reshard_after_forward is not False and j not in kept)
+                     for j in range(1, len(ran) + 1)] + [None] * (len(order) - len(ran))
     step = Step(forward, [0] + [unit_acts[i] for i in order],
                 root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
                 reshard_after_forward,
-                buckets=group_buckets([sum(p.unsharded) for p in forward], keys, cap),
-                kept=frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None),
+                buckets=group_buckets([sum(p.unsharded) for p in forward], keys, cap), kept=kept,
                 root_late_grads=0 if split_root else _late_root_grads(model, units, specs[-1], mp_policy))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
