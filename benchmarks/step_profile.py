@@ -3,7 +3,7 @@ the library's hooks (CPU work), and the rest (compute, the optimizer).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_profile                    # default GPT
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_profile --layers 48 --d-model 64 \\
-        --heads 4 --vocab 512 --bucket-cap-mb 4 --split-root                  # many-small, tuned
+        --heads 4 --vocab 512 --bucket-cap-mb 0                               # many-small, no buckets
 
 Two spawned gloo ranks (one thread each), AdamW, ``--repeats`` measured
 steps after two warm-up steps; per phase, the median over steps of rank 0.
@@ -89,7 +89,8 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
     for block in model.blocks:
         fully_shard(block)
     (fully_shard_root if args.split_root else fully_shard)(model)
-    model.set_bucket_cap_mb(args.bucket_cap_mb)
+    if args.bucket_cap_mb is not None:  # else the library's default
+        model.set_bucket_cap_mb(args.bucket_cap_mb)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rows = []
     for step in range(args.repeats + 2):
@@ -116,15 +117,16 @@ def main() -> None:
     import os
     import sys
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--bucket-cap-mb", type=float, default=0.0)
+    extra.add_argument("--bucket-cap-mb", type=float, default=None)
     extra.add_argument("--split-root", action="store_true")
     known, rest = extra.parse_known_args()
     sys.argv = [sys.argv[0]] + rest
     args = gpt_arguments(__doc__.splitlines()[0], repeats=5)
     args.bucket_cap_mb, args.split_root = known.bucket_cap_mb, known.split_root
     step, wait, hooks, other = run_two_ranks(_worker, args, timeout=1200)
+    cap = "default" if args.bucket_cap_mb is None else f"{args.bucket_cap_mb} MiB"
     print(f"GPT {args.layers} layers d{args.d_model} vocab {args.vocab}, 2 ranks, buckets "
-          f"{args.bucket_cap_mb} MiB, split root {args.split_root}; load average (1 min) "
+          f"{cap}, split root {args.split_root}; load average (1 min) "
           f"{os.getloadavg()[0]:.2f}")
     print("| step ms | waiting on collectives | hooks (CPU) | compute, autograd, optimizer |")
     print("|---|---|---|---|")

@@ -54,6 +54,7 @@ def _train(cap_mb, optim_name, steps=4, count=False):
             "reduce_scatters": counts and counts.get(RS, 0),
             "buckets": [len(b.units) for b in scheduler.buckets.buckets],
             "described": describe(model).buckets,
+            "described_text": str(describe(model)),
             "block_bytes": sum(b.layout.padded_numel * 4 for b in units[0].buffers),
             "root_bytes": sum(b.layout.padded_numel * 4 for b in units[-1].buffers),
             "peak_unsharded": peak[0]}
@@ -68,6 +69,9 @@ def test_bucketing_is_bit_identical(world, optim_name):
         assert a["buckets"] == [] and b["buckets"] == [CFG.n_layers]
         assert a["described"] == () and b["described"] == (
             tuple(f"blocks.{i}" for i in range(CFG.n_layers)),)
+        assert "bucket of" not in a["described_text"]
+        assert f"bucket of {CFG.n_layers} units (one all-gather, one reduce-scatter): blocks.0, " \
+            "blocks.1" in b["described_text"]
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
 
 

@@ -6,17 +6,17 @@ that they issued the same collectives (``Scheduler.order_agreed``): the plan
 is the same on every rank, and it is why a bucket's collectives can have a
 fixed size ([Note: bucketing]). Iterations that verify every collective
 across ranks (the first two by default, or all of them with
-``FSDP_COMPOSE_CHECK_ORDER=1``) run unbucketed, so do models that never run
-backward. Consecutive units in that
-order that qualify (below) and share a key (process group, compute dtype,
-communication dtype, reduce options) are grouped greedily while the bucket's
-unsharded bytes stay within ``cap_bytes``; a bucket of one unit is no bucket.
-``cap_bytes = 0`` turns bucketing off. The collectives themselves are in
-``buffers/coalesced.py`` ([Note: bucketing]).
+``FSDP_COMPOSE_CHECK_ORDER=1``) run unbucketed, and so do models that never
+run backward.
 
-Units kept unsharded from forward to backward (``reshard_after_forward=False``,
-e.g. ``fully_shard_root``'s embeddings and head) are never bucketed with units
-that reshard: the key includes it.
+Consecutive units of that order that qualify (below) and share a key
+(process group, compute dtype, communication dtype, reduce options, gradient
+sync, whether they reshard after forward: units kept unsharded from forward
+to backward, e.g. ``fully_shard_root``'s embeddings and head, never join
+units that reshard) are grouped greedily while the bucket's unsharded bytes
+stay within ``cap_bytes``; a bucket of one unit is no bucket. ``cap_bytes =
+0`` turns bucketing off. The collectives themselves are in
+``buffers/coalesced.py`` ([Note: bucketing]).
 
 A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
 nothing about it needs a collective of its own: not the root, no explicit

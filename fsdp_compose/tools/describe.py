@@ -454,9 +454,6 @@ def _render(report: ModelReport) -> str:
     lines.append("")
     if report.execution_order:
         lines.append("execution order (last forward): " + " -> ".join(report.execution_order))
-    for bucket in report.buckets:
-        lines.append(f"bucket of {len(bucket)} units (one all-gather, one reduce-scatter): "
-                     + ", ".join(bucket))
         policy = report.prefetch_policy
         if policy is not None:
             lines.append(f"prefetch (forward={policy.forward}, backward={policy.backward}, at "
@@ -465,6 +462,9 @@ def _render(report: ModelReport) -> str:
             fwd = ", ".join(unit.forward_prefetch) or "-"
             bwd = ", ".join(unit.backward_prefetch) or "-"
             lines.append(f"  {unit.label}: before forward -> {fwd}; at backward -> {bwd}")
+    for bucket in report.buckets:
+        lines.append(f"bucket of {len(bucket)} units (one all-gather, one reduce-scatter): "
+                     + ", ".join(bucket))
     if report.unmanaged:
         lines.append("not sharded (replicated on every rank): " + ", ".join(report.unmanaged))
     lines.append(
