@@ -30,9 +30,8 @@ reduce-scatters (which the estimate does not count; 0 to 3 per rank, varying
 by rank and run). Measured (estimate minus measurement): 0.00% (GPT,
 blocks or 21 finer units) and +2.7% (tiny Llama: the root's gradients are
 assumed alive all through backward) without buckets; 8 small blocks in
-buckets of three: -0.1%, the same with the root split: +0.8% to +2.6%; with
-a 4 MiB cap (the default to be): GPT blocks -0.03%, its 21 units +2%, Llama
-+2.1%. Planned
+buckets of three, with or without the root split: -0.1%; at the default
+4 MiB cap: GPT blocks -0.03%, its 21 units +2%, Llama +2.1%. Planned
 buckets must be the runtime's (``test_planned_buckets_are_the_runtimes``).
 """
 
