@@ -567,7 +567,8 @@ def test_planned_buckets_are_the_runtimes():
 
 
 def test_group_buckets_rule():
-    from fsdp_compose.tools.planner.buckets import group_buckets
+    """The runtime's grouping, which the planner calls."""
+    from fsdp_compose.runtime.buckets import group_consecutive as group_buckets
     a, b = ("fp32", "fp32"), ("fp32", None)
     assert group_buckets([10, 10, 10, 10], [a] * 4, 25) == [[0, 1], [2, 3]]
     assert group_buckets([10, 10, 10, 10], [a] * 4, 0) == []  # off

@@ -1,13 +1,13 @@
-"""Which planned units share their collectives: ``runtime/buckets.py``'s
-rule (``BucketPlan.rebuild``), restated over plain sizes and keys.
+"""Which planned units share their collectives: the runtime's rule.
 
-The runtime groups live units; the planner has byte counts. The rule is the
-same: in forward order, consecutive units that qualify (a key that is not
-``None``, at most ``cap_bytes`` unsharded) and share a key are grouped
-greedily while the group's unsharded bytes stay within ``cap_bytes``; a group
-of one unit is no bucket; ``cap_bytes <= 0`` turns bucketing off.
-``tests/test_planner.py`` checks that this gives the runtime's buckets on a
-real model.
+The grouping is ``runtime/buckets.py``'s own ``group_consecutive`` (what
+``BucketPlan.rebuild`` runs): in forward order, consecutive units that
+qualify (a key that is not ``None``, at most the cap unsharded) and share a
+key, greedily while the group's unsharded bytes stay within the cap; a group
+of one unit is no bucket; a cap of 0 turns bucketing off. Here: the keys of
+planned units (``unit_key``, ``with_reshard``: the runtime's ``_key`` on what
+the planner models) and the default cap. ``tests/test_planner.py`` checks
+that the planner's buckets are the runtime's on real models.
 """
 
 from __future__ import annotations
@@ -58,30 +58,3 @@ def with_reshard(key: BucketKey, reshards_after_forward: bool) -> BucketKey:
     with units that reshard (the runtime's key holds
     ``resolved_reshard_after_forward``)."""
     return None if key is None else (key, reshards_after_forward)
-
-
-def group_buckets(sizes: Sequence[int], keys: Sequence[BucketKey],
-                  cap: int) -> list[list[int]]:
-    """The buckets (lists of indices, each at least two, consecutive) of
-    units with unsharded ``sizes`` (bytes) and ``keys``, in forward order.
-
-    Invariant: every bucket's sizes sum to at most ``cap``, its keys are
-    equal and not ``None``, and its indices are consecutive.
-    """
-    if cap <= 0:
-        return []  # off
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    current_key: BucketKey = None
-    total = 0
-    for index, (size, key) in enumerate(zip(sizes, keys)):
-        if size > cap:
-            key = None
-        if key is None or key != current_key or total + size > cap:
-            buckets.append(current)
-            current, current_key, total = [], key, 0
-        if key is not None:
-            current.append(index)
-            total += size
-    buckets.append(current)
-    return [b for b in buckets if len(b) >= 2]

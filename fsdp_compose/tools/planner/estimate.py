@@ -12,7 +12,8 @@ from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
-from .buckets import cap_bytes, default_cap_mb, group_buckets, with_reshard
+from ...runtime.buckets import group_consecutive
+from .buckets import cap_bytes, default_cap_mb, with_reshard
 from .report import MemoryEstimate
 from .simulation import Step, plan_unit
 from .split import root_parts
@@ -119,7 +120,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                 root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
                 reshard_after_forward,
-                buckets=group_buckets([sum(p.unsharded) for p in forward], keys, cap), kept=kept,
+                buckets=group_consecutive([sum(p.unsharded) for p in forward], keys, cap), kept=kept,
                 root_late_grads=0 if split_root else _late_root_grads(model, units, specs[-1], mp_policy))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
