@@ -500,8 +500,8 @@ def test_offload_moves_the_persistent_bytes_to_the_cpu():
 def test_prefetch_and_reshard_after_forward():
     """Unbucketed: one bucket of all blocks leaves nothing to prefetch ahead."""
     model = _small_gpt(n_layers=6)
-    none, one, two = (estimate_memory(model, 2, prefetch=k, bucket_cap_mb=0).transient_unsharded_peak
-                      for k in (0, 1, 2))
+    none, one, two = (estimate_memory(model, 2, prefetch=k,
+                                      bucket_cap_mb=0).transient_unsharded_peak for k in (0, 1, 2))
     assert none < one < two
     base = estimate_memory(model, 2, bucket_cap_mb=0)
     keep = estimate_memory(model, 2, reshard_after_forward=False, bucket_cap_mb=0)

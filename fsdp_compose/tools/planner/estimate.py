@@ -120,8 +120,9 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                 root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
                 reshard_after_forward,
-                buckets=group_consecutive([sum(p.unsharded) for p in forward], keys, cap), kept=kept,
-                root_late_grads=0 if split_root else _late_root_grads(model, units, specs[-1], mp_policy))
+                buckets=group_consecutive([sum(p.unsharded) for p in forward], keys, cap),
+                kept=kept, root_late_grads=0 if split_root else
+                _late_root_grads(model, units, specs[-1], mp_policy))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
                          backend_assumed, cap_mb)

@@ -228,7 +228,8 @@ class Step:
         # all-reduce] in comm/collectives.py)
         gloo_reduce_copy = self.staging and not gloo_reduce_scatter_via_all_reduce()
         raf = self.reshard_after_forward
-        kept = set(range(n)) if raf is False else set(self.kept) | ({0} if raf is not True else set())
+        kept = set(range(n)) if raf is False else \
+            set(self.kept) | ({0} if raf is not True else set())  # the root, the split parts
         groups = self._groups()
 
         def acts(i: int, own: bool) -> int:  # root's saved before unit i, units 1..i
