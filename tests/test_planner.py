@@ -13,22 +13,32 @@ AdamW steps. Each allocation is classified by who made it:
   the allocation is the last one at that address before the forward ended);
 * *comm staging*: allocated inside a ``c10d::``/``gloo:`` profiler range
   (gloo's copies of all-gather outputs and reduce-scatter inputs);
+* *stale*: allocated in an earlier step (outside the optimizer) and still
+  alive: buffers of finished collectives that gloo kept (with buckets, the
+  packed gradients and reduced chunk: up to 1.5 buckets); they must be whole
+  collective buffers and are not part of the schedule the planner models;
 * the rest: parameters, gradients, optimizer state, unsharded buffers (and
   the activation gradients of a one-sequence batch, kept tiny).
 
 On every rank, in the steady (second) step, the estimate (built on the
 meta device, no process group) must be within 10% of the measured peak of
-the rest; an estimate that forgets the optimizer state fails that check. At
+the rest; an estimate that forgets the optimizer state fails that check, and
+so does one that forgets the buckets where there are some. At
 the peak moment the rest must match too, and the staging must be the
 estimated copies plus whole unit-sized copies that gloo kept of earlier
 reduce-scatters (which the estimate does not count; 0 to 3 per rank, varying
-by rank and run). Measured: 0.00% (GPT, blocks or 21 finer units) and +2.7%
-(tiny Llama: the root's gradients are assumed alive all through backward).
+by rank and run). Measured (estimate minus measurement): 0.00% (GPT,
+blocks or 21 finer units) and +2.7% (tiny Llama: the root's gradients are
+assumed alive all through backward) without buckets; 8 small blocks in
+buckets of three, with or without the root split: -0.1%; at the default
+4 MiB cap: GPT blocks -0.03%, its 21 units +2%, Llama +2.1%. Planned
+buckets must be the runtime's (``test_planned_buckets_are_the_runtimes``).
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import Optional
 
 import pytest
 import torch
@@ -36,14 +46,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, fully_shard, fully_shard_root
 from fsdp_compose.buffers.layout import FlatLayout
+from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 from fsdp_compose.tools.planner import (MemoryEstimate, default_units, estimate_memory,
                                         propose_units)
 from tests.harness import run_distributed
 
 GPT_CFG = GPTConfig(vocab_size=2048, seq_len=16, d_model=128, n_heads=4, n_layers=4)
+MANY_CFG = GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=8)
+MANY_CAP = 0.15  # MiB: buckets of up to three ~49 KiB blocks
 LLAMA_SEQ = 8
 TOLERANCE = 0.10
 _PHASE = "planner_phase:"
@@ -51,8 +64,8 @@ _PHASE = "planner_phase:"
 
 def meta_model(name: str) -> nn.Module:
     with torch.device("meta"):
-        if name == "gpt":
-            return GPT(GPT_CFG)
+        if name in ("gpt", "many"):
+            return GPT(GPT_CFG if name == "gpt" else MANY_CFG)
         from transformers import LlamaForCausalLM
         from tests._hf import llama_config
         return LlamaForCausalLM(llama_config())
@@ -60,16 +73,17 @@ def meta_model(name: str) -> nn.Module:
 
 def real_model(name: str) -> nn.Module:
     torch.manual_seed(0)
-    if name == "gpt":
-        return GPT(GPT_CFG)
+    if name in ("gpt", "many"):
+        return GPT(GPT_CFG if name == "gpt" else MANY_CFG)
     from tests._hf import build_llama
     return build_llama()
 
 
 def loss_fn(name: str, step: int, rank: int, world: int):
     """One sequence per rank: activation memory stays small next to the model's."""
-    if name == "gpt":
-        x, y = synthetic_tokens(step, world, GPT_CFG.seq_len, GPT_CFG.vocab_size)
+    if name in ("gpt", "many"):
+        cfg = GPT_CFG if name == "gpt" else MANY_CFG
+        x, y = synthetic_tokens(step, world, cfg.seq_len, cfg.vocab_size)
         return lambda m: m.loss(x[rank:rank + 1], y[rank:rank + 1])
     from tests._hf import VOCAB
     ids, _ = synthetic_tokens(step, world, LLAMA_SEQ, VOCAB, seed=11)
@@ -93,61 +107,99 @@ def _in_comm(node) -> bool:
     return False
 
 
+def _in_optimizer(node) -> bool:
+    while node is not None:
+        if node.name.startswith("Optimizer.step"):
+            return True
+        node = node.parent
+    return False
+
+
 def _timeline(prof, saved_ptrs: dict[int, set[int]]):
     """Per allocation event, in time order: (time, live total, live comm,
-    live activations)."""
+    live activations, live rest by the step that allocated it: outside the
+    optimizer, so that what a step still holds of an earlier one shows)."""
     events, phases = [], {}
     for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):
         f = node.extra_fields
         if isinstance(f, torch._C._profiler._ExtraFields_Allocation):
-            events.append((node.start_time_ns, f.alloc_size, f.ptr, _in_comm(node)))
+            events.append((node.start_time_ns, f.alloc_size, f.ptr,
+                           _in_comm(node), _in_optimizer(node)))
         elif node.name.startswith(_PHASE):
             phases[node.name[len(_PHASE):]] = (node.start_time_ns, node.end_time_ns)
     events.sort(key=lambda e: e[0])
+    steps = [phases[f"step{k}"] for k in range(len(saved_ptrs))]
     saved_alloc = set()  # indices of the allocations autograd saved
     for step, ptrs in saved_ptrs.items():
         end = phases[f"forward{step}"][1]
         last = {}
-        for index, (t, size, ptr, _) in enumerate(events):
+        for index, (t, size, ptr, *_) in enumerate(events):
             if t > end:
                 break
             if size > 0 and ptr in ptrs:
                 last[ptr] = index
         saved_alloc.update(last.values())
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, str, int]] = {}
     totals = {"all": 0, "comm": 0, "acts": 0}
+    by_step = [0] * len(steps)
     out = []
-    for index, (t, size, ptr, comm) in enumerate(events):
+    for index, (t, size, ptr, comm, optimizer) in enumerate(events):
         if size > 0:
             kind = "acts" if index in saved_alloc else "comm" if comm else "all"
-            live[ptr] = (size, kind)
+            step = -1 if optimizer or kind != "all" else \
+                next((k for k, (a, b) in enumerate(steps) if a <= t <= b), -1)
+            live[ptr] = (size, kind, step)
         else:
-            _, kind = live.pop(ptr, (0, "all"))
+            _, kind, step = live.pop(ptr, (0, "all", -1))
         totals["all"] += size
         if kind != "all":
             totals[kind] += size
-        out.append((t, totals["all"], totals["comm"], totals["acts"]))
+        if step >= 0:
+            by_step[step] += size
+        out.append((t, totals["all"], totals["comm"], totals["acts"], tuple(by_step)))
     return out, phases
 
 
 def annotation(model: nn.Module, kind: str) -> list:
-    """``"blocks"``: every block, then the root; ``"finer"``: what
-    ``propose_units`` tries after that (the blocks' children, the root's
-    embeddings and head, then the root)."""
-    return default_units(model) if kind == "blocks" else _all_levels(model)[2]
+    """``"blocks"``: every block, then the root (``"split"``: the root by
+    ``fully_shard_root``); ``"finer"``: what ``propose_units`` tries after
+    that (the blocks' children, the root's embeddings and head, then the root)."""
+    return _all_levels(model)[2] if kind == "finer" else default_units(model)
 
 
-def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3) -> dict:
-    """Runs on every rank: build, annotate (``annotation``), train ``steps``
-    AdamW steps under the profiler; the steps after the first are measured."""
+def annotate(model: nn.Module, kind: str, cap_mb: Optional[float]) -> None:
+    """``annotation(model, kind)`` applied; ``set_bucket_cap_mb(cap_mb)``
+    unless ``None`` (the library's default)."""
+    *units, root = annotation(model, kind)
+    for unit in units:
+        fully_shard(unit)
+    (fully_shard_root if kind == "split" else fully_shard)(root)
+    if cap_mb is not None:
+        root.set_bucket_cap_mb(cap_mb)
+
+
+def runtime_buckets(model: nn.Module) -> list[tuple[str, ...]]:
+    """The buckets the runtime formed for the running iteration, named as
+    the planner names units."""
+    context = state_of(model).context
+    return [] if context is None else [tuple(_label(model, u.modules) for u in b.units)
+                                       for b in context.scheduler.buckets.buckets]
+
+
+def _train_and_measure(name: str, kind: str = "blocks", steps: int = 4,
+                       cap_mb: Optional[float] = None) -> dict:
+    """Runs on every rank: build, annotate (``annotate``), train ``steps``
+    AdamW steps under the profiler; the steps after the first that run with
+    the last step's buckets are measured (the first iterations verify every
+    collective across ranks and run unbucketed, ``runtime/buckets.py``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     saved_ptrs: dict[int, set[int]] = {}
     result: dict = {}
+    active: list[list[tuple[str, ...]]] = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(_PHASE + "setup"):
             model = real_model(name)
-            for unit in annotation(model, kind):
-                fully_shard(unit)
+            annotate(model, kind, cap_mb)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         flat = {id(b.unsharded) for b in _flat_buffers(model)}
         for step in range(steps):
@@ -159,6 +211,7 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3) -> dict:
                     ptrs.add(t.untyped_storage().data_ptr())
                 return t
 
+            active.append(runtime_buckets(model))  # the plan this step runs with
             with record_function(_PHASE + f"step{step}"):
                 with record_function(_PHASE + f"forward{step}"), \
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -180,14 +233,20 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 3) -> dict:
     # which adds a unit-sized copy to a step at random under load (not part
     # of the schedule the planner models; a modelling error shows in every step).
     measured = []
-    for step in range(1, steps):
+    result["buckets"] = active[-1]
+    for step in (s for s in range(1, steps) if active[s] == active[-1]):
         start, end = phases[f"step{step}"]
         window = series[bisect.bisect_left(times, start):bisect.bisect_right(times, end)]
-        total = max(window, key=lambda e: e[1] - e[3])
+
+        def stale(e, step=step) -> int:  # held since an earlier step (gloo's, see the docstring)
+            return sum(e[4][:step])
+        total = max(window, key=lambda e: e[1] - e[3] - stale(e))
+        rest = max(window, key=lambda e: e[1] - e[2] - e[3] - stale(e))
         measured.append({
-            "peak": total[1] - total[3],  # everything but activations
+            "peak": total[1] - total[3] - stale(total),  # everything but activations, stale
             "comm_at_peak": total[2],
-            "peak_no_comm": max(e[1] - e[2] - e[3] for e in window),
+            "peak_no_comm": rest[1] - rest[2] - rest[3] - stale(rest),
+            "stale": stale(rest),
             "activations": max(e[3] for e in window)})
     result.update(min(measured, key=lambda m: m["peak_no_comm"]))
     return result
@@ -218,28 +277,72 @@ def _whole_copies(extra: int, sizes: list[int], slack: int = 256) -> bool:
     return any(abs(extra - t) <= slack for t in sums)
 
 
-@pytest.mark.parametrize("name,kind", [("gpt", "blocks"), ("llama", "blocks"), ("gpt", "finer")])
-def test_estimate_matches_measured_memory(name, kind):
+@pytest.mark.parametrize("name,kind,cap_mb", [
+    ("gpt", "blocks", None), ("llama", "blocks", None), ("gpt", "finer", None),
+    ("many", "blocks", MANY_CAP), ("many", "split", MANY_CAP)])
+def test_estimate_matches_measured_memory(name, kind, cap_mb):
     """Up to three measurements, each on fresh ranks' models: gloo's worker
     thread sometimes keeps a finished collective's buffers through every
     measured step of a run (about 1 run in 10 on a quiet machine, on the code
     before and after round 3; not part of the schedule the planner models).
-    A modelling error is deterministic and fails every attempt."""
+    A modelling error is deterministic and fails every attempt. ``cap_mb``
+    ``None``: bucketing at the library's default on both sides; ``"many"``:
+    8 small blocks bucketed by three (``"split"``: with the root split by
+    ``fully_shard_root``, its parts kept from forward to backward)."""
     model = meta_model(name)
     units = annotation(model, kind)
-    est = estimate_memory(model, 2, units=units, backend="gloo")
-    forgetful = estimate_memory(model, 2, units=units, backend="gloo", optimizer="none")
-    copies = [lay.padded_numel * 4 for lay, _ in _layouts(model, 2, units)]  # what gloo clones
+    options = dict(units=units, backend="gloo", bucket_cap_mb=cap_mb, split_root=kind == "split")
+    est = estimate_memory(model, 2, **options)
+    forgetful = estimate_memory(model, 2, **(options | {"optimizer": "none"}))
+    unbucketed = estimate_memory(model, 2, **(options | {"bucket_cap_mb": 0}))
+    if name == "many":
+        assert len(est.buckets) == 3 and not unbucketed.buckets
+    copies = _collective_sizes(model, kind, est)  # what gloo may keep
     failures = []
     for _ in range(3):
-        measured = run_distributed(2, _train_and_measure, name, kind, timeout=120)
+        measured = run_distributed(2, _train_and_measure, name, kind, 4, cap_mb, timeout=120)
         try:
             for rank, m in enumerate(measured):
+                assert m["buckets"] == list(est.buckets), (m["buckets"], est.buckets)
                 _check_measured(f"{name} {kind} rank {rank}", m, est, forgetful, copies)
+                if est.buckets:  # the measurement tells the bucketed schedule apart
+                    assert m["peak_no_comm"] != pytest.approx(unbucketed.state_peak,
+                                                              rel=TOLERANCE), m
             return
         except AssertionError as error:
             failures.append(str(error))
     raise AssertionError("every attempt differed from the estimate:\n" + "\n".join(failures))
+
+
+def annotated_units(model: nn.Module, kind: str) -> list:
+    """The ``fully_shard`` calls ``annotate`` makes, ``fully_shard_root``'s
+    own included (for the GPT: embeddings before the blocks, final norm and
+    head after them)."""
+    units = annotation(model, kind)
+    if kind == "split":
+        units = units[:-1] + [[model.tok_emb, model.pos_emb], [model.ln_f, model.head], model]
+    return units
+
+
+def _label(model: nn.Module, modules) -> str:
+    """A unit's name as the planner gives it (FQNs; several in brackets)."""
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    joined = ", ".join(names[id(m)] for m in modules)
+    return f"[{joined}]" if len(modules) > 1 else joined
+
+
+def _collective_sizes(model: nn.Module, kind: str, est: MemoryEstimate) -> list[int]:
+    """The bytes of what gloo may keep of a finished collective (fp32): a
+    unit's buffer, a bucket's packed buffer (F*T) and its reduced chunk (T)."""
+    units = annotated_units(model, kind)
+    done, sizes = 0, {}
+    for k, unit in enumerate(units):
+        layouts = _layouts(model, 2, units[:k + 1])
+        sizes[_label(model, unit)] = sum(lay.padded_numel * 4 for lay, _ in layouts[done:])
+        done = len(layouts)
+    buckets = [sum(sizes[n] for n in b) for b in est.buckets]
+    return list(sizes.values()) + buckets + [size // 2 for size in buckets]
 
 
 def _check_measured(what: str, m: dict, est, forgetful, copies: list[int]) -> None:
@@ -253,6 +356,9 @@ def _check_measured(what: str, m: dict, est, forgetful, copies: list[int]) -> No
     assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE) or \
         _whole_copies(m["peak_no_comm"] - est.state_peak, copies), where
     assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
+    # what the step held of earlier steps (not counted above) is whole
+    # collective buffers, nothing else (up to a few scalars)
+    assert _whole_copies(m["stale"], copies, slack=1024), where
     # the peak moment with gloo's copies: the estimated copies are there,
     # the rest of the moment matches, and anything more is whole copies
     # of earlier reduce-scatter inputs that gloo kept (not estimated)
@@ -332,10 +438,12 @@ def test_sharded_bytes_follow_the_flat_layout(world):
 
 
 def test_frozen_buffers_add_no_gradients_or_optimizer_state():
+    """Unbucketed (a model of frozen blocks is bucketed where a LoRA-like one
+    is not: another comparison)."""
     from tests._training import freeze_like_lora
     model = _small_gpt()
     freeze_like_lora(model)
-    est = estimate_memory(model, 3)
+    est = estimate_memory(model, 3, bucket_cap_mb=0)
     layouts = _layouts(model, 3)
     trainable = [lay for lay, t in layouts if t]
     assert len(trainable) < len(layouts)
@@ -346,7 +454,7 @@ def test_frozen_buffers_add_no_gradients_or_optimizer_state():
                                       for lay in trainable) + 4 * n_trainable
     for p in model.parameters():
         p.requires_grad_(False)
-    frozen = estimate_memory(model, 3)
+    frozen = estimate_memory(model, 3, bucket_cap_mb=0)
     assert frozen.grads == frozen.optimizer_state == 0
     assert frozen.sharded_params == est.sharded_params
     assert frozen.total_peak < est.total_peak
@@ -390,13 +498,136 @@ def test_offload_moves_the_persistent_bytes_to_the_cpu():
 
 
 def test_prefetch_and_reshard_after_forward():
+    """Unbucketed: one bucket of all blocks leaves nothing to prefetch ahead."""
     model = _small_gpt(n_layers=6)
-    none, one, two = (estimate_memory(model, 2, prefetch=k).transient_unsharded_peak
-                      for k in (0, 1, 2))
+    none, one, two = (estimate_memory(model, 2, prefetch=k,
+                                      bucket_cap_mb=0).transient_unsharded_peak for k in (0, 1, 2))
     assert none < one < two
-    base = estimate_memory(model, 2)
-    keep = estimate_memory(model, 2, reshard_after_forward=False)
+    base = estimate_memory(model, 2, bucket_cap_mb=0)
+    keep = estimate_memory(model, 2, reshard_after_forward=False, bucket_cap_mb=0)
     assert keep.transient_unsharded_peak > base.transient_unsharded_peak
+
+
+# ------------------------------------------------------------ buckets, split root
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+BUCKET_CASES = [  # (model, annotation, cap MiB, frozen blocks, bf16)
+    ("many", "blocks", 0.15, (), False),  # three by three (cap / ~49 KiB blocks)
+    ("many", "blocks", 0.1, (), False),  # two by two
+    ("many", "split", 1.0, (), False),  # every block; the kept embeddings and head alone
+    ("many", "blocks", 1.0, (2, 3), False),  # frozen blocks: another key, own bucket
+    ("many", "blocks", 0.05, (), True),  # bf16 halves the bytes: two by two again
+    ("gpt", "finer", 4.0, (), False),  # 20 units; forward order is not call order
+]
+
+
+def _model_for(case: tuple, meta: bool) -> nn.Module:
+    name, _, _, frozen, _ = case
+    model = meta_model(name) if meta else real_model(name)
+    for index in frozen:
+        model.blocks[index].requires_grad_(False)
+    return model
+
+
+def _runtime_buckets_of_cases(cases: list) -> list:
+    """Every rank: each case's model trained two steps; the buckets the
+    runtime formed (from the first step's forward order)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found = []
+    for case in cases:
+        name, kind, cap, _, bf16 = case
+        model = _model_for(case, meta=False)
+        *units, root = annotation(model, kind)
+        kwargs = {"mp_policy": BF16} if bf16 else {}
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        (fully_shard_root if kind == "split" else fully_shard)(root, **kwargs)
+        model.set_bucket_cap_mb(cap)
+        for step in range(2):
+            loss_fn(name, step, rank, world)(model).backward()
+        found.append(runtime_buckets(model))
+    return found
+
+
+def test_planned_buckets_are_the_runtimes():
+    """The planner's buckets (its own statement of ``BucketPlan``'s rule,
+    over planned sizes and keys, in module order) against those
+    ``BucketPlan`` forms on the real model, annotated by ``fully_shard``
+    (``fully_shard_root`` for ``"split"``): sizes, caps, keys (frozen
+    blocks, bf16), the split root's parts, and forward order."""
+    runtime = run_distributed(2, _runtime_buckets_of_cases, BUCKET_CASES, timeout=120)[0]
+    for case, found in zip(BUCKET_CASES, runtime):
+        model = _model_for(case, meta=True)
+        est = estimate_memory(model, 2, units=annotation(model, case[1]), bucket_cap_mb=case[2],
+                              split_root=case[1] == "split", mp_policy=BF16 if case[4] else None)
+        assert found and list(est.buckets) == found, (case, est.buckets, found)
+    assert [len(b) for b in runtime[0]] == [3, 3, 2] and [len(b) for b in runtime[1]] == [2] * 4
+    # the split root's parts are kept from forward to backward: never with the blocks
+    assert runtime[2] == [tuple(f"blocks.{i}" for i in range(8))]
+    assert ("blocks.2", "blocks.3") in runtime[3] and [len(b) for b in runtime[4]] == [2] * 4
+
+
+def test_group_buckets_rule():
+    """The runtime's grouping, which the planner calls."""
+    from fsdp_compose.runtime.buckets import group_consecutive as group_buckets
+    a, b = ("fp32", "fp32"), ("fp32", None)
+    assert group_buckets([10, 10, 10, 10], [a] * 4, 25) == [[0, 1], [2, 3]]
+    assert group_buckets([10, 10, 10, 10], [a] * 4, 0) == []  # off
+    assert group_buckets([10, 30, 10, 10, 10], [a] * 5, 25) == [[2, 3]]  # above the cap: alone
+    assert group_buckets([10, 10, 10, 10], [None, a, a, b], 100) == [[1, 2]]  # None, key change
+    assert group_buckets([10, 10, 10], [a, b, a], 100) == []  # a bucket of one is none
+
+
+def test_default_bucket_cap_is_read_at_the_call(monkeypatch):
+    from fsdp_compose.runtime import buckets as runtime_buckets_module
+    model = meta_model("many")
+    monkeypatch.setattr(runtime_buckets_module, "DEFAULT_BUCKET_CAP_MB", MANY_CAP)
+    on = estimate_memory(model, 2, backend="gloo")
+    assert on.bucket_cap_mb == MANY_CAP and len(on.buckets) == 3
+    assert on == estimate_memory(model, 2, backend="gloo", bucket_cap_mb=MANY_CAP)
+    monkeypatch.setattr(runtime_buckets_module, "DEFAULT_BUCKET_CAP_MB", 0.0)
+    off = estimate_memory(model, 2, backend="gloo")
+    assert off.buckets == () and off.state_peak < on.state_peak
+    with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
+        estimate_memory(model, 2, bucket_cap_mb=-1)
+
+
+def test_bucket_memory_arithmetic():
+    """One bucket of all 8 blocks on nccl (no pool, no staging): its
+    reduce-scatter moment holds the 8 flat gradients, their packed copy
+    (F*T), the reduced chunk (T) and the outputs (the gradient shards)."""
+    model = meta_model("many")
+    block = sum(lay.padded_numel * 4 for lay, _ in _layouts(model, 2, [model.blocks[0], model])[:1])
+    off = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0)
+    on = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=1.0)
+    assert on.buckets == (tuple(f"blocks.{i}" for i in range(8)),)
+    assert on.peak_at == "backward of 'blocks.0': bucket reduce-scatter (8 units)"
+    parts, root = on.peak_parts, on.largest_unit_bytes
+    assert on.largest_unit == "<root>"
+    # unsharded: the root and blocks.0; gradients: the root's (not its embeddings'),
+    # 8 flat ones, packed, reduced; shards: the 8 blocks' outputs
+    emb = (MANY_CFG.vocab_size + MANY_CFG.seq_len) * MANY_CFG.d_model * 4
+    head = sum(p.numel() for p in (*model.ln_f.parameters(), *model.head.parameters())) * 4
+    assert parts.working_set == root + block + head + 8 * block + 8 * block + 4 * block
+    assert parts.grads == 8 * block // 2 and emb + head + 8 * block == root + 8 * block
+    assert on.total_peak > off.total_peak
+
+
+def test_split_root():
+    model = meta_model("many")
+    plain = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0)
+    split = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0, split_root=True)
+    assert split.num_units == plain.num_units + 2
+    assert (split.sharded_params, split.grads) == (plain.sharded_params, plain.grads)
+    # the same units, annotated by hand (resharded after forward) hold less:
+    # the split parts are kept from forward to backward like the root
+    by_hand = estimate_memory(model, 2, backend="nccl", bucket_cap_mb=0, units=[
+        *model.blocks, [model.tok_emb, model.pos_emb], [model.ln_f, model.head], model])
+    assert (by_hand.num_units, by_hand.sharded_params) == (split.num_units, split.sharded_params)
+    assert by_hand.transient_unsharded_peak < split.transient_unsharded_peak
+    tied = _small_gpt(tie_embeddings=True)
+    with pytest.warns(UserWarning, match="not splitting the root GPT"):
+        kept_whole = estimate_memory(tied, 2, split_root=True)
+    assert kept_whole == estimate_memory(tied, 2)
 
 
 def test_units_and_their_errors():
@@ -416,18 +647,25 @@ def test_units_and_their_errors():
 
 
 def test_propose_units():
+    """Unbucketed; with a cap, each estimate is planned with it (buckets
+    regroup small units, so a finer annotation may save less)."""
     model = meta_model("gpt")
-    root_only = estimate_memory(model, 8, units=[model])
-    blocks = estimate_memory(model, 8)
+    off = {"bucket_cap_mb": 0}
+    root_only = estimate_memory(model, 8, units=[model], **off)
+    blocks = estimate_memory(model, 8, **off)
     assert blocks.total_peak < root_only.total_peak
-    units, est = propose_units(model, 8, root_only.total_peak)
+    units, est = propose_units(model, 8, root_only.total_peak, **off)
     assert units == [model] and est == root_only
-    units, est = propose_units(model, 8, root_only.total_peak - 1)
+    units, est = propose_units(model, 8, root_only.total_peak - 1, **off)
     assert units == [*model.blocks, model] and est == blocks
-    units, est = propose_units(model, 8, blocks.total_peak - 1)
+    units, est = propose_units(model, 8, blocks.total_peak - 1, **off)
     assert len(units) > 5 and est.total_peak < blocks.total_peak
-    assert est == estimate_memory(model, 8, units=units)
+    assert est == estimate_memory(model, 8, units=units, **off)
     assert any(u is model.head for u in units)  # the root's own modules split off
+    finer = estimate_memory(model, 8, units=_all_levels(model)[2], bucket_cap_mb=4)
+    assert finer.buckets
+    units, est = propose_units(model, 8, finer.total_peak, bucket_cap_mb=4)
+    assert est.bucket_cap_mb == 4 and est == estimate_memory(model, 8, units=units, bucket_cap_mb=4)
     with pytest.raises(ValueError, match="no annotation fits 1 B per rank on 8 ranks"):
         propose_units(model, 8, 1)
     tied = _small_gpt(tie_embeddings=True)
@@ -454,6 +692,22 @@ def test_report():
     data = json.loads(json.dumps(est.to_dict()))
     assert data["total_peak"] == sum(data["peak_parts"].values()) == est.total_peak
     assert isinstance(est, MemoryEstimate)
+    assert "buckets" in text
+
+
+def test_report_names_the_buckets():
+    model = meta_model("many")
+    rows = {line[:33].strip(): line[33:].strip() for line in
+            str(estimate_memory(model, 2, bucket_cap_mb=MANY_CAP)).splitlines()[1:]}
+    assert rows["buckets"] == ("3 (8 of 9 units) at 0.15 MiB: [blocks.0 .. blocks.2], "
+                               "[blocks.3 .. blocks.5], [blocks.6, blocks.7]")
+    off = str(estimate_memory(model, 2, bucket_cap_mb=0))
+    assert "buckets                        off (bucket_cap_mb=0)" in off
+    none = estimate_memory(model, 2, bucket_cap_mb=0.01)  # below every unit
+    assert "none at 0.01 MiB" in str(none) and none.to_dict()["buckets"] == ()
+    import json
+    data = json.loads(json.dumps(estimate_memory(model, 2, bucket_cap_mb=MANY_CAP).to_dict()))
+    assert data["buckets"][2] == ["blocks.6", "blocks.7"] and data["bucket_cap_mb"] == MANY_CAP
 
 
 def _kib(text: str) -> float:

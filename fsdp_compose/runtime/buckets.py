@@ -35,7 +35,7 @@ backward finished (at most ``cap_bytes`` of flat gradients).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
 from .training_state import TrainingState
@@ -109,18 +109,11 @@ class BucketPlan:
         self._order, self._cap_changed = list(order), False
         if self.cap_bytes <= 0:
             return
-        current: list = []
-        current_key, current_bytes = None, 0
-        for unit in order:
-            size = _unsharded_bytes(unit)
-            key = _key(unit) if size <= self.cap_bytes else None
-            if key is None or key != current_key or current_bytes + size > self.cap_bytes:
-                self._close(current)
-                current, current_key, current_bytes = [], key, 0
-            if key is not None:
-                current.append(unit)
-                current_bytes += size
-        self._close(current)
+        sizes = [_unsharded_bytes(unit) for unit in self._order]
+        keys = [_key(unit) if size <= self.cap_bytes else None
+                for unit, size in zip(self._order, sizes)]
+        for group in group_consecutive(sizes, keys, self.cap_bytes):
+            self._close([self._order[i] for i in group])
 
     def _close(self, units: list) -> None:
         if len(units) < 2:
@@ -138,6 +131,29 @@ class BucketPlan:
     def of_buffer(self, buffer: FlatBuffer) -> Optional[Bucket]:
         return self._of_buffer.get(id(buffer))
 
+
+
+def group_consecutive(sizes: Sequence[int], keys: Sequence[Optional[Hashable]],
+                      cap_bytes: int) -> list[list[int]]:
+    """The buckets (index lists) of units with unsharded ``sizes`` (bytes)
+    and ``keys`` in forward order: consecutive units with the same key that
+    is not ``None``, each and all together at most ``cap_bytes``, grouped
+    greedily; only groups of two or more. Pure: the memory planner
+    (``tools/planner``) groups its planned units with it too."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_key: Optional[Hashable] = None
+    total = 0
+    for index, (size, key) in enumerate(zip(sizes, keys)):
+        key = key if 0 < cap_bytes and size <= cap_bytes else None
+        if key is None or key != current_key or total + size > cap_bytes:
+            groups.append(current)
+            current, current_key, total = [], key, 0
+        if key is not None:
+            current.append(index)
+            total += size
+    groups.append(current)
+    return [g for g in groups if len(g) >= 2]
 
 
 def _unsharded_bytes(unit) -> int:

@@ -9,6 +9,7 @@ Usage::
         model = Transformer(cfg)                 # shapes only
     print(estimate_memory(model, world_size=8))  # every block, then the root
     estimate_memory(model, world_size=8, mp_policy=bf16, batch_fn=lambda m: m.loss(x, y))
+    estimate_memory(model, world_size=8, bucket_cap_mb=4, split_root=True)
     units, estimate = propose_units(model, world_size=8, budget_bytes=20 * 2**30)
     for unit in units:                           # bottom-up, the root last
         fully_shard(unit)
@@ -22,7 +23,9 @@ one training step of the library's schedule.
 ``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 
 Parts: ``units.py`` (which parameters each unit takes, through
-``fully_shard``'s own setup code), ``simulation.py`` (the step replayed on
+``fully_shard``'s own setup code), ``split.py`` (the units
+``fully_shard_root`` adds), ``buckets.py`` (which units share their
+collectives, ``BucketPlan``'s rule), ``simulation.py`` (the step replayed on
 byte counts, [Note: the simulated step]), ``activations.py`` (fake-tensor
 forward), ``report.py`` (the table), ``estimate.py`` (entry points).
 """

@@ -8,12 +8,17 @@ import torch
 import torch.nn as nn
 
 from ..._setup import PlacementFn, assign_placements
+from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
+from ...runtime.buckets import group_consecutive
+from .buckets import cap_bytes, default_cap_mb, with_reshard
 from .report import MemoryEstimate
 from .simulation import Step, plan_unit
-from .units import Unit, default_units, granularities, resolve_units
+from .split import root_parts
+from .split import split_root as split_root_units
+from .units import Unit, UnitSpec, default_units, granularities, resolve_units
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """Per-element state tensors of each optimizer (in the parameters' dtype)."""
@@ -33,7 +38,9 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                     offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
                     reshard_after_forward: Optional[bool] = None,
                     backend: Optional[str] = None, placement: object = "flat",
-                    shard_placement_fn: Optional[PlacementFn] = None) -> MemoryEstimate:
+                    shard_placement_fn: Optional[PlacementFn] = None,
+                    bucket_cap_mb: Optional[float] = None,
+                    split_root: bool = False) -> MemoryEstimate:
     """Estimate one rank's memory for training ``model`` annotated by ``units``.
 
     Args:
@@ -60,6 +67,17 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
             parameter); the layouts are ``fully_shard``'s own. Optimizer
             state counts the most loaded rank of each unit (under ``"owned"``
             ranks differ), so the sum is an upper bound for any one rank.
+        bucket_cap_mb: ``set_bucket_cap_mb``'s; ``None`` (default): the
+            library's default (``runtime/buckets.py``'s
+            ``DEFAULT_BUCKET_CAP_MB``, read at the call). Consecutive small
+            units in forward order share one all-gather and one
+            reduce-scatter by ``BucketPlan``'s rule (``buckets.py`` here);
+            the report names the buckets.
+        split_root: plan ``fully_shard_root(model)`` in place of
+            ``fully_shard(model)``: the model's children with parameters
+            left to the root before its first unit (embeddings) and after
+            its last (final norm and head) become a unit each, kept
+            unsharded from forward to backward (``split.py`` here).
 
     Raises:
         ValueError: an unknown option, units that do not end with ``model``,
@@ -75,25 +93,63 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
     if world_size < 1 or prefetch < 0:
         raise ValueError(f"need world_size >= 1 and prefetch >= 0, got {world_size}, {prefetch}")
     offload = offload and backend == "nccl"  # on a CPU mesh offload changes nothing
-    specs = resolve_units(model, default_units(model) if units is None else units)
+    cap_mb = default_cap_mb() if bucket_cap_mb is None else float(bucket_cap_mb)
+    cap = cap_bytes(cap_mb)
+    units = default_units(model) if units is None else list(units)
+    prologue = epilogue = None
+    if split_root:
+        units, prologue, epilogue = split_root_units(model, units)
+    specs = resolve_units(model, units)
     for spec in specs:
         assign_placements(spec.records, placement, shard_placement_fn)
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
-    order, unit_acts, root_acts = list(range(len(specs) - 1)), [0] * len(specs), [0]
+    order = module_order(model, specs[:-1])
+    unit_acts, root_acts, ran = [0] * len(specs), [0], order
     if batch_fn is not None:
         ran, unit_acts, root_acts = fake_forward(model, [s.modules for s in specs[:-1]],
                                                   batch_fn)
         order = ran + [i for i in order if i not in ran]  # units the batch did not run last
-    step = Step([plans[-1]] + [plans[i] for i in order], [0] + [unit_acts[i] for i in order],
-                 root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
-                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
-                 reshard_after_forward)
+    forward = [plans[-1]] + [plans[i] for i in order]  # the root first
+    kept = frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None)
+    # buckets follow the recorded forward order: the root and units that did not run stay alone
+    keys = [None] + [with_reshard(forward[j].bucket_key,
+                                  reshard_after_forward is not False and j not in kept)
+                     for j in range(1, len(ran) + 1)] + [None] * (len(order) - len(ran))
+    step = Step(forward, [0] + [unit_acts[i] for i in order],
+                root_acts, OPTIMIZER_MOMENTS[optimizer], optimizer.startswith("adam"),
+                offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
+                reshard_after_forward,
+                buckets=group_consecutive([sum(p.unsharded) for p in forward], keys, cap),
+                kept=kept, root_late_grads=0 if split_root else
+                _late_root_grads(model, units, specs[-1], mp_policy))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
-                         backend_assumed)
+                         backend_assumed, cap_mb)
 
 
+def module_order(model: nn.Module, specs: Sequence[UnitSpec]) -> list[int]:
+    """The units (indices into ``specs``) in the order their first module
+    is registered in ``model``: the forward order assumed without
+    ``batch_fn`` (as ``fully_shard_root`` assumes; call order is bottom-up,
+    e.g. embeddings and head after the blocks they surround)."""
+    position = {id(m): k for k, m in enumerate(model.modules())}
+    return sorted(range(len(specs)), key=lambda i: min(position[id(m)] for m in specs[i].modules))
+
+
+def _late_root_grads(model: nn.Module, units: Sequence[Unit], root: UnitSpec,
+                     mp_policy: Optional[MixedPrecisionPolicy]) -> int:
+    """Bytes (compute dtype) of the root's parameter gradients that only
+    arrive at the end of backward: those of its children before the first
+    unit (a GPT's embeddings; ``split.root_parts``' prologue). Nothing when
+    a parameter is shared between the parts (tied embeddings)."""
+    parts = root_parts(model, units)
+    if parts.shared is not None:
+        return 0
+    early = {id(p) for m in parts.prologue for p in m.parameters()}
+    policy = buffer_policy(mp_policy or MixedPrecisionPolicy(), None, cuda_available=False)
+    return sum(r.param.numel() * resolve_dtypes(r.param.dtype, policy).compute.itemsize
+               for r in root.records if r.param.requires_grad and id(r.param) in early)
 
 
 def propose_units(model: nn.Module, world_size: int, budget_bytes: int,

@@ -60,6 +60,10 @@ class MemoryEstimate:
             without it, and with gloo, where offload changes nothing).
         largest_unit: the unit with the most unsharded bytes, and
         largest_unit_bytes: those bytes (compute dtype).
+        bucket_cap_mb: the bucket cap the step was planned with
+            (``set_bucket_cap_mb``; 0: bucketing off).
+        buckets: the units that share their collectives, one tuple of unit
+            names per bucket (forward order); ``()``: none is bucketed.
     """
 
     world_size: int
@@ -80,9 +84,24 @@ class MemoryEstimate:
     largest_unit: str
     largest_unit_bytes: int
     backend_assumed: bool = False
+    bucket_cap_mb: float = 0.0
+    buckets: tuple[tuple[str, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "peak_parts": self.peak_parts._asdict()}
+
+    def _buckets_row(self) -> str:
+        """Which units share their collectives, e.g. "2 (8 of 12 units) at
+        4 MiB: [blocks.0 .. blocks.3], [blocks.4 .. blocks.7]"."""
+        if self.bucket_cap_mb <= 0:
+            return "off (bucket_cap_mb=0)"
+        cap = f"{self.bucket_cap_mb:g} MiB"
+        if not self.buckets:
+            return f"none at {cap} (no consecutive units small enough)"
+        names = ", ".join(f"[{b[0]} .. {b[-1]}]" if len(b) > 2 else f"[{b[0]}, {b[1]}]"
+                          for b in self.buckets)
+        count = sum(len(b) for b in self.buckets)
+        return f"{len(self.buckets)} ({count} of {self.num_units} units) at {cap}: {names}"
 
     def __str__(self) -> str:
         """The table: what persists, what peaks, and the peak moment with
@@ -104,7 +123,8 @@ class MemoryEstimate:
                 ("peak w/o staging, activations", format_bytes(self.state_peak)),
                 ("total peak", f"{format_bytes(self.total_peak)} at {self.peak_at}"),
                 ("", f"= {breakdown}"),
-                ("largest unit", f"{self.largest_unit} ({format_bytes(self.largest_unit_bytes)})")]
+                ("largest unit", f"{self.largest_unit} ({format_bytes(self.largest_unit_bytes)})"),
+                ("buckets", self._buckets_row())]
         width = max(len(name) for name, _ in rows)
         backend = f"{self.backend}, assumed: " + \
             ("CUDA is available" if self.backend == "nccl" else "no CUDA on this machine") \

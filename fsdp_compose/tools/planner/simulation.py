@@ -1,40 +1,52 @@
-"""One training step of the library's schedule, replayed on byte counts.
-
-[Note: the simulated step]).
+"""One training step of the library's schedule, replayed on byte counts
+([Note: the simulated step]).
 ``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 
 [Note: the simulated step]
 A step is a list of moments in the library's order (``runtime/scheduler.py``,
 ``runtime/unit.py``, ``buffers/flat_grad.py``); ``total_peak`` is the largest. Forward of
 unit i: the root (unsharded until its backward unless
-reshard_after_forward=True), unit i and the next ``prefetch`` units (in
-flight). Backward of unit i, in reverse order: the root, unit i and the
-next ``prefetch`` units in backward order, and then
+reshard_after_forward=True) and the kept units before i (the split root's
+parts), unit i and the next ``prefetch`` units (in flight). Backward of
+unit i, in reverse order: the root, the kept units before i, unit i and
+the next ``prefetch`` units in backward order, and then
   (a) unit i's per-parameter gradients (the root's pile up from the start
-      of backward: its head runs last in forward) and the padded flat
-      gradient the split's backward concatenates them into, both alive for
-      a moment (plus a copy when reduce_dtype differs);
+      of backward: its head runs last in forward; those of its modules
+      before the first unit, the embeddings, only at its own backward) and
+      the padded flat gradient the split's backward concatenates them
+      into, both alive for a moment (plus a copy when reduce_dtype differs);
   (b) its reduce-scatter, issued while the previous unit's is in flight
       (max_pending_reduces=1): two flat gradients alive. The output is this
       rank's gradient shard, extra only when its dtype or device differs.
+Buckets ([Note: bucketing] in ``buffers/coalesced.py``; which units:
+``buckets.py``): a unit's all-gather is its bucket's, issued for all
+members at once (fixed-size: every member, in forward and in backward) and
+counted as one against the prefetch; while in flight it holds the packed
+shards (T) and the output (F*T) besides the members' unsharded buffers (and
+until its first member waits, in backward through the prefetching unit's
+backward). A member's flat gradient is held until the bucket's last member
+in backward (its first in forward); then all of them are packed (F*T) and
+reduced into a chunk (T) and the members' outputs, alive with the packed
+gradients until the reduce-scatter is waited.
 Gradient shards exist from their reduce-scatter to the optimizer step
 (``zero_grad(set_to_none=True)`` frees them); the step adds the optimizer's
 temporaries. A unit's saved activations live from its forward to its
 backward; the root's, by where they were saved between the units.
-With ``backend="gloo"`` (CPU): each all-gather in flight stages a whole
-unsharded buffer; a reduce-scatter is an in-place all-reduce (no copy; with
+With ``backend="gloo"`` (CPU): each all-gather in flight stages a copy of
+its output; a reduce-scatter is an in-place all-reduce (no copy; with
 ``set_gloo_reduce_scatter_via_all_reduce(False)`` gloo's reduce-scatter
 clones its input until the work is released); the unsharded memory of
 resharded units stays in the staging pool (``buffers/staging.py``) until the end of
 the iteration, so it counts at its high-water mark. Not estimated: gloo
-sometimes keeps the clones of finished reduce-scatters alive into the next
+sometimes keeps the clones of finished reduce-scatters (with buckets: the
+packed gradients and reduced chunk) alive into the next
 step (none to three whole unit-sized copies per rank at the peak, varying
 by rank and run, in ``tests/test_planner.py``'s runs; not a Python cycle).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Optional
 
 import torch.nn as nn
@@ -44,6 +56,7 @@ from ...buffers.layout import FlatLayout
 from ...buffers.records import buffer_policy, is_aliased
 from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
 from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .buckets import BucketKey, unit_key
 from .report import MemoryEstimate, PeakParts
 from .units import ROOT, UnitSpec
 
@@ -63,6 +76,9 @@ class UnitPlan(NamedTuple):
     reduce_extra: int  # reduce-scatter outputs that are not the gradient shard
     shard_copy: int  # the cast/moved shard an all-gather reads
     largest_slice: int  # bytes of the largest parameter slice a rank owns
+    shard_compute: int  # the shards in compute dtype: a bucketed all-gather's packed input
+    reduce_shard: int  # this rank's chunk of the reduce-scatter (0 on one rank)
+    bucket_key: BucketKey  # runtime/buckets.py's key (None: never bucketed)
 
 
 class _Buffer(NamedTuple):
@@ -80,9 +96,12 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
     """The bytes of ``spec``'s flat buffers on rank 0, laid out and typed by
     ``fully_shard``'s own ``_setup.plan_buffers``."""
     policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
-    buffers, train = [], []
+    buffers, train, compute, reduce_comm = [], [], [], []
     for plan in plan_buffers(spec.records, world, policy):
         dtypes = plan.dtypes
+        compute.append(dtypes.compute)
+        if plan.requires_grad:
+            reduce_comm.append(dtypes.reduce_comm)
         # the reduce-scatter moves reduce_comm (one rank: nothing moves, no cast)
         reduce = dtypes.reduce_comm if world > 1 else dtypes.reduce
         b = _Buffer(plan.layout, dtypes.param.itemsize, dtypes.compute.itemsize, reduce.itemsize,
@@ -107,7 +126,10 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
         reduce_extra=sum(b.layout.shard_numel * b.reduce for b in train if b.extra_output),
         shard_copy=sum(b.layout.shard_numel * b.compute for b in buffers if b.shard_copy),
         largest_slice=max((min(p.numel(), b.layout.shard_numel) * b.size
-                           for b in train for p in b.params), default=0))
+                           for b in train for p in b.params), default=0),
+        shard_compute=sum(b.layout.shard_numel * b.compute for b in buffers),
+        reduce_shard=0 if world == 1 else sum(b.layout.shard_numel * b.reduce for b in train),
+        bucket_key=unit_key(compute, reduce_comm, any(b.aliased for b in buffers), offload))
 
 
 class _Moment(NamedTuple):
@@ -134,9 +156,12 @@ class Step:
     staging: bool  # gloo copies what it communicates
     prefetch: int
     reshard_after_forward: Optional[bool]
+    buckets: list[list[int]] = field(default_factory=list)  # plan indices sharing collectives
+    kept: frozenset = frozenset()  # plan indices kept from forward to backward (split root)
+    root_late_grads: int = 0  # root parameter gradients that arrive at its own backward only
 
     def estimate(self, world: int, backend: str, activations: Optional[int],
-                 backend_assumed: bool = False) -> MemoryEstimate:
+                 backend_assumed: bool = False, bucket_cap_mb: float = 0.0) -> MemoryEstimate:
         plans = self.plans
         sharded = sum(p.sharded for p in plans)
         grads = sum(p.grads for p in plans)
@@ -161,63 +186,115 @@ class Step:
             total_peak=sum(parts[peak]), peak_at=moments[peak].label, peak_parts=parts[peak],
             cpu_bytes=sharded + grads + state if self.offload else 0,
             largest_unit=largest.name, largest_unit_bytes=sum(largest.unsharded),
-            backend_assumed=backend_assumed)
+            backend_assumed=backend_assumed, bucket_cap_mb=bucket_cap_mb,
+            buckets=tuple(tuple(plans[i].name for i in b) for b in self.buckets))
+
+    def _groups(self) -> list[list[int]]:
+        """Per plan index, the units gathered and reduced with it: its
+        bucket, else itself alone."""
+        groups = [[i] for i in range(len(self.plans))]
+        for bucket in self.buckets:
+            for i in bucket:
+                groups[i] = bucket
+        return groups
+
+    def _gathering(self, groups: list[list[int]]) -> tuple[int, int]:
+        """(working set, gloo staging) of the all-gathers of ``groups`` in
+        flight, beyond the unsharded buffers they fill: cast shard copies; a
+        bucket's packed input (T) and output (F*T) (see [Note: bucketing]
+        in ``buffers/coalesced.py``); gloo's copy of the output."""
+        plans, transient, comm = self.plans, 0, 0
+        for group in groups:
+            transient += sum(plans[j].shard_copy for j in group)
+            if len(group) > 1:
+                transient += sum(plans[j].shard_compute + sum(plans[j].unsharded) for j in group)
+            comm += sum(sum(plans[j].unsharded) for j in group) if self.staging else 0
+        return transient, comm
+
+    def _reducing(self, group: list[int]) -> int:
+        """What ``group``'s reduce-scatter keeps alive while in flight: the
+        flat gradient (a bucket: the packed gradients, F*T, and the reduced
+        chunk, T) and outputs that are not the gradient shard."""
+        plans = self.plans
+        extra = sum(plans[j].reduce_extra for j in group)
+        if len(group) == 1:
+            return plans[group[0]].flat_reduce + extra
+        return sum(plans[j].flat_reduce + plans[j].reduce_shard for j in group) + extra
 
     def _moments(self) -> Iterator[_Moment]:
         plans, k, n = self.plans, self.prefetch, len(self.plans)
-        gloo = self.staging
         # gloo's reduce-scatter clones its input; the in-place all-reduce that
         # replaces it by default does not (see [Note: gloo reduce-scatter as an
         # all-reduce] in comm/collectives.py)
-        gloo_reduce_copy = gloo and not gloo_reduce_scatter_via_all_reduce()
-        keep_root = {0} if self.reshard_after_forward is not True else set()
-
-        def staged(units) -> int:  # gloo's copy of each all-gather in flight
-            return sum(sum(plans[j].unsharded) for j in units) if gloo else 0
+        gloo_reduce_copy = self.staging and not gloo_reduce_scatter_via_all_reduce()
+        raf = self.reshard_after_forward
+        kept = set(range(n)) if raf is False else \
+            set(self.kept) | ({0} if raf is not True else set())  # the root, the split parts
+        groups = self._groups()
 
         def acts(i: int, own: bool) -> int:  # root's saved before unit i, units 1..i
             return sum(self.root_acts[:i]) + sum(self.unit_acts[1:i + own])
 
+        def distinct(gs: list[list[int]]) -> list[list[int]]:
+            return list({g[0]: g for g in gs}.values())
+
         none = frozenset()
         for i in range(n):  # forward
-            ahead = set(range(i + 1, min(i + k, n - 1) + 1))
-            kept = set(range(i)) if self.reshard_after_forward is False else set()
-            yield _Moment(_label("forward", plans[i], "all-gather"),
-                          frozenset({i} | ahead | keep_root | kept),
-                          sum(plans[j].shard_copy for j in ahead | {i}),
-                          staged(ahead | {i}), none, acts(i, True))
-        yield _Moment("end of forward", frozenset(keep_root | (set(range(n))
-                      if self.reshard_after_forward is False else set())), 0, 0, none,
+            targets = range(i + 1, min(i + k, n - 1) + 1)
+            ahead = {j for t in targets for j in groups[t] if j >= t}
+            # in flight: unit i's own all-gather (a bucket's: at its first member)
+            # and those of the prefetch targets (a bucket counts as one)
+            flying = distinct(([groups[i]] if groups[i][0] == i else [])
+                              + [groups[t] for t in targets if groups[t] is not groups[i]])
+            transient, comm = self._gathering(flying)
+            live = {i} | {j for j in groups[i] if j > i} | ahead | {j for j in kept if j < i}
+            yield _Moment(_label("forward", plans[i], "all-gather"), frozenset(live),
+                          transient, comm, none, acts(i, True))
+        yield _Moment("end of forward", frozenset(kept), 0, 0, none,
                       sum(self.root_acts) + sum(self.unit_acts))
         reduced: set[int] = set()
-        pending: Optional[int] = None  # the unit whose reduce-scatter is in flight
+        pending: Optional[list[int]] = None  # the units whose reduce-scatter is in flight
         for i in range(n - 1, -1, -1):  # backward
-            p = plans[i]
-            ahead = set(range(max(i - k, 1), i))
-            live = frozenset({0, i} | ahead | (set(range(i)) if self.reshard_after_forward
-                                               is False else set()))
-            flying = 0 if pending is None else plans[pending].flat_reduce + \
-                plans[pending].reduce_extra
-            held = flying + (plans[0].view_grads if i else 0)  # root's parameter gradients
+            p, group = plans[i], groups[i]
+            targets = range(max(i - k, 1), i)
+            ahead = {j for t in targets for j in groups[t] if j <= t}
+            live = frozenset({0, i} | {j for j in group if j < i} | ahead
+                             | {j for j in kept if j < i})
+            flying = 0 if pending is None else self._reducing(pending)
+            # the root's parameter gradients, but for those of its modules before the units
+            held = flying + (plans[0].view_grads - self.root_late_grads if i else 0)
+            # a bucket's flat gradients wait for its last member's backward
+            held += sum(plans[j].flat_grad for j in group if j > i)
             comm = flying if gloo_reduce_copy else 0
-            yield _Moment(_label("backward", p, "start"), live,
-                          held + sum(plans[j].shard_copy for j in ahead),
-                          comm + staged(ahead), frozenset(reduced), acts(i, True))
+            # the prefetched all-gathers' shard copies (a bucket's packed input
+            # and output too) stay until their first unit's backward waits
+            gathering, staged = self._gathering(
+                distinct([groups[t] for t in targets if groups[t] is not group]))
+            held += gathering
+            yield _Moment(_label("backward", p, "start"), live, held,
+                          comm + staged, frozenset(reduced), acts(i, True))
             if not p.flat_grad:
                 continue  # frozen only: no gradient, no reduce-scatter
             cast = p.flat_reduce if p.flat_reduce != p.flat_grad else 0
             yield _Moment(_label("backward", p, "gradients"), live,
                           held + p.view_grads + p.flat_grad + cast, comm,
                           frozenset(reduced), acts(i, False))
-            if not p.reduce_extra:
-                reduced.add(i)  # the reduce-scatter's output is the gradient shard
-            yield _Moment(_label("backward", p, "reduce-scatter"), live,
-                          held + p.flat_reduce + p.reduce_extra,
-                          comm + (p.flat_reduce if gloo_reduce_copy else 0), frozenset(reduced),
-                          acts(i, False))
+            if group[0] != i:
+                continue  # held for the bucket's last member (its first in forward)
+            reduced.update(j for j in group if not plans[j].reduce_extra)  # outputs are the shards
+            if len(group) == 1:
+                issued = p.flat_reduce + p.reduce_extra
+                label = "reduce-scatter"
+            else:  # taken flat gradients (reduce dtype), packed, reduced chunk, outputs
+                held -= sum(plans[j].flat_grad for j in group if j > i)
+                issued = sum(plans[j].flat_reduce for j in group) + self._reducing(group)
+                label = f"bucket reduce-scatter ({len(group)} units)"
+            clone = sum(plans[j].flat_reduce for j in group) if gloo_reduce_copy else 0
+            yield _Moment(_label("backward", p, label), live, held + issued, comm + clone,
+                          frozenset(reduced), acts(i, False))
             if pending is not None:
-                reduced.add(pending)
-            pending = i
+                reduced.update(pending)
+            pending = group
         temp = 0
         if self.adam and not self.offload:  # sqrt and division temporaries of the update
             temp = 2 * max(p.largest_slice for p in plans) if self.pool else \
