@@ -171,3 +171,47 @@ def test_a_unit_skipped_inside_a_bucket_is_named_on_every_rank():
         assert "rank 0: event" in message and "forward of 'blocks.1'" in message, message
         assert "rank 1: event" in message and "forward of 'blocks.2'" in message, message
         assert "every rank must run the forward of every unit" in message, message
+
+
+def _backward_bucket_gathers():
+    """Two buckets of two blocks ([0, 1], [2, 3]): which unit issued each
+    bucket all-gather of the last step's backward, and whether as a prefetch."""
+    from fsdp_compose.runtime.scheduler import Scheduler
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)))
+    block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
+    model.set_bucket_cap_mb(2.5 * block_bytes / 2 ** 20)
+    optim = make_optimizer(model, "sgd")
+    issued, original = [], Scheduler._start_bucket
+
+    def recording(self, issuer, unit, limited=False):
+        before = len(self._gathers)
+        done = original(self, issuer, unit, limited)
+        if len(self._gathers) > before and issuer.training_state.name != "FORWARD":
+            issued.append((issuer.name, unit.name, limited))
+        return done
+    Scheduler._start_bucket = recording
+    try:
+        for step in range(4):
+            issued.clear()
+            x, y = local_batch(step, rank, world)
+            model.loss(x, y).backward()
+            optim.step()
+            optim.zero_grad()
+    finally:
+        Scheduler._start_bucket = original
+    buckets = [[u.name for u in b.units] for b in state_of(model).context.scheduler.buckets.buckets]
+    return buckets, issued
+
+
+def test_the_next_bucket_is_prefetched_in_backward():
+    # the last bucket of forward is gathered at its own pre-backward; the one
+    # before it must then be prefetched (in flight while the blocks 3 and 2
+    # run backward), not left to its own pre-backward: a finished gather of
+    # the same bucket must not count against the in-flight limit
+    for buckets, issued in run_distributed(2, _backward_bucket_gathers):
+        assert buckets == [[f"'blocks.{i}' (ShardedBlock)" for i in pair]
+                           for pair in ((0, 1), (2, 3))], buckets
+        assert [(unit.split()[0], limited) for _, unit, limited in issued] == [
+            ("'blocks.3'", False), ("'blocks.1'", True)], issued

@@ -151,6 +151,9 @@ class Scheduler:
         """Unshard ``unit``, issuing the all-gathers of ``prefetch`` while
         its own is in flight (within the limit). A unit in a bucket is
         gathered with the rest of its bucket, by one all-gather."""
+        # forget finished gathers first: a bucket gathered again would revive its old
+        # entry next to the new one and count twice against the in-flight limit
+        self.inflight_all_gathers()
         if not self._start_bucket(unit, unit):
             for buffer in unit.buffers:
                 self._start_unshard(unit, buffer)
