@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist

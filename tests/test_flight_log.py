@@ -97,8 +97,8 @@ def _check_diagnosis(results, at_step: int) -> None:
         assert step == at_step, f"rank {rank}: raised at step {step}: {message}"
         assert seconds < 60, f"rank {rank} took {seconds:.1f} s"
         assert message.startswith(f"[rank {rank}] fully_shard ranks diverged: collective #"), message
-        assert f"rank 0 ran the forward of 'blocks.2'" in message, message
-        assert f"rank 1 ran the forward of 'blocks.3'" in message, message
+        assert "rank 0 ran the forward of 'blocks.2'" in message, message
+        assert "rank 1 ran the forward of 'blocks.3'" in message, message
         assert f"at iteration {at_step}" in message, message
         assert "cannot fix forward-side divergence" in message  # the fix
         assert "FSDP_COMPOSE_CHECK_ORDER=1" in message
