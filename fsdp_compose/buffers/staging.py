@@ -18,6 +18,23 @@ an iteration it never holds more than the unsharded working set it has seen
 the price is that the first units of the next forward fault their pages in
 again (measured in BENCHMARKS.md, "Performance, round 2").
 
+[Note: releasing what no fill will take]
+Memory released after the iteration's last fill of its size would only wait
+in the pool for the end of the iteration; on the benchmark GPT that is two
+blocks' unsharded buffers (24 MiB) kept through the embedding's backward,
+where the step's peak is. The pool therefore counts the fills of each size
+per iteration (between two :meth:`StagingPool.clear`) and expects the next
+iteration to fill each size as often as the most of its recent iterations
+did (:data:`HISTORY`; train and eval steps may alternate). Once an
+iteration made that many fills of a size, its pooled memory of that size is
+freed and later releases of that size go straight back to the allocator.
+A wrong guess only costs speed, never values: an unexpected extra fill
+allocates (faults its pages in) as without a pool. With no history (the
+first iteration, or ``retain_staging``, which never clears) everything is
+pooled as before. In the steady state nothing is faulted in more than
+before: what is freed early would have been freed at the end of the
+iteration.
+
 [Note: staging and memory trackers]
 Swapping data pointers is invisible to tools that follow storage sizes
 through dispatched ops and ``UntypedStorage.resize_`` (torch's
@@ -45,23 +62,38 @@ next to the unit's collectives; no tool attached, they are plain calls.
 
 from __future__ import annotations
 
+from collections import Counter, deque
+from typing import Optional
+
 import torch
+
+HISTORY = 4
+"""Iterations whose fill counts :class:`StagingPool` remembers."""
 
 
 class StagingPool:
     """Released storages, by size in bytes.
 
     Invariant: every pooled tensor's storage holds exactly its key's bytes;
-    memory lent out leaves nothing behind in the pool. The pool holds at most as many
-    storages of a size as were unsharded at the same time, so its memory is
-    at most the peak of the unsharded working set of the current iteration
-    (of every iteration with ``retain_staging``).
+    memory lent out leaves nothing behind in the pool. The pool holds at
+    most as many storages of a size as were unsharded at the same time, so
+    its memory is at most the peak of the unsharded working set of the
+    current iteration (of every iteration with ``retain_staging``), and none
+    of a size after the iteration's expected last fill of that size.
     """
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}
         """Size in bytes -> pooled memory, each in a ``uint8`` tensor of that
         many elements (see [Note: staging and memory trackers])."""
+        self._fills: Counter[int] = Counter()
+        """Fills of each size in the current iteration."""
+        self._history: deque[Counter[int]] = deque(maxlen=HISTORY)
+        """Fills of each size in the last iterations (oldest first)."""
+        self._expected: Optional[Counter[int]] = None
+        """Fills of each size expected per iteration: the most over
+        ``_history`` (``None``: no history, pool everything); see
+        [Note: releasing what no fill will take]."""
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory, reused if possible."""
@@ -73,11 +105,17 @@ class StagingPool:
             storage._swap_data_ptr_(free.pop().untyped_storage())
         else:
             storage.resize_(nbytes)
+        self._fills[nbytes] += 1
+        if not self._wanted(nbytes):
+            self._free.pop(nbytes, None)  # the iteration's last fill of this size
 
     def drain(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory back into the pool, leaving it empty."""
         nbytes = storage.nbytes()
         if nbytes == 0:
+            return
+        if not self._wanted(nbytes):
+            storage.resize_(0)  # no fill will take it this iteration: free it now
             return
         shell = torch.UntypedStorage(0, device=storage.device)
         shell._swap_data_ptr_(storage)
@@ -86,9 +124,20 @@ class StagingPool:
         kept = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(shell)
         self._free.setdefault(nbytes, []).append(kept)
 
+    def _wanted(self, nbytes: int) -> bool:
+        """Whether a fill of ``nbytes`` is still expected this iteration."""
+        return self._expected is None or self._fills[nbytes] < self._expected[nbytes]
+
     def clear(self) -> None:
-        """Release every pooled storage back to the allocator."""
+        """End of an iteration: release every pooled storage back to the
+        allocator and remember how often each size was filled."""
         self._free.clear()
+        if self._fills:
+            self._history.append(self._fills)
+            self._expected = Counter()
+            for counts in self._history:
+                self._expected |= counts  # the most per size
+        self._fills = Counter()
 
     @property
     def pooled_bytes(self) -> int:

@@ -36,8 +36,10 @@ With ``backend="gloo"`` (CPU): each all-gather in flight stages a copy of
 its output; a reduce-scatter is an in-place all-reduce (no copy; with
 ``set_gloo_reduce_scatter_via_all_reduce(False)`` gloo's reduce-scatter
 clones its input until the work is released); the unsharded memory of
-resharded units stays in the staging pool (``buffers/staging.py``) until the end of
-the iteration, so it counts at its high-water mark. Not estimated: gloo
+resharded units stays in the staging pool (``buffers/staging.py``) until the
+iteration's last all-gather of a buffer of its size, so until then each size
+counts at its high-water mark so far, and after it as the buffers of that
+size still unsharded ([Note: releasing what no fill will take]). Not estimated: gloo
 sometimes keeps the clones of finished reduce-scatters (with buckets: the
 packed gradients and reduced chunk) alive into the next
 step (none to three whole unit-sized copies per rank at the peak, varying
@@ -169,10 +171,11 @@ class Step:
         state += 4 * sum(p.trainable_params for p in plans) if self.adam else 0
         fixed = 0 if self.offload else sharded + state
         moments = list(self._moments())
-        pool = self._pool(moments) if self.pool else None
+        pooled = self._pooled(moments) if self.pool else None
         parts = []
-        for m in moments:
-            unsharded = pool if pool is not None else sum(sum(plans[i].unsharded) for i in m.live)
+        for index, m in enumerate(moments):
+            unsharded = pooled[index] if pooled is not None else \
+                sum(sum(plans[i].unsharded) for i in m.live)
             shard_grads = 0 if self.offload else sum(plans[i].grads for i in m.reduced)
             parts.append(PeakParts(fixed, shard_grads, unsharded + m.transient, m.comm, m.acts))
         peak = max(range(len(parts)), key=lambda i: sum(parts[i]))
@@ -301,18 +304,33 @@ class Step:
                 sum(p.grads for p in plans)  # CPU: per parameter; CUDA: foreach, whole shards
         yield _Moment("optimizer step", none, temp, 0, frozenset(range(n)), 0)
 
-    def _pool(self, moments: list[_Moment]) -> int:
-        """The CPU staging pool's high-water mark: per buffer size, the most
-        buffers of that size unsharded at once."""
-        most: dict[int, int] = {}
+    def _pooled(self, moments: list[_Moment]) -> list[int]:
+        """Unsharded memory at each moment with the CPU staging pool: per
+        buffer size, the most buffers of that size unsharded at once so far,
+        until the moment of the last all-gather of that size (a buffer
+        becoming live); from then on, those still unsharded."""
+        counts: list[dict[int, int]] = []
         for m in moments:
             count: dict[int, int] = {}
             for i in m.live:
                 for size in self.plans[i].unsharded:
                     count[size] = count.get(size, 0) + 1
+            counts.append(count)
+        last_fill: dict[int, int] = {}
+        previous: frozenset[int] = frozenset()
+        for index, m in enumerate(moments):
+            for i in m.live - previous:
+                for size in self.plans[i].unsharded:
+                    last_fill[size] = index
+            previous = m.live
+        most: dict[int, int] = {}
+        out = []
+        for index, count in enumerate(counts):
             for size, c in count.items():
                 most[size] = max(most.get(size, 0), c)
-        return sum(size * c for size, c in most.items())
+            out.append(sum(size * (most[size] if index < last_fill.get(size, -1) else
+                                   count.get(size, 0)) for size in most))
+        return out
 
 
 def _label(phase: str, plan: UnitPlan, what: str) -> str:
