@@ -7,10 +7,15 @@ count is the bytes of the distinct storages of the parameters, their
 gradients and the optimizer state.
 """
 
+import collections
+
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from fsdp_compose import PrefetchPolicy
+from fsdp_compose.runtime.state import state_of
+from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.tools import ShardedMemTracker
 from tests._owners import buffer_of
 from tests._training import build_model, local_batch, shard_blocks_and_root
@@ -65,3 +70,95 @@ def test_mem_tracker_after_step_matches_direct_count():
         assert sharded["pooled"], "the staging pool (what MemTracker missed) is not in use"
         for tracked, direct in sharded["after"]:
             assert abs(tracked - direct) <= 0.02 * direct, (tracked, direct)
+
+
+def _peaks_under_tracker_and_profiler(retain_staging: bool):
+    """Steps 2 and 3 of a small GPT under ``ShardedMemTracker`` and the
+    allocation profiler at once: the tracker's peak, the profiler's (its
+    live bytes counted from the same moment, plus what the tracker counted
+    then), and what the staging pool held after each backward."""
+    from torch.profiler import ProfilerActivity, profile
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=4096, seq_len=32, d_model=128, n_heads=4, n_layers=6))
+    shard_blocks_and_root(model)
+    model.set_prefetch_policy(PrefetchPolicy(retain_staging=retain_staging))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i):
+        x, y = local_batch(i, rank, world)
+        model.loss(x, y).backward()
+        optim.step()
+        optim.zero_grad()
+
+    step(0)
+    pool = state_of(model).context.scheduler.staging
+    at_end = []
+    clear = pool.clear
+    pool.clear = lambda: (at_end.append(pool.pooled_bytes), clear())[1]
+    tracker = ShardedMemTracker()
+    tracker.track_external(model, optim)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with tracker:
+            # live then: what the tracker counts, and the pool (unknown to it
+            # until lent: its memory was pooled before the tracker started)
+            base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"] + \
+                pool.pooled_bytes
+            for i in (1, 2):
+                step(i)
+                tracker.reset_mod_stats()
+    profiled = _peak_allocated_by_the_main_thread(prof)
+    tracked = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return {"tracked": tracked, "profiled": base + profiled, "pooled_at_end": at_end,
+            "pooled_now": pool.pooled_bytes}
+
+
+def _peak_allocated_by_the_main_thread(prof) -> int:
+    """The profiler's peak of live bytes allocated by the thread that
+    allocated most (the training loop's), counted from its start. gloo's
+    worker threads are left out: each all-gather in flight stages a copy of
+    the whole output there, which no dispatcher-level tool sees (nor exists
+    under NCCL), and whether one is in flight at the peak varies by run."""
+    from benchmarks.memory import _walk
+    events = sorted((n.start_time_ns, n.start_tid, n.extra_fields.alloc_size, n.extra_fields.ptr)
+                    for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
+                    if isinstance(n.extra_fields, torch._C._profiler._ExtraFields_Allocation))
+    main = collections.Counter(tid for _, tid, size, _ in events if size > 0).most_common(1)[0][0]
+    live: dict[int, int] = {}
+    total = peak = 0
+    for _, tid, size, ptr in events:
+        if size > 0 and tid == main:
+            live[ptr] = size
+            total += size
+        elif size < 0 and ptr in live:
+            total -= live.pop(ptr)
+        peak = max(peak, total)
+    return peak
+
+
+def _both_pool_modes():
+    return _peaks_under_tracker_and_profiler(True), _peaks_under_tracker_and_profiler(False)
+
+
+def _agree(result) -> bool:
+    return abs(result["tracked"] - result["profiled"]) <= 0.02 * result["profiled"]
+
+
+def test_mem_tracker_peak_matches_the_profiler():
+    """The staging pool's memory is visible to the tracker: with
+    ``retain_staging`` the pool holds every buffer size's high-water mark
+    through backward, where the peak is (before the fix the tracker's peak
+    missed it). By default, memory no fill will take this iteration is
+    freed at once: nothing is left in the pool at the end of backward.
+    Up to three measurements: in about 1 run in 5 gloo keeps a finished
+    collective's buffer (one root-sized gradient here) past the moment the
+    tracker saw it freed (see tests/test_planner.py); a pool the tracker
+    cannot see is missed in every run."""
+    for _ in range(3):
+        results = run_distributed(2, _both_pool_modes)
+        if all(_agree(r) for pair in results for r in pair):
+            break
+    for retained, default in results:
+        assert _agree(retained) and _agree(default), (retained, default)
+        assert retained["pooled_now"] > 0.04 * retained["profiled"], retained  # a real test
+        assert default["pooled_at_end"] == [0, 0], default
