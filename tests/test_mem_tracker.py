@@ -7,8 +7,6 @@ count is the bytes of the distinct storages of the parameters, their
 gradients and the optimizer state.
 """
 
-import collections
-
 import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -107,27 +105,35 @@ def _peaks_under_tracker_and_profiler(retain_staging: bool):
             for i in (1, 2):
                 step(i)
                 tracker.reset_mod_stats()
-    profiled = _peak_allocated_by_the_main_thread(prof)
+    profiled = _peak_outside_collectives(prof)
     tracked = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     return {"tracked": tracked, "profiled": base + profiled, "pooled_at_end": at_end,
             "pooled_now": pool.pooled_bytes}
 
 
-def _peak_allocated_by_the_main_thread(prof) -> int:
-    """The profiler's peak of live bytes allocated by the thread that
-    allocated most (the training loop's), counted from its start. gloo's
-    worker threads are left out: each all-gather in flight stages a copy of
-    the whole output there, which no dispatcher-level tool sees (nor exists
-    under NCCL), and whether one is in flight at the peak varies by run."""
+def _in_a_collective(node) -> bool:
+    while node is not None:
+        if node.name.startswith(("c10d::", "gloo:")):
+            return True
+        node = node.parent
+    return False
+
+
+def _peak_outside_collectives(prof) -> int:
+    """The profiler's peak of live bytes counted from its start, leaving out
+    what is allocated inside a collective (a ``c10d::`` or ``gloo:`` range):
+    gloo stages a copy of each all-gather's whole output there, which no
+    dispatcher-level tool sees (and which NCCL does not make); whether one
+    is in flight at the peak varies by run and bucket."""
     from benchmarks.memory import _walk
-    events = sorted((n.start_time_ns, n.start_tid, n.extra_fields.alloc_size, n.extra_fields.ptr)
+    events = sorted((n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.ptr,
+                     _in_a_collective(n.parent))
                     for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
                     if isinstance(n.extra_fields, torch._C._profiler._ExtraFields_Allocation))
-    main = collections.Counter(tid for _, tid, size, _ in events if size > 0).most_common(1)[0][0]
     live: dict[int, int] = {}
     total = peak = 0
-    for _, tid, size, ptr in events:
-        if size > 0 and tid == main:
+    for _, size, ptr, staged in events:
+        if size > 0 and not staged:
             live[ptr] = size
             total += size
         elif size < 0 and ptr in live:
