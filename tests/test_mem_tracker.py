@@ -18,6 +18,7 @@ from fsdp_compose.tools import ShardedMemTracker
 from tests._owners import buffer_of
 from tests._training import build_model, local_batch, shard_blocks_and_root
 from tests.harness import run_distributed
+from tests.test_planner import _in_comm
 
 
 def _direct_bytes(model, optim) -> int:
@@ -111,14 +112,6 @@ def _peaks_under_tracker_and_profiler(retain_staging: bool):
             "pooled_now": pool.pooled_bytes}
 
 
-def _in_a_collective(node) -> bool:
-    while node is not None:
-        if node.name.startswith(("c10d::", "gloo:")):
-            return True
-        node = node.parent
-    return False
-
-
 def _peak_outside_collectives(prof) -> int:
     """The profiler's peak of live bytes counted from its start, leaving out
     what is allocated inside a collective (a ``c10d::`` or ``gloo:`` range):
@@ -127,7 +120,7 @@ def _peak_outside_collectives(prof) -> int:
     is in flight at the peak varies by run and bucket."""
     from benchmarks.memory import _walk
     events = sorted((n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.ptr,
-                     _in_a_collective(n.parent))
+                     _in_comm(n.parent))
                     for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
                     if isinstance(n.extra_fields, torch._C._profiler._ExtraFields_Allocation))
     live: dict[int, int] = {}
