@@ -51,6 +51,10 @@ class Scheduler:
         """Units in the order their forward started in this iteration."""
         self.previous_forward_order: list["ScheduledUnit"] = []
         """The same for the previous iteration (used by forward prefetch)."""
+        self._positions: dict[int, int] = {}
+        self._previous_positions: dict[int, int] = {}
+        """id(unit) -> its index in ``forward_order`` / ``previous_forward_order``
+        (prefetch looks units up once per unit: no scan of the order)."""
         self._gathers: list[list[FlatBuffer]] = []
         """All-gathers issued here that may still be in flight: the buffers
         each one fills (several for a bucket)."""
@@ -84,7 +88,8 @@ class Scheduler:
         """Called at the root's pre-forward: a new forward order begins."""
         if self.forward_order:
             self.previous_forward_order = self.forward_order
-        self.forward_order = []
+            self._previous_positions = self._positions
+        self.forward_order, self._positions = [], {}
         self.buckets.refresh()
         self.observer.start_iteration()
 
@@ -107,14 +112,15 @@ class Scheduler:
         one) and the collectives it tracked, which the units have waited.
 
         Pre-condition: no buffer is gathering or reducing any more."""
-        self.forward_order = []
+        self.forward_order, self._positions = [], {}
         self._gathers = []
         self._reduces.clear()
         self._replicas.clear()
         self._held = {}
 
     def record_forward(self, unit: "ScheduledUnit") -> None:
-        if not any(u is unit for u in self.forward_order):
+        if id(unit) not in self._positions:
+            self._positions[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
 
     def forward_targets(self, unit: "ScheduledUnit",
@@ -126,7 +132,10 @@ class Scheduler:
             return list(unit.forward_prefetch)
         if not self.policy.forward:
             return []
-        return _after(self.previous_forward_order if order is None else order, unit)
+        if order is not None:
+            return _after(order, unit)
+        position = self._previous_positions.get(id(unit))
+        return self.previous_forward_order[position + 1:position + 2] if position is not None else []
 
     def backward_targets(self, unit: "ScheduledUnit",
                          order: Optional[list["ScheduledUnit"]] = None) -> list["ScheduledUnit"]:
@@ -137,8 +146,16 @@ class Scheduler:
             return list(unit.backward_prefetch)
         if not self.policy.backward:
             return []
-        order = self.forward_order if order is None else order
-        return _after([u for u in order[::-1] if u is unit or u.unshard_in_backward], unit)
+        if order is None:
+            order, position = self.forward_order, self._positions.get(id(unit))
+        else:
+            position = next((i for i, u in enumerate(order) if u is unit), None)
+        if position is None:
+            return []
+        for earlier in range(position - 1, -1, -1):  # the nearest that all-gathers in backward
+            if order[earlier].unshard_in_backward:
+                return [order[earlier]]
+        return []
 
     def recorded_order(self) -> list["ScheduledUnit"]:
         """The running (else the last complete) forward's order; empty
