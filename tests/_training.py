@@ -7,11 +7,13 @@ trains on its own slice, so ranks always get different inputs.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard, param_info
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
@@ -55,6 +57,20 @@ def shard_blocks_and_root(model, **kw):
         fully_shard(block, **kw)
     fully_shard(model)
     return model
+
+
+def shard_on_a_new_group(model, timeout_s: float, bucket_cap_mb: float):
+    """``model.blocks``, then ``model``, annotated over a new gloo group
+    whose collectives time out after ``timeout_s`` (a divergence test must
+    not wait for the default timeout), with bucketing at ``bucket_cap_mb``;
+    returns the group."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_bucket_cap_mb(bucket_cap_mb)
+    return group
 
 
 def unbucketed(model):

@@ -11,7 +11,7 @@ from fsdp_compose.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
-from tests._training import local_batch, make_optimizer, shard_blocks_and_root
+from tests._training import local_batch, make_optimizer, shard_blocks_and_root, shard_on_a_new_group
 from tests.harness import run_distributed
 
 CFG = GPTConfig(n_layers=5)
@@ -132,20 +132,10 @@ def _diverge_inside_a_bucket(at_step: int):
     its bucket collectives must still pair, and every rank raise a named
     error at the end of that backward (before: different sizes, gloo
     aborted the process)."""
-    from datetime import timedelta
-
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from fsdp_compose import fully_shard
     rank = dist.get_rank()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=40))
-    mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(0)
     model = _Uneven()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_bucket_cap_mb(DEFAULT)
+    group = shard_on_a_new_group(model, 40, DEFAULT)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(at_step + 2):
         skip = 1 if rank == 1 and step == at_step else None

@@ -23,17 +23,15 @@ import re
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_compose import fully_shard
 from fsdp_compose.comm.flight import STALL_ENV
+from tests._training import shard_on_a_new_group
 from tests.harness import run_distributed
 
 STALL = 3
@@ -59,14 +57,10 @@ def _train(steps: int, at_step: int, what: str):
     into the step, message) of the error, or None."""
     os.environ[STALL_ENV] = str(STALL)
     rank = dist.get_rank()
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=50))
-    mesh = DeviceMesh.from_group(group, "cpu")
     torch.manual_seed(0)
     model = Uniform()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_bucket_cap_mb(0)  # unbucketed: buckets pair and are named at the end of backward
+    # unbucketed: buckets pair and are named at the end of backward
+    group = shard_on_a_new_group(model, 50, bucket_cap_mb=0)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     result = None
     try:
