@@ -60,6 +60,20 @@ class TinyLM(nn.Module):
         return lm_loss(self(tokens), targets)
 
 
+class WithUnused(nn.Module):
+    """``used`` (``Linear(d_in, d_out)``) is the whole forward; ``unused``
+    (``Linear(d_in, d_unused)``) holds parameters no forward touches (for
+    tests of units or parameters that get no gradient)."""
+
+    def __init__(self, d_in: int, d_out: int, d_unused: int) -> None:
+        super().__init__()
+        self.used = nn.Linear(d_in, d_out)
+        self.unused = nn.Linear(d_in, d_unused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 class FeatureNet(nn.Module):
     """Float features in, ``OUT`` regression targets out."""
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_compose import Blocks, CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, param_info
 from tests._training import (_attr, _local, _local_step, assert_parity, build_model, global_batch,
                              make_optimizer, train_reference)
+from tests._models import WithUnused
 from tests.harness import run_distributed
 
 ATOL = 1e-5
@@ -598,18 +599,6 @@ def test_cpu_offload_policy(name):
     assert_parity(results, train_reference(2, "adamw", 3), ATOL)
 
 
-class _OneUsed(nn.Module):
-    """A used unit and a unit the forward never calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = nn.Linear(4, 3)
-        self.unused = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
 def _one_used_steps(model: nn.Module, optim, steps: range, rank: int, world: int) -> None:
     for step in steps:
         torch.manual_seed(100 + step)
@@ -622,7 +611,7 @@ def _one_used_steps(model: nn.Module, optim, steps: range, rank: int, world: int
 
 def _one_used_sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = _OneUsed()
+    model = WithUnused(4, 3, 4)
     fully_shard(model.used, placement="owned")
     fully_shard(model.unused)
     fully_shard(model)
@@ -659,7 +648,7 @@ def test_a_rank_holding_nothing_trained_saves_and_resumes_like_one_process():
     for r in results:  # the same keys and step counts on every rank: the used unit's, 2 steps
         assert r["steps"] == {"used.weight": 2.0, "used.bias": 2.0}, r["steps"]
     torch.manual_seed(0)
-    reference = _OneUsed()
+    reference = WithUnused(4, 3, 4)
     optim = torch.optim.AdamW(reference.parameters(), lr=0.1)
     _one_used_steps(reference, optim, range(4), None, 3)
     for name, want in reference.state_dict().items():

@@ -23,23 +23,12 @@ from fsdp_compose import fully_shard
 from fsdp_compose.checks.divergence import CHECK_ENV
 from fsdp_compose.policies import PrefetchPolicy
 from tests._comm_counter import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter
+from tests._models import WithUnused
 from tests._training import make_optimizer
 from tests.harness import run_distributed
 
 TIMEOUT = 60
 BATCH_PER_RANK = 3
-
-
-class AuxHead(nn.Module):
-    """A head with a parameter its forward never uses."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(15, 5)
-        self.unused = nn.Linear(15, 2)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(h)
 
 
 class Branchy(nn.Module):
@@ -51,7 +40,7 @@ class Branchy(nn.Module):
         super().__init__()
         self.inp = nn.Linear(7, 15)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(15, 15), nn.Tanh()) for _ in range(3))
-        self.aux = AuxHead()
+        self.aux = WithUnused(15, 5, 2)  # a head with a parameter its forward never uses
         self.never = nn.Linear(15, 3)
         self.out = nn.Linear(15, 4)
 
@@ -286,7 +275,7 @@ def test_reduce_scatter_unused_params_parity(mode, optim_name):
     # parameters no rank used keep .grad None, as in one process
     assert reference["grads_none"][0]["aux.unused.weight"]
     assert reference["grads_none"][0]["never.weight"]
-    assert not reference["grads_none"][0]["aux.proj.weight"]
+    assert not reference["grads_none"][0]["aux.used.weight"]
     for rank, res in enumerate(results):
         assert res["grads_none"] == reference["grads_none"], f"rank {rank}"
         for got, want in zip(res["losses"], reference["losses"]):
