@@ -210,7 +210,8 @@ def test_extra_collectives_only_in_verification_iterations(checked):
     verified = dict(steady, ag=steady["ag"] * 2 + steady["rs"] + 2)
     expected = {None: [verified, verified, steady, steady], True: [verified] * 4,
                 False: [steady] * 4}[checked]
-    expected[0] = dict(expected[0], ag=expected[0]["ag"] + 1)  # the layout check at lazy init
+    # at lazy init: the layout check and the forward agreement's model number
+    expected[0] = dict(expected[0], ag=expected[0]["ag"] + 2)
     assert counts == expected
 
 

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
-from ..comm.agreement import all_gather_fingerprints
+from ..comm.agreement import agree_through_store, all_gather_fingerprints, fingerprint_ranks
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
@@ -155,6 +155,14 @@ class DivergenceMonitor(CollectiveObserver):
         self.iteration_verified: bool = True
         """Whether the current iteration started verifying (its per-step
         collective calls, e.g. ``clip_grad_norm_`` at its step, are checked)."""
+        self.backwards: int = 0
+        """Last backwards this rank ended (verified or not)."""
+        self._agreement: Optional[_Agreement] = None
+        """Where this model's ranks meet at every root forward ([Note: forward
+        agreement] in ``comm/agreement.py``); ``None`` over one rank."""
+        self._since_agreement: int = _FNV_OFFSET
+        """Rolling hash of every collective recorded since the last forward
+        agreement (all process groups)."""
         self._units: list[ObservedUnit] = []
         self._where: dict[int, tuple[int, int]] = {}
         """id(buffer) -> (unit index, buffer index)."""
@@ -180,10 +188,20 @@ class DivergenceMonitor(CollectiveObserver):
         for group in self.groups():
             if group.world_size > 1:
                 self.flight.attach(group.process_group)
+        self._agreement = _Agreement.of(units[0].group) if units else None
 
     def start_iteration(self) -> None:
-        """At the root's pre-forward: decide whether this iteration verifies."""
+        """At the root's pre-forward, before any collective of the forward:
+        agree with the other ranks on what this forward is (see [Note:
+        forward agreement]), then decide whether this iteration verifies."""
         self.iterations += 1
+        if self._agreement is not None:
+            row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
+                   self._since_agreement >> 1]
+            rows = self._agreement.exchange(row, self._stalled_at_agreement)
+            self._since_agreement = _FNV_OFFSET
+            if any(other != rows[0] for other in rows):
+                _raise_forward_disagreement(self._agreement.ranks, rows)
         self.verifying = self._should_verify()
         self.iteration_verified = self.verifying
 
@@ -229,6 +247,7 @@ class DivergenceMonitor(CollectiveObserver):
         key = id(group.process_group)
         self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
+        self._since_agreement = _mix(self._since_agreement, entry.code)
         self.flight.record(group.process_group, self.iterations - 1, entry.code)  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
@@ -271,6 +290,7 @@ class DivergenceMonitor(CollectiveObserver):
         """End of the last backward, before the flags all-reduce: in a
         verifying iteration, check that every rank got here (and not to one
         more unit collective), once per process group of the model."""
+        self.backwards += 1
         if not self.verifying:
             return
         verified = False
@@ -304,6 +324,15 @@ class DivergenceMonitor(CollectiveObserver):
         for unit in self._units:
             seen.setdefault(id(unit.group.process_group), unit.group)
         return list(seen.values())
+
+    def _stalled_at_agreement(self, waited: float) -> None:
+        """The forward agreement waited ``waited`` s: another rank may be
+        stuck in a data collective this rank will never issue. Compare the
+        flight logs of every data group (raises where they differ)."""
+        for group in self.groups():
+            if group.world_size > 1:
+                self.flight.stalled(group.process_group, None, waited)
+                self.flight.recovered(group.process_group)
 
     # --------------------------------------------------------------- errors
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
@@ -368,6 +397,76 @@ def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
         "(each on its part of the data, then reduce the metric), or on a separate, unsharded "
         f"copy of the model. Set {CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the "
         "root) to check every iteration.")
+
+
+class _Agreement:
+    """The ranks of one model and the store keys their forward agreements
+    use (numbered by forward: ``<prefix>/<forward>/<rank>``)."""
+
+    _models: dict[tuple[int, ...], int] = {}
+    """ranks -> models set up over them so far in this process."""
+
+    def __init__(self, ranks: list[int], prefix: str) -> None:
+        self.ranks: list[int] = ranks
+        self.prefix: str = prefix
+        self.me: int = dist.get_rank()
+        self.forwards: int = 0
+        self.last_key: Optional[str] = None
+
+    @classmethod
+    def of(cls, group: ShardGroup) -> Optional["_Agreement"]:
+        """The agreement of a model whose root shards over ``group`` (and
+        its replicas), or ``None`` over one rank or without a store. One
+        tiny all-gather (at the root's lazy init) makes the model's number
+        the same on every rank, whatever each rank set up before."""
+        ranks = fingerprint_ranks(group)
+        if len(ranks) == 1:
+            return None
+        try:
+            dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            return None  # no default group: nothing to meet through
+        members = tuple(sorted(ranks))
+        number = max(all_gather_fingerprints(cls._models.get(members, 0), group))
+        cls._models[members] = number + 1
+        return cls(ranks, f"fsdp_compose/agree/{'-'.join(map(str, members))}/{number}")
+
+    def exchange(self, row: list[int], stalled) -> list[list[int]]:
+        """Every rank's ``row`` for the next forward, in ``ranks`` order."""
+        self.forwards += 1
+        key = f"{self.prefix}/{self.forwards}"
+        rows = agree_through_store(key, self.ranks, self.me, row, stalled, self.last_key)
+        self.last_key = f"{key}/{self.me}"
+        return rows
+
+
+def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
+    """The forward agreement found ranks about to run different forwards
+    (each row: grad mode, root forwards, last backwards, collectives digest)."""
+    me = dist.get_rank()
+    grad = [row[0] for row in rows]
+    if len(set(grad)) > 1 and all(row[1:] == rows[0][1:] for row in rows):
+        without = [r for r, g in zip(ranks, grad) if not g]
+        with_grad = [r for r, g in zip(ranks, grad) if g]
+        raise RuntimeError(
+            f"[rank {me}] fully_shard ranks diverged: ranks {without} are starting a forward of "
+            f"the root without gradients (torch.no_grad(), e.g. an evaluation) where ranks "
+            f"{with_grad} start one with gradients (training), at root forward #{rows[0][1]}; "
+            "their collectives would pair a forward with a backward (detected before the "
+            "forward, nothing was communicated). Every rank must run the same forwards: run the "
+            "evaluation on every rank (each on its part of the data, then reduce the metric), "
+            "or on a separate, unsharded copy of the model.")
+    lines = [f"  rank {r}: root forward #{row[1]} "
+             f"{'with' if row[0] else 'without'} gradients after {row[2]} finished backwards, "
+             f"collectives since the last forward {row[3]:#x}" for r, row in zip(ranks, rows)]
+    raise RuntimeError(
+        f"[rank {me}] fully_shard ranks diverged before a forward of the root (detected "
+        "before it communicated anything, by comparing what each rank ran since the last "
+        "forward):\n" + "\n".join(lines) + "\nEvery rank must run the same forwards and "
+        "backwards of the model, in the same order (an evaluation, an extra forward or a "
+        "skipped backward on some ranks only). Set "
+        f"{CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the root) to find the "
+        "first collective that differs.")
 
 
 def _mix(fingerprint: int, code: int) -> int:

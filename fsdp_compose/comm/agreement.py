@@ -9,12 +9,14 @@ error together instead of one rank raising while the others hang.
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple, Optional
+from datetime import timedelta
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_flat
+from .flight import stall_seconds
 from .groups import ShardGroup
 
 
@@ -72,3 +74,46 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
     every = torch.empty(size, dtype=torch.int64, device=device)
     all_gather_flat(every, mine, group=process_group)
     return [int(v) for v in every.cpu()]
+
+
+
+# [Note: forward agreement]
+# Collectives pair by issue order, and gloo aborts a process that receives a
+# message of another size than it posted (SIGABRT, nothing to catch). A rank
+# that runs one more forward than the others (an evaluation on rank 0 only)
+# issues collectives that the others pair with their backward's; after the
+# verified iterations nothing would notice before gloo aborts. So every root
+# forward of a model over several ranks starts with an agreement through
+# the rendezvous store (not a collective: it can never pair with a data
+# collective, and no backend can abort on it): each rank writes a small
+# row (what it is about to do, what it did since the last agreement) under
+# a key numbered by the forward, waits for the other ranks' rows and
+# compares. A rank that is elsewhere (waiting in a data collective) makes
+# the others wait here, and the stall is reported through the flight log.
+# On CUDA no device is touched: comparing on the host needs no copy from it.
+
+
+def agree_through_store(prefix: str, ranks: Sequence[int], me: int, row: Sequence[int],
+                        stalled: Callable[[float], None],
+                        previous: Optional[str] = None) -> list[list[int]]:
+    """Every rank's ``row`` (integers), in the order of ``ranks``, exchanged
+    through the default store under ``prefix/<rank>``. Waits in slices of
+    :func:`~fsdp_compose.comm.flight.stall_seconds`, calling
+    ``stalled(waited)`` after each (it may raise a diagnosis). Then deletes
+    ``previous`` (this rank's key of the previous agreement: every rank has
+    read it once all keys of this one exist). Four store round trips."""
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"{prefix}/{rank}" for rank in ranks]
+    store.set(f"{prefix}/{me}", ",".join(str(v) for v in row))
+    waited, slice_seconds = 0.0, stall_seconds()
+    while True:
+        try:
+            store.wait(keys, timedelta(seconds=slice_seconds))
+            break
+        except (RuntimeError, dist.DistStoreError):
+            waited += slice_seconds
+            stalled(waited)
+    rows = [[int(v) for v in value.decode().split(",")] for value in store.multi_get(keys)]
+    if previous is not None:
+        store.delete_key(previous)
+    return rows
