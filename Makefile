@@ -7,7 +7,23 @@ STAMP  := $(VENV)/.stamp
 # `pip install torch` would pull a multi-GB CUDA build from PyPI.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test demo lora-demo bench clean
+# The oldest supported torch (pyproject.toml's torch>=), tested by `make
+# test-oldest` in a venv of its own. PyPI has only CUDA builds of it for Linux:
+# the torch wheel (~530 MB) and its nvidia-* wheels (~3 GB installed), all
+# cached by pip after the first build; the CPU tests never load a GPU.
+TORCH_OLDEST := 2.11.0
+OLDEST_VENV  := .venv-oldest
+# What `make test-oldest` runs: the guard and the torch-sensitive paths (staging
+# pool, version counters, composable state, DTensor/DCP checkpoints, TP's
+# _StridedShard, MemTracker, the planner's fake tensors, pipelining) plus
+# parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
+OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_parity.py \
+	tests/test_collectives_and_memory.py tests/test_bucketing.py tests/test_checkpoint_model.py \
+	tests/test_checkpoint_flat.py tests/test_checkpoint_optim.py tests/test_tensor_parallel.py \
+	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
+	tests/test_module_api.py tests/test_errors.py
+
+.PHONY: venv test test-oldest test-torch demo lora-demo bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +37,26 @@ $(STAMP): pyproject.toml
 test: venv
 	$(VENV)/bin/lint-imports
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# The tests on the oldest supported torch (TORCH_OLDEST), in $(OLDEST_VENV).
+test-oldest:
+	$(MAKE) test-torch TORCH_VERSION=$(TORCH_OLDEST) TORCH_VENV=$(OLDEST_VENV) \
+		PYTEST_ARGS="$(OLDEST_TESTS) $(PYTEST_ARGS)"
+
+# The tests on any torch from PyPI: make test-torch TORCH_VERSION=2.15.0
+# (venv .venv-torch-2.15.0; PYTEST_ARGS picks tests, default all).
+TORCH_VENV ?= .venv-torch-$(TORCH_VERSION)
+test-torch:
+	@test -n "$(TORCH_VERSION)" || { echo "usage: make test-torch TORCH_VERSION=2.x.y"; exit 2; }
+	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	@$(TORCH_VENV)/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" \
+		2>/dev/null || $(TORCH_VENV)/bin/pip install --no-input -q 'torch==$(TORCH_VERSION)'
+	@test -f $(TORCH_VENV)/.stamp -a $(TORCH_VENV)/.stamp -nt pyproject.toml || { \
+		$(TORCH_VENV)/bin/pip install --no-input -q -e '.[test,hf]' 'torch==$(TORCH_VERSION)' && \
+		touch $(TORCH_VENV)/.stamp; }
+	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(TORCH_VENV)/bin/lint-imports
+	$(TORCH_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # Train a small GPT on 2 CPU ranks (~10 s): progress bar, summary table, and
 # summary.json + a loss/memory plot (with matplotlib) under runs/train_gpt-<time>.
@@ -42,4 +78,4 @@ bench: venv
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . -path './.venv*' -prune -o -name __pycache__ -type d -exec rm -rf {} +

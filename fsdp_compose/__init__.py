@@ -8,6 +8,7 @@ stay registered under their original names.
 
 from .comm.collectives import set_gloo_reduce_scatter_via_all_reduce
 from .checks.finite import check_finite_gradients
+from .checks.unmanaged import mark_reduced_elsewhere
 from .api import ShardedParamInfo, fully_shard, param_info
 from .buffers.layout import Blocks
 from .clip import clip_grad_norm_, param_norms
@@ -26,6 +27,6 @@ __all__ = [
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "fully_shard_root", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
-    "full_params", "route_torch_grad_norms",
+    "full_params", "route_torch_grad_norms", "mark_reduced_elsewhere",
 ]
 __version__ = "0.1.0"

@@ -28,6 +28,7 @@ from .checks.divergence import DivergenceMonitor
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
 from .checks.step_guard import install_step_guard
+from .checks.unmanaged import install_unmanaged_warning
 from .comm.groups import ShardGroup
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import Owner, owner_of, record_owners
@@ -152,6 +153,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     state.new_observer = DivergenceMonitor
     link_annotated_below(state)
     install_step_guard()
+    install_unmanaged_warning()
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._torch_private import foreach_mul_, foreach_norm, privateuse1_backend_name
 from .buffers.tensor_parallel import norm_process_group
 from .comm.groups import ShardGroup
 from .comm.rendezvous import arrive
@@ -117,7 +118,7 @@ def clip_grad_norm_(module_or_params: ParamsArg, max_norm: float, norm_type: flo
         for (device, _), group in _by_device_and_dtype(grads).items():
             coef = clip_coef.to(device)
             if _use_foreach(foreach, device):
-                torch._foreach_mul_(group, coef)
+                foreach_mul_(group, coef)
             else:
                 for g in group:
                     g.mul_(coef)
@@ -250,16 +251,13 @@ class _NormGroup(NamedTuple):
 
 
 def _meet(groups: list[_NormGroup], call: str) -> None:
-    """Before the first all-reduce of ``call``: in the verified iterations
-    of the model (or before its first forward), every rank of each group
+    """Before the first all-reduce of ``call``: every rank of each group
     meets at the store, so a call made on some ranks only raises naming it
-    ([Note: call rendezvous]); the steady-state step pays nothing."""
+    ([Note: call rendezvous]; four store round trips per group)."""
     for norm_group in groups:
-        scheduler = norm_group.unit.scheduler
-        if scheduler is None or scheduler.observer.checks_calls():
-            arrive(norm_group.group.process_group, call,
-                   "Call it on every rank (not under `if rank == 0:`), e.g. right after "
-                   "backward on every rank, and log its result from rank 0.")
+        arrive(norm_group.group.process_group, call,
+               "Call it on every rank (not under `if rank == 0:`), e.g. right after "
+               "backward on every rank, and log its result from rank 0.")
 
 
 def _group_key(group: ShardGroup) -> tuple[int, ...]:
@@ -306,7 +304,7 @@ def _norm_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
 
 def _use_foreach(foreach: Optional[bool], device: torch.device) -> bool:
     supported = device.type in ("cpu", "cuda", "xpu", "mtia",
-                                torch._C._get_privateuse1_backend_name())
+                                privateuse1_backend_name())
     if foreach and not supported:
         raise RuntimeError(
             f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
@@ -331,7 +329,7 @@ def _local_norms(tensors: list[torch.Tensor], p: float,
         ts = [tensors[i] for i in idx]
         dtype = _norm_dtype(ts[0])
         if _use_foreach(foreach, device):
-            norms = torch._foreach_norm(ts, p, dtype=dtype)
+            norms = foreach_norm(ts, p, dtype=dtype)
         else:
             norms = [torch.linalg.vector_norm(t, p, dtype=dtype) for t in ts]
         for i, n in zip(idx, norms):

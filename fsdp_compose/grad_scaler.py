@@ -67,7 +67,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     Notes:
         On CPU this relies on ``torch._amp_foreach_non_finite_check_and_unscale_``
         and ``torch._amp_update_scale_`` having CPU kernels, which they do in
-        the torch versions this package supports (>= 2.6). As in torch,
+        the torch versions this package supports (>= 2.11). As in torch,
         float16 *gradients* are refused by ``unscale_``; ``fully_shard``
         keeps sharded gradients in the parameters' dtype, so keep fp32
         parameters (a ``MixedPrecisionPolicy`` computes in fp16 without

@@ -47,7 +47,13 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
+from ._torch_private import require_override
 from .sharded_module import ShardedModule
+
+# PipelineStage.backward_maybe_with_nosync is not public: a torch that renamed it
+# would skip the override below (and reduce every micro-batch's gradients)
+require_override(_TorchPipelineStage, "backward_maybe_with_nosync",
+                 "fsdp_compose.pipelining.PipelineStage's gradient sync on the last backward only")
 
 
 class PipelineStage(_TorchPipelineStage):

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ._torch_private import require_override
 from .checks.divergence import DivergenceMonitor
 from .checks.finite import check_finite_gradients
 from .clip import clip_grad_norm_
@@ -47,10 +48,9 @@ class ShardedModule:
         ``recurse=True``); until :meth:`reshard`, each original parameter's
         module attribute holds the full values in the original shape."""
         own = _own_state(self)
-        if own.context is None or own.context.scheduler.observer.checks_calls():
-            arrive(own.unit.group.process_group, f"unshard() of {own.unit.name}",
-                   "Call it on every rank (it all-gathers); to inspect full weights on one "
-                   "rank, unshard on every rank and read them there.")
+        arrive(own.unit.group.process_group, f"unshard() of {own.unit.name}",
+               "Call it on every rank (it all-gathers); to inspect full weights on one "
+               "rank, unshard on every rank and read them there.")
         own.lazy_init()
         units = [state.unit for state in _states(self, recurse)]
         for unit in units:
@@ -318,6 +318,10 @@ class ShardedModule:
             unit.rebuild_after_conversion()
         return result
 
+
+# nn.Module._apply is not public: a torch that renamed it would skip the override
+# above (module.to(dtype) would convert views of the flat buffers, not the shards)
+require_override(nn.Module, "_apply", "converting the shards of annotated modules (module.to())")
 
 _SHARDED_CLASSES: dict[type, type] = {}
 _converting: list[nn.Module] = []

@@ -159,3 +159,74 @@ def test_different_calls_on_two_ranks_name_each_other():
     messages = run_distributed(2, _different_calls, timeout=TIMEOUT)
     assert "rank 1 called fsdp_compose.clip_grad_norm_ there instead" in messages[0], messages[0]
     assert "rank 0 called fsdp_compose.param_norms there instead" in messages[1], messages[1]
+
+
+def _one_rank_call_while_the_other_trains(name: str):
+    """Both ranks train; at step 2 rank 0 alone calls ``name``, then goes on.
+    Returns (step, seconds, error type, message) of this rank's error, or None."""
+    from tests._training import shard_on_a_new_group
+    from tests.test_forward_agreement import Unequal
+    torch.manual_seed(0)
+    model = Unequal()
+    group = shard_on_a_new_group(model, 50, 4.0)  # pending collectives die with it
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(5):
+        start = time.perf_counter()
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+            if dist.get_rank() == 0 and step == 2:
+                if name == "state_dict":
+                    model.state_dict()["embed.weight"].full_tensor()
+                else:
+                    fsdp_compose.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            optim.zero_grad()
+        except RuntimeError as error:
+            return step, time.perf_counter() - start, type(error).__name__, str(error)
+    dist.destroy_process_group(group)
+    return None
+
+
+@pytest.mark.parametrize("name", ["state_dict", "clip_grad_norm_"])
+def test_a_call_on_one_rank_while_the_others_train_raises_on_every_rank(name):
+    """Rank 0 waits at the call; rank 1 reaches its next forward's agreement
+    and waits there: each sees the other waiting at another meeting, so both
+    raise at once (no hang, no backend error)."""
+    first, second = run_distributed(2, _one_rank_call_while_the_other_trains, name, timeout=90)
+    assert first is not None and second is not None, (first, second)
+    assert first[0] == 2 and first[1] < 30 and first[2] == "CallMismatchError", first
+    assert "rank 1 waits at the forward agreement of root forward #4 instead" in first[3], first
+    assert second[0] == 3 and second[1] < 30, second
+    assert second[3].startswith("[rank 1] fully_shard ranks diverged: this rank starts root "
+                                "forward #4 while other ranks wait at a collective call"), second
+    assert "rank 0 waits at" in second[3], second
+
+
+def _late_rank(seconds: float):
+    """Every rank calls clip_grad_norm_; rank 0 first evaluates for
+    ``seconds`` (longer than a poll, shorter than the call's timeout).
+    Returns what this rank printed to stderr while waiting."""
+    import contextlib
+    import io
+
+    from fsdp_compose.comm import rendezvous
+    os.environ[CALL_TIMEOUT_ENV] = str(seconds + 30)
+    notice, rendezvous.LATE_NOTICE_SECONDS = rendezvous.LATE_NOTICE_SECONDS, 1.0
+    err = io.StringIO()
+    try:
+        model = _trained()
+        if dist.get_rank() == 0:
+            time.sleep(seconds)
+        with contextlib.redirect_stderr(err):
+            fsdp_compose.clip_grad_norm_(model.parameters(), 1.0)
+    finally:
+        rendezvous.LATE_NOTICE_SECONDS = notice
+        del os.environ[CALL_TIMEOUT_ENV]
+    return err.getvalue()
+
+
+def test_a_late_rank_is_waited_for_with_a_notice_not_an_error():
+    printed = run_distributed(2, _late_rank, 3.5, timeout=TIMEOUT)
+    assert printed[0] == "", printed[0]
+    assert "[rank 1] fsdp_compose: fsdp_compose.clip_grad_norm_ waits for ranks [0], which " \
+           "have not reached any collective call of fsdp_compose yet" in printed[1], printed[1]

@@ -29,8 +29,8 @@ import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
+from .._torch_private import unsafe_preserve_version_counter, unsafe_set_version_counter
 from ..comm.collectives import all_gather_into
 from ..comm.flight import wait_watched
 from ..comm.groups import ShardGroup
@@ -403,7 +403,7 @@ class FlatBuffer:
             return
         shard, group = prepared
         version = self.unsharded._version
-        with _unsafe_preserve_version_counter(self.unsharded):
+        with unsafe_preserve_version_counter(self.unsharded):
             work = all_gather_into(self.unsharded.detach(), shard, group, async_op=True)
         self._gather = _PendingGather(work, shard, version)
 
@@ -469,7 +469,7 @@ class FlatBuffer:
         self._gather = None
         wait_watched(gather.work, self.group.process_group)
         # see [Note: storage and autograd]
-        torch._C._autograd._unsafe_set_version_counter((self.unsharded,), (gather.version,))
+        unsafe_set_version_counter((self.unsharded,), (gather.version,))
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)

@@ -58,6 +58,17 @@ Tools that attribute memory by category see pooled memory in the category
 of the moment it was released (temporaries in backward, activations in
 forward). The two extra ops per release cost a few microseconds, nothing
 next to the unit's collectives; no tool attached, they are plain calls.
+
+[Note: torch without _swap_data_ptr_]
+Lending memory to a storage object that views already point at needs
+``UntypedStorage._swap_data_ptr_`` (torch>=2.12; ``_torch_private.py``).
+torch 2.11 has no other way to give a storage object another block of
+memory: ``resize_`` allocates a new one, ``Tensor.set_`` changes the tensor
+and not the storage autograd's saved views hold. Where it is missing the pool
+is off (``StagingPool.enabled`` is ``False``): a fill allocates with
+``resize_(nbytes)`` and a drain frees with ``resize_(0)``, exactly what
+buffers off the CPU do. Values and memory are as with the pool or lower (no
+pooled memory); the cost is the page faults the pool avoids (issue 33).
 """
 
 from __future__ import annotations
@@ -66,6 +77,8 @@ from collections import Counter, deque
 from typing import Optional
 
 import torch
+
+from .._torch_private import CAN_SWAP_STORAGE_DATA, swap_storage_data
 
 HISTORY = 4
 """Iterations whose fill counts :class:`StagingPool` remembers."""
@@ -83,6 +96,10 @@ class StagingPool:
     """
 
     def __init__(self) -> None:
+        self.enabled: bool = CAN_SWAP_STORAGE_DATA
+        """Whether memory is pooled at all: not on a torch without
+        ``_swap_data_ptr_`` (see [Note: torch without _swap_data_ptr_]);
+        tests turn it off to run that path on any torch."""
         self._free: dict[int, list[torch.Tensor]] = {}
         """Size in bytes -> pooled memory, each in a ``uint8`` tensor of that
         many elements (see [Note: staging and memory trackers])."""
@@ -99,10 +116,13 @@ class StagingPool:
         """Give the empty ``storage`` ``nbytes`` of memory, reused if possible."""
         if storage.nbytes() != 0:
             raise AssertionError(f"staging: storage to fill holds {storage.nbytes()} bytes")
+        if not self.enabled:
+            storage.resize_(nbytes)
+            return
         free = self._free.get(nbytes)
         if free:
             # the donor is left empty and dropped (trackers see its storage die)
-            storage._swap_data_ptr_(free.pop().untyped_storage())
+            swap_storage_data(storage, free.pop().untyped_storage())
         else:
             storage.resize_(nbytes)
         self._fills[nbytes] += 1
@@ -114,11 +134,11 @@ class StagingPool:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
-        if not self._wanted(nbytes):
+        if not self.enabled or not self._wanted(nbytes):
             storage.resize_(0)  # no fill will take it this iteration: free it now
             return
         shell = torch.UntypedStorage(0, device=storage.device)
-        shell._swap_data_ptr_(storage)
+        swap_storage_data(shell, storage)
         # see [Note: staging and memory trackers]
         storage.resize_(0)
         kept = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(shell)

@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._torch_private import StridedShard, get_root_mesh
 from ..comm.groups import ShardGroup
 
 
@@ -133,7 +133,7 @@ def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
     The tp mesh is matched to the dp mesh's root by name and ranks, not by
     its own root: torch caches sliced meshes, so ``mesh["tp"]`` of a second
     mesh over the same ranks may be the first mesh's slice."""
-    root = dp_mesh._get_root_mesh()
+    root = get_root_mesh(dp_mesh)
     dp_names, tp_name = dp_mesh.mesh_dim_names, _single_name(tp_mesh)
     names = root.mesh_dim_names
     if dp_names is None or tp_name is None or names is None or \
@@ -151,7 +151,7 @@ def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
     mesh = root if root.ndim == len(used) else root[tuple(n for n in names if n in used)]
     dp_placement: Placement = Shard(0)
     if isinstance(tp_placement, Shard) and tp_placement.dim == 0 and shard_dim < tp_dim:
-        dp_placement = _StridedShard(0, split_factor=tp_mesh.size())
+        dp_placement = StridedShard(0, split_factor=tp_mesh.size())
     by_name: dict[str, Placement] = {shard_name: dp_placement, tp_name: tp_placement}
     by_name.update({n: Replicate() for n in dp_names[:-1]})
     return mesh, tuple(by_name[n] for n in mesh.mesh_dim_names)

@@ -37,12 +37,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
-from torch.distributed.checkpoint.planner_helpers import _create_write_items_for_dtensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import tree_map
 
+from .._torch_private import (DTensorSpec, TensorMeta, compute_local_shape_and_global_offset,
+                              create_write_items_for_dtensor, dtensor_spec, local_tensor,
+                              make_wrapper_subclass, pytree)
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.groups import ShardGroup
 from ..comm.rendezvous import arrive
@@ -76,8 +75,7 @@ class LazyChunk(torch.Tensor):
     def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                 pieces: ShardPieces, source: torch.Tensor, convert: Callable[[], torch.Tensor],
                 group: ShardGroup, what: str, offsets: tuple[int, ...]) -> "LazyChunk":
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
-                                                requires_grad=False)
+        r = make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         r.pieces, r.source, r._convert, r._value = pieces, source, convert, None
         r._group, r._what, r._offsets = group, what, offsets
         return r
@@ -101,7 +99,7 @@ class LazyChunk(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         def real(x: Any) -> Any:
             return x.materialize() if isinstance(x, LazyChunk) else x
-        return func(*tree_map(real, args), **tree_map(real, kwargs or {}))
+        return func(*pytree.tree_map(real, args), **pytree.tree_map(real, kwargs or {}))
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         return self.materialize().clone()
@@ -124,12 +122,12 @@ class LazyChunk(torch.Tensor):
 
         local = LazyChunk(tuple(self.shape), self.dtype, self.device, pieces, pieces.local,
                           unavailable, self._group, self._what, self._offsets)
-        return DTensor(local, value._spec, requires_grad=False)
+        return DTensor(local, dtensor_spec(value), requires_grad=False)
 
     # ----------------------------------------- DCP, through DTensor's delegation
     def __create_write_items__(self, fqn: str, obj: DTensor) -> list[WriteItem]:
         if self.materialized:
-            return [_create_write_items_for_dtensor(fqn, obj)]
+            return [create_write_items_for_dtensor(fqn, obj)]
         return self.pieces.write_items(fqn)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
@@ -167,5 +165,5 @@ def is_lazy(buffer: FlatBuffer, index: int) -> bool:
 def in_place(value: Any, source: Optional[torch.Tensor]) -> bool:
     """Whether ``value`` is an unmaterialised lazy value over ``source``:
     whatever DCP loaded into it is in ``source`` already."""
-    local = value._local_tensor if isinstance(value, DTensor) else None
+    local = local_tensor(value) if isinstance(value, DTensor) else None
     return isinstance(local, LazyChunk) and not local.materialized and local.source is source

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._torch_private import local_tensor
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.groups import backend_device
 from ..comm.rendezvous import arrive
@@ -335,7 +336,7 @@ def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) ->
         for name, value in list(values.items()):
             current = optimizer.state.get(params[key], {}).get(name) if key in params else None
             if in_place(value, current):  # a lazy value of ours, unused: live, loaded in place
-                value = value._local_tensor.pieces
+                value = local_tensor(value).pieces
             if isinstance(value, ShardPieces):  # also flat_state_dict's values
                 loaded.add((key, name))
                 if value.local is None:

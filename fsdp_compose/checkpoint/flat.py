@@ -35,12 +35,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
                                                            create_default_local_save_plan)
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.optim import Optimizer
 
+from .._torch_private import flatten_state_dict
 from ._pieces import ShardPieces, flat_values
 
 

@@ -76,6 +76,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from .._torch_private import local_tensor
 from ..comm.rendezvous import arrive
 from ._lazy import LazyChunk
 from ._pieces import ShardPieces
@@ -387,9 +388,9 @@ def _staged(state: Any) -> Any:
         return {key: _staged(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(_staged(value) for value in state)
-    if isinstance(state, DTensor) and isinstance(state._local_tensor, LazyChunk) and \
-            not state._local_tensor.materialized:  # only this rank's pieces: no conversion
-        return state._local_tensor.staged(state, _host_copy)
+    if isinstance(state, DTensor) and isinstance(local_tensor(state), LazyChunk) and \
+            not local_tensor(state).materialized:  # only this rank's pieces: no conversion
+        return local_tensor(state).staged(state, _host_copy)
     if isinstance(state, DTensor):
         return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh,
                                   state.placements, run_check=False, shape=state.shape,

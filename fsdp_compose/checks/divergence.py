@@ -56,7 +56,10 @@ import torch
 import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
-from ..comm.agreement import agree_through_store, all_gather_fingerprints, fingerprint_ranks
+from ..comm.agreement import agreed_max, all_gather_fingerprints
+from ..comm.flight import stall_seconds
+from ..comm.rendezvous import LEFT, meet
+from .._torch_private import default_store
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
@@ -152,9 +155,6 @@ class DivergenceMonitor(CollectiveObserver):
         rank verified equal."""
         self.agreed_backwards: int = 0
         """Last backwards whose end every rank verified together."""
-        self.iteration_verified: bool = True
-        """Whether the current iteration started verifying (its per-step
-        collective calls, e.g. ``clip_grad_norm_`` at its step, are checked)."""
         self.backwards: int = 0
         """Last backwards this rank ended (verified or not)."""
         self._agreement: Optional[_Agreement] = None
@@ -198,15 +198,11 @@ class DivergenceMonitor(CollectiveObserver):
         if self._agreement is not None:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
                    self._since_agreement >> 1]
-            rows = self._agreement.exchange(row, self._stalled_at_agreement)
+            rows = self._agreement.exchange(row, self._waiting_at_agreement)
             self._since_agreement = _FNV_OFFSET
             if any(other != rows[0] for other in rows):
                 _raise_forward_disagreement(self._agreement.ranks, rows)
         self.verifying = self._should_verify()
-        self.iteration_verified = self.verifying
-
-    def checks_calls(self) -> bool:
-        return self.iteration_verified
 
     def will_verify(self) -> bool:
         return self._should_verify()
@@ -325,14 +321,21 @@ class DivergenceMonitor(CollectiveObserver):
             seen.setdefault(id(unit.group.process_group), unit.group)
         return list(seen.values())
 
-    def _stalled_at_agreement(self, waited: float) -> None:
-        """The forward agreement waited ``waited`` s: another rank may be
-        stuck in a data collective this rank will never issue. Compare the
-        flight logs of every data group (raises where they differ)."""
-        for group in self.groups():
-            if group.world_size > 1:
-                self.flight.stalled(group.process_group, None, waited)
-                self.flight.recovered(group.process_group)
+    def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str]) -> None:
+        """The forward agreement has waited ``waited`` s for the ranks of
+        ``elsewhere``. One that waits at a collective call of the library
+        will never come: raise. Every :func:`stall_seconds`, compare the
+        flight logs of every data group (a rank may be stuck in a data
+        collective this rank will never issue; raises where they differ)."""
+        other = {rank: what for rank, what in elsewhere.items() if what}
+        if other:
+            _raise_waiting_elsewhere(self._agreement.forwards, other)
+        if waited // stall_seconds() > self._agreement.stalls:
+            self._agreement.stalls += 1
+            for group in self.groups():
+                if group.world_size > 1:
+                    self.flight.stalled(group.process_group, None, waited)
+                    self.flight.recovered(group.process_group)
 
     # --------------------------------------------------------------- errors
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
@@ -412,6 +415,8 @@ class _Agreement:
         self.me: int = dist.get_rank()
         self.forwards: int = 0
         self.last_key: Optional[str] = None
+        self.stalls: int = 0
+        """Flight-log comparisons made while waiting at the current forward."""
 
     @classmethod
     def of(cls, group: ShardGroup) -> Optional["_Agreement"]:
@@ -419,25 +424,44 @@ class _Agreement:
         its replicas), or ``None`` over one rank or without a store. One
         tiny all-gather (at the root's lazy init) makes the model's number
         the same on every rank, whatever each rank set up before."""
-        ranks = fingerprint_ranks(group)
+        ranks = sorted(group.mesh.mesh.flatten().tolist())  # every shard group and replica
         if len(ranks) == 1:
             return None
         try:
-            dist.distributed_c10d._get_default_store()
+            default_store()
         except (RuntimeError, ValueError):
             return None  # no default group: nothing to meet through
-        members = tuple(sorted(ranks))
-        number = max(all_gather_fingerprints(cls._models.get(members, 0), group))
+        members = tuple(ranks)
+        number = agreed_max(cls._models.get(members, 0), group)
         cls._models[members] = number + 1
         return cls(ranks, f"fsdp_compose/agree/{'-'.join(map(str, members))}/{number}")
 
-    def exchange(self, row: list[int], stalled) -> list[list[int]]:
-        """Every rank's ``row`` for the next forward, in ``ranks`` order."""
+    def exchange(self, row: list[int], waiting) -> list[list[int]]:
+        """Every rank's ``row`` for the next forward, in ``ranks`` order
+        (``waiting`` as ``rendezvous.meet``'s)."""
         self.forwards += 1
+        self.stalls = 0
         key = f"{self.prefix}/{self.forwards}"
-        rows = agree_through_store(key, self.ranks, self.me, row, stalled, self.last_key)
+        values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
+                      f"the forward agreement of root forward #{self.forwards}", waiting,
+                      self.last_key)
         self.last_key = f"{key}/{self.me}"
-        return rows
+        left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
+                if value.startswith(LEFT)}
+        if left:
+            _raise_waiting_elsewhere(self.forwards, left)
+        return [[int(v) for v in value.split(",")] for value in values]
+
+
+def _raise_waiting_elsewhere(forward: int, where: dict[int, str]) -> None:
+    """Other ranks wait at (or raised at) another meeting of the library
+    while this rank starts root forward #``forward``."""
+    lines = "\n".join(f"  rank {rank} waits at {what}" for rank, what in where.items())
+    raise RuntimeError(
+        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank starts root forward "
+        f"#{forward} while other ranks wait at a collective call of fsdp_compose:\n{lines}\n"
+        "Collective calls (state_dict() values, clip_grad_norm_, unshard(), checkpoint saves, "
+        "...) must be made on every rank, at the same point of training.")
 
 
 def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> None:

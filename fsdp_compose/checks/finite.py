@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._torch_private import foreach_norm
 from ..runtime.owners import owner_of
 
 
@@ -41,7 +42,7 @@ def check_finite_gradients(module: nn.Module) -> None:
     code = torch.tensor(nothing, dtype=torch.int64, device=device)
     if grads:
         peaks = torch.stack([p.to(device, torch.float32)
-                             for p in torch._foreach_norm(grads, float("inf"))])
+                             for p in foreach_norm(grads, float("inf"))])
         codes = torch.tensor(positions, dtype=torch.int64, device=device) * world + rank
         code = torch.where(torch.isfinite(peaks), nothing, codes).min()
     if world > 1:

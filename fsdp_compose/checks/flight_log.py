@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .._torch_private import default_store
 from ..comm.flight import stall_seconds, watch
 
 RING_SIZE = 256
@@ -74,7 +75,7 @@ class FlightRecorder:
         others (they publish when their own waits stall) and raise what is
         known, naming the ranks that published nothing."""
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
         except (RuntimeError, ValueError):
             return  # no store: the backend's own error stands
         me = dist.get_rank()
@@ -103,7 +104,7 @@ class FlightRecorder:
     def recovered(self, process_group: dist.ProcessGroup) -> None:
         """The stalled wait finished: withdraw the published ring (stale)."""
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
             prefix = self._keys.get(process_group.group_name,
                                     f"{_PREFIX}/{process_group.group_name}")
             store.delete_key(f"{prefix}/{dist.get_rank()}")

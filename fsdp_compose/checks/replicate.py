@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch.nn as nn
-from torch.distributed._composable.contract import REGISTRY_KEY
+from .._torch_private import REGISTRY_KEY
 
 
 def is_replicated(module: nn.Module) -> bool:

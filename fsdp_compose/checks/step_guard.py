@@ -17,6 +17,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
 from ..runtime.owners import owner_of
 from ..runtime.training_state import TrainingState
@@ -49,7 +50,7 @@ def _managed_buffers(optimizer: Optimizer) -> list[tuple[ShardUnit, FlatBuffer]]
 
 
 def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
-    in_backward = torch._C._current_graph_task_id() != -1  # e.g. optimizer in backward hooks
+    in_backward = current_graph_task_id() != -1  # e.g. optimizer in backward hooks
     for unit, buffer in _managed_buffers(optimizer):
         fqn = buffer.records[0].fqn
         if unit.training_state is TrainingState.FORWARD or (unit.training_state is not TrainingState.IDLE

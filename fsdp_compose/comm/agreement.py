@@ -9,14 +9,12 @@ error together instead of one rank raising while the others hang.
 from __future__ import annotations
 
 import hashlib
-from datetime import timedelta
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_flat
-from .flight import stall_seconds
 from .groups import ShardGroup
 
 
@@ -56,6 +54,17 @@ def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
     return every
 
 
+def agreed_max(value: int, group: ShardGroup) -> int:
+    """The largest ``value`` over every rank of ``group``'s mesh (the shard
+    group's maximum, then the maximum of those over the replicas): the same
+    on every rank. Collective (one or two tiny all-gathers)."""
+    largest = max(_gather_int(value, group.process_group, group.world_size, group.device))
+    replicate = group.replicate_process_group
+    if replicate is not None and group.replicate_size > 1:
+        largest = max(_gather_int(largest, replicate, group.replicate_size, group.device))
+    return largest
+
+
 def fingerprint_ranks(group: ShardGroup, include_replicas: bool = True) -> list[int]:
     """The global rank behind each position of :func:`all_gather_fingerprints`'s
     result (for messages)."""
@@ -88,32 +97,8 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
 # collective, and no backend can abort on it): each rank writes a small
 # row (what it is about to do, what it did since the last agreement) under
 # a key numbered by the forward, waits for the other ranks' rows and
-# compares. A rank that is elsewhere (waiting in a data collective) makes
-# the others wait here, and the stall is reported through the flight log.
-# On CUDA no device is touched: comparing on the host needs no copy from it.
+# compares (``rendezvous.meet``). A rank that waits at a collective call of
+# the library instead is named at once ([Note: where each rank waits]); a
+# rank stuck in a data collective makes the others wait here, and the
+# stall is reported through the flight log. On CUDA no device is touched.
 
-
-def agree_through_store(prefix: str, ranks: Sequence[int], me: int, row: Sequence[int],
-                        stalled: Callable[[float], None],
-                        previous: Optional[str] = None) -> list[list[int]]:
-    """Every rank's ``row`` (integers), in the order of ``ranks``, exchanged
-    through the default store under ``prefix/<rank>``. Waits in slices of
-    :func:`~fsdp_compose.comm.flight.stall_seconds`, calling
-    ``stalled(waited)`` after each (it may raise a diagnosis). Then deletes
-    ``previous`` (this rank's key of the previous agreement: every rank has
-    read it once all keys of this one exist). Four store round trips."""
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"{prefix}/{rank}" for rank in ranks]
-    store.set(f"{prefix}/{me}", ",".join(str(v) for v in row))
-    waited, slice_seconds = 0.0, stall_seconds()
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=slice_seconds))
-            break
-        except (RuntimeError, dist.DistStoreError):
-            waited += slice_seconds
-            stalled(waited)
-    rows = [[int(v) for v in value.decode().split(",")] for value in store.multi_get(keys)]
-    if previous is not None:
-        store.delete_key(previous)
-    return rows

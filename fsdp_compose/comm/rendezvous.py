@@ -9,32 +9,37 @@ group's timeout (30 minutes by default), then fail with a backend error
 that names no call. :func:`arrive` runs before the call's first collective:
 every rank writes one key to the rendezvous store (torch.distributed's
 default store: no collective, nothing the backend can pair with another
-collective) and waits, at most :func:`call_timeout` seconds, for the keys
-of every member of the group. Missing keys raise, on the ranks that made
-the call, an error naming the call and the ranks that did not make it (or
-made another call there). Keys are named by the group and numbered by the
-group's collective sequence number and the calls since, so a group's calls
-pair by order, like its collectives, and a call made on some ranks only
-does not shift the pairing of later calls once the group ran a collective.
+collective) and waits for the keys of every member of the group. A member
+that waits at another meeting of the library (another call, a forward
+agreement) will never come: the call raises at once, on every rank that
+waits, naming where each rank is ([Note: where each rank waits]). A member
+at no meeting is late (a long evaluation on one rank) and is waited for up
+to :func:`call_timeout` (the collective timeout, 30 minutes, by default),
+with a line every ``LATE_NOTICE_SECONDS``; then the call raises naming it.
+Keys are named by the group and numbered by the group's collective
+sequence number and the calls since, so a group's calls pair by order,
+like its collectives, and a call made on some ranks only does not shift
+the pairing of later calls once the group ran a collective.
 
-Cost: three round trips to the store (set, wait, multi-get) plus the
-deletion of this rank's key of the group's previous call (every rank has
-read it once all keys of this call exist). Per-step callers check only in
-the verified iterations (``checked_now``), so the steady-state step pays
-nothing.
+Cost: four round trips to the store (set, check, multi-get, and the
+deletion of this rank's key of the group's previous call) when the ranks
+arrive together, so every call checks, per-step ones included.
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
-from typing import Optional, Sequence
+import sys
+import time
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from .._torch_private import default_store, sequence_number
+
 CALL_TIMEOUT_ENV = "FSDP_COMPOSE_CALL_TIMEOUT"
 """Seconds a rank waits for the others at a collective call (default 30)."""
-DEFAULT_CALL_TIMEOUT = 30.0
+DEFAULT_CALL_TIMEOUT = 1800.0  # torch's default collective timeout
 _PREFIX = "fsdp_compose/call"
 _calls: dict[str, tuple[int, int]] = {}
 """group name -> (its collective sequence number, calls made since it)."""
@@ -66,25 +71,116 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
     if len(ranks) == 1:
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
+        default_store()
     except (RuntimeError, ValueError):
         return  # no default group (a mesh of its own): nothing to meet through
     me = dist.get_rank()
     base = f"{_PREFIX}/{group.group_name}/{_next_number(group)}"
-    keys = [f"{base}/{rank}" for rank in ranks]
-    store.set(f"{base}/{me}", call)
     timeout = call_timeout()
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistStoreError):
-        _raise_missing(store, keys, ranks, me, call, fix, timeout)
-    names = [value.decode() for value in store.multi_get(keys)]
-    previous = _last_key.get(group.group_name)
-    if previous is not None:
-        store.delete_key(previous)  # every rank read it: all keys of this call exist
+    said = [0.0]
+
+    def waiting(waited: float, elsewhere: dict[int, str]) -> None:
+        other = {rank: where for rank, where in elsewhere.items() if where}
+        if other:  # a mismatch: they wait at another call, and will never come here
+            _raise(me, call, [], {}, fix, timeout, waiting_at=other)
+        if waited >= timeout:
+            _raise(me, call, sorted(elsewhere), {}, fix, timeout)
+        if waited - said[0] >= LATE_NOTICE_SECONDS:  # late, not (yet) wrong: say so
+            said[0] = waited
+            print(f"[rank {me}] fsdp_compose: {call} waits for ranks {sorted(elsewhere)}, which "
+                  f"have not reached any collective call of fsdp_compose yet ({waited:.0f} s of "
+                  f"{timeout:g} s, {CALL_TIMEOUT_ENV})", file=sys.stderr, flush=True)
+
+    names = meet(base, ranks, me, call, call, waiting, _last_key.get(group.group_name))
     _last_key[group.group_name] = f"{base}/{me}"
+    left = {r: n[len(LEFT):] for r, n in zip(ranks, names) if n.startswith(LEFT)}
+    if left:
+        _raise(me, call, [], {}, fix, timeout, waiting_at=left)
     if any(name != call for name in names):
         _raise(me, call, [], {r: n for r, n in zip(ranks, names) if n != call}, fix, timeout)
+
+
+# [Note: where each rank waits]
+# A rank that waits at a meeting (a collective call, a forward agreement)
+# writes what it waits at under ``fsdp_compose/where/<rank>`` and empties it
+# when it leaves. The others, waiting at their own meeting, read it for the
+# ranks they miss: a rank that waits at *another* meeting will never come
+# (a mismatch: raise at once, naming where it is); a rank at no meeting is
+# late (still computing, evaluating, loading) or gone, and is waited for up
+# to the call's timeout, with a line every ``LATE_NOTICE_SECONDS``. Polling
+# ``check`` (not the store's blocking ``wait``, whose time-outs log socket
+# warnings and raise ``DistStoreError``) keeps the error the first thing a
+# user reads.
+_WHERE = "fsdp_compose/where"
+POLL_SECONDS = 1.0
+"""How often a waiting rank reads where the ranks it misses are."""
+LATE_NOTICE_SECONDS = 30.0
+"""How often a rank waiting for late ranks says so."""
+_MAX_SLEEP = 0.002
+
+
+def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
+         waiting: Callable[[float, dict[int, str]], None],
+         previous: Optional[str] = None) -> list[str]:
+    """Every rank's ``value``, in the order of ``ranks``, exchanged through
+    the default store under ``prefix/<rank>`` (see [Note: where each rank
+    waits]). While some are missing, calls ``waiting(seconds waited,
+    {missing rank: what it waits at, "" if nothing})`` about every
+    :data:`POLL_SECONDS` (it may raise). A rank that raised while waiting
+    elsewhere leaves ``LEFT + <what it waited at>`` as its value here.
+    Deletes ``previous`` (this rank's key of its previous meeting in the
+    same series: every rank read it once all keys of this one exist).
+    Four store round trips when the ranks arrive together."""
+    store = default_store()
+    keys = [f"{prefix}/{rank}" for rank in ranks]
+    store.set(f"{prefix}/{me}", value)
+    if not store.check(keys):
+        _wait_for(store, keys, ranks, me, what, prefix, waiting)
+    values = [item.decode() for item in store.multi_get(keys)]
+    if previous is not None:
+        store.delete_key(previous)
+    return values
+
+
+LEFT = "!left "
+"""Starts the value a rank leaves at another rank's meeting when it raised
+while waiting at its own (the rest names where it waited)."""
+
+
+def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int, what: str,
+              prefix: str, waiting: Callable[[float, dict[int, str]], None]) -> None:
+    store.set(f"{_WHERE}/{me}", f"{what}\n{prefix}")
+    start = time.monotonic()
+    next_look, sleep = start + POLL_SECONDS, 5e-5
+    try:
+        while not store.check(keys):
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _MAX_SLEEP)
+            now = time.monotonic()
+            if now < next_look:
+                continue
+            next_look = now + POLL_SECONDS
+            missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+            elsewhere = {r: _where_of(store, r) for r in missing}
+            try:
+                waiting(now - start, {r: w for r, (w, at) in elsewhere.items() if at != prefix})
+            except BaseException:
+                for rank, (_, at) in elsewhere.items():
+                    if at and at != prefix:  # it waits for this rank there: tell it why not
+                        store.set(f"{at}/{me}", LEFT + what)
+                raise
+    finally:
+        store.set(f"{_WHERE}/{me}", "")
+
+
+def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
+    """(what ``rank`` waits at, the prefix of that meeting), or ("", "")
+    if it waits at none."""
+    key = f"{_WHERE}/{rank}"
+    if not store.check([key]):
+        return "", ""
+    what, _, at = store.get(key).decode().partition("\n")
+    return (what, at) if what else ("", "")
 
 
 def _next_number(group: dist.ProcessGroup) -> str:
@@ -93,7 +189,7 @@ def _next_number(group: dist.ProcessGroup) -> str:
     back in step after a call made on some ranks only as soon as the group
     runs its next collective (a local count alone would stay apart)."""
     try:
-        issued = group._get_sequence_number_for_group()
+        issued = sequence_number(group)
     except (RuntimeError, AttributeError):
         issued = -1  # a backend without sequence numbers: calls are counted alone
     seen, count = _calls.get(group.group_name, (issued, 0))
@@ -102,28 +198,16 @@ def _next_number(group: dist.ProcessGroup) -> str:
     return f"{issued}.{count}"
 
 
-def _raise_missing(store: dist.Store, keys: Sequence[str], ranks: Sequence[int], me: int,
-                   call: str, fix: str, timeout: float) -> None:
-    missing, other = [], {}
-    for rank, key in zip(ranks, keys):
-        if not store.check([key]):
-            missing.append(rank)
-            continue
-        name = store.get(key).decode()
-        if name != call:
-            other[rank] = name
-    _raise(me, call, missing, other, fix, timeout)
-
-
 def _raise(me: int, call: str, missing: list[int], other: dict[int, str], fix: str,
-           timeout: float) -> None:
-    parts = []
+           timeout: float, waiting_at: Optional[dict[int, str]] = None) -> None:
+    parts = [f"rank {rank} waits at {what} instead"
+             for rank, what in (waiting_at or {}).items()]
     if missing:
         parts.append(f"ranks {missing} did not call it within {timeout:g} s")
     if other:
         parts.append("; ".join(f"rank {rank} called {name} there instead"
                                for rank, name in other.items()))
-    raise CallMismatchError(
+    raise CallMismatchError(  # from no store error: this is the first thing a user reads
         f"[rank {me}] {call} is collective (every rank of its process group must call it, in "
         f"the same order as the other collective calls), but {', and '.join(parts)}. "
         f"Nothing was communicated. {fix} (The wait is {CALL_TIMEOUT_ENV} seconds, default "

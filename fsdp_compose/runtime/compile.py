@@ -15,6 +15,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .._torch_private import dynamo_disable
+
 _F = TypeVar("_F", bound=Callable)
 
 
@@ -24,7 +26,7 @@ def run_eagerly(fn: _F) -> _F:
     @functools.wraps(fn)
     def hook(*args, **kwargs):
         if torch.compiler.is_compiling():
-            return torch._dynamo.disable(fn, recursive=True)(*args, **kwargs)
+            return dynamo_disable(fn, recursive=True)(*args, **kwargs)
         return fn(*args, **kwargs)
 
     return hook  # type: ignore[return-value]

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from .._torch_private import post_accumulate_grad_hooks
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max
 from .observer import CollectiveObserver
@@ -100,5 +101,5 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
                 fresh += buffer.grad.publish(flags[start:start + count])
             start += count
     for param in fresh:
-        for hook in (param._post_accumulate_grad_hooks or {}).values():
+        for hook in post_accumulate_grad_hooks(param).values():
             hook(param)

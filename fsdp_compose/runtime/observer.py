@@ -55,13 +55,6 @@ class CollectiveObserver:
     def before_publish(self) -> None:
         """End of the last backward, before the used-flags all-reduce."""
 
-    def checks_calls(self) -> bool:
-        """Whether per-step collective calls (``clip_grad_norm_``,
-        ``param_norms``, ``unshard()``) meet at the store first now, so one
-        made on some ranks only raises naming it ([Note: call rendezvous]
-        in ``comm/rendezvous.py``): only in verified iterations."""
-        return False
-
     def will_verify(self) -> bool:
         """Whether the next iteration verifies every collective across
         ranks before issuing it (the runtime then keeps it unbucketed, so a

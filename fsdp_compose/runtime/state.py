@@ -15,10 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
-from torch.distributed._composable import contract
-from torch.distributed._composable_state import _State
 
+from .._torch_private import ComposableState as _State, contract, current_graph_task_id, queue_autograd_callback
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
 from .compile import run_eagerly
@@ -157,7 +155,7 @@ class _ShardState(_State):
         self.lazy_init()
         self.unit.check_materialized()
         self.pre_forward_check(self.context.root.unit.modules[0])
-        if self.is_root and torch._C._current_graph_task_id() == -1:
+        if self.is_root and current_graph_task_id() == -1:
             self._reset_unfinished_iteration()  # not a recomputation in backward
         if self.is_root and self.unit.training_state is TrainingState.IDLE:
             self.context.scheduler.start_iteration()  # not a recomputation inside backward
@@ -254,7 +252,7 @@ class _ShardState(_State):
         context = self.context
         if not context.backward_callback_queued:
             context.backward_callback_queued = True
-            Variable._execution_engine.queue_callback(context.root._finalize_backward)
+            queue_autograd_callback(context.root._finalize_backward)
         self.unit.pre_backward()
 
     def _finalize_backward(self) -> None:

@@ -8,7 +8,8 @@ import dataclasses
 from typing import Any, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
+
+from .._torch_private import pytree
 
 
 def iter_tensors(obj: Any):

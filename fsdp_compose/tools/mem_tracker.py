@@ -25,7 +25,8 @@ from __future__ import annotations
 import warnings
 
 import torch.nn as nn
-from torch.distributed._tools.mem_tracker import MemTracker
+
+from .._torch_private import MemTracker
 
 
 class ShardedMemTracker(MemTracker):

@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..._torch_private import TorchDispatchMode, fake_tensor_mode, local_scalar_dense_op, storage_key
 
 BatchFn = Callable[[nn.Module], Any]
 
@@ -17,7 +18,7 @@ class _ScalarReads(TorchDispatchMode):
     branch on values (Hugging Face: "is the attention mask all ones?")."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is local_scalar_dense_op():
             t = args[0]
             return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
         return func(*args, **(kwargs or {}))
@@ -31,8 +32,6 @@ def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
     their forward first ran, the bytes of the distinct storages autograd
     saved while each unit was the innermost one running, and the root's
     saved bytes by position (``[p]``: after ``p`` units had started)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     owner = {id(m): i for i, modules in enumerate(unit_modules) for m in modules}
     running: list[int] = []
     order: list[int] = []
@@ -49,7 +48,7 @@ def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
         running.pop()  # returns None: the output stays as it is
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = t.untyped_storage()._cdata
+        key = storage_key(t.untyped_storage())
         if key not in saved and key not in weights:
             saved[key] = t
             nbytes = t.untyped_storage().nbytes()
@@ -59,7 +58,7 @@ def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
                 root_acts[len(order)] += nbytes
         return t
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_tensor_mode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
     slots = [(table, name, t) for m in model.modules() for table in (m._parameters, m._buffers)
              for name, t in table.items() if t is not None]
@@ -68,7 +67,7 @@ def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
             if id(t) not in fakes:
                 fakes[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
                                                    device="cpu").requires_grad_(t.requires_grad)
-    weights = {fakes[id(p)].untyped_storage()._cdata for p in model.parameters()}
+    weights = {storage_key(fakes[id(p)].untyped_storage()) for p in model.parameters()}
     handles = [h for modules in unit_modules for m in modules
                for h in (m.register_forward_pre_hook(pre),
                          m.register_forward_hook(post, always_call=True))]

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..._setup import PlacementFn, assign_placements
+from ..._torch_private import CAN_SWAP_STORAGE_DATA
 from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
 from .._format import format_bytes
@@ -121,7 +122,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                 offload, backend == "gloo", backend == "gloo" and world_size > 1, prefetch,
                 reshard_after_forward,
                 buckets=group_consecutive([sum(p.unsharded) for p in forward], keys, cap),
-                kept=kept, root_late_grads=0 if split_root else
+                kept=kept, pooling=CAN_SWAP_STORAGE_DATA, root_late_grads=0 if split_root else
                 _late_root_grads(model, units, specs[-1], mp_policy))
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),

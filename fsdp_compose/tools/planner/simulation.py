@@ -160,6 +160,7 @@ class Step:
     reshard_after_forward: Optional[bool]
     buckets: list[list[int]] = field(default_factory=list)  # plan indices sharing collectives
     kept: frozenset = frozenset()  # plan indices kept from forward to backward (split root)
+    pooling: bool = True  # pool on: this torch can lend storages memory (CAN_SWAP_STORAGE_DATA)
     root_late_grads: int = 0  # root parameter gradients that arrive at its own backward only
 
     def estimate(self, world: int, backend: str, activations: Optional[int],
@@ -171,7 +172,7 @@ class Step:
         state += 4 * sum(p.trainable_params for p in plans) if self.adam else 0
         fixed = 0 if self.offload else sharded + state
         moments = list(self._moments())
-        pooled = self._pooled(moments) if self.pool else None
+        pooled = self._pooled(moments) if self.pool and self.pooling else None
         parts = []
         for index, m in enumerate(moments):
             unsharded = pooled[index] if pooled is not None else \

@@ -1,0 +1,293 @@
+"""Every private torch name fsdp_compose uses, in one place (issue 33).
+
+torch keeps no promise about names with a leading underscore (or about
+methods it does not document, such as ``PipelineStage.backward_maybe_with_nosync``):
+they move, change or disappear between minor versions. The package uses a
+few of them, because torch's composable FSDP2 does the same things with the
+same names and offers no public way. Every other module of the package takes
+them from here (``tests/test_torch_private.py`` fails on a private torch name
+anywhere else), so that what a new or an older torch breaks is found and
+fixed in this one file.
+
+Each name is looked up by feature, never by comparing version strings: a
+name this torch lacks becomes a stand-in that raises
+:class:`TorchFeatureMissing` when used, naming the torch installed, what is
+missing, what it is for and the torch that has it (or, where the package can
+do without it, a fallback, said next to the name). Nothing is imported from
+``fsdp_compose``: this module is the bottom layer, importable by every other
+(``pyproject.toml``, import-linter; ``docs/design.md`` §5).
+
+What counts as private, and what is exempt
+------------------------------------------
+Private: a module, function, class or attribute of torch whose dotted name
+has a component starting with ``_`` (``torch._C``, ``torch.distributed._composable``,
+``torch.utils._pytree``, ``placement_types._StridedShard``,
+``torch.Tensor._make_wrapper_subclass``), and private attributes of torch's
+objects (``UntypedStorage._swap_data_ptr_``, ``DTensor._local_tensor``,
+``DeviceMesh._get_root_mesh``). Exempt, used directly:
+
+* ``Tensor._version`` (the version counter autograd checks; the package
+  compares it to tell whether a parameter changed),
+* ``nn.Module``'s own dictionaries (``_parameters``, ``_buffers``,
+  ``_modules``): the package swaps parameter views in and out of
+  ``module._parameters`` as FSDP2 does,
+* the two methods the package overrides, which are checked to exist here
+  (:func:`require_override`): ``nn.Module._apply`` (``sharded_module.py``:
+  dtype and device conversion of sharded modules) and
+  ``PipelineStage.backward_maybe_with_nosync`` (``pipelining.py``).
+
+Supported torch: ``MIN_TORCH`` (``pyproject.toml``'s ``torch>=``) up to the
+newest tested version named in the README. On torch 2.11, every name below
+exists except ``UntypedStorage._swap_data_ptr_`` (added in 2.12), without
+which the CPU staging pool is off (:data:`CAN_SWAP_STORAGE_DATA`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+MIN_TORCH = "2.11"
+"""The oldest torch the package supports and tests (``pyproject.toml``);
+used in messages only: features are checked, not version strings."""
+
+
+class TorchFeatureMissing(RuntimeError):
+    """The installed torch lacks a private name that fsdp_compose needs."""
+
+
+MISSING_MARK = "__fsdp_compose_missing__"
+"""Attribute of every stand-in: the name this torch lacks."""
+
+
+def _message(name: str, purpose: str, since: Optional[str]) -> str:
+    needed = f"torch>={since}" if since else f"a torch that has it (fsdp_compose supports torch>={MIN_TORCH})"
+    return (f"fsdp_compose needs {name} ({purpose}), which torch {torch.__version__} does not "
+            f"have: install {needed}, or report the torch version in an issue if it is newer "
+            f"than the newest version the README lists as tested.")
+
+
+def _missing(name: str, purpose: str, since: Optional[str] = None, cls: bool = False) -> Any:
+    """A stand-in for a missing name: using it (calling, instantiating,
+    subclassing and then instantiating) raises :class:`TorchFeatureMissing`;
+    ``isinstance(x, stand_in)`` is ``False`` for every ``x``."""
+    message = _message(name, purpose, since)
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise TorchFeatureMissing(message)
+
+    if cls:
+        return type(name.rsplit(".", 1)[-1], (), {"__init__": fail, "__doc__": message,
+                                                  "__module__": __name__, MISSING_MARK: name})
+    fail.__doc__ = message
+    setattr(fail, MISSING_MARK, name)
+    return fail
+
+
+def _lookup(module: str, attr: str, purpose: str, since: Optional[str] = None,
+            cls: bool = False) -> Any:
+    """``module.attr`` if this torch has it, else a stand-in (:func:`_missing`)."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return _missing(f"{module}.{attr}", purpose, since, cls)
+
+
+def _method(owner: Any, attr: str, purpose: str, since: Optional[str] = None) -> Any:
+    """``owner.attr`` (an unbound method or a function) if this torch has it,
+    else a stand-in."""
+    found = getattr(owner, attr, None)
+    if found is None:
+        return _missing(f"{getattr(owner, '__module__', '')}.{getattr(owner, '__name__', owner)}.{attr}",
+                        purpose, since)
+    return found
+
+
+# ----------------------------------------------------------- composable API
+# runtime/state.py, checks/replicate.py: the state of each fully_shard call
+# lives in torch's composable-API registry, as FSDP2's and replicate's do.
+contract: Callable[..., Any] = _lookup(
+    "torch.distributed._composable", "contract", "registering fully_shard as a composable API")
+REGISTRY_KEY: str = _lookup("torch.distributed._composable.contract", "REGISTRY_KEY",
+                            "reading the composable-API registry of a module")
+ComposableState: type = _lookup("torch.distributed._composable_state", "_State",
+                                "the base class of fully_shard's per-module state", cls=True)
+
+# ----------------------------------------------------------------- autograd
+_current_graph_task_id = _method(torch._C, "_current_graph_task_id",
+                                 "telling whether autograd is running a backward")
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward autograd is running on this thread, ``-1`` outside one."""
+    return _current_graph_task_id()
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward now running ends (FSDP2's end-of-backward hook)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        _missing("torch.autograd.Variable._execution_engine.queue_callback",
+                 "running the end of backward")()
+    queue(callback)
+
+
+unsafe_preserve_version_counter: Callable[..., Any] = _lookup(
+    "torch.autograd.grad_mode", "_unsafe_preserve_version_counter",
+    "writing the unsharded buffer without bumping its version counter")
+unsafe_set_version_counter: Callable[..., Any] = _method(
+    torch._C._autograd, "_unsafe_set_version_counter",
+    "restoring the unsharded buffer's version counter after the all-gather")
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> dict:
+    """The hooks ``param.register_post_accumulate_grad_hook`` registered
+    (empty when none); the end of backward runs them for gradients it publishes."""
+    try:
+        return param._post_accumulate_grad_hooks or {}
+    except AttributeError:
+        _missing("torch.Tensor._post_accumulate_grad_hooks",
+                 "running post-accumulate-grad hooks on reduced gradients")()
+        raise  # unreachable
+
+
+# ------------------------------------------------------------------ storage
+_swap_data_ptr = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+
+CAN_SWAP_STORAGE_DATA: bool = _swap_data_ptr is not None
+"""Whether this torch can move memory from one storage object to another
+(``UntypedStorage._swap_data_ptr_``, torch>=2.12). Without it the CPU staging
+pool (``buffers/staging.py``) is off: unsharded buffers are allocated and
+freed as on CUDA (the same values, more page faults on the CPU)."""
+
+
+def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (data pointers and sizes) of two storages; each
+    storage object stays the one its tensors and views point at."""
+    if _swap_data_ptr is None:
+        _missing("torch.UntypedStorage._swap_data_ptr_",
+                 "moving memory between storages (the CPU staging pool)", since="2.12")()
+    _swap_data_ptr(a, b)
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An id of the storage's memory block that is shared by every tensor on
+    it, fake tensors included (``_cdata``: the address of torch's StorageImpl)."""
+    return storage._cdata
+
+
+# ---------------------------------------------------------------- collectives
+_get_default_store = _lookup("torch.distributed.distributed_c10d", "_get_default_store",
+                             "the rendezvous store of the default process group")
+
+
+def default_store() -> dist.Store:
+    """The store of the default process group (rank divergence and call
+    rendezvous meet there)."""
+    return _get_default_store()
+
+
+def sequence_number(group: dist.ProcessGroup) -> int:
+    """The count of collectives issued on ``group`` (the backend's sequence
+    number). Raises ``RuntimeError`` or ``AttributeError`` where the backend
+    or this torch has none; the caller counts calls alone then."""
+    return group._get_sequence_number_for_group()
+
+
+foreach_norm: Callable[..., Any] = _method(torch, "_foreach_norm", "norms of many tensors at once")
+foreach_mul_: Callable[..., Any] = _method(torch, "_foreach_mul_", "scaling many tensors at once")
+_privateuse1_backend_name = _method(torch._C, "_get_privateuse1_backend_name",
+                                    "the name of an out-of-tree device backend")
+
+
+def privateuse1_backend_name() -> str:
+    return _privateuse1_backend_name()
+
+
+# ------------------------------------------------------------ DTensor and DCP
+StridedShard: type = _lookup("torch.distributed.tensor.placement_types", "_StridedShard",
+                             "FSDP2's placement of tensor-parallel shards (FSDP x TP)", cls=True)
+DTensorSpec: type = _lookup("torch.distributed.tensor._dtensor_spec", "DTensorSpec",
+                            "building a DTensor around a lazy chunk", cls=True)
+TensorMeta: type = _lookup("torch.distributed.tensor._dtensor_spec", "TensorMeta",
+                           "building a DTensor around a lazy chunk", cls=True)
+compute_local_shape_and_global_offset: Callable[..., Any] = _lookup(
+    "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
+    "the offsets of a rank's chunk in a state dict")
+create_write_items_for_dtensor: Callable[..., Any] = _lookup(
+    "torch.distributed.checkpoint.planner_helpers", "_create_write_items_for_dtensor",
+    "planning a checkpoint write of a DTensor")
+flatten_state_dict: Callable[..., Any] = _lookup(
+    "torch.distributed.checkpoint._nested_dict", "flatten_state_dict",
+    "flattening nested state dicts as DCP's planners do")
+
+
+def get_root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced from (itself when not a slice)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is None:
+        _missing("torch.distributed.device_mesh.DeviceMesh._get_root_mesh",
+                 "matching a tensor-parallel mesh to the data-parallel one")()
+    return get()
+
+
+def local_tensor(value: Any) -> torch.Tensor:
+    """A ``DTensor``'s local tensor itself (``to_local()`` may return a new
+    tensor object; the lazy checkpoint chunks need the object)."""
+    return value._local_tensor
+
+
+def dtensor_spec(value: Any) -> Any:
+    """A ``DTensor``'s spec (mesh, placements, global shape and stride)."""
+    return value._spec
+
+
+make_wrapper_subclass: Callable[..., Any] = _method(
+    torch.Tensor, "_make_wrapper_subclass", "tensors with a shape but no memory (lazy chunks)")
+
+# ------------------------------------------------------------------ pytree
+pytree: ModuleType = importlib.import_module("torch.utils._pytree")
+"""torch's pytree (``tree_map``, ``tree_leaves``, ``SUPPORTED_NODES``)."""
+
+# ------------------------------------------------------------ tracing tools
+TorchDispatchMode: type = _lookup("torch.utils._python_dispatch", "TorchDispatchMode",
+                                  "watching the ops of a traced forward (memory planner)", cls=True)
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """``torch._subclasses.fake_tensor.FakeTensorMode(**kwargs)`` (imported on first use)."""
+    return _lookup("torch._subclasses.fake_tensor", "FakeTensorMode",
+                   "tracing a model without memory (memory planner)", cls=True)(**kwargs)
+
+
+def local_scalar_dense_op() -> Any:
+    """The op behind ``Tensor.item()`` (``aten._local_scalar_dense``)."""
+    op = getattr(torch.ops.aten, "_local_scalar_dense", None)
+    if op is None:
+        _missing("torch.ops.aten._local_scalar_dense", "seeing scalar reads in a traced forward")()
+    return op.default
+
+
+MemTracker: type = _lookup("torch.distributed._tools.mem_tracker", "MemTracker",
+                           "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
+
+
+def dynamo_disable(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
+    """``torch._dynamo.disable(fn, recursive=...)``; ``torch._dynamo`` is imported on first use."""
+    disable = _lookup("torch._dynamo", "disable", "running hooks outside torch.compile's graphs")
+    return disable(fn, recursive=recursive)
+
+
+# --------------------------------------------------------------- overrides
+def require_override(owner: type, name: str, purpose: str) -> None:
+    """Check that ``owner`` still has the non-public method ``name`` that a
+    package class overrides: a torch that renamed it would skip the override
+    silently."""
+    if not callable(getattr(owner, name, None)):
+        raise TorchFeatureMissing(_message(f"{owner.__module__}.{owner.__qualname__}.{name}",
+                                           purpose, None))
