@@ -228,11 +228,11 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 4,
     times = [t for t, *_ in series]
     setup_end = phases["setup"][1]
     result["sharded_params"] = series[bisect.bisect_right(times, setup_end) - 1][1]
-    # Steady-state steps (every step after the first) are measured and the
-    # least disturbed one is kept: gloo's worker thread may still hold the
-    # tensors of a finished collective for a moment after wait() returns,
-    # which adds a unit-sized copy to a step at random under load (not part
-    # of the schedule the planner models; a modelling error shows in every step).
+    # Every steady-state step (after the first, with the last step's buckets)
+    # is measured and checked: the library frees what gloo's worker thread
+    # may still hold ([Note: freeing a reduced gradient], [Note: freeing the
+    # packed temporaries]), so each step's memory is what the library
+    # allocates, whatever the thread scheduling.
     measured = []
     result["buckets"] = active[-1]
     for step in (s for s in range(1, steps) if active[s] == active[-1]):
@@ -249,7 +249,7 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 4,
             "peak_no_comm": rest[1] - rest[2] - rest[3] - stale(rest),
             "stale": stale(rest),
             "activations": max(e[3] for e in window)})
-    result.update(min(measured, key=lambda m: m["peak_no_comm"]))
+    result["steps"] = measured
     return result
 
 
@@ -269,26 +269,14 @@ def _flat_buffers(model):
 
 
 # ------------------------------------------------------------ validation
-def _whole_copies(extra: int, sizes: list[int], slack: int = 256) -> bool:
-    """Whether ``extra`` bytes are (up to ``slack``) a sum of unit-sized
-    copies, each unit at most twice (this step's and the last one's)."""
-    sums = {0}
-    for size in sizes:
-        sums = {t + k * size for t in sums for k in range(3)}
-    return any(abs(extra - t) <= slack for t in sums)
-
-
 @pytest.mark.parametrize("name,kind,cap_mb", [
     ("gpt", "blocks", None), ("llama", "blocks", None), ("gpt", "finer", None),
     ("many", "blocks", MANY_CAP), ("many", "split", MANY_CAP)])
 def test_estimate_matches_measured_memory(name, kind, cap_mb):
-    """Up to three measurements, each on fresh ranks' models: gloo's worker
-    thread sometimes keeps a finished collective's buffers through every
-    measured step of a run (about 1 run in 10 on a quiet machine, on the code
-    before and after round 3; not part of the schedule the planner models).
-    A modelling error is deterministic and fails every attempt. ``cap_mb``
-    ``None``: bucketing at the library's default on both sides; ``"many"``:
-    8 small blocks bucketed by three (``"split"``: with the root split by
+    """Every steady-state step of a 2-rank run against the estimate
+    (deterministic: no retry, whatever the load). ``cap_mb`` ``None``:
+    bucketing at the library's default on both sides; ``"many"``: 8 small
+    blocks bucketed by three (``"split"``: with the root split by
     ``fully_shard_root``, its parts kept from forward to backward)."""
     model = meta_model(name)
     units = annotation(model, kind)
@@ -298,21 +286,14 @@ def test_estimate_matches_measured_memory(name, kind, cap_mb):
     unbucketed = estimate_memory(model, 2, **(options | {"bucket_cap_mb": 0}))
     if name == "many":
         assert len(est.buckets) == 3 and not unbucketed.buckets
-    copies = _collective_sizes(model, kind, est)  # what gloo may keep
-    failures = []
-    for _ in range(3):
-        measured = run_distributed(2, _train_and_measure, name, kind, 4, cap_mb, timeout=120)
-        try:
-            for rank, m in enumerate(measured):
-                assert m["buckets"] == list(est.buckets), (m["buckets"], est.buckets)
-                _check_measured(f"{name} {kind} rank {rank}", m, est, forgetful, copies)
-                if est.buckets:  # the measurement tells the bucketed schedule apart
-                    assert m["peak_no_comm"] != pytest.approx(unbucketed.state_peak,
-                                                              rel=TOLERANCE), m
-            return
-        except AssertionError as error:
-            failures.append(str(error))
-    raise AssertionError("every attempt differed from the estimate:\n" + "\n".join(failures))
+    measured = run_distributed(2, _train_and_measure, name, kind, 4, cap_mb, timeout=120)
+    for rank, m in enumerate(measured):
+        assert m["buckets"] == list(est.buckets), (m["buckets"], est.buckets)
+        _check_measured(f"{name} {kind} rank {rank}", m, est, forgetful)
+        if est.buckets:  # the measurement tells the bucketed schedule apart
+            for step in m["steps"]:
+                assert step["peak_no_comm"] != pytest.approx(unbucketed.state_peak,
+                                                             rel=TOLERANCE), m
 
 
 def annotated_units(model: nn.Module, kind: str) -> list:
@@ -333,40 +314,25 @@ def _label(model: nn.Module, modules) -> str:
     return f"[{joined}]" if len(modules) > 1 else joined
 
 
-def _collective_sizes(model: nn.Module, kind: str, est: MemoryEstimate) -> list[int]:
-    """The bytes of what gloo may keep of a finished collective (fp32): a
-    unit's buffer, a bucket's packed buffer (F*T) and its reduced chunk (T)."""
-    units = annotated_units(model, kind)
-    done, sizes = 0, {}
-    for k, unit in enumerate(units):
-        layouts = _layouts(model, 2, units[:k + 1])
-        sizes[_label(model, unit)] = sum(lay.padded_numel * 4 for lay, _ in layouts[done:])
-        done = len(layouts)
-    buckets = [sum(sizes[n] for n in b) for b in est.buckets]
-    return list(sizes.values()) + buckets + [size // 2 for size in buckets]
-
-
-def _check_measured(what: str, m: dict, est, forgetful, copies: list[int]) -> None:
-    where = f"{what}: estimate {est.to_dict()}, measured {m}"
+def _check_measured(what: str, result: dict, est, forgetful) -> None:
+    where = f"{what}: estimate {est.to_dict()}, measured {result}"
     # the arithmetic of the sharded state, against the tensors themselves
-    assert m["sharded_params"] == pytest.approx(est.sharded_params, rel=0.01), where
-    assert m["grads"] == est.grads, where
-    assert m["optimizer_state"] == pytest.approx(est.optimizer_state, rel=0.01), where
-    # params + grads + optimizer state + unsharded buffers, at their peak; or
-    # exactly that plus whole unit-sized copies (to 256 bytes) that gloo kept
-    assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE) or \
-        _whole_copies(m["peak_no_comm"] - est.state_peak, copies), where
-    assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
-    # what the step held of earlier steps (not counted above) is whole
-    # collective buffers, nothing else (up to a few scalars)
-    assert _whole_copies(m["stale"], copies, slack=1024), where
-    # the peak moment with gloo's copies: the estimated copies are there,
-    # the rest of the moment matches, and anything more is whole copies
-    # of earlier reduce-scatter inputs that gloo kept (not estimated)
-    parts = est.peak_parts
-    assert m["peak"] - m["comm_at_peak"] == pytest.approx(
-        est.total_peak - parts.comm_staging, rel=TOLERANCE), where
-    assert _whole_copies(m["comm_at_peak"] - parts.comm_staging, copies), where
+    assert result["sharded_params"] == pytest.approx(est.sharded_params, rel=0.01), where
+    assert result["grads"] == est.grads, where
+    assert result["optimizer_state"] == pytest.approx(est.optimizer_state, rel=0.01), where
+    assert result["steps"], where
+    for m in result["steps"]:
+        # params + grads + optimizer state + unsharded buffers, at their peak
+        assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE), where
+        assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
+        # the same bytes in every step: what the library allocates does not
+        # depend on when gloo's threads let go of finished collectives
+        assert m["peak_no_comm"] == result["steps"][0]["peak_no_comm"], where
+        # nothing of earlier steps is held (up to a few scalars)
+        assert m["stale"] <= 1024, where
+    # What gloo allocates inside its collectives (``comm_at_peak``, and so
+    # the moment of the total peak) depends on its threads' timing: the
+    # estimate's total peak is compared in benchmarks/, not here.
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

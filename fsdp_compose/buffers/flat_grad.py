@@ -98,6 +98,25 @@ class _PendingReplica(NamedTuple):
     options: ReduceOptions
 
 
+def _release_input(flat_grad: torch.Tensor, output: torch.Tensor) -> None:
+    """The reduction of ``flat_grad`` is done: free its memory now.
+
+    [Note: freeing a reduced gradient]
+    The flat gradient is the library's own (taken from ``unsharded.grad``
+    or cast from it), and nothing reads it once its reduction was waited.
+    Dropping our reference is not enough to free it: a gloo work keeps its
+    tensors until its worker thread lets go of the work, which happens when
+    the thread gets to it (through every later step of a run, now and
+    then), so the memory the process holds would depend on thread
+    scheduling. Resizing the storage to 0 frees it at this point whatever
+    gloo's thread still holds (an empty storage). CPU only: on CUDA the
+    caching allocator and NCCL's stream recording already free it in
+    stream order. Not when ``output`` is ``flat_grad`` (one rank)."""
+    if flat_grad.device.type == "cpu" and \
+            flat_grad.untyped_storage().data_ptr() != output.untyped_storage().data_ptr():
+        flat_grad.untyped_storage().resize_(0)
+
+
 class FlatGradient:
     """Gradient state of one flat buffer (see the module docstring)."""
 
@@ -236,6 +255,7 @@ class FlatGradient:
         self._reduce = None
         owner = self.owner
         wait_watched(pending.work, owner.group.process_group)
+        _release_input(pending.flat_grad, pending.output)
         group = owner.group
         if group.replicate_process_group is not None and group.replicate_size > 1:
             work = all_reduce_replicas(pending.output, group, *pending.options, async_op=True)
