@@ -375,12 +375,10 @@ def _sharded_wide_stack_on_meta() -> WideStack:
     return model
 
 
-def materialize_memory(attempts: int = 3) -> dict:
-    """gloo's worker thread can hold a finished all-gather's output for a
-    moment after ``wait()`` returns, so one run may count a unit twice by
-    chance. The peak kept is the least disturbed of ``attempts`` runs on fresh
-    models: a regression that holds more than one unit is deterministic and
-    shows in every run."""
+def materialize_memory() -> dict:
+    """The live bytes of one ``materialize`` on a fresh model (deterministic:
+    the library frees each whole unit when it closes it, whatever gloo's
+    worker thread still holds of the all-gather)."""
     _, world = rank_world()
     model = _sharded_wide_stack_on_meta()
     # the cost of gathering one unit here: the gathered buffer, plus whatever the
@@ -391,20 +389,14 @@ def materialize_memory(attempts: int = 3) -> dict:
         full = torch.empty(shard.numel() * world)
         dist.all_gather_into_tensor(full, shard)
     del full, shard
-    peaks, ends = [], []
-    for attempt in range(attempts):
-        if attempt:
-            model = _sharded_wide_stack_on_meta()
-        torch.manual_seed(0)
-        with _LiveBytes() as during:
-            materialize(model)
-        peaks.append(during.peak)
-        ends.append(during.end)
+    torch.manual_seed(0)
+    with _LiveBytes() as during:
+        materialize(model)
     # the tracker sees gathers: every unit whole at once
     with _LiveBytes() as all_whole:
         model.unshard(recurse=True)
     model.reshard(recurse=True)
-    return {"peak": min(peaks), "end": min(ends), "all_whole_peak": all_whole.peak,
+    return {"peak": during.peak, "end": during.end, "all_whole_peak": all_whole.peak,
             "one_gather_peak": one_gather.peak, "values": _full_state(model)}
 
 

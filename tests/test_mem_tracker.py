@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fsdp_compose import PrefetchPolicy
+from fsdp_compose._torch_private import CAN_SWAP_STORAGE_DATA
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.tools import ShardedMemTracker
@@ -149,15 +150,12 @@ def test_mem_tracker_peak_matches_the_profiler():
     through backward, where the peak is (before the fix the tracker's peak
     missed it). By default, memory no fill will take this iteration is
     freed at once: nothing is left in the pool at the end of backward.
-    Up to three measurements: in about 1 run in 5 gloo keeps a finished
-    collective's buffer (one root-sized gradient here) past the moment the
-    tracker saw it freed (see tests/test_planner.py); a pool the tracker
-    cannot see is missed in every run."""
-    for _ in range(3):
-        results = run_distributed(2, _both_pool_modes)
-        if all(_agree(r) for pair in results for r in pair):
-            break
+    One measurement: a reduced gradient gloo's thread still holds is freed
+    by the library at once ([Note: freeing a reduced gradient]), so the
+    tracker and the profiler see the same frees whatever the load."""
+    results = run_distributed(2, _both_pool_modes)
     for retained, default in results:
         assert _agree(retained) and _agree(default), (retained, default)
-        assert retained["pooled_now"] > 0.04 * retained["profiled"], retained  # a real test
+        if CAN_SWAP_STORAGE_DATA:  # else (torch<2.12) the pool is off and holds nothing
+            assert retained["pooled_now"] > 0.04 * retained["profiled"], retained  # a real test
         assert default["pooled_at_end"] == [0, 0], default
