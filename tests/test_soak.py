@@ -20,10 +20,12 @@ live tensors found by ``gc.get_objects()`` and the bytes of their storages
 (plus loose ``UntypedStorage`` objects, e.g. the CPU staging pool), tensors
 still holding an autograd graph, all gc-tracked objects, hooks (module
 forward/backward hooks, hooks on the flat buffers' unsharded tensors, global
-optimizer hooks), the process RSS, and the step's wall time. After warm-up
-none of the counts may grow, RSS may grow by a small slack only, and the
-fastest step of the last quarter is compared with the second quarter's (the
-fastest, not the median: this runs on shared machines).
+optimizer hooks) and the process RSS. After warm-up none of the counts may
+grow; in the long run (``-m slow``) RSS may grow by a small slack only (what
+the process holds moves with the allocator and gloo's threads, so the short
+run counts what the library allocates only). Step time is not asserted
+here: timings belong in benchmarks (``benchmarks/``), a test must not
+depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ CENSUSES = 8  # gc.get_objects() censuses per run
 MICRO = 2
 PER_RANK = 4
 RSS_SLACK = 2 << 20  # bytes: allocator noise on a tiny model
-TIME_FACTOR = 1.5  # generous: the machine is shared
 
 
 def _build() -> nn.Module:
@@ -176,7 +177,7 @@ def _not_growing(series: list, warm: int, slack: float, what: str) -> None:
         f"{what} grew after warm-up: {settled}, then up to {max(later)} (series {series})"
 
 
-def check_flat(per_rank: list[dict], steps: int) -> None:
+def check_flat(per_rank: list[dict], steps: int, check_rss: bool = False) -> None:
     for rank, s in enumerate(per_rank):
         assert all(torch.isfinite(torch.tensor(s["loss"]))), f"rank {rank}: loss {s['loss']}"
         # by the end of the first quarter: optimizer state, staging pools and
@@ -188,15 +189,8 @@ def check_flat(per_rank: list[dict], steps: int) -> None:
         # gc-tracked objects: Python's own caches may still settle a little
         # (a leak of one object per step would not fit this slack)
         _not_growing(s["objects"], census_warm, 32, f"rank {rank}: gc objects")
-        _not_growing(s["rss"], warm, RSS_SLACK, f"rank {rank}: RSS")
-        # The fastest step of a quarter is what the work costs; medians move
-        # with whatever else runs on this (shared) machine.
-        t = s["time"]
-        q = len(t) // 4
-        early, late = min(t[q:2 * q]), min(t[3 * q:])
-        assert late <= TIME_FACTOR * early + 2e-3, \
-            f"rank {rank}: fastest step {late * 1e3:.1f} ms in the last quarter vs " \
-            f"{early * 1e3:.1f} ms in the second"
+        if check_rss:
+            _not_growing(s["rss"], warm, RSS_SLACK, f"rank {rank}: RSS")
 
 
 def test_soak_short():
@@ -207,4 +201,4 @@ def test_soak_short():
 @pytest.mark.slow
 def test_soak_long():
     per_rank = run_distributed(WORLD, soak, LONG_STEPS, timeout=60 + 0.5 * LONG_STEPS)
-    check_flat(per_rank, LONG_STEPS)
+    check_flat(per_rank, LONG_STEPS, check_rss=True)
