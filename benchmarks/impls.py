@@ -55,7 +55,8 @@ def build_fsdp1(model: GPT) -> nn.Module:
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
                        placement: str = "flat", bucket_cap_mb: Optional[float] = None,
-                       split_root: bool = False) -> nn.Module:
+                       split_root: bool = False, check_divergence: Optional[bool] = None
+                       ) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
@@ -75,6 +76,8 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
         model.set_bucket_cap_mb(bucket_cap_mb)
     if retain_staging:
         model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
+    if check_divergence is not None:
+        model.set_check_rank_divergence(check_divergence)
     # the gloo setting is process-wide: each variant sets its own at its forward
     def set_gloo_path(*_) -> None:
         set_gloo_reduce_scatter_via_all_reduce(gloo_all_reduce)
@@ -99,6 +102,8 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_rows": functools.partial(build_fsdp_compose, placement="rows"),
     "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
     "fsdp_compose_nobucket": functools.partial(build_fsdp_compose, bucket_cap_mb=0),
+    # no forward agreement (nor verification): its cost, against "fsdp_compose"
+    "fsdp_compose_noagree": functools.partial(build_fsdp_compose, check_divergence=False),
     "fsdp_compose_bucket1": functools.partial(build_fsdp_compose, bucket_cap_mb=1),
     "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
 }

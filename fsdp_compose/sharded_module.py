@@ -244,7 +244,9 @@ class ShardedModule:
         training iterations, with any evaluation forward among them; at most
         8 root forwards without gradients), or every iteration when the
         environment variable ``FSDP_COMPOSE_CHECK_ORDER=1`` is set;
-        ``False``: never. Call it on
+        ``False``: never, and no forward agreement either (the store
+        meeting that starts every root forward, [Note: forward agreement]:
+        an evaluation on one rank then ends in gloo's abort). Call it on
         the root; it takes effect at the next forward of the root. The
         end-of-backward fingerprint check is always on (no extra
         collective). See [Note: rank divergence] in ``checks/divergence.py``.

@@ -73,7 +73,7 @@ def one_process(tmp_path_factory) -> list[float]:
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "1",
                            "examples/train_gpt.py", *MODEL, "--batch-per-rank", "8", "--compare",
                            "--out-dir", str(out)], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=180)
+                          text=True, timeout=600)  # a hang detector: generous under load
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _losses(out, "ddp")
 

@@ -195,7 +195,7 @@ class DivergenceMonitor(CollectiveObserver):
         agree with the other ranks on what this forward is (see [Note:
         forward agreement]), then decide whether this iteration verifies."""
         self.iterations += 1
-        if self._agreement is not None:
+        if self._agreement is not None and self.forced is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
                    self._since_agreement >> 1]
             rows = self._agreement.exchange(row, self._waiting_at_agreement)
