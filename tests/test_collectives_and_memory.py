@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compose import PrefetchPolicy
+from fsdp_compose._torch_private import CAN_SWAP_STORAGE_DATA
 from tests._owners import buffer_of
 from fsdp_compose.runtime.training_state import TrainingState
 from fsdp_compose.runtime.state import state_of
@@ -222,6 +223,8 @@ def staging_pool_is_reused(retain: bool):
     return sizes, root_bytes, block_bytes
 
 
+@pytest.mark.skipif(not CAN_SWAP_STORAGE_DATA, reason="this torch has no "
+                    "UntypedStorage._swap_data_ptr_ (torch<2.12): the staging pool is off")
 def test_staging_pool_is_reused():
     sizes, root_bytes, block_bytes = run_distributed(2, staging_pool_is_reused, True)[0]
     assert sizes[0] == sizes[1] == sizes[2] > 0

@@ -79,6 +79,8 @@ def test_setters_accept_recurse(name):
     positionally exactly where FSDP2 takes it so."""
     params = inspect.signature(getattr(ShardedModule, name)).parameters
     assert "recurse" in params and params["recurse"].default is True
+    if not hasattr(torch_fsdp.FSDPModule, name):  # torch 2.11 has no set_reduce_scatter_unused_params
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 has no {name} to compare with")
     theirs = inspect.signature(getattr(torch_fsdp.FSDPModule, name)).parameters
     if "recurse" in theirs:
         assert params["recurse"].kind == theirs["recurse"].kind

@@ -133,7 +133,8 @@ def _run_steps(schedule, modules, optim_name, mesh, steps, count_step) -> dict:
     losses, counts, resharded = [], None, []
     for step in range(steps):
         x, y = global_batch(step, 2)
-        x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        # contiguous: torch 2.11's stage checks the inputs' strides against input_args
+        x, y = x.chunk(2)[dp_rank].contiguous(), y.chunk(2)[dp_rank]
         counter = CollectiveCounter()
         with counter if step == count_step else _null():
             if pp_rank == 0:
