@@ -283,3 +283,18 @@ def gather_master_params(model: nn.Module) -> dict:
         offset, numel = buffer.layout.offsets[index], buffer.layout.numels[index]
         out[name] = gathered[id(buffer)][offset:offset + numel].view(buffer.layout.shapes[index]).clone()
     return out
+
+
+def assert_diverged_on_every_rank(results, at_step: int, *expected: str,
+                                  start: str = "fully_shard ranks diverged") -> None:
+    """Every rank's result is (step, seconds into it, message) of an error
+    raised at ``at_step`` within 60 s, starting ``[rank r] <start>`` and
+    containing each of ``expected``."""
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} trained through the divergence"
+        step, seconds, message = result
+        assert step == at_step, f"rank {rank}: raised at step {step}: {message}"
+        assert seconds < 60, f"rank {rank} took {seconds:.1f} s"
+        assert message.startswith(f"[rank {rank}] {start}"), message
+        for text in expected:
+            assert text in message, message

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose.comm.flight import STALL_ENV
-from tests._training import shard_on_a_new_group
+from tests._training import assert_diverged_on_every_rank, shard_on_a_new_group
 from tests.harness import run_distributed
 
 STALL = 3
@@ -79,28 +79,17 @@ def train_with_odd_rank(steps: int, at_step: int, what: str, bucket_cap_mb: floa
     return None
 
 
-def _check(results, at_step: int, *expected: str) -> None:
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} trained through the divergence"
-        step, seconds, message = result
-        assert step == at_step, f"rank {rank}: raised at step {step}: {message}"
-        assert seconds < 60, f"rank {rank} took {seconds:.1f} s"
-        assert message.startswith(f"[rank {rank}] fully_shard ranks diverged"), message
-        for text in expected:
-            assert text in message, message
-
-
 @pytest.mark.parametrize("bucket_cap_mb", [0.0, 4.0])
 def test_an_evaluation_on_one_rank_at_step_3_is_named_on_every_rank(bucket_cap_mb):
     results = run_distributed(2, train_with_odd_rank, 6, 3, "eval", bucket_cap_mb, timeout=90)
-    _check(results, 3, "ranks [0] are starting a forward of the root without gradients",
+    assert_diverged_on_every_rank(results, 3, "ranks [0] are starting a forward of the root without gradients",
            "ranks [1] start one with gradients", "nothing was communicated")
 
 
 @pytest.mark.slow
 def test_an_evaluation_on_one_rank_at_step_100_is_named_on_every_rank():
     results = run_distributed(2, train_with_odd_rank, 102, 100, "eval", timeout=200)
-    _check(results, 100, "ranks [0] are starting a forward of the root without gradients")
+    assert_diverged_on_every_rank(results, 100, "ranks [0] are starting a forward of the root without gradients")
 
 
 def test_a_forward_without_backward_on_one_rank_is_named_on_every_rank():
