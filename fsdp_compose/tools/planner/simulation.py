@@ -36,7 +36,8 @@ With ``backend="gloo"`` (CPU): each all-gather in flight stages a copy of
 its output; a reduce-scatter is an in-place all-reduce (no copy; with
 ``set_gloo_reduce_scatter_via_all_reduce(False)`` gloo's reduce-scatter
 clones its input until the work is released); the unsharded memory of
-resharded units stays in the staging pool (``buffers/staging.py``) until the
+resharded units stays in the staging pool (``buffers/staging.py``; off on torch
+2.11, ``Step.pooling``) until the
 iteration's last all-gather of a buffer of its size, so until then each size
 counts at its high-water mark so far, and after it as the buffers of that
 size still unsharded ([Note: releasing what no fill will take]). Not estimated: gloo
