@@ -62,9 +62,10 @@ next to the unit's collectives; no tool attached, they are plain calls.
 [Note: torch without _swap_data_ptr_]
 Lending memory to a storage object that views already point at needs
 ``UntypedStorage._swap_data_ptr_`` (torch>=2.12; ``_torch_private.py``).
-torch 2.11 has no other way to give a storage object another block of
-memory: ``resize_`` allocates a new one, ``Tensor.set_`` changes the tensor
-and not the storage autograd's saved views hold. Where it is missing the pool
+torch 2.11's storages offer no other way to give a storage object another
+block of memory that we found: ``resize_`` allocates a new one,
+``Tensor.set_`` changes the tensor and not the storage autograd's saved
+views hold, ``_set_cdata`` changes which storage the Python object wraps. Where it is missing the pool
 is off (``StagingPool.enabled`` is ``False``): a fill allocates with
 ``resize_(nbytes)`` and a drain frees with ``resize_(0)``, exactly what
 buffers off the CPU do. Values and memory are as with the pool or lower (no
