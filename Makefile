@@ -1,4 +1,4 @@
-# Developer entry points. `make test` is what CI runs (via .ci/run).
+# Developer entry points. `make test` and `make test-oldest` are what CI runs (via .ci/run).
 PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
@@ -43,8 +43,8 @@ test-oldest:
 	$(MAKE) test-torch TORCH_VERSION=$(TORCH_OLDEST) TORCH_VENV=$(OLDEST_VENV) \
 		PYTEST_ARGS="$(OLDEST_TESTS) $(PYTEST_ARGS)"
 
-# The tests on any torch from PyPI: make test-torch TORCH_VERSION=2.15.0
-# (venv .venv-torch-2.15.0; PYTEST_ARGS picks tests, default all).
+# The tests on any torch pip installs: make test-torch TORCH_VERSION=2.14.1
+# (venv .venv-torch-2.14.1; PYTEST_ARGS picks tests, default all).
 TORCH_VENV ?= .venv-torch-$(TORCH_VERSION)
 test-torch:
 	@test -n "$(TORCH_VERSION)" || { echo "usage: make test-torch TORCH_VERSION=2.x.y"; exit 2; }
