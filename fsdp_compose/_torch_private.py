@@ -65,10 +65,12 @@ MISSING_MARK = "__fsdp_compose_missing__"
 
 
 def _message(name: str, purpose: str, since: Optional[str]) -> str:
-    needed = f"torch>={since}" if since else f"a torch that has it (fsdp_compose supports torch>={MIN_TORCH})"
-    return (f"fsdp_compose needs {name} ({purpose}), which torch {torch.__version__} does not "
-            f"have: install {needed}, or report the torch version in an issue if it is newer "
-            f"than the newest version the README lists as tested.")
+    head = f"fsdp_compose needs {name} for {purpose}, which torch {torch.__version__} does not have"
+    if since:
+        return f"{head}: install torch>={since}."
+    return (f"{head}: fsdp_compose supports torch>={MIN_TORCH} up to the newest version its "
+            f"README lists as tested; a newer torch may have renamed or removed it (please "
+            f"report the version).")
 
 
 def _missing(name: str, purpose: str, since: Optional[str] = None, cls: bool = False) -> Any:
@@ -171,7 +173,7 @@ def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     storage object stays the one its tensors and views point at."""
     if _swap_data_ptr is None:
         _missing("torch.UntypedStorage._swap_data_ptr_",
-                 "moving memory between storages (the CPU staging pool)", since="2.12")()
+                 "moving memory between storages, in the CPU staging pool", since="2.12")()
     _swap_data_ptr(a, b)
 
 
