@@ -44,8 +44,9 @@ gradient on every rank when any rank used the parameter, so
 Cost: nothing outside these two functions (the optimizer step, backward
 and forward are untouched). Inside them, for calls with no managed tensor,
 one dictionary lookup per parameter (``clip_grad_norm_``) or, while any
-unit exists and some tensor is 1-D, one pass over the managed parameters
-(``get_total_norm``); measured in ``benchmarks/torch_norms.py``.
+unit exists, one pass over the managed parameters (``get_total_norm``;
+recognised by identity, whatever their shape); measured in
+``benchmarks/torch_norms.py``.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def _managed_params_of(tensors: list[torch.Tensor]) -> Optional[list[torch.Tenso
     """For each tensor: the managed parameter whose local part it is (its
     ``.grad`` or itself), else the tensor itself (replicated). ``None``
     when no tensor is managed."""
-    # Managed parameters and their gradients are 1-D between iterations.
-    if not any_owner() or not any(t.dim() == 1 for t in tensors):
+    # by identity, never by shape: under "rows", "owned" or Shard(d) managed
+    # gradients keep their number of dimensions
+    if not any_owner():
         return None
     owners: dict[int, nn.Parameter] = {}
     for unit in live_units():
