@@ -31,6 +31,8 @@ def readme_script() -> str:
 
 
 def count(args: list[str], runs: int) -> tuple[int, int]:
+    """(aborts, other failures) in ``runs`` jobs; the first abort's stderr
+    is printed (its last lines: which rank, which signal)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     aborts = failures = 0
@@ -38,6 +40,8 @@ def count(args: list[str], runs: int) -> tuple[int, int]:
         proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", *args],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         if "terminate called" in proc.stderr:
+            if not aborts:
+                print("first abort, stderr:\n" + proc.stderr[-4000:], flush=True)
             aborts += 1
         elif proc.returncode != 0:
             failures += 1
