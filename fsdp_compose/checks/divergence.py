@@ -58,7 +58,7 @@ import torch.distributed as dist
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.agreement import agreed_max, all_gather_fingerprints
 from ..comm.flight import stall_seconds
-from ..comm.rendezvous import LEFT, meet
+from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
 from .._torch_private import default_store
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
@@ -330,6 +330,10 @@ class DivergenceMonitor(CollectiveObserver):
         other = {rank: what for rank, what in elsewhere.items() if what}
         if other:
             _raise_waiting_elsewhere(self._agreement.forwards, other)
+        if waited >= call_timeout():
+            _raise_waiting_elsewhere(self._agreement.forwards, {
+                rank: f"no collective call of fsdp_compose for {waited:.0f} s "
+                      f"({CALL_TIMEOUT_ENV})" for rank in elsewhere})
         if waited // stall_seconds() > self._agreement.stalls:
             self._agreement.stalls += 1
             for group in self.groups():

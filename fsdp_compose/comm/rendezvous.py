@@ -28,6 +28,7 @@ arrive together, so every call checks, per-step ones included.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -135,6 +136,9 @@ def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
     same series: every rank read it once all keys of this one exist).
     Four store round trips when the ranks arrive together."""
     store = default_store()
+    if not _exit_marked:
+        atexit.register(_mark_exit, store, me)
+        _exit_marked.append(True)
     keys = [f"{prefix}/{rank}" for rank in ranks]
     store.set(f"{prefix}/{me}", value)
     if not store.check(keys):
@@ -171,12 +175,25 @@ def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int,
                 waiting(now - start, {r: w for r, (w, at) in elsewhere.items() if at != prefix})
             except BaseException:
                 for rank, (_, at) in elsewhere.items():
-                    if at and at != prefix:  # it waits for this rank there: tell it why not
+                    if at and at not in (prefix, _EXITED):  # it waits for this rank there
                         store.set(f"{at}/{me}", LEFT + what)
                 raise
     finally:
         if published:
             store.set(f"{_WHERE}/{me}", "")
+
+
+_exit_marked: list[bool] = []
+_EXITED = "exited"
+
+
+def _mark_exit(store: dist.Store, me: int) -> None:
+    """At interpreter exit (after an exception or Ctrl-C too): tell ranks
+    still waiting for this one that it will never come."""
+    try:
+        store.set(f"{_WHERE}/{me}", f"the end of its process (it exited)\n{_EXITED}")
+    except Exception:  # noqa: BLE001 - the store may be gone already; nothing to tell then
+        pass
 
 
 def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
