@@ -27,8 +27,10 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
 
 
 def original_shape(p: torch.Tensor) -> torch.Size:
-    """fsdp_compose parameters are 1-D shards: ask ``param_info`` for the real
-    shape (DDP's are whole, FSDP2's DTensors report the global shape)."""
+    """The full shape: an fsdp_compose parameter is this rank's piece
+    (its rows under the default placement, 1-D under ``"flat"``), so ask
+    ``param_info``, right under every placement (DDP's are whole, FSDP2's
+    DTensors report the global shape)."""
     info = param_info(p)
     return info.shape if info is not None else p.shape
 

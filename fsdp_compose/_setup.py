@@ -21,13 +21,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .buffers import tensor_parallel
-from .buffers.layout import FLAT, Blocks, FlatLayout, Placement, ShardDim, check_placement
+from .buffers.layout import DEFAULT_PLACEMENT, FLAT, Blocks, FlatLayout, Placement, ShardDim, check_placement
 from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
-                              group_records, resolve_dtypes)
+                              flatten_costly_rows, group_records, resolve_dtypes)
 from .checks.divergence import DivergenceMonitor
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
 from .checks.step_guard import install_step_guard
+from .checks.empty_groups import install_empty_group_check
 from .checks.unmanaged import install_unmanaged_warning
 from .comm.groups import ShardGroup
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -127,7 +128,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                reshard_after_forward: Union[bool, int, None],
                mp_policy: Optional[MixedPrecisionPolicy],
                offload_policy: Optional[CPUOffloadPolicy],
-               placement: object = FLAT,
+               placement: object = None,
                shard_placement_fn: Optional[PlacementFn] = None) -> ShardUnit:
     """Take the parameters of ``modules`` into a new unit over ``group``,
     attach its ``_ShardState`` (hooks) and its checks.
@@ -139,7 +140,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     managed = managed_modules(modules, taken)
     records = collect_records(modules, managed, ignored, _check_not_owned)
     _localize_tensor_parallel(records, group)
-    assign_placements(records, placement, shard_placement_fn)
+    assign_placements(records, placement, shard_placement_fn, group.world_size)
     _check_params(records, group.device)
     unit = ShardUnit(modules, managed, group_records(records), group, reshard_after_forward,
                      mp_policy, offload_policy)
@@ -154,6 +155,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     link_annotated_below(state)
     install_step_guard()
     install_unmanaged_warning()
+    install_empty_group_check()
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit
@@ -169,7 +171,10 @@ def as_placement(value: object) -> object:
 
 def check_unit_placement(placement: object) -> None:
     """Reject a unit-wide placement that no parameter could take, before
-    anything is built (per-parameter checks name the parameter later)."""
+    anything is built (per-parameter checks name the parameter later);
+    ``None`` is the default rule (``assign_placements``)."""
+    if placement is None:
+        return
     placement = as_placement(placement)
     if not (placement in ("flat", "rows", "owned")
             or isinstance(placement, (Blocks, ShardDim))):
@@ -178,20 +183,29 @@ def check_unit_placement(placement: object) -> None:
 
 
 def assign_placements(records: list[ParamRecord], placement: object,
-                      shard_placement_fn: Optional[PlacementFn]) -> None:
+                      shard_placement_fn: Optional[PlacementFn], world_size: int) -> None:
     """Each record's placement: ``shard_placement_fn(param)``, or the unit's
     where it returns ``None``; checked against the parameter's shape (a
     unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
-    one returned for it raises, naming it)."""
+    one returned for it raises, naming it). The unit's placement ``None`` is
+    the default: ``"rows"``, but ``"flat"`` for parameters whose whole rows
+    would pad the buffer much more (``records.flatten_costly_rows``)."""
+    defaulted = placement is None
+    unit_placement = DEFAULT_PLACEMENT if defaulted else placement
+    by_default = []
     for r in records:
         chosen = None if shard_placement_fn is None else shard_placement_fn(r.param)
-        value: Placement = as_placement(placement if chosen is None else chosen)
+        if chosen is None and defaulted:
+            by_default.append(r)
+        value: Placement = as_placement(unit_placement if chosen is None else chosen)
         if r.tp is not None and value != FLAT:
             if chosen is None:
                 continue  # a unit-wide placement: tensor-parallel parameters stay flat
             raise ValueError(f"parameter '{r.fqn}' is tensor-parallel; only the 'flat' placement "
                              f"is supported for it, got {value!r}")
         r.placement = check_placement(value, r.shape, r.fqn, explicit=chosen is not None)
+    if by_default:
+        flatten_costly_rows(records, by_default, world_size)
 
 
 def taken(module: nn.Module) -> bool:

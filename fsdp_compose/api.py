@@ -58,7 +58,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                 mp_policy: Optional[MixedPrecisionPolicy] = None,  # or torch's
                 offload_policy: Optional[CPUOffloadPolicy] = None,  # or torch's
                 ignored_params: Optional[Iterable[nn.Parameter]] = None,
-                placement: object = "flat",
+                placement: object = None,
                 shard_placement_fn: Optional[PlacementFn] = None) -> ModuleOrModules:
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
@@ -93,9 +93,12 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             accepted too.
         ignored_params: parameters left alone: not sharded, not reduced.
         placement: where rank boundaries may fall in this unit's parameters
-            (``docs/placements.md``): ``"flat"`` (default: anywhere; local
-            pieces are 1-D), ``"rows"`` (whole rows: a local piece is
-            ``(rows_here, *rest)``, so ``p.ndim`` is kept), ``Blocks(n)``
+            (``docs/placements.md``): ``None`` (default): ``"rows"``, but
+            ``"flat"`` for a parameter whose whole rows would pad its buffer
+            by over 1% more than ``"flat"`` (``describe()`` names them) and
+            for 0-dim ones; ``"rows"`` (whole rows: a local piece is
+            ``(rows_here, *rest)``, so ``p.ndim`` is kept as in one
+            process); ``"flat"`` (anywhere; local pieces are 1-D), ``Blocks(n)``
             (whole blocks of ``n`` rows), ``"owned"`` (every parameter whole
             on one rank, 0 rows and ``.grad is None`` elsewhere), or FSDP2's
             ``Shard(dim)`` (``torch.chunk`` on ``dim``). Each rank's chunk of

@@ -128,14 +128,16 @@ def clip_grad_norm_(module_or_params: ParamsArg, max_norm: float, norm_type: flo
 @torch.no_grad()
 def total_norm_over_ranks(params: list[torch.Tensor], norm_type: float = 2.0,
                           error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
-                          tensors: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+                          tensors: Optional[list[Optional[torch.Tensor]]] = None,
+                          call: str = "fsdp_compose.clip_grad_norm_") -> torch.Tensor:
     """The total norm of :func:`clip_grad_norm_` without the clipping:
     over every rank, of ``tensors[i]`` (default: ``params[i].grad``), the
     local part of ``params[i]`` (a managed parameter) or a replicated
     tensor (anything else, e.g. ``params[i]`` itself when not managed).
-    Parameters are not deduplicated. Collective when any is managed."""
+    Parameters are not deduplicated. Collective when any is managed; the
+    ranks meet as ``call`` first (ranks in different calls raise)."""
     p = _check_norm_type(norm_type)
-    total = _total_norm(params, p, foreach, tensors)
+    total = _total_norm(params, p, foreach, tensors, call)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
@@ -367,14 +369,15 @@ def _pow_sum(norms: list[torch.Tensor], p: float, device: torch.device) -> torch
 
 
 def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
-                tensors: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+                tensors: Optional[list[Optional[torch.Tensor]]] = None,
+                call: str = "fsdp_compose.clip_grad_norm_") -> torch.Tensor:
     groups, unmanaged = _partition(params)
     local_parts = [t.grad for t in params] if tensors is None else tensors
 
     def grads_of(indices: list[int]) -> list[torch.Tensor]:
         return [g for g in (local_parts[i] for i in indices) if g is not None and g.numel()]
 
-    _meet(groups, "fsdp_compose.clip_grad_norm_")
+    _meet(groups, call)
     unmanaged_norms = _local_norms(grads_of(unmanaged), p, foreach)
     if not groups:  # nothing sharded: a plain local norm
         all_grads = grads_of(list(range(len(params))))

@@ -220,7 +220,7 @@ def _forward_guards(unit: ShardUnit, holds_values: bool) -> list[RemovableHandle
 
 def _release(held: list[_Held], hooks: list[RemovableHandle], writeback: bool) -> None:
     """Each rank keeps its own slice of the whole values (``writeback``) or
-    its shard as it was; parameters are 1-D shard views again."""
+    its shard as it was; parameters are their local shard views again."""
     for hook in hooks:
         hook.remove()
     for unit, fulls in held:
@@ -237,8 +237,10 @@ def _release(held: list[_Held], hooks: list[RemovableHandle], writeback: bool) -
 
 
 def _point_params_at_shard(buffer: FlatBuffer) -> None:
-    for record, s in zip(buffer.records, buffer.local_slices()):
-        record.param.data = buffer.sharded.narrow(0, s.shard_start, s.length)
+    """Each parameter's ``.data`` its local view of the shard again, in its
+    local shape (1-D under ``"flat"``, ``(rows_here, *rest)`` under ``"rows"``)."""
+    for index, record in enumerate(buffer.records):
+        record.param.data = buffer.local_view(buffer.sharded, index)
 
 
 def _fingerprint(full: list[Optional[torch.Tensor]]) -> int:

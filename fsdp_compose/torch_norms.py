@@ -35,6 +35,17 @@ What is recognised:
     from a managed gradient (``g.float()`` of a bf16 gradient, a slice, a
     ``torch.cat``) is not recognised: call :func:`fsdp_compose.clip_grad_norm_`
     or :func:`fsdp_compose.param_norms` on the parameters instead.
+  * An empty list, while a unit sharded over several ranks exists: this
+    rank holds none of the gradients the other ranks pass (under
+    ``"owned"`` a rank that owns no matrix has ``.grad is None`` for all of
+    them, so ``[p.grad ... if p.grad is not None]`` is empty there). It
+    joins the collective with nothing to add; on every rank an empty list
+    gives 0, as in one process.
+
+Ranks meet before the all-reduce under the name of the entry point
+(``torch.nn.utils.get_total_norm`` or ``fsdp_compose.clip_grad_norm_``), so
+a rank in ``get_total_norm`` and another in ``clip_grad_norm_`` raise
+(``CallMismatchError``) instead of pairing their all-reduces.
 
 Collectives: every rank must pass the same parameters / the gradients of
 the same parameters (as with any collective); ``fully_shard`` publishes a
@@ -117,10 +128,25 @@ def _get_total_norm(tensors: Tensors, norm_type: float = 2.0, error_if_nonfinite
                     foreach: Optional[bool] = None) -> torch.Tensor:
     """torch's ``get_total_norm``, global over managed gradients and parameters."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not tensors and any_owner():  # see "An empty list" in the module docstring
+        params = _sharded_params()
+        if params:
+            return total_norm_over_ranks(params, norm_type, error_if_nonfinite, foreach,
+                                         tensors=[None] * len(params), call=_GET_TOTAL_NORM)
     params = _managed_params_of(tensors)
     if params is None:
         return _original["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
-    return total_norm_over_ranks(params, norm_type, error_if_nonfinite, foreach, tensors=tensors)
+    return total_norm_over_ranks(params, norm_type, error_if_nonfinite, foreach, tensors=tensors,
+                                 call=_GET_TOTAL_NORM)
+
+
+_GET_TOTAL_NORM = "torch.nn.utils.get_total_norm"
+
+
+def _sharded_params() -> list[nn.Parameter]:
+    """Every managed parameter of a live unit sharded over several ranks."""
+    return [record.param for unit in live_units() for buffer in unit.buffers
+            if buffer.group.world_size > 1 for record in buffer.records]
 
 
 def _managed_params_of(tensors: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:

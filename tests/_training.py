@@ -129,6 +129,11 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
         no_decay = [p for p in params if _original_ndim(p) < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    if name == "adamw-nanogpt":  # nanoGPT's configure_optimizers, as written for one process
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
     raise ValueError(name)
 
 

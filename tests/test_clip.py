@@ -76,7 +76,7 @@ def _assemble(per_rank_pieces: list, shapes: dict) -> dict:
         flat = torch.zeros(shape.numel())
         cover = torch.zeros(shape.numel(), dtype=torch.int64)
         for offset, g in pieces:
-            flat[offset:offset + g.numel()] = g
+            flat[offset:offset + g.numel()] = g.reshape(-1)  # a local piece: rows or 1-D
             cover[offset:offset + g.numel()] += 1
         assert bool((cover == 1).all()), f"{name}: elements owned by {cover.unique().tolist()} ranks"
         full[name] = flat.view(shape)
@@ -245,7 +245,8 @@ def _synthetic_worker(norm_types):
         if info is None:
             p.grad = full[name].clone()
         elif info.local_numel:
-            p.grad = full[name].reshape(-1)[info.local_offset:info.local_offset + info.local_numel].clone()
+            piece = full[name].reshape(-1)[info.local_offset:info.local_offset + info.local_numel]
+            p.grad = piece.reshape(p.shape).clone()
         else:
             empty_somewhere = True
     saved = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -16,7 +16,8 @@ import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 
 import fsdp_compose
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, ShardedModule, fully_shard
+from fsdp_compose import (CPUOffloadPolicy, MixedPrecisionPolicy, ShardedModule, fully_shard,
+                          param_info)
 from tests._models import (PER_RANK, assemble_grads, assert_dicts_close, build_lm, full_params,
                            grad_pieces, make_optim, rank_slice, rank_world, token_batch)
 from tests.harness import run_distributed
@@ -209,8 +210,8 @@ def test_gradient_divide_factor_recurse():
 
 
 def reshard_after_forward_recurse(recurse_args: tuple) -> list[int]:
-    """Dims of block 0's and the root's weights right after the root's
-    forward, with ``set_reshard_after_forward(False, *recurse_args)``."""
+    """Whether block 0's and the root's weights are unsharded right after the
+    root's forward, with ``set_reshard_after_forward(False, *recurse_args)``."""
     model = build_lm(2)
     for block in model.blocks:
         fully_shard(block)
@@ -218,10 +219,18 @@ def reshard_after_forward_recurse(recurse_args: tuple) -> list[int]:
     model.set_reshard_after_forward(False, *recurse_args)  # FSDP2 takes recurse by position
     force_sum_on = _force_sum_flags(model, recurse_args)
     tokens, targets = _local_batch(0)
+    params = [model.blocks[0].fc1.weight, model.lm_head.weight]  # the sharded nn.Parameters
+    full_shapes = [param_info(p).shape for p in params]
     loss = model.loss(tokens, targets)
-    dims = [model.blocks[0].fc1.weight.dim(), model.lm_head.weight.dim()]
+    # unsharded: the module attribute is a view of the gathered buffer in the full
+    # shape; resharded: the sharded parameter again (under the default placement its
+    # shape alone need not tell: a rank may hold all rows of a parameter)
+    now = [model.blocks[0].fc1.weight, model.lm_head.weight]
+    unsharded = [int(w is not p and w.shape == shape)
+                 for w, p, shape in zip(now, params, full_shapes)]
+    assert all(w is p or w.shape == shape for w, p, shape in zip(now, params, full_shapes))
     loss.backward()
-    return dims + force_sum_on
+    return unsharded + force_sum_on
 
 
 def _force_sum_flags(model: nn.Module, recurse_args: tuple) -> list[int]:
@@ -231,9 +240,9 @@ def _force_sum_flags(model: nn.Module, recurse_args: tuple) -> list[int]:
     return [int(state_of(m).unit.reduce_options.force_sum) for m in (model.blocks[0], model)]
 
 
-@pytest.mark.parametrize("recurse_args,want", [((), [2, 2, 1, 1]), ((True,), [2, 2, 1, 1]),
-                                               ((False,), [1, 2, 0, 1])])
+@pytest.mark.parametrize("recurse_args,want", [((), [1, 1, 1, 1]), ((True,), [1, 1, 1, 1]),
+                                               ((False,), [0, 1, 0, 1])])
 def test_reshard_after_forward_and_force_sum_recurse(recurse_args, want):
-    """2 = still unsharded after forward (original shape), 1 = resharded."""
+    """Weights: 1 = still unsharded after forward (whole), 0 = resharded."""
     for got in run_distributed(2, reshard_after_forward_recurse, recurse_args, timeout=TIMEOUT):
         assert got == want

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compose import MixedPrecisionPolicy, full_params, fully_shard
+from fsdp_compose import MixedPrecisionPolicy, full_params, fully_shard, param_info
 from tests._comm_counter import CollectiveCounter
 from tests._models import (D, PER_RANK, SEQ, VOCAB, TinyLM, assert_dicts_close, build_lm,
                            global_mean, lm_loss, make_optim, plain_params, rank_slice, rank_world,
@@ -81,13 +81,17 @@ def meta_init_and_train(optim_name: str, steps: int = 3) -> dict:
     _shard(model)
     model.to_empty(device="cpu")
     with torch.no_grad():
-        with pytest.raises(RuntimeError):  # what frameworks hit without full_params: 1-D shards
+        with pytest.raises(RuntimeError):  # what frameworks hit without full_params: shards
             model.lm_head.weight.copy_(torch.zeros(VOCAB, D))
         torch.manual_seed(INIT_SEED)
         with full_params(model):
             shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
             init_weights(model)
-    assert all(p.dim() == 1 for p in model.parameters())  # shards again
+    for p in model.parameters():  # shards again, in the default's local shape (rows_here, *rest)
+        info = param_info(p)
+        assert p.dim() == len(info.shape) and p.shape[1:] == info.shape[1:], p.shape
+        assert p.numel() == info.local_numel, (p.shape, info)
+    assert model.lm_head.weight.shape[0] < VOCAB  # not whole: 97 rows over 3 ranks
     initial = _whole(model)
     optim = make_optim(model.parameters(), optim_name)
     losses = [_step(model, optim, *_local_batch(step)) for step in range(steps)]
@@ -260,18 +264,21 @@ def options_and_errors() -> dict:
     rank, world = rank_world()
     model = _shard(build_lm(2))
     before = _whole(model)
-    out = {}
+    full = {n: tuple(param_info(p).shape) for n, p in model.named_parameters()}
+    local = {n: tuple(p.shape) for n, p in model.named_parameters()}  # this rank's shards
+    out = {"full": full, "local": local}
     with pytest.raises(ValueError, match="writeback=False"):
         with full_params(model, rank0_only=True):
             pass
     with full_params(model, rank0_only=True, writeback=False):
-        out["rank0_only_dims"] = {p.dim() for p in model.parameters()}
+        out["rank0_only_shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
         if rank != 0:
             with pytest.raises(RuntimeError, match="rank0_only"), torch.no_grad():
                 model(_prompt(rank))
     with full_params(model.blocks[0], recurse=False):
-        out["recurse_false_dims"] = [model.blocks[0].fc1.weight.dim(),
-                                     model.blocks[1].fc1.weight.dim(), model.lm_head.weight.dim()]
+        out["recurse_false_shapes"] = [tuple(model.blocks[0].fc1.weight.shape),
+                                       tuple(model.blocks[1].fc1.weight.shape),
+                                       tuple(model.lm_head.weight.shape)]
     with pytest.raises(ValueError, match="recurse=False"):
         with full_params(model.blocks[0].fc1, recurse=False):
             pass
@@ -306,6 +313,9 @@ def options_and_errors() -> dict:
 def test_options_and_errors():
     results = run_distributed(3, options_and_errors, timeout=TIMEOUT)
     for rank, out in enumerate(results):
-        assert out["rank0_only_dims"] == ({1, 2} if rank == 0 else {1})
-        assert out["recurse_false_dims"] == [2, 1, 1]
+        full, local = out["full"], out["local"]
+        assert out["rank0_only_shapes"] == (full if rank == 0 else local)
+        names = ["blocks.0.fc1.weight", "blocks.1.fc1.weight", "lm_head.weight"]
+        assert all(local[n] != full[n] for n in names), local  # shards differ from whole
+        assert out["recurse_false_shapes"] == [full[names[0]], local[names[1]], local[names[2]]]
         assert out["different_values_names"] and out["unchanged"]

@@ -195,8 +195,10 @@ def train_optimizer_in_backward(steps: int):
 
         def hook(param, name=name, optim=optim):
             grad = param.grad
+            info = param_info(param)
             calls[name].append(None if grad is None else
-                               (grad.ndim, grad.numel(), param_info(param).local_numel))
+                               (tuple(grad.shape), tuple(param.shape), grad.numel(),
+                                info.local_numel, len(info.shape)))
             optim.step()
             optim.zero_grad()
         p.register_post_accumulate_grad_hook(hook)
@@ -230,10 +232,13 @@ def test_post_accumulate_grad_hook_optimizer_in_backward_parity():
         for name, calls in res["calls"].items():
             for call in calls:
                 assert call is not None, f"rank {rank}: {name}'s hook saw .grad None"
-                ndim, numel, local = call
-                assert ndim == 1 and numel == local, (
-                    f"rank {rank}: {name}'s hook saw a gradient of {numel} elements, ndim {ndim}; "
-                    f"expected the 1-D sharded gradient of {local}")
+                shape, param_shape, numel, local, full_ndim = call
+                # the sharded gradient, in the parameter's local shape: (rows_here, *rest)
+                # under the default placement, so the original ndim
+                assert shape == param_shape and len(shape) == full_ndim and numel == local, (
+                    f"rank {rank}: {name}'s hook saw a gradient of shape {shape} "
+                    f"({numel} elements); expected the sharded gradient of {local} elements "
+                    f"in the parameter's local shape {param_shape}, ndim {full_ndim}")
     assert_parity(results, reference_plain(2, "sgd", steps, seed=6))
 
 

@@ -159,6 +159,8 @@ def _lora_step_traffic():
         "rs_bytes": comm.bytes[REDUCE_SCATTER], "rs_count": comm.counts[REDUCE_SCATTER],
         "ag_count": comm.counts[ALL_GATHER],
         "adapter_per_unit": adapter_per_unit,
+        "trainable_layouts": sorted((b.layout.numel, b.layout.padded_numel)
+                                    for b in buffers.values() if b.requires_grad),
     }
 
 
@@ -174,11 +176,14 @@ def test_peft_lora_grads_optimizer_state_and_traffic(world):
         assert res["optim_state"] and set(res["optim_state"]) <= set(res["trainable"])
         # frozen base weights: no gradient memory at all
         assert res["frozen_buffers"] == 3 and not any(res["frozen_grads"])
-        # reduce-scatter traffic is exactly the (padded) adapters: the counter
-        # sees each rank's output chunk, world x that is the input; chunks are
-        # 16-byte aligned (a multiple of 8 fp32 elements, records.buffer_layout)
-        padded = sum(math.ceil(n / world / 8) * 8 * world
-                     for n in res["adapter_per_unit"].values())
+        # reduce-scatter traffic is exactly the (padded) adapters' buffers: the
+        # counter sees each rank's output chunk, world x that is the input. Under
+        # the default placement ("rows") the padding depends on the adapters' rows
+        # (docs/placements.md), so it is taken from the buffers' layouts, which
+        # hold exactly the adapters (one trainable buffer per layer)
+        layouts = res["trainable_layouts"]
+        assert [numel for numel, _ in layouts] == sorted(res["adapter_per_unit"].values())
+        padded = sum(padded_numel for _, padded_numel in layouts)
         # the two layers' adapters (no root adapter) in one bucket: one reduce-scatter
         assert len(res["adapter_per_unit"]) == 2 and res["rs_count"] == 1
         assert res["rs_bytes"] * world == padded * 4
@@ -203,9 +208,14 @@ def _generate(lora, register):
     with CollectiveCounter() as comm:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=4, do_sample=False)
-    after = {n: p.ndim for n, p in model.named_parameters()}
+    # resharded after generate: every parameter is this rank's piece again,
+    # (rows_here, *rest) under the default placement
+    infos = {n: (tuple(p.shape), param_info(p)) for n, p in model.named_parameters()}
     return {"tokens": out, "all_gathers": comm.counts[ALL_GATHER],
-            "sharded_after": all(d == 1 for d in after.values())}
+            "sharded_after": all(len(shape) == len(info.shape) and shape[1:] == info.shape[1:]
+                                 and math.prod(shape) == info.local_numel
+                                 for shape, info in infos.values())
+            and any(info.local_numel < info.numel for _, info in infos.values())}
 
 
 def _generate_reference(lora):

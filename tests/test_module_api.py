@@ -90,7 +90,8 @@ def train_counting_root(root_kw: dict, steps: int = 3):
             counts = _counts(counter)
         optim.step()
         optim.zero_grad()
-    return {"params": full_params(model), "counts": counts, "root_shapes": root_shapes}
+    return {"params": full_params(model), "counts": counts, "root_shapes": root_shapes,
+            "local_shape": tuple(model.lm_head.weight.shape)}  # this rank's piece
 
 
 def test_reshard_after_forward_default_keeps_root_unsharded_and_true_reshards_it():
@@ -109,12 +110,15 @@ def test_reshard_after_forward_default_keeps_root_unsharded_and_true_reshards_it
     resharded = run_distributed(2, train_counting_root, {"reshard_after_forward": True},
                                 timeout=TIMEOUT)
     for rank, res in enumerate(resharded):
-        assert all(len(shape) == 1 for shape in res["root_shapes"]), (
+        # this rank's piece, as between iterations: (rows_here, D) under the default
+        # placement, which is (VOCAB, D) on a rank holding all rows (checked below)
+        assert all(shape == res["local_shape"] for shape in res["root_shapes"]), (
             f"rank {rank}: reshard_after_forward=True on the root left it unsharded after "
             f"forward (lm_head.weight shapes {res['root_shapes']})")
         assert res["counts"]["all_gathers"] == 2 * n, (
             f"rank {rank}: expected {2 * n} all-gathers (every unit, root included, gathered "
             f"again for backward), got {res['counts']}")
+    assert any(res["local_shape"] != (VOCAB, D) for res in resharded)  # some rank tells
     assert_parity(resharded, reference)
 
 

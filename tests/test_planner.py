@@ -391,7 +391,7 @@ def _small_gpt(**kw) -> GPT:
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_sharded_bytes_follow_the_flat_layout(world):
     model = _small_gpt()
-    est = estimate_memory(model, world)
+    est = estimate_memory(model, world, placement="flat")  # _layouts: flat's math
     layouts = _layouts(model, world)
     assert est.num_units == 4
     assert est.sharded_params == sum(lay.shard_numel * 4 for lay, _ in layouts)
@@ -410,7 +410,7 @@ def test_frozen_buffers_add_no_gradients_or_optimizer_state():
     from tests._training import freeze_like_lora
     model = _small_gpt()
     freeze_like_lora(model)
-    est = estimate_memory(model, 3, bucket_cap_mb=0)
+    est = estimate_memory(model, 3, bucket_cap_mb=0, placement="flat")
     layouts = _layouts(model, 3)
     trainable = [lay for lay, t in layouts if t]
     assert len(trainable) < len(layouts)
@@ -421,7 +421,7 @@ def test_frozen_buffers_add_no_gradients_or_optimizer_state():
                                       for lay in trainable) + 4 * n_trainable
     for p in model.parameters():
         p.requires_grad_(False)
-    frozen = estimate_memory(model, 3, bucket_cap_mb=0)
+    frozen = estimate_memory(model, 3, bucket_cap_mb=0, placement="flat")
     assert frozen.grads == frozen.optimizer_state == 0
     assert frozen.sharded_params == est.sharded_params
     assert frozen.total_peak < est.total_peak

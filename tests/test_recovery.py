@@ -59,7 +59,11 @@ def _assert_clean(model) -> None:
             assert not buffer.is_gathering and not buffer.grad.has_unpublished
             assert not buffer.grad.has_unreduced and not any(buffer.grad.used)
     for name, p in model.named_parameters():  # module attributes are the originals again
-        assert isinstance(p, torch.nn.Parameter) and p.ndim == 1, name
+        assert isinstance(p, torch.nn.Parameter), name
+        # this rank's piece under the default ("rows"): (rows_here, *rest), keeping ndim
+        info = param_info(p)
+        assert p.ndim == len(info.shape) and p.shape[1:] == info.shape[1:], (name, p.shape)
+        assert p.numel() == info.local_numel, name
 
 
 def train_with_failure(optim_name: str, where: str, explicit: bool = True, fail_at: int = 1,

@@ -28,8 +28,12 @@ from tests.harness import run_distributed
 # --------------------------------------------------------------- describe
 def _describe_lm():
     """Runs on every rank: describe a sharded TinyLM before and after one
-    training step, with param_info of every parameter."""
-    model = M.shard_blocks_and_root(M.build_lm())
+    training step, with param_info of every parameter. ``"flat"``: the
+    layout math checked below is flat's (placements' is in test_placements_layout)."""
+    model = M.build_lm()
+    for block in model.blocks:
+        fully_shard(block, placement="flat")
+    fully_shard(model, placement="flat")
     rank, world = M.rank_world()
     with CollectiveCounter() as comm:
         if rank == 0:  # local: one rank alone may call it (a collective would hang below)

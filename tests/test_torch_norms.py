@@ -21,11 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 from torch.nn.utils import clip_grad_norm_ as early_clip_grad_norm_  # before any fully_shard
 from torch.nn.utils import get_total_norm as early_get_total_norm
 
 import fsdp_compose
-from fsdp_compose import fully_shard, param_info, route_torch_grad_norms
+from fsdp_compose import Blocks, fully_shard, param_info, route_torch_grad_norms
 from tests._comm_counter import ALL_REDUCE, CollectiveCounter
 from tests._models import (PER_RANK, assemble_grads, assert_dicts_close, build_lm, global_mean,
                            make_optim, plain_params, rank_slice, rank_world,
@@ -252,6 +253,14 @@ class _BiasFree(nn.Module):
         return self.layers(x)
 
 
+def _shard1(p: torch.Tensor):
+    return Shard(1)
+
+
+_NORM_PLACEMENTS = {"flat": ("flat", None), "rows": ("rows", None), "blocks2": (Blocks(2), None),
+                    "shard1": ("flat", _shard1), "owned": ("owned", None)}
+
+
 def _bias_free_norms(placement: Optional[str]) -> dict:
     """Every norm entry point after one backward on this rank's rows of a
     global batch (``placement`` None: one process on the whole batch)."""
@@ -260,14 +269,17 @@ def _bias_free_norms(placement: Optional[str]) -> dict:
     x = torch.randn(12, 7, generator=torch.Generator().manual_seed(1))
     if placement is not None:
         rank, world = rank_world()
+        unit_placement, placement_fn = _NORM_PLACEMENTS[placement]
         for layer in model.layers[::2]:
-            fully_shard(layer, placement=placement)
-        fully_shard(model, placement=placement)
+            fully_shard(layer, placement=unit_placement, shard_placement_fn=placement_fn)
+        fully_shard(model, placement=unit_placement)
         x = rank_slice(x, rank, world)
     model(x).square().mean().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    per_param = fsdp_compose.param_norms(model.parameters())
     out = {"get_total_norm": torch.nn.utils.get_total_norm(grads),
-           "get_total_norm_for_loop": torch.nn.utils.get_total_norm(grads, foreach=False)}
+           "get_total_norm_for_loop": torch.nn.utils.get_total_norm(grads, foreach=False),
+           "param_norms": torch.linalg.vector_norm(torch.stack(per_param))}
     saved = [(p.grad, p.grad.clone()) for p in model.parameters() if p.grad is not None]
     for name, clip in (("torch_clip", torch.nn.utils.clip_grad_norm_),
                        ("our_clip", fsdp_compose.clip_grad_norm_)):
@@ -277,14 +289,16 @@ def _bias_free_norms(placement: Optional[str]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("placement,world", [("rows", 2), ("flat", 2), ("flat", 3)])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("placement", list(_NORM_PLACEMENTS))
 def test_every_norm_entry_point_is_global_whatever_the_shapes(placement, world):
     """Only 2-D managed gradients: ``get_total_norm`` used to route by
     shape (some 1-D tensor) and returned each rank's local norm under
-    ``"rows"``. Not yet covered (issue 34 stays open): ``"owned"``, or
-    ``"rows"`` at 3 ranks, where a rank holds no gradient at all and its
-    ``[p.grad ... if p.grad is not None]`` is empty, so it cannot know to
-    join the collective."""
+    ``"rows"``. At 3 ranks some rank holds no row of some matrices (an
+    empty ``.grad`` there, so every rank lists the same gradients), and
+    under ``"owned"`` a rank may hold no matrix at all (``.grad`` is
+    ``None``): torch's ``clip_grad_norm_`` and ours route by parameter and
+    stay global."""
     want = _bias_free_norms(None)["get_total_norm"]
     for rank, got in enumerate(run_distributed(world, _bias_free_norms, placement,
                                                timeout=TIMEOUT)):

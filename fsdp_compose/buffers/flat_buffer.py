@@ -35,7 +35,7 @@ from ..comm.collectives import all_gather_into
 from ..comm.flight import wait_watched
 from ..comm.groups import ShardGroup
 from .flat_grad import FlatGradient
-from .layout import FLAT, FlatLayout, ShardDim, ShardSlice
+from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
@@ -166,10 +166,11 @@ class FlatBuffer:
 
     def grad_where_empty(self, index: int) -> bool:
         """Whether a rank holding none of parameter ``index`` still gets an
-        (empty) ``.grad``: under ``"flat"`` yes, as ever; under the other
-        placements no (``None``, so an optimizer skips it and keeps no state
-        for it there, e.g. non-owners of an ``"owned"`` parameter)."""
-        return self.layout.placements[index] == FLAT
+        (empty) ``.grad``: yes (as FSDP2's empty local shard), so every rank
+        lists the same gradients; no under ``"owned"`` (``None``, so an
+        optimizer skips the parameter and keeps no state for it off its
+        owner: what a matrix optimizer such as Muon needs)."""
+        return self.layout.placements[index] != OWNED
 
     def _storage_device(self) -> torch.device:
         """Where the shards live once materialised."""

@@ -24,13 +24,14 @@ that took no part in any backward since the gradients were cleared, and
 optimizers with weight decay or momentum skip it; so do we. Which
 parameters were used is the union over ranks (one process sees the global
 batch), so publication all-reduces the flags once per backward for the
-whole model (``runtime/end_of_backward.py``). A ``"flat"`` parameter used
-somewhere gets a ``.grad`` on every rank, an empty one where the rank owns
-none of its elements, so every rank's optimizer holds state for the same
-parameters. Under the other placements a rank that holds none of a
-parameter keeps ``.grad is None`` (non-owners of an ``"owned"`` parameter):
-its optimizer skips it and holds no state for it, which is what lets a
-matrix optimizer (Muon) run on whole matrices, each on one rank.
+whole model (``runtime/end_of_backward.py``). A parameter used somewhere
+gets a ``.grad`` on every rank, an empty one where the rank holds none of
+it (``(0,)`` under ``"flat"``, ``(0, *rest)`` under ``"rows"``), so every
+rank's optimizer holds state for the same parameters and
+``[p.grad for p in params if p.grad is not None]`` agrees across ranks.
+Under ``"owned"`` a non-owner keeps ``.grad is None``: its optimizer skips
+the parameter and holds no state for it, which is what lets a matrix
+optimizer (Muon) run on whole matrices, each on one rank.
 """
 
 from __future__ import annotations

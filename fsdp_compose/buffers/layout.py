@@ -45,6 +45,10 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
 FLAT, ROWS, OWNED = "flat", "rows", "owned"
+DEFAULT_PLACEMENT = ROWS
+"""``fully_shard``'s placement when none is given: whole rows, so every
+parameter but a 0-dim one keeps ``p.dim()`` between iterations (a scalar is
+``"flat"``: shape ``(1,)`` on one rank, ``(0,)`` on the others)."""
 
 
 @dataclass(frozen=True)

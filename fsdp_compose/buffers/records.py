@@ -8,6 +8,7 @@ the two cannot disagree on which buffers a unit gets or what they weigh.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
-from .layout import FLAT, FlatLayout, Placement, alignment, is_fixed
+from .layout import FLAT, ROWS, FlatLayout, Placement, alignment, is_fixed
 from .tensor_parallel import TensorParallelSpec
 
 
@@ -121,6 +122,50 @@ def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
         key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement))
         groups.setdefault(key, []).append(r)
     return list(groups.values())
+
+
+ROWS_EXTRA_PADDING = 0.01
+"""The default placement keeps a parameter ``"rows"`` while whole rows pad
+its buffer by at most this fraction of the buffer's elements (or one
+alignment unit per rank, for small buffers) beyond what ``"flat"`` pads."""
+
+
+def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord],
+                        world_size: int) -> list[ParamRecord]:
+    """The default placement's rule: ``candidates`` (``"rows"`` by default,
+    not by the user's choice) stay ``"rows"`` unless their buffer would pad
+    more than :data:`ROWS_EXTRA_PADDING` beyond ``"flat"``. A parameter is
+    one contiguous range of the unsharded buffer, so rank boundaries inside
+    several parameters must fall on the rows of each; with rows of unrelated
+    sizes (``(64, 299)`` next to ``(64, 300)``) or few wide rows
+    (``(1, 197, 768)``) every chunk grows. Then the candidates with the
+    widest rows become ``"flat"``, widest first, until the padding fits.
+    Returns the parameters made ``"flat"``."""
+    wanted = {id(r) for r in candidates}
+    flattened: list[ParamRecord] = []
+    for group in group_records(records):
+        movable = sorted((r for r in group if id(r) in wanted and r.placement == ROWS),
+                         key=lambda r: -math.prod(r.shape[1:]))
+        if not movable or world_size == 1:
+            continue
+        align = alignment(group[0].param.dtype.itemsize, 2)
+        shapes = [r.shape for r in group]
+
+        def padding(flat: set[int]) -> int:
+            placements = [FLAT if id(r) in flat else r.placement for r in group]
+            return FlatLayout(shapes, world_size, placements, align).padding
+
+        numel = sum(math.prod(shape) for shape in shapes)
+        budget = padding({id(r) for r in movable}) + max(ROWS_EXTRA_PADDING * numel,
+                                                          world_size * align)
+        flat: set[int] = set()
+        for record in movable:
+            if padding(flat) <= budget:
+                break
+            flat.add(id(record))
+            record.placement = FLAT
+            flattened.append(record)
+    return flattened
 
 
 def buffer_layout(records: list[ParamRecord], world_size: int, policy: BufferPolicy) -> FlatLayout:

@@ -38,7 +38,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                     optimizer: str = "adamw", mp_policy: Optional[MixedPrecisionPolicy] = None,
                     offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
                     reshard_after_forward: Optional[bool] = None,
-                    backend: Optional[str] = None, placement: object = "flat",
+                    backend: Optional[str] = None, placement: object = None,
                     shard_placement_fn: Optional[PlacementFn] = None,
                     bucket_cap_mb: Optional[float] = None,
                     split_root: bool = False) -> MemoryEstimate:
@@ -102,7 +102,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         units, prologue, epilogue = split_root_units(model, units)
     specs = resolve_units(model, units)
     for spec in specs:
-        assign_placements(spec.records, placement, shard_placement_fn)
+        assign_placements(spec.records, placement, shard_placement_fn, world_size)
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
     order = module_order(model, specs[:-1])
