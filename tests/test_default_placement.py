@@ -125,3 +125,44 @@ def test_empty_group_is_named_and_resume_steps():
     assert "group 0 (weight_decay=0.1)" in results[0]["messages"][0]
     assert results[1]["messages"] == []  # rank 0 only
     assert [r["steps"] for r in results] == [3.0, 3.0]
+
+
+# ------------------------------------------- where rows would pad too much
+class _WideRows(torch.nn.Module):
+    """A ViT's position embedding: one row of 151,296 elements. Whole rows
+    would make every chunk of the unit at least that row (about 3.8 times
+    the unit's elements in padding at 3 ranks), next to parameters whose
+    rows are cheap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(1, 197, 768))
+        self.norm = torch.nn.Parameter(torch.randn(768))
+        self.proj = torch.nn.Parameter(torch.randn(64, 768))
+
+
+def costly_rows_worker(placement) -> dict:
+    from fsdp_compose import describe
+    model = _WideRows()
+    fully_shard(model, placement=placement)
+    report = describe(model).to_dict()
+    params = {p["fqn"]: p["placement"] for u in report["units"] for b in u["buffers"]
+              for p in b["params"]}
+    padding = sum(b["padding"] for u in report["units"] for b in u["buffers"])
+    return {"placements": params, "ndim": {n: p.ndim for n, p in model.named_parameters()},
+            "padding": padding}
+
+
+def test_default_makes_costly_rows_flat_and_describe_names_them():
+    """Under the default, the parameters whose whole rows would pad the
+    buffer by more than 1% beyond "flat" become "flat" (widest rows first),
+    the others keep rows; ``describe()`` names each one's placement. An
+    explicit ``"rows"`` keeps rows and pays the padding."""
+    default, rows, flat = (run_distributed(3, costly_rows_worker, placement, timeout=TIMEOUT)[0]
+                           for placement in (None, "rows", "flat"))
+    assert default["placements"] == {"pos": "flat", "norm": "rows", "proj": "rows"}, default
+    assert default["ndim"] == {"pos": 1, "norm": 1, "proj": 2}
+    numel = 197 * 768 + 768 + 64 * 768
+    assert default["padding"] <= flat["padding"] + max(0.01 * numel, 3 * 8), default
+    assert rows["placements"] == {"pos": "rows", "norm": "rows", "proj": "rows"}
+    assert rows["padding"] > numel  # what the default avoided
