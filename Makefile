@@ -13,6 +13,11 @@ TORCH_PIN := torch==2.13.0
 # cached by pip after the first build; the CPU tests never load a GPU.
 TORCH_OLDEST := 2.11.0
 OLDEST_VENV  := .venv-oldest
+# The newest torch pip installs here (pip is capped at 2.14.1 on these
+# machines; a CUDA build too, run on the CPU), tested by `make test-newest`
+# on the same tests as test-oldest.
+TORCH_NEWEST := 2.14.1
+NEWEST_VENV  := .venv-torch-$(TORCH_NEWEST)
 # What `make test-oldest` runs: the guard and the torch-sensitive paths (staging
 # pool, version counters, composable state, DTensor/DCP checkpoints, TP's
 # _StridedShard, MemTracker, the planner's fake tensors, pipelining) plus
@@ -23,7 +28,7 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
 	tests/test_module_api.py tests/test_errors.py
 
-.PHONY: venv test test-oldest test-torch demo lora-demo bench clean
+.PHONY: venv test test-oldest test-newest test-torch demo lora-demo bench clean
 
 venv: $(STAMP)
 
@@ -41,6 +46,11 @@ test: venv
 # The tests on the oldest supported torch (TORCH_OLDEST), in $(OLDEST_VENV).
 test-oldest:
 	$(MAKE) test-torch TORCH_VERSION=$(TORCH_OLDEST) TORCH_VENV=$(OLDEST_VENV) \
+		PYTEST_ARGS="$(OLDEST_TESTS) $(PYTEST_ARGS)"
+
+# The same tests on the newest torch pip installs (TORCH_NEWEST), in $(NEWEST_VENV).
+test-newest:
+	$(MAKE) test-torch TORCH_VERSION=$(TORCH_NEWEST) TORCH_VENV=$(NEWEST_VENV) \
 		PYTEST_ARGS="$(OLDEST_TESTS) $(PYTEST_ARGS)"
 
 # The tests on any torch pip installs: make test-torch TORCH_VERSION=2.14.1
