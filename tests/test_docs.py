@@ -187,23 +187,12 @@ def _run_torchrun(block: Block, tmp_path: Path) -> str:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    for _attempt in range(3):
-        proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(DEFAULT_RANKS),
-                               str(script)], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=180, check=False)
-        if not _aborted_at_exit(proc):
-            break
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(DEFAULT_RANKS),
+                           str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180, check=False)
     assert proc.returncode == 0, (f"{block.name} failed under torchrun (exit {proc.returncode}):\n"
                                   f"{proc.stdout}\n{proc.stderr}")
     return proc.stdout
-
-
-def _aborted_at_exit(proc: subprocess.CompletedProcess) -> bool:
-    """A known, separately tracked defect: a rank sometimes aborts in C++
-    *after* the script finished and destroyed its process group ("terminate
-    called without an active exception", no Python frame). Such a run is
-    retried (at most twice); any other failure is not."""
-    return proc.returncode != 0 and "terminate called without an active exception" in proc.stderr
 
 
 @pytest.mark.parametrize("block", [
