@@ -14,6 +14,7 @@ is the runtime's.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -140,7 +141,9 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     managed = managed_modules(modules, taken)
     records = collect_records(modules, managed, ignored, _check_not_owned)
     _localize_tensor_parallel(records, group)
-    assign_placements(records, placement, shard_placement_fn, group.world_size)
+    flattened = assign_placements(records, placement, shard_placement_fn, group.world_size)
+    if flattened and group.rank == 0:
+        _warn_flattened(flattened)
     _check_params(records, group.device)
     unit = ShardUnit(modules, managed, group_records(records), group, reshard_after_forward,
                      mp_policy, offload_policy)
@@ -159,6 +162,17 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit
+
+
+def _warn_flattened(flattened: list[ParamRecord]) -> None:
+    names = ", ".join(f"'{r.fqn}' {tuple(r.shape)}" for r in flattened[:8])
+    more = f" and {len(flattened) - 8} more" if len(flattened) > 8 else ""
+    warnings.warn(
+        f"fully_shard: {names}{more} are sharded 'flat' (1-D between steps: p.dim() is 1) "
+        "because whole rows of them would pad their buffer by over 1% more than 'flat' "
+        "(docs/placements.md, 'What they cost'). Rules on p.dim() / p.ndim (weight decay, "
+        "Muon) see them as 1-D: use len(fsdp_compose.param_info(p).shape), or pass "
+        "placement='rows' to keep rows whatever the padding.", stacklevel=4)
 
 
 def as_placement(value: object) -> object:
@@ -183,13 +197,16 @@ def check_unit_placement(placement: object) -> None:
 
 
 def assign_placements(records: list[ParamRecord], placement: object,
-                      shard_placement_fn: Optional[PlacementFn], world_size: int) -> None:
+                      shard_placement_fn: Optional[PlacementFn],
+                      world_size: int) -> list[ParamRecord]:
     """Each record's placement: ``shard_placement_fn(param)``, or the unit's
     where it returns ``None``; checked against the parameter's shape (a
     unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
     one returned for it raises, naming it). The unit's placement ``None`` is
     the default: ``"rows"``, but ``"flat"`` for parameters whose whole rows
-    would pad the buffer much more (``records.flatten_costly_rows``)."""
+    would pad the buffer much more (``records.flatten_costly_rows``).
+    Returns the parameters of more than one dimension the default made
+    ``"flat"``."""
     defaulted = placement is None
     unit_placement = DEFAULT_PLACEMENT if defaulted else placement
     by_default = []
@@ -204,8 +221,9 @@ def assign_placements(records: list[ParamRecord], placement: object,
             raise ValueError(f"parameter '{r.fqn}' is tensor-parallel; only the 'flat' placement "
                              f"is supported for it, got {value!r}")
         r.placement = check_placement(value, r.shape, r.fqn, explicit=chosen is not None)
-    if by_default:
-        flatten_costly_rows(records, by_default, world_size)
+    if not by_default:
+        return []
+    return [r for r in flatten_costly_rows(records, by_default, world_size) if len(r.shape) > 1]
 
 
 def taken(module: nn.Module) -> bool:

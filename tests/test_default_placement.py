@@ -144,13 +144,16 @@ class _WideRows(torch.nn.Module):
 def costly_rows_worker(placement) -> dict:
     from fsdp_compose import describe
     model = _WideRows()
-    fully_shard(model, placement=placement)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(model, placement=placement)
+    said = [str(w.message) for w in caught if "sharded 'flat'" in str(w.message)]
     report = describe(model).to_dict()
     params = {p["fqn"]: p["placement"] for u in report["units"] for b in u["buffers"]
               for p in b["params"]}
     padding = sum(b["padding"] for u in report["units"] for b in u["buffers"])
     return {"placements": params, "ndim": {n: p.ndim for n, p in model.named_parameters()},
-            "padding": padding}
+            "padding": padding, "warnings": said}
 
 
 def test_default_makes_costly_rows_flat_and_describe_names_them():
@@ -164,5 +167,7 @@ def test_default_makes_costly_rows_flat_and_describe_names_them():
     assert default["ndim"] == {"pos": 1, "norm": 1, "proj": 2}
     numel = 197 * 768 + 768 + 64 * 768
     assert default["padding"] <= flat["padding"] + max(0.01 * numel, 3 * 8), default
+    assert len(default["warnings"]) == 1 and "'pos' (1, 197, 768)" in default["warnings"][0]
+    assert "'proj'" not in default["warnings"][0] and not rows["warnings"]
     assert rows["placements"] == {"pos": "rows", "norm": "rows", "proj": "rows"}
     assert rows["padding"] > numel  # what the default avoided
