@@ -38,17 +38,19 @@ class Unequal(nn.Module):
         self.blocks = nn.ModuleList([nn.Linear(24, 24), nn.Linear(24, 40), nn.Linear(40, 24)])
         self.head = nn.Linear(24, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: int = -1) -> torch.Tensor:
         x = self.embed(x)
-        for block in self.blocks:
-            x = torch.tanh(block(x))
+        for index, block in enumerate(self.blocks):
+            if index != skip:
+                x = torch.tanh(block(x))
         return self.head(x)
 
 
 def train_with_odd_rank(steps: int, at_step: int, what: str, bucket_cap_mb: float = 4.0):
     """Every rank trains ``steps`` steps; at ``at_step`` rank 0 first runs
     an evaluation forward (``eval``: under ``no_grad``; ``eval-grad``: a
-    forward with gradients and no backward) or sleeps (``slow``). Returns
+    forward with gradients and no backward), sleeps (``slow``), or skips
+    ``blocks[0]`` in its training forward (``skip``). Returns
     (step, seconds into the step, message) of the error, or None."""
     os.environ[STALL_ENV] = str(STALL)
     rank = dist.get_rank()
@@ -66,9 +68,10 @@ def train_with_odd_rank(steps: int, at_step: int, what: str, bucket_cap_mb: floa
                             model(torch.randn(4, 8))
                     elif what == "eval-grad":
                         model(torch.randn(4, 8))
-                    else:
+                    elif what == "slow":
                         time.sleep(2 * STALL + 1)
-                model(torch.randn(4, 8)).sum().backward()
+                skip = 0 if what == "skip" and rank == 0 and step == at_step else -1
+                model(torch.randn(4, 8), skip).sum().backward()
             except RuntimeError as error:
                 return step, time.perf_counter() - start, str(error)
             optim.step()
@@ -102,6 +105,19 @@ def test_a_forward_without_backward_on_one_rank_is_named_on_every_rank():
         assert step == 3 and seconds < 60, (rank, step, seconds, message)
         assert message.startswith(f"[rank {rank}] fully_shard ranks diverged"), message
         assert "rank 0 issued nothing more" in message, message
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [0.0, 4.0])
+def test_a_unit_skipped_on_one_rank_at_step_5_is_named_on_every_rank(bucket_cap_mb):
+    """Forward prefetch pairs the forward's all-gathers anyway; the
+    backward's reduce-scatters would pair units of different sizes (gloo
+    aborts). The ranks agree on the units each training forward ran before
+    the backward communicates."""
+    results = run_distributed(2, train_with_odd_rank, 8, 5, "skip", bucket_cap_mb, timeout=90)
+    assert_diverged_on_every_rank(results, 5, "ran different units in root forward #6",
+                                  "rank 0 ran [<root> (ShardedUnequal), 'blocks.1'",
+                                  "rank 1 ran [<root> (ShardedUnequal), 'blocks.0'",
+                                  "before the backward communicated anything")
 
 
 def test_a_slow_rank_at_the_agreement_is_not_divergence():

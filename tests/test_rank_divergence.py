@@ -138,8 +138,9 @@ def _train_until_error(scenario: str):
     # two units in different orders on two ranks
     ("order-step0", 0, ["'blocks.1'", "'blocks.2'", "in forward"]),
     # after the verification iterations: same-size units swapped on one rank
-    # (same number of collectives, values would mix): the fingerprint
-    ("order-step3", 3, ["'blocks.1'", "'blocks.2'", "end of backward"]),
+    # (same number of collectives, values would mix): the agreement at the
+    # end of every training forward
+    ("order-step3", 3, ["'blocks.1'", "'blocks.2'", "at the end of the forward"]),
     # a unit skipped after the verification iterations, with the check on
     # (forward prefetch gathers the skipped unit anyway; the forward orders differ)
     ("skip-step3-checked", 3, ["'blocks.1'", "'blocks.2'", "comparing forward orders"]),

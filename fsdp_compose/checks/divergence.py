@@ -274,6 +274,22 @@ class DivergenceMonitor(CollectiveObserver):
         if verified and not torch.is_grad_enabled():
             self.agreed_forwards += 1
             self.verifying = self._should_verify()
+        elif (not verified and torch.is_grad_enabled() and self._agreement is not None
+              and self.forced is not False):
+            self._agree_on_forward_order(entries)
+
+    def _agree_on_forward_order(self, entries: Sequence[Collective]) -> None:
+        """A training forward ended outside the verified iterations: agree
+        through the store on the units it ran, in order, before the
+        backward's first collective. A unit skipped (or run out of order) on
+        some ranks pairs its backward collectives with other units' (of
+        other sizes: gloo aborts the process); forward prefetch may have
+        paired the forward's all-gathers anyway."""
+        order = [entry.unit for entry in entries]
+        rows = self._agreement.exchange_after_forward([self.iterations, *order],
+                                                      self._waiting_at_agreement)
+        if any(row != rows[0] for row in rows):
+            _raise_forward_orders(self._agreement.ranks, rows, self._units)
 
     def _verify(self, entry: Collective, group: ShardGroup) -> None:
         codes = all_gather_fingerprints(entry.code, group, include_replicas=False)
@@ -328,12 +344,13 @@ class DivergenceMonitor(CollectiveObserver):
         flight logs of every data group (a rank may be stuck in a data
         collective this rank will never issue; raises where they differ)."""
         other = {rank: what for rank, what in elsewhere.items() if what}
+        moment = self._agreement.moment
         if other:
-            _raise_waiting_elsewhere(self._agreement.forwards, other)
+            _raise_waiting_elsewhere(self._agreement.forwards, other, moment)
         if waited >= call_timeout():
             _raise_waiting_elsewhere(self._agreement.forwards, {
                 rank: f"no collective call of fsdp_compose for {waited:.0f} s "
-                      f"({CALL_TIMEOUT_ENV})" for rank in elsewhere})
+                      f"({CALL_TIMEOUT_ENV})" for rank in elsewhere}, moment)
         if waited // stall_seconds() > self._agreement.stalls:
             self._agreement.stalls += 1
             for group in self.groups():
@@ -419,6 +436,9 @@ class _Agreement:
         self.me: int = dist.get_rank()
         self.forwards: int = 0
         self.last_key: Optional[str] = None
+        self.last_end_key: Optional[str] = None
+        self.moment: str = "starts"
+        """Where the current meeting is: at the start or the end of a forward."""
         self.stalls: int = 0
         """Flight-log comparisons made while waiting at the current forward."""
 
@@ -440,11 +460,25 @@ class _Agreement:
         cls._models[members] = number + 1
         return cls(ranks, f"fsdp_compose/agree/{'-'.join(map(str, members))}/{number}")
 
+    def exchange_after_forward(self, row: list[int], waiting) -> list[list[int]]:
+        """Every rank's ``row`` at the end of the current training forward
+        (keys ``<prefix>/<forward>/end/<rank>``)."""
+        key = f"{self.prefix}/{self.forwards}/end"
+        self.moment, self.stalls = "ends", 0
+        values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
+                      f"the end of root forward #{self.forwards}", waiting, self.last_end_key)
+        self.last_end_key = f"{key}/{self.me}"
+        left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
+                if value.startswith(LEFT)}
+        if left:
+            _raise_waiting_elsewhere(self.forwards, left, self.moment)
+        return [[int(v) for v in value.split(",")] for value in values]
+
     def exchange(self, row: list[int], waiting) -> list[list[int]]:
         """Every rank's ``row`` for the next forward, in ``ranks`` order
         (``waiting`` as ``rendezvous.meet``'s)."""
         self.forwards += 1
-        self.stalls = 0
+        self.moment, self.stalls = "starts", 0
         key = f"{self.prefix}/{self.forwards}"
         values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
                       f"the forward agreement of root forward #{self.forwards}", waiting,
@@ -457,12 +491,12 @@ class _Agreement:
         return [[int(v) for v in value.split(",")] for value in values]
 
 
-def _raise_waiting_elsewhere(forward: int, where: dict[int, str]) -> None:
+def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = "starts") -> None:
     """Other ranks wait at (or raised at) another meeting of the library
-    while this rank starts root forward #``forward``."""
+    while this rank ``moment`` (starts, ends) root forward #``forward``."""
     lines = "\n".join(f"  rank {rank} waits at {what}" for rank, what in where.items())
     raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank starts root forward "
+        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
         f"#{forward} while other ranks wait at a collective call of fsdp_compose:\n{lines}\n"
         "Collective calls (state_dict() values, clip_grad_norm_, unshard(), checkpoint saves, "
         "...) must be made on every rank, at the same point of training.")
@@ -495,6 +529,20 @@ def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[in
         "skipped backward on some ranks only). Set "
         f"{CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the root) to find the "
         "first collective that differs.")
+
+
+def _raise_forward_orders(ranks: Sequence[int], rows: Sequence[Sequence[int]],
+                          units: Sequence[ObservedUnit]) -> None:
+    """The ranks ended a training forward having run different units
+    (each row: root forward number, then the units' indices in forward order)."""
+    def names(row: Sequence[int]) -> str:
+        return "[" + ", ".join(units[u].name if u < len(units) else f"unit #{u}"
+                               for u in row[1:]) + "]"
+    lines = [f"  rank {r} ran {names(row)}" for r, row in zip(ranks, rows)]
+    raise RuntimeError(
+        f"[rank {dist.get_rank()}] fully_shard ranks diverged: the ranks ran different units "
+        f"in root forward #{rows[0][0]} (detected at the end of the forward, before the "
+        "backward communicated anything):\n" + "\n".join(lines) + "\n" + _advice(True))
 
 
 def _mix(fingerprint: int, code: int) -> int:

@@ -101,4 +101,9 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
 # the library instead is named at once ([Note: where each rank waits]); a
 # rank stuck in a data collective makes the others wait here, and the
 # stall is reported through the flight log. On CUDA no device is touched.
+# A training forward (gradients on) also ends with such an agreement, on the
+# units it ran, in order: a unit skipped or reordered on some ranks would
+# pair the backward's reduce-scatters of units of different sizes (forward
+# prefetch often pairs the forward's all-gathers anyway), so the ranks
+# compare before the backward communicates.
 
