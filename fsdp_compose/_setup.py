@@ -22,14 +22,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .buffers import tensor_parallel
-from .buffers.layout import DEFAULT_PLACEMENT, FLAT, Blocks, FlatLayout, Placement, ShardDim, check_placement
+from .buffers.layout import (DEFAULT_PLACEMENT, FLAT, Blocks, FlatLayout, Placement, ShardDim,
+                             check_placement)
 from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
                               flatten_costly_rows, group_records, resolve_dtypes)
 from .checks.divergence import DivergenceMonitor
+from .checks.empty_groups import install_empty_group_check
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
 from .checks.step_guard import install_step_guard
-from .checks.empty_groups import install_empty_group_check
 from .checks.unmanaged import install_unmanaged_warning
 from .comm.groups import ShardGroup
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
