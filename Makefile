@@ -28,7 +28,7 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
 	tests/test_module_api.py tests/test_errors.py
 
-.PHONY: venv test test-oldest test-newest test-torch demo lora-demo bench clean
+.PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench clean
 
 venv: $(STAMP)
 
@@ -67,6 +67,21 @@ test-torch:
 	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(TORCH_VENV)/bin/lint-imports
 	$(TORCH_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The CUDA mode of the suite: GPU_TESTS with FSDP_COMPOSE_TEST_DEVICE=cuda (models and
+# batches on the GPU, the ranks of each test sharing the visible GPU(s) over gloo, the
+# one-process references on the same GPU; tests/test_cuda.py adds NCCL at world size 1
+# and GPU memory). Needs a torch with CUDA: GPU_PYTHON=python3 to use another interpreter.
+# Without a CUDA device it says so and exits 0 without running (nothing passed).
+GPU_PYTHON ?= $(VPY)
+GPU_TESTS ?= tests/test_cuda.py tests/test_parity.py tests/test_mixed_precision.py
+test-gpu:
+	@if $(GPU_PYTHON) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
+		echo FSDP_COMPOSE_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q $(GPU_TESTS) $(PYTEST_ARGS); \
+		FSDP_COMPOSE_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q $(GPU_TESTS) $(PYTEST_ARGS); \
+	else \
+		echo "make test-gpu: no CUDA device visible to $(GPU_PYTHON); the CUDA mode did not run (nothing passed)"; \
+	fi
 
 # Train a small GPT on 2 CPU ranks (~10 s): progress bar, summary table, and
 # summary.json + a loss/memory plot (with matplotlib) under runs/train_gpt-<time>.

@@ -133,7 +133,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     check_not_replicated(modules)
     if mesh is not None:
         _check_rank_in_mesh(mesh, modules[0])
-    group = shard_group_from_mesh(mesh if mesh is not None else default_mesh())
+    group = shard_group_from_mesh(mesh if mesh is not None else default_mesh(_params_device(modules)))
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy, placement,
                       shard_placement_fn)
@@ -173,6 +173,14 @@ def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
                 "(for block in blocks: fully_shard(block)), or pass them as a list to form one "
                 "unit (fully_shard(list(blocks))).")
     return modules
+
+
+def _params_device(modules: list[nn.Module]) -> Optional[torch.device]:
+    """The device of the first parameter of ``modules`` (None if they have none)."""
+    for m in modules:
+        for p in m.parameters():
+            return p.device
+    return None
 
 
 def _check_rank_in_mesh(mesh: object, module: nn.Module) -> None:

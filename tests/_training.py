@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard, param_info
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from tests.harness import TEST_DEVICE
 
 CFG = GPTConfig()
 BATCH_PER_RANK = 2
@@ -34,11 +35,13 @@ class GPTWithUnused(GPT):
 
 
 def build_model(variant: str = "gpt") -> nn.Module:
+    """The seeded model, initialised on the CPU (the same values whatever the
+    device), on ``TEST_DEVICE``."""
     torch.manual_seed(1234)
     if variant == "gpt":
-        return GPT(CFG)
+        return GPT(CFG).to(TEST_DEVICE)
     if variant == "unused":
-        return GPTWithUnused(CFG)
+        return GPTWithUnused(CFG).to(TEST_DEVICE)
     raise ValueError(variant)
 
 
@@ -150,7 +153,8 @@ def _micro_count(mode: str) -> int:
 
 def global_batch(step: int, world: int, mode: str):
     n = world * BATCH_PER_RANK * _micro_count(mode)
-    return synthetic_tokens(step, n, CFG.seq_len, CFG.vocab_size, seed=7)
+    x, y = synthetic_tokens(step, n, CFG.seq_len, CFG.vocab_size, seed=7)
+    return x.to(TEST_DEVICE), y.to(TEST_DEVICE)
 
 
 def local_batch(step: int, rank: int, world: int, mode: str = "plain"):
@@ -245,8 +249,8 @@ def train_reference(world: int, optim_name: str = "sgd", steps: int = 3, mode: s
         losses.append(loss.item())
         if mode == "eval-between":
             with torch.no_grad():
-                evals.append([_local(model(x), r, world) for r in range(world)])
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+                evals.append([_local(model(x), r, world).cpu() for r in range(world)])
+    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "evals": evals}
 
 

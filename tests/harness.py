@@ -24,7 +24,12 @@ Arguments and results must be picklable; tensors in the (nested list/tuple/dict)
 detached and moved to CPU.  ``timeout`` belongs to the harness (``fn`` cannot get a keyword
 argument of that name).  If ``fn`` destroys the default process group, the pool is replaced.
 
-Workers: one pool of ``world_size`` processes per world size (``spawn`` context), started lazily,
+Devices: ``TEST_DEVICE`` is the CPU, or CUDA when ``FSDP_COMPOSE_TEST_DEVICE=cuda`` (``make
+test-gpu``): then each worker computes on GPU ``rank % device_count`` and gloo carries CUDA
+tensors, so several ranks share one GPU. ``run_nccl(world_size, fn, ...)`` runs ``fn`` over NCCL
+(one GPU per rank; skip the test where fewer GPUs are visible).
+
+Workers: one pool of ``world_size`` processes per world size and backend (``spawn`` context), started lazily,
 kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit).  Each
 pool rendezvouses through its own temp file, never a TCP port.  Before every call each worker
 runs ``gc.collect()``, reseeds ``random``/``torch`` with 0, sets one thread, enables grad and
@@ -70,9 +75,11 @@ __all__ = [
     "DistRunner",
     "DistributedTestError",
     "DistributedTimeoutError",
+    "TEST_DEVICE",
     "WorkerDiedError",
     "pool_pids",
     "run_distributed",
+    "run_nccl",
     "shutdown_pools",
 ]
 
@@ -82,6 +89,8 @@ HEALTH_CHECK_TIMEOUT = 10.0
 DEATH_GRACE = 1.0  # after a worker dies, how long the others get to report
 FAILURE_GRACE = 5.0  # after a rank raises, how long the others get to report
 PG_TIMEOUT = timedelta(seconds=60)  # gloo collective timeout inside the workers
+# Where the tests compute: "cpu" (the default suite) or "cuda" (make test-gpu).
+TEST_DEVICE = torch.device(os.environ.get("FSDP_COMPOSE_TEST_DEVICE", "cpu"))
 
 
 class DistributedTestError(AssertionError):
@@ -100,7 +109,8 @@ class WorkerDiedError(DistributedTestError):
 
 
 def _worker_main(
-    rank: int, world_size: int, init_file: str, log_file: str, conn: Connection, sys_path: list[str]
+    rank: int, world_size: int, backend: str, init_file: str, log_file: str, conn: Connection,
+    sys_path: list[str],
 ) -> None:
     sys.path[:] = sys_path
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
@@ -113,8 +123,10 @@ def _worker_main(
             torch.set_num_interop_threads(1)
         except RuntimeError:
             pass
+        if backend == "nccl" or TEST_DEVICE.type == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -184,7 +196,7 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _health_check() -> float:
-    t = torch.ones(1)
+    t = torch.ones(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t)
     dist.barrier()
     return t.item()
@@ -224,9 +236,9 @@ def _exit_description(code: int | None) -> str:
 
 
 class _Pool:
-    """``world_size`` spawned workers sharing one gloo process group."""
+    """``world_size`` spawned workers sharing one process group (gloo or NCCL)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"dist-harness-ws{world_size}-")
         ctx = mp.get_context("spawn")
@@ -239,7 +251,8 @@ class _Pool:
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, init_file, self.logs[rank], child_conn, list(sys.path)),
+                args=(rank, world_size, backend, init_file, self.logs[rank], child_conn,
+                      list(sys.path)),
                 name=f"dist-ws{world_size}-rank{rank}",
             )
             proc.start()
@@ -399,11 +412,11 @@ def _make_error(what: str, out: _Outcome, timeout: float) -> DistributedTestErro
     return cls("\n".join(line.rstrip() for line in lines))
 
 
-_pools: dict[int, _Pool] = {}
+_pools: dict[tuple[int, str], _Pool] = {}  # (world size, backend) -> pool
 
 
-def _discard(world_size: int) -> None:
-    pool = _pools.pop(world_size, None)
+def _discard(key: tuple[int, str]) -> None:
+    pool = _pools.pop(key, None)
     if pool is not None:
         pool.close()
 
@@ -421,28 +434,44 @@ def run_distributed(
     Raises ``DistributedTestError`` (an ``AssertionError``) if any rank raised, hung past
     ``timeout`` seconds (``DistributedTimeoutError``) or died (``WorkerDiedError``).
     """
+    return _run_on_pool(world_size, "gloo", fn, args, kwargs, timeout)
+
+
+def run_nccl(
+    world_size: int, fn: Callable[..., Any], /, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+) -> list[Any]:
+    """``run_distributed`` over NCCL, rank r on GPU r (needs ``world_size`` GPUs)."""
+    if torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"run_nccl({world_size}, ...) needs {world_size} GPU(s), "
+                           f"{torch.cuda.device_count()} visible")
+    return _run_on_pool(world_size, "nccl", fn, args, kwargs, timeout)
+
+
+def _run_on_pool(world_size: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any], timeout: float) -> list[Any]:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    pool = _pools.get(world_size)
+    key = (world_size, backend)
+    pool = _pools.get(key)
     if pool is None:
-        pool = _pools[world_size] = _Pool(world_size)
+        pool = _pools[key] = _Pool(world_size, backend)
     try:
         out = pool.call(fn, args, kwargs, timeout)
     except TypeError:
         raise  # nothing was sent: the pool is fine
     except BaseException:  # e.g. KeyboardInterrupt while waiting: the workers are in an unknown state
-        _discard(world_size)
+        _discard(key)
         raise
     if out.broken or (out.failed and not _healthy(pool)):
-        _discard(world_size)
+        _discard(key)
     if out.failed:
         raise _make_error(f"{_describe_fn(fn)} on {world_size} rank(s)", out, timeout)
     return [out.replies[r][1] for r in range(world_size)]
 
 
 def pool_pids(world_size: int) -> list[int | None]:
-    """PIDs of the live pool for ``world_size`` (empty if none); lets tests see restarts."""
-    pool = _pools.get(world_size)
+    """PIDs of the live gloo pool for ``world_size`` (empty if none); lets tests see restarts."""
+    pool = _pools.get((world_size, "gloo"))
     return pool.pids if pool is not None else []
 
 

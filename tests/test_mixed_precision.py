@@ -119,7 +119,8 @@ def reference_mixed(world, recipe, low, reduce, optim_name):
             optim.step()
             optim.zero_grad()
             losses.append(step_loss)
-        return {"losses": losses, "params": {n: p.detach().clone() for n, p in master.named_parameters()}}
+        return {"losses": losses,
+                "params": {n: p.detach().cpu().clone() for n, p in master.named_parameters()}}
     finally:
         torch.set_num_threads(threads)
 

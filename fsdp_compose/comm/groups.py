@@ -77,15 +77,19 @@ def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
     return group
 
 
-def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over all ranks of the default process group, on CUDA when
-    the backend is NCCL, else on CPU."""
+def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group. It computes
+    where the parameters are when they are on CUDA (gloo runs CUDA tensors
+    too: ranks may share one GPU), else on CUDA when the backend is NCCL,
+    else on the CPU. ``param_device``: the device of the unit's parameters
+    (meta or None: not known yet)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed to be initialised: call "
             "torch.distributed.init_process_group(...) first (e.g. run under "
             "torchrun), or pass mesh= explicitly.")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    on_cuda = param_device is not None and param_device.type == "cuda"
+    device_type = "cuda" if on_cuda or dist.get_backend() == "nccl" else "cpu"
     world = dist.group.WORLD
     cached = _DEFAULT_MESH.get(device_type)
     if cached is None or cached[0]() is not world:  # one mesh per default process group

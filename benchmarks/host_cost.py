@@ -1,0 +1,151 @@
+"""Host cost per unit: the CPU proxy of a launch-bound GPU step.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost                 # the table
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --profile 20    # + where the time goes
+    python -m benchmarks.host_cost --device cuda                          # the same on a GPU
+
+One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
+thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
+arithmetic is next to nothing), every block a unit plus the root. A step is
+forward, backward, AdamW step and ``zero_grad``. The unsharded model,
+fsdp_compose and torch FSDP2 run in interleaved rounds; each round times
+``--steps`` steps of each and keeps the median; the table shows the best
+round's median, the ratio to the unsharded model, and the host time per
+unit per step over the unsharded model ((step - unsharded step) / units).
+Issue 36's target for fsdp_compose: at most 1.2x the unsharded model (about
+130 µs per unit per step), on a quiet machine.
+
+``--profile N``: N more fsdp_compose steps under cProfile; the functions
+with the most own time, and the time under each of the library's hook
+moments (cumulative time of the functions that start them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import gc
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+
+# The functions that start each hook moment: (file suffix, function name) -> label.
+HOOK_MOMENTS = {
+    ("runtime/state.py", "_pre_forward"): "pre-forward",
+    ("runtime/state.py", "_post_forward"): "post-forward",
+    ("runtime/unit.py", "pre_backward"): "pre-backward",
+    ("runtime/unit.py", "_post_backward"): "post-backward",
+    ("runtime/end_of_backward.py", "finish_backward"): "end of backward",
+}
+
+
+def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    with device:
+        model = GPT(cfg)
+    if name == "fsdp_compose":
+        from fsdp_compose import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             device: torch.device) -> Callable[[], float]:
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> float:
+        begin = time.perf_counter()
+        model.loss(x, y).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - begin
+    return step
+
+
+def _profile(step: Callable[[], float], steps: int, units: int, top: int) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    moments: dict[str, float] = {}
+    for (filename, _, function), (_, _, _, cumulative, _) in stats.stats.items():
+        for (suffix, name), label in HOOK_MOMENTS.items():
+            if function == name and filename.endswith(suffix):
+                moments[label] = moments.get(label, 0.0) + cumulative
+    print(f"\nfsdp_compose under cProfile, {steps} steps (cProfile slows every call; "
+          "compare moments with each other, not with the table):")
+    for label, seconds in sorted(moments.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:16} {seconds / steps / units * 1e6:8.1f} µs per unit per step")
+    print(f"\nthe {top} functions with the most own time:")
+    stats.sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--top", type=int, default=25)
+    options = parser.parse_args()
+    device = torch.device(options.device)
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
+    torch.set_num_threads(1)
+    names = ["unsharded", "fsdp_compose", "fsdp2"]
+    with tempfile.NamedTemporaryFile() as f:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{f.name}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=120))
+        x, y = (t.to(device) for t in synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size))
+        steppers = {name: _stepper(_build(name, cfg, device), x, y, device) for name in names}
+        for step in steppers.values():
+            for _ in range(3):
+                step()  # warm-up: lazy initialisation, optimizer state
+        best: dict[str, float] = {}
+        for r in range(options.rounds):
+            for name in names[r % 3:] + names[:r % 3]:
+                gc.collect()
+                median = statistics.median(steppers[name]() for _ in range(options.steps))
+                best[name] = min(best.get(name, float("inf")), median)
+        units = options.layers + 1
+        print(f"GPT {options.layers} blocks d={cfg.d_model} seq {cfg.seq_len} batch 2 on "
+              f"{device.type}, {units} units; {options.rounds} interleaved rounds x "
+              f"{options.steps} steps, best round's median; torch {torch.__version__}; "
+              f"load average (1 min) {os.getloadavg()[0]:.2f}")
+        print("| variant | step ms | x unsharded | µs per unit per step over unsharded |")
+        print("|---|---|---|---|")
+        for name in names:
+            ms, base = best[name] * 1e3, best["unsharded"] * 1e3
+            print(f"| {name} | {ms:.2f} | {ms / base:.2f} | "
+                  f"{'-' if name == 'unsharded' else f'{(ms - base) * 1e3 / units:.0f}'} |")
+        if options.profile:
+            _profile(steppers["fsdp_compose"], options.profile, units, options.top)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
