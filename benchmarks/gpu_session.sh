@@ -24,6 +24,6 @@ part() {  # part NAME SECONDS COMMAND...
 } 2>&1 | tee "$OUT/env.log"
 TAIL=40 part test_gpu 200 env FSDP_COMPOSE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
     --timeout 120 ${GPU_TESTS:-tests/test_cuda.py tests/test_parity.py tests/test_mixed_precision.py}
-TAIL=30 part bench_gpu 240 $PY -m benchmarks.gpu --json "$OUT/gpu.json"
+TAIL=30 part bench_gpu 240 $PY -m benchmarks.gpu --world2-timeout 150 --json "$OUT/gpu.json"
 TAIL=8 part host_cost_cuda 60 $PY -m benchmarks.host_cost --device cuda --rounds 5
 TAIL=8 part host_cost_cpu 60 $PY -m benchmarks.host_cost --device cpu --rounds 5

@@ -91,6 +91,12 @@ FAILURE_GRACE = 5.0  # after a rank raises, how long the others get to report
 PG_TIMEOUT = timedelta(seconds=60)  # gloo collective timeout inside the workers
 # Where the tests compute: "cpu" (the default suite) or "cuda" (make test-gpu).
 TEST_DEVICE = torch.device(os.environ.get("FSDP_COMPOSE_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda":
+    # the same kernels for the same shapes in every process (the one-process
+    # references compare at the CPU suite's tolerances): no atomics-based
+    # attention backward, a fixed cuBLAS workspace
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class DistributedTestError(AssertionError):

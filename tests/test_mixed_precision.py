@@ -20,7 +20,7 @@ from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests._owners import buffer_of
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests._training import build_model, gather_master_params, global_batch, make_optimizer
-from tests.harness import run_distributed
+from tests.harness import TEST_DEVICE, run_distributed
 
 BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 STEPS = 3
@@ -190,9 +190,13 @@ def test_fp16_compute_parity():
 def test_cpu_offload_is_exact_and_keeps_state_on_cpu(world):
     offloaded = run_distributed(world, train_mixed, "uniform", FP32, None, True, "adamw")
     plain = run_distributed(world, train_mixed, "uniform", FP32, None, False, "adamw")
+    # exact on the CPU; on a GPU the offloaded parameters step on the CPU and
+    # the others on the GPU (AdamW's arithmetic rounds differently there)
+    atol = 0.0 if TEST_DEVICE.type == "cpu" else 1e-6
     for a, b in zip(offloaded, plain):
-        assert a["losses"] == b["losses"]
-        assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= atol
+        assert all(torch.allclose(a["params"][n], b["params"][n], rtol=0, atol=atol)
+                   for n in a["params"])
         assert a["placement"] == {"cpu"}
 
 
