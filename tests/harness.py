@@ -93,10 +93,14 @@ PG_TIMEOUT = timedelta(seconds=60)  # gloo collective timeout inside the workers
 TEST_DEVICE = torch.device(os.environ.get("FSDP_COMPOSE_TEST_DEVICE", "cpu"))
 if TEST_DEVICE.type == "cuda":
     # the same kernels for the same shapes in every process (the one-process
-    # references compare at the CPU suite's tolerances): no atomics-based
-    # attention backward, a fixed cuBLAS workspace
+    # references compare at the CPU suite's tolerances): deterministic
+    # algorithms, a fixed cuBLAS workspace
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # attention by its math kernel: the fused ones' backward use atomics
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class DistributedTestError(AssertionError):

@@ -326,12 +326,15 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[_ShardState]) -> None
 
 
 def _check_devices(states: list[_ShardState]) -> None:
-    root = states[0].unit
-    for state in states[1:]:
-        if state.unit.group.device != root.group.device:
+    """Every unit that holds parameters computes on one device (a unit
+    without any, e.g. an activation module, computes nothing of its own:
+    its mesh, the CPU's by default, does not matter)."""
+    holding = [state.unit for state in states if state.unit.buffers]
+    for unit in holding[1:]:
+        if unit.group.device != holding[0].group.device:
             raise ValueError(
-                f"fully_shard units of one model must compute on one device: root {root.name} "
-                f"uses {root.group.device} but {state.unit.name} uses {state.unit.group.device}. "
+                f"fully_shard units of one model must compute on one device: {holding[0].name} "
+                f"uses {holding[0].group.device} but {unit.name} uses {unit.group.device}. "
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
