@@ -12,7 +12,7 @@ from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._comm_counter import ALL_GATHER as AG, REDUCE_SCATTER as RS, CollectiveCounter
 from tests._training import local_batch, make_optimizer, shard_blocks_and_root, shard_on_a_new_group
-from tests.harness import run_distributed
+from tests.harness import TEST_DEVICE, run_distributed
 
 CFG = GPTConfig(n_layers=5)
 DEFAULT = DEFAULT_BUCKET_CAP_MB
@@ -23,7 +23,7 @@ def _train(cap_mb, optim_name, steps=4, count=False):
     parameters after them, and the collectives of the last step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = shard_blocks_and_root(GPT(CFG))
+    model = shard_blocks_and_root(GPT(CFG).to(TEST_DEVICE))
     if cap_mb is not None:
         model.set_bucket_cap_mb(cap_mb)
     optim = make_optimizer(model, optim_name)
@@ -100,7 +100,7 @@ def test_a_cap_below_the_unit_size_changes_nothing():
 
 def _negative_cap_raises() -> str:
     torch.manual_seed(0)
-    model = shard_blocks_and_root(GPT(CFG))
+    model = shard_blocks_and_root(GPT(CFG).to(TEST_DEVICE))
     with pytest.raises(ValueError, match="set_bucket_cap_mb") as error:
         model.set_bucket_cap_mb(-1)
     return str(error.value)
@@ -168,7 +168,7 @@ def _backward_bucket_gathers():
     from fsdp_compose.runtime.scheduler import Scheduler
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)))
+    model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)).to(TEST_DEVICE))
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
     model.set_bucket_cap_mb(2.5 * block_bytes / 2 ** 20)
     optim = make_optimizer(model, "sgd")

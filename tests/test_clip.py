@@ -157,6 +157,7 @@ def _reference_gpt(world):
 
 
 def _close(got, want, what):
+    want = want.cpu() if isinstance(want, torch.Tensor) else want
     torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-7, msg=lambda m: f"{what}: {m}")
 
 

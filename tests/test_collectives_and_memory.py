@@ -19,8 +19,10 @@ from tests._training import (RECIPES, build_model, freeze_like_lora, global_batc
                              make_optimizer, shard_blocks_and_root, unbucketed)
 from tests._comm_counter import (ALL_GATHER as AG, ALL_REDUCE as AR, REDUCE_SCATTER as RS,
                                  CollectiveCounter)
-from tests.harness import run_distributed
+from tests.harness import TEST_DEVICE, run_distributed
 
+CPU_ONLY = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="CPU only: gloo's "
+                              "reduce-scatter emulation and the staging pool are the CPU's")
 
 
 def _buffers(model):
@@ -128,6 +130,7 @@ def gloo_all_reduce_path(via_all_reduce: bool):
             "trainable_buffers": sum(b.requires_grad for b in _buffers(model)), "grads": grads}
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_reduce_scatter_as_all_reduce_is_bit_identical(world):
     """[Note: gloo reduce-scatter as an all-reduce]: same gradients to the
@@ -231,6 +234,7 @@ def test_staging_pool_is_reused():
     assert root_bytes + 2 * block_bytes <= sizes[0] <= root_bytes + 3 * block_bytes
 
 
+@CPU_ONLY
 def test_staging_pool_is_released_between_steps_by_default():
     sizes, _, _ = run_distributed(2, staging_pool_is_reused, False)[0]
     assert sizes == [0, 0, 0]

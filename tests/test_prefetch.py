@@ -11,7 +11,7 @@ from fsdp_compose.buffers.flat_buffer import FlatBuffer
 from fsdp_compose.runtime.scheduler import Scheduler
 from tests._owners import buffer_of
 from tests._training import build_model, global_batch, make_optimizer, shard_blocks_and_root
-from tests.harness import run_distributed
+from tests.harness import TEST_DEVICE, run_distributed
 
 
 class _InFlight:
@@ -201,7 +201,7 @@ def explicit_prefetch():
         seen.append(buffer_of(model.blocks[2].ln1.weight).is_gathering
                     or buffer_of(model.blocks[2].ln1.weight).is_unsharded)
     model.blocks[1].register_forward_pre_hook(probe)
-    tokens = torch.randint(97, (2, 16))
+    tokens = torch.randint(97, (2, 16)).to(TEST_DEVICE)
     model.loss(tokens, tokens).backward()
     return seen
 
