@@ -66,11 +66,18 @@ VARIANTS = ("unsharded", "fsdp_compose", "fsdp2")
 @dataclass
 class StepMemory:
     """Peak GiB of each phase of one step (each phase's peak counted from
-    its start, so the forward's includes everything held before it)."""
+    its start, so the forward's includes everything held before it):
+    ``torch.cuda.max_memory_allocated`` (the allocator's blocks: a request
+    served from a larger cached block counts the whole block when the rest
+    is too small to split off) and the peak of the bytes requested
+    (``requested_bytes.all.peak``: what the program asked for)."""
 
     forward: float
     backward: float
     optimizer: float
+    requested_forward: float = float("nan")
+    requested_backward: float = float("nan")
+    requested_optimizer: float = float("nan")
 
 
 @dataclass
@@ -155,11 +162,14 @@ class _Peaks:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, float]:
+        """(allocated peak, requested peak) in GiB."""
         if not self.cuda:
-            return float("nan")
+            return float("nan"), float("nan")
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / GiB
+        stats = torch.cuda.memory_stats()
+        return (stats["allocated_bytes.all.peak"] / GiB,
+                stats.get("requested_bytes.all.peak", float("nan")) / GiB)
 
 
 def _memory_pass(variant: str, cfg: GPTConfig, batch: int, device: torch.device, bf16: bool,
@@ -183,7 +193,8 @@ def _memory_pass(variant: str, cfg: GPTConfig, batch: int, device: torch.device,
             optim.step()
             optim.zero_grad(set_to_none=True)
             optimizer = peaks.read()
-            memory.append(StepMemory(forward, backward, optimizer))
+            memory.append(StepMemory(forward[0], backward[0], optimizer[0],
+                                     forward[1], backward[1], optimizer[1]))
             mean = loss.detach().float().reshape(1)
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
@@ -355,16 +366,19 @@ def _fmt(value: Optional[float], spec: str = ".1f") -> str:
 
 def print_world1(results: list[VariantResult]) -> None:
     print(f"\n{'config':12} {'variant':13} {'step ms':>8} {'vs unsh':>8} {'tok/s':>9} "
-          f"{'TFLOP/s':>8} {'peak GiB step1 f/b/o':>21} {'peak GiB last f/b/o':>20}  losses")
+          f"{'TFLOP/s':>8} {'peak GiB step1 f/b/o':>21} {'peak GiB last f/b/o':>20} "
+          f"{'requested last f/b/o':>21}  losses")
     base = {r.config: r.step_ms for r in results if r.variant == "unsharded"}
     for r in results:
         first = r.memory[0] if r.memory else None
         last = r.memory[-1] if r.memory else None
-        mem = lambda m: "-" if m is None else f"{m.forward:.1f}/{m.backward:.1f}/{m.optimizer:.1f}"
+        mem = lambda m: "-" if m is None else f"{m.forward:.2f}/{m.backward:.2f}/{m.optimizer:.2f}"
+        req = lambda m: "-" if m is None else \
+            f"{m.requested_forward:.2f}/{m.requested_backward:.2f}/{m.requested_optimizer:.2f}"
         ratio = r.step_ms / base[r.config] if r.step_ms and base.get(r.config) else None
         print(f"{r.config:12} {r.variant:13} {_fmt(r.step_ms):>8} {_fmt(ratio, '.3f'):>8} "
               f"{_fmt(r.tokens_per_s, '.0f'):>9} {_fmt(r.tflops):>8} {mem(first):>21} "
-              f"{mem(last):>20}  {' '.join(f'{v:.4f}' for v in r.losses[:4])}"
+              f"{mem(last):>20} {req(last):>21}  {' '.join(f'{v:.4f}' for v in r.losses[:4])}"
               + (f"  ERROR {r.error}" if r.error else ""))
 
 
