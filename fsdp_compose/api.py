@@ -72,8 +72,10 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             gradients reduce-scattered within, then all-reduced across;
             ``(world, 1)`` is pure replication, like DDP); default: a 1-D
             mesh over every rank of the default process group, on CUDA when
-            the backend is NCCL, else on CPU. Must be the same on every rank
-            for a model (state dicts place values on it).
+            the module's parameters are on CUDA (gloo carries CUDA tensors
+            too: ranks may share a GPU) or the backend is NCCL, else on CPU.
+            Must be the same on every rank for a model (state dicts place
+            values on it).
         reshard_after_forward: free the unsharded parameters after forward
             and all-gather them again for backward. ``None`` (default): every
             unit but the root (whose backward starts right after forward);
@@ -133,7 +135,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     check_not_replicated(modules)
     if mesh is not None:
         _check_rank_in_mesh(mesh, modules[0])
-    group = shard_group_from_mesh(mesh if mesh is not None else default_mesh(_params_device(modules)))
+    group = shard_group_from_mesh(mesh if mesh is not None
+                                  else default_mesh(_params_device(modules)))
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy, placement,
                       shard_placement_fn)

@@ -10,7 +10,6 @@ one-process reference runs on the same GPU.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp_compose import fully_shard
 from fsdp_compose.testing import GPT, GPTConfig
