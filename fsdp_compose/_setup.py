@@ -27,11 +27,8 @@ from .buffers.layout import (DEFAULT_PLACEMENT, FLAT, Blocks, FlatLayout, Placem
 from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
                               flatten_costly_rows, group_records, resolve_dtypes)
 from .checks.divergence import DivergenceMonitor
-from .checks.empty_groups import install_empty_group_check
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
-from .checks.step_guard import install_step_guard
-from .checks.unmanaged import install_unmanaged_warning
 from .comm.groups import ShardGroup
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import Owner, owner_of, record_owners
@@ -157,9 +154,6 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
         check_no_late_parameters, snapshot_modules(unit.managed_modules))
     state.new_observer = DivergenceMonitor
     link_annotated_below(state)
-    install_step_guard()
-    install_unmanaged_warning()
-    install_empty_group_check()
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit

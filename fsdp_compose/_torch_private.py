@@ -129,6 +129,12 @@ def current_graph_task_id() -> int:
     return _current_graph_task_id()
 
 
+profiler_active: Callable[[], bool] = _method(
+    torch._C._autograd, "_profiler_enabled",
+    "telling whether a torch profiler records (profiler ranges are skipped otherwise)")
+"""Whether a torch profiler is recording now (one C call)."""
+
+
 def queue_autograd_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward now running ends (FSDP2's end-of-backward hook)."""
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)

@@ -20,7 +20,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._setup import PlacementFn, check_unit_placement, setup_unit
 from .checkpoint import UnitStateDictHooks
+from .checkpoint._optim import install_optimizer_layout_hooks
+from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
+from .checks.step_guard import install_step_guard
+from .checks.unmanaged import install_unmanaged_warning
 from .comm.groups import default_mesh, shard_group_from_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
@@ -141,7 +145,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                       reshard_after_forward, mp_policy, offload_policy, placement,
                       shard_placement_fn)
     UnitStateDictHooks(unit)
-    torch_norms.install()  # torch's clip_grad_norm_ / get_total_norm: global over shards
+    _install_process_wide_changes()
     for m in modules:
         m.__class__ = sharded_class(type(m))
     return module
@@ -176,6 +180,30 @@ def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
                 "(for block in blocks: fully_shard(block)), or pass them as a list to form one "
                 "unit (fully_shard(list(blocks))).")
     return modules
+
+
+def _install_process_wide_changes() -> None:
+    """Every change fsdp_compose makes to the process beyond the modules it
+    annotates, made (each once) by the first ``fully_shard``: importing the
+    package changes nothing.
+
+    * ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` recognise
+      sharded parameters and gradients and reduce over the ranks
+      (``torch_norms``; ``fsdp_compose.route_torch_grad_norms(False)`` opts
+      out);
+    * four global optimizer step pre-hooks
+      (``torch.optim.optimizer.register_optimizer_step_pre_hook``): the
+      checkpoint layout hooks attached at each optimizer's first step
+      (``checkpoint/_optim.py``), the step guard (``checks/step_guard.py``),
+      the forgotten-root warning (``checks/unmanaged.py``) and the empty
+      param-group check (``checks/empty_groups.py``). Each returns at once
+      for an optimizer that holds no annotated parameter.
+    """
+    torch_norms.install()
+    install_optimizer_layout_hooks()
+    install_step_guard()
+    install_unmanaged_warning()
+    install_empty_group_check()
 
 
 def _params_device(modules: list[nn.Module]) -> Optional[torch.device]:

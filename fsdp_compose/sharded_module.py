@@ -21,6 +21,7 @@ from .clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.state import ShardContext, _ShardState, state_of, states_below
+from .runtime.buckets import cap_bytes
 from .runtime.tensors import swapping_params_on_conversion
 from .runtime.unit import ShardUnit
 
@@ -120,9 +121,7 @@ class ShardedModule:
         first two steps run unbucketed); made before the first forward, the
         root applies it (like :meth:`set_prefetch_policy`)."""
         cap = float(bucket_cap_mb)
-        if cap < 0:
-            raise ValueError(f"set_bucket_cap_mb({bucket_cap_mb!r}) on {_own_state(self).unit.name}: "
-                             "the cap must be >= 0 MiB (0 turns bucketing off)")
+        cap_bytes(cap, where=f"set_bucket_cap_mb on {_own_state(self).unit.name}: ")
 
         def apply(context: ShardContext) -> None:
             context.scheduler.buckets.set_cap_mb(cap)

@@ -537,10 +537,6 @@ class FlatBuffer:
         self._post_forward = None
 
     # ----------------------------------------------------------- inspection
-    def full_param_views(self) -> list[torch.Tensor]:
-        """The unsharded per-parameter views (valid only while unsharded)."""
-        return self._unsharded_views
-
     def local_slices(self) -> tuple[ShardSlice, ...]:
         return self._slices
 

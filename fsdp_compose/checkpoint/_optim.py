@@ -11,7 +11,8 @@ torch's ``torch.distributed.checkpoint.state_dict`` functions then work
 unchanged: they map indices to FQNs around these hooks.
 
 The hooks are attached to an optimizer by :func:`register_optimizer`, which
-a global optimizer step pre-hook calls at every optimizer's first step (and
+a global optimizer step pre-hook (installed at the first ``fully_shard``,
+:func:`install_optimizer_layout_hooks`) calls at every optimizer's first step (and
 torch's ``get/set_optimizer_state_dict`` step a fresh optimizer first). Call
 it yourself to ``optimizer.load_state_dict()`` into an optimizer that never
 stepped.
@@ -87,7 +88,14 @@ def _is_zero_initialisation(optimizer: Optimizer) -> bool:
                for p in _params(optimizer) if p.requires_grad)
 
 
-_STEP_HOOK = register_optimizer_step_pre_hook(_on_step)
+_installed: list[object] = []  # the global step pre-hook's handle, once installed
+
+
+def install_optimizer_layout_hooks() -> None:
+    """Register (once per process) the global optimizer step pre-hook that
+    attaches the checkpoint-layout hooks at each optimizer's first step."""
+    if not _installed:
+        _installed.append(register_optimizer_step_pre_hook(_on_step))
 
 
 def _params(optimizer: Optimizer) -> list[torch.Tensor]:

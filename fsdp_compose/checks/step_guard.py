@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 

@@ -46,6 +46,15 @@ DEFAULT_BUCKET_CAP_MB = 4.0
 hundreds of MiB) exactly as without bucketing. ``set_bucket_cap_mb(0)``
 turns it off."""
 
+
+def cap_bytes(cap_mb: float, where: str = "") -> int:
+    """A bucket cap in MiB as bytes (truncated), checked: ``where`` starts
+    the message of the error a negative cap raises."""
+    if cap_mb < 0:
+        raise ValueError(f"{where}bucket_cap_mb must be >= 0 MiB (0 turns bucketing off), "
+                         f"got {cap_mb}")
+    return int(cap_mb * 2 ** 20)
+
 class Bucket:
     """Consecutive units (forward order) whose collectives are coalesced."""
 
@@ -93,9 +102,7 @@ class BucketPlan:
         """Change the cap; the last agreed order is re-bucketed with it at
         the next root forward (:meth:`refresh`; every rank changes it at
         the same point: a model setting)."""
-        if cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb must be >= 0 (0 turns bucketing off), got {cap_mb}")
-        self.cap_bytes = int(cap_mb * 2 ** 20)
+        self.cap_bytes = cap_bytes(cap_mb)
         self._cap_changed = True
 
     def refresh(self) -> None:

@@ -24,6 +24,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
 from ..policies import PrefetchPolicy
+from ..profiling import profiled
 from .buckets import Bucket, BucketPlan
 from .observer import CollectiveObserver
 from .training_state import TrainingState
@@ -33,6 +34,7 @@ class ScheduledUnit(Protocol):
     """What the scheduler reads of a unit (``unit.ShardUnit``, which
     imports this module)."""
 
+    name: str
     buffers: list[FlatBuffer]
     training_state: TrainingState
     unshard_in_backward: bool
@@ -173,7 +175,7 @@ class Scheduler:
         self.inflight_all_gathers()
         if not self._start_bucket(unit, unit):
             for buffer in unit.buffers:
-                self._start_unshard(unit, buffer)
+                self._start_unshard(unit, buffer, unit)
         for target in prefetch:
             if self._start_bucket(unit, target, limited=True):
                 continue
@@ -187,9 +189,10 @@ class Scheduler:
                     continue  # nothing to issue: already gathered or in flight
                 if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
                     break
-                self._start_unshard(unit, buffer)
-        for buffer in unit.buffers:
-            buffer.finish_unshard()
+                self._start_unshard(unit, buffer, target)
+        with profiled("all_gather_wait", unit.name):
+            for buffer in unit.buffers:
+                buffer.finish_unshard()
 
     def inflight_all_gathers(self) -> int:
         """All-gathers issued here and not waited on yet (a bucket's is one)."""
@@ -213,7 +216,8 @@ class Scheduler:
             return True
         for buffer in buffers:
             self.observer.before_all_gather(buffer, issuer.training_state)
-        gathering = gather_coalesced(bucket.buffers, buffers)
+        with profiled("all_gather", lambda: "bucket of " + ", ".join(m.name for m in members)):
+            gathering = gather_coalesced(bucket.buffers, buffers)
         if gathering:
             self._gathers.append(gathering)
         for buffer in buffers:
@@ -222,12 +226,15 @@ class Scheduler:
                 self._track(buffer)
         return True
 
-    def _start_unshard(self, issuer: "ScheduledUnit", buffer: FlatBuffer) -> None:
-        """Issue ``buffer``'s all-gather for ``issuer``'s pre-forward or
-        pre-backward (``buffer`` is another unit's when prefetching)."""
+    def _start_unshard(self, issuer: "ScheduledUnit", buffer: FlatBuffer,
+                       owner: "ScheduledUnit") -> None:
+        """Issue ``buffer``'s all-gather (``owner``'s) for ``issuer``'s
+        pre-forward or pre-backward (``owner`` is another unit when
+        prefetching)."""
         if _issues_all_gather(buffer):
             self.observer.before_all_gather(buffer, issuer.training_state)
-        buffer.start_unshard()
+        with profiled("all_gather", owner.name):
+            buffer.start_unshard()
         self._track(buffer)
 
     def _track(self, buffer: FlatBuffer) -> None:
@@ -251,7 +258,9 @@ class Scheduler:
             return
         if buffer.grad.has_unreduced:
             self.observer.before_reduce_scatter(buffer)
-        if buffer.grad.start_reduce(options):
+        with profiled("reduce_scatter"):
+            started = buffer.grad.start_reduce(options)
+        if started:
             self._reduces.append([buffer])
         self._keep_reduce_limit()
 
@@ -271,7 +280,8 @@ class Scheduler:
         for buffer in observed + [b for b in buffers if b is not trigger]:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
-        reducing = reduce_coalesced(buffers, options)
+        with profiled("reduce_scatter", lambda: f"bucket of {len(buffers)} buffers"):
+            reducing = reduce_coalesced(buffers, options)
         if reducing:
             self._reduces.append(reducing)
         self._keep_reduce_limit()
@@ -282,12 +292,14 @@ class Scheduler:
         waited only when those exceed the limit in turn (or at the end)."""
         while len(self._reduces) > self.policy.max_pending_reduces:
             oldest = self._reduces.popleft()
-            replicating = [b for b in oldest if b.grad.advance_reduce()]
+            with profiled("reduce_scatter_wait"):
+                replicating = [b for b in oldest if b.grad.advance_reduce()]
             if replicating:
                 self._replicas.append(replicating)
         while len(self._replicas) > self.policy.max_pending_reduces:
-            for buffer in self._replicas.popleft():
-                buffer.grad.finish_reduce()
+            with profiled("all_reduce_replicas_wait"):
+                for buffer in self._replicas.popleft():
+                    buffer.grad.finish_reduce()
 
     def flush_held_reduces(self) -> None:
         """End of backward: reduce what buckets still hold (a member whose
@@ -298,10 +310,11 @@ class Scheduler:
                 self._reduce_held(id(bucket))
 
     def finish_reduces(self) -> None:
-        for queue in (self._replicas, self._reduces):  # oldest first
-            while queue:
-                for buffer in queue.popleft():
-                    buffer.grad.finish_reduce()
+        with profiled("reduce_scatter_wait", "all in flight"):
+            for queue in (self._replicas, self._reduces):  # oldest first
+                while queue:
+                    for buffer in queue.popleft():
+                        buffer.grad.finish_reduce()
 
     # -------------------------------------------------------------- staging
     def end_iteration(self) -> None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from .._torch_private import ComposableState as _State, contract, current_graph_task_id, queue_autograd_callback
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
+from ..profiling import profiled
 from .compile import run_eagerly
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
@@ -29,6 +30,9 @@ from .unit import ShardUnit
 ModelSetting = Callable[["ShardContext"], None]
 """Applies one model-wide setting (prefetch policy, divergence checking) to
 a model's shared context."""
+
+
+ROOT_LABEL = "<root>"  # how names of units and modules show the root module (FQN "")
 
 
 class ShardContext:
@@ -119,6 +123,11 @@ class _ShardState(_State):
             assert self.context is not None, \
                 f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
             return
+        with profiled("lazy_init"):
+            self._become_root()
+
+    def _become_root(self) -> None:
+        """The lazy init of a root: one context for every state below it."""
         states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
         _name_units(self.unit.modules, states)
         settings = _pending_settings(states)  # may raise: before anything is shared
@@ -152,6 +161,11 @@ class _ShardState(_State):
             return args, kwargs  # inside a registered forward method: already unsharded
         if self.held_whole:
             return args, kwargs  # inside full_params: the parameters are whole already
+        with profiled("pre_forward", self.unit.name):
+            return self._unshard_for_forward(module, args, kwargs)
+
+    def _unshard_for_forward(self, module: nn.Module, args: tuple,
+                             kwargs: dict) -> tuple[tuple, dict]:
         self.lazy_init()
         self.unit.check_materialized()
         self.pre_forward_check(self.context.root.unit.modules[0])
@@ -168,6 +182,10 @@ class _ShardState(_State):
             return output  # the registered method's own post-forward follows
         if self.held_whole:
             return output  # inside full_params: nothing was gathered
+        with profiled("post_forward", self.unit.name):
+            return self._finish_forward(module, output)
+
+    def _finish_forward(self, module: nn.Module, output: Any) -> Any:
         output = self.unit.cast_output(output)
         root_unit = self.context.root.unit
         inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not self.unit
@@ -249,11 +267,12 @@ class _ShardState(_State):
                 unit.reshard()
 
     def _pre_backward(self) -> None:
-        context = self.context
-        if not context.backward_callback_queued:
-            context.backward_callback_queued = True
-            queue_autograd_callback(context.root._finalize_backward)
-        self.unit.pre_backward()
+        with profiled("pre_backward", self.unit.name):
+            context = self.context
+            if not context.backward_callback_queued:
+                context.backward_callback_queued = True
+                queue_autograd_callback(context.root._finalize_backward)
+            self.unit.pre_backward()
 
     def _finalize_backward(self) -> None:
         """Queued once per backward: publish the reduced gradients (unless
@@ -262,7 +281,8 @@ class _ShardState(_State):
         context = self.context
         context.backward_callback_queued = False
         last = self.unit.is_last_backward
-        finish_backward([state.unit for state in context.states], context.scheduler, last)
+        with profiled("end_of_backward"):
+            finish_backward([state.unit for state in context.states], context.scheduler, last)
         if last and self.after_last_backward is not None:
             self.after_last_backward()  # may raise out of backward, on every rank alike
 
@@ -322,7 +342,7 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[_ShardState]) -> None
         first = state.unit.modules[0]
         label = names.get(first, "")
         state.unit.name = f"'{label}' ({type(first).__name__})" if label else \
-            f"<root> ({type(first).__name__})"
+            f"{ROOT_LABEL} ({type(first).__name__})"
 
 
 def _check_devices(states: list[_ShardState]) -> None:

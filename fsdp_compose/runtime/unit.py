@@ -19,6 +19,7 @@ from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..profiling import profiled
 from .scheduler import Scheduler
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
@@ -287,15 +288,16 @@ class ShardUnit:
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
-        if self.requires_gradient_sync and self.reduce_scatter_unused_params:
-            pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
-        elif self.requires_gradient_sync:
-            self.scheduler.reduce(buffer, self.reduce_options)
-        else:
-            buffer.grad.stash_unreduced()
-        if self.reshard_after_backward:
-            buffer.reshard()
-        self.training_state = TrainingState.POST_BACKWARD
+        with profiled("post_backward", self.name):
+            if self.requires_gradient_sync and self.reduce_scatter_unused_params:
+                pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
+            elif self.requires_gradient_sync:
+                self.scheduler.reduce(buffer, self.reduce_options)
+            else:
+                buffer.grad.stash_unreduced()
+            if self.reshard_after_backward:
+                buffer.reshard()
+            self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
         """Frozen buffers have no gradient hook; they reshard once the

@@ -35,13 +35,10 @@ from ..buffers.layout import Blocks, ShardDim
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
 from ..runtime.scheduler import Scheduler
-from ..runtime.state import state_of, states_below, units_below
+from ..runtime.state import ROOT_LABEL, state_of, states_below, units_below
 from ..runtime.unit import ShardUnit
 from ..sharded_module import ShardedModule
 from ._format import format_bytes, module_paths
-
-ROOT_LABEL = "<root>"
-"""How the model itself is named where an FQN would be empty."""
 
 
 # ------------------------------------------------------------------ report

@@ -28,11 +28,7 @@ def default_cap_mb() -> float:
     return float(runtime_buckets.DEFAULT_BUCKET_CAP_MB)
 
 
-def cap_bytes(cap_mb: float) -> int:
-    """``BucketPlan.set_cap_mb``'s conversion (MiB, truncated to bytes)."""
-    if cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb must be >= 0 (0 turns bucketing off), got {cap_mb}")
-    return int(cap_mb * 2 ** 20)
+cap_bytes = runtime_buckets.cap_bytes  # the runtime's conversion and check, shared
 
 
 def unit_key(compute: Sequence[torch.dtype], reduce_comm: Sequence[torch.dtype],

@@ -59,9 +59,10 @@ from ...buffers.layout import FlatLayout
 from ...buffers.records import buffer_policy, is_aliased
 from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
 from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ...runtime.state import ROOT_LABEL
 from .buckets import BucketKey, unit_key
 from .report import MemoryEstimate, PeakParts
-from .units import ROOT, UnitSpec
+from .units import UnitSpec
 
 
 class UnitPlan(NamedTuple):
@@ -336,4 +337,4 @@ class Step:
 
 
 def _label(phase: str, plan: UnitPlan, what: str) -> str:
-    return f"{phase} of {plan.name if plan.name == ROOT else repr(plan.name)}: {what}"
+    return f"{phase} of {plan.name if plan.name == ROOT_LABEL else repr(plan.name)}: {what}"

@@ -13,9 +13,9 @@ import torch.nn as nn
 
 from ..._setup import collect_records, join_fqn, managed_modules
 from ...buffers.records import ParamRecord
+from ...runtime.state import ROOT_LABEL
 
 Unit = Union[nn.Module, Sequence[nn.Module]]
-ROOT = "<root>"
 
 
 class UnitSpec(NamedTuple):
@@ -52,7 +52,7 @@ def resolve_units(model: nn.Module, units: Sequence[Unit]) -> list[UnitSpec]:
             if id(m) not in names or id(m) in annotated:
                 raise ValueError(f"{type(m).__name__} in units is not a submodule of the model "
                                  "or appears twice")
-        label = ", ".join(names[id(m)] or ROOT for m in modules)
+        label = ", ".join(names[id(m)] or ROOT_LABEL for m in modules)
         label = f"[{label}]" if len(modules) > 1 else label
 
         def check_owner(param: nn.Parameter, fqn: str, module: nn.Module,

@@ -1,0 +1,35 @@
+"""Named ranges in profiler traces: ``fsdp_compose::<moment> <subject>``.
+
+Each hook moment (``pre_forward``, ``post_forward``, ``pre_backward``,
+``post_backward``, ``end_of_backward``, ``lazy_init``) and each collective's
+issue and wait (``all_gather``, ``all_gather_wait``, ``reduce_scatter``,
+``reduce_scatter_wait``) is a ``torch.profiler.record_function`` range while
+a torch profiler records, so a trace shows which unit a copy or a
+collective belongs to (ranges nest: a ``reduce_scatter`` sits inside the
+``post_backward`` of its unit). With no profiler recording, :func:`profiled`
+returns one shared do-nothing context: no string is built and no op is
+dispatched (one C call to ask).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Union
+
+from torch.autograd.profiler import record_function
+
+from ._torch_private import profiler_active
+
+PREFIX = "fsdp_compose::"
+_NOTHING = nullcontext()
+
+
+def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> AbstractContextManager:
+    """The range ``fsdp_compose::<moment> <subject>`` while a profiler
+    records, else a shared no-op context. A callable ``subject`` is called
+    only while a profiler records (a name that costs work to build)."""
+    if not profiler_active():
+        return _NOTHING
+    if callable(subject):
+        subject = subject()
+    return record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment)
