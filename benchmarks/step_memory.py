@@ -1,0 +1,104 @@
+"""Memory of every step, phase by phase, on the CPU: fsdp_compose against
+torch FSDP2 on two gloo ranks (issue 36 item 3; ``benchmarks/gpu.py`` is the
+GPU's counterpart).
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory                  # default GPT
+    PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --layers 48 --d-model 64 --vocab 512
+
+Each implementation is built alone in the ranks, then ``--steps`` steps run
+under the PyTorch profiler with ``profile_memory=True`` (every CPU tensor
+allocation and free, gloo's threads included; ``benchmarks/memory.py``). Each
+step is three phases (forward, backward, AdamW step + ``zero_grad``); the
+table shows rank 0's peak of live tensor bytes in each phase of each step,
+counted from just before the model was built, and the bytes live after the
+step. fp32, every block a unit plus the root; FSDP2 on a CPU mesh.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._two_ranks import gpt_arguments, gpt_config, join_gloo_group, run_two_ranks
+from benchmarks.memory import measure_training_memory
+from fsdp_compose.testing import GPT, synthetic_tokens
+
+MiB = 2 ** 20
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _build(name: str, cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if name == "fsdp_compose":
+        from fsdp_compose import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as fsdp2
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fsdp2(block, mesh=mesh)
+        fsdp2(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _phase_peaks(name: str, cfg, steps: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = synthetic_tokens(0, 4 * world, cfg.seq_len, cfg.vocab_size)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    held: dict[str, Any] = {}
+
+    def phase(model: torch.nn.Module, optim: torch.optim.Optimizer, i: int) -> None:
+        if i % 3 == 0:
+            held["loss"] = model.loss(x, y)
+        elif i % 3 == 1:
+            held.pop("loss").backward()
+        else:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+
+    def settle() -> None:
+        dist.barrier()
+        gc.collect()
+
+    report = measure_training_memory(lambda: _build(name, cfg), phase, 3 * steps, settle)
+    return {"peaks": [report.step_peaks[i:i + 3] for i in range(0, 3 * steps, 3)],
+            "after": [report.after_step[i + 2] for i in range(0, 3 * steps, 3)]}
+
+
+def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
+    join_gloo_group(rank, world, init_file, timeout_s=300)
+    cfg = gpt_config(args)
+    results = {}
+    for name in ("fsdp_compose", "fsdp2"):
+        results[name] = _phase_peaks(name, cfg, args.repeats)
+        gc.collect()
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = gpt_arguments(__doc__.splitlines()[0], repeats=4)  # --repeats: the steps
+    results = run_two_ranks(_worker, args, timeout=1200)
+    print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch 4 x 128 "
+          f"per rank, fp32, AdamW; rank 0's live tensor MiB")
+    print("| step | phase | fsdp_compose | FSDP2 | difference |")
+    print("|---|---|---|---|---|")
+    ours, theirs = results["fsdp_compose"], results["fsdp2"]
+    for step in range(args.repeats):
+        for p, phase in enumerate(PHASES):
+            a, b = ours["peaks"][step][p] / MiB, theirs["peaks"][step][p] / MiB
+            print(f"| {step + 1} | {phase} peak | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+        a, b = ours["after"][step] / MiB, theirs["after"][step] / MiB
+        print(f"| {step + 1} | after the step | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()
