@@ -20,6 +20,11 @@ from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 from tests.harness import TEST_DEVICE
 
 CFG = GPTConfig()
+# On CUDA, eps 1e-6 rather than torch's 1e-8: a gradient element near eps
+# (blocks.2.attn.qkv has one of 8e-9) turns the rounding of its sum, which
+# differs between the global batch and the ranks' halves on the GPU, into a
+# 5e-5 update difference (g / (|g| + eps)); seen at 2 ranks on an H200.
+ADAM_EPS = 1e-6 if TEST_DEVICE.type == "cuda" else 1e-8
 BATCH_PER_RANK = 2
 MICRO_BATCHES = 2  # for the accumulation and several-forwards modes
 
@@ -39,10 +44,17 @@ def build_model(variant: str = "gpt") -> nn.Module:
     device), on ``TEST_DEVICE``."""
     torch.manual_seed(1234)
     if variant == "gpt":
-        return GPT(CFG).to(TEST_DEVICE)
+        return _on_test_device(GPT(CFG))
     if variant == "unused":
-        return GPTWithUnused(CFG).to(TEST_DEVICE)
+        return _on_test_device(GPTWithUnused(CFG))
     raise ValueError(variant)
+
+
+def _on_test_device(model: nn.Module) -> nn.Module:
+    """``model`` moved to ``TEST_DEVICE``, unless it was built on the meta
+    device (a ``torch.device("meta")`` context) or is there already."""
+    device = next(model.parameters()).device
+    return model if device.type in ("meta", TEST_DEVICE.type) else model.to(TEST_DEVICE)
 
 
 def freeze_like_lora(model: nn.Module) -> None:
@@ -128,13 +140,10 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     if name == "adamw":
-        # eps 1e-6, not 1e-8: a gradient element near eps (blocks.2.attn.qkv
-        # has one of 8e-9) turns the rounding of its sum into a 5e-5 update
-        # difference (g / (|g| + eps)); seen on CUDA at 2 ranks
         decay = [p for p in params if _original_ndim(p) >= 2]
         no_decay = [p for p in params if _original_ndim(p) < 2]
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, eps=1e-6)
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, eps=ADAM_EPS)
     if name == "adamw-nanogpt":  # nanoGPT's configure_optimizers, as written for one process
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
