@@ -54,7 +54,7 @@ def build_fsdp1(model: GPT) -> nn.Module:
 
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
-                       placement: str = "flat", bucket_cap_mb: Optional[float] = None,
+                       placement: Optional[str] = "flat", bucket_cap_mb: Optional[float] = None,
                        split_root: bool = False, check_divergence: Optional[bool] = None
                        ) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the

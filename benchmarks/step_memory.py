@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._two_ranks import gpt_arguments, gpt_config, join_gloo_group, run_two_ranks
+from benchmarks.impls import build_fsdp2, build_fsdp_compose
 from benchmarks.memory import measure_training_memory
 from fsdp_compose.testing import GPT, synthetic_tokens
 
@@ -31,20 +32,14 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def _build(name: str, cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The seeded GPT under ``name`` (``benchmarks/impls.py``'s builders;
+    fsdp_compose with the library's default placement), and its AdamW."""
     torch.manual_seed(0)
     model = GPT(cfg)
     if name == "fsdp_compose":
-        from fsdp_compose import fully_shard
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        model = build_fsdp_compose(model, placement=None)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as fsdp2
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fsdp2(block, mesh=mesh)
-        fsdp2(model, mesh=mesh)
+        model = build_fsdp2(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
