@@ -29,9 +29,11 @@ did (:data:`HISTORY`; train and eval steps may alternate). Once an
 iteration made that many fills of a size, its pooled memory of that size is
 freed and later releases of that size go straight back to the allocator.
 A wrong guess only costs speed, never values: an unexpected extra fill
-allocates (faults its pages in) as without a pool. With no history (the
-first iteration, or ``retain_staging``, which never clears) everything is
-pooled as before. In the steady state nothing is faulted in more than
+allocates (faults its pages in) as without a pool. The first iteration has
+no history: nothing is pooled in it (its pages are faulted in as without a
+pool), so its peak is never above what freeing gives. Under
+``retain_staging``, which never clears, everything is pooled from the
+second iteration on. In the steady state nothing is faulted in more than
 before: what is freed early would have been freed at the end of the
 iteration.
 
@@ -110,8 +112,13 @@ class StagingPool:
         """Fills of each size in the last iterations (oldest first)."""
         self._expected: Optional[Counter[int]] = None
         """Fills of each size expected per iteration: the most over
-        ``_history`` (``None``: no history, pool everything); see
-        [Note: releasing what no fill will take]."""
+        ``_history`` (``None``: no history); see [Note: releasing what no
+        fill will take]."""
+        self._first_iteration: bool = True
+        """Nothing is pooled before the first iteration ends: with no
+        history the pool cannot tell which release a later fill will take,
+        and memory kept for nothing would raise the first step's peak above
+        what freeing gives (one block of the benchmark GPT, 12 MiB)."""
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory, reused if possible."""
@@ -147,11 +154,19 @@ class StagingPool:
 
     def _wanted(self, nbytes: int) -> bool:
         """Whether a fill of ``nbytes`` is still expected this iteration."""
-        return self._expected is None or self._fills[nbytes] < self._expected[nbytes]
+        if self._expected is None:  # no history: none in the first iteration, all after
+            return not self._first_iteration
+        return self._fills[nbytes] < self._expected[nbytes]
+
+    def keep(self) -> None:
+        """End of an iteration under ``retain_staging``: keep what is
+        pooled, and from now on pool every release."""
+        self._first_iteration = False
 
     def clear(self) -> None:
         """End of an iteration: release every pooled storage back to the
         allocator and remember how often each size was filled."""
+        self._first_iteration = False
         self._free.clear()
         if self._fills:
             self._history.append(self._fills)

@@ -321,7 +321,9 @@ class Scheduler:
         """The iteration's last use of unsharded memory is over (end of the
         last backward, or a forward without backward): release the staging
         pool unless the policy retains it between iterations."""
-        if not self.policy.retain_staging:
+        if self.policy.retain_staging:
+            self.staging.keep()
+        else:
             self.staging.clear()
 
 
