@@ -35,8 +35,7 @@ class UnshardHandle:
 
     def wait(self) -> None:
         for unit in self._units:
-            for buffer in unit.buffers:
-                buffer.finish_unshard()
+            unit.collectives.wait_gathers(unit)
         self._units = []
 
 
@@ -55,8 +54,7 @@ class ShardedModule:
         own.lazy_init()
         units = [state.unit for state in _states(self, recurse)]
         for unit in units:
-            for buffer in unit.buffers:
-                buffer.start_unshard()
+            unit.collectives.start_unshard(unit, unit.training_state)
         handle = UnshardHandle(units)
         if async_op:
             return handle
@@ -105,6 +103,7 @@ class ShardedModule:
 
         def apply(context: ShardContext) -> None:
             context.scheduler.policy = policy
+            context.collectives.policy = policy
 
         _own_state(self).change_model_setting("set_prefetch_policy", policy, apply)
 
@@ -124,7 +123,7 @@ class ShardedModule:
         cap_bytes(cap, where=f"set_bucket_cap_mb on {_own_state(self).unit.name}: ")
 
         def apply(context: ShardContext) -> None:
-            context.scheduler.buckets.set_cap_mb(cap)
+            context.collectives.buckets.set_cap_mb(cap)
 
         _own_state(self).change_model_setting("set_bucket_cap_mb", cap, apply)
 
@@ -255,7 +254,7 @@ class ShardedModule:
             raise TypeError(f"set_check_rank_divergence expects a bool or None, got {enable!r}")
 
         def apply(context: ShardContext) -> None:
-            observer = context.scheduler.observer
+            observer = context.collectives.observer
             assert isinstance(observer, DivergenceMonitor), \
                 f"fully_shard installs a DivergenceMonitor, found {type(observer).__name__}"
             observer.forced = enable

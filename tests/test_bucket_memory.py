@@ -1,5 +1,6 @@
 """A bucket's packed temporaries hold no memory once its collective is done
-(issue 22, [Note: freeing the packed temporaries] in ``buffers/coalesced.py``).
+(issue 22, [Note: freeing what a collective read] in
+``runtime/collective_queue.py``).
 
 gloo keeps a finished collective's input and output tensors alive for a
 while, sometimes through the next step (6 MiB held after the step on one
@@ -10,7 +11,7 @@ anyway after the step."""
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.buffers import coalesced
+from fsdp_compose.runtime import collective_queue as coalesced
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import local_batch, make_optimizer, shard_blocks_and_root
@@ -27,13 +28,18 @@ def _held_collective_tensors_after_a_step():
     shards = {b.sharded.untyped_storage().data_ptr() for u in units for b in u.buffers}
     held: list[tuple[str, torch.Tensor]] = []
     gather, reduce = coalesced.all_gather_into, coalesced.reduce_scatter_scaled
+    # a buffer's own collectives (a bucket of one) move one buffer's padded size;
+    # only a bucket's packed collectives move another (the sum of its members')
+    alone = {b.layout.padded_numel for u in units for b in u.buffers}
 
     def gather_and_hold(output, shard, *args, **kwargs):
-        held.extend([("all-gather output", output), ("all-gather input", shard)])
+        if output.numel() not in alone:
+            held.extend([("all-gather output", output), ("all-gather input", shard)])
         return gather(output, shard, *args, **kwargs)
 
     def reduce_and_hold(output, flat, *args, **kwargs):
-        held.extend([("reduce output", output), ("reduce input", flat)])
+        if flat.numel() not in alone:
+            held.extend([("reduce output", output), ("reduce input", flat)])
         return reduce(output, flat, *args, **kwargs)
 
     coalesced.all_gather_into, coalesced.reduce_scatter_scaled = gather_and_hold, reduce_and_hold
@@ -45,7 +51,7 @@ def _held_collective_tensors_after_a_step():
             optim.zero_grad()
     finally:
         coalesced.all_gather_into, coalesced.reduce_scatter_scaled = gather, reduce
-    buckets = [len(b.units) for b in state_of(model).context.scheduler.buckets.buckets]
+    buckets = [len(b.units) for b in state_of(model).context.collectives.buckets.buckets]
     return buckets, [(what, t.untyped_storage().nbytes()) for what, t in held
                      if t.untyped_storage().data_ptr() not in shards]
 

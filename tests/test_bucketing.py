@@ -1,5 +1,5 @@
 """Bucketing across units (issue 22, [Note: bucketing] in
-``buffers/coalesced.py``): the same numbers bit for bit as without it, fewer
+``runtime/collective_queue.py``): the same numbers bit for bit as without it, fewer
 collectives, counted, and the unsharded memory bound kept."""
 
 import pytest
@@ -48,11 +48,11 @@ def _train(cap_mb, optim_name, steps=4, count=False):
             model.loss(x, y).backward()
         optim.step()
         optim.zero_grad()
-    scheduler = state_of(model).context.scheduler
+    collectives = state_of(model).context.collectives
     return {"params": [p.detach().clone() for p in model.parameters()],
             "all_gathers": counts and counts.get(AG, 0),
             "reduce_scatters": counts and counts.get(RS, 0),
-            "buckets": [len(b.units) for b in scheduler.buckets.buckets],
+            "buckets": [len(b.units) for b in collectives.buckets.buckets],
             "described": describe(model).buckets,
             "described_text": str(describe(model)),
             "block_bytes": sum(b.layout.padded_numel * 4 for b in units[0].buffers),
@@ -142,7 +142,7 @@ def _diverge_inside_a_bucket(at_step: int):
         try:
             model(torch.randn(4, 16), skip).sum().backward()
         except RuntimeError as error:
-            return step, [len(b.units) for b in state_of(model).context.scheduler.buckets.buckets], \
+            return step, [len(b.units) for b in state_of(model).context.collectives.buckets.buckets], \
                 str(error)
         optim.step()
         optim.zero_grad()
@@ -165,22 +165,22 @@ def test_a_unit_skipped_inside_a_bucket_is_named_on_every_rank():
 def _backward_bucket_gathers():
     """Two buckets of two blocks ([0, 1], [2, 3]): which unit issued each
     bucket all-gather of the last step's backward, and whether as a prefetch."""
-    from fsdp_compose.runtime.scheduler import Scheduler
+    from fsdp_compose.runtime.collective_queue import CollectiveQueue
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)).to(TEST_DEVICE))
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
     model.set_bucket_cap_mb(2.5 * block_bytes / 2 ** 20)
     optim = make_optimizer(model, "sgd")
-    issued, original = [], Scheduler._start_bucket
+    issued, original = [], CollectiveQueue._gather_bucket
 
-    def recording(self, issuer, unit, limited=False):
+    def recording(self, unit, issuer_unit, issuer, ran, limited=False):
         before = len(self._gathers)
-        done = original(self, issuer, unit, limited)
-        if len(self._gathers) > before and issuer.training_state.name != "FORWARD":
-            issued.append((issuer.name, unit.name, limited))
+        done = original(self, unit, issuer_unit, issuer, ran, limited)
+        if len(self._gathers) > before and issuer.name != "FORWARD":
+            issued.append((issuer_unit.name, unit.name, limited))
         return done
-    Scheduler._start_bucket = recording
+    CollectiveQueue._gather_bucket = recording
     try:
         for step in range(4):
             issued.clear()
@@ -189,8 +189,8 @@ def _backward_bucket_gathers():
             optim.step()
             optim.zero_grad()
     finally:
-        Scheduler._start_bucket = original
-    buckets = [[u.name for u in b.units] for b in state_of(model).context.scheduler.buckets.buckets]
+        CollectiveQueue._gather_bucket = original
+    buckets = [[u.name for u in b.units] for b in state_of(model).context.collectives.buckets.buckets]
     return buckets, issued
 
 

@@ -219,7 +219,7 @@ def staging_pool_is_reused(retain: bool):
         model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         optim.step()
         optim.zero_grad()
-        pool = state_of(model).context.scheduler.staging  # the model's, built at lazy init
+        pool = state_of(model).context.collectives.staging  # the model's, built at lazy init
         sizes.append(pool.pooled_bytes)
     root_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model).unit.buffers)
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)

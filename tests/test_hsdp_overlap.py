@@ -19,7 +19,7 @@ def _train_watching_replicas(optim_name):
         state = state_of(module)
         if state is not None and state.context is not None:
             buffers = [b for s in state.context.states for b in s.unit.buffers]
-            in_flight.append(sum(b.grad._replica is not None for b in buffers))
+            in_flight.append(sum((b.grad.reducing is not None and b.grad.reducing.kind == "all_reduce_replicas") for b in buffers))
     handle = register_module_full_backward_pre_hook(probe)
     try:
         result = _train((2, 2), optim_name)

@@ -92,7 +92,7 @@ def _peaks_under_tracker_and_profiler(retain_staging: bool):
         optim.zero_grad()
 
     step(0)
-    pool = state_of(model).context.scheduler.staging
+    pool = state_of(model).context.collectives.staging
     at_end = []
     clear = pool.clear
     pool.clear = lambda: (at_end.append(pool.pooled_bytes), clear())[1]

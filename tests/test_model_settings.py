@@ -33,8 +33,10 @@ def settings_on_blocks_before_first_forward():
     model.blocks[1].set_prefetch_policy(NO_PREFETCH)  # the same value twice is fine
     _step(model)
     scheduler = state_of(model).context.scheduler
-    return {"policy": scheduler.policy, "forced": scheduler.observer.forced,
-            "verified_first_iteration": scheduler.observer.verifying,
+    collectives = state_of(model).context.collectives
+    assert collectives.policy is scheduler.policy
+    return {"policy": scheduler.policy, "forced": collectives.observer.forced,
+            "verified_first_iteration": collectives.observer.verifying,
             "shared": all(state_of(b).unit.scheduler is scheduler for b in model.blocks)}
 
 

@@ -184,7 +184,7 @@ def runtime_buckets(model: nn.Module) -> list[tuple[str, ...]]:
     the planner names units."""
     context = state_of(model).context
     return [] if context is None else [tuple(_label(model, u.modules) for u in b.units)
-                                       for b in context.scheduler.buckets.buckets]
+                                       for b in context.collectives.buckets.buckets]
 
 
 def _train_and_measure(name: str, kind: str = "blocks", steps: int = 4,

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose import PrefetchPolicy, fully_shard
-from fsdp_compose.buffers.flat_buffer import FlatBuffer
+from fsdp_compose.runtime.collective_queue import CollectiveQueue, InFlight
 from fsdp_compose.runtime.scheduler import Scheduler
 from tests._owners import buffer_of
 from tests._training import build_model, global_batch, make_optimizer, shard_blocks_and_root
@@ -15,32 +15,32 @@ from tests.harness import TEST_DEVICE, run_distributed
 
 
 class _InFlight:
-    """Patches FlatBuffer to record the most all-gathers in flight at once."""
+    """Patches the collective queue to record the most all-gathers in flight
+    at once (a bucket's is one): issued when the queue tracks it, finished
+    when it is waited."""
 
     def __init__(self):
         self.now, self.peak = 0, 0
-        self._start, self._finish = FlatBuffer.start_unshard, FlatBuffer.finish_unshard
+        self._track, self._wait = CollectiveQueue._track_gather, InFlight.wait
 
     def __enter__(self):
         tracker = self
 
-        def start(buffer):
-            was = buffer.is_gathering
-            tracker._start(buffer)
-            if buffer.is_gathering and not was:
-                tracker.now += 1
-                tracker.peak = max(tracker.peak, tracker.now)
+        def track(queue, flight):
+            tracker._track(queue, flight)
+            tracker.now += 1
+            tracker.peak = max(tracker.peak, tracker.now)
 
-        def finish(buffer):
-            was = buffer.is_gathering
-            tracker._finish(buffer)
-            if was and not buffer.is_gathering:
+        def wait(flight):
+            was = flight.done
+            tracker._wait(flight)
+            if flight.kind == "all_gather" and not was:
                 tracker.now -= 1
-        FlatBuffer.start_unshard, FlatBuffer.finish_unshard = start, finish
+        CollectiveQueue._track_gather, InFlight.wait = track, wait
         return self
 
     def __exit__(self, *exc):
-        FlatBuffer.start_unshard, FlatBuffer.finish_unshard = self._start, self._finish
+        CollectiveQueue._track_gather, InFlight.wait = self._track, self._wait
 
 
 def train_with_policy(forward, backward, limit, steps=3):

@@ -1,5 +1,6 @@
-"""One flat buffer: the storage, views and collectives of a group of original
-parameters with the same dtype and the same ``requires_grad``.
+"""One flat buffer: the storage and views of a group of original parameters
+with the same dtype and the same ``requires_grad`` (its collectives are
+issued by ``runtime/collective_queue.py``).
 
 [Note: storage and autograd]
 The unsharded flat buffer is a leaf tensor of ``F * S`` elements that lives
@@ -30,21 +31,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .._torch_private import unsafe_preserve_version_counter, unsafe_set_version_counter
+from .._torch_private import unsafe_set_version_counter
 from ..comm.collectives import all_gather_into
-from ..comm.flight import wait_watched
 from ..comm.groups import ShardGroup
-from .flat_grad import FlatGradient
+from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
-
-
-class _PendingGather(NamedTuple):
-    work: object  # torch.distributed.Work
-    shard: torch.Tensor  # the collective's input: alive until the work is done
-    version: int  # the unsharded buffer's version before the collective
 
 
 class _PostForwardCopy(NamedTuple):
@@ -117,8 +111,9 @@ class FlatBuffer:
         self._sharded_views: list[torch.Tensor]
         self._unsharded_views: list[torch.Tensor]
         self.is_unsharded: bool = False
-        self._gather: Optional[_PendingGather] = None
-        """The in-flight all-gather into ``unsharded`` (issued, not waited)."""
+        self.gathering: Optional[PendingCollective] = None
+        """The all-gather into ``unsharded`` in flight (issued, not waited):
+        set and cleared by ``runtime/collective_queue.py``, which issues it."""
         self.staging: Optional[StagingPool] = None
         """Where the unsharded storage's memory comes from and goes back to
         (CPU only; ``None``: the allocator directly)."""
@@ -239,7 +234,7 @@ class FlatBuffer:
         as ``torch.chunk`` does) is assembled by a copy (``torch.cat``), as
         FSDP2 copies every parameter out of its all-gather output. Such a
         copy holds values, not a view of the storage: it is rebuilt at every
-        unshard (:meth:`finish_unshard`), and one that autograd saved for
+        unshard (:meth:`complete_gather`), and one that autograd saved for
         backward keeps its memory until then (resharding cannot free it)."""
         segments = self.layout.segments()
         with torch.enable_grad():
@@ -385,38 +380,17 @@ class FlatBuffer:
             record.param.data = view
 
     # -------------------------------------------------------------- unshard
-    def unshard(self) -> None:
-        """All-gather the full values and point the module attributes at them.
-
-        Post-condition: ``is_unsharded``; every slot holds a view of
-        ``unsharded`` with the original shape.
-        """
-        self.start_unshard()
-        self.finish_unshard()
-
-    def start_unshard(self) -> None:
-        """Issue the all-gather without waiting for it (a prefetch).
-
-        Post-condition: ``is_unsharded`` or ``is_gathering``.
-        """
-        prepared = self.prepare_unshard()
-        if prepared is None:
-            return
-        shard, group = prepared
-        version = self.unsharded._version
-        with unsafe_preserve_version_counter(self.unsharded):
-            work = all_gather_into(self.unsharded.detach(), shard, group, async_op=True)
-        self._gather = _PendingGather(work, shard, version)
-
+    # The all-gather itself is issued and waited by runtime/collective_queue.py:
+    # prepare_unshard before it, complete_gather after it.
     def prepare_unshard(self, coalescable: bool = False) -> Optional[tuple[torch.Tensor, ShardGroup]]:
-        """Everything :meth:`start_unshard` does before the collective: the
+        """Everything an all-gather needs before it is issued: the
         unsharded storage holds memory again; returns what to all-gather
         and over which group (``None``: nothing to gather). With
         ``coalescable``, only a plain gather over the shard group qualifies
         (a kept post-forward piece does not: ``None`` and nothing done).
-        The caller then issues the collective and hands its work to
-        :meth:`adopt_gather` (``buffers/coalesced.py``)."""
-        if self._gather is not None:
+        The caller (``runtime/collective_queue.py``) then issues the
+        collective and, once it completed, calls :meth:`complete_gather`."""
+        if self.gathering is not None:
             return None  # already in flight: a prefetch got here first
         if self.aliased:
             if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
@@ -454,23 +428,14 @@ class FlatBuffer:
             return self.sharded
         return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
 
-    def adopt_gather(self, work: object, shard: torch.Tensor, version: int) -> None:
-        """The all-gather into ``unsharded`` that ``work`` completes (issued
-        by the caller after :meth:`prepare_unshard`; ``version``: the
-        buffer's version before it) is this buffer's in-flight gather."""
-        self._gather = _PendingGather(work, shard, version)
+    def complete_gather(self, version: int) -> None:
+        """The all-gather into ``unsharded`` completed (``version``: the
+        buffer's version before it): switch to the unsharded views.
 
-    def finish_unshard(self) -> None:
-        """Wait for the in-flight all-gather (if any) and switch to the
-        unsharded views. On CUDA the wait only orders the current stream
-        after the collective; the host does not block."""
-        gather = self._gather
-        if gather is None:
-            return  # nothing in flight: already unsharded (or never started)
-        self._gather = None
-        wait_watched(gather.work, self.group.process_group)
+        Post-condition: ``is_unsharded``; every slot holds a view of
+        ``unsharded`` with the original shape."""
         # see [Note: storage and autograd]
-        unsafe_set_version_counter((self.unsharded,), (gather.version,))
+        unsafe_set_version_counter((self.unsharded,), (version,))
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)
@@ -479,7 +444,7 @@ class FlatBuffer:
 
     @property
     def is_gathering(self) -> bool:
-        return self._gather is not None
+        return self.gathering is not None
 
     @property
     def is_stale(self) -> bool:
@@ -511,8 +476,8 @@ class FlatBuffer:
         Post-condition: not ``is_unsharded``; ``unsharded`` holds no storage;
         every slot holds its original ``nn.Parameter``.
         """
-        if self._gather is not None:
-            self.finish_unshard()  # a prefetch nobody used: the storage is being written
+        if self.gathering is not None:
+            self.gathering.wait()  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
             return  # already sharded: nothing to free
         if keep_for_backward is not None and not self.aliased:

@@ -1,5 +1,6 @@
-"""The gradient side of one flat buffer: reduce-scatter, accumulation, and
-handing the sharded gradient to the original parameters.
+"""The gradient side of one flat buffer: accumulation, folding the reduced
+chunk into the sharded gradient, and handing it to the original parameters
+(the reduce-scatter itself is issued by ``runtime/collective_queue.py``).
 
 A :class:`FlatGradient` belongs to one ``flat_buffer.FlatBuffer``
 (its ``owner``) and owns every tensor that holds that buffer's gradients
@@ -9,7 +10,8 @@ between autograd and the optimizer:
   plus, when accumulating without sync in a lower compute precision, a
   ``reduce_dtype`` accumulator (so micro-batches are summed in the reduce
   dtype, not in bf16), cast to ``reduce_comm_dtype`` only for the collective;
-* the *pending* reduce-scatter (issued, not waited);
+* the reduction in flight (``reducing``: issued, not waited; set and
+  cleared by the collective queue);
 * the *reduced* sharded gradient: full precision, ``S`` elements. Until it
   is published it is held here; once published, only the parameters'
   ``.grad`` views keep it alive (a weak reference here), so
@@ -42,8 +44,7 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from ..comm.collectives import all_reduce_replicas, finish_scaling, reduce_scatter_scaled
-from ..comm.flight import wait_watched
+from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
 from .layout import FlatLayout, ShardSlice
 from .records import ParamRecord
@@ -73,6 +74,15 @@ class GradientOwner(Protocol):
     def grad_where_empty(self, index: int) -> bool: ...
 
 
+class PendingCollective(Protocol):
+    """A collective in flight (``runtime/collective_queue.InFlight``), as a
+    buffer sees it: something to wait (completing it) or to discard."""
+
+    def wait(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+
 class ReduceOptions(NamedTuple):
     """How a unit's gradients are reduced across ranks.
 
@@ -84,38 +94,6 @@ class ReduceOptions(NamedTuple):
 
     divide_factor: Optional[float] = None
     force_sum: bool = False
-
-
-class _PendingReduce(NamedTuple):
-    work: object  # torch.distributed.Work
-    flat_grad: torch.Tensor  # the collective's input: alive until the work is done
-    output: torch.Tensor  # this rank's reduced chunk, in reduce_dtype
-    options: ReduceOptions
-
-
-class _PendingReplica(NamedTuple):
-    work: object  # torch.distributed.Work of the all-reduce over the replicas
-    output: torch.Tensor  # this rank's reduce-scattered chunk, reduced in place
-    options: ReduceOptions
-
-
-def _release_input(flat_grad: torch.Tensor, output: torch.Tensor) -> None:
-    """The reduction of ``flat_grad`` is done: free its memory now.
-
-    [Note: freeing a reduced gradient]
-    The flat gradient is the library's own (taken from ``unsharded.grad``
-    or cast from it), and nothing reads it once its reduction was waited.
-    Dropping our reference is not enough to free it: a gloo work keeps its
-    tensors until its worker thread lets go of the work, which happens when
-    the thread gets to it (through every later step of a run, now and
-    then), so the memory the process holds would depend on thread
-    scheduling. Resizing the storage to 0 frees it at this point whatever
-    gloo's thread still holds (an empty storage). CPU only: on CUDA the
-    caching allocator and NCCL's stream recording already free it in
-    stream order. Not when ``output`` is ``flat_grad`` (one rank)."""
-    if flat_grad.device.type == "cpu" and \
-            flat_grad.untyped_storage().data_ptr() != output.untyped_storage().data_ptr():
-        flat_grad.untyped_storage().resize_(0)
 
 
 class FlatGradient:
@@ -130,10 +108,10 @@ class FlatGradient:
         self._accumulated: Optional[torch.Tensor] = None
         """Unreduced flat gradient summed in ``reduce_dtype`` over backwards
         without sync (only when it differs from the compute dtype)."""
-        self._reduce: Optional[_PendingReduce] = None
-        self._replica: Optional[_PendingReplica] = None
-        """Hybrid sharding: the all-reduce over the replicas of the chunk the
-        reduce-scatter produced, in flight (:meth:`advance_reduce`)."""
+        self.reducing: Optional[PendingCollective] = None
+        """The reduction of this gradient in flight: its reduce-scatter, or
+        under hybrid sharding then its all-reduce over the replicas (set
+        and cleared by the collective queue)."""
         self._unpublished: Optional[torch.Tensor] = None
         """The reduced sharded gradient, not yet given to the parameters."""
         self._published: Optional[weakref.ref] = None
@@ -194,12 +172,9 @@ class FlatGradient:
         accumulation and the used flags. Published ``.grad`` stays.
 
         Post-condition: nothing pending, unreduced or unpublished."""
-        pending, self._reduce = self._reduce, None
-        if pending is not None:
-            pending.work.wait()
-        replica, self._replica = self._replica, None
-        if replica is not None:
-            replica.work.wait()
+        if self.reducing is not None:
+            self.reducing.discard()
+        self.reducing = None
         self._unpublished = None
         self.discard_unreduced()
         self.used = [False] * len(self.used)
@@ -207,76 +182,30 @@ class FlatGradient:
     # --------------------------------------------------------------- reduce
     @property
     def is_reducing(self) -> bool:
-        return self._reduce is not None or self._replica is not None
+        return self.reducing is not None
 
-    def start_reduce(self, options: ReduceOptions) -> bool:
-        """Issue the reduce-scatter of the unreduced flat gradient; returns
-        whether one was issued (no gradient reached the buffer: none).
-
-        Post-condition: nothing unreduced is left; the flat gradient is kept
-        alive by the pending reduction until :meth:`finish_reduce`.
-        """
-        flat_grad = self.take_for_reduce()
-        if flat_grad is None:
-            return False
-        owner = self.owner
-        output = flat_grad if owner.group.world_size == 1 else torch.empty(
-            owner.layout.shard_numel, dtype=flat_grad.dtype, device=owner.compute_device)
-        work = reduce_scatter_scaled(output, flat_grad, owner.group, options.divide_factor,
-                                     options.force_sum, async_op=True)
-        self.adopt_reduce(work, flat_grad, output, options)
-        return True
+    def settle(self) -> None:
+        """Wait the reduction in flight, if any, to its end (under hybrid
+        sharding the replica all-reduce it issues too): its chunk is folded
+        into the unpublished sharded gradient."""
+        while self.reducing is not None:
+            flight = self.reducing
+            flight.wait()
+            if self.reducing is flight:  # completion always moves on; never spin
+                self.reducing = None
 
     def take_for_reduce(self) -> Optional[torch.Tensor]:
-        """What :meth:`start_reduce` does before the collective: the
-        unreduced flat gradient in the dtype the collective moves (``None``:
-        no gradient reached the buffer); nothing unreduced is left here."""
-        if self.is_reducing:
-            self.finish_reduce()  # an earlier backward's (set_is_last_backward(False))
+        """The unreduced flat gradient in the dtype the reduce-scatter moves
+        (``None``: no gradient reached the buffer); nothing unreduced is
+        left here.
+
+        Pre-condition: no reduction in flight (:meth:`settle`)."""
         owner = self.owner
         single = owner.group.world_size == 1
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
         return self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
 
-    def adopt_reduce(self, work: object, flat_grad: torch.Tensor, output: torch.Tensor,
-                     options: ReduceOptions) -> None:
-        """``work`` (issued by the caller) reduce-scatters ``flat_grad``
-        into ``output`` (this rank's chunk, ``S`` elements): it is this
-        buffer's pending reduction, finished by :meth:`finish_reduce`."""
-        self._reduce = _PendingReduce(work, flat_grad, output, options)
-
-    def advance_reduce(self) -> bool:
-        """Wait for the pending reduce-scatter; under hybrid sharding issue
-        the all-reduce over the replicas without waiting for it (it overlaps
-        what comes next) and return True (still in flight); else fold the
-        chunk into the sharded gradient and return False."""
-        pending = self._reduce
-        if pending is None:
-            return self._replica is not None
-        self._reduce = None
-        owner = self.owner
-        wait_watched(pending.work, owner.group.process_group)
-        _release_input(pending.flat_grad, pending.output)
-        group = owner.group
-        if group.replicate_process_group is not None and group.replicate_size > 1:
-            work = all_reduce_replicas(pending.output, group, *pending.options, async_op=True)
-            self._replica = _PendingReplica(work, pending.output, pending.options)
-            return True
-        self._fold(pending.output, pending.options)
-        return False
-
-    def finish_reduce(self) -> None:
-        """Wait for the pending reduce-scatter (and, under hybrid sharding,
-        the all-reduce over the replicas) and fold this rank's chunk into
-        the (unpublished) sharded gradient."""
-        if self._reduce is not None:
-            self.advance_reduce()
-        replica, self._replica = self._replica, None
-        if replica is not None:
-            wait_watched(replica.work, self.owner.group.replicate_process_group)
-            self._fold(replica.output, replica.options)
-
-    def _fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
+    def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
         """The reduced chunk (every rank of the mesh summed or averaged)
         scaled and added into the unpublished sharded gradient."""
         owner = self.owner
@@ -334,7 +263,7 @@ class FlatGradient:
         parameters used in this reduction (their post-accumulate-grad hooks
         are due).
 
-        Pre-condition: no reduction in flight (:meth:`finish_reduce`).
+        Pre-condition: no reduction in flight (:meth:`settle`).
         """
         grad, self._unpublished = self._unpublished, None
         self.used = [False] * len(self.used)

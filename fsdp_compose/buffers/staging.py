@@ -11,7 +11,7 @@ Only used on the CPU: on CUDA the caching allocator already reuses memory,
 and it also knows which stream still reads it, which a pool would not.
 
 Lifetime: the pool is emptied at the end of each iteration
-(``Scheduler.end_iteration``: after the last backward, or after a forward
+(``CollectiveQueue.end_iteration``: after the last backward, or after a forward
 that records no graph) unless ``PrefetchPolicy(retain_staging=True)``. Within
 an iteration it never holds more than the unsharded working set it has seen
 (the in-flight limits bound that), so between steps nothing unsharded is kept;

@@ -2,7 +2,7 @@
 
 A :class:`BucketPlan` is rebuilt from the forward order of the step that
 just ended, at the end of its last backward, right after the ranks checked
-that they issued the same collectives (``Scheduler.order_agreed``): the plan
+that they issued the same collectives (``CollectiveQueue.order_agreed``): the plan
 is the same on every rank, and it is why a bucket's collectives can have a
 fixed size ([Note: bucketing]). Iterations that verify every collective
 across ranks (the first two by default, or all of them with
@@ -16,7 +16,7 @@ to backward, e.g. ``fully_shard_root``'s embeddings and head, never join
 units that reshard) are grouped greedily while the bucket's unsharded bytes
 stay within ``cap_bytes``; a bucket of one unit is no bucket. ``cap_bytes =
 0`` turns bucketing off. The collectives themselves are in
-``buffers/coalesced.py`` ([Note: bucketing]).
+``collective_queue.py`` ([Note: bucketing]).
 
 A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
 nothing about it needs a collective of its own: not the root, no explicit

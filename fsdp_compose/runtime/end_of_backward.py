@@ -16,12 +16,12 @@ from .._torch_private import post_accumulate_grad_hooks
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max
 from .observer import CollectiveObserver
-from .scheduler import Scheduler
+from .collective_queue import CollectiveQueue
 from .unit import ShardUnit
 
 
-def finish_backward(units: Sequence[ShardUnit], scheduler: Scheduler,
-                    is_last_backward: bool) -> None:
+def finish_backward(units: Sequence[ShardUnit], collectives: CollectiveQueue,
+                    forward_order: Sequence[ShardUnit], is_last_backward: bool) -> None:
     """The root's end-of-backward callback, for ``units`` (root first):
     run the deferred reductions, and for the step's last backward wait
     every reduction and publish the gradients; then reshard what is left
@@ -29,20 +29,20 @@ def finish_backward(units: Sequence[ShardUnit], scheduler: Scheduler,
 
     Post-condition: every unit IDLE; after the last backward nothing is in
     flight and every reduced gradient is published."""
-    scheduler.flush_held_reduces()  # buckets some of whose members had no backward
-    reduce_deferred(units, scheduler)
+    collectives.flush_held_reduces()  # buckets some of whose members had no backward
+    reduce_deferred(units, collectives)
     if is_last_backward:
-        scheduler.finish_reduces()
-        scheduler.observer.before_publish()
-        publish_gradients([b for unit in units for b in unit.buffers], scheduler.observer)
+        collectives.finish_reduces()
+        collectives.observer.before_publish()
+        publish_gradients([b for unit in units for b in unit.buffers], collectives.observer)
     for unit in units:
         unit.finalize_backward()
     if is_last_backward:
-        scheduler.end_iteration()  # everything is resharded: free the staging pool
-        scheduler.order_agreed()  # the fingerprint check above passed on every rank
+        collectives.end_iteration()  # everything is resharded: free the staging pool
+        collectives.order_agreed(forward_order)  # the fingerprint check above passed on every rank
 
 
-def reduce_deferred(units: Sequence[ShardUnit], scheduler: Scheduler) -> None:
+def reduce_deferred(units: Sequence[ShardUnit], collectives: CollectiveQueue) -> None:
     """Every unit with ``reduce_scatter_unused_params`` (and gradient sync
     on) reduces every trainable buffer, in ``units`` order, with a zero
     gradient where this rank's backward gave it none, so every rank issues
@@ -56,7 +56,7 @@ def reduce_deferred(units: Sequence[ShardUnit], scheduler: Scheduler) -> None:
                 buffer.unsharded.grad = torch.zeros(
                     buffer.layout.padded_numel, dtype=buffer.compute_dtype,
                     device=buffer.compute_device)
-            scheduler.reduce(buffer, unit.reduce_options)
+            collectives.reduce(buffer, unit.reduce_options)
 
 
 def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserver) -> None:
@@ -73,7 +73,7 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
     pending = {id(b) for b in buffers if b.grad.has_unpublished}
     for buffer in buffers:
         if id(buffer) in pending:
-            buffer.grad.finish_reduce()
+            buffer.grad.settle()
     by_group: dict[int, list[FlatBuffer]] = {}
     for buffer in buffers:
         by_group.setdefault(id(buffer.group.process_group), []).append(buffer)

@@ -1,6 +1,6 @@
 """The seam between the runtime and the checks that watch its collectives.
 
-The scheduler and the end of backward tell a :class:`CollectiveObserver`
+The collective queue and the end of backward tell a :class:`CollectiveObserver`
 about every data collective *before* issuing it, and let it add bytes to
 the end-of-backward flags all-reduce. The runtime only knows this
 interface; ``checks/divergence.py`` implements it, and ``fully_shard``

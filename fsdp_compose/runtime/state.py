@@ -23,6 +23,7 @@ from ..profiling import profiled
 from .compile import run_eagerly
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
+from .collective_queue import CollectiveQueue
 from .scheduler import Scheduler
 from .training_state import TrainingState
 from .unit import ShardUnit
@@ -42,18 +43,21 @@ class ShardContext:
         root: the root's state (outermost annotated module).
         states: every state in the root's subtree, root first, then in module
             order.
-        scheduler: the model's scheduler (prefetch order, in-flight limits,
-            the collective observer).
+        scheduler: the model's prefetch order.
+        collectives: the model's collective queue (every all-gather and
+            reduction, buckets, in-flight limits, the collective observer).
         backward_callback_queued: whether the end-of-backward callback is
             queued for the backward running now (queued once per backward).
     """
 
     def __init__(self, root: "_ShardState", states: list["_ShardState"],
-                 scheduler: Scheduler) -> None:
+                 scheduler: Scheduler, collectives: CollectiveQueue) -> None:
         self.root: _ShardState = root
         self.states: list[_ShardState] = states
         self.scheduler: Scheduler = scheduler
         """Shared by every unit of the model (``unit.scheduler``)."""
+        self.collectives: CollectiveQueue = collectives
+        """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
 
 
@@ -132,12 +136,14 @@ class _ShardState(_State):
         _name_units(self.unit.modules, states)
         settings = _pending_settings(states)  # may raise: before anything is shared
         observer = self.new_observer()
-        context = ShardContext(self, states, Scheduler(PrefetchPolicy(), observer))
+        context = ShardContext(self, states, Scheduler(PrefetchPolicy()),
+                               CollectiveQueue(PrefetchPolicy(), observer))
         for state in states:
             state.context = context
             state.unit.is_root = state is self
             state.unit.scheduler = context.scheduler
-            context.scheduler.share_staging_pool(state.unit.buffers)
+            state.unit.collectives = context.collectives
+            context.collectives.share_staging_pool(state.unit.buffers)
             state.pending_settings = {}
         for apply in settings:
             apply(context)
@@ -173,6 +179,7 @@ class _ShardState(_State):
             self._reset_unfinished_iteration()  # not a recomputation in backward
         if self.is_root and self.unit.training_state is TrainingState.IDLE:
             self.context.scheduler.start_iteration()  # not a recomputation inside backward
+            self.context.collectives.start_iteration()
         args, kwargs = self.unit.cast_inputs(args, kwargs)
         self.unit.pre_forward(module, args, kwargs)
         return args, kwargs
@@ -196,10 +203,10 @@ class _ShardState(_State):
         if completed and self.is_root:
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
-            scheduler = self.context.scheduler
-            scheduler.observer.after_root_forward(scheduler.forward_order)
+            collectives = self.context.collectives
+            collectives.observer.after_root_forward(self.context.scheduler.forward_order)
             if not torch.is_grad_enabled():
-                scheduler.end_iteration()  # no backward follows (e.g. evaluation)
+                collectives.end_iteration()  # no backward follows (e.g. evaluation)
         return output
 
     def _reset_unfinished_iteration(self) -> None:
@@ -231,6 +238,7 @@ class _ShardState(_State):
             state.unit.reset_iter_state()
         if context is not None:  # else: never ran, nothing was scheduled
             context.scheduler.discard_iteration()
+            context.collectives.discard_iteration()
             context.backward_callback_queued = False
 
     def _finish_incomplete_units(self) -> None:
@@ -282,7 +290,9 @@ class _ShardState(_State):
         context.backward_callback_queued = False
         last = self.unit.is_last_backward
         with profiled("end_of_backward"):
-            finish_backward([state.unit for state in context.states], context.scheduler, last)
+            finish_backward([state.unit for state in context.states], context.collectives,
+                            context.scheduler.forward_order or context.scheduler.previous_forward_order,
+                            last)
         if last and self.after_last_backward is not None:
             self.after_last_backward()  # may raise out of backward, on every rank alike
 

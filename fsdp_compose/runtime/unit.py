@@ -20,6 +20,7 @@ from ..buffers.records import ParamRecord, buffer_policy
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ..profiling import profiled
+from .collective_queue import CollectiveQueue
 from .scheduler import Scheduler
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
@@ -79,8 +80,11 @@ class ShardUnit:
         gradients unpublished at the end of backward (more backwards follow)."""
         self.is_root: bool = False
         self.scheduler: Optional[Scheduler] = None
-        """The model's scheduler, set by the root's lazy init (shared by every
-        unit of the model); ``None`` before it."""
+        """The model's prefetch order, set by the root's lazy init (shared by
+        every unit of the model); ``None`` before it."""
+        self.collectives: Optional[CollectiveQueue] = None
+        """The model's collective queue (issues every all-gather and
+        reduction), set by the root's lazy init; ``None`` before it."""
         self.forward_prefetch: Optional[list[ShardUnit]] = None
         """Units to all-gather before this one's forward (None: by recorded order)."""
         self.backward_prefetch: Optional[list[ShardUnit]] = None
@@ -175,10 +179,8 @@ class ShardUnit:
 
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
-        for buffer in self.buffers:
-            buffer.start_unshard()  # all buffers' all-gathers in flight together
-        for buffer in self.buffers:
-            buffer.finish_unshard()
+        """All-gather this unit's buffers (no prefetch) and wait for them."""
+        self.collectives.gather(self, [], self.scheduler.ran)
 
     def reshard(self) -> None:
         for buffer in self.buffers:
@@ -204,7 +206,7 @@ class ShardUnit:
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
         self.scheduler.record_forward(self)
-        self.scheduler.gather(self, self.scheduler.forward_targets(self))
+        self.collectives.gather(self, self.scheduler.forward_targets(self), self.scheduler.ran)
         if torch.is_grad_enabled():
             self._guard_saved_parameters()
             for buffer in self.buffers:
@@ -283,7 +285,7 @@ class ShardUnit:
             # it issues no prefetch (it is still unsharded from forward)
             targets = [] if self.reduce_scatter_unused_params else \
                 self.scheduler.backward_targets(self)
-            self.scheduler.gather(self, targets)
+            self.collectives.gather(self, targets, self.scheduler.ran)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
@@ -292,7 +294,7 @@ class ShardUnit:
             if self.requires_gradient_sync and self.reduce_scatter_unused_params:
                 pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
             elif self.requires_gradient_sync:
-                self.scheduler.reduce(buffer, self.reduce_options)
+                self.collectives.reduce(buffer, self.reduce_options)
             else:
                 buffer.grad.stash_unreduced()
             if self.reshard_after_backward:

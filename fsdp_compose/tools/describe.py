@@ -34,6 +34,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.layout import Blocks, ShardDim
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
+from ..runtime.collective_queue import CollectiveQueue
 from ..runtime.scheduler import Scheduler
 from ..runtime.state import ROOT_LABEL, state_of, states_below, units_below
 from ..runtime.unit import ShardUnit
@@ -250,7 +251,7 @@ def describe(model: nn.Module) -> ModelReport:
         execution_order=tuple(labels.get(id(u), u.name) for u in order),
         prefetch_policy=schedulers[0].policy if schedulers else None,
         buckets=tuple(tuple(labels.get(id(u), u.name) for u in bucket.units)
-                      for s in schedulers for bucket in s.buckets.buckets),
+                      for queue in _queues(units, roots) for bucket in queue.buckets.buckets),
         unmanaged=tuple(fqn for fqn, _ in unmanaged),
         totals=_totals(unit_reports, unmanaged),
     )
@@ -303,6 +304,16 @@ def _schedulers(units: list[ShardUnit], roots: set[int]) -> list[Scheduler]:
     for unit in [u for u in units if id(u) in roots] or units:
         scheduler = _scheduler(unit)
         found.setdefault(id(scheduler), scheduler)
+    return list(found.values())
+
+
+def _queues(units: list[ShardUnit], roots: set[int]) -> list[CollectiveQueue]:
+    """The roots' collective queues (none before the lazy init), as
+    :func:`_schedulers` finds the schedulers."""
+    found: dict[int, CollectiveQueue] = {}
+    for unit in [u for u in units if id(u) in roots] or units:
+        if unit.collectives is not None:
+            found.setdefault(id(unit.collectives), unit.collectives)
     return list(found.values())
 
 

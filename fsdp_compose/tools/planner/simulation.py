@@ -4,7 +4,7 @@
 
 [Note: the simulated step]
 A step is a list of moments in the library's order (``runtime/scheduler.py``,
-``runtime/unit.py``, ``buffers/flat_grad.py``); ``total_peak`` is the largest. Forward of
+``runtime/collective_queue.py``, ``runtime/unit.py``, ``buffers/flat_grad.py``); ``total_peak`` is the largest. Forward of
 unit i: the root (unsharded until its backward unless
 reshard_after_forward=True) and the kept units before i (the split root's
 parts), unit i and the next ``prefetch`` units (in flight). Backward of
@@ -18,7 +18,7 @@ the next ``prefetch`` units in backward order, and then
   (b) its reduce-scatter, issued while the previous unit's is in flight
       (max_pending_reduces=1): two flat gradients alive. The output is this
       rank's gradient shard, extra only when its dtype or device differs.
-Buckets ([Note: bucketing] in ``buffers/coalesced.py``; which units:
+Buckets ([Note: bucketing] in ``runtime/collective_queue.py``; which units:
 ``buckets.py``): a unit's all-gather is its bucket's, issued for all
 members at once (fixed-size: every member, in forward and in backward) and
 counted as one against the prefetch; while in flight it holds the packed
@@ -208,7 +208,7 @@ class Step:
         """(working set, gloo staging) of the all-gathers of ``groups`` in
         flight, beyond the unsharded buffers they fill: cast shard copies; a
         bucket's packed input (T) and output (F*T) (see [Note: bucketing]
-        in ``buffers/coalesced.py``); gloo's copy of the output."""
+        in ``runtime/collective_queue.py``); gloo's copy of the output."""
         plans, transient, comm = self.plans, 0, 0
         for group in groups:
             transient += sum(plans[j].shard_copy for j in group)

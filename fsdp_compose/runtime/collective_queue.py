@@ -1,0 +1,556 @@
+"""Every data collective of the training step, from its issue to its last
+copy: the one place that all-gathers parameters, reduce-scatters gradients
+and all-reduces them over the replicas (hybrid sharding).
+
+[Note: the life of a collective]
+1. *Issue.* The observer is told first (the rank-divergence checks,
+   ``observer.py``: called here and nowhere else, so the invariant "right
+   before every collective it names" holds by construction). The members'
+   inputs are packed into one tensor for a bucket of several buffers, or
+   used as they are for a bucket of one (an unbucketed buffer: no copy, the
+   all-gather writes straight into its unsharded buffer, the reduce-scatter
+   reads straight from its flat gradient). The collective goes out
+   asynchronously (``comm/collectives.py``).
+2. *In flight.* One :class:`InFlight` per collective, the only in-flight
+   type. Each member buffer points at it (``FlatBuffer.gathering``,
+   ``FlatGradient.reducing``) so that whoever needs a result first can wait
+   it; this queue lists it to bound how many are in flight
+   (``PrefetchPolicy``: all-gathers bound unsharded memory, reduce-scatters
+   the flat gradients they keep alive).
+3. *Wait.* The first wait (a unit's pre-forward or pre-backward, a reshard,
+   the limit, the end of backward) waits the work through
+   ``comm/flight.wait_watched``, copies each member's part out of a packed
+   output, frees the temporaries ([Note: freeing what a collective read]),
+   and completes each member: an all-gather makes its buffer unsharded
+   (``FlatBuffer.complete_gather``); a reduce-scatter either issues the
+   replica all-reduce (hybrid sharding: one more :class:`InFlight`, waited
+   in turn) or folds this rank's chunk into the sharded gradient
+   (``FlatGradient.fold``).
+
+The buffers store, view and fold; they issue nothing during the step (the
+blocking all-gather of ``FlatBuffer.gather_values`` serves initialisation
+and loading, outside it). A gradient goes: autograd -> ``unit.py``
+(post-backward) -> here (issue, wait, fold through ``buffers/flat_grad.py``)
+-> ``end_of_backward.py`` (publication to ``.grad``).
+
+[Note: bucketing]
+Small units pay more for the round-trip of a collective than for its bytes.
+Consecutive small units (``buckets.py`` decides which) are gathered by one
+all-gather and reduced by one reduce-scatter:
+
+* all-gather: the shards ``s_1 .. s_k`` (``S_1 .. S_k`` elements, same dtype,
+  same group) are packed into one input of ``T = sum S_i`` elements; the
+  output is ``F * T`` elements, rank-major, so rank ``r``'s piece of buffer
+  ``i`` is ``out[r*T + off_i : r*T + off_i + S_i]`` and one strided copy per
+  buffer (``out.view(F, T)[:, off_i:off_i+S_i]`` into ``unsharded.view(F,
+  S_i)``) puts every buffer's full values in place;
+* reduce-scatter: each flat gradient ``g_i`` (``F * S_i``) is packed the same
+  way (``packed.view(F, T)[:, off_i:off_i+S_i] = g_i.view(F, S_i)``), so the
+  reduce-scatter's output (``T`` elements) is ``[chunk of g_1 .. chunk of
+  g_k]`` for this rank, copied into each buffer's output.
+
+Every element is reduced with the same partners in the same rank order as
+without bucketing, and the copies are exact, so the numbers are the same bit
+for bit (``tests/test_bucketing.py``); the price is the copies (small: only
+small units are bucketed) and the packed temporaries (the bucket's bytes).
+
+Fixed sizes: a bucket's collectives always carry *every* buffer of the
+bucket (``T`` is the bucket's, whatever this rank needs): a member already
+gathered contributes its shard and receives nothing, a member without a
+gradient contributes zeros. The bucket plan is the same on every rank (it
+changes only where the ranks have just agreed, ``buckets.py``), so ranks
+whose control flow differs inside a bucket (a unit skipped on one rank)
+still issue collectives of equal size: they pair instead of making gloo
+abort the process, and the fingerprint at the end of backward names the
+difference on every rank ([Note: rank divergence]). In a run without
+divergence every rank needs the same members, so nothing is padded.
+
+[Note: freeing what a collective read]
+Dropping the last Python reference to a tensor a collective read or wrote
+does not free it when the backend still holds one: gloo keeps a finished
+work's tensors until its worker thread lets go of the work, which happens
+when the thread gets to it (sometimes through the whole next step; on the
+many-small benchmark the first bucket's packed input and output, 6 MiB on
+one rank after the step, issue 22), so the memory the process holds would
+depend on thread scheduling. Once the work is waited and the copies are
+made nothing reads them, so their storage is resized to 0 bytes, which
+frees the memory whoever holds the tensor (and which memory trackers see):
+a bucket's packed tensors on every device; a lone buffer's flat gradient
+(the library's own, taken from ``unsharded.grad`` or cast from it) on the
+CPU only, where no stream orders the free (on CUDA the caching allocator
+and NCCL's stream recording free it in stream order), and not when the
+output is the input itself (one rank).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Container, Optional, Sequence
+
+import torch
+
+from .._torch_private import unsafe_preserve_version_counter
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.flat_grad import ReduceOptions
+from ..buffers.staging import StagingPool
+from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scatter_scaled
+from ..comm.flight import wait_watched
+from ..policies import PrefetchPolicy
+from ..profiling import profiled
+from .buckets import Bucket, BucketPlan
+from .observer import CollectiveObserver
+from .training_state import TrainingState
+
+
+class InFlight:
+    """One collective issued and not yet waited, whatever its kind: its
+    work, the copies out of its output, the temporaries to free, and what
+    completing it does to its members. :meth:`wait` does all of that once;
+    later waits return at once."""
+
+    __slots__ = ("kind", "members", "_work", "_process_group", "_copies",
+                 "_temporaries", "_keep_alive", "_complete")
+
+    def __init__(self, kind: str, work: Optional[object], process_group: object,
+                 members: list[FlatBuffer], complete: Callable[[], None],
+                 copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                 temporaries: Sequence[torch.Tensor] = (),
+                 keep_alive: Sequence[torch.Tensor] = ()) -> None:
+        self.kind: str = kind
+        """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce_replicas"``."""
+        self.members: list[FlatBuffer] = members
+        self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
+        self._process_group = process_group
+        self._copies = list(copies)  # (destination, source), made after the wait
+        self._temporaries = list(temporaries)  # freed after the copies
+        self._keep_alive = list(keep_alive)  # inputs the backend reads until the wait
+        self._complete: Optional[Callable[[], None]] = complete
+
+    @property
+    def done(self) -> bool:
+        return self._complete is None
+
+    def wait(self) -> None:
+        """Wait the work (watched: a stall is diagnosed), copy out, free the
+        temporaries, complete the members. On CUDA the wait only orders the
+        current stream after the collective; the host does not block."""
+        if self._complete is None:
+            return
+        if self._work is not None:
+            wait_watched(self._work, self._process_group)
+            self._work = None
+        with torch.no_grad():
+            for destination, source in self._copies:
+                destination.copy_(source)
+        self._copies, self._keep_alive = [], []
+        _free(self._temporaries)
+        self._temporaries = []
+        complete, self._complete = self._complete, None
+        complete()
+
+    def discard(self) -> None:
+        """Wait the work (it still reads and writes our tensors) and drop
+        its result: no copy, no completion, the members no longer point at
+        it (an iteration that raised)."""
+        if self._complete is None:
+            return
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        _free(self._temporaries)
+        self._copies, self._temporaries, self._keep_alive = [], [], []
+        self._complete = None
+        for buffer in self.members:
+            if buffer.gathering is self:
+                buffer.gathering = None
+            if buffer.grad.reducing is self:
+                buffer.grad.reducing = None
+
+
+def _free(tensors: Sequence[torch.Tensor]) -> None:
+    """See [Note: freeing what a collective read]."""
+    for tensor in tensors:
+        tensor.untyped_storage().resize_(0)
+
+
+class CollectiveQueue:
+    """The data collectives of one model: issue, bucket, limit, wait (see
+    [Note: the life of a collective]). Built by the root's lazy init and
+    shared by every unit of the model (``unit.collectives``)."""
+
+    def __init__(self, policy: PrefetchPolicy = PrefetchPolicy(),
+                 observer: Optional[CollectiveObserver] = None) -> None:
+        self.policy: PrefetchPolicy = policy
+        """The in-flight limits and ``retain_staging`` are read here."""
+        self.buckets: BucketPlan = BucketPlan()
+        """Which units share their collectives in this iteration
+        (``buckets.py``; rebuilt where the ranks agree, :meth:`order_agreed`)."""
+        self.observer: CollectiveObserver = observer or CollectiveObserver()
+        """Told about every collective issued here, before it is issued (the
+        rank divergence checks, [Note: rank divergence] in ``checks/divergence.py``)."""
+        self.staging: StagingPool = StagingPool()
+        """Memory of released unsharded buffers, reused on the CPU."""
+        self._gathers: list[InFlight] = []
+        """All-gathers issued here that may still be in flight."""
+        self._reduces: deque[InFlight] = deque()
+        """Reduce-scatters in flight, oldest first."""
+        self._replicas: deque[list[InFlight]] = deque()
+        """Hybrid sharding: the replica all-reduces issued when one
+        reduce-scatter was waited (one entry per reduce-scatter), oldest first."""
+        self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
+        """Per bucket (by id): its buffers whose gradient is ready, held
+        until the bucket's last one is (:meth:`reduce`)."""
+
+    def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
+        """Make ``buffers`` (of a unit joining this model) use the shared
+        staging pool; only CPU buffers, see ``buffers/staging.py``."""
+        for buffer in buffers:
+            if buffer.compute_device.type == "cpu" and not buffer.is_unsharded \
+                    and not buffer.aliased:
+                buffer.staging = self.staging
+
+    # -------------------------------------------------------------- iteration
+    def start_iteration(self) -> None:
+        """The root's pre-forward: apply a changed bucket cap, tell the observer."""
+        self.buckets.refresh()
+        self.observer.start_iteration()
+
+    def order_agreed(self, order: Sequence) -> None:
+        """Called at the end of the step's last backward, once every rank
+        has checked that its collectives, forward order included, were the
+        same as every other rank's (the fingerprint in ``publish_gradients``,
+        which raises otherwise): rebuild the buckets from that forward
+        ``order``. The plan therefore changes only where the ranks agree on
+        it, so it is the same on every rank. Iterations that verify every
+        collective (the first two by default, [Note: rank divergence]) run
+        unbucketed: their checks then name the unit whose collective
+        differs, and they pay a blocking check per buffer anyway."""
+        self.buckets.rebuild([] if self.observer.will_verify() else order)
+
+    def end_iteration(self) -> None:
+        """The iteration's last use of unsharded memory is over (end of the
+        last backward, or a forward without backward): release the staging
+        pool unless the policy retains it between iterations."""
+        if self.policy.retain_staging:
+            self.staging.keep()
+        else:
+            self.staging.clear()
+
+    def discard_iteration(self) -> None:
+        """Forget the collectives an iteration that raised tracked
+        (``reset_iter_state``): the units have waited or discarded them.
+
+        Pre-condition: no buffer is gathering or reducing any more."""
+        self._gathers = []
+        self._reduces.clear()
+        self._replicas.clear()
+        self._held = {}
+
+    # ------------------------------------------------------------- all-gather
+    def gather(self, unit, prefetch: Sequence, ran: Container[int]) -> None:
+        """Unshard ``unit`` for its pre-forward or pre-backward, issuing the
+        all-gathers of ``prefetch`` while its own is in flight (within the
+        limit). A unit in a bucket is gathered with the rest of its bucket
+        (``ran``: ids of the units whose forward ran in this pass, which a
+        bucket's forward gather leaves out)."""
+        self.inflight_all_gathers()  # forget finished gathers before counting
+        issuer = unit.training_state
+        if not self._gather_bucket(unit, unit, issuer, ran):
+            for buffer in unit.buffers:
+                self._gather_alone(buffer, issuer, unit.name)
+        for target in prefetch:
+            if self._gather_bucket(target, unit, issuer, ran, limited=True):
+                continue
+            for buffer in target.buffers:
+                if buffer.aliased:
+                    # One rank: nothing to fetch ahead. Unsharding would only swap the
+                    # module attributes, and a unit that then does not run would keep
+                    # the views (the root drops only prefetches still gathering).
+                    continue
+                if not _issues_all_gather(buffer):
+                    continue  # already gathered or in flight
+                if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                    break
+                self._gather_alone(buffer, issuer, target.name)
+        self.wait_gathers(unit)
+
+    def start_unshard(self, unit, issuer: TrainingState) -> None:
+        """Issue ``unit``'s all-gathers, each buffer alone, without waiting
+        (``ShardedModule.unshard``, which every rank calls): observed like
+        every other, and counted against the limit of later prefetches."""
+        for buffer in unit.buffers:
+            self._gather_alone(buffer, issuer, unit.name)
+
+    def wait_gathers(self, unit) -> None:
+        """Wait ``unit``'s all-gathers in flight; its buffers are unsharded
+        (or stay sharded where nothing was issued)."""
+        with profiled("all_gather_wait", unit.name):
+            for buffer in unit.buffers:
+                if buffer.gathering is not None:
+                    buffer.gathering.wait()
+
+    def inflight_all_gathers(self) -> int:
+        """All-gathers issued here and not waited on yet (a bucket's is one)."""
+        self._gathers = [g for g in self._gathers if not g.done]
+        return len(self._gathers)
+
+    def _gather_bucket(self, unit, issuer_unit, issuer: TrainingState, ran: Container[int],
+                       limited: bool = False) -> bool:
+        """If ``unit`` is in a bucket: issue one all-gather for the members
+        that need one (``limited``: only within the in-flight limit) and
+        return True; else False (nothing done)."""
+        bucket = self.buckets.of_unit(unit)
+        if bucket is None:
+            return False
+        members = bucket.gather_members(unit, issuer, ran)
+        wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]
+        if not wanted:
+            return True  # already gathered or in flight
+        if limited and self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+            return True
+        for buffer in wanted:
+            self.observer.before_all_gather(buffer, issuer)
+        with profiled("all_gather", lambda: "bucket of " + ", ".join(m.name for m in members)):
+            self._issue_packed_gather(bucket.buffers, wanted)
+        for buffer in wanted:
+            if buffer.gathering is None and not buffer.is_unsharded:
+                self._issue_gather(buffer)  # could not join (kept post-forward piece); observed above
+        return True
+
+    def _gather_alone(self, buffer: FlatBuffer, issuer: TrainingState, owner: str) -> None:
+        """Issue ``buffer``'s own all-gather (``owner``: its unit's name) if
+        it needs one; an aliased buffer (one rank) only switches its views."""
+        if not _issues_all_gather(buffer):
+            if buffer.aliased:
+                buffer.prepare_unshard()
+            return
+        self.observer.before_all_gather(buffer, issuer)
+        with profiled("all_gather", owner):
+            self._issue_gather(buffer)
+
+    def _issue_gather(self, buffer: FlatBuffer) -> None:
+        """A bucket of one: the all-gather writes straight into the buffer's
+        unsharded storage (over the post-forward group when a piece was kept)."""
+        prepared = buffer.prepare_unshard()
+        if prepared is None:
+            return
+        shard, group = prepared
+        version = buffer.unsharded._version
+        with unsafe_preserve_version_counter(buffer.unsharded):
+            work = all_gather_into(buffer.unsharded.detach(), shard, group, async_op=True)
+        self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
+                                    _gathered([(buffer, version)]), keep_alive=[shard]))
+
+    def _issue_packed_gather(self, buffers: Sequence[FlatBuffer], wanted: Sequence[FlatBuffer]
+                             ) -> None:
+        """One all-gather of the shards of every buffer of ``buffers`` (a
+        bucket's: same shard group and compute dtype, the plan's promise)
+        filling those of ``wanted`` that can join (see [Note: bucketing]).
+        A buffer not wanted, or that cannot join (a kept post-forward
+        piece), contributes its shard and receives nothing."""
+        wanted_ids = {id(b) for b in wanted}
+        inputs: list[torch.Tensor] = []
+        joined: list[tuple[FlatBuffer, int, int]] = []  # buffer, version, offset
+        offset = 0
+        for buffer in buffers:
+            prepared = buffer.prepare_unshard(coalescable=True) if id(buffer) in wanted_ids else None
+            if prepared is not None:
+                joined.append((buffer, buffer.unsharded._version, offset))
+                inputs.append(prepared[0])
+            else:
+                inputs.append(buffer.gather_input())
+            offset += buffer.layout.shard_numel
+        if not joined:
+            return
+        first = buffers[0]
+        group, world, total = first.group, first.group.world_size, offset
+        packed = torch.cat([shard.reshape(-1) for shard in inputs]) if len(inputs) > 1 else inputs[0]
+        out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
+        temporaries = [out, packed] if len(inputs) > 1 else [out]  # one input: a shard, not ours
+        work = all_gather_into(out, packed, group, async_op=True)
+        grid = out.view(world, total)
+        copies = [(b.unsharded.detach().view(world, b.layout.shard_numel),
+                   grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
+        self._track_gather(InFlight(
+            "all_gather", work, group.process_group, [b for b, _, _ in joined],
+            _gathered([(b, version) for b, version, _ in joined]), copies, temporaries,
+            keep_alive=inputs))
+
+    def _track_gather(self, flight: InFlight) -> None:
+        for buffer in flight.members:
+            buffer.gathering = flight
+        self._gathers.append(flight)
+
+    # --------------------------------------------------------- reduce-scatter
+    def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
+        """Issue ``buffer``'s reduce-scatter; wait the oldest ones beyond the
+        limit. A buffer of a bucket is held until the bucket's last expected
+        gradient is ready; then one reduce-scatter goes for all of them."""
+        bucket = self.buckets.of_buffer(buffer)
+        if bucket is not None:
+            _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
+            if not any(b is buffer for b in ready):
+                ready.append(buffer)
+            if all(any(b is e for b in ready) for e in bucket.expected_reduces()):
+                self._reduce_held(id(bucket), buffer)
+            return
+        self._issue_reduce([buffer], options, buffer)
+
+    def _reduce_held(self, key: int, trigger: Optional[FlatBuffer] = None) -> None:
+        """One reduce-scatter for the bucket; ``trigger``: the buffer whose
+        gradient completed it, observed first (the rank-divergence checks
+        then name the unit whose backward made a rank reduce the bucket)."""
+        bucket, _, options = self._held.pop(key)
+        self._issue_reduce(bucket.reduced_buffers(), options, trigger)
+
+    def flush_held_reduces(self) -> None:
+        """End of backward: reduce what buckets still hold (a member whose
+        backward did not run), bucket by bucket in plan order, the same on
+        every rank."""
+        for bucket in self.buckets.buckets:
+            if id(bucket) in self._held:
+                self._reduce_held(id(bucket))
+
+    def _issue_reduce(self, buffers: list[FlatBuffer], options: ReduceOptions,
+                      trigger: Optional[FlatBuffer]) -> None:
+        """One reduce-scatter of the gradients of ``buffers`` (a bucket's
+        trainable buffers, same shard group and communication dtype: the
+        plan's promise; or one buffer): observed, issued, tracked, then the
+        limit kept. Its size depends on ``buffers`` only (see [Note:
+        bucketing]): a buffer without a gradient contributes zeros and
+        receives nothing; nothing is issued when none has one."""
+        for buffer in buffers:
+            buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
+        observed = ([trigger] if trigger is not None else []) + [b for b in buffers if b is not trigger]
+        for buffer in observed:
+            if buffer.grad.has_unreduced:
+                self.observer.before_reduce_scatter(buffer)
+        subject = "" if len(buffers) == 1 else (lambda: f"bucket of {len(buffers)} buffers")
+        with profiled("reduce_scatter", subject):
+            flight = _reduce_scatter(buffers, options, self._reduced)
+        if flight is not None:
+            for buffer in flight.members:
+                buffer.grad.reducing = flight
+            self._reduces.append(flight)
+        self._keep_reduce_limit()
+
+    def _reduced(self, members: list[tuple[FlatBuffer, torch.Tensor]],
+                 options: ReduceOptions) -> None:
+        """A reduce-scatter completed: per member, issue the all-reduce over
+        the replicas (hybrid sharding; it overlaps what comes next), else
+        fold this rank's chunk into the sharded gradient."""
+        replicas = []
+        for buffer, output in members:
+            buffer.grad.reducing = None
+            group = buffer.group
+            if group.replicate_process_group is not None and group.replicate_size > 1:
+                work = all_reduce_replicas(output, group, *options, async_op=True)
+                flight = InFlight("all_reduce_replicas", work, group.replicate_process_group,
+                                  [buffer], _folded(buffer, output, options))
+                buffer.grad.reducing = flight
+                replicas.append(flight)
+            else:
+                buffer.grad.fold(output, options)
+        if replicas:
+            self._replicas.append(replicas)
+
+    def _keep_reduce_limit(self) -> None:
+        """Beyond the limit, the oldest reduce-scatter is waited; under
+        hybrid sharding its all-reduces over the replicas are then issued
+        and waited only when those exceed the limit in turn (or at the end)."""
+        self._reduces = deque(f for f in self._reduces if not f.done)
+        while len(self._reduces) > self.policy.max_pending_reduces:
+            with profiled("reduce_scatter_wait"):
+                self._reduces.popleft().wait()
+        while len(self._replicas) > self.policy.max_pending_reduces:
+            with profiled("all_reduce_replicas_wait"):
+                for flight in self._replicas.popleft():
+                    flight.wait()
+
+    def finish_reduces(self) -> None:
+        """Wait every reduction in flight, oldest first (the end of the
+        step's last backward)."""
+        with profiled("reduce_scatter_wait", "all in flight"):
+            while self._reduces:
+                self._reduces.popleft().wait()  # may add replica all-reduces
+            while self._replicas:
+                for flight in self._replicas.popleft():
+                    flight.wait()
+
+
+def _issues_all_gather(buffer: FlatBuffer) -> bool:
+    """Whether ``buffer`` needs an all-gather issued now."""
+    return not buffer.aliased and buffer.gathering is None and \
+        (not buffer.is_unsharded or buffer.is_stale)
+
+
+def _gathered(members: list[tuple[FlatBuffer, int]]) -> Callable[[], None]:
+    """Completion of an all-gather: each buffer (with its version before
+    the collective) is unsharded."""
+    def complete() -> None:
+        for buffer, version in members:
+            buffer.gathering = None
+            buffer.complete_gather(version)
+    return complete
+
+
+def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions) -> Callable[[], None]:
+    """Completion of a replica all-reduce: fold the chunk."""
+    def complete() -> None:
+        buffer.grad.reducing = None
+        buffer.grad.fold(output, options)
+    return complete
+
+
+def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
+                    reduced: Callable[[list, ReduceOptions], None]) -> Optional[InFlight]:
+    """Issue the reduce-scatter of ``buffers``' unreduced gradients (packed
+    rank-major when several, see [Note: bucketing]); ``None`` when no buffer
+    has a gradient. ``reduced(members, options)`` completes it."""
+    grads = [b.grad.take_for_reduce() for b in buffers]
+    members = [(b, g) for b, g in zip(buffers, grads) if g is not None]
+    if not members:
+        return None
+    first = buffers[0]
+    group, world = first.group, first.group.world_size
+    device = first.compute_device
+    if world == 1:  # nothing to communicate: each gradient is its own chunk
+        for _, flat in members:
+            reduce_scatter_scaled(flat, flat, group, options.divide_factor, options.force_sum)
+        return InFlight("reduce_scatter", None, group.process_group, [b for b, _ in members],
+                        lambda: reduced(members, options))
+    if len(buffers) == 1:
+        (buffer, flat), = members
+        output = torch.empty(buffer.layout.shard_numel, dtype=flat.dtype, device=device)
+        work = reduce_scatter_scaled(output, flat, group, options.divide_factor,
+                                     options.force_sum, async_op=True)
+        freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
+        return InFlight("reduce_scatter", work, group.process_group, [buffer],
+                        lambda: reduced([(buffer, output)], options),
+                        temporaries=freed, keep_alive=[flat])
+    total = sum(b.layout.shard_numel for b in buffers)
+    dtype = members[0][1].dtype
+    packed = torch.empty(world * total, dtype=dtype, device=device)
+    grid = packed.view(world, total)
+    starts, offset = [], 0
+    for buffer, flat in zip(buffers, grads):
+        size = buffer.layout.shard_numel
+        if flat is None:
+            grid[:, offset:offset + size].zero_()
+        else:
+            grid[:, offset:offset + size].copy_(flat.view(world, size))
+        starts.append(offset)
+        offset += size
+    reduced_chunk = torch.empty(total, dtype=dtype, device=device)
+    work = reduce_scatter_scaled(reduced_chunk, packed, group, options.divide_factor,
+                                 options.force_sum, async_op=True)
+    copies, outputs = [], []
+    for buffer, flat, start in zip(buffers, grads, starts):
+        if flat is None:
+            continue
+        size = buffer.layout.shard_numel
+        output = torch.empty(size, dtype=dtype, device=device)
+        copies.append((output, reduced_chunk[start:start + size]))
+        outputs.append((buffer, output))
+    return InFlight("reduce_scatter", work, group.process_group, [b for b, _ in members],
+                    lambda: reduced(outputs, options), copies, [packed, reduced_chunk])
