@@ -47,6 +47,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .buffers.flat_buffer import FlatBuffer
 from .comm.agreement import disagreement, fingerprint_of
+from .runtime.collective_queue import gather_values
 from .runtime.state import state_of, units_below
 from .runtime.training_state import TrainingState
 from .runtime.unit import ShardUnit
@@ -183,7 +184,7 @@ def _hold(unit: ShardUnit, holds_values: bool, offload_to_cpu: bool) -> _Held:
     fulls: list[Optional[torch.Tensor]] = []
     for buffer in unit.buffers:
         buffer.drop_post_forward_copy()  # its values may be rewritten: never reuse it
-        full = buffer.gather_values()
+        full = gather_values(buffer)
         if offload_to_cpu:
             full = full.cpu()
         if holds_values:

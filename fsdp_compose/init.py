@@ -43,6 +43,7 @@ import torch.nn as nn
 from .comm.agreement import disagreement, fingerprint_of
 from .comm.groups import backend_device
 from .comm.rendezvous import arrive
+from .runtime.collective_queue import gather_values
 from .runtime.owners import owner_of
 from .runtime.state import units_below
 from .runtime.tensors import swapping_params_on_conversion
@@ -150,7 +151,7 @@ class _InitWalk:
             self._close()
         self.unit = unit
         if unit is not None:
-            self.full = [buffer.gather_values() for buffer in unit.buffers]
+            self.full = [gather_values(buffer) for buffer in unit.buffers]
             for buffer, full in zip(unit.buffers, self.full):
                 buffer.point_params_at(full)
 

@@ -32,7 +32,6 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .._torch_private import unsafe_set_version_counter
-from ..comm.collectives import all_gather_into
 from ..comm.groups import ShardGroup
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
@@ -327,14 +326,6 @@ class FlatBuffer:
         return self.sharded.is_meta
 
     # ---------------------------------------------------- deferred initialisation
-    def gather_values(self) -> torch.Tensor:
-        """All-gather the parameters' values in their own dtype (not the
-        compute dtype) into a new padded flat tensor on the compute device.
-        Collective; for initialisation and loading, not the training step."""
-        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.compute_device)
-        all_gather_into(full, self.sharded.to(self.compute_device), self.group)
-        return full
-
     def _stored_to_full(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """A whole parameter (``flat``, in stored order) in its own shape."""
         d = self._moved_dims[index]
@@ -350,7 +341,7 @@ class FlatBuffer:
 
     def point_params_at(self, full: torch.Tensor) -> None:
         """Make every original parameter's ``.data`` its view (original
-        shape) of ``full`` (from :meth:`gather_values`), e.g. so that an
+        shape) of ``full`` (from ``collective_queue.gather_values``), e.g. so that an
         initialiser sees whole parameters (a contiguous copy for a ``Shard(d)``
         parameter, written back by :meth:`keep_own_slice`)."""
         for index, record in enumerate(self.records):

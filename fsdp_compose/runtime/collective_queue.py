@@ -27,11 +27,11 @@ and all-reduces them over the replicas (hybrid sharding).
    in turn) or folds this rank's chunk into the sharded gradient
    (``FlatGradient.fold``).
 
-The buffers store, view and fold; they issue nothing during the step (the
-blocking all-gather of ``FlatBuffer.gather_values`` serves initialisation
-and loading, outside it). A gradient goes: autograd -> ``unit.py``
-(post-backward) -> here (issue, wait, fold through ``buffers/flat_grad.py``)
--> ``end_of_backward.py`` (publication to ``.grad``).
+The buffers store, view and fold; they issue nothing. Outside the step,
+:func:`gather_values` (blocking) serves initialisation and ``full_params``.
+A gradient goes: autograd -> ``unit.py`` (post-backward) -> here (issue,
+wait; ``comm/collectives.py`` talks to the backend) -> ``buffers/flat_grad.py``
+(fold) -> ``end_of_backward.py`` (publication to ``.grad``).
 
 [Note: bucketing]
 Small units pay more for the round-trip of a collective than for its bytes.
@@ -476,6 +476,17 @@ class CollectiveQueue:
             while self._replicas:
                 for flight in self._replicas.popleft():
                     flight.wait()
+
+
+def gather_values(buffer: FlatBuffer) -> torch.Tensor:
+    """All-gather ``buffer``'s values in the parameters' own dtype (not the
+    compute dtype) into a new padded flat tensor on the compute device.
+    Blocking; collective on the buffer's group. For initialisation and
+    ``full_params`` between steps, not the training step (not observed)."""
+    full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype,
+                       device=buffer.compute_device)
+    all_gather_into(full, buffer.sharded.to(buffer.compute_device), buffer.group)
+    return full
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:
