@@ -1,0 +1,91 @@
+"""The collective queue is the one home of the step's collectives (issue 35):
+every all-gather and reduce-scatter the backend runs was issued as one
+``InFlight`` and told to the observer first, bucketed, prefetched or
+called by hand (``module.unshard()``)."""
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compose.checks.divergence import DivergenceMonitor
+from fsdp_compose.runtime.collective_queue import InFlight
+from fsdp_compose.runtime.state import state_of
+from fsdp_compose.testing import GPT, GPTConfig
+from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests._training import local_batch, make_optimizer, shard_blocks_and_root
+from tests.harness import TEST_DEVICE, run_distributed
+
+
+def _count_a_bucketed_step_and_a_manual_unshard():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)).to(TEST_DEVICE))
+    block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
+    model.set_bucket_cap_mb(2.5 * block_bytes / 2 ** 20)  # buckets of two blocks
+    optim = make_optimizer(model, "adamw")
+
+    def step(index):
+        x, y = local_batch(index, rank, world)
+        model.loss(x, y).backward()
+        optim.step()
+        optim.zero_grad()
+
+    for index in range(3):  # the verified steps (their checks add all-gathers of their own)
+        step(index)
+    observed: Counter = Counter()
+    flights: Counter = Counter()
+    members: Counter = Counter()
+    originals = (DivergenceMonitor.before_all_gather, DivergenceMonitor.before_reduce_scatter,
+                 InFlight.__init__)
+
+    def before_all_gather(self, buffer, issuer_state):
+        observed["all_gather"] += 1
+        return originals[0](self, buffer, issuer_state)
+
+    def before_reduce_scatter(self, buffer):
+        observed["reduce_scatter"] += 1
+        return originals[1](self, buffer)
+
+    def init(self, kind, work, process_group, flight_members, *args, **kwargs):
+        flights[kind] += 1
+        members[kind] += len(flight_members)
+        return originals[2](self, kind, work, process_group, flight_members, *args, **kwargs)
+
+    DivergenceMonitor.before_all_gather = before_all_gather
+    DivergenceMonitor.before_reduce_scatter = before_reduce_scatter
+    InFlight.__init__ = init
+    try:
+        with CollectiveCounter() as counter:
+            step(3)
+            step(4)
+            before = observed["all_gather"]
+            model.blocks[0].unshard()
+            manual = observed["all_gather"] - before
+            model.blocks[0].reshard()
+    finally:
+        (DivergenceMonitor.before_all_gather, DivergenceMonitor.before_reduce_scatter,
+         InFlight.__init__) = originals
+    buckets = [len(b.units) for b in state_of(model).context.collectives.buckets.buckets]
+    return {"c10d_all_gathers": counter.counts[ALL_GATHER],
+            "c10d_reduce_scatters": counter.counts[REDUCE_SCATTER],
+            "flights": dict(flights), "members": dict(members), "observed": dict(observed),
+            "manual": manual, "block_buffers": len(state_of(model.blocks[0]).unit.buffers),
+            "buckets": buckets}
+
+
+def test_every_collective_is_one_in_flight_and_observed_first():
+    for result in run_distributed(2, _count_a_bucketed_step_and_a_manual_unshard):
+        assert result["buckets"] and max(result["buckets"]) == 2, result
+        flights, members, observed = result["flights"], result["members"], result["observed"]
+        # each collective the backend ran is one InFlight of the queue ...
+        assert result["c10d_all_gathers"] == flights["all_gather"] > 0, result
+        assert result["c10d_reduce_scatters"] == flights["reduce_scatter"] > 0, result
+        # ... buckets among them (fewer collectives than buffers) ...
+        assert members["all_gather"] > flights["all_gather"], result
+        assert members["reduce_scatter"] > flights["reduce_scatter"], result
+        # ... and the observer was told about each buffer it carries
+        assert observed["all_gather"] == members["all_gather"], result
+        assert observed["reduce_scatter"] == members["reduce_scatter"], result
+        # a manual unshard() goes through the same queue, observed
+        assert result["manual"] == result["block_buffers"] > 0, result
