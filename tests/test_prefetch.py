@@ -31,10 +31,10 @@ class _InFlight:
             tracker.now += 1
             tracker.peak = max(tracker.peak, tracker.now)
 
-        def wait(flight):
+        def wait(flight, *member):
             was = flight.done
-            tracker._wait(flight)
-            if flight.kind == "all_gather" and not was:
+            tracker._wait(flight, *member)
+            if flight.kind == "all_gather" and flight.done and not was:
                 tracker.now -= 1
         CollectiveQueue._track_gather, InFlight.wait = track, wait
         return self
