@@ -468,7 +468,7 @@ class FlatBuffer:
         every slot holds its original ``nn.Parameter``.
         """
         if self.gathering is not None:
-            self.gathering.wait()  # a prefetch nobody used: the storage is being written
+            self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
             return  # already sharded: nothing to free
         if keep_for_backward is not None and not self.aliased:

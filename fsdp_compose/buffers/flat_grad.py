@@ -76,9 +76,10 @@ class GradientOwner(Protocol):
 
 class PendingCollective(Protocol):
     """A collective in flight (``runtime/collective_queue.InFlight``), as a
-    buffer sees it: something to wait (completing it) or to discard."""
+    buffer sees it: something to wait (completing ``member``, default every
+    member) or to discard."""
 
-    def wait(self) -> None: ...
+    def wait(self, member: Optional[object] = None) -> None: ...
 
     def discard(self) -> None: ...
 

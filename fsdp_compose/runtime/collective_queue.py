@@ -105,66 +105,79 @@ from .training_state import TrainingState
 class InFlight:
     """One collective issued and not yet waited, whatever its kind: its
     work, the copies out of its output, the temporaries to free, and what
-    completing it does to its members. :meth:`wait` does all of that once;
-    later waits return at once."""
+    completing it does to each member. The first :meth:`wait` waits the
+    work, copies and frees, once; each member is completed once, when it is
+    waited for (a bucket's members at their own unit's wait, so a member
+    whose unit has not run yet still counts as gathering) or with the rest."""
 
-    __slots__ = ("kind", "members", "_work", "_process_group", "_copies",
-                 "_temporaries", "_keep_alive", "_complete")
+    __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies",
+                 "_temporaries", "_keep_alive", "_complete", "_settled")
 
     def __init__(self, kind: str, work: Optional[object], process_group: object,
-                 members: list[FlatBuffer], complete: Callable[[], None],
+                 members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
                  keep_alive: Sequence[torch.Tensor] = ()) -> None:
         self.kind: str = kind
         """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce_replicas"``."""
-        self.members: list[FlatBuffer] = members
+        self._pending: list[FlatBuffer] = list(members)  # not completed yet
         self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
         self._process_group = process_group
         self._copies = list(copies)  # (destination, source), made after the wait
         self._temporaries = list(temporaries)  # freed after the copies
         self._keep_alive = list(keep_alive)  # inputs the backend reads until the wait
-        self._complete: Optional[Callable[[], None]] = complete
+        self._complete = complete
+        self._settled = False
+
+    @property
+    def members(self) -> list[FlatBuffer]:
+        """The members not completed yet."""
+        return self._pending
 
     @property
     def done(self) -> bool:
-        return self._complete is None
+        return not self._pending
 
-    def wait(self) -> None:
-        """Wait the work (watched: a stall is diagnosed), copy out, free the
-        temporaries, complete the members. On CUDA the wait only orders the
-        current stream after the collective; the host does not block."""
-        if self._complete is None:
-            return
-        if self._work is not None:
-            wait_watched(self._work, self._process_group)
-            self._work = None
-        with torch.no_grad():
-            for destination, source in self._copies:
-                destination.copy_(source)
-        self._copies, self._keep_alive = [], []
-        _free(self._temporaries)
-        self._temporaries = []
-        complete, self._complete = self._complete, None
-        complete()
+    def wait(self, member: Optional[FlatBuffer] = None) -> None:
+        """Wait the work (watched: a stall is diagnosed), copy out and free
+        the temporaries (once), then complete ``member`` (default: every
+        member not completed yet). On CUDA the wait only orders the current
+        stream after the collective; the host does not block."""
+        if not self._settled:
+            if self._work is not None:
+                wait_watched(self._work, self._process_group)
+                self._work = None
+            with torch.no_grad():
+                for destination, source in self._copies:
+                    destination.copy_(source)
+            self._copies, self._keep_alive = [], []
+            _free(self._temporaries)
+            self._temporaries = []
+            self._settled = True
+        if member is None:
+            todo, self._pending = self._pending, []
+        else:
+            todo = [m for m in self._pending if m is member]
+            self._pending = [m for m in self._pending if m is not member]
+        if todo:
+            self._complete(todo)
 
     def discard(self) -> None:
         """Wait the work (it still reads and writes our tensors) and drop
         its result: no copy, no completion, the members no longer point at
         it (an iteration that raised)."""
-        if self._complete is None:
-            return
         if self._work is not None:
             self._work.wait()
             self._work = None
         _free(self._temporaries)
         self._copies, self._temporaries, self._keep_alive = [], [], []
-        self._complete = None
-        for buffer in self.members:
+        self._settled = True
+        for buffer in self._pending:
             if buffer.gathering is self:
                 buffer.gathering = None
             if buffer.grad.reducing is self:
                 buffer.grad.reducing = None
+        self._pending = []
 
 
 def _free(tensors: Sequence[torch.Tensor]) -> None:
@@ -287,7 +300,7 @@ class CollectiveQueue:
         with profiled("all_gather_wait", unit.name):
             for buffer in unit.buffers:
                 if buffer.gathering is not None:
-                    buffer.gathering.wait()
+                    buffer.gathering.wait(buffer)
 
     def inflight_all_gathers(self) -> int:
         """All-gathers issued here and not waited on yet (a bucket's is one)."""
@@ -339,7 +352,7 @@ class CollectiveQueue:
         with unsafe_preserve_version_counter(buffer.unsharded):
             work = all_gather_into(buffer.unsharded.detach(), shard, group, async_op=True)
         self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
-                                    _gathered([(buffer, version)]), keep_alive=[shard]))
+                                    _gathered({id(buffer): version}), keep_alive=[shard]))
 
     def _issue_packed_gather(self, buffers: Sequence[FlatBuffer], wanted: Sequence[FlatBuffer]
                              ) -> None:
@@ -373,7 +386,7 @@ class CollectiveQueue:
                    grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
         self._track_gather(InFlight(
             "all_gather", work, group.process_group, [b for b, _, _ in joined],
-            _gathered([(b, version) for b, version, _ in joined]), copies, temporaries,
+            _gathered({id(b): version for b, version, _ in joined}), copies, temporaries,
             keep_alive=inputs))
 
     def _track_gather(self, flight: InFlight) -> None:
@@ -436,9 +449,10 @@ class CollectiveQueue:
 
     def _reduced(self, members: list[tuple[FlatBuffer, torch.Tensor]],
                  options: ReduceOptions) -> None:
-        """A reduce-scatter completed: per member, issue the all-reduce over
-        the replicas (hybrid sharding; it overlaps what comes next), else
-        fold this rank's chunk into the sharded gradient."""
+        """A reduce-scatter completed (waited for every member at once):
+        per member, issue the all-reduce over the replicas (hybrid sharding;
+        it overlaps what comes next), else fold this rank's chunk into the
+        sharded gradient."""
         replicas = []
         for buffer, output in members:
             buffer.grad.reducing = None
@@ -495,19 +509,20 @@ def _issues_all_gather(buffer: FlatBuffer) -> bool:
         (not buffer.is_unsharded or buffer.is_stale)
 
 
-def _gathered(members: list[tuple[FlatBuffer, int]]) -> Callable[[], None]:
-    """Completion of an all-gather: each buffer (with its version before
-    the collective) is unsharded."""
-    def complete() -> None:
-        for buffer, version in members:
+def _gathered(versions: dict[int, int]) -> Callable[[list[FlatBuffer]], None]:
+    """Completion of an all-gather: each buffer completed is unsharded
+    (``versions``: by buffer id, its version before the collective)."""
+    def complete(buffers: list[FlatBuffer]) -> None:
+        for buffer in buffers:
             buffer.gathering = None
-            buffer.complete_gather(version)
+            buffer.complete_gather(versions[id(buffer)])
     return complete
 
 
-def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions) -> Callable[[], None]:
+def _folded(buffer: FlatBuffer, output: torch.Tensor,
+            options: ReduceOptions) -> Callable[[list[FlatBuffer]], None]:
     """Completion of a replica all-reduce: fold the chunk."""
-    def complete() -> None:
+    def complete(_buffers: list[FlatBuffer]) -> None:
         buffer.grad.reducing = None
         buffer.grad.fold(output, options)
     return complete
@@ -529,7 +544,7 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         for _, flat in members:
             reduce_scatter_scaled(flat, flat, group, options.divide_factor, options.force_sum)
         return InFlight("reduce_scatter", None, group.process_group, [b for b, _ in members],
-                        lambda: reduced(members, options))
+                        lambda _done: reduced(members, options))
     if len(buffers) == 1:
         (buffer, flat), = members
         output = torch.empty(buffer.layout.shard_numel, dtype=flat.dtype, device=device)
@@ -537,7 +552,7 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
                                      options.force_sum, async_op=True)
         freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
         return InFlight("reduce_scatter", work, group.process_group, [buffer],
-                        lambda: reduced([(buffer, output)], options),
+                        lambda _done: reduced([(buffer, output)], options),
                         temporaries=freed, keep_alive=[flat])
     total = sum(b.layout.shard_numel for b in buffers)
     dtype = members[0][1].dtype
@@ -564,4 +579,4 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         copies.append((output, reduced_chunk[start:start + size]))
         outputs.append((buffer, output))
     return InFlight("reduce_scatter", work, group.process_group, [b for b, _ in members],
-                    lambda: reduced(outputs, options), copies, [packed, reduced_chunk])
+                    lambda _done: reduced(outputs, options), copies, [packed, reduced_chunk])
