@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from fsdp_compose import PrefetchPolicy
 from fsdp_compose.checks.divergence import DivergenceMonitor
 from fsdp_compose.runtime.collective_queue import InFlight
 from fsdp_compose.runtime.state import state_of
@@ -89,3 +90,30 @@ def test_every_collective_is_one_in_flight_and_observed_first():
         assert observed["reduce_scatter"] == members["reduce_scatter"], result
         # a manual unshard() goes through the same queue, observed
         assert result["manual"] == result["block_buffers"] > 0, result
+
+
+def _manual_unshard_within_the_limit(limit):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)).to(TEST_DEVICE))
+    model.set_prefetch_policy(PrefetchPolicy(max_inflight_all_gathers=limit))
+    x, y = local_batch(0, rank, world)
+    model.loss(x, y).backward()  # lazy init, one step's collectives
+    queue = state_of(model).context.collectives
+    handle = model.unshard(async_op=True, recurse=True)
+    in_flight = queue.inflight_all_gathers()
+    handle.wait()
+    unsharded = all(b.is_unsharded for m in [model, *model.blocks]
+                    for b in state_of(m).unit.buffers)
+    shapes = [tuple(p.shape) for p in model.blocks[0].parameters()]
+    model.reshard(recurse=True)
+    return in_flight, unsharded, shapes
+
+
+def test_a_manual_unshard_stays_within_the_in_flight_limit():
+    reference = [tuple(p.shape) for p in GPT(GPTConfig(n_layers=4)).blocks[0].parameters()]
+    for limit in (1, 2):
+        for in_flight, unsharded, shapes in run_distributed(2, _manual_unshard_within_the_limit,
+                                                            limit):
+            assert 0 < in_flight <= limit, (limit, in_flight)
+            assert unsharded and shapes == reference

@@ -289,9 +289,13 @@ class CollectiveQueue:
 
     def start_unshard(self, unit, issuer: TrainingState) -> None:
         """Issue ``unit``'s all-gathers, each buffer alone, without waiting
-        (``ShardedModule.unshard``, which every rank calls): observed like
-        every other, and counted against the limit of later prefetches."""
+        for them (``ShardedModule.unshard``, which every rank calls):
+        observed like every other and within the in-flight limit (at the
+        limit, the oldest all-gather in flight is waited first)."""
         for buffer in unit.buffers:
+            if _issues_all_gather(buffer):
+                while self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                    self._gathers[0].wait()
             self._gather_alone(buffer, issuer, unit.name)
 
     def wait_gathers(self, unit) -> None:
