@@ -172,15 +172,23 @@ def _backward_bucket_gathers():
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
     model.set_bucket_cap_mb(2.5 * block_bytes / 2 ** 20)
     optim = make_optimizer(model, "sgd")
-    issued, original = [], CollectiveQueue._gather_bucket
+    issued, original, gather = [], CollectiveQueue._gather_bucket, CollectiveQueue.gather
+    issuers = []  # the unit whose pre-forward or pre-backward is gathering
 
-    def recording(self, unit, issuer_unit, issuer, ran, limited=False):
+    def gathering(self, unit, prefetch, ran):
+        issuers.append(unit)
+        try:
+            return gather(self, unit, prefetch, ran)
+        finally:
+            issuers.pop()
+
+    def recording(self, unit, issuer, ran, limited=False):
         before = len(self._gathers)
-        done = original(self, unit, issuer_unit, issuer, ran, limited)
+        done = original(self, unit, issuer, ran, limited)
         if len(self._gathers) > before and issuer.name != "FORWARD":
-            issued.append((issuer_unit.name, unit.name, limited))
+            issued.append((issuers[-1].name, unit.name, limited))
         return done
-    CollectiveQueue._gather_bucket = recording
+    CollectiveQueue._gather_bucket, CollectiveQueue.gather = recording, gathering
     try:
         for step in range(4):
             issued.clear()
@@ -189,7 +197,7 @@ def _backward_bucket_gathers():
             optim.step()
             optim.zero_grad()
     finally:
-        CollectiveQueue._gather_bucket = original
+        CollectiveQueue._gather_bucket, CollectiveQueue.gather = original, gather
     buckets = [[u.name for u in b.units] for b in state_of(model).context.collectives.buckets.buckets]
     return buckets, issued
 

@@ -268,11 +268,11 @@ class CollectiveQueue:
         bucket's forward gather leaves out)."""
         self.inflight_all_gathers()  # forget finished gathers before counting
         issuer = unit.training_state
-        if not self._gather_bucket(unit, unit, issuer, ran):
+        if not self._gather_bucket(unit, issuer, ran):
             for buffer in unit.buffers:
                 self._gather_alone(buffer, issuer, unit.name)
         for target in prefetch:
-            if self._gather_bucket(target, unit, issuer, ran, limited=True):
+            if self._gather_bucket(target, issuer, ran, limited=True):
                 continue
             for buffer in target.buffers:
                 if buffer.aliased:
@@ -311,7 +311,7 @@ class CollectiveQueue:
         self._gathers = [g for g in self._gathers if not g.done]
         return len(self._gathers)
 
-    def _gather_bucket(self, unit, issuer_unit, issuer: TrainingState, ran: Container[int],
+    def _gather_bucket(self, unit, issuer: TrainingState, ran: Container[int],
                        limited: bool = False) -> bool:
         """If ``unit`` is in a bucket: issue one all-gather for the members
         that need one (``limited``: only within the in-flight limit) and
