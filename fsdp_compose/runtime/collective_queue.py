@@ -85,7 +85,7 @@ output is the input itself (one rank).
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Container, Optional, Sequence
+from typing import Callable, Container, Literal, Optional, Sequence
 
 import torch
 
@@ -102,6 +102,9 @@ from .observer import CollectiveObserver
 from .training_state import TrainingState
 
 
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
+
+
 class InFlight:
     """One collective issued and not yet waited, whatever its kind: its
     work, the copies out of its output, the temporaries to free, and what
@@ -113,13 +116,12 @@ class InFlight:
     __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies",
                  "_temporaries", "_keep_alive", "_complete", "_settled")
 
-    def __init__(self, kind: str, work: Optional[object], process_group: object,
+    def __init__(self, kind: CollectiveKind, work: Optional[object], process_group: object,
                  members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
                  keep_alive: Sequence[torch.Tensor] = ()) -> None:
-        self.kind: str = kind
-        """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce_replicas"``."""
+        self.kind: CollectiveKind = kind
         self._pending: list[FlatBuffer] = list(members)  # not completed yet
         self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
         self._process_group = process_group
