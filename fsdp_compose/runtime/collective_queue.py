@@ -20,12 +20,14 @@ and all-reduces them over the replicas (hybrid sharding).
 3. *Wait.* The first wait (a unit's pre-forward or pre-backward, a reshard,
    the limit, the end of backward) waits the work through
    ``comm/flight.wait_watched``, copies each member's part out of a packed
-   output, frees the temporaries ([Note: freeing what a collective read]),
-   and completes each member: an all-gather makes its buffer unsharded
-   (``FlatBuffer.complete_gather``); a reduce-scatter either issues the
-   replica all-reduce (hybrid sharding: one more :class:`InFlight`, waited
-   in turn) or folds this rank's chunk into the sharded gradient
-   (``FlatGradient.fold``).
+   output and frees the temporaries ([Note: freeing what a collective
+   read]), once. Then it completes members: an all-gather completes the
+   member waited for (``FlatBuffer.complete_gather``: the buffer is
+   unsharded), and a bucket's other members when their own unit waits, so
+   until then they count as gathering; a reduce-scatter completes every
+   member at once, each either issuing its replica all-reduce (hybrid
+   sharding: one more :class:`InFlight`, waited in turn) or folding this
+   rank's chunk into the sharded gradient (``FlatGradient.fold``).
 
 The buffers store, view and fold; they issue nothing. Outside the step,
 :func:`gather_values` (blocking) serves initialisation and ``full_params``.
