@@ -129,11 +129,14 @@ def test_an_evaluation_on_one_rank_is_named_on_every_rank_under_torchrun(tmp_pat
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "odd_eval.py"
     script.write_text(
+        "import os\n"
         "import torch.distributed as dist\n"
         "from tests.test_forward_agreement import train_with_odd_rank\n"
         "dist.init_process_group('gloo')\n"
         "result = train_with_odd_rank(6, 3, 'eval')\n"
-        "print(f'RANK {dist.get_rank()} RESULT {result!r}', flush=True)\n")
+        # one write (< PIPE_BUF, atomic): print() writes the text and its newline
+        # separately, and the other rank's line could land between them
+        "os.write(1, f'RANK {dist.get_rank()} RESULT {result!r}\\n'.encode())\n")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
                           cwd=root, capture_output=True, text=True, timeout=120,
