@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,18 @@ ComposableState: type = _lookup("torch.distributed._composable_state", "_State",
                                 "the base class of fully_shard's per-module state", cls=True)
 
 # ----------------------------------------------------------------- autograd
+# buffers/param_views.py: the flat gradient of a buffer's views, one C++ call.
+_flatten_dense_tensors = getattr(torch._C._nn, "flatten_dense_tensors", None)
+
+
+def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of ``tensors``, each flattened, in one call (fallback
+    where this torch lacks it: the same in Python)."""
+    if _flatten_dense_tensors is None:
+        return torch.cat([t.reshape(-1) for t in tensors])
+    return _flatten_dense_tensors(tensors)
+
+
 _current_graph_task_id = _method(torch._C, "_current_graph_task_id",
                                  "telling whether autograd is running a backward")
 

@@ -35,6 +35,7 @@ from .._torch_private import unsafe_set_version_counter
 from ..comm.groups import ShardGroup
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
+from .param_views import SplitIntoParams, Strided, ViewPlan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
@@ -82,6 +83,17 @@ class FlatBuffer:
         self._moved_dims: tuple[int, ...] = tuple(
             p.dim if isinstance(p, ShardDim) else 0 for p in self.layout.placements)
         """``ShardDim(d)``: the dim stored first (0: none moved)."""
+        self._local_strided: tuple[Strided, ...] = tuple(
+            strided_view(shape, d, s.shard_start)
+            for shape, d, s in zip(self._local_shapes, self._moved_dims, self._slices))
+        """Each parameter's :meth:`local_view` of a contiguous shard-shaped tensor."""
+        self._slots: tuple[tuple[dict, str, int], ...] = tuple(
+            (module._parameters, name, index)
+            for index, record in enumerate(records) for module, name in record.slots)
+        """Every ``(module._parameters, name, parameter index)`` the views
+        and the original parameters are swapped into."""
+        self._view_plan: ViewPlan = ViewPlan(self.layout, self._moved_dims)
+        self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
             self.layout.is_contiguous(i) for i in range(len(records)))
         """Some parameter's unsharded view is an assembled copy (``ShardDim``
@@ -122,7 +134,10 @@ class FlatBuffer:
         self._versions_at_unshard: tuple[int, ...] = ()
         """The parameters' version counters when the unsharded copy was made:
         an optimizer step bumps them, which makes the copy stale."""
+        self._grad_receivers: tuple[bool, ...] = tuple(
+            bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
+        self._on_backward = _called_weakly(self.grad.mark_used)
         self._install(self._shard_values(records[0].param.dtype))
 
     # ------------------------------------------------------------------ setup
@@ -153,10 +168,25 @@ class FlatBuffer:
         the parameter's local shape: 1-D (``"flat"``), ``(rows_here,
         *rest)``, or for ``ShardDim(d)`` that with dim ``d`` moved back (a
         non-contiguous view). Shares ``flat``'s memory."""
+        if flat.stride(0) == 1:
+            size, stride, offset = self._local_strided[index]
+            return flat.as_strided(size, stride, flat.storage_offset() + offset)
         s = self._slices[index]
         view = flat.narrow(0, s.shard_start, s.length).view(self._local_shapes[index])
         d = self._moved_dims[index]
         return view.movedim(0, d) if d else view
+
+    def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`local_view` of every parameter (``flat`` contiguous)."""
+        base = flat.storage_offset()
+        return [flat.as_strided(size, stride, base + offset)
+                for size, stride, offset in self._local_strided]
+
+    @property
+    def grad_receivers(self) -> tuple[bool, ...]:
+        """Per parameter, :meth:`grad_where_empty` or a piece held here: whether
+        a published gradient gives it a ``.grad`` on this rank."""
+        return self._grad_receivers
 
     def grad_where_empty(self, index: int) -> bool:
         """Whether a rank holding none of parameter ``index`` still gets an
@@ -224,36 +254,29 @@ class FlatBuffer:
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
-        """Per-parameter views of ``unsharded``. A trainable parameter's view
-        is differentiable; a frozen one's is detached. A hook on the split's
-        backward node sees which views received a gradient (see
-        [Note: used parameters]). The split cuts the buffer into the
-        layout's segments (pieces of parameters and padding); a parameter
-        that is not contiguous in it (``ShardDim``, whose rows are dealt
-        as ``torch.chunk`` does) is assembled by a copy (``torch.cat``), as
-        FSDP2 copies every parameter out of its all-gather output. Such a
-        copy holds values, not a view of the storage: it is rebuilt at every
-        unshard (:meth:`complete_gather`), and one that autograd saved for
-        backward keeps its memory until then (resharding cannot free it)."""
-        segments = self.layout.segments()
-        with torch.enable_grad():
-            chunks = torch.split(self.unsharded, [s.length for s in segments])
-            if self.requires_grad:
-                chunks[0].grad_fn.register_prehook(_called_weakly(self.grad.mark_used))
-            pieces: list[list[torch.Tensor]] = [[] for _ in self.records]
-            for chunk, segment in zip(chunks, segments):
-                if segment.param_index >= 0:
-                    pieces[segment.param_index].append(chunk)
-            views = []
-            for index, (record, trainable) in enumerate(zip(self.records,
-                                                            self._param_requires_grad)):
-                parts = pieces[index] if self.requires_grad and trainable else \
-                    [p.detach() for p in pieces[index]]
-                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-                views.append(self._stored_to_full(flat, index))
-            # tensor parallelism: forward sees the DTensor again, over the local view
-            return [view if record.tp is None else as_dtensor(view, record.tp)
-                    for view, record in zip(views, self.records)]
+        """Per-parameter views of ``unsharded``, all made by one autograd
+        node (see [Note: one backward node per buffer] in
+        ``param_views.py``): a trainable parameter's view is differentiable,
+        a frozen one's is not; the node's backward tells the gradient which
+        parameters were used (see [Note: used parameters]). A parameter that
+        is not contiguous in the buffer (``ShardDim``, whose rows are dealt
+        as ``torch.chunk`` does) is assembled by a copy, as FSDP2 copies
+        every parameter out of its all-gather output. Such a copy holds
+        values, not a view of the storage: it is rebuilt at every unshard
+        (:meth:`complete_gather`), and one that autograd saved for backward
+        keeps its memory until then (resharding cannot free it)."""
+        if self.requires_grad:
+            with torch.enable_grad():
+                views = list(SplitIntoParams.apply(self.unsharded, self._view_plan,
+                                                   self._param_requires_grad, self._on_backward))
+        else:
+            with torch.no_grad():
+                views = self._view_plan.views(self.unsharded)
+        if not self._has_tp:
+            return views
+        # tensor parallelism: forward sees the DTensor again, over the local view
+        return [view if record.tp is None else as_dtensor(view, record.tp)
+                for view, record in zip(views, self.records)]
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes the user made on the original
@@ -454,9 +477,9 @@ class FlatBuffer:
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        for record, view in zip(self.records, self._unsharded_views):
-            for module, name in record.slots:
-                module._parameters[name] = view  # type: ignore[assignment]
+        views = self._unsharded_views
+        for parameters, name, index in self._slots:
+            parameters[name] = views[index]  # type: ignore[assignment]
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
@@ -477,9 +500,8 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        for record in self.records:
-            for module, name in record.slots:
-                module._parameters[name] = record.param
+        for parameters, name, index in self._slots:
+            parameters[name] = self.records[index].param
         self.is_unsharded = False
         if self.aliased:
             return  # the storage is the shard itself

@@ -18,10 +18,10 @@ between autograd and the optimizer:
   ``zero_grad(set_to_none=True)`` frees it.
 
 [Note: used parameters]
-Autograd's split backward fills zeros for a chunk nobody used, so the flat
-gradient cannot say which parameters took part in a backward. A pre-hook on
-that split node (one per buffer per forward) sees which chunks received a
-gradient and marks their parameters *used*. One process gives ``.grad is None`` to a parameter
+The flat gradient holds zeros for a parameter nobody used, so it cannot say
+which parameters took part in a backward. The backward of the buffer's views
+(one node per buffer per forward, ``param_views.py``) sees which parameters
+received a gradient and marks them *used*. One process gives ``.grad is None`` to a parameter
 that took no part in any backward since the gradients were cleared, and
 optimizers with weight decay or momentum skip it; so do we. Which
 parameters were used is the union over ranks (one process sees the global
@@ -71,6 +71,11 @@ class GradientOwner(Protocol):
 
     def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor: ...
 
+    def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]: ...
+
+    @property
+    def grad_receivers(self) -> tuple[bool, ...]: ...
+
     def grad_where_empty(self, index: int) -> bool: ...
 
 
@@ -117,17 +122,17 @@ class FlatGradient:
         """The reduced sharded gradient, not yet given to the parameters."""
         self._published: Optional[weakref.ref] = None
         """The sharded gradient the parameters' ``.grad`` views point into."""
-        self._segment_params: tuple[int, ...] = tuple(
-            s.param_index for s in owner.layout.segments())
-        """The parameter each output of the split into views belongs to
-        (``-1``: padding)."""
+        self._owned: tuple[tuple[nn.Parameter, int], ...] = tuple(
+            (r.param, i) for i, (r, s) in enumerate(zip(owner.records, owner.local_slices()))
+            if s.length)
+        """The parameters (and their indices) with a piece on this rank."""
 
-    def mark_used(self, chunk_grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Pre-hook of the backward node of the split into per-parameter
-        views: a chunk whose gradient is ``None`` was not used."""
+    def mark_used(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Called by the backward of the buffer's views with each
+        parameter's gradient: one that is ``None`` was not used."""
         used = self.used
-        for grad, index in zip(chunk_grads, self._segment_params):
-            if index >= 0 and grad is not None:
+        for index, grad in enumerate(param_grads):
+            if grad is not None:
                 used[index] = True
 
     # ------------------------------------------------------------ unreduced
@@ -231,8 +236,7 @@ class FlatGradient:
         if self._unpublished is not None:
             return self._unpublished
         owner = self.owner
-        owned = [(r.param, i) for i, (r, s) in enumerate(zip(owner.records, owner.local_slices()))
-                 if s.length]
+        owned = self._owned
         if all(p.grad is None for p, _ in owned):
             return None
         base = self.sharded_grad
@@ -273,14 +277,17 @@ class FlatGradient:
         self._published = weakref.ref(grad)
         fresh = []
         owner = self.owner
-        for index, (record, s, was_used) in enumerate(zip(owner.records, owner.local_slices(), used)):
-            param = record.param
-            if not s.length and not owner.grad_where_empty(index):
+        views = owner.local_views(grad)
+        for record, view, receives, was_used in zip(owner.records, views, owner.grad_receivers,
+                                                    used):
+            if not receives:
                 continue  # holds none of it: .grad stays None here (see the note)
-            if was_used or param.grad is not None:
-                param.grad = owner.local_view(grad, index)
+            param = record.param
             if was_used:
+                param.grad = view
                 fresh.append(param)
+            elif param.grad is not None:
+                param.grad = view
         return fresh
 
     def attach(self, grad: Optional[torch.Tensor], has_grad: Sequence[bool]) -> None:

@@ -12,22 +12,51 @@ Buffers are not looked at: registering or changing buffers stays fine.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import operator
+from itertools import chain
+from typing import Iterable, NamedTuple, Optional
 
 import torch.nn as nn
 
+from .._torch_private import REGISTRY_KEY
 from ..runtime.owners import owner_of
 from .replicate import is_replicated
 
-Snapshot = tuple[tuple[nn.Module, dict[str, int], dict[str, int]], ...]
-"""Per managed module: (module, {param name: id}, {child name: id})."""
+class ModuleSnapshot(NamedTuple):
+    """What one managed module registered at annotation."""
+
+    module: nn.Module
+    params: dict[str, int]  # parameter name -> id
+    children: dict[str, int]  # child module name -> id
+
+
+class Snapshot(NamedTuple):
+    """What the managed modules of one unit registered at annotation, and
+    the same as flat tuples of ids in registration order (the fast check)."""
+
+    modules: tuple[ModuleSnapshot, ...]
+    module_dicts: tuple[dict, ...]  # each module's __dict__ (where the registry lives)
+    param_dicts: tuple[dict, ...]  # each module's _parameters
+    child_dicts: tuple[dict, ...]  # each module's _modules
+    param_ids: tuple[int, ...]
+    child_ids: tuple[int, ...]
 
 
 def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
     """What each managed module registers now (taken at annotation)."""
-    return tuple((m, {n: id(p) for n, p in m._parameters.items() if p is not None},
-                  {n: id(c) for n, c in m._modules.items() if c is not None})
-                 for m in managed_modules)
+    modules = tuple(managed_modules)
+    entries = tuple(ModuleSnapshot(m, {n: id(p) for n, p in m._parameters.items() if p is not None},
+                                   {n: id(c) for n, c in m._modules.items() if c is not None})
+                    for m in modules)
+    param_dicts = tuple(m._parameters for m in modules)
+    child_dicts = tuple(m._modules for m in modules)
+    return Snapshot(entries, tuple(m.__dict__ for m in modules), param_dicts, child_dicts,
+                    _ids(param_dicts), _ids(child_dicts))
+
+
+def _ids(dicts: tuple[dict, ...]) -> tuple[int, ...]:
+    """The ids of every value of ``dicts``, in order (C-level loops only)."""
+    return tuple(map(id, chain.from_iterable(map(dict.values, dicts))))
 
 
 def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
@@ -35,23 +64,44 @@ def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> N
     parameters no unit manages, that it did not hold at annotation (a new
     child that only wraps managed modules, e.g. an activation-checkpoint
     wrapper, is fine). Parameters may be swapped for plain tensors (the
-    unsharded views) by the unit itself."""
-    for module, params, children in snapshot:
-        if is_replicated(module):
-            _raise_replicated(module, root)
-        for name, value in module._parameters.items():
-            if value is None or params.get(name) == id(value) or not isinstance(value, nn.Parameter):
-                continue
-            _raise(module, name, root, "replaced" if name in params else "registered")
-        if len(module._modules) == len(children) and all(
-                children.get(n) == id(c) for n, c in module._modules.items()):
+    unsharded views) by the unit itself. Runs at every pre-forward: modules
+    holding exactly the objects they held at annotation are checked by
+    identity alone."""
+    for registry in filter(None, map(_registry, snapshot.module_dicts)):
+        if "replicate" in registry:
+            for module, _, _ in snapshot.modules:
+                if is_replicated(module):
+                    _raise_replicated(module, root)
+    params_changed = _ids(snapshot.param_dicts) != snapshot.param_ids
+    children_changed = _ids(snapshot.child_dicts) != snapshot.child_ids
+    if not params_changed and not children_changed:
+        return
+    for module, params, children in snapshot.modules:
+        if params_changed:
+            _check_params(module, params, root)
+        if children_changed:
+            _check_children(module, children, root)
+
+
+_registry = operator.methodcaller("get", REGISTRY_KEY)
+"""A module's composable-API registry, read from its ``__dict__`` (``None``: none)."""
+
+
+def _check_params(module: nn.Module, params: dict[str, int], root: Optional[nn.Module]) -> None:
+    for name, value in module._parameters.items():
+        if value is None or params.get(name) == id(value) or not isinstance(value, nn.Parameter):
             continue
-        for name, child in module._modules.items():
-            if child is None or children.get(name) == id(child):
-                continue
-            new = _unmanaged_param(child)
-            if new is not None:
-                _raise(module, f"{name}.{new}", root, "registered")
+        _raise(module, name, root, "replaced" if name in params else "registered")
+
+
+def _check_children(module: nn.Module, children: dict[str, int],
+                    root: Optional[nn.Module]) -> None:
+    for name, child in module._modules.items():
+        if child is None or children.get(name) == id(child):
+            continue
+        new = _unmanaged_param(child)
+        if new is not None:
+            _raise(module, f"{name}.{new}", root, "registered")
 
 
 def _unmanaged_param(top: nn.Module) -> Optional[str]:

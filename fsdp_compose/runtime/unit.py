@@ -227,7 +227,10 @@ class ShardUnit:
         self._release_saved_guard()
         if torch.is_grad_enabled():
             tensors = tensors_requiring_grad(output)
-            if tensors:
+            if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
+                tensors[0].register_hook(lambda _grad: pre_backward())
+                self._backward_possible = True
+            elif tensors:
                 register_multi_grad_hook(tensors, lambda _grads: pre_backward(), mode="any")
                 self._backward_possible = True
         self._modules_to_run.discard(module)

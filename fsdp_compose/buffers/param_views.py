@@ -1,0 +1,173 @@
+"""The per-parameter views of an unsharded flat buffer, as one autograd node.
+
+[Note: one backward node per buffer]
+Forward reads each original parameter through a view of the unsharded flat
+buffer (``flat_buffer.py``). Built from differentiable ``split`` + ``view``
+calls, every parameter costs a ``ViewBackward`` node and the buffer a
+``SplitWithSizesBackward`` node in every backward, plus a dozen Python-level
+view calls per forward: host time per unit per step that the unsharded
+model does not pay (its parameters are leaves). :class:`SplitIntoParams`
+makes the same views in one custom autograd node instead: its forward cuts
+the buffer into the parameters' shapes without recording anything, and its
+backward receives every parameter's gradient at once (``None`` for a view no
+computation used, which is how the buffer learns which parameters were used)
+and concatenates them in the buffer's order into one flat gradient, exactly
+what ``SplitWithSizesBackward`` computed (zeros for padding and unused
+parameters), which autograd then accumulates into the buffer's ``.grad``.
+
+Outputs are views of the buffer's storage (zero copy), except for a
+parameter that is not one contiguous run of the buffer (``ShardDim``): its
+output is an assembled copy (``torch.cat`` of its pieces). Frozen
+parameters' outputs are non-differentiable. Views created by a custom
+function may not be modified in place, as for the outputs of ``split``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from .._torch_private import flatten_dense_tensors
+from .layout import FlatLayout
+
+class Strided(NamedTuple):
+    """A view as ``as_strided`` makes it (``offset`` from the base's start)."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> Strided:
+    """The view of a contiguous run at ``offset`` holding a tensor of
+    ``stored_shape`` (dim ``moved_dim`` stored first) in its own dim order."""
+    meta = torch.empty(tuple(stored_shape), device="meta")
+    if moved_dim:
+        meta = meta.movedim(0, moved_dim)
+    return Strided(tuple(meta.shape), tuple(meta.stride()), offset)
+
+
+UsedCallback = Callable[[Sequence[Optional[torch.Tensor]]], None]
+"""Called in backward with each parameter's gradient (``None``: unused)."""
+
+
+class ViewPlan:
+    """How a flat buffer of ``layout`` is cut into its parameters' views and
+    how their gradients are put back together (computed once per layout).
+
+    Invariant: the segments cover ``[0, padded_numel)`` in order, so the
+    concatenation of the per-segment gradients is the flat gradient."""
+
+    __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
+                 "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes")
+
+    def __init__(self, layout: FlatLayout, moved_dims: Sequence[int]) -> None:
+        segments = layout.segments()
+        self.split_sizes: list[int] = [s.length for s in segments]
+        self.segment_params: tuple[int, ...] = tuple(s.param_index for s in segments)
+        self.segment_param_starts: tuple[int, ...] = tuple(s.param_start for s in segments)
+        param_segments: list[list[int]] = [[] for _ in layout.shapes]
+        for index, segment in enumerate(segments):
+            if segment.param_index >= 0:
+                param_segments[segment.param_index].append(index)
+        self.param_segments: tuple[tuple[int, ...], ...] = tuple(tuple(s) for s in param_segments)
+        """Per parameter, the segments holding its pieces (in order)."""
+        self.moved_dims: tuple[int, ...] = tuple(moved_dims)
+        self.contiguous: tuple[bool, ...] = tuple(len(s) <= 1 for s in self.param_segments)
+        self.max_padding: int = max((s.length for s in segments if s.param_index < 0), default=0)
+        self._stored_shapes = layout.stored_shapes
+        self._strided: tuple[Optional[Strided], ...] = tuple(
+            strided_view(shape, d, segments[segs[0]].start if segs else 0) if len(segs) <= 1
+            else None
+            for shape, d, segs in zip(layout.stored_shapes, moved_dims, self.param_segments))
+        """Per contiguous parameter, its view of the buffer as one
+        ``as_strided`` (``None``: assembled from pieces)."""
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter of ``flat`` in its own shape: a view where it is
+        contiguous, else an assembled copy. Records no autograd history
+        (call under ``no_grad``, as a custom function's forward runs)."""
+        base = flat.storage_offset()
+        out = []
+        for index, strided in enumerate(self._strided):
+            if strided is not None:
+                out.append(flat.as_strided(strided.size, strided.stride, base + strided.offset))
+                continue
+            whole = torch.cat([flat.narrow(0, *self._segment_range(s))
+                               for s in self.param_segments[index]])
+            view = whole.view(self._stored_shapes[index])
+            d = self.moved_dims[index]
+            out.append(view.movedim(0, d) if d else view)
+        return out
+
+    def _segment_range(self, segment: int) -> tuple[int, int]:
+        return sum(self.split_sizes[:segment]), self.split_sizes[segment]
+
+    def flat_gradient(self, grads: Sequence[Optional[torch.Tensor]],
+                      padding: torch.Tensor) -> torch.Tensor:
+        """The flat gradient (the buffer's size, ``padding``'s dtype and
+        device) from each parameter's gradient in its own shape (``None``:
+        zeros); ``padding``: zeros of at least :attr:`max_padding` elements.
+        One concatenation (flattening each part on the way)."""
+        parts = []
+        for param, start, length in zip(self.segment_params, self.segment_param_starts,
+                                        self.split_sizes):
+            if param < 0:
+                parts.append(padding[:length])
+                continue
+            grad = grads[param]
+            if grad is None:
+                parts.append(padding.new_zeros(length))
+            elif self.contiguous[param] and not self.moved_dims[param]:
+                parts.append(grad)  # flattened by the concatenation
+            else:
+                d = self.moved_dims[param]
+                stored = (grad.movedim(d, 0) if d else grad).reshape(-1)
+                parts.append(stored if self.contiguous[param] else stored[start:start + length])
+        return flatten_dense_tensors(parts) if parts else padding.new_zeros(0)
+
+
+class SplitIntoParams(torch.autograd.Function):
+    """``flat`` -> one output per parameter (see [Note: one backward node
+    per buffer]). A new node is made at every forward that records a graph
+    (see [Note: storage and autograd] in ``flat_buffer.py``)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
+                trainable: Sequence[bool], on_backward: UsedCallback) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.plan, ctx.on_backward = plan, on_backward
+        ctx.numel, ctx.dtype, ctx.device = flat.numel(), flat.dtype, flat.device
+        views = plan.views(flat)
+        if not all(trainable):
+            # detached: a view of a buffer that requires grad would say it requires grad too
+            views = [v if t else v.detach() for v, t in zip(views, trainable)]
+            ctx.mark_non_differentiable(*(v for v, t in zip(views, trainable) if not t))
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        ctx.on_backward(grads)
+        padding = _padding(ctx.plan.max_padding, ctx.dtype, ctx.device)
+        return ctx.plan.flat_gradient(grads, padding), None, None, None
+
+
+_PADDING: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+"""Read-only zeros that backward concatenates as padding, per dtype and
+device, grown to the largest padding asked for up to :data:`_CACHED_PADDING`."""
+
+_CACHED_PADDING = 1 << 16
+"""Longer padding (``"owned"`` layouts can pad a rank by a whole matrix) is
+allocated at each backward rather than kept for the life of the process."""
+
+
+def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if count > _CACHED_PADDING:
+        return torch.zeros(count, dtype=dtype, device=device)
+    key = (dtype, device)
+    zeros = _PADDING.get(key)
+    if zeros is None or zeros.numel() < count:
+        zeros = torch.zeros(max(count, 1), dtype=dtype, device=device)
+        _PADDING[key] = zeros
+    return zeros
