@@ -26,10 +26,12 @@ backward, keeping every unit unsharded until the end.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.nn as nn
 
 from .._torch_private import unsafe_set_version_counter
 from ..comm.groups import ShardGroup
@@ -87,6 +89,7 @@ class FlatBuffer:
             strided_view(shape, d, s.shard_start)
             for shape, d, s in zip(self._local_shapes, self._moved_dims, self._slices))
         """Each parameter's :meth:`local_view` of a contiguous shard-shaped tensor."""
+        self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in records)
         self._slots: tuple[tuple[dict, str, int], ...] = tuple(
             (module._parameters, name, index)
             for index, record in enumerate(records) for module, name in record.slots)
@@ -283,7 +286,7 @@ class FlatBuffer:
         parameters since the last forward (freezing or unfreezing after
         ``fully_shard``): a frozen parameter's view is detached, and the
         buffer needs gradient memory only while some parameter trains."""
-        flags = tuple(r.param.requires_grad for r in self.records)
+        flags = tuple(map(_requires_grad, self._params))
         if flags == self._param_requires_grad:
             return
         self._param_requires_grad = flags
@@ -521,6 +524,9 @@ class FlatBuffer:
     def __repr__(self) -> str:
         kind = "trainable" if self.requires_grad else "frozen"
         return f"FlatBuffer({kind}, {self.dtype}, {len(self.records)} params, {self.layout})"
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _called_weakly(fn: Callable) -> Callable:
