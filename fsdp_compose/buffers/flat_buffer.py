@@ -288,8 +288,11 @@ class FlatBuffer:
         buffer needs gradient memory only while some parameter trains."""
         flags = tuple(map(_requires_grad, self._params))
         if flags == self._param_requires_grad:
+            self.grad.saw_forward = True
             return
         self._param_requires_grad = flags
+        self.grad.note_training(flags)
+        self.grad.saw_forward = True
         self.requires_grad = any(flags)
         self.unsharded.requires_grad_(self.requires_grad)
         self._register_grad_hook()

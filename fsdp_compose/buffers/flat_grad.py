@@ -47,6 +47,7 @@ import torch.nn as nn
 from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
 from .layout import FlatLayout, ShardSlice
+from .reduce_subset import ReduceSubset, plan_subset
 from .records import ParamRecord
 
 
@@ -126,6 +127,17 @@ class FlatGradient:
             (r.param, i) for i, (r, s) in enumerate(zip(owner.records, owner.local_slices()))
             if s.length)
         """The parameters (and their indices) with a piece on this rank."""
+        self._current_training: tuple[bool, ...] = tuple(r.param.requires_grad for r in owner.records)
+        """The parameters' ``requires_grad`` as of the last forward."""
+        self._trained_before_change: Optional[tuple[bool, ...]] = None
+        """Which parameters trained at a forward since the last reduction
+        under earlier flags (``None``: every such forward had the current ones)."""
+        self.saw_forward: bool = False
+        """A forward that records a graph ran since the last reduction (set by
+        the buffer at every such forward)."""
+        self._subsets: dict[tuple[bool, ...], Optional[ReduceSubset]] = {}
+        self._subset: Optional[ReduceSubset] = None
+        """The packing of the reduction in flight (``None``: the whole shard)."""
 
     def mark_used(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Called by the backward of the buffer's views with each
@@ -182,6 +194,7 @@ class FlatGradient:
             self.reducing.discard()
         self.reducing = None
         self._unpublished = None
+        self._subset = None
         self.discard_unreduced()
         self.used = [False] * len(self.used)
 
@@ -208,14 +221,45 @@ class FlatGradient:
         Pre-condition: no reduction in flight (:meth:`settle`)."""
         owner = self.owner
         single = owner.group.world_size == 1
+        training = self._current_training
+        if self._trained_before_change is not None:
+            training = tuple(a or b for a, b in zip(self._trained_before_change, training))
+        self._trained_before_change, self.saw_forward = None, False
+        self._subset = self._subset_for(training)
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
-        return self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
+        flat = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
+        return flat if flat is None or self._subset is None else self._subset.pack(flat)
+
+    @property
+    def reduce_chunk(self) -> int:
+        """Elements per rank of the reduce-scatter that :meth:`take_for_reduce`
+        prepared: the shard, or the packed chunk of the parameters that train
+        (see [Note: reducing a subset of a buffer])."""
+        return self.owner.layout.shard_numel if self._subset is None else self._subset.chunk
+
+    def note_training(self, flags: Sequence[bool]) -> None:
+        """The parameters' ``requires_grad`` changed to ``flags`` (at a
+        forward, before it runs): the next reduction moves the parameters
+        that trained at any forward since the last one."""
+        if self.saw_forward:
+            before = self._trained_before_change or self._current_training
+            self._trained_before_change = tuple(
+                a or b for a, b in zip(before, self._current_training))
+        self._current_training = tuple(flags)
+
+    def _subset_for(self, training: tuple[bool, ...]) -> Optional[ReduceSubset]:
+        if training not in self._subsets:
+            owner = self.owner
+            self._subsets[training] = plan_subset(owner.layout, training, owner.group.rank)
+        return self._subsets[training]
 
     def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
         """The reduced chunk (every rank of the mesh summed or averaged)
         scaled and added into the unpublished sharded gradient."""
         owner = self.owner
         output = output.to(owner.reduce_dtype)  # reduce_comm_dtype: widen before dividing
+        if self._subset is not None:
+            output, self._subset = self._subset.spread(output), None
         finish_scaling(output, owner.group, *options)
         base = self._accumulation_base()
         if base is not None:

@@ -555,20 +555,20 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
                         lambda _done: reduced(members, options))
     if len(buffers) == 1:
         (buffer, flat), = members
-        output = torch.empty(buffer.layout.shard_numel, dtype=flat.dtype, device=device)
+        output = torch.empty(buffer.grad.reduce_chunk, dtype=flat.dtype, device=device)
         work = reduce_scatter_scaled(output, flat, group, options.divide_factor,
                                      options.force_sum, async_op=True)
         freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
         return InFlight("reduce_scatter", work, group.process_group, [buffer],
                         lambda _done: reduced([(buffer, output)], options),
                         temporaries=freed, keep_alive=[flat])
-    total = sum(b.layout.shard_numel for b in buffers)
+    total = sum(b.grad.reduce_chunk for b in buffers)
     dtype = members[0][1].dtype
     packed = torch.empty(world * total, dtype=dtype, device=device)
     grid = packed.view(world, total)
     starts, offset = [], 0
     for buffer, flat in zip(buffers, grads):
-        size = buffer.layout.shard_numel
+        size = buffer.grad.reduce_chunk
         if flat is None:
             grid[:, offset:offset + size].zero_()
         else:
@@ -582,7 +582,7 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
     for buffer, flat, start in zip(buffers, grads, starts):
         if flat is None:
             continue
-        size = buffer.layout.shard_numel
+        size = buffer.grad.reduce_chunk
         output = torch.empty(size, dtype=dtype, device=device)
         copies.append((output, reduced_chunk[start:start + size]))
         outputs.append((buffer, output))

@@ -1,0 +1,105 @@
+"""Reducing only the parameters that train, when a buffer also holds frozen ones.
+
+[Note: reducing a subset of a buffer]
+A flat buffer groups parameters by ``requires_grad`` *at annotation*. A
+parameter frozen later (progressive unfreezing, a LoRA recipe that freezes
+after ``fully_shard``) stays in its trainable buffer, whose flat gradient
+holds zeros at its positions; reduce-scattering the whole flat gradient
+would move those zeros (a unit of frozen weights and trainable biases moved
+its 4,176 elements for 80 trainable ones). So when some parameters of a
+trainable buffer do not train, the reduce-scatter moves a *packed* gradient
+instead: for each rank ``r``, the positions of its shard ``[r*S, (r+1)*S)``
+that belong to a parameter that trains, in order, padded with zeros to the
+longest rank's count ``T``. The collective is then ``world * T`` elements; each rank
+spreads its reduced ``T`` back over its shard (zeros where nothing trains).
+Sizes depend only on the layout and the flags, which are the same on every
+rank, so every rank issues the same collective. A parameter counts as
+training if it trained at any forward since the last reduction (a flag
+changed between micro-batches of one accumulation window keeps its
+gradient).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .layout import FlatLayout
+
+_WORTH_PACKING = 0.75
+"""Pack only if the packed collective is at most this fraction of the
+whole (the packing and spreading copies cost more than they save above)."""
+
+
+Ranges = tuple[tuple[int, int], ...]
+"""``(start, length)`` runs of positions, in increasing order."""
+
+
+class ReduceSubset:
+    """Which positions of a buffer's flat gradient a reduce-scatter moves
+    when only some of its parameters train (see [Note: reducing a subset of
+    a buffer]).
+
+    Invariant: ``runs[r]`` are rank ``r``'s training positions (in the
+    padded flat buffer), ``chunk`` the longest rank's count; the packed
+    gradient is each rank's runs then zeros up to ``chunk``, rank-major."""
+
+    def __init__(self, layout: FlatLayout, runs: Sequence[Ranges], rank: int) -> None:
+        self.chunk: int = max(sum(n for _, n in r) for r in runs)
+        self._runs: tuple[Ranges, ...] = tuple(runs)
+        shard = layout.shard_numel
+        self._local: Ranges = tuple((start - rank * shard, n) for start, n in runs[rank])
+        self._shard_numel: int = shard
+
+    def pack(self, flat: torch.Tensor) -> torch.Tensor:
+        """The ``world * chunk`` elements of ``flat`` (padded numel) to
+        reduce, in one concatenation."""
+        parts = []
+        for runs in self._runs:
+            parts.extend(flat.narrow(0, start, n) for start, n in runs)
+            padding = self.chunk - sum(n for _, n in runs)
+            if padding:
+                parts.append(flat.new_zeros(padding))
+        return torch.cat(parts)
+
+    def spread(self, reduced: torch.Tensor) -> torch.Tensor:
+        """This rank's reduced ``chunk`` as a whole shard (zeros where
+        nothing trains)."""
+        shard = reduced.new_zeros(self._shard_numel)
+        offset = 0
+        for start, n in self._local:
+            shard.narrow(0, start, n).copy_(reduced.narrow(0, offset, n))
+            offset += n
+        return shard
+
+
+def plan_subset(layout: FlatLayout, training: Sequence[bool], rank: int) -> Optional[ReduceSubset]:
+    """The packed reduction for these flags, or ``None`` where the whole
+    flat gradient should be reduced (every parameter trains, one rank, or
+    packing would save too little)."""
+    if all(training) or layout.world_size == 1:
+        return None
+    runs = [_training_runs(layout, training, r) for r in range(layout.world_size)]
+    chunk = max(sum(n for _, n in r) for r in runs)
+    if chunk == 0 or chunk > _WORTH_PACKING * layout.shard_numel:
+        return None
+    return ReduceSubset(layout, runs, rank)
+
+
+def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> Ranges:
+    """The runs of rank ``rank``'s shard that belong to parameters that
+    train, in increasing order, adjacent runs merged."""
+    lo, hi = layout.shard_range(rank)
+    runs: list[tuple[int, int]] = []
+    for segment in layout.segments():
+        if segment.param_index < 0 or not training[segment.param_index]:
+            continue
+        start, end = max(segment.start, lo), min(segment.start + segment.length, hi)
+        if end <= start:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + end - start)
+        else:
+            runs.append((start, end - start))
+    return tuple(runs)
