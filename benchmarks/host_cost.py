@@ -10,10 +10,16 @@ arithmetic is next to nothing), every block a unit plus the root. A step is
 forward, backward, AdamW step and ``zero_grad``. The unsharded model,
 fsdp_compose and torch FSDP2 run in interleaved rounds; each round times
 ``--steps`` steps of each and keeps the median; the table shows the best
-round's median, the ratio to the unsharded model, and the host time per
-unit per step over the unsharded model ((step - unsharded step) / units).
+round's median, the ratio to the unsharded model, the host time per unit
+per step over the unsharded model ((step - unsharded step) / units), and
+the median over rounds of each round's ratio to the unsharded model's
+median in the same round (variants adjacent in time: robust to a machine
+whose speed drifts).
 Issue 36's target for fsdp_compose: at most 1.2x the unsharded model (about
 130 µs per unit per step), on a quiet machine.
+
+``--clock cpu``: time steps by this thread's CPU time instead of the wall
+clock (the CPU proxy on a VM whose wall clock other tenants steal from).
 
 ``--profile N``: N more fsdp_compose steps under cProfile; the functions
 with the most own time, and the time under each of the library's hook
@@ -69,17 +75,18 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
 
 
 def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-             device: torch.device) -> Callable[[], float]:
+             device: torch.device, clock: Callable[[], float] = time.perf_counter
+             ) -> Callable[[], float]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> float:
-        begin = time.perf_counter()
+        begin = clock()
         model.loss(x, y).backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - begin
+        return clock() - begin
     return step
 
 
@@ -111,8 +118,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="cpu: this thread's CPU time (CPU only; a busy or "
+                             "oversubscribed VM steals wall time, not CPU time)")
     options = parser.parse_args()
     device = torch.device(options.device)
+    if options.clock == "cpu" and device.type != "cpu":
+        parser.error("--clock cpu measures the host thread alone: use it with --device cpu")
+    clock = time.thread_time if options.clock == "cpu" else time.perf_counter
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
     torch.set_num_threads(1)
     names = ["unsharded", "fsdp_compose", "fsdp2"]
@@ -121,27 +134,32 @@ def main() -> None:
                                 init_method=f"file://{f.name}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=120))
         x, y = (t.to(device) for t in synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size))
-        steppers = {name: _stepper(_build(name, cfg, device), x, y, device) for name in names}
+        steppers = {name: _stepper(_build(name, cfg, device), x, y, device, clock)
+                    for name in names}
         for step in steppers.values():
             for _ in range(3):
                 step()  # warm-up: lazy initialisation, optimizer state
-        best: dict[str, float] = {}
+        rounds: dict[str, list[float]] = {name: [] for name in names}
         for r in range(options.rounds):
             for name in names[r % 3:] + names[:r % 3]:
                 gc.collect()
-                median = statistics.median(steppers[name]() for _ in range(options.steps))
-                best[name] = min(best.get(name, float("inf")), median)
+                rounds[name].append(statistics.median(steppers[name]() for _ in range(options.steps)))
         units = options.layers + 1
         print(f"GPT {options.layers} blocks d={cfg.d_model} seq {cfg.seq_len} batch 2 on "
               f"{device.type}, {units} units; {options.rounds} interleaved rounds x "
-              f"{options.steps} steps, best round's median; torch {torch.__version__}; "
+              f"{options.steps} steps, best round's median ({options.clock} clock); "
+              f"torch {torch.__version__}; "
               f"load average (1 min) {os.getloadavg()[0]:.2f}")
-        print("| variant | step ms | x unsharded | µs per unit per step over unsharded |")
-        print("|---|---|---|---|")
+        print("| variant | step ms | x unsharded | µs per unit per step over unsharded "
+              "| x unsharded, median of rounds (range) |")
+        print("|---|---|---|---|---|")
+        base = min(rounds["unsharded"]) * 1e3
         for name in names:
-            ms, base = best[name] * 1e3, best["unsharded"] * 1e3
+            ms = min(rounds[name]) * 1e3
+            ratios = [a / b for a, b in zip(rounds[name], rounds["unsharded"])]
             print(f"| {name} | {ms:.2f} | {ms / base:.2f} | "
-                  f"{'-' if name == 'unsharded' else f'{(ms - base) * 1e3 / units:.0f}'} |")
+                  f"{'-' if name == 'unsharded' else f'{(ms - base) * 1e3 / units:.0f}'} | "
+                  f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |")
         if options.profile:
             _profile(steppers["fsdp_compose"], options.profile, units, options.top)
         dist.destroy_process_group()

@@ -540,7 +540,8 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
                     reduced: Callable[[list, ReduceOptions], None]) -> Optional[InFlight]:
     """Issue the reduce-scatter of ``buffers``' unreduced gradients (packed
     rank-major when several, see [Note: bucketing]); ``None`` when no buffer
-    has a gradient. ``reduced(members, options)`` completes it."""
+    has a gradient, or over one rank, where ``reduced`` ran at once (nothing
+    to communicate). ``reduced(members, options)`` completes it."""
     grads = [b.grad.take_for_reduce() for b in buffers]
     members = [(b, g) for b, g in zip(buffers, grads) if g is not None]
     if not members:
@@ -548,11 +549,9 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
     first = buffers[0]
     group, world = first.group, first.group.world_size
     device = first.compute_device
-    if world == 1:  # nothing to communicate: each gradient is its own chunk
-        for _, flat in members:
-            reduce_scatter_scaled(flat, flat, group, options.divide_factor, options.force_sum)
-        return InFlight("reduce_scatter", None, group.process_group, [b for b, _ in members],
-                        lambda _done: reduced(members, options))
+    if world == 1:  # nothing to communicate: each gradient is its own chunk, complete now
+        reduced(members, options)
+        return None
     if len(buffers) == 1:
         (buffer, flat), = members
         output = torch.empty(buffer.grad.reduce_chunk, dtype=flat.dtype, device=device)
