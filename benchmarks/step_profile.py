@@ -71,7 +71,7 @@ def _instrument(timers: _Timers) -> None:
         return call
 
     cls = state._ShardState
-    for name in ("_pre_forward", "_post_forward", "_pre_backward", "_finalize_backward"):
+    for name in ("_pre_forward", "_post_forward", "_pre_backward", "_finish_backward"):
         setattr(cls, name, timed(getattr(cls, name)))
     unit.ShardUnit._post_backward = timed(unit.ShardUnit._post_backward)
 

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.agreement import agreed_max, all_gather_fingerprints
-from ..comm.flight import stall_seconds
+from ..comm.watched_wait import stall_seconds
 from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
 from .._torch_private import default_store
 from ..comm.groups import ShardGroup

@@ -1,6 +1,6 @@
 """Each rank's recent collectives, compared through the rendezvous store
 when a collective stalls or fails (see [Note: flight log] in
-``comm/flight.py``).
+``comm/watched_wait.py``).
 
 The ring buffer is always on and costs no collective: the model's
 ``DivergenceMonitor`` records (iteration, code) for every collective it is
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from .._torch_private import default_store
-from ..comm.flight import stall_seconds, watch
+from ..comm.watched_wait import stall_seconds, watch
 
 RING_SIZE = 256
 """Collectives remembered per process group (the last few iterations)."""

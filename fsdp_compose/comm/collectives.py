@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .flight import wait_watched
+from .watched_wait import wait_watched
 from .groups import ShardGroup
 
 # torch >= 2.10 names the flat collectives *_single and deprecates the old names.

@@ -19,7 +19,7 @@ and all-reduces them over the replicas (hybrid sharding).
    the flat gradients they keep alive).
 3. *Wait.* The first wait (a unit's pre-forward or pre-backward, a reshard,
    the limit, the end of backward) waits the work through
-   ``comm/flight.wait_watched``, copies each member's part out of a packed
+   ``comm/watched_wait.wait_watched``, copies each member's part out of a packed
    output and frees the temporaries ([Note: freeing what a collective
    read]), once. Then it completes members: an all-gather completes the
    member waited for (``FlatBuffer.complete_gather``: the buffer is
@@ -96,7 +96,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
 from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scatter_scaled
-from ..comm.flight import wait_watched
+from ..comm.watched_wait import wait_watched
 from ..policies import PrefetchPolicy
 from ..profiling import profiled
 from .buckets import Bucket, BucketPlan

@@ -36,7 +36,7 @@ def finish_backward(units: Sequence[ShardUnit], collectives: CollectiveQueue,
         collectives.observer.before_publish()
         publish_gradients([b for unit in units for b in unit.buffers], collectives.observer)
     for unit in units:
-        unit.finalize_backward()
+        unit.finish_backward()
     if is_last_backward:
         collectives.end_iteration()  # everything is resharded: free the staging pool
         collectives.order_agreed(forward_order)  # the fingerprint check above passed on every rank

@@ -279,10 +279,10 @@ class _ShardState(_State):
             context = self.context
             if not context.backward_callback_queued:
                 context.backward_callback_queued = True
-                queue_autograd_callback(context.root._finalize_backward)
+                queue_autograd_callback(context.root._finish_backward)
             self.unit.pre_backward()
 
-    def _finalize_backward(self) -> None:
+    def _finish_backward(self) -> None:
         """Queued once per backward: publish the reduced gradients (unless
         more backwards of this step follow, ``set_is_last_backward(False)``),
         reshard what is left and reset every unit (``end_of_backward.py``)."""

@@ -329,7 +329,7 @@ class ShardUnit:
             for buffer in self.frozen_buffers:
                 buffer.reshard()
 
-    def finalize_backward(self) -> None:
+    def finish_backward(self) -> None:
         """End of backward: reshard what is still unsharded (per policy) and
         go back to IDLE."""
         if self.reshard_after_backward and self.training_state is not TrainingState.FORWARD:
