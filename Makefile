@@ -19,10 +19,11 @@ OLDEST_VENV  := .venv-oldest
 TORCH_NEWEST := 2.14.1
 NEWEST_VENV  := .venv-torch-$(TORCH_NEWEST)
 # What `make test-oldest` runs: the guard and the torch-sensitive paths (staging
-# pool, version counters, composable state, DTensor/DCP checkpoints, TP's
+# pool, version counters, the views' autograd node, composable state, DTensor/DCP checkpoints, TP's
 # _StridedShard, MemTracker, the planner's fake tensors, pipelining) plus
 # parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
-OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_parity.py \
+OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_param_views.py \
+	tests/test_parity.py \
 	tests/test_collectives_and_memory.py tests/test_bucketing.py tests/test_checkpoint_model.py \
 	tests/test_checkpoint_flat.py tests/test_checkpoint_optim.py tests/test_tensor_parallel.py \
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
