@@ -153,9 +153,10 @@ class SplitIntoParams(torch.autograd.Function):
         return ctx.plan.flat_gradient(grads, padding), None, None, None
 
 
-_PADDING: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_PADDING: dict[tuple, torch.Tensor] = {}
 """Read-only zeros that backward concatenates as padding, per dtype and
-device, grown to the largest padding asked for up to :data:`_CACHED_PADDING`."""
+device (and stream), grown to the largest padding asked for up to
+:data:`_CACHED_PADDING`."""
 
 _CACHED_PADDING = 1 << 16
 """Longer padding (``"owned"`` layouts can pad a rank by a whole matrix) is
@@ -165,7 +166,10 @@ allocated at each backward rather than kept for the life of the process."""
 def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if count > _CACHED_PADDING:
         return torch.zeros(count, dtype=dtype, device=device)
-    key = (dtype, device)
+    # on an accelerator, per stream: zeros filled on one stream are read
+    # unordered from another
+    key = (dtype, device) if device.type == "cpu" else \
+        (dtype, device, torch.accelerator.current_stream(device))
     zeros = _PADDING.get(key)
     if zeros is None or zeros.numel() < count:
         zeros = torch.zeros(max(count, 1), dtype=dtype, device=device)
