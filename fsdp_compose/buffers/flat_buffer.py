@@ -14,14 +14,15 @@ values, so autograd must not see it as an in-place modification of the saved
 views: the version counter is put back after the collective is issued and
 again after it completes (gloo bumps it from its own thread when an
 asynchronous work finishes).
-The per-parameter views (split + view of the leaf) route the gradients of
-all original parameters into one flat gradient, which is exactly the
-reduce-scatter input (the gradient side lives in ``flat_grad.py``). Their autograd nodes save no tensors, but they are
-rebuilt at every forward that records a graph: the CPU autograd engine runs
-ready nodes by sequence number, newest first, so views built once at
-``fully_shard`` time would be the oldest nodes of every graph and would only
-run (and fire the post-backward hook that reduces and reshards) after all of
-backward, keeping every unit unsharded until the end.
+The per-parameter views (one autograd node per buffer, ``param_views.py``)
+route the gradients of all original parameters into one flat gradient,
+which is exactly the reduce-scatter input (the gradient side lives in
+``flat_grad.py``). The node saves no tensors, but it is rebuilt at every
+forward that records a graph: the autograd engine runs ready nodes by
+sequence number, newest first, so views built once at ``fully_shard`` time
+would be the oldest nodes of every graph and would only run (and fire the
+post-backward hook that reduces and reshards) after all of backward,
+keeping every unit unsharded until the end.
 """
 
 from __future__ import annotations
