@@ -102,7 +102,7 @@ class ShardedModule:
             raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
 
         def apply(context: ShardContext) -> None:
-            context.scheduler.policy = policy
+            context.prefetch_order.policy = policy
             context.collectives.policy = policy
 
         _own_state(self).change_model_setting("set_prefetch_policy", policy, apply)

@@ -2,7 +2,7 @@
 made on any annotated module before the first forward are never lost: the
 root's lazy init applies them to the whole model, and the same setting with
 different values on two modules raises on every rank, naming both and the
-root. Before this, a setting made on a block went to a scheduler that the
+root. Before this, a setting made on a block went to a prefetch order that the
 root's lazy init replaced, silently.
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/test_model_settings.py``
@@ -32,12 +32,12 @@ def settings_on_blocks_before_first_forward():
     model.blocks[1].set_check_rank_divergence(False)
     model.blocks[1].set_prefetch_policy(NO_PREFETCH)  # the same value twice is fine
     _step(model)
-    scheduler = state_of(model).context.scheduler
+    prefetch_order = state_of(model).context.prefetch_order
     collectives = state_of(model).context.collectives
-    assert collectives.policy is scheduler.policy
-    return {"policy": scheduler.policy, "forced": collectives.observer.forced,
+    assert collectives.policy is prefetch_order.policy
+    return {"policy": prefetch_order.policy, "forced": collectives.observer.forced,
             "verified_first_iteration": collectives.observer.verifying,
-            "shared": all(state_of(b).unit.scheduler is scheduler for b in model.blocks)}
+            "shared": all(state_of(b).unit.prefetch_order is prefetch_order for b in model.blocks)}
 
 
 def test_settings_made_on_a_block_before_the_first_forward_apply_to_the_model():
@@ -49,8 +49,8 @@ def test_settings_made_on_a_block_before_the_first_forward_apply_to_the_model():
 def settings_after_init_on_a_block():
     model = shard_blocks_and_root(build_lm(2))
     _step(model)
-    model.blocks[1].set_prefetch_policy(NO_PREFETCH)  # initialised: the model's scheduler
-    return state_of(model).context.scheduler.policy == NO_PREFETCH
+    model.blocks[1].set_prefetch_policy(NO_PREFETCH)  # initialised: the model's prefetch order
+    return state_of(model).context.prefetch_order.policy == NO_PREFETCH
 
 
 def test_settings_made_on_a_block_after_the_first_forward_apply_to_the_model():

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from fsdp_compose import PrefetchPolicy, fully_shard
 from fsdp_compose.runtime.collective_queue import CollectiveQueue, InFlight
-from fsdp_compose.runtime.scheduler import Scheduler
+from fsdp_compose.runtime.prefetch_order import PrefetchOrder
 from tests._owners import buffer_of
 from tests._training import build_model, global_batch, make_optimizer, shard_blocks_and_root
 from tests.harness import TEST_DEVICE, run_distributed
@@ -105,7 +105,7 @@ def control_flow_changes():
     names = {id(buffer_of(b.weight)): f"b{i}" for i, b in enumerate(model.blocks)}
     names[id(buffer_of(model.inp.weight))] = "root"
     log = []
-    forward_targets, backward_targets = Scheduler.forward_targets, Scheduler.backward_targets
+    forward_targets, backward_targets = PrefetchOrder.forward_targets, PrefetchOrder.backward_targets
 
     def label(unit):
         return names[id(unit.buffers[0])]
@@ -119,7 +119,7 @@ def control_flow_changes():
         targets = backward_targets(self, unit)
         log.append(("bwd", label(unit), [label(t) for t in targets]))
         return targets
-    Scheduler.forward_targets, Scheduler.backward_targets = fwd, bwd
+    PrefetchOrder.forward_targets, PrefetchOrder.backward_targets = fwd, bwd
     try:
         optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         losses = []
@@ -136,7 +136,7 @@ def control_flow_changes():
             assert not left, f"step {step}: {left} still unsharded"
             log.append(("end",))
     finally:
-        Scheduler.forward_targets, Scheduler.backward_targets = forward_targets, backward_targets
+        PrefetchOrder.forward_targets, PrefetchOrder.backward_targets = forward_targets, backward_targets
     for loss in losses:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     model.unshard(recurse=True)

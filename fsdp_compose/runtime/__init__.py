@@ -1,4 +1,4 @@
-"""The per-step runtime: training states, the scheduler (prefetch order),
+"""The per-step runtime: training states, the prefetch order,
 the collective queue (every all-gather and reduction of the step, buckets,
 in-flight limits), the unit (one ``fully_shard`` call's transitions), the
 model-wide end of backward, the hook router ``_ShardState`` and the registry

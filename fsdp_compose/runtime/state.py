@@ -24,7 +24,7 @@ from .compile import run_eagerly
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
-from .scheduler import Scheduler
+from .prefetch_order import PrefetchOrder
 from .training_state import TrainingState
 from .unit import ShardUnit
 
@@ -43,7 +43,7 @@ class ShardContext:
         root: the root's state (outermost annotated module).
         states: every state in the root's subtree, root first, then in module
             order.
-        scheduler: the model's prefetch order.
+        prefetch_order: the model's prefetch order.
         collectives: the model's collective queue (every all-gather and
             reduction, buckets, in-flight limits, the collective observer).
         backward_callback_queued: whether the end-of-backward callback is
@@ -51,11 +51,11 @@ class ShardContext:
     """
 
     def __init__(self, root: "_ShardState", states: list["_ShardState"],
-                 scheduler: Scheduler, collectives: CollectiveQueue) -> None:
+                 prefetch_order: PrefetchOrder, collectives: CollectiveQueue) -> None:
         self.root: _ShardState = root
         self.states: list[_ShardState] = states
-        self.scheduler: Scheduler = scheduler
-        """Shared by every unit of the model (``unit.scheduler``)."""
+        self.prefetch_order: PrefetchOrder = prefetch_order
+        """Shared by every unit of the model (``unit.prefetch_order``)."""
         self.collectives: CollectiveQueue = collectives
         """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
@@ -119,7 +119,7 @@ class _ShardState(_State):
         if self.annotated_parent is not None:
             # A submodule's forward or unshard() ran before its root's first
             # forward: set up the whole model from the root, so this unit is
-            # one of its units (not a root of its own, with its own scheduler).
+            # one of its units (not a root of its own, with its own prefetch order).
             top = self.annotated_parent
             while top.annotated_parent is not None:
                 top = top.annotated_parent
@@ -136,12 +136,12 @@ class _ShardState(_State):
         _name_units(self.unit.modules, states)
         settings = _pending_settings(states)  # may raise: before anything is shared
         observer = self.new_observer()
-        context = ShardContext(self, states, Scheduler(PrefetchPolicy()),
+        context = ShardContext(self, states, PrefetchOrder(PrefetchPolicy()),
                                CollectiveQueue(PrefetchPolicy(), observer))
         for state in states:
             state.context = context
             state.unit.is_root = state is self
-            state.unit.scheduler = context.scheduler
+            state.unit.prefetch_order = context.prefetch_order
             state.unit.collectives = context.collectives
             context.collectives.share_staging_pool(state.unit.buffers)
             state.pending_settings = {}
@@ -178,7 +178,7 @@ class _ShardState(_State):
         if self.is_root and current_graph_task_id() == -1:
             self._reset_unfinished_iteration()  # not a recomputation in backward
         if self.is_root and self.unit.training_state is TrainingState.IDLE:
-            self.context.scheduler.start_iteration()  # not a recomputation inside backward
+            self.context.prefetch_order.start_iteration()  # not a recomputation inside backward
             self.context.collectives.start_iteration()
         args, kwargs = self.unit.cast_inputs(args, kwargs)
         self.unit.pre_forward(module, args, kwargs)
@@ -204,7 +204,7 @@ class _ShardState(_State):
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
             collectives = self.context.collectives
-            collectives.observer.after_root_forward(self.context.scheduler.forward_order)
+            collectives.observer.after_root_forward(self.context.prefetch_order.forward_order)
             if not torch.is_grad_enabled():
                 collectives.end_iteration()  # no backward follows (e.g. evaluation)
         return output
@@ -237,7 +237,7 @@ class _ShardState(_State):
         for state in states:
             state.unit.reset_iter_state()
         if context is not None:  # else: never ran, nothing was scheduled
-            context.scheduler.discard_iteration()
+            context.prefetch_order.discard_iteration()
             context.collectives.discard_iteration()
             context.backward_callback_queued = False
 
@@ -256,7 +256,7 @@ class _ShardState(_State):
         Also units prefetched again after their forward (by a unit called
         twice, e.g. c1 in c1, c0, c1) when no backward will use them (a
         ``no_grad`` forward): nothing else would free them."""
-        ran = {id(u) for u in self.context.scheduler.forward_order}
+        ran = {id(u) for u in self.context.prefetch_order.forward_order}
         for state in self.context.states:
             unit = state.unit
             if any(b.is_gathering for b in unit.buffers) and \
@@ -289,10 +289,10 @@ class _ShardState(_State):
         context = self.context
         context.backward_callback_queued = False
         last = self.unit.is_last_backward
+        order = context.prefetch_order
         with profiled("end_of_backward"):
             finish_backward([state.unit for state in context.states], context.collectives,
-                            context.scheduler.forward_order or context.scheduler.previous_forward_order,
-                            last)
+                            order.forward_order or order.previous_forward_order, last)
         if last and self.after_last_backward is not None:
             self.after_last_backward()  # may raise out of backward, on every rank alike
 

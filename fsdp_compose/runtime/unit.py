@@ -21,7 +21,7 @@ from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ..profiling import profiled
 from .collective_queue import CollectiveQueue
-from .scheduler import Scheduler
+from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
 
@@ -79,7 +79,7 @@ class ShardUnit:
         """Read on the root: ``False`` leaves reductions in flight and the
         gradients unpublished at the end of backward (more backwards follow)."""
         self.is_root: bool = False
-        self.scheduler: Optional[Scheduler] = None
+        self.prefetch_order: Optional[PrefetchOrder] = None
         """The model's prefetch order, set by the root's lazy init (shared by
         every unit of the model); ``None`` before it."""
         self.collectives: Optional[CollectiveQueue] = None
@@ -180,7 +180,7 @@ class ShardUnit:
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
         """All-gather this unit's buffers (no prefetch) and wait for them."""
-        self.collectives.gather(self, [], self.scheduler.ran)
+        self.collectives.gather(self, [], self.prefetch_order.ran)
 
     def reshard(self) -> None:
         for buffer in self.buffers:
@@ -205,8 +205,8 @@ class ShardUnit:
             self._modules_to_run = set(self.modules)
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
-        self.scheduler.record_forward(self)
-        self.collectives.gather(self, self.scheduler.forward_targets(self), self.scheduler.ran)
+        self.prefetch_order.record_forward(self)
+        self.collectives.gather(self, self.prefetch_order.forward_targets(self), self.prefetch_order.ran)
         if torch.is_grad_enabled():
             self._guard_saved_parameters()
             for buffer in self.buffers:
@@ -287,8 +287,8 @@ class ShardUnit:
             # reduce_scatter_unused_params: this may run on some ranks only, so
             # it issues no prefetch (it is still unsharded from forward)
             targets = [] if self.reduce_scatter_unused_params else \
-                self.scheduler.backward_targets(self)
-            self.collectives.gather(self, targets, self.scheduler.ran)
+                self.prefetch_order.backward_targets(self)
+            self.collectives.gather(self, targets, self.prefetch_order.ran)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce

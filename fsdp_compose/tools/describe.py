@@ -35,7 +35,7 @@ from ..buffers.layout import Blocks, ShardDim
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
 from ..runtime.collective_queue import CollectiveQueue
-from ..runtime.scheduler import Scheduler
+from ..runtime.prefetch_order import PrefetchOrder
 from ..runtime.state import ROOT_LABEL, state_of, states_below, units_below
 from ..runtime.unit import ShardUnit
 from ..sharded_module import ShardedModule
@@ -239,8 +239,8 @@ def describe(model: nn.Module) -> ModelReport:
     labels = {id(u): _label(_unit_fqns(u, paths)) for u in units}
     initialized = any(_initialized(u) for u in units)
     roots = _roots(model, units, initialized)
-    schedulers = _schedulers(units, roots)
-    order = [u for s in schedulers for u in s.recorded_order()]
+    orders = _prefetch_orders(units, roots)
+    order = [u for s in orders for u in s.recorded_order()]
     unit_reports = tuple(_unit_report(u, paths, labels, id(u) in roots) for u in units)
     unmanaged = _unmanaged(model, units)
     return ModelReport(
@@ -249,7 +249,7 @@ def describe(model: nn.Module) -> ModelReport:
         initialized=initialized,
         units=unit_reports,
         execution_order=tuple(labels.get(id(u), u.name) for u in order),
-        prefetch_policy=schedulers[0].policy if schedulers else None,
+        prefetch_policy=orders[0].policy if orders else None,
         buckets=tuple(tuple(labels.get(id(u), u.name) for u in bucket.units)
                       for queue in _queues(units, roots) for bucket in queue.buckets.buckets),
         unmanaged=tuple(fqn for fqn, _ in unmanaged),
@@ -297,19 +297,19 @@ def _roots(model: nn.Module, units: list[ShardUnit], initialized: bool) -> set[i
     return roots
 
 
-def _schedulers(units: list[ShardUnit], roots: set[int]) -> list[Scheduler]:
-    """The roots' schedulers (every unit shares its root's after lazy init);
-    for a submodule whose root lies outside it, its units' schedulers."""
-    found: dict[int, Scheduler] = {}
+def _prefetch_orders(units: list[ShardUnit], roots: set[int]) -> list[PrefetchOrder]:
+    """The roots' orders (every unit shares its root's after lazy init);
+    for a submodule whose root lies outside it, its units' orders."""
+    found: dict[int, PrefetchOrder] = {}
     for unit in [u for u in units if id(u) in roots] or units:
-        scheduler = _scheduler(unit)
-        found.setdefault(id(scheduler), scheduler)
+        prefetch_order = _prefetch_order(unit)
+        found.setdefault(id(prefetch_order), prefetch_order)
     return list(found.values())
 
 
 def _queues(units: list[ShardUnit], roots: set[int]) -> list[CollectiveQueue]:
     """The roots' collective queues (none before the lazy init), as
-    :func:`_schedulers` finds the schedulers."""
+    :func:`_prefetch_orders` finds the orders."""
     found: dict[int, CollectiveQueue] = {}
     for unit in [u for u in units if id(u) in roots] or units:
         if unit.collectives is not None:
@@ -317,24 +317,24 @@ def _queues(units: list[ShardUnit], roots: set[int]) -> list[CollectiveQueue]:
     return list(found.values())
 
 
-def _scheduler(unit: ShardUnit) -> Scheduler:
-    """The unit's scheduler; before the root's lazy init, the one it will
+def _prefetch_order(unit: ShardUnit) -> PrefetchOrder:
+    """The unit's prefetch order; before the root's lazy init, the one it will
     get: the policy set on any module of its subtree (else the default),
     nothing recorded yet."""
-    if unit.scheduler is not None:
-        return unit.scheduler
+    if unit.prefetch_order is not None:
+        return unit.prefetch_order
     pending = [s.pending_settings["set_prefetch_policy"][0]
                for s in states_below(unit.modules) if "set_prefetch_policy" in s.pending_settings]
-    return Scheduler(pending[0] if pending else PrefetchPolicy())
+    return PrefetchOrder(pending[0] if pending else PrefetchPolicy())
 
 
 def _prefetch_plan(unit: ShardUnit) -> tuple[list[ShardUnit], list[ShardUnit]]:
-    """What the next iteration prefetches around ``unit``: the scheduler's
+    """What the next iteration prefetches around ``unit``: the prefetch order's
     own choice with the recorded order (the in-flight limit may still hold
     some back)."""
-    scheduler = _scheduler(unit)
-    order = scheduler.recorded_order()
-    return scheduler.forward_targets(unit, order), scheduler.backward_targets(unit, order)
+    prefetch_order = _prefetch_order(unit)
+    order = prefetch_order.recorded_order()
+    return prefetch_order.forward_targets(unit, order), prefetch_order.backward_targets(unit, order)
 
 
 def _unit_report(unit: ShardUnit, paths: dict[int, list[str]], labels: dict[int, str],

@@ -3,7 +3,7 @@
 ``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 
 [Note: the simulated step]
-A step is a list of moments in the library's order (``runtime/scheduler.py``,
+A step is a list of moments in the library's order (``runtime/prefetch_order.py``,
 ``runtime/collective_queue.py``, ``runtime/unit.py``, ``buffers/flat_grad.py``); ``total_peak`` is the largest. Forward of
 unit i: the root (unsharded until its backward unless
 reshard_after_forward=True) and the kept units before i (the split root's

@@ -1,7 +1,7 @@
 """Prefetch order: which units to all-gather ahead, by the order in which
 units ran forward.
 
-One :class:`Scheduler` is shared by every unit of a model: the root's lazy
+One :class:`PrefetchOrder` is shared by every unit of a model: the root's lazy
 init builds it and hands it to every unit. It records the order in which
 units run forward and names the prefetch targets of each unit's
 pre-forward and pre-backward; the collectives themselves (issue, buckets,
@@ -16,26 +16,26 @@ from ..policies import PrefetchPolicy
 from .training_state import TrainingState
 
 
-class ScheduledUnit(Protocol):
-    """What the scheduler reads of a unit (``unit.ShardUnit``, which
+class OrderedUnit(Protocol):
+    """What the prefetch order reads of a unit (``unit.ShardUnit``, which
     imports this module)."""
 
     name: str
     training_state: TrainingState
     unshard_in_backward: bool
-    forward_prefetch: Optional[list["ScheduledUnit"]]
-    backward_prefetch: Optional[list["ScheduledUnit"]]
+    forward_prefetch: Optional[list["OrderedUnit"]]
+    backward_prefetch: Optional[list["OrderedUnit"]]
 
 
-class Scheduler:
+class PrefetchOrder:
     """Forward order and prefetch targets for one model."""
 
     def __init__(self, policy: PrefetchPolicy = PrefetchPolicy()) -> None:
         self.policy: PrefetchPolicy = policy
         """Whether forward and backward prefetch by the recorded order."""
-        self.forward_order: list["ScheduledUnit"] = []
+        self.forward_order: list["OrderedUnit"] = []
         """Units in the order their forward started in this iteration."""
-        self.previous_forward_order: list["ScheduledUnit"] = []
+        self.previous_forward_order: list["OrderedUnit"] = []
         """The same for the previous iteration (used by forward prefetch)."""
         self._positions: dict[int, int] = {}
         self._previous_positions: dict[int, int] = {}
@@ -61,13 +61,13 @@ class Scheduler:
         one)."""
         self.forward_order, self._positions = [], {}
 
-    def record_forward(self, unit: "ScheduledUnit") -> None:
+    def record_forward(self, unit: "OrderedUnit") -> None:
         if id(unit) not in self._positions:
             self._positions[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
 
-    def forward_targets(self, unit: "ScheduledUnit",
-                        order: Optional[list["ScheduledUnit"]] = None) -> list["ScheduledUnit"]:
+    def forward_targets(self, unit: "OrderedUnit",
+                        order: Optional[list["OrderedUnit"]] = None) -> list["OrderedUnit"]:
         """The units to all-gather before ``unit``'s forward: its explicit
         targets, else the unit after it in ``order`` (default: the previous
         iteration's forward order)."""
@@ -80,8 +80,8 @@ class Scheduler:
         position = self._previous_positions.get(id(unit))
         return self.previous_forward_order[position + 1:position + 2] if position is not None else []
 
-    def backward_targets(self, unit: "ScheduledUnit",
-                         order: Optional[list["ScheduledUnit"]] = None) -> list["ScheduledUnit"]:
+    def backward_targets(self, unit: "OrderedUnit",
+                         order: Optional[list["OrderedUnit"]] = None) -> list["OrderedUnit"]:
         """The units to all-gather when ``unit``'s backward starts: its
         explicit targets, else the unit before it in ``order`` (default:
         this iteration's forward order) that all-gathers in backward."""
@@ -100,13 +100,13 @@ class Scheduler:
                 return [order[earlier]]
         return []
 
-    def recorded_order(self) -> list["ScheduledUnit"]:
+    def recorded_order(self) -> list["OrderedUnit"]:
         """The running (else the last complete) forward's order; empty
         before the first forward. What the next iteration prefetches by
         (``tools/describe.py`` reports it with the two methods above)."""
         return self.forward_order or self.previous_forward_order
 
-def _after(order: list["ScheduledUnit"], unit: "ScheduledUnit") -> list["ScheduledUnit"]:
+def _after(order: list["OrderedUnit"], unit: "OrderedUnit") -> list["OrderedUnit"]:
     """The unit right after ``unit`` in ``order`` (empty if none)."""
     for index, candidate in enumerate(order):
         if candidate is unit:
