@@ -70,7 +70,7 @@ def _instrument(timers: _Timers) -> None:
                     timers.hooks += time.perf_counter() - start
         return call
 
-    cls = state._ShardState
+    cls = state.ShardState
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_finish_backward"):
         setattr(cls, name, timed(getattr(cls, name)))
     unit.ShardUnit._post_backward = timed(unit.ShardUnit._post_backward)

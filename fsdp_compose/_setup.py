@@ -130,7 +130,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                placement: object = None,
                shard_placement_fn: Optional[PlacementFn] = None) -> ShardUnit:
     """Take the parameters of ``modules`` into a new unit over ``group``,
-    attach its ``_ShardState`` (hooks) and its checks.
+    attach its ``ShardState`` (hooks) and its checks.
 
     Post-condition: every taken parameter is a view of its buffer's shard
     (its local piece under its placement) and recorded as owned by the unit;

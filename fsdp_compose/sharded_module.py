@@ -3,7 +3,7 @@
 ``fully_shard`` makes the module's class a dynamic subclass of its own class
 and :class:`ShardedModule` (``sharded_class``); the methods have FSDP2's
 names and meaning, duck-typed (annotated modules are not torch's
-``FSDPModule``). Each one routes to the ``_ShardState`` of the module or of
+``FSDPModule``). Each one routes to the ``ShardState`` of the module or of
 every unit in its subtree.
 """
 
@@ -20,7 +20,7 @@ from .checks.finite import check_finite_gradients
 from .clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
-from .runtime.state import ShardContext, _ShardState, state_of, states_below
+from .runtime.state import ShardContext, ShardState, state_of, states_below
 from .runtime.buckets import cap_bytes
 from .runtime.tensors import swapping_params_on_conversion
 from .runtime.unit import ShardUnit
@@ -338,14 +338,14 @@ def sharded_class(cls: type) -> type:
     return _SHARDED_CLASSES[cls]
 
 
-def _own_state(module: nn.Module) -> _ShardState:
+def _own_state(module: nn.Module) -> ShardState:
     state = state_of(module)
     if state is None:
         raise AssertionError(f"{type(module).__name__} has no fully_shard state")
     return state
 
 
-def _states(module: nn.Module, recurse: bool) -> list[_ShardState]:
+def _states(module: nn.Module, recurse: bool) -> list[ShardState]:
     return states_below((module,)) if recurse else [_own_state(module)]
 
 

@@ -1,4 +1,4 @@
-"""``_ShardState``: routes module and autograd hooks to units, and the shared
+"""``ShardState``: routes module and autograd hooks to units, and the shared
 context that the root builds for every unit below it.
 
 The state owns no tensors. On the first forward of the outermost annotated
@@ -50,10 +50,10 @@ class ShardContext:
             queued for the backward running now (queued once per backward).
     """
 
-    def __init__(self, root: "_ShardState", states: list["_ShardState"],
+    def __init__(self, root: "ShardState", states: list["ShardState"],
                  prefetch_order: PrefetchOrder, collectives: CollectiveQueue) -> None:
-        self.root: _ShardState = root
-        self.states: list[_ShardState] = states
+        self.root: ShardState = root
+        self.states: list[ShardState] = states
         self.prefetch_order: PrefetchOrder = prefetch_order
         """Shared by every unit of the model (``unit.prefetch_order``)."""
         self.collectives: CollectiveQueue = collectives
@@ -61,7 +61,7 @@ class ShardContext:
         self.backward_callback_queued: bool = False
 
 
-class _ShardState(_State):
+class ShardState(_State):
     """The per-``fully_shard``-call state attached to the annotated module(s).
 
     Created empty by the composable-API ``contract`` and filled by
@@ -77,7 +77,7 @@ class _ShardState(_State):
         self.in_forward_method: set[int] = set()
         """ids of modules running a method given to ``register_forward_method``:
         their own ``module(...)`` calls inside it are part of that pass."""
-        self.annotated_parent: Optional[_ShardState] = None
+        self.annotated_parent: Optional[ShardState] = None
         """The state of the nearest module annotated above this one (set
         when that module is annotated): its root must initialise this one."""
         self.pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
@@ -298,7 +298,7 @@ class _ShardState(_State):
 
 
 # ----------------------------------------------------------------- helpers
-def link_annotated_below(state: _ShardState) -> None:
+def link_annotated_below(state: ShardState) -> None:
     """``state``'s module was just annotated: units annotated below it
     (earlier, bottom-up) learn that a root above them will initialise them."""
     for below in states_below(state.unit.modules):
@@ -315,15 +315,15 @@ def _attach_state(module: Any, unit: ShardUnit) -> Any:
 # torch's composable-API registry keys an API by its function's name; other
 # composable APIs (e.g. replicate) look for "fully_shard" there.
 _attach_state.__name__ = "fully_shard"
-attach_state = contract(state_cls=_ShardState)(_attach_state)
-"""Attach a new ``_ShardState`` bound to ``unit`` to the module(s) through
+attach_state = contract(state_cls=ShardState)(_attach_state)
+"""Attach a new ``ShardState`` bound to ``unit`` to the module(s) through
 the composable-API ``contract`` (which also checks that no FQN changed)."""
 
 
-def state_of(module: nn.Module) -> Optional[_ShardState]:
-    """The ``_ShardState`` attached to ``module``, if it was annotated."""
+def state_of(module: nn.Module) -> Optional[ShardState]:
+    """The ``ShardState`` attached to ``module``, if it was annotated."""
     state = attach_state.state(module)
-    return state if isinstance(state, _ShardState) and state.unit is not None else None
+    return state if isinstance(state, ShardState) and state.unit is not None else None
 
 
 def units_below(module: nn.Module) -> list[ShardUnit]:
@@ -331,10 +331,10 @@ def units_below(module: nn.Module) -> list[ShardUnit]:
     return [state.unit for state in states_below((module,)) if state.unit is not None]
 
 
-def states_below(modules: tuple[nn.Module, ...]) -> list[_ShardState]:
+def states_below(modules: tuple[nn.Module, ...]) -> list[ShardState]:
     """Every state attached in the subtrees of ``modules`` (each once), in
     module order."""
-    seen: dict[int, _ShardState] = {}
+    seen: dict[int, ShardState] = {}
     for top in modules:
         for sub in top.modules():
             state = state_of(sub)
@@ -343,7 +343,7 @@ def states_below(modules: tuple[nn.Module, ...]) -> list[_ShardState]:
     return list(seen.values())
 
 
-def _name_units(roots: tuple[nn.Module, ...], states: list[_ShardState]) -> None:
+def _name_units(roots: tuple[nn.Module, ...], states: list[ShardState]) -> None:
     names = {}
     for top in roots:
         for name, sub in top.named_modules():
@@ -355,7 +355,7 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[_ShardState]) -> None
             f"{ROOT_LABEL} ({type(first).__name__})"
 
 
-def _check_devices(states: list[_ShardState]) -> None:
+def _check_devices(states: list[ShardState]) -> None:
     """Every unit that holds parameters computes on one device (a unit
     without any, e.g. an activation module, computes nothing of its own:
     its mesh, the CPU's by default, does not matter)."""
@@ -368,7 +368,7 @@ def _check_devices(states: list[_ShardState]) -> None:
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
-def _pending_settings(states: list[_ShardState]) -> list[ModelSetting]:
+def _pending_settings(states: list[ShardState]) -> list[ModelSetting]:
     """The model-wide settings made on any module of the model before its
     lazy init, to apply to the model, so none is lost. The same setting
     made with different values on two modules is ambiguous: raise (every
@@ -393,13 +393,13 @@ def _layout_fingerprint(units: list[ShardUnit]) -> int:
                                  for b in u.buffers for r in b.records] for u in units]))
 
 
-def _check_ranks_agree(states: list[_ShardState]) -> None:
+def _check_ranks_agree(states: list[ShardState]) -> None:
     """One tiny all-gather per process group: every rank raises together if
     any rank has a different set of parameter names, shapes, dtypes or
     placements (a
     mismatch would otherwise hang or silently mix values in the first
     all-gather)."""
-    by_group: dict[int, list[_ShardState]] = {}
+    by_group: dict[int, list[ShardState]] = {}
     for state in states:
         by_group.setdefault(id(state.unit.group.process_group), []).append(state)
     for group_states in by_group.values():
