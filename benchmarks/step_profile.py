@@ -70,10 +70,10 @@ def _instrument(timers: _Timers) -> None:
                     timers.hooks += time.perf_counter() - start
         return call
 
-    cls = state.ShardState
+    cls = state.FullyShardState
     for name in ("_pre_forward", "_post_forward", "_pre_backward", "_finish_backward"):
         setattr(cls, name, timed(getattr(cls, name)))
-    unit.ShardUnit._post_backward = timed(unit.ShardUnit._post_backward)
+    unit.Unit._post_backward = timed(unit.Unit._post_backward)
 
 
 def _worker(rank: int, world: int, init_file: str, args, queue) -> None:

@@ -33,7 +33,7 @@ from .comm.groups import ShardGroup
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import Owner, owner_of, record_owners
 from .runtime.state import attach_state, link_annotated_below, state_of
-from .runtime.unit import ShardUnit
+from .runtime.unit import Unit
 
 PlacementFn = Callable[[nn.Parameter], Optional[object]]
 """FSDP2's ``shard_placement_fn``: a placement per parameter, or ``None``
@@ -128,9 +128,9 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                mp_policy: Optional[MixedPrecisionPolicy],
                offload_policy: Optional[CPUOffloadPolicy],
                placement: object = None,
-               shard_placement_fn: Optional[PlacementFn] = None) -> ShardUnit:
+               shard_placement_fn: Optional[PlacementFn] = None) -> Unit:
     """Take the parameters of ``modules`` into a new unit over ``group``,
-    attach its ``ShardState`` (hooks) and its checks.
+    attach its ``FullyShardState`` (hooks) and its checks.
 
     Post-condition: every taken parameter is a view of its buffer's shard
     (its local piece under its placement) and recorded as owned by the unit;
@@ -143,17 +143,15 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     if flattened and group.rank == 0:
         _warn_flattened(flattened)
     _check_params(records, group.device)
-    unit = ShardUnit(modules, managed, group_records(records), group, reshard_after_forward,
+    unit = Unit(modules, managed, group_records(records), group, reshard_after_forward,
                      mp_policy, offload_policy)
     if mp_policy is not None and mp_policy.buffer_dtype is not None:
         _cast_buffers(managed, mp_policy.buffer_dtype)
     record_owners(unit)
-    attach_state(module, unit)
-    state = state_of(modules[0])
-    state.pre_forward_check = functools.partial(
-        check_no_late_parameters, snapshot_modules(unit.managed_modules))
-    state.new_observer = DivergenceMonitor
-    link_annotated_below(state)
+    attach_state(module, unit, new_observer=DivergenceMonitor,
+                 pre_forward_check=functools.partial(check_no_late_parameters,
+                                                     snapshot_modules(unit.managed_modules)))
+    link_annotated_below(state_of(modules[0]))
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit

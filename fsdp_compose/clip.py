@@ -58,7 +58,7 @@ from .buffers.tensor_parallel import norm_process_group
 from .comm.groups import ShardGroup
 from .comm.rendezvous import arrive
 from .runtime.owners import owner_of
-from .runtime.unit import ShardUnit
+from .runtime.unit import Unit
 
 __all__ = ["clip_grad_norm_", "param_norms"]
 
@@ -237,7 +237,7 @@ class _NormGroup(NamedTuple):
     group: ShardGroup  # the data-parallel shard group of their flat buffers
     tp_group: Optional[dist.ProcessGroup]  # TP-sharded parameters: also over tp
     indices: list[int]  # positions in the parameter list
-    unit: ShardUnit  # the unit of the first of them (whose model says whether to check calls)
+    unit: Unit  # the unit of the first of them (whose model says whether to check calls)
 
     def all_reduce(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         _all_reduce(vec, op, self.group)

@@ -68,18 +68,7 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     @functools.wraps(method)
     def wrapped(self: nn.Module, *args, **kwargs):
         call = (lambda *a, **k: func(self, *a, **k)) if func is not None else method
-        running = state.in_forward_method
-        if id(self) in running:  # the method calls itself: one pass already runs
-            return call(*args, **kwargs)
-        hooked = state._pre_forward(self, args, kwargs)
-        if hooked is not None:  # the pre-forward may cast the inputs (mixed precision)
-            args, kwargs = hooked
-        running.add(id(self))
-        try:
-            output = call(*args, **kwargs)
-        finally:
-            running.discard(id(self))
-        return state._post_forward(self, args, output)
+        return state.run_forward_method(self, call, args, kwargs)
 
     setattr(wrapped, _WRAPPED, True)
     setattr(module, method_name, types.MethodType(wrapped, module))

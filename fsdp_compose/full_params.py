@@ -50,7 +50,7 @@ from .comm.agreement import disagreement, fingerprint_of
 from .runtime.collective_queue import gather_values
 from .runtime.state import state_of, units_below
 from .runtime.training_state import TrainingState
-from .runtime.unit import ShardUnit
+from .runtime.unit import Unit
 
 __all__ = ["full_params"]
 
@@ -59,7 +59,7 @@ class _Held(NamedTuple):
     """One unit held whole: its whole values per buffer (``None`` where this
     rank does not hold them: ``rank0_only`` on other ranks)."""
 
-    unit: ShardUnit
+    unit: Unit
     full: list[Optional[torch.Tensor]]
 
 
@@ -129,7 +129,7 @@ def full_params(module: nn.Module, *, writeback: bool = True, recurse: bool = Tr
 
 
 # ----------------------------------------------------------------- helpers
-def _units(module: nn.Module, recurse: bool) -> list[ShardUnit]:
+def _units(module: nn.Module, recurse: bool) -> list[Unit]:
     if recurse:
         return units_below(module)
     state = state_of(module)
@@ -141,11 +141,11 @@ def _units(module: nn.Module, recurse: bool) -> list[ShardUnit]:
     return [state.unit]
 
 
-def _first_fqn(unit: ShardUnit) -> str:
+def _first_fqn(unit: Unit) -> str:
     return unit.buffers[0].records[0].fqn if unit.buffers else unit.name
 
 
-def _check_can_hold(units: list[ShardUnit]) -> None:
+def _check_can_hold(units: list[Unit]) -> None:
     """Raise (on every rank: the states are the same everywhere) before any collective."""
     for unit in units:
         state = state_of(unit.modules[0])
@@ -177,7 +177,7 @@ def _check_can_hold(units: list[ShardUnit]) -> None:
                 "inside full_params), or fsdp_compose.materialize(model).")
 
 
-def _hold(unit: ShardUnit, holds_values: bool, offload_to_cpu: bool) -> _Held:
+def _hold(unit: Unit, holds_values: bool, offload_to_cpu: bool) -> _Held:
     """All-gather the unit's buffers and point its parameters at the whole
     values (where this rank holds them)."""
     unit.reshard()  # e.g. kept unsharded by set_reshard_after_backward(False)
@@ -194,11 +194,11 @@ def _hold(unit: ShardUnit, holds_values: bool, offload_to_cpu: bool) -> _Held:
             fulls.append(None)
     state = state_of(unit.modules[0])
     if state is not None:
-        state.held_whole = True
+        state.hold_whole(True)
     return _Held(unit, fulls)
 
 
-def _forward_guards(unit: ShardUnit, holds_values: bool) -> list[RemovableHandle]:
+def _forward_guards(unit: Unit, holds_values: bool) -> list[RemovableHandle]:
     """Forward pre-hooks (removed on exit) that refuse a forward the held
     unit cannot run: one recording a graph, or one on a rank without values."""
     params = [r.param for b in unit.buffers for r in b.records]
@@ -234,7 +234,7 @@ def _release(held: list[_Held], hooks: list[RemovableHandle], writeback: bool) -
                 _point_params_at_shard(buffer)
         state = state_of(unit.modules[0])
         if state is not None:
-            state.held_whole = False
+            state.hold_whole(False)
 
 
 def _point_params_at_shard(buffer: FlatBuffer) -> None:

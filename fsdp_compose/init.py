@@ -47,7 +47,7 @@ from .runtime.collective_queue import gather_values
 from .runtime.owners import owner_of
 from .runtime.state import units_below
 from .runtime.tensors import swapping_params_on_conversion
-from .runtime.unit import ShardUnit
+from .runtime.unit import Unit
 
 InitFn = Callable[[nn.Module], None]
 
@@ -141,10 +141,10 @@ class _InitWalk:
     """Keeps at most one unit whole while modules are initialised in order."""
 
     def __init__(self) -> None:
-        self.unit: Optional[ShardUnit] = None
+        self.unit: Optional[Unit] = None
         self.full: list[torch.Tensor] = []
 
-    def enter(self, unit: Optional[ShardUnit]) -> None:
+    def enter(self, unit: Optional[Unit]) -> None:
         if unit is self.unit:
             return  # still inside the unit that is whole
         if self.unit is not None:
@@ -174,7 +174,7 @@ def _checksum(values: torch.Tensor) -> tuple[float, float]:
     return float(values.sum()), float(values[::2].sum())
 
 
-def _check_same_values(unit: ShardUnit, full: list[torch.Tensor]) -> None:
+def _check_same_values(unit: Unit, full: list[torch.Tensor]) -> None:
     differ = disagreement(fingerprint_of(repr([_checksum(values) for values in full])), unit.group)
     if differ is not None:
         raise RuntimeError(
@@ -192,7 +192,7 @@ def _initialiser(module: nn.Module, init_fn: Optional[InitFn]) -> Optional[Calla
     return reset if callable(reset) else None
 
 
-def _unit_holding(module: nn.Module) -> Optional[ShardUnit]:
+def _unit_holding(module: nn.Module) -> Optional[Unit]:
     """The unit that manages ``module``'s own parameters (``None``: none do)."""
     for param in module._parameters.values():
         if param is not None:

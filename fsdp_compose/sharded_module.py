@@ -3,7 +3,7 @@
 ``fully_shard`` makes the module's class a dynamic subclass of its own class
 and :class:`ShardedModule` (``sharded_class``); the methods have FSDP2's
 names and meaning, duck-typed (annotated modules are not torch's
-``FSDPModule``). Each one routes to the ``ShardState`` of the module or of
+``FSDPModule``). Each one routes to the ``FullyShardState`` of the module or of
 every unit in its subtree.
 """
 
@@ -20,17 +20,17 @@ from .checks.finite import check_finite_gradients
 from .clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
-from .runtime.state import ShardContext, ShardState, state_of, states_below
+from .runtime.state import ModelContext, FullyShardState, state_of, states_below
 from .runtime.buckets import cap_bytes
 from .runtime.tensors import swapping_params_on_conversion
-from .runtime.unit import ShardUnit
+from .runtime.unit import Unit
 
 
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: the all-gathers are in flight;
     ``wait()`` finishes them and switches the modules to the full views."""
 
-    def __init__(self, units: list[ShardUnit]) -> None:
+    def __init__(self, units: list[Unit]) -> None:
         self._units = units
 
     def wait(self) -> None:
@@ -72,7 +72,7 @@ class ShardedModule:
         """With ``False``, backward keeps the unsharded flat gradients (no
         collectives) and the next backward with ``True`` reduces their sum."""
         for state in _states(self, recurse):
-            state.unit.requires_gradient_sync = requires_gradient_sync
+            state.unit.settings.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -81,17 +81,17 @@ class ShardedModule:
         ``True`` (or call ``reshard()``) before the optimizer step: the
         optimizer updates the shards, not the unsharded copy."""
         for state in _states(self, recurse):
-            state.unit.reshard_after_backward = reshard_after_backward
+            state.unit.settings.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         """Before this module's forward, issue the all-gathers of ``modules``
         (annotated modules) instead of the one chosen by the recorded order."""
-        _own_state(self).unit.forward_prefetch = [_own_state(m).unit for m in modules]
+        _own_state(self).unit.settings.forward_prefetch = [_own_state(m).unit for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         """When this module's backward starts, issue the all-gathers of
         ``modules`` instead of the one chosen by the recorded order."""
-        _own_state(self).unit.backward_prefetch = [_own_state(m).unit for m in modules]
+        _own_state(self).unit.settings.backward_prefetch = [_own_state(m).unit for m in modules]
 
     def set_prefetch_policy(self, policy: PrefetchPolicy) -> None:
         """Set forward/backward prefetch and the in-flight limits for the
@@ -101,7 +101,7 @@ class ShardedModule:
         if not isinstance(policy, PrefetchPolicy):
             raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
 
-        def apply(context: ShardContext) -> None:
+        def apply(context: ModelContext) -> None:
             context.prefetch_order.policy = policy
             context.collectives.policy = policy
 
@@ -122,7 +122,7 @@ class ShardedModule:
         cap = float(bucket_cap_mb)
         cap_bytes(cap, where=f"set_bucket_cap_mb on {_own_state(self).unit.name}: ")
 
-        def apply(context: ShardContext) -> None:
+        def apply(context: ModelContext) -> None:
             context.collectives.buckets.set_cap_mb(cap)
 
         _own_state(self).change_model_setting("set_bucket_cap_mb", cap, apply)
@@ -144,7 +144,7 @@ class ShardedModule:
         parameters again: only for units whose backward reads no parameter
         values, e.g. an ``nn.Embedding`` (its weight gradient needs only the
         indices). A forward that saves a parameter for backward raises."""
-        _own_state(self).unit.unshard_in_backward = unshard_in_backward
+        _own_state(self).unit.settings.unshard_in_backward = unshard_in_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """With ``False``, the end of backward neither waits for the
@@ -152,7 +152,7 @@ class ShardedModule:
         parameters: more backwards of this step follow (micro-batches,
         pipeline schedules). Set ``True`` before the step's last backward."""
         for state in _states(self, recurse=True):
-            state.unit.is_last_backward = is_last_backward
+            state.unit.settings.is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Reduce gradients as the sum over ranks divided by ``factor``
@@ -164,7 +164,7 @@ class ShardedModule:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for state in _states(self, recurse):
             unit = state.unit
-            unit.reduce_options = unit.reduce_options._replace(divide_factor=float(factor))
+            unit.settings.reduce_options = unit.settings.reduce_options._replace(divide_factor=float(factor))
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """With ``True``, collectives only ever ``SUM`` (the division by the
@@ -173,7 +173,7 @@ class ShardedModule:
         (``recurse=False``: this module's unit only, as FSDP2's method)."""
         for state in _states(self, recurse):
             unit = state.unit
-            unit.reduce_options = unit.reduce_options._replace(force_sum=bool(enable))
+            unit.settings.reduce_options = unit.settings.reduce_options._replace(force_sum=bool(enable))
 
     def reset_iter_state(self) -> None:
         """Recover from an exception that aborted a forward or backward
@@ -204,16 +204,17 @@ class ShardedModule:
         _own_state(self).reset_iter_state()
 
     def set_check_finite_gradients(self, enabled: bool) -> None:
-        """With ``True`` (call it on the root), the end of every last
-        backward checks the gradients and raises ``RuntimeError`` on every
+        """With ``True``, the end of every last backward checks the
+        gradients of the whole model (a setting of the model: call it on
+        any of its annotated modules, the root's being the clearest) and raises ``RuntimeError`` on every
         rank naming the first parameter (``named_parameters()`` order)
         whose gradient holds a nan or inf on some rank. Costs a max-abs per
         gradient, one all-reduce of one integer and one host sync per
         step; nothing when off (the default). The model is usable after
         the error: zero the gradients and skip the step. See
         :func:`fsdp_compose.check_finite_gradients` to check on demand."""
-        _own_state(self).after_last_backward = \
-            (lambda: check_finite_gradients(self)) if enabled else None
+        _own_state(self).set_after_last_backward(
+            "set_check_finite_gradients", check_finite_gradients if enabled else None)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -231,7 +232,7 @@ class ShardedModule:
         every unit's *forward*; forward-side divergence is detected, not
         fixed (see ``set_check_rank_divergence``)."""
         for state in _states(self, recurse):
-            state.unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            state.unit.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_check_rank_divergence(self, enable: Optional[bool]) -> None:
         """Whether to verify, before every collective of every iteration,
@@ -253,7 +254,7 @@ class ShardedModule:
         if enable is not None and not isinstance(enable, bool):
             raise TypeError(f"set_check_rank_divergence expects a bool or None, got {enable!r}")
 
-        def apply(context: ShardContext) -> None:
+        def apply(context: ModelContext) -> None:
             observer = context.collectives.observer
             assert isinstance(observer, DivergenceMonitor), \
                 f"fully_shard installs a DivergenceMonitor, found {type(observer).__name__}"
@@ -338,20 +339,20 @@ def sharded_class(cls: type) -> type:
     return _SHARDED_CLASSES[cls]
 
 
-def _own_state(module: nn.Module) -> ShardState:
+def _own_state(module: nn.Module) -> FullyShardState:
     state = state_of(module)
     if state is None:
         raise AssertionError(f"{type(module).__name__} has no fully_shard state")
     return state
 
 
-def _states(module: nn.Module, recurse: bool) -> list[ShardState]:
+def _states(module: nn.Module, recurse: bool) -> list[FullyShardState]:
     return states_below((module,)) if recurse else [_own_state(module)]
 
 
 def check_reshard_after_forward(value: object) -> None:
     """Type check only; an int is checked against the unit's shard group by
-    :meth:`ShardUnit.set_reshard_after_forward`."""
+    :meth:`Unit.set_reshard_after_forward`."""
     if value is None or isinstance(value, (bool, int)):
         return
     raise TypeError(

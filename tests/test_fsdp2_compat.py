@@ -237,7 +237,7 @@ def _force_sum_flags(model: nn.Module, recurse_args: tuple) -> list[int]:
     from fsdp_compose.runtime.state import state_of
     model.set_force_sum_reduction_for_comms(True, recurse=bool(recurse_args[0]) if recurse_args
                                             else True)
-    return [int(state_of(m).unit.reduce_options.force_sum) for m in (model.blocks[0], model)]
+    return [int(state_of(m).unit.settings.reduce_options.force_sum) for m in (model.blocks[0], model)]
 
 
 @pytest.mark.parametrize("recurse_args,want", [((), [1, 1, 1, 1]), ((True,), [1, 1, 1, 1]),

@@ -183,7 +183,7 @@ def _reshard_one_is_false_and_full_is_true():
     fully_shard(model.blocks[1], reshard_after_forward=dist.get_world_size())
     fully_shard(model)
     units = [state_of(b).unit for b in model.blocks[:2]]
-    return [(u.reshard_after_forward, u.post_forward_group is None) for u in units]
+    return [(u.settings.reshard_after_forward, u.settings.post_forward_group is None) for u in units]
 
 
 def test_reshard_after_forward_trivial_ints():

@@ -47,7 +47,7 @@ def _plant(tree: Path, module: str, lines: str) -> None:
 def test_a_type_only_cycle_breaks_the_acyclic_contract(tmp_path):
     tree = _copy(tmp_path)
     _plant(tree, "runtime/prefetch_order.py",
-           "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .unit import ShardUnit")
+           "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .unit import Unit")
     result = _lint(tree)
     assert result.returncode != 0
     assert "No cycles are allowed in fsdp_compose.runtime" in result.stdout

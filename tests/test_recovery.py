@@ -186,14 +186,16 @@ def _noop():
 
 
 # ------------------------------------------------------ non-finite gradients
-def nonfinite_gradients(enabled: bool) -> dict:
+def nonfinite_gradients(enabled: bool, set_on_block: bool = False) -> dict:
     """NaNs injected (by post-accumulate-grad hooks, which run at publication)
     into rank 1's shard of ``blocks.0.mlp.2.weight`` and into rank 0's
-    shard of a later parameter: every rank names the earlier one."""
+    shard of a later parameter: every rank names the earlier one. The
+    setting is the model's: made on a block before the first forward, it
+    checks the whole model the same way."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard_blocks_and_root(build_model())
     optim = make_optimizer(model, "sgd")
-    model.set_check_finite_gradients(enabled)
+    (model.blocks[2] if set_on_block else model).set_check_finite_gradients(enabled)
     params = dict(model.named_parameters())
     first, later = params["blocks.0.mlp.2.weight"], params["blocks.2.attn.qkv.weight"]
     assert param_info((later, first)[rank]).local_numel > 0  # the end / start of a buffer
@@ -237,6 +239,7 @@ def nonfinite_gradients(enabled: bool) -> dict:
 def test_nonfinite_gradient_is_named_on_every_rank():
     off, on = run_distributed(2, nonfinite_gradients, False), \
         run_distributed(2, nonfinite_gradients, True)
+    assert run_distributed(2, nonfinite_gradients, True, True) == on
     for res in on:
         assert "'blocks.0.mlp.2.weight' is not finite" in res["message"], res["message"]
         assert "rank 1's shard" in res["message"]

@@ -37,7 +37,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.records import ParamRecord
 from ..comm.rendezvous import arrive
 from ..runtime.training_state import TrainingState
-from ..runtime.unit import ShardUnit
+from ..runtime.unit import Unit
 from ._exchange import (checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable, record_value,
                         shard_dim, shard_dim_local, shard_dim_value)
 from ._chunks import chunk_shape
@@ -60,8 +60,8 @@ class _Stash(NamedTuple):
 class UnitStateDictHooks:
     """The state-dict hooks of one unit, installed on its managed modules."""
 
-    def __init__(self, unit: ShardUnit) -> None:
-        self.unit: ShardUnit = unit
+    def __init__(self, unit: Unit) -> None:
+        self.unit: Unit = unit
         self._record_at: dict[tuple[int, str], ParamRecord] = {
             (id(module), name): record
             for buffer in unit.buffers for record in buffer.records

@@ -20,10 +20,10 @@ from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
 from ..runtime.owners import owner_of
 from ..runtime.training_state import TrainingState
-from ..runtime.unit import ShardUnit
+from ..runtime.unit import Unit
 
 _installed: list[object] = []  # the hook handle, once installed
-_buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[tuple[ShardUnit, FlatBuffer]]]]" \
+_buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[tuple[Unit, FlatBuffer]]]]" \
     = weakref.WeakKeyDictionary()
 
 
@@ -33,12 +33,12 @@ def install_step_guard() -> None:
         _installed.append(register_optimizer_step_pre_hook(_check_step))
 
 
-def _managed_buffers(optimizer: Optimizer) -> list[tuple[ShardUnit, FlatBuffer]]:
+def _managed_buffers(optimizer: Optimizer) -> list[tuple[Unit, FlatBuffer]]:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     cached = _buffers_of.get(optimizer)
     if cached is not None and cached[0] == count:
         return cached[1]
-    found: dict[int, tuple[ShardUnit, FlatBuffer]] = {}
+    found: dict[int, tuple[Unit, FlatBuffer]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             entry = owner_of(param)

@@ -77,11 +77,11 @@ class Bucket:
         """What the bucket's reduce-scatter carries, whichever members have
         a gradient (zeros for the others): the trainable buffers of the
         members that synchronize gradients, the same on every rank."""
-        return [b for u in self.units if u.requires_gradient_sync for b in u.trainable_buffers]
+        return [b for u in self.units if u.settings.requires_gradient_sync for b in u.trainable_buffers]
 
     def expected_reduces(self) -> list[FlatBuffer]:
         """The buffers whose gradients this backward should reduce together."""
-        return [b for u in self.units if u.backward_possible and u.requires_gradient_sync
+        return [b for u in self.units if u.backward_possible and u.settings.requires_gradient_sync
                 for b in u.trainable_buffers]
 
 
@@ -170,10 +170,11 @@ def _unsharded_bytes(unit) -> int:
 def _key(unit) -> Optional[tuple]:
     """What must agree between the units of one bucket; ``None``: the unit
     needs collectives of its own (see the module docstring)."""
-    if unit.is_root or not unit.buffers or unit.forward_prefetch is not None or \
-            unit.backward_prefetch is not None or unit.post_forward_group is not None or \
-            unit.reduce_scatter_unused_params or not unit.unshard_in_backward or \
-            unit.offload_policy is not None:
+    settings = unit.settings
+    if unit.is_root or not unit.buffers or settings.forward_prefetch is not None or \
+            settings.backward_prefetch is not None or settings.post_forward_group is not None or \
+            settings.reduce_scatter_unused_params or not settings.unshard_in_backward or \
+            settings.offload_policy is not None:
         return None
     buffers = unit.buffers
     if any(b.aliased or b.is_meta for b in buffers):
@@ -184,5 +185,5 @@ def _key(unit) -> Optional[tuple]:
     if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
-            next(iter(comm), None), unit.reduce_options, unit.requires_gradient_sync,
+            next(iter(comm), None), settings.reduce_options, settings.requires_gradient_sync,
             unit.resolved_reshard_after_forward)

@@ -17,11 +17,11 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
-from .unit import ShardUnit
+from .unit import Unit
 
 
-def finish_backward(units: Sequence[ShardUnit], collectives: CollectiveQueue,
-                    forward_order: Sequence[ShardUnit], is_last_backward: bool) -> None:
+def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
+                    forward_order: Sequence[Unit], is_last_backward: bool) -> None:
     """The root's end-of-backward callback, for ``units`` (root first):
     run the deferred reductions, and for the step's last backward wait
     every reduction and publish the gradients; then reshard what is left
@@ -42,21 +42,21 @@ def finish_backward(units: Sequence[ShardUnit], collectives: CollectiveQueue,
         collectives.order_agreed(forward_order)  # the fingerprint check above passed on every rank
 
 
-def reduce_deferred(units: Sequence[ShardUnit], collectives: CollectiveQueue) -> None:
+def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None:
     """Every unit with ``reduce_scatter_unused_params`` (and gradient sync
     on) reduces every trainable buffer, in ``units`` order, with a zero
     gradient where this rank's backward gave it none, so every rank issues
     the same reductions whatever its backward used. Parameters no rank used
     keep ``.grad`` unchanged: their used flags stay False on every rank."""
     for unit in units:
-        if not (unit.reduce_scatter_unused_params and unit.requires_gradient_sync):
+        if not (unit.settings.reduce_scatter_unused_params and unit.settings.requires_gradient_sync):
             continue
         for buffer in unit.trainable_buffers:
             if not buffer.grad.has_unreduced:
                 buffer.unsharded.grad = torch.zeros(
                     buffer.layout.padded_numel, dtype=buffer.compute_dtype,
                     device=buffer.compute_device)
-            collectives.reduce(buffer, unit.reduce_options)
+            collectives.reduce(buffer, unit.settings.reduce_options)
 
 
 def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserver) -> None:

@@ -18,7 +18,7 @@ from .training_state import TrainingState
 
 
 class ObservedUnit(Protocol):
-    """What an observer may read of a unit (``unit.ShardUnit``)."""
+    """What an observer may read of a unit (``unit.Unit``)."""
 
     name: str
     group: ShardGroup

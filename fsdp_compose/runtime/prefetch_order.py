@@ -17,7 +17,7 @@ from .training_state import TrainingState
 
 
 class OrderedUnit(Protocol):
-    """What the prefetch order reads of a unit (``unit.ShardUnit``, which
+    """What the prefetch order reads of a unit (``unit.Unit``, which
     imports this module)."""
 
     name: str
@@ -71,8 +71,8 @@ class PrefetchOrder:
         """The units to all-gather before ``unit``'s forward: its explicit
         targets, else the unit after it in ``order`` (default: the previous
         iteration's forward order)."""
-        if unit.forward_prefetch is not None:
-            return list(unit.forward_prefetch)
+        if unit.settings.forward_prefetch is not None:
+            return list(unit.settings.forward_prefetch)
         if not self.policy.forward:
             return []
         if order is not None:
@@ -85,8 +85,8 @@ class PrefetchOrder:
         """The units to all-gather when ``unit``'s backward starts: its
         explicit targets, else the unit before it in ``order`` (default:
         this iteration's forward order) that all-gathers in backward."""
-        if unit.backward_prefetch is not None:
-            return list(unit.backward_prefetch)
+        if unit.settings.backward_prefetch is not None:
+            return list(unit.settings.backward_prefetch)
         if not self.policy.backward:
             return []
         if order is None:
@@ -96,7 +96,7 @@ class PrefetchOrder:
         if position is None:
             return []
         for earlier in range(position - 1, -1, -1):  # the nearest that all-gathers in backward
-            if order[earlier].unshard_in_backward:
+            if order[earlier].settings.unshard_in_backward:
                 return [order[earlier]]
         return []
 

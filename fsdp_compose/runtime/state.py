@@ -1,8 +1,8 @@
-"""``ShardState``: routes module and autograd hooks to units, and the shared
+"""``FullyShardState``: routes module and autograd hooks to units, and the shared
 context that the root builds for every unit below it.
 
 The state owns no tensors. On the first forward of the outermost annotated
-module (the root) it builds one :class:`ShardContext` for every unit in the
+module (the root) it builds one :class:`ModelContext` for every unit in the
 root's subtree and validates what needs the whole model. After that, each
 hook asks the unit to do its part; the root also queues the end-of-backward
 callback that finishes the iteration.
@@ -26,9 +26,9 @@ from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
 from .prefetch_order import PrefetchOrder
 from .training_state import TrainingState
-from .unit import ShardUnit
+from .unit import Unit
 
-ModelSetting = Callable[["ShardContext"], None]
+ModelSetting = Callable[["ModelContext"], None]
 """Applies one model-wide setting (prefetch policy, divergence checking) to
 a model's shared context."""
 
@@ -36,7 +36,7 @@ a model's shared context."""
 ROOT_LABEL = "<root>"  # how names of units and modules show the root module (FQN "")
 
 
-class ShardContext:
+class ModelContext:
     """State shared by the root and every unit below it for one model.
 
     Attributes:
@@ -48,57 +48,69 @@ class ShardContext:
             reduction, buckets, in-flight limits, the collective observer).
         backward_callback_queued: whether the end-of-backward callback is
             queued for the backward running now (queued once per backward).
+        after_last_backward: runs with the root module after every last
+            backward, once everything is resharded and published
+            (``set_check_finite_gradients``; ``None``: nothing).
     """
 
-    def __init__(self, root: "ShardState", states: list["ShardState"],
+    def __init__(self, root: "FullyShardState", states: list["FullyShardState"],
                  prefetch_order: PrefetchOrder, collectives: CollectiveQueue) -> None:
-        self.root: ShardState = root
-        self.states: list[ShardState] = states
+        self.root: FullyShardState = root
+        self.states: list[FullyShardState] = states
         self.prefetch_order: PrefetchOrder = prefetch_order
         """Shared by every unit of the model (``unit.prefetch_order``)."""
         self.collectives: CollectiveQueue = collectives
         """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
+        self.after_last_backward: Optional[Callable[[nn.Module], None]] = None
 
 
-class ShardState(_State):
+class FullyShardState(_State):
     """The per-``fully_shard``-call state attached to the annotated module(s).
 
     Created empty by the composable-API ``contract`` and filled by
     :meth:`bind`; all hooks registered by ``fully_shard`` are its methods.
+    Only this class writes its fields: other modules go through
+    :meth:`bind`, :meth:`change_model_setting`, :meth:`set_after_last_backward`,
+    :meth:`hold_whole` and :meth:`run_forward_method`.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.unit: Optional[ShardUnit] = None
-        self.context: Optional[ShardContext] = None
+        self.unit: Optional[Unit] = None
+        self.context: Optional[ModelContext] = None
         self.validated: bool = False
         """Whether ranks have been checked to agree on this unit's layout."""
-        self.in_forward_method: set[int] = set()
+        self._in_forward_method: set[int] = set()
         """ids of modules running a method given to ``register_forward_method``:
         their own ``module(...)`` calls inside it are part of that pass."""
-        self.annotated_parent: Optional[ShardState] = None
+        self.annotated_parent: Optional[FullyShardState] = None
         """The state of the nearest module annotated above this one (set
         when that module is annotated): its root must initialise this one."""
-        self.pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
-        """Runs at every pre-forward with the root module (``_setup.py``
-        installs the check for parameters registered after annotation)."""
-        self.new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
+        self._pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
+        """Runs at every pre-forward with the root module (see :meth:`bind`)."""
+        self._new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
         """Builds the model's collective observer when this state becomes
-        the root (``_setup.py`` installs the rank-divergence checks)."""
-        self.after_last_backward: Optional[Callable[[], None]] = None
-        """Read on the root: runs after every last backward, once everything
-        is resharded and published (``set_check_finite_gradients``)."""
+        the root (see :meth:`bind`)."""
         self.pending_settings: dict[str, tuple[object, ModelSetting]] = {}
         """Model-wide settings made on this module before the root's lazy
         init: name -> (value, how to apply it); the root applies them."""
-        self.held_whole: bool = False
-        """``fsdp_compose.full_params`` holds this unit's parameters whole:
-        forward reads them as they are (the hooks do nothing)."""
+        self._held_whole: bool = False
 
-    def bind(self, unit: ShardUnit) -> None:
-        """Attach ``unit`` and install its forward hooks (once, at annotation)."""
+    def bind(self, unit: Unit, pre_forward_check: Optional[Callable[[nn.Module], None]] = None,
+             new_observer: Callable[[], CollectiveObserver] = CollectiveObserver) -> None:
+        """Attach ``unit`` and install its forward hooks (once, at annotation).
+
+        ``pre_forward_check`` runs at every pre-forward with the root module
+        (``_setup.py`` passes the check for parameters registered after
+        annotation); ``new_observer`` builds the model's collective observer
+        if this state becomes the root (``_setup.py`` passes the
+        rank-divergence checks). Both come from outside ``runtime/``, which
+        never imports the checks."""
         self.unit = unit
+        if pre_forward_check is not None:
+            self._pre_forward_check = pre_forward_check
+        self._new_observer = new_observer
         # Hooks run eagerly under torch.compile (a graph break each): they
         # resize storages and swap module attributes, which dynamo must not trace.
         pre_forward, post_forward = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
@@ -109,6 +121,17 @@ class ShardState(_State):
     @property
     def is_root(self) -> bool:
         return self.context is not None and self.context.root is self
+
+    @property
+    def held_whole(self) -> bool:
+        """``fsdp_compose.full_params`` holds this unit's parameters whole:
+        forward reads them as they are (the hooks do nothing)."""
+        return self._held_whole
+
+    def hold_whole(self, held: bool) -> None:
+        """Called by ``full_params`` when it starts (``True``) and stops
+        holding this unit's parameters whole."""
+        self._held_whole = held
 
     # ------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
@@ -135,8 +158,8 @@ class ShardState(_State):
         states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
         _name_units(self.unit.modules, states)
         settings = _pending_settings(states)  # may raise: before anything is shared
-        observer = self.new_observer()
-        context = ShardContext(self, states, PrefetchOrder(PrefetchPolicy()),
+        observer = self._new_observer()
+        context = ModelContext(self, states, PrefetchOrder(PrefetchPolicy()),
                                CollectiveQueue(PrefetchPolicy(), observer))
         for state in states:
             state.context = context
@@ -161,9 +184,37 @@ class ShardState(_State):
         else:
             self.pending_settings[name] = (value, apply)
 
+    def set_after_last_backward(self, name: str,
+                                hook: Optional[Callable[[nn.Module], None]]) -> None:
+        """A model-wide setting (see :meth:`change_model_setting`, named
+        ``name``): ``hook(root_module)`` runs after every last backward,
+        once everything is resharded and published (``None``: nothing)."""
+        def apply(context: ModelContext) -> None:
+            context.after_last_backward = hook
+        self.change_model_setting(name, hook is not None, apply)
+
+    def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
+                           args: tuple, kwargs: dict) -> Any:
+        """Run ``call(*args, **kwargs)``, a method of ``module`` given to
+        ``register_forward_method``, as one forward pass of this unit: the
+        pre- and post-forward hooks around it, and ``module(...)`` calls
+        inside it part of the same pass (a method that calls itself, too)."""
+        running = self._in_forward_method
+        if id(module) in running:
+            return call(*args, **kwargs)
+        hooked = self._pre_forward(module, args, kwargs)
+        if hooked is not None:  # the pre-forward may cast the inputs (mixed precision)
+            args, kwargs = hooked
+        running.add(id(module))
+        try:
+            output = call(*args, **kwargs)
+        finally:
+            running.discard(id(module))
+        return self._post_forward(module, args, output)
+
     # ---------------------------------------------------------------- hooks
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if id(module) in self.in_forward_method:
+        if id(module) in self._in_forward_method:
             return args, kwargs  # inside a registered forward method: already unsharded
         if self.held_whole:
             return args, kwargs  # inside full_params: the parameters are whole already
@@ -174,7 +225,7 @@ class ShardState(_State):
                              kwargs: dict) -> tuple[tuple, dict]:
         self.lazy_init()
         self.unit.check_materialized()
-        self.pre_forward_check(self.context.root.unit.modules[0])
+        self._pre_forward_check(self.context.root.unit.modules[0])
         if self.is_root and current_graph_task_id() == -1:
             self._reset_unfinished_iteration()  # not a recomputation in backward
         if self.is_root and self.unit.training_state is TrainingState.IDLE:
@@ -185,7 +236,7 @@ class ShardState(_State):
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if id(module) in self.in_forward_method:
+        if id(module) in self._in_forward_method:
             return output  # the registered method's own post-forward follows
         if self.held_whole:
             return output  # inside full_params: nothing was gathered
@@ -263,7 +314,7 @@ class ShardState(_State):
                     (id(unit) not in ran or not unit.backward_possible):
                 unit.reshard()
 
-    def _drop_prefetches_of_outside_call(self, caller: ShardUnit) -> None:
+    def _drop_prefetches_of_outside_call(self, caller: Unit) -> None:
         """A unit called on its own outside the root's forward (a chunked
         loss calling ``lm_head``) may have prefetched others by explicit
         targets; those that no backward will use stay gathered with nothing
@@ -288,17 +339,17 @@ class ShardState(_State):
         reshard what is left and reset every unit (``end_of_backward.py``)."""
         context = self.context
         context.backward_callback_queued = False
-        last = self.unit.is_last_backward
+        last = self.unit.settings.is_last_backward
         order = context.prefetch_order
         with profiled("end_of_backward"):
             finish_backward([state.unit for state in context.states], context.collectives,
                             order.forward_order or order.previous_forward_order, last)
-        if last and self.after_last_backward is not None:
-            self.after_last_backward()  # may raise out of backward, on every rank alike
+        if last and context.after_last_backward is not None:
+            context.after_last_backward(self.unit.modules[0])  # may raise, on every rank alike
 
 
 # ----------------------------------------------------------------- helpers
-def link_annotated_below(state: ShardState) -> None:
+def link_annotated_below(state: FullyShardState) -> None:
     """``state``'s module was just annotated: units annotated below it
     (earlier, bottom-up) learn that a root above them will initialise them."""
     for below in states_below(state.unit.modules):
@@ -306,35 +357,35 @@ def link_annotated_below(state: ShardState) -> None:
             below.annotated_parent = state
 
 
-def _attach_state(module: Any, unit: ShardUnit) -> Any:
+def _attach_state(module: Any, unit: Unit, **bind_options: Any) -> Any:
     state = attach_state.state(module if isinstance(module, nn.Module) else module[0])
-    state.bind(unit)
+    state.bind(unit, **bind_options)
     return module
 
 
 # torch's composable-API registry keys an API by its function's name; other
 # composable APIs (e.g. replicate) look for "fully_shard" there.
 _attach_state.__name__ = "fully_shard"
-attach_state = contract(state_cls=ShardState)(_attach_state)
-"""Attach a new ``ShardState`` bound to ``unit`` to the module(s) through
+attach_state = contract(state_cls=FullyShardState)(_attach_state)
+"""Attach a new ``FullyShardState`` bound to ``unit`` to the module(s) through
 the composable-API ``contract`` (which also checks that no FQN changed)."""
 
 
-def state_of(module: nn.Module) -> Optional[ShardState]:
-    """The ``ShardState`` attached to ``module``, if it was annotated."""
+def state_of(module: nn.Module) -> Optional[FullyShardState]:
+    """The ``FullyShardState`` attached to ``module``, if it was annotated."""
     state = attach_state.state(module)
-    return state if isinstance(state, ShardState) and state.unit is not None else None
+    return state if isinstance(state, FullyShardState) and state.unit is not None else None
 
 
-def units_below(module: nn.Module) -> list[ShardUnit]:
+def units_below(module: nn.Module) -> list[Unit]:
     """Every unit annotated in ``module``'s subtree, in module order."""
     return [state.unit for state in states_below((module,)) if state.unit is not None]
 
 
-def states_below(modules: tuple[nn.Module, ...]) -> list[ShardState]:
+def states_below(modules: tuple[nn.Module, ...]) -> list[FullyShardState]:
     """Every state attached in the subtrees of ``modules`` (each once), in
     module order."""
-    seen: dict[int, ShardState] = {}
+    seen: dict[int, FullyShardState] = {}
     for top in modules:
         for sub in top.modules():
             state = state_of(sub)
@@ -343,7 +394,7 @@ def states_below(modules: tuple[nn.Module, ...]) -> list[ShardState]:
     return list(seen.values())
 
 
-def _name_units(roots: tuple[nn.Module, ...], states: list[ShardState]) -> None:
+def _name_units(roots: tuple[nn.Module, ...], states: list[FullyShardState]) -> None:
     names = {}
     for top in roots:
         for name, sub in top.named_modules():
@@ -355,7 +406,7 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[ShardState]) -> None:
             f"{ROOT_LABEL} ({type(first).__name__})"
 
 
-def _check_devices(states: list[ShardState]) -> None:
+def _check_devices(states: list[FullyShardState]) -> None:
     """Every unit that holds parameters computes on one device (a unit
     without any, e.g. an activation module, computes nothing of its own:
     its mesh, the CPU's by default, does not matter)."""
@@ -368,12 +419,12 @@ def _check_devices(states: list[ShardState]) -> None:
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
-def _pending_settings(states: list[ShardState]) -> list[ModelSetting]:
+def _pending_settings(states: list[FullyShardState]) -> list[ModelSetting]:
     """The model-wide settings made on any module of the model before its
     lazy init, to apply to the model, so none is lost. The same setting
     made with different values on two modules is ambiguous: raise (every
     rank alike, before any collective) naming both and the root."""
-    chosen: dict[str, tuple[object, ModelSetting, ShardUnit]] = {}
+    chosen: dict[str, tuple[object, ModelSetting, Unit]] = {}
     for state in states:
         for name, (value, apply) in state.pending_settings.items():
             if name in chosen and chosen[name][0] != value:
@@ -387,19 +438,19 @@ def _pending_settings(states: list[ShardState]) -> list[ModelSetting]:
     return [apply for _, apply, _ in chosen.values()]
 
 
-def _layout_fingerprint(units: list[ShardUnit]) -> int:
+def _layout_fingerprint(units: list[Unit]) -> int:
     return fingerprint_of(repr([[(r.fqn, tuple(r.shape), str(r.param.dtype),
                                   r.param.requires_grad, b.is_meta, repr(r.placement))
                                  for b in u.buffers for r in b.records] for u in units]))
 
 
-def _check_ranks_agree(states: list[ShardState]) -> None:
+def _check_ranks_agree(states: list[FullyShardState]) -> None:
     """One tiny all-gather per process group: every rank raises together if
     any rank has a different set of parameter names, shapes, dtypes or
     placements (a
     mismatch would otherwise hang or silently mix values in the first
     all-gather)."""
-    by_group: dict[int, list[ShardState]] = {}
+    by_group: dict[int, list[FullyShardState]] = {}
     for state in states:
         by_group.setdefault(id(state.unit.group.process_group), []).append(state)
     for group_states in by_group.values():

@@ -11,7 +11,7 @@ from enum import Enum, auto
 
 
 class TrainingState(Enum):
-    """Where a unit is in the iteration (``ShardUnit.training_state``)."""
+    """Where a unit is in the iteration (``Unit.training_state``)."""
 
     IDLE = auto()
     """Between iterations: sharded (unless the user called ``unshard()`` or

@@ -8,6 +8,7 @@ backward) is the job of ``state.py``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -26,7 +27,46 @@ from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
 
 
-class ShardUnit:
+@dataclass
+class UnitSettings:
+    """Every setting of one unit, in one place: the policies fixed at
+    annotation (mixed precision, CPU offload) and what ``ShardedModule``'s
+    setters change later. Nothing changes them during an iteration; the
+    unit, the prefetch order, the bucket plan and the end of backward read
+    them, and only ``ShardedModule``'s setters and
+    :meth:`Unit.set_reshard_after_forward` write them."""
+
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    """Fixed at annotation."""
+    offload_policy: Optional[CPUOffloadPolicy] = None
+    """Fixed at annotation; ``None``: the shard stays on the compute device."""
+    reshard_after_forward: Optional[bool] = None
+    """``None``: reshard after forward unless this is the root."""
+    post_forward_group: Optional[ShardGroup] = None
+    """``reshard_after_forward=k`` with ``1 < k < F``: after forward each
+    rank keeps ``F / k`` shards, re-gathered in backward from the ``k``
+    ranks of this group (``None``: reshard to the full shard group)."""
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    unshard_in_backward: bool = True
+    """``False``: backward needs no parameter values (e.g. an embedding),
+    so it does not all-gather them again."""
+    reduce_options: ReduceOptions = field(default_factory=ReduceOptions)
+    reduce_scatter_unused_params: bool = False
+    """Rank-dependent backward use: keep the unit unsharded from forward to
+    the end of backward (no backward all-gather) and reduce every trainable
+    buffer there on every rank, zero where unused
+    (``end_of_backward.reduce_deferred``)."""
+    is_last_backward: bool = True
+    """Read on the root: ``False`` leaves reductions in flight and the
+    gradients unpublished at the end of backward (more backwards follow)."""
+    forward_prefetch: Optional[list[Unit]] = None
+    """Units to all-gather before this one's forward (None: by recorded order)."""
+    backward_prefetch: Optional[list[Unit]] = None
+    """Units to all-gather when this one's backward starts (None: by order)."""
+
+
+class Unit:
     """The flat buffers of one ``fully_shard`` call and their transitions.
 
     Each buffer is unsharded at most once per forward and once per backward:
@@ -45,9 +85,9 @@ class ShardUnit:
         """Every module whose parameters this unit took (its subtree minus
         subtrees of units annotated before it)."""
         self.group: ShardGroup = group
-        self.mp_policy: MixedPrecisionPolicy = mp_policy or MixedPrecisionPolicy()
-        self.offload_policy: Optional[CPUOffloadPolicy] = offload_policy
-        policy = buffer_policy(self.mp_policy, offload_policy, torch.cuda.is_available())
+        self.settings: UnitSettings = UnitSettings(mp_policy or MixedPrecisionPolicy(), offload_policy)
+        """Every setting of this unit (``ShardedModule``'s setters write them)."""
+        policy = buffer_policy(self.settings.mp_policy, offload_policy, torch.cuda.is_available())
         self.buffers: list[FlatBuffer] = [
             FlatBuffer(records, group, post_accumulate_grad=self._post_backward, policy=policy)
             for records in records_by_group]
@@ -55,29 +95,9 @@ class ShardUnit:
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
         self.name: str = type(self.modules[0]).__name__
         """How messages name the unit; the FQN once a root knows it."""
-
-        # Policy (changeable through the module methods)
-        self.reshard_after_forward: Optional[bool] = None
-        """``None``: reshard after forward unless this is the root."""
-        self.post_forward_group: Optional[ShardGroup] = None
-        """``reshard_after_forward=k`` with ``1 < k < F``: after forward each
-        rank keeps ``F / k`` shards, re-gathered in backward from the ``k``
-        ranks of this group (``None``: reshard to the full shard group)."""
         self.set_reshard_after_forward(reshard_after_forward)
-        self.reshard_after_backward: bool = True
-        self.requires_gradient_sync: bool = True
-        self.unshard_in_backward: bool = True
-        """``False``: backward needs no parameter values (e.g. an embedding),
-        so it does not all-gather them again."""
-        self.reduce_options: ReduceOptions = ReduceOptions()
-        self.reduce_scatter_unused_params: bool = False
-        """Rank-dependent backward use: keep the unit unsharded from forward to
-        the end of backward (no backward all-gather) and reduce every
-        trainable buffer there on every rank, zero where unused
-        (``end_of_backward.reduce_deferred``)."""
-        self.is_last_backward: bool = True
-        """Read on the root: ``False`` leaves reductions in flight and the
-        gradients unpublished at the end of backward (more backwards follow)."""
+
+        # The model (set by the root's lazy init)
         self.is_root: bool = False
         self.prefetch_order: Optional[PrefetchOrder] = None
         """The model's prefetch order, set by the root's lazy init (shared by
@@ -85,10 +105,6 @@ class ShardUnit:
         self.collectives: Optional[CollectiveQueue] = None
         """The model's collective queue (issues every all-gather and
         reduction), set by the root's lazy init; ``None`` before it."""
-        self.forward_prefetch: Optional[list[ShardUnit]] = None
-        """Units to all-gather before this one's forward (None: by recorded order)."""
-        self.backward_prefetch: Optional[list[ShardUnit]] = None
-        """Units to all-gather when this one's backward starts (None: by order)."""
 
         # Per-iteration state
         self.training_state: TrainingState = TrainingState.IDLE
@@ -112,7 +128,7 @@ class ShardUnit:
         every rank keeps them all, the same as ``False``). Collective over
         the new group's members when ``1 < k < F`` (call it on every rank)."""
         if value is None or isinstance(value, bool):
-            self.reshard_after_forward, self.post_forward_group = value, None
+            self.settings.reshard_after_forward, self.settings.post_forward_group = value, None
             return
         shard_size = self.group.world_size
         if value < 1 or shard_size % value:
@@ -122,19 +138,19 @@ class ShardUnit:
                 f"the parameters stay sharded over after forward and must divide the shard "
                 f"group size {shard_size} (one of {divisors}; e.g. the ranks of one node). Pass "
                 "True, False or one of those.")
-        self.reshard_after_forward = value != 1
-        self.post_forward_group = post_forward_group(self.group, value) \
+        self.settings.reshard_after_forward = value != 1
+        self.settings.post_forward_group = post_forward_group(self.group, value) \
             if 1 < value < shard_size else None
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Floating-point inputs in ``param_dtype`` if the policy asks."""
-        dtype = self.mp_policy.param_dtype
-        if dtype is None or not self.mp_policy.cast_forward_inputs:
+        dtype = self.settings.mp_policy.param_dtype
+        if dtype is None or not self.settings.mp_policy.cast_forward_inputs:
             return args, kwargs
         return map_floating_tensors((args, kwargs), lambda t: t.to(dtype))
 
     def cast_output(self, output: Any) -> Any:
-        dtype = self.mp_policy.output_dtype
+        dtype = self.settings.mp_policy.output_dtype
         return output if dtype is None else map_floating_tensors(output, lambda t: t.to(dtype))
 
     # --------------------------------------------------------------- queries
@@ -144,11 +160,11 @@ class ShardUnit:
 
     @property
     def resolved_reshard_after_forward(self) -> bool:
-        if self.reduce_scatter_unused_params:
+        if self.settings.reduce_scatter_unused_params:
             return False  # its backward may run on some ranks only: no all-gather there
-        if self.reshard_after_forward is None:
+        if self.settings.reshard_after_forward is None:
             return not self.is_root
-        return self.reshard_after_forward
+        return self.settings.reshard_after_forward
 
     @property
     def is_unsharded(self) -> bool:
@@ -247,7 +263,7 @@ class ShardUnit:
         if not self._backward_possible:
             self.reshard()
         elif self.resolved_reshard_after_forward:
-            keep = self.post_forward_group if self.unshard_in_backward else None
+            keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
             for buffer in self.buffers:
                 buffer.reshard(keep_for_backward=keep)
 
@@ -256,7 +272,7 @@ class ShardUnit:
         memory; fail at forward, on every rank alike, if autograd saves a
         parameter for backward (only an embedding-like backward is safe)."""
         self._release_saved_guard()  # left over by a forward that raised
-        if self.unshard_in_backward:
+        if self.settings.unshard_in_backward:
             return
         storages = {b.unsharded.untyped_storage().data_ptr() for b in self.buffers}
 
@@ -283,10 +299,10 @@ class ShardUnit:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.unshard_in_backward:
+        if self.settings.unshard_in_backward:
             # reduce_scatter_unused_params: this may run on some ranks only, so
             # it issues no prefetch (it is still unsharded from forward)
-            targets = [] if self.reduce_scatter_unused_params else \
+            targets = [] if self.settings.reduce_scatter_unused_params else \
                 self.prefetch_order.backward_targets(self)
             self.collectives.gather(self, targets, self.prefetch_order.ran)
 
@@ -294,13 +310,13 @@ class ShardUnit:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
         with profiled("post_backward", self.name):
-            if self.requires_gradient_sync and self.reduce_scatter_unused_params:
+            if self.settings.requires_gradient_sync and self.settings.reduce_scatter_unused_params:
                 pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
-            elif self.requires_gradient_sync:
-                self.collectives.reduce(buffer, self.reduce_options)
+            elif self.settings.requires_gradient_sync:
+                self.collectives.reduce(buffer, self.settings.reduce_options)
             else:
                 buffer.grad.stash_unreduced()
-            if self.reshard_after_backward:
+            if self.settings.reshard_after_backward:
                 buffer.reshard()
             self.training_state = TrainingState.POST_BACKWARD
 
@@ -325,14 +341,14 @@ class ShardUnit:
             return  # kept until the end of backward (or the count was reset)
         self._frozen_uses -= 1
         if self._frozen_uses == 0 and self.training_state is not TrainingState.IDLE \
-                and self.reshard_after_backward:
+                and self.settings.reshard_after_backward:
             for buffer in self.frozen_buffers:
                 buffer.reshard()
 
     def finish_backward(self) -> None:
         """End of backward: reshard what is still unsharded (per policy) and
         go back to IDLE."""
-        if self.reshard_after_backward and self.training_state is not TrainingState.FORWARD:
+        if self.settings.reshard_after_backward and self.training_state is not TrainingState.FORWARD:
             self.reshard()
         if self.training_state is not TrainingState.FORWARD:
             for buffer in self.buffers:
@@ -359,5 +375,5 @@ class ShardUnit:
         self._frozen_uses = 0
 
     def __repr__(self) -> str:
-        return f"ShardUnit({self.name}, buffers={self.buffers})"
+        return f"Unit({self.name}, buffers={self.buffers})"
 

@@ -37,7 +37,7 @@ from ..runtime.owners import owner_of
 from ..runtime.collective_queue import CollectiveQueue
 from ..runtime.prefetch_order import PrefetchOrder
 from ..runtime.state import ROOT_LABEL, state_of, states_below, units_below
-from ..runtime.unit import ShardUnit
+from ..runtime.unit import Unit
 from ..sharded_module import ShardedModule
 from ._format import format_bytes, module_paths
 
@@ -257,7 +257,7 @@ def describe(model: nn.Module) -> ModelReport:
     )
 
 
-def _unit_fqns(unit: ShardUnit, paths: dict[int, list[str]]) -> tuple[str, ...]:
+def _unit_fqns(unit: Unit, paths: dict[int, list[str]]) -> tuple[str, ...]:
     # a unit outside the described model (describe(submodule)): its own name
     return tuple(paths[id(m)][0] if id(m) in paths else unit.name for m in unit.modules)
 
@@ -274,12 +274,12 @@ def _label(fqns: tuple[str, ...]) -> str:
     return ", ".join(f or ROOT_LABEL for f in fqns)
 
 
-def _initialized(unit: ShardUnit) -> bool:
+def _initialized(unit: Unit) -> bool:
     state = state_of(unit.modules[0])
     return state is not None and state.context is not None
 
 
-def _roots(model: nn.Module, units: list[ShardUnit], initialized: bool) -> set[int]:
+def _roots(model: nn.Module, units: list[Unit], initialized: bool) -> set[int]:
     """ids of the units that are (or, before the first forward, will be)
     roots: after lazy init, as recorded; before it, the outermost annotated
     units (the first forward makes the outermost annotated module the root)."""
@@ -297,7 +297,7 @@ def _roots(model: nn.Module, units: list[ShardUnit], initialized: bool) -> set[i
     return roots
 
 
-def _prefetch_orders(units: list[ShardUnit], roots: set[int]) -> list[PrefetchOrder]:
+def _prefetch_orders(units: list[Unit], roots: set[int]) -> list[PrefetchOrder]:
     """The roots' orders (every unit shares its root's after lazy init);
     for a submodule whose root lies outside it, its units' orders."""
     found: dict[int, PrefetchOrder] = {}
@@ -307,7 +307,7 @@ def _prefetch_orders(units: list[ShardUnit], roots: set[int]) -> list[PrefetchOr
     return list(found.values())
 
 
-def _queues(units: list[ShardUnit], roots: set[int]) -> list[CollectiveQueue]:
+def _queues(units: list[Unit], roots: set[int]) -> list[CollectiveQueue]:
     """The roots' collective queues (none before the lazy init), as
     :func:`_prefetch_orders` finds the orders."""
     found: dict[int, CollectiveQueue] = {}
@@ -317,7 +317,7 @@ def _queues(units: list[ShardUnit], roots: set[int]) -> list[CollectiveQueue]:
     return list(found.values())
 
 
-def _prefetch_order(unit: ShardUnit) -> PrefetchOrder:
+def _prefetch_order(unit: Unit) -> PrefetchOrder:
     """The unit's prefetch order; before the root's lazy init, the one it will
     get: the policy set on any module of its subtree (else the default),
     nothing recorded yet."""
@@ -328,7 +328,7 @@ def _prefetch_order(unit: ShardUnit) -> PrefetchOrder:
     return PrefetchOrder(pending[0] if pending else PrefetchPolicy())
 
 
-def _prefetch_plan(unit: ShardUnit) -> tuple[list[ShardUnit], list[ShardUnit]]:
+def _prefetch_plan(unit: Unit) -> tuple[list[Unit], list[Unit]]:
     """What the next iteration prefetches around ``unit``: the prefetch order's
     own choice with the recorded order (the in-flight limit may still hold
     some back)."""
@@ -337,10 +337,10 @@ def _prefetch_plan(unit: ShardUnit) -> tuple[list[ShardUnit], list[ShardUnit]]:
     return prefetch_order.forward_targets(unit, order), prefetch_order.backward_targets(unit, order)
 
 
-def _unit_report(unit: ShardUnit, paths: dict[int, list[str]], labels: dict[int, str],
+def _unit_report(unit: Unit, paths: dict[int, list[str]], labels: dict[int, str],
                  is_root: bool) -> UnitReport:
     fqns = _unit_fqns(unit, paths)
-    reshard = unit.reshard_after_forward
+    reshard = unit.settings.reshard_after_forward
     forward, backward = _prefetch_plan(unit)
     buffers = tuple(_buffer_report(b, paths) for b in unit.buffers)
     return UnitReport(
@@ -349,8 +349,8 @@ def _unit_report(unit: ShardUnit, paths: dict[int, list[str]], labels: dict[int,
         label=labels[id(unit)],
         is_root=is_root,
         reshard_after_forward=(not is_root) if reshard is None else bool(reshard),
-        mp_policy=unit.mp_policy,
-        offload_policy=unit.offload_policy,
+        mp_policy=unit.settings.mp_policy,
+        offload_policy=unit.settings.offload_policy,
         world_size=unit.group.world_size,
         rank=unit.group.rank,
         buffers=buffers,
@@ -401,7 +401,7 @@ def _imbalance(loads: tuple[int, ...]) -> float:
     return max(loads) * len(loads) / total - 1 if total else 0.0
 
 
-def _unmanaged(model: nn.Module, units: list[ShardUnit]) -> list[tuple[str, nn.Parameter]]:
+def _unmanaged(model: nn.Module, units: list[Unit]) -> list[tuple[str, nn.Parameter]]:
     """Parameters of ``model`` that no unit manages, once each. While a unit
     is unsharded its slots hold plain-tensor views, never ``nn.Parameter``s."""
     slots = {(id(m), attr) for u in units for b in u.buffers for r in b.records

@@ -19,7 +19,7 @@ from .report import MemoryEstimate
 from .simulation import Step, plan_unit
 from .split import root_parts
 from .split import split_root as split_root_units
-from .units import Unit, UnitSpec, default_units, granularities, resolve_units
+from .units import UnitModules, UnitSpec, default_units, granularities, resolve_units
 
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 """Per-element state tensors of each optimizer (in the parameters' dtype)."""
@@ -30,11 +30,11 @@ class Proposal(NamedTuple):
     """The units to pass to ``fully_shard`` in order (the root last), and
     their estimate."""
 
-    units: list[Unit]
+    units: list[UnitModules]
     estimate: MemoryEstimate
 
 
-def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequence[Unit]] = None,
+def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequence[UnitModules]] = None,
                     optimizer: str = "adamw", mp_policy: Optional[MixedPrecisionPolicy] = None,
                     offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
                     reshard_after_forward: Optional[bool] = None,
@@ -138,7 +138,7 @@ def module_order(model: nn.Module, specs: Sequence[UnitSpec]) -> list[int]:
     return sorted(range(len(specs)), key=lambda i: min(position[id(m)] for m in specs[i].modules))
 
 
-def _late_root_grads(model: nn.Module, units: Sequence[Unit], root: UnitSpec,
+def _late_root_grads(model: nn.Module, units: Sequence[UnitModules], root: UnitSpec,
                      mp_policy: Optional[MixedPrecisionPolicy]) -> int:
     """Bytes (compute dtype) of the root's parameter gradients that only
     arrive at the end of backward: those of its children before the first

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch.nn as nn
 
 from ..._setup import managed_modules
-from .units import Unit
+from .units import UnitModules
 
 
 class SplitRoot(NamedTuple):
@@ -27,7 +27,7 @@ class SplitRoot(NamedTuple):
     prologue and epilogue right before the model); ``prologue`` and
     ``epilogue`` are their indices in ``units`` (``None``: no such part)."""
 
-    units: list[Unit]
+    units: list[UnitModules]
     prologue: Optional[int]
     epilogue: Optional[int]
 
@@ -42,7 +42,7 @@ class RootParts(NamedTuple):
     shared: Optional[str]
 
 
-def root_parts(model: nn.Module, units: Sequence[Unit]) -> RootParts:
+def root_parts(model: nn.Module, units: Sequence[UnitModules]) -> RootParts:
     """The parts of the root's parameters around the units of ``units``
     (ending with ``model``); empty when no child holds a unit."""
     earlier = list(units[:-1])
@@ -75,7 +75,7 @@ def root_parts(model: nn.Module, units: Sequence[Unit]) -> RootParts:
     return RootParts(prologue, epilogue, None)
 
 
-def split_root(model: nn.Module, units: Sequence[Unit]) -> SplitRoot:
+def split_root(model: nn.Module, units: Sequence[UnitModules]) -> SplitRoot:
     """``units`` (ending with ``model``) as ``fully_shard_root(model)`` in
     place of ``fully_shard(model)`` would annotate it."""
     parts = root_parts(model, units)
@@ -85,7 +85,7 @@ def split_root(model: nn.Module, units: Sequence[Unit]) -> SplitRoot:
             f"({parts.shared}) is used by more than one of its parts (e.g. tied embeddings), "
             "so its parameters stay in one unit.", UserWarning, stacklevel=3)
         return SplitRoot(list(units), None, None)
-    out: list[Unit] = list(units[:-1])
+    out: list[UnitModules] = list(units[:-1])
     indices: list[Optional[int]] = []
     for part in (parts.prologue, parts.epilogue):
         indices.append(len(out) if part else None)

@@ -15,7 +15,7 @@ from ..._setup import collect_records, join_fqn, managed_modules
 from ...buffers.records import ParamRecord
 from ...runtime.state import ROOT_LABEL
 
-Unit = Union[nn.Module, Sequence[nn.Module]]
+UnitModules = Union[nn.Module, Sequence[nn.Module]]
 
 
 class UnitSpec(NamedTuple):
@@ -27,7 +27,7 @@ class UnitSpec(NamedTuple):
     records: list[ParamRecord]
 
 
-def default_units(model: nn.Module) -> list[Unit]:
+def default_units(model: nn.Module) -> list[UnitModules]:
     """Every child of every ``nn.ModuleList`` in ``model`` (the blocks, in
     module order), then ``model``: "every block, then the root"."""
     return [child for m in model.modules() if isinstance(m, nn.ModuleList)
@@ -36,7 +36,7 @@ def default_units(model: nn.Module) -> list[Unit]:
 
 
 
-def resolve_units(model: nn.Module, units: Sequence[Unit]) -> list[UnitSpec]:
+def resolve_units(model: nn.Module, units: Sequence[UnitModules]) -> list[UnitSpec]:
     """The parameters each unit takes: its modules' subtrees minus those of
     earlier units, each parameter once (``_setup.managed_modules`` and
     ``_setup.collect_records``, as ``fully_shard`` does)."""
@@ -71,7 +71,7 @@ def resolve_units(model: nn.Module, units: Sequence[Unit]) -> list[UnitSpec]:
     return specs
 
 
-def granularities(model: nn.Module) -> Iterator[list[Unit]]:
+def granularities(model: nn.Module) -> Iterator[list[UnitModules]]:
     """Annotations for :func:`propose_units`, coarse to fine, root last."""
     yield [model]
     units = default_units(model)[:-1]
