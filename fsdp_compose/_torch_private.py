@@ -24,7 +24,7 @@ has a component starting with ``_`` (``torch._C``, ``torch.distributed._composab
 ``torch.utils._pytree``, ``placement_types._StridedShard``,
 ``torch.Tensor._make_wrapper_subclass``), and private attributes of torch's
 objects (``UntypedStorage._swap_data_ptr_``, ``DTensor._local_tensor``,
-``DeviceMesh._get_root_mesh``). Exempt, used directly:
+``DeviceMesh._concatenate``). Exempt, used directly:
 
 * ``Tensor._version`` (the version counter autograd checks; the package
   compares it to tell whether a parameter changed),
@@ -247,13 +247,16 @@ flatten_state_dict: Callable[..., Any] = _lookup(
     "flattening nested state dicts as DCP's planners do")
 
 
-def get_root_mesh(mesh: Any) -> Any:
-    """The mesh ``mesh`` was sliced from (itself when not a slice)."""
-    get = getattr(mesh, "_get_root_mesh", None)
-    if get is None:
-        _missing("torch.distributed.device_mesh.DeviceMesh._get_root_mesh",
-                 "matching a tensor-parallel mesh to the data-parallel one")()
-    return get()
+def concatenate_meshes(meshes: list[Any]) -> Any:
+    """One mesh whose dims are those of ``meshes`` in order (FSDP2's SPMD
+    mesh of a tensor- or expert-parallel parameter). Raises
+    ``RuntimeError`` when they were not sliced from one mesh (or one world
+    mesh through ``_unflatten``) or overlap."""
+    concatenate = getattr(type(meshes[0]), "_concatenate", None)
+    if concatenate is None:
+        _missing("torch.distributed.device_mesh.DeviceMesh._concatenate",
+                 "the (dp, tp) mesh of a tensor-parallel parameter's state dict")()
+    return concatenate(meshes)
 
 
 def local_tensor(value: Any) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_compose.comm.collectives import set_gloo_reduce_scatter_via_all_reduce
@@ -26,6 +27,9 @@ class CollectiveCounter(TorchDispatchMode):
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
         self.dtypes: dict = {}
+        self.by_group: Counter = Counter()
+        """(op, ranks of its process group) -> calls."""
+        self.bytes_by_group: Counter = Counter()
         self._gloo_all_reduce = gloo_all_reduce
         self._previous = None
 
@@ -40,8 +44,24 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             self.counts[func] += 1
+            ranks = _group_ranks(args)
+            self.by_group[func, ranks] += 1
             out = args[0]
             if isinstance(out, torch.Tensor):
                 self.bytes[func] += out.numel() * out.element_size()
+                self.bytes_by_group[func, ranks] += out.numel() * out.element_size()
                 self.dtypes.setdefault(func, set()).add(out.dtype)
         return func(*args, **(kwargs or {}))
+
+
+def _group_ranks(args) -> tuple:
+    """The global ranks of the process group among a c10d op's arguments
+    (a TorchScript object; other such arguments, e.g. a ReduceOp, do not
+    unbox as a group)."""
+    for arg in args:
+        if type(arg).__name__ == "ScriptObject":
+            try:
+                return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg)))
+            except RuntimeError:
+                continue
+    return ()

@@ -389,9 +389,10 @@ def _refused(case: str):
                 block = Block()
             parallelize_module(block, mesh["tp"], PLAN)
             fully_shard(block, mesh=mesh["dp"])
-        elif case == "unrelated-meshes":
+        elif case == "overlapping-meshes":
+            # other["a"] holds the ranks of mesh["dp"]: one dim would shard twice
             other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
-            parallelize_module(block, other["b"], PLAN)
+            parallelize_module(block, other["a"], PLAN)
             fully_shard(block, mesh=mesh["dp"])
         elif case == "3d-mesh":
             cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("r", "s", "t"))
@@ -404,7 +405,7 @@ def _refused(case: str):
 
 @pytest.mark.parametrize("case,words", [
     ("same-mesh", "same mesh"), ("meta", "meta device"),
-    ("unrelated-meshes", "not a named dim of the data-parallel mesh's parent"),
+    ("overlapping-meshes", "cannot be combined with the data-parallel mesh"),
     ("3d-mesh", "mesh['dp_replicate', 'dp_shard']")])
 def test_unsupported_combinations_raise_naming_them(case, words):
     """HSDP + TP, mp_policy and offload_policy with TP are supported now

@@ -50,7 +50,7 @@ def _is_private(part: str) -> bool:
     return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
 
 
-KNOWN_PRIVATE_ATTRS = {"_swap_data_ptr_", "_local_tensor", "_spec", "_get_root_mesh",
+KNOWN_PRIVATE_ATTRS = {"_swap_data_ptr_", "_local_tensor", "_spec", "_concatenate",
                        "_get_sequence_number_for_group", "_post_accumulate_grad_hooks", "_cdata",
                        "_make_wrapper_subclass", "_execution_engine"}
 """Private attributes of torch objects the package has used, found even on a

@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from .._torch_private import StridedShard, get_root_mesh
+from .._torch_private import StridedShard, concatenate_meshes
 from ..comm.groups import ShardGroup
 
 
@@ -57,11 +57,12 @@ class TensorParallelSpec:
         placements: its placements on ``mesh`` (one).
         shape: its global shape (the flat buffer holds the TP-local one).
         stride: its global (contiguous) stride.
-        checkpoint_mesh: the 2-D mesh spanned by the data-parallel mesh and
-            ``mesh`` (their root, or the root's slice of the two dims).
+        checkpoint_mesh: the data-parallel mesh's dims then ``mesh``'s, as
+            one mesh (FSDP2's: ``DeviceMesh._concatenate([dp, tp])``).
         checkpoint_placements: its placements on ``checkpoint_mesh`` (torch
-            FSDP2's: dp ``Shard(0)``, or ``_StridedShard(0, split_factor=tp)``
-            where TP shards dim 0 too and comes after dp, plus ``placements``).
+            FSDP2's: ``Replicate()`` on a replicate dim, dp ``Shard(0)`` or
+            ``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too,
+            then ``placements``).
     """
 
     mesh: DeviceMesh
@@ -118,43 +119,37 @@ def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Param
 
 def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
                        tp_placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The (dp, tp) or, for hybrid sharding, (dp_replicate, dp_shard, tp)
-    mesh of a TP parameter's state-dict values, and its placements there, in
-    the root mesh's dim order (torch FSDP2's: ``Replicate()`` on the
-    replicate dim).
+    """The mesh of a TP (or EP) parameter's state-dict values and its
+    placements there, as torch FSDP2 gives them: the data-parallel dims
+    (``(dp_shard,)`` or ``(dp_replicate, dp_shard)``) then the tp dim, as
+    one mesh, whatever their order in the mesh they were sliced from; that
+    mesh may be a 2-D ``init_device_mesh`` or a world mesh carved with
+    ``_unflatten`` (torchtitan's dense and sparse meshes).
 
     The flat layout holds the TP-local tensor, and the checkpoint exchange
     gives shard rank ``d`` ``torch.chunk(tp_local, dp_size, 0)[d]`` (every
-    replica alike). Where TP shards dim 0 too that is "tp first, then dp":
-    ``Shard(0)`` on the shard dim when it comes after the tp dim in the mesh
-    (DTensor shards left to right), ``_StridedShard(0, split_factor=tp_size)``
-    when it comes before (torch FSDP2's placement for FSDP + TP).
-
-    The tp mesh is matched to the dp mesh's root by name and ranks, not by
-    its own root: torch caches sliced meshes, so ``mesh["tp"]`` of a second
-    mesh over the same ranks may be the first mesh's slice."""
-    root = get_root_mesh(dp_mesh)
-    dp_names, tp_name = dp_mesh.mesh_dim_names, _single_name(tp_mesh)
-    names = root.mesh_dim_names
-    if dp_names is None or tp_name is None or names is None or \
-            any(n not in names for n in (*dp_names, tp_name)) or \
-            not torch.equal(root[tp_name].mesh, tp_mesh.mesh):
-        raise ValueError(
-            f"parameter '{fqn}' is a DTensor on a mesh that is not a named dim of the data-"
-            "parallel mesh's parent; slice both from one mesh: init_device_mesh(device, "
-            "(dp, tp), mesh_dim_names=('dp', 'tp')), then mesh['tp'] for parallelize_module "
-            "and mesh['dp'] for fully_shard (for hybrid sharding: a (dp_replicate, dp_shard, "
-            "tp) mesh and mesh['dp_replicate', 'dp_shard']).")
-    shard_name = dp_names[-1]
-    shard_dim, tp_dim = names.index(shard_name), names.index(tp_name)
-    used = (*dp_names, tp_name)
-    mesh = root if root.ndim == len(used) else root[tuple(n for n in names if n in used)]
+    replica alike): "tp first, then dp". With dp's dim first, DTensor
+    (which shards left to right) says that as
+    ``_StridedShard(0, split_factor=tp_size)`` on dp where TP shards dim 0
+    too, ``Shard(0)`` otherwise."""
+    def refuse(why: str) -> ValueError:
+        return ValueError(
+            f"parameter '{fqn}' is a DTensor on a mesh that cannot be combined with the data-"
+            f"parallel mesh ({why}); slice both from one mesh: init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')), then mesh['tp'] for parallelize_module and mesh['dp'] "
+            "for fully_shard (for hybrid sharding: a (dp_replicate, dp_shard, tp) mesh and "
+            "mesh['dp_replicate', 'dp_shard']), or carve both from one world mesh with "
+            "world._unflatten(0, sizes, names).")
+    if dp_mesh.mesh_dim_names is None or _single_name(tp_mesh) is None:
+        raise refuse("a mesh without dim names")
+    try:
+        mesh = concatenate_meshes([dp_mesh, tp_mesh])
+    except RuntimeError as exc:
+        raise refuse(str(exc)) from exc
     dp_placement: Placement = Shard(0)
-    if isinstance(tp_placement, Shard) and tp_placement.dim == 0 and shard_dim < tp_dim:
+    if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
         dp_placement = StridedShard(0, split_factor=tp_mesh.size())
-    by_name: dict[str, Placement] = {shard_name: dp_placement, tp_name: tp_placement}
-    by_name.update({n: Replicate() for n in dp_names[:-1]})
-    return mesh, tuple(by_name[n] for n in mesh.mesh_dim_names)
+    return mesh, (Replicate(),) * (dp_mesh.ndim - 1) + (dp_placement, tp_placement)
 
 
 def _single_name(mesh: DeviceMesh) -> Optional[str]:

@@ -2,5 +2,7 @@
 
 from .gpt import GPT, GPTConfig, synthetic_tokens
 from .launch import init_from_torchrun
+from .moe import TinyMoELM, enable_expert_parallel
 
-__all__ = ["GPT", "GPTConfig", "init_from_torchrun", "synthetic_tokens"]
+__all__ = ["GPT", "GPTConfig", "TinyMoELM", "enable_expert_parallel", "init_from_torchrun",
+           "synthetic_tokens"]

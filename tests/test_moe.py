@@ -1,0 +1,222 @@
+"""Mixture of experts with expert parallelism on 4 CPU ranks (issue 37).
+
+The meshes are carved from one world mesh, as torchtitan does: the dense
+layers are sharded over all 4 ranks (``dense["fsdp"]``), the routed experts
+are ``DTensor`` parameters ``Shard(0)`` over ``sparse["ep"]`` (2 ranks hold
+different experts; tokens travel by ``all_to_all_single``) and sharded by
+``fully_shard`` over ``sparse["efsdp"]`` (the 2 ranks that hold the same
+experts). Parity with one process training the same model on the global
+batch, the clipped gradient norm equal on every rank and to the reference,
+and the state dict's experts on FSDP2's (efsdp, ep) placements.
+
+Run: PYTHONPATH=. python -m pytest -q tests/test_moe.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from fsdp_compose import clip_grad_norm_, fully_shard
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
+from tests._models import assert_dicts_close, global_mean, make_optim
+from fsdp_compose.testing.moe import PER_RANK, batch, build_moe, enable_expert_parallel
+from tests.harness import run_distributed
+
+WORLD, EP = 4, 2
+STEPS = 3
+MAX_NORM = 0.3  # below the first steps' norms: clipping changes every update
+ATOL = 1e-5
+
+
+def _meshes(world: int):
+    world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    dense = world_mesh._unflatten(0, (world,), ("fsdp",))
+    sparse = world_mesh._unflatten(0, (world // EP, EP), ("efsdp", "ep"))
+    return dense, sparse
+
+
+def shard_moe(model: nn.Module, world: int) -> nn.Module:
+    """The recipe: experts on (efsdp, ep), everything else on fsdp."""
+    dense, sparse = _meshes(world)
+    enable_expert_parallel(model, sparse["ep"])
+    for block in model.blocks:
+        fully_shard(block.moe.experts, mesh=sparse["efsdp"])
+        # efsdp averages over its 2 ranks, but each expert's gradient sums the
+        # tokens of all `world` ranks (ep brought them): divide by world
+        block.moe.experts.set_gradient_divide_factor(world)
+        fully_shard(block, mesh=dense["fsdp"])
+    fully_shard(model, mesh=dense["fsdp"])
+    return model
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _train(model: nn.Module, optim_name: str, clip: bool = True) -> dict:
+    """``STEPS`` steps of this rank's slice of the global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    optim = make_optim(model.parameters(), optim_name)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = batch(step, PER_RANK * world)
+        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        loss = model.loss(tokens[mine], targets[mine])
+        loss.backward()
+        if clip:
+            norms.append(clip_grad_norm_(model, MAX_NORM).item())
+        optim.step()
+        optim.zero_grad()
+        losses.append(global_mean(loss))
+    return {"losses": losses, "norms": norms}
+
+
+def _train_sharded(optim_name: str) -> dict:
+    model = shard_moe(build_moe(), dist.get_world_size())
+    return {**_train(model, optim_name), "params": _full_state(model)}
+
+
+def _train_reference(optim_name: str, world: int) -> dict:
+    model = build_moe()
+    optim = make_optim(model.parameters(), optim_name)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = batch(step, PER_RANK * world)
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
+def test_expert_parallel_moe_matches_one_process(optim_name):
+    results = run_distributed(WORLD, _train_sharded, optim_name, timeout=120)
+    reference = _train_reference(optim_name, WORLD)
+    assert reference["norms"][0] > MAX_NORM  # clipping is exercised
+    for rank, res in enumerate(results):
+        # the clipped norm is the model's: the same bits on every rank
+        assert res["norms"] == results[0]["norms"], (rank, res["norms"], results[0]["norms"])
+        for got, want in zip(res["norms"], reference["norms"]):
+            assert abs(got - want) <= ATOL * max(1.0, want), (rank, got, want)
+        for i, (got, want) in enumerate(zip(res["losses"], reference["losses"])):
+            assert abs(got - want) <= ATOL, f"rank {rank}: loss of step {i} {got} vs {want}"
+        assert_dicts_close(res["params"], reference["params"], ATOL, f"rank {rank}: ")
+
+
+def _expert_placements() -> dict:
+    model = shard_moe(build_moe(), dist.get_world_size())
+    value = model.state_dict()["blocks.0.moe.experts.w1"]
+    dense = model.state_dict()["blocks.0.dense.weight"]
+    return {"mesh": value.device_mesh.mesh.tolist(), "names": value.device_mesh.mesh_dim_names,
+            "placements": tuple(value.placements), "dense": tuple(dense.placements),
+            "dense_mesh": dense.device_mesh.mesh.tolist()}
+
+
+def test_expert_state_dict_uses_fsdp2_placements():
+    """FSDP2 describes an expert weight sharded on dim 0 by both ep and
+    efsdp on the concatenated (efsdp, ep) mesh, efsdp first: its rows are
+    split by ep first, so efsdp's placement is ``_StridedShard(0, 2)``."""
+    for res in run_distributed(WORLD, _expert_placements, timeout=90):
+        assert res["names"] == ("efsdp", "ep")
+        assert res["mesh"] == [[0, 1], [2, 3]]
+        assert res["placements"] == (_StridedShard(0, split_factor=EP), Shard(0))
+        assert res["dense"] == (Shard(0),) and res["dense_mesh"] == [0, 1, 2, 3]
+
+
+def _losses_under(impl: str) -> list[float]:
+    """The recipe above, unchanged but for which ``fully_shard`` it calls
+    (torch FSDP2's or ours), with the same meshes and divide factor."""
+    world = dist.get_world_size()
+    if impl == "fsdp_compose":
+        return _train(shard_moe(build_moe(), world), "adamw", clip=False)["losses"]
+    dense, sparse = _meshes(world)
+    model = build_moe()
+    enable_expert_parallel(model, sparse["ep"])
+    for block in model.blocks:
+        torch_fully_shard(block.moe.experts, mesh=sparse["efsdp"])
+        block.moe.experts.set_gradient_divide_factor(world)
+        # gloo has no PREMUL_SUM, FSDP2's op for a divide factor: sum, then divide
+        block.moe.experts.set_force_sum_reduction_for_comms(True)
+        torch_fully_shard(block, mesh=dense["fsdp"])
+    torch_fully_shard(model, mesh=dense["fsdp"])
+    return _train(model, "adamw", clip=False)["losses"]
+
+
+def test_same_recipe_as_fsdp2_step_by_step():
+    ours = run_distributed(WORLD, _losses_under, "fsdp_compose", timeout=120)
+    theirs = run_distributed(WORLD, _losses_under, "fsdp2", timeout=120)
+    for got, want in zip(ours, theirs):
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+
+
+def _collectives_by_mesh() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_moe(build_moe(), world)
+    tokens, targets = batch(0, PER_RANK)
+    for _ in range(3):  # the verified iterations (their checks add all-gathers of their own)
+        model.loss(tokens, targets).backward()
+    with CollectiveCounter() as comm:
+        model.loss(tokens, targets).backward()
+    ops = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+    return {"rank": rank,
+            "groups": {(ops[op], ranks) for (op, ranks) in comm.by_group if op in ops},
+            "bytes": {(ops[op], ranks): n for (op, ranks), n in comm.bytes_by_group.items()
+                      if op in ops}}
+
+
+def test_each_mesh_runs_its_own_collectives():
+    """Experts all-gather and reduce-scatter over efsdp (the 2 ranks that
+    hold the same experts), everything else over all 4 ranks; the efsdp
+    collectives carry exactly the experts' bytes: 2 blocks x (w1 + w2)
+    local (2 experts of 6 x 10 each) = 480 floats, gathered in forward and
+    again in backward, reduced once."""
+    everyone = tuple(range(WORLD))
+    for res in run_distributed(WORLD, _collectives_by_mesh, timeout=90):
+        efsdp = (res["rank"] % EP, res["rank"] % EP + EP)
+        assert res["groups"] == {("all_gather", efsdp), ("all_gather", everyone),
+                                 ("reduce_scatter", efsdp), ("reduce_scatter", everyone)}
+        experts_floats = 2 * 2 * (2 * 6 * 10)
+        assert res["bytes"]["all_gather", efsdp] == 2 * experts_floats * 4
+        assert res["bytes"]["reduce_scatter", efsdp] == experts_floats // 2 * 4
+
+
+def _reshard_through_dcp(path: str) -> dict:
+    """Save at EP 2 x efsdp 2, load into the model without expert
+    parallelism sharded over all 4 ranks (every rank runs every expert)."""
+    world = dist.get_world_size()
+    trained = shard_moe(build_moe(), world)
+    _train(trained, "sgd", clip=False)
+    saved = _full_state(trained)
+    dcp.save(trained.state_dict(), checkpoint_id=path)
+    torch.manual_seed(99)
+    fresh = build_moe()
+    for p in fresh.parameters():
+        p.data.normal_()
+    for block in fresh.blocks:
+        fully_shard(block)
+    fully_shard(fresh)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    return {"saved": saved, "loaded": _full_state(fresh)}
+
+
+def test_checkpoint_moves_between_expert_parallel_and_plain_sharding(tmp_path):
+    for res in run_distributed(WORLD, _reshard_through_dcp, str(tmp_path / "ckpt"), timeout=120):
+        assert res["saved"].keys() == res["loaded"].keys()
+        for name, value in res["saved"].items():
+            assert torch.equal(value, res["loaded"][name]), name
