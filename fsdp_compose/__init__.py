@@ -10,6 +10,7 @@ from .comm.collectives import set_gloo_reduce_scatter_via_all_reduce
 from .checks.finite import check_finite_gradients
 from .checks.unmanaged import mark_reduced_elsewhere
 from .api import ShardedParamInfo, fully_shard, param_info
+from ._setup import OnMesh
 from .buffers.layout import Blocks
 from .clip import clip_grad_norm_, param_norms
 from .forward_methods import register_forward_method
@@ -22,7 +23,7 @@ from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, 
 from .sharded_module import ShardedModule, UnshardHandle
 
 __all__ = [
-    "fully_shard", "Blocks", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
+    "fully_shard", "Blocks", "OnMesh", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
     "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "fully_shard_root", "estimate_memory",

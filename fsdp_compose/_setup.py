@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .buffers import tensor_parallel
@@ -29,15 +30,67 @@ from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_la
 from .checks.divergence import DivergenceMonitor
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
-from .comm.groups import ShardGroup
+from .comm.groups import ShardGroup, shard_group_from_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import Owner, owner_of, record_owners
 from .runtime.state import attach_state, link_annotated_below, state_of
 from .runtime.unit import Unit
 
 PlacementFn = Callable[[nn.Parameter], Optional[object]]
-"""FSDP2's ``shard_placement_fn``: a placement per parameter, or ``None``
-for the unit's."""
+"""FSDP2's ``shard_placement_fn``: a placement per parameter (or an
+:class:`OnMesh`, or FSDP2's ``ShardPlacementResult``), or ``None`` for the
+unit's."""
+
+
+class OnMesh(NamedTuple):
+    """What ``shard_placement_fn`` returns to shard a parameter over another
+    mesh than its unit's (e.g. routed experts over the expert-data-parallel
+    mesh while the rest of the block uses the data-parallel one): the
+    parameter gets a flat buffer of its own mesh, whose all-gathers and
+    reduce-scatters run on that mesh's group (FSDP2's
+    ``ShardPlacementResult(placement, mesh_info)``, which is accepted too).
+
+    Attributes:
+        mesh: a 1-D mesh (full sharding) or a 2-D (replicate, shard) mesh.
+        placement: its placement on that mesh (``None``: the unit's).
+    """
+
+    mesh: DeviceMesh
+    placement: object = None
+
+
+def placement_choices(records: list[ParamRecord],
+                      shard_placement_fn: Optional[PlacementFn]) -> list[object]:
+    """``shard_placement_fn`` of each record's parameter, called once, with
+    the parameter as the user built it (a ``DTensor`` for a tensor-parallel
+    one); ``None`` for each without a function."""
+    return [None if shard_placement_fn is None else shard_placement_fn(r.param) for r in records]
+
+
+def _mesh_of(choice: object) -> Optional[DeviceMesh]:
+    if isinstance(choice, OnMesh):
+        return choice.mesh
+    mesh_info = getattr(choice, "mesh_info", None)  # FSDP2's ShardPlacementResult
+    return getattr(mesh_info, "mesh", None)
+
+
+def _placement_of(choice: object) -> object:
+    if isinstance(choice, OnMesh) or hasattr(choice, "mesh_info"):
+        return choice.placement
+    return choice
+
+
+def _assign_groups(records: list[ParamRecord], choices: list[object], group: ShardGroup) -> None:
+    """Each record whose choice names a mesh other than the unit's gets that
+    mesh's shard group (one per mesh: its parameters share buffers)."""
+    by_mesh: dict[int, ShardGroup] = {}
+    for record, choice in zip(records, choices):
+        mesh = _mesh_of(choice)
+        if mesh is None or mesh == group.mesh:
+            continue
+        if id(mesh) not in by_mesh:
+            by_mesh[id(mesh)] = shard_group_from_mesh(mesh)
+        record.group = by_mesh[id(mesh)]
 
 OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], None]
 """Raises if a parameter (with its FQN here, the module holding it and the
@@ -138,8 +191,10 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     initialise them."""
     managed = managed_modules(modules, taken)
     records = collect_records(modules, managed, ignored, _check_not_owned)
+    choices = placement_choices(records, shard_placement_fn)
+    _assign_groups(records, choices, group)
     _localize_tensor_parallel(records, group)
-    flattened = assign_placements(records, placement, shard_placement_fn, group.world_size)
+    flattened = assign_placements(records, placement, choices, group.world_size)
     if flattened and group.rank == 0:
         _warn_flattened(flattened)
     _check_params(records, group.device)
@@ -190,10 +245,11 @@ def check_unit_placement(placement: object) -> None:
 
 
 def assign_placements(records: list[ParamRecord], placement: object,
-                      shard_placement_fn: Optional[PlacementFn],
+                      choices: Optional[Sequence[Any]],
                       world_size: int) -> list[ParamRecord]:
-    """Each record's placement: ``shard_placement_fn(param)``, or the unit's
-    where it returns ``None``; checked against the parameter's shape (a
+    """Each record's placement: its choice (:func:`placement_choices`; the
+    placement part of an :class:`OnMesh`), or the unit's where that is
+    ``None``; checked against the parameter's shape (a
     unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
     one returned for it raises, naming it). The unit's placement ``None`` is
     the default: ``"rows"``, but ``"flat"`` for parameters whose whole rows
@@ -203,8 +259,8 @@ def assign_placements(records: list[ParamRecord], placement: object,
     defaulted = placement is None
     unit_placement = DEFAULT_PLACEMENT if defaulted else placement
     by_default = []
-    for r in records:
-        chosen = None if shard_placement_fn is None else shard_placement_fn(r.param)
+    for index, r in enumerate(records):
+        chosen = None if choices is None else _placement_of(choices[index])
         if chosen is None and defaulted:
             by_default.append(r)
         value: Placement = as_placement(unit_placement if chosen is None else chosen)
@@ -257,7 +313,7 @@ def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup) -> 
     keeps what forward needs to present it as a ``DTensor`` again (see
     ``tensor_parallel.py``: a DTensor parameter cannot keep its identity)."""
     for r in (r for r in records if isinstance(r.param, DTensor)):
-        r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, group)
+        r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, r.group or group)
         r.shape = r.param.shape
         for module, attr in r.slots:
             module._parameters[attr] = r.param

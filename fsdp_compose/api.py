@@ -110,8 +110,14 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             ``Shard(dim)`` (``torch.chunk`` on ``dim``). Each rank's chunk of
             a buffer stays equal, 16-byte aligned; still one all-gather and
             one reduce-scatter per buffer.
-        shard_placement_fn: FSDP2's hook: called with each parameter, returns
-            its placement (any of the above) or ``None`` for ``placement``.
+        shard_placement_fn: FSDP2's hook: called once with each parameter
+            (a ``DTensor`` for a tensor- or expert-parallel one), returns its
+            placement (any of the above), ``None`` for ``placement``, or
+            :class:`OnMesh` ``(mesh, placement)`` (or FSDP2's
+            ``ShardPlacementResult``) to shard it over another mesh: its own
+            flat buffer, whose collectives run on that mesh's group (e.g.
+            routed experts over the expert-data-parallel mesh, the rest of
+            the block over ``mesh``).
 
     Returns:
         ``module`` itself, whose class now also derives from

@@ -255,7 +255,9 @@ def _check_same_values(held: list[_Held]) -> None:
     for unit, full in held:
         if not unit.buffers:
             continue
-        differ = disagreement(_fingerprint(full), unit.group)
+        differ = next((found for group, indices in unit.buffers_by_group()
+                       if (found := disagreement(_fingerprint([full[i] for i in indices]), group))
+                       is not None), None)
         if differ is not None:
             raise RuntimeError(
                 f"full_params(writeback=True): ranks {differ.differing} hold different values "

@@ -175,7 +175,12 @@ def _checksum(values: torch.Tensor) -> tuple[float, float]:
 
 
 def _check_same_values(unit: Unit, full: list[torch.Tensor]) -> None:
-    differ = disagreement(fingerprint_of(repr([_checksum(values) for values in full])), unit.group)
+    for group, indices in unit.buffers_by_group():
+        checksums = [_checksum(full[i]) for i in indices]
+        _raise_if_differ(unit, disagreement(fingerprint_of(repr(checksums)), group))
+
+
+def _raise_if_differ(unit: Unit, differ: object) -> None:
     if differ is not None:
         raise RuntimeError(
             f"materialize: ranks {differ.differing} initialised different values than rank "

@@ -27,9 +27,9 @@ class CollectiveCounter(TorchDispatchMode):
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
         self.dtypes: dict = {}
-        self.by_group: Counter = Counter()
+        self.by_ranks: Counter = Counter()
         """(op, ranks of its process group) -> calls."""
-        self.bytes_by_group: Counter = Counter()
+        self.bytes_by_ranks: Counter = Counter()
         self._gloo_all_reduce = gloo_all_reduce
         self._previous = None
 
@@ -45,11 +45,11 @@ class CollectiveCounter(TorchDispatchMode):
         if func.namespace == "c10d":
             self.counts[func] += 1
             ranks = _group_ranks(args)
-            self.by_group[func, ranks] += 1
+            self.by_ranks[func, ranks] += 1
             out = args[0]
             if isinstance(out, torch.Tensor):
                 self.bytes[func] += out.numel() * out.element_size()
-                self.bytes_by_group[func, ranks] += out.numel() * out.element_size()
+                self.bytes_by_ranks[func, ranks] += out.numel() * out.element_size()
                 self.dtypes.setdefault(func, set()).add(out.dtype)
         return func(*args, **(kwargs or {}))
 

@@ -22,8 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_compose import clip_grad_norm_, fully_shard
+from fsdp_compose import OnMesh, clip_grad_norm_, describe, fully_shard
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
@@ -44,17 +45,29 @@ def _meshes(world: int):
     return dense, sparse
 
 
-def shard_moe(model: nn.Module, world: int) -> nn.Module:
+LAYOUTS = ["experts-units", "on-mesh"]
+"""How the experts meet their mesh: as units of their own annotated over
+efsdp, or inside their block's unit through ``shard_placement_fn``
+returning ``OnMesh(efsdp)`` (a mesh per parameter)."""
+
+
+def shard_moe(model: nn.Module, world: int, layout: str = "experts-units") -> nn.Module:
     """The recipe: experts on (efsdp, ep), everything else on fsdp."""
     dense, sparse = _meshes(world)
     enable_expert_parallel(model, sparse["ep"])
+    efsdp = sparse["efsdp"]
     for block in model.blocks:
-        fully_shard(block.moe.experts, mesh=sparse["efsdp"])
-        # efsdp averages over its 2 ranks, but each expert's gradient sums the
-        # tokens of all `world` ranks (ep brought them): divide by world
-        block.moe.experts.set_gradient_divide_factor(world)
-        fully_shard(block, mesh=dense["fsdp"])
+        if layout == "experts-units":
+            fully_shard(block.moe.experts, mesh=efsdp)
+            fully_shard(block, mesh=dense["fsdp"])
+        else:
+            fully_shard(block, mesh=dense["fsdp"],
+                        shard_placement_fn=lambda p: OnMesh(efsdp) if isinstance(p, DTensor) else None)
     fully_shard(model, mesh=dense["fsdp"])
+    # efsdp sums over its 2 ranks, but each expert's gradient sums the tokens
+    # of all `world` ranks (ep brought them): divide by world (the mean over
+    # all ranks for everything else, as the default)
+    model.set_gradient_divide_factor(world)
     return model
 
 
@@ -81,8 +94,8 @@ def _train(model: nn.Module, optim_name: str, clip: bool = True) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-def _train_sharded(optim_name: str) -> dict:
-    model = shard_moe(build_moe(), dist.get_world_size())
+def _train_sharded(optim_name: str, layout: str) -> dict:
+    model = shard_moe(build_moe(), dist.get_world_size(), layout)
     return {**_train(model, optim_name), "params": _full_state(model)}
 
 
@@ -102,9 +115,10 @@ def _train_reference(optim_name: str, world: int) -> dict:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
-def test_expert_parallel_moe_matches_one_process(optim_name):
-    results = run_distributed(WORLD, _train_sharded, optim_name, timeout=120)
+def test_expert_parallel_moe_matches_one_process(optim_name, layout):
+    results = run_distributed(WORLD, _train_sharded, optim_name, layout, timeout=120)
     reference = _train_reference(optim_name, WORLD)
     assert reference["norms"][0] > MAX_NORM  # clipping is exercised
     for rank, res in enumerate(results):
@@ -117,55 +131,74 @@ def test_expert_parallel_moe_matches_one_process(optim_name):
         assert_dicts_close(res["params"], reference["params"], ATOL, f"rank {rank}: ")
 
 
-def _expert_placements() -> dict:
-    model = shard_moe(build_moe(), dist.get_world_size())
+def _expert_placements(layout: str) -> dict:
+    model = shard_moe(build_moe(), dist.get_world_size(), layout)
     value = model.state_dict()["blocks.0.moe.experts.w1"]
     dense = model.state_dict()["blocks.0.dense.weight"]
-    return {"mesh": value.device_mesh.mesh.tolist(), "names": value.device_mesh.mesh_dim_names,
+    text = str(describe(model))
+    return {"described": [line.strip() for line in text.splitlines() if "sharded over ranks" in line],
+            "mesh": value.device_mesh.mesh.tolist(), "names": value.device_mesh.mesh_dim_names,
             "placements": tuple(value.placements), "dense": tuple(dense.placements),
             "dense_mesh": dense.device_mesh.mesh.tolist()}
 
 
-def test_expert_state_dict_uses_fsdp2_placements():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_state_dict_uses_fsdp2_placements(layout):
     """FSDP2 describes an expert weight sharded on dim 0 by both ep and
     efsdp on the concatenated (efsdp, ep) mesh, efsdp first: its rows are
     split by ep first, so efsdp's placement is ``_StridedShard(0, 2)``."""
-    for res in run_distributed(WORLD, _expert_placements, timeout=90):
+    for res in run_distributed(WORLD, _expert_placements, layout, timeout=90):
         assert res["names"] == ("efsdp", "ep")
         assert res["mesh"] == [[0, 1], [2, 3]]
         assert res["placements"] == (_StridedShard(0, split_factor=EP), Shard(0))
         assert res["dense"] == (Shard(0),) and res["dense_mesh"] == [0, 1, 2, 3]
+        if layout == "on-mesh":  # describe() names the buffers on efsdp (one per block)
+            assert len(res["described"]) == 2, res["described"]
+            assert all(line.startswith("sharded over ranks [") for line in res["described"])
 
 
-def _losses_under(impl: str) -> list[float]:
+def _losses_under(impl: str, layout: str) -> list[float]:
     """The recipe above, unchanged but for which ``fully_shard`` it calls
-    (torch FSDP2's or ours), with the same meshes and divide factor."""
+    (torch FSDP2's or ours) and how ``shard_placement_fn`` names the mesh
+    (FSDP2's ``ShardPlacementResult``), with the same meshes and divide
+    factor."""
     world = dist.get_world_size()
     if impl == "fsdp_compose":
-        return _train(shard_moe(build_moe(), world), "adamw", clip=False)["losses"]
+        return _train(shard_moe(build_moe(), world, layout), "adamw", clip=False)["losses"]
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
+                                                                 ShardPlacementResult)
     dense, sparse = _meshes(world)
+    efsdp = sparse["efsdp"]
     model = build_moe()
     enable_expert_parallel(model, sparse["ep"])
+    on_efsdp = ShardPlacementResult(Shard(0), FSDPMeshInfo(efsdp, shard_mesh_dim=0))
     for block in model.blocks:
-        torch_fully_shard(block.moe.experts, mesh=sparse["efsdp"])
-        block.moe.experts.set_gradient_divide_factor(world)
-        # gloo has no PREMUL_SUM, FSDP2's op for a divide factor: sum, then divide
-        block.moe.experts.set_force_sum_reduction_for_comms(True)
-        torch_fully_shard(block, mesh=dense["fsdp"])
+        if layout == "experts-units":
+            torch_fully_shard(block.moe.experts, mesh=efsdp)
+            torch_fully_shard(block, mesh=dense["fsdp"])
+        else:
+            torch_fully_shard(block, mesh=dense["fsdp"], shard_placement_fn=lambda p: (
+                on_efsdp if isinstance(p, DTensor) else None))
     torch_fully_shard(model, mesh=dense["fsdp"])
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(world)
+            # gloo has no PREMUL_SUM, FSDP2's op for a divide factor: sum, then divide
+            module.set_force_sum_reduction_for_comms(True)
     return _train(model, "adamw", clip=False)["losses"]
 
 
-def test_same_recipe_as_fsdp2_step_by_step():
-    ours = run_distributed(WORLD, _losses_under, "fsdp_compose", timeout=120)
-    theirs = run_distributed(WORLD, _losses_under, "fsdp2", timeout=120)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_recipe_as_fsdp2_step_by_step(layout):
+    ours = run_distributed(WORLD, _losses_under, "fsdp_compose", layout, timeout=120)
+    theirs = run_distributed(WORLD, _losses_under, "fsdp2", layout, timeout=120)
     for got, want in zip(ours, theirs):
         assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
 
 
-def _collectives_by_mesh() -> dict:
+def _collectives_by_mesh(layout: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard_moe(build_moe(), world)
+    model = shard_moe(build_moe(), world, layout)
     tokens, targets = batch(0, PER_RANK)
     for _ in range(3):  # the verified iterations (their checks add all-gathers of their own)
         model.loss(tokens, targets).backward()
@@ -173,19 +206,20 @@ def _collectives_by_mesh() -> dict:
         model.loss(tokens, targets).backward()
     ops = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
     return {"rank": rank,
-            "groups": {(ops[op], ranks) for (op, ranks) in comm.by_group if op in ops},
-            "bytes": {(ops[op], ranks): n for (op, ranks), n in comm.bytes_by_group.items()
+            "groups": {(ops[op], ranks) for (op, ranks) in comm.by_ranks if op in ops},
+            "bytes": {(ops[op], ranks): n for (op, ranks), n in comm.bytes_by_ranks.items()
                       if op in ops}}
 
 
-def test_each_mesh_runs_its_own_collectives():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_mesh_runs_its_own_collectives(layout):
     """Experts all-gather and reduce-scatter over efsdp (the 2 ranks that
     hold the same experts), everything else over all 4 ranks; the efsdp
     collectives carry exactly the experts' bytes: 2 blocks x (w1 + w2)
     local (2 experts of 6 x 10 each) = 480 floats, gathered in forward and
     again in backward, reduced once."""
     everyone = tuple(range(WORLD))
-    for res in run_distributed(WORLD, _collectives_by_mesh, timeout=90):
+    for res in run_distributed(WORLD, _collectives_by_mesh, layout, timeout=90):
         efsdp = (res["rank"] % EP, res["rank"] % EP + EP)
         assert res["groups"] == {("all_gather", efsdp), ("all_gather", everyone),
                                  ("reduce_scatter", efsdp), ("reduce_scatter", everyone)}
@@ -220,3 +254,21 @@ def test_checkpoint_moves_between_expert_parallel_and_plain_sharding(tmp_path):
         assert res["saved"].keys() == res["loaded"].keys()
         for name, value in res["saved"].items():
             assert torch.equal(value, res["loaded"][name]), name
+
+
+def _int_reshard_with_another_mesh() -> str:
+    dense, sparse = _meshes(dist.get_world_size())
+    model = build_moe()
+    enable_expert_parallel(model, sparse["ep"])
+    try:
+        fully_shard(model.blocks[0], mesh=dense["fsdp"], reshard_after_forward=2,
+                    shard_placement_fn=lambda p: OnMesh(sparse["efsdp"]) if isinstance(p, DTensor)
+                    else None)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_int_reshard_after_forward_with_another_mesh_raises_naming_the_parameter():
+    for message in run_distributed(WORLD, _int_reshard_with_another_mesh, timeout=60):
+        assert "reshard_after_forward=2" in message and "'moe.experts.w1'" in message, message

@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
+from ..comm.groups import ShardGroup
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .layout import FLAT, ROWS, FlatLayout, Placement, alignment, is_fixed
 from .tensor_parallel import TensorParallelSpec
@@ -37,6 +38,9 @@ class ParamRecord:
             it as one again (see ``tensor_parallel.py``); else ``None``.
         placement: where rank boundaries may fall in it (``layout.py``):
             ``"flat"``, ``"rows"``, ``"owned"``, ``Blocks(n)`` or ``ShardDim(d)``.
+        group: the ranks its buffer shards over when not its unit's
+            (``shard_placement_fn`` returned another mesh); ``None``: the
+            unit's.
     """
 
     param: nn.Parameter
@@ -45,6 +49,7 @@ class ParamRecord:
     shape: torch.Size
     tp: Optional[TensorParallelSpec] = None
     placement: Placement = FLAT
+    group: Optional[ShardGroup] = None
 
 
 class BufferPolicy(NamedTuple):
@@ -112,14 +117,15 @@ def is_aliased(world_size: int, dtypes: BufferDtypes, stored_where_computed: boo
 
 
 def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
-    """One group (one flat buffer) per ``(dtype, requires_grad, fixed)``, in
-    order of first appearance, so frozen parameters never cost gradient
-    memory or reduce-scatter volume; parameters pinned to ranks (``"owned"``,
-    ``ShardDim``) and the others (a stream of flat/rows/blocks) never share
-    a layout (``layout.py``)."""
-    groups: dict[tuple[torch.dtype, bool, bool], list[ParamRecord]] = {}
+    """One group (one flat buffer) per ``(dtype, requires_grad, fixed,
+    shard group)``, in order of first appearance, so frozen parameters never
+    cost gradient memory or reduce-scatter volume; parameters pinned to
+    ranks (``"owned"``, ``ShardDim``) and the others (a stream of
+    flat/rows/blocks) never share a layout (``layout.py``); parameters on
+    another mesh than their unit's have buffers of their own."""
+    groups: dict[tuple[torch.dtype, bool, bool, int], list[ParamRecord]] = {}
     for r in records:
-        key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement))
+        key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement), id(r.group))
         groups.setdefault(key, []).append(r)
     return list(groups.values())
 

@@ -87,8 +87,8 @@ class UnitStateDictHooks:
         if flat:
             self._make_loadable()  # the shards are what DCP writes from and reads into
         values: dict[int, Any] = {}
-        group = self.unit.group
         for buffer in self.unit.buffers:
+            group = buffer.group
             selected = [i for i, r in enumerate(buffer.records)
                         if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
             if flat:  # zero-copy: views of the shard, no exchange (see _pieces.py)

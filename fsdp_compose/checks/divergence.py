@@ -335,6 +335,8 @@ class DivergenceMonitor(CollectiveObserver):
         seen: dict[int, ShardGroup] = {}
         for unit in self._units:
             seen.setdefault(id(unit.group.process_group), unit.group)
+            for buffer in unit.buffers:  # on another mesh (shard_placement_fn)
+                seen.setdefault(id(buffer.group.process_group), buffer.group)
         return list(seen.values())
 
     def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str]) -> None:

@@ -89,7 +89,8 @@ class Unit:
         """Every setting of this unit (``ShardedModule``'s setters write them)."""
         policy = buffer_policy(self.settings.mp_policy, offload_policy, torch.cuda.is_available())
         self.buffers: list[FlatBuffer] = [
-            FlatBuffer(records, group, post_accumulate_grad=self._post_backward, policy=policy)
+            FlatBuffer(records, records[0].group or group, post_accumulate_grad=self._post_backward,
+                       policy=policy)
             for records in records_by_group]
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
@@ -131,6 +132,13 @@ class Unit:
             self.settings.reshard_after_forward, self.settings.post_forward_group = value, None
             return
         shard_size = self.group.world_size
+        other = next((b for b in self.buffers if b.group is not self.group), None)
+        if 1 < value < shard_size and other is not None:
+            raise ValueError(
+                f"reshard_after_forward={value} for {self.name}: parameter "
+                f"'{other.records[0].fqn}' is sharded over another mesh (shard_placement_fn), "
+                "and an int keeps the parameters sharded over a sub-group of the unit's mesh. "
+                "Pass True or False, or annotate those parameters as a unit of their own.")
         if value < 1 or shard_size % value:
             divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
             raise ValueError(
@@ -154,6 +162,15 @@ class Unit:
         return output if dtype is None else map_floating_tensors(output, lambda t: t.to(dtype))
 
     # --------------------------------------------------------------- queries
+    def buffers_by_group(self) -> list[tuple[ShardGroup, list[int]]]:
+        """The indices of this unit's buffers per shard group they use, in
+        buffer order (one entry unless ``shard_placement_fn`` put some
+        parameters on another mesh): what ranks compare values over."""
+        by_group: dict[int, tuple[ShardGroup, list[int]]] = {}
+        for index, buffer in enumerate(self.buffers):
+            by_group.setdefault(id(buffer.group), (buffer.group, []))[1].append(index)
+        return list(by_group.values())
+
     def locate(self, param: nn.Parameter) -> Optional[tuple[FlatBuffer, int]]:
         """The buffer holding ``param`` and its index there (``None``: not here)."""
         return self._buffer_of.get(id(param))

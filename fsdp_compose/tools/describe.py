@@ -104,6 +104,8 @@ class BufferReport:
             placements, which cut only at rows or whole parameters.
         imbalance: ``max(rank_numels) / mean - 1`` (0: perfectly even): how
             much more optimizer state and compute the most loaded rank has.
+        ranks: the global ranks it shards over (its unit's mesh, or the
+            mesh ``shard_placement_fn`` chose, :class:`OnMesh`).
     """
 
     trainable: bool
@@ -120,6 +122,7 @@ class BufferReport:
     shard_bytes: int
     rank_numels: tuple[int, ...] = ()
     imbalance: float = 0.0
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -382,7 +385,8 @@ def _buffer_report(buffer: FlatBuffer, paths: dict[int, list[str]]) -> BufferRep
         unsharded_numel=layout.padded_numel,
         unsharded_bytes=layout.padded_numel * buffer.compute_dtype.itemsize,
         shard_numel=layout.shard_numel, shard_bytes=layout.shard_numel * buffer.dtype.itemsize,
-        rank_numels=loads, imbalance=_imbalance(loads))
+        rank_numels=loads, imbalance=_imbalance(loads),
+        ranks=tuple(dist.get_process_group_ranks(buffer.group.process_group)))
 
 
 def placement_name(placement: object) -> str:
@@ -506,6 +510,8 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
             f"{buffer.numel:,} + {buffer.padding} padding = {buffer.unsharded_numel:,} elements "
             f"({format_bytes(buffer.unsharded_bytes)}); {buffer.shard_numel:,} per rank "
             f"({format_bytes(buffer.shard_bytes)})")
+        if len(buffer.ranks) != unit.world_size:
+            lines.append(f"    sharded over ranks {list(buffer.ranks)} (another mesh than the unit's)")
         placements = sorted({p.placement for p in buffer.params})
         if placements != ["flat"] or buffer.imbalance > 0.01:
             loads = buffer.rank_numels

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..._setup import PlacementFn, assign_placements
+from ..._setup import PlacementFn, assign_placements, placement_choices
 from ..._torch_private import CAN_SWAP_STORAGE_DATA
 from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
@@ -102,7 +102,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         units, prologue, epilogue = split_root_units(model, units)
     specs = resolve_units(model, units)
     for spec in specs:
-        assign_placements(spec.records, placement, shard_placement_fn, world_size)
+        assign_placements(spec.records, placement,
+                          placement_choices(spec.records, shard_placement_fn), world_size)
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
     order = module_order(model, specs[:-1])
