@@ -119,7 +119,18 @@ def _train_reference(optim_name: str, world: int) -> dict:
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
 def test_expert_parallel_moe_matches_one_process(optim_name, layout):
     results = run_distributed(WORLD, _train_sharded, optim_name, layout, timeout=120)
-    reference = _train_reference(optim_name, WORLD)
+    _assert_matches(results, _train_reference(optim_name, WORLD))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_expert_parallel_moe_on_8_ranks(layout):
+    """ep 2 x efsdp 4, the dense layers over 8."""
+    results = run_distributed(8, _train_sharded, "adamw", layout, timeout=300)
+    _assert_matches(results, _train_reference("adamw", 8))
+
+
+def _assert_matches(results: list[dict], reference: dict) -> None:
     assert reference["norms"][0] > MAX_NORM  # clipping is exercised
     for rank, res in enumerate(results):
         # the clipped norm is the model's: the same bits on every rank
