@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .buffers.flat_buffer import FlatBuffer
+from .buffers.tensor_parallel import as_dtensor
 from .comm.agreement import disagreement, fingerprint_of
 from .comm.groups import backend_device
 from .comm.rendezvous import arrive
@@ -89,7 +91,7 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
                 uninitialised.append(f"'{name}' ({type(sub).__name__})")
             continue
         if any(p is not None for p in sub._parameters.values()):
-            walk.enter(_unit_holding(sub))  # else: keep the open unit (no switch for buffers)
+            walk.enter(walk.unit_holding(sub))  # else: keep the open unit (no switch for buffers)
         with torch.no_grad():
             init()
     walk.enter(None)
@@ -143,6 +145,16 @@ class _InitWalk:
     def __init__(self) -> None:
         self.unit: Optional[Unit] = None
         self.full: list[torch.Tensor] = []
+        self.shown: list[tuple[nn.Module, str, nn.Parameter]] = []
+        """Slots showing a tensor-parallel parameter as a ``DTensor`` while
+        its unit is whole: (module, name, the parameter to put back)."""
+
+    def unit_holding(self, module: nn.Module) -> Optional[Unit]:
+        """The unit that manages ``module``'s own parameters: the open one if
+        its slots show a ``DTensor`` of it now, else by owner."""
+        if any(m is module for m, _, _ in self.shown):
+            return self.unit
+        return _unit_holding(module)
 
     def enter(self, unit: Optional[Unit]) -> None:
         if unit is self.unit:
@@ -154,9 +166,13 @@ class _InitWalk:
             self.full = [gather_values(buffer) for buffer in unit.buffers]
             for buffer, full in zip(unit.buffers, self.full):
                 buffer.point_params_at(full)
+                self.shown += _show_tensor_parallel(buffer)
 
     def _close(self) -> None:
         unit = self.unit
+        for module, attr, param in self.shown:
+            module._parameters[attr] = param
+        self.shown = []
         for buffer, full in zip(unit.buffers, self.full):
             buffer.keep_own_slice(full)
         _check_same_values(unit, self.full)
@@ -172,6 +188,25 @@ def _checksum(values: torch.Tensor) -> tuple[float, float]:
     Identical values give identical sums; differently seeded ones do not."""
     values = values.detach()
     return float(values.sum()), float(values[::2].sum())
+
+
+def _show_tensor_parallel(buffer: FlatBuffer) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Initialisers see a tensor- or expert-parallel parameter as the
+    ``DTensor`` it was, over its TP-local whole values (as forward does), so
+    they compute fan-in from the global shape and DTensor's random ops
+    decide how each piece is drawn (torch's RNG tracker on CUDA draws the
+    pieces of one global stream; on the CPU each piece draws from the local
+    generator, so tp ranks draw alike). Returns what to put back."""
+    shown = []
+    for record in buffer.records:
+        if record.tp is None:
+            continue
+        dtensor = nn.Parameter(as_dtensor(record.param.data, record.tp),
+                               requires_grad=record.param.requires_grad)
+        for module, attr in record.slots:
+            shown.append((module, attr, record.param))
+            module._parameters[attr] = dtensor
+    return shown
 
 
 def _check_same_values(unit: Unit, full: list[torch.Tensor]) -> None:

@@ -14,6 +14,8 @@ Run: PYTHONPATH=. python -m pytest -q tests/test_moe.py
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,14 +24,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_compose import OnMesh, clip_grad_norm_, describe, fully_shard
+from fsdp_compose import OnMesh, clip_grad_norm_, describe, fully_shard, materialize
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
 from tests._models import assert_dicts_close, global_mean, make_optim
-from fsdp_compose.testing.moe import PER_RANK, batch, build_moe, enable_expert_parallel
+from fsdp_compose.testing.moe import (D, PER_RANK, Experts, TinyMoELM, batch, build_moe,
+                                      enable_expert_parallel)
 from tests.harness import run_distributed
 
 WORLD, EP = 4, 2
@@ -99,8 +102,8 @@ def _train_sharded(optim_name: str, layout: str) -> dict:
     return {**_train(model, optim_name), "params": _full_state(model)}
 
 
-def _train_reference(optim_name: str, world: int) -> dict:
-    model = build_moe()
+def _train_reference(optim_name: str, world: int, model: Optional[nn.Module] = None) -> dict:
+    model = build_moe() if model is None else model
     optim = make_optim(model.parameters(), optim_name)
     losses, norms = [], []
     for step in range(STEPS):
@@ -283,3 +286,40 @@ def _int_reshard_with_another_mesh() -> str:
 def test_int_reshard_after_forward_with_another_mesh_raises_naming_the_parameter():
     for message in run_distributed(WORLD, _int_reshard_with_another_mesh, timeout=60):
         assert "reshard_after_forward=2" in message and "'moe.experts.w1'" in message, message
+
+
+def _init_experts(module: nn.Module) -> None:
+    if isinstance(module, Experts):
+        nn.init.normal_(module.w1, std=D ** -0.5)
+        nn.init.normal_(module.w2, std=D ** -0.5)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def _train_from_meta(layout: str) -> dict:
+    """The recipe as torchtitan runs it: build on the meta device, shard
+    (experts are expert-parallel DTensors on the meta device), then
+    ``materialize`` with an init function; then train."""
+    world = dist.get_world_size()
+    with torch.device("meta"):
+        model = TinyMoELM()
+    shard_moe(model, world, layout)
+    torch.manual_seed(7)
+    materialize(model, init_fn=_init_experts)
+    initial = _full_state(model)
+    return {**_train(model, "adamw"), "initial": initial, "params": _full_state(model)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_meta_device_build_materializes_and_trains(layout):
+    """Every rank ends with the same global values; one process started
+    from them and trained on the global batch matches."""
+    results = run_distributed(WORLD, _train_from_meta, layout, timeout=120)
+    initial = results[0]["initial"]
+    for res in results[1:]:
+        assert all(torch.equal(res["initial"][k], v) for k, v in initial.items())
+    # initialised, not left as allocated (LayerNorm's bias is zero by design)
+    assert all(v.abs().sum() > 0 for k, v in initial.items() if not k.endswith("bias")), initial
+    reference_model = build_moe()
+    reference_model.load_state_dict(initial)
+    _assert_matches(results, _train_reference("adamw", WORLD, reference_model))

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp_compose import fully_shard, param_info
+from fsdp_compose import fully_shard, materialize, param_info
 from fsdp_compose.clip import clip_grad_norm_
 from tests._comm_counter import CollectiveCounter
 from tests._checkpointing import resume_through_dcp
@@ -384,11 +384,6 @@ def _refused(case: str):
         if case == "same-mesh":
             parallelize_module(block, mesh["dp"], PLAN)
             fully_shard(block, mesh=mesh["dp"])
-        elif case == "meta":
-            with torch.device("meta"):
-                block = Block()
-            parallelize_module(block, mesh["tp"], PLAN)
-            fully_shard(block, mesh=mesh["dp"])
         elif case == "overlapping-meshes":
             # other["a"] holds the ranks of mesh["dp"]: one dim would shard twice
             other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
@@ -404,7 +399,7 @@ def _refused(case: str):
 
 
 @pytest.mark.parametrize("case,words", [
-    ("same-mesh", "same mesh"), ("meta", "meta device"),
+    ("same-mesh", "same mesh"),
     ("overlapping-meshes", "cannot be combined with the data-parallel mesh"),
     ("3d-mesh", "mesh['dp_replicate', 'dp_shard']")])
 def test_unsupported_combinations_raise_naming_them(case, words):
@@ -416,3 +411,28 @@ def test_unsupported_combinations_raise_naming_them(case, words):
         assert message is not None and words in message, message
         if case != "3d-mesh":  # a mesh is refused before any parameter is looked at
             assert "q.weight" in message, message
+
+
+def _meta_init_bounds() -> dict:
+    """Deferred init with TP: build on the meta device, parallelize, shard,
+    materialize. Initialisers see the DTensors, so a Rowwise ``down``
+    (TP-local in_features 11 of 22) draws within the global fan-in's bound
+    ``1/sqrt(22)``, not the local one's ``1/sqrt(11)``."""
+    mesh = _mesh()
+    with torch.device("meta"):
+        model = Model(Block)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], PLAN)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    torch.manual_seed(0)
+    materialize(model)
+    down = model.state_dict()["blocks.0.down.weight"].full_tensor()
+    return {"max": down.abs().max().item(), "shape": tuple(down.shape)}
+
+
+def test_meta_init_with_tensor_parallel_sees_global_fan_in():
+    for res in run_distributed(4, _meta_init_bounds, timeout=90):
+        assert res["shape"] == (DIM, HIDDEN)
+        bound = HIDDEN ** -0.5
+        assert 0.9 * bound < res["max"] <= bound, res

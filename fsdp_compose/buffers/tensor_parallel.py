@@ -98,11 +98,6 @@ def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Param
             "parameter can be sharded over a mesh dim once. Build a 2-D mesh "
             "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize over "
             "mesh['tp'] and fully_shard over mesh['dp'].")
-    if param.is_meta:
-        raise NotImplementedError(
-            f"parameter '{fqn}' is a tensor-parallel DTensor on the meta device; deferred "
-            "initialisation with tensor parallelism is not supported. Materialise the module "
-            "before parallelize_module and fully_shard.")
     if any(not (p.is_shard() or p.is_replicate()) for p in param.placements):
         raise NotImplementedError(
             f"parameter '{fqn}' has placements {param.placements}; fully_shard supports "
