@@ -179,11 +179,15 @@ def _losses_under(impl: str, layout: str) -> list[float]:
     world = dist.get_world_size()
     if impl == "fsdp_compose":
         return _train(shard_moe(build_moe(), world, layout), "adamw", clip=False)["losses"]
+    return _train(shard_moe_with_fsdp2(build_moe(), world, layout), "adamw", clip=False)["losses"]
+
+
+def shard_moe_with_fsdp2(model: nn.Module, world: int, layout: str) -> nn.Module:
+    """:func:`shard_moe` with torch FSDP2's ``fully_shard``."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
                                                                  ShardPlacementResult)
     dense, sparse = _meshes(world)
     efsdp = sparse["efsdp"]
-    model = build_moe()
     enable_expert_parallel(model, sparse["ep"])
     on_efsdp = ShardPlacementResult(Shard(0), FSDPMeshInfo(efsdp, shard_mesh_dim=0))
     for block in model.blocks:
@@ -199,7 +203,7 @@ def _losses_under(impl: str, layout: str) -> list[float]:
             module.set_gradient_divide_factor(world)
             # gloo has no PREMUL_SUM, FSDP2's op for a divide factor: sum, then divide
             module.set_force_sum_reduction_for_comms(True)
-    return _train(model, "adamw", clip=False)["losses"]
+    return model
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -323,3 +327,35 @@ def test_meta_device_build_materializes_and_trains(layout):
     reference_model = build_moe()
     reference_model.load_state_dict(initial)
     _assert_matches(results, _train_reference("adamw", WORLD, reference_model))
+
+
+def _checkpoints_cross(root: str, layout: str) -> dict:
+    """Ours saved, FSDP2 loads; FSDP2's saved, ours loads (DCP, the same
+    recipe on the same meshes): the values arrive exactly."""
+    world = dist.get_world_size()
+    ours = shard_moe(build_moe(), world, layout)
+    _train(ours, "sgd", clip=False)
+    dcp.save(ours.state_dict(), checkpoint_id=f"{root}/ours")
+    theirs = shard_moe_with_fsdp2(build_moe(), world, layout)
+    state = theirs.state_dict()
+    dcp.load(state, checkpoint_id=f"{root}/ours")
+    theirs.load_state_dict(state)
+    mine, loaded = _full_state(ours), _full_state(theirs)
+    fsdp2_loaded_ours = mine.keys() == loaded.keys() and \
+        all(torch.equal(mine[k], loaded[k]) for k in mine)
+    _train(theirs, "adamw", clip=False)  # now different values again
+    dcp.save(theirs.state_dict(), checkpoint_id=f"{root}/theirs")
+    fresh = shard_moe(build_moe(), world, layout)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=f"{root}/theirs")
+    fresh.load_state_dict(state)
+    want, got = _full_state(theirs), _full_state(fresh)
+    return {"fsdp2_loaded_ours": fsdp2_loaded_ours,
+            "ours_loaded_fsdp2": want.keys() == got.keys() and
+            all(torch.equal(want[k], got[k]) for k in want)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoints_cross_between_fsdp2_and_fsdp_compose(tmp_path, layout):
+    for res in run_distributed(WORLD, _checkpoints_cross, str(tmp_path), layout, timeout=120):
+        assert res == {"fsdp2_loaded_ours": True, "ours_loaded_fsdp2": True}, res
