@@ -27,7 +27,7 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_collectives_and_memory.py tests/test_bucketing.py tests/test_checkpoint_model.py \
 	tests/test_checkpoint_flat.py tests/test_checkpoint_optim.py tests/test_tensor_parallel.py \
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
-	tests/test_module_api.py tests/test_errors.py tests/test_moe.py
+	tests/test_module_api.py tests/test_errors.py tests/test_moe.py tests/test_spmd_mesh.py
 
 .PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench clean
 

@@ -181,7 +181,8 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                mp_policy: Optional[MixedPrecisionPolicy],
                offload_policy: Optional[CPUOffloadPolicy],
                placement: object = None,
-               shard_placement_fn: Optional[PlacementFn] = None) -> Unit:
+               shard_placement_fn: Optional[PlacementFn] = None,
+               spmd_mesh: Optional[DeviceMesh] = None) -> Unit:
     """Take the parameters of ``modules`` into a new unit over ``group``,
     attach its ``FullyShardState`` (hooks) and its checks.
 
@@ -193,7 +194,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     records = collect_records(modules, managed, ignored, _check_not_owned)
     choices = placement_choices(records, shard_placement_fn)
     _assign_groups(records, choices, group)
-    _localize_tensor_parallel(records, group)
+    _localize_tensor_parallel(records, group, spmd_mesh)
     flattened = assign_placements(records, placement, choices, group.world_size)
     if flattened and group.rank == 0:
         _warn_flattened(flattened)
@@ -267,8 +268,9 @@ def assign_placements(records: list[ParamRecord], placement: object,
         if r.tp is not None and value != FLAT:
             if chosen is None:
                 continue  # a unit-wide placement: tensor-parallel parameters stay flat
-            raise ValueError(f"parameter '{r.fqn}' is tensor-parallel; only the 'flat' placement "
-                             f"is supported for it, got {value!r}")
+            if not isinstance(value, ShardDim):
+                raise ValueError(f"parameter '{r.fqn}' is tensor-parallel; only the 'flat' and "
+                                 f"Shard(d) placements are supported for it, got {value!r}")
         r.placement = check_placement(value, r.shape, r.fqn, explicit=chosen is not None)
     if not by_default:
         return []
@@ -307,13 +309,24 @@ def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
         "in ignored_params.")
 
 
-def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup) -> None:
+def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup,
+                              spmd_mesh: Optional[DeviceMesh] = None) -> None:
     """Replace every tensor-parallel (``DTensor``) parameter by a new plain
     parameter of its TP-local values under the same name(s); the record
     keeps what forward needs to present it as a ``DTensor`` again (see
-    ``tensor_parallel.py``: a DTensor parameter cannot keep its identity)."""
+    ``tensor_parallel.py``: a DTensor parameter cannot keep its identity).
+    With ``dp_mesh_dims`` (``spmd_mesh``) every parameter must be one."""
+    if spmd_mesh is not None:
+        plain = next((r for r in records if not isinstance(r.param, DTensor)), None)
+        if plain is not None:
+            raise ValueError(
+                f"parameter '{plain.fqn}' is a plain tensor, but fully_shard got dp_mesh_dims: "
+                "every parameter must then be a DTensor on the mesh passed to fully_shard "
+                "(distribute_module / distribute_tensor over it, Replicate() on the data-"
+                "parallel dims).")
     for r in (r for r in records if isinstance(r.param, DTensor)):
-        r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, r.group or group)
+        r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, r.group or group,
+                                                 None if r.group else spmd_mesh)
         r.shape = r.param.shape
         for module, attr in r.slots:
             module._parameters[attr] = r.param

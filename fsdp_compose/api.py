@@ -25,7 +25,7 @@ from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard
 from .checks.unmanaged import install_unmanaged_warning
-from .comm.groups import default_mesh, shard_group_from_mesh
+from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
 from .runtime.state import state_of
@@ -63,7 +63,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                 offload_policy: Optional[CPUOffloadPolicy] = None,  # or torch's
                 ignored_params: Optional[Iterable[nn.Parameter]] = None,
                 placement: object = None,
-                shard_placement_fn: Optional[PlacementFn] = None) -> ModuleOrModules:
+                shard_placement_fn: Optional[PlacementFn] = None,
+                dp_mesh_dims: Optional[object] = None) -> ModuleOrModules:
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
     Args:
@@ -119,6 +120,15 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             routed experts over the expert-data-parallel mesh, the rest of
             the block over ``mesh``).
 
+        dp_mesh_dims: FSDP2's: ``mesh`` is the whole SPMD mesh, whose dims
+            named by ``dp_mesh_dims.shard`` (and ``.replicate`` for HSDP)
+            are the data-parallel ones (torch's ``DataParallelMeshDims``,
+            one name each); every parameter is a ``DTensor`` on that mesh,
+            ``Replicate()`` on those dims and split over at most one other
+            (tensor or expert parallel). Forward sees them on the SPMD mesh;
+            each rank's gradient on the data-parallel dims is its own
+            contribution, reduced as usual.
+
     Returns:
         ``module`` itself, whose class now also derives from
         :class:`ShardedModule`. Parameters keep their identity and FQNs; each
@@ -145,11 +155,14 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     check_not_replicated(modules)
     if mesh is not None:
         _check_rank_in_mesh(mesh, modules[0])
+    spmd_mesh = None
+    if dp_mesh_dims is not None:
+        spmd_mesh, mesh = mesh, data_parallel_mesh(mesh, dp_mesh_dims)
     group = shard_group_from_mesh(mesh if mesh is not None
                                   else default_mesh(_params_device(modules)))
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy, placement,
-                      shard_placement_fn)
+                      shard_placement_fn, spmd_mesh)
     UnitStateDictHooks(unit)
     _install_process_wide_changes()
     for m in modules:

@@ -53,6 +53,9 @@ LAYOUTS = ["experts-units", "on-mesh"]
 """How the experts meet their mesh: as units of their own annotated over
 efsdp, or inside their block's unit through ``shard_placement_fn``
 returning ``OnMesh(efsdp)`` (a mesh per parameter)."""
+ALL_LAYOUTS = LAYOUTS + ["on-mesh-dim1"]
+"""And experts split on dim 1 by efsdp (``OnMesh(efsdp, Shard(1))``), as
+recipes do when the data-parallel degree exceeds the number of experts."""
 
 
 def shard_moe(model: nn.Module, world: int, layout: str = "experts-units") -> nn.Module:
@@ -65,8 +68,9 @@ def shard_moe(model: nn.Module, world: int, layout: str = "experts-units") -> nn
             fully_shard(block.moe.experts, mesh=efsdp)
             fully_shard(block, mesh=dense["fsdp"])
         else:
+            on_efsdp = OnMesh(efsdp, Shard(1) if layout.endswith("dim1") else None)
             fully_shard(block, mesh=dense["fsdp"],
-                        shard_placement_fn=lambda p: OnMesh(efsdp) if isinstance(p, DTensor) else None)
+                        shard_placement_fn=lambda p: on_efsdp if isinstance(p, DTensor) else None)
     fully_shard(model, mesh=dense["fsdp"])
     # efsdp sums over its 2 ranks, but each expert's gradient sums the tokens
     # of all `world` ranks (ep brought them): divide by world (the mean over
@@ -119,7 +123,7 @@ def _train_reference(optim_name: str, world: int, model: Optional[nn.Module] = N
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
 def test_expert_parallel_moe_matches_one_process(optim_name, layout):
     results = run_distributed(WORLD, _train_sharded, optim_name, layout, timeout=120)
@@ -157,7 +161,7 @@ def _expert_placements(layout: str) -> dict:
             "dense_mesh": dense.device_mesh.mesh.tolist()}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_expert_state_dict_uses_fsdp2_placements(layout):
     """FSDP2 describes an expert weight sharded on dim 0 by both ep and
     efsdp on the concatenated (efsdp, ep) mesh, efsdp first: its rows are
@@ -165,9 +169,12 @@ def test_expert_state_dict_uses_fsdp2_placements(layout):
     for res in run_distributed(WORLD, _expert_placements, layout, timeout=90):
         assert res["names"] == ("efsdp", "ep")
         assert res["mesh"] == [[0, 1], [2, 3]]
-        assert res["placements"] == (_StridedShard(0, split_factor=EP), Shard(0))
+        if layout.endswith("dim1"):  # efsdp splits dim 1, ep dim 0: no interleaving
+            assert res["placements"] == (Shard(1), Shard(0))
+        else:
+            assert res["placements"] == (_StridedShard(0, split_factor=EP), Shard(0))
         assert res["dense"] == (Shard(0),) and res["dense_mesh"] == [0, 1, 2, 3]
-        if layout == "on-mesh":  # describe() names the buffers on efsdp (one per block)
+        if layout.startswith("on-mesh"):  # describe() names the buffers on efsdp (one per block)
             assert len(res["described"]) == 2, res["described"]
             assert all(line.startswith("sharded over ranks [") for line in res["described"])
 
@@ -194,7 +201,8 @@ def shard_moe_with_fsdp2(model: nn.Module, world: int, layout: str) -> nn.Module
             torch_fully_shard(block, mesh=dense["fsdp"])
         else:
             on_efsdp = _fsdp_common.ShardPlacementResult(
-                Shard(0), _fsdp_common.FSDPMeshInfo(efsdp, shard_mesh_dim=0))
+                Shard(1 if layout.endswith("dim1") else 0),
+                _fsdp_common.FSDPMeshInfo(efsdp, shard_mesh_dim=0))
             torch_fully_shard(block, mesh=dense["fsdp"], shard_placement_fn=lambda p: (
                 on_efsdp if isinstance(p, DTensor) else None))
     torch_fully_shard(model, mesh=dense["fsdp"])
@@ -206,10 +214,11 @@ def shard_moe_with_fsdp2(model: nn.Module, world: int, layout: str) -> nn.Module
     return model
 
 
-FSDP2_LAYOUTS = [layout if layout != "on-mesh" or hasattr(_fsdp_common, "ShardPlacementResult")
+FSDP2_LAYOUTS = [layout if not layout.startswith("on-mesh") or
+                 hasattr(_fsdp_common, "ShardPlacementResult")
                  else pytest.param(layout, marks=pytest.mark.skip(
                      reason="this torch's FSDP2 has no mesh per parameter (torch >= 2.13)"))
-                 for layout in LAYOUTS]
+                 for layout in ALL_LAYOUTS]
 
 
 @pytest.mark.parametrize("layout", FSDP2_LAYOUTS)

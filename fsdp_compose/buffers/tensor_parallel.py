@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from .._torch_private import StridedShard, concatenate_meshes
+from .._torch_private import StridedShard, concatenate_meshes, local_tensor
 from ..comm.groups import ShardGroup
 
 
@@ -53,8 +53,15 @@ class TensorParallelSpec:
     """What a tensor-parallel parameter was, so that forward can see it again.
 
     Attributes:
-        mesh: its 1-D tensor-parallel mesh.
-        placements: its placements on ``mesh`` (one).
+        mesh: the mesh forward's ``DTensor`` is on: its 1-D tensor-parallel
+            mesh, or with ``dp_mesh_dims`` the whole SPMD mesh.
+        placements: its placements on ``mesh`` (``Replicate()`` on the
+            data-parallel dims of an SPMD mesh).
+        tp_mesh: the 1-D mesh its pieces are split over (``None``: an SPMD
+            parameter replicated on every non-data-parallel dim).
+        dp_dims: indices of ``mesh``'s data-parallel dims (SPMD only): the
+            gradient keeps its placements there (this rank's contribution,
+            reduced by the flat buffer) instead of being redistributed.
         shape: its global shape (the flat buffer holds the TP-local one).
         stride: its global (contiguous) stride.
         checkpoint_mesh: the data-parallel mesh's dims then ``mesh``'s, as
@@ -71,6 +78,8 @@ class TensorParallelSpec:
     stride: tuple[int, ...]
     checkpoint_mesh: DeviceMesh
     checkpoint_placements: tuple[Placement, ...]
+    tp_mesh: Optional[DeviceMesh] = None
+    dp_dims: frozenset[int] = frozenset()
 
     @property
     def is_sharded(self) -> bool:
@@ -78,13 +87,17 @@ class TensorParallelSpec:
         return any(p.is_shard() for p in self.placements)
 
 
-def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Parameter,
-                                                                         TensorParallelSpec]:
+def localize(param: nn.Parameter, fqn: str, group: ShardGroup,
+             spmd_mesh: Optional[DeviceMesh] = None) -> tuple[nn.Parameter, TensorParallelSpec]:
     """A new plain parameter holding ``param``'s TP-local values (same
     ``requires_grad``), and what forward needs to rebuild the ``DTensor``.
-    Raises (naming ``fqn``) for combinations that are not supported."""
+    ``spmd_mesh``: ``fully_shard(..., dp_mesh_dims=...)`` got it, and
+    ``param`` lives on it (see :func:`_localize_spmd`). Raises (naming
+    ``fqn``) for combinations that are not supported."""
     if not isinstance(param, DTensor):
         raise AssertionError(f"'{fqn}' is not a DTensor parameter")
+    if spmd_mesh is not None:
+        return _localize_spmd(param, fqn, group, spmd_mesh)
     tp_mesh = param.device_mesh
     dp_mesh = group.mesh
     if tp_mesh.ndim != 1:
@@ -105,11 +118,62 @@ def localize(param: nn.Parameter, fqn: str, group: ShardGroup) -> tuple[nn.Param
     checkpoint_mesh, placements = _checkpoint_layout(fqn, dp_mesh, tp_mesh, param.placements[0])
     spec = TensorParallelSpec(mesh=tp_mesh, placements=tuple(param.placements),
                               shape=param.shape, stride=tuple(param.stride()),
-                              checkpoint_mesh=checkpoint_mesh, checkpoint_placements=placements)
+                              checkpoint_mesh=checkpoint_mesh, checkpoint_placements=placements,
+                              tp_mesh=tp_mesh)
+    return _local_parameter(param), spec
+
+
+def _local_parameter(param: DTensor) -> nn.Parameter:
     local = param.to_local().detach()
     if not local.is_contiguous():
         local = local.contiguous()
-    return nn.Parameter(local, requires_grad=param.requires_grad), spec
+    return nn.Parameter(local, requires_grad=param.requires_grad)
+
+
+def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
+                   spmd_mesh: DeviceMesh) -> tuple[nn.Parameter, TensorParallelSpec]:
+    """FSDP2's ``dp_mesh_dims``: ``param`` is a ``DTensor`` on the whole SPMD
+    mesh, ``Replicate()`` on its data-parallel dims (those of ``group``'s
+    mesh) and split over at most one other dim (tensor or expert parallel).
+    Forward sees it on the SPMD mesh again; its state dict is FSDP2's for
+    the dp dims plus that dim, as for tensor parallelism."""
+    if param.device_mesh != spmd_mesh:
+        raise ValueError(
+            f"parameter '{fqn}' is a DTensor on {param.device_mesh}, not on the mesh passed to "
+            f"fully_shard with dp_mesh_dims ({spmd_mesh}); with dp_mesh_dims every parameter "
+            "lives on that whole SPMD mesh (distribute_module / distribute_tensor over it).")
+    names = spmd_mesh.mesh_dim_names
+    dp_names = group.mesh.mesh_dim_names
+    dp_dims = frozenset(names.index(n) for n in dp_names)
+    placements = tuple(param.placements)
+    split = [i for i in dp_dims if not placements[i].is_replicate()]
+    if split:
+        raise ValueError(
+            f"parameter '{fqn}' has placement {placements[split[0]]} on the data-parallel dim "
+            f"'{names[split[0]]}'; with dp_mesh_dims its placements there must be Replicate() "
+            "(fully_shard shards it over those dims itself).")
+    others = [i for i in range(len(names)) if i not in dp_dims]
+    if len(others) > 1:
+        raise NotImplementedError(
+            f"parameter '{fqn}' lives on an SPMD mesh with {len(others)} model-parallel dims "
+            f"({[names[i] for i in others]}); fully_shard with dp_mesh_dims supports one "
+            "(tensor or expert parallel) besides the data-parallel ones.")
+    if any(not (placements[i].is_shard() or placements[i].is_replicate()) for i in others):
+        raise NotImplementedError(
+            f"parameter '{fqn}' has placements {placements}; fully_shard supports Shard and "
+            "Replicate on the model-parallel dim.")
+    tp_mesh = spmd_mesh[names[others[0]]] if others else None
+    if tp_mesh is None:
+        checkpoint_mesh = group.mesh
+        checkpoint = (Replicate(),) * (group.mesh.ndim - 1) + (Shard(0),)
+    else:
+        checkpoint_mesh, checkpoint = _checkpoint_layout(fqn, group.mesh, tp_mesh,
+                                                         placements[others[0]])
+    spec = TensorParallelSpec(mesh=spmd_mesh, placements=placements, shape=param.shape,
+                              stride=tuple(param.stride()), checkpoint_mesh=checkpoint_mesh,
+                              checkpoint_placements=checkpoint, tp_mesh=tp_mesh,
+                              dp_dims=dp_dims)
+    return _local_parameter(param), spec
 
 
 def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
@@ -156,17 +220,45 @@ def _single_name(mesh: DeviceMesh) -> Optional[str]:
 def as_dtensor(view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
     """The TP ``DTensor`` forward sees, over the TP-local ``view`` of the
     unsharded buffer (differentiable: its gradient flows into ``view``)."""
+    if spec.dp_dims:
+        return _SpmdView.apply(view, spec)
     return DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
                               shape=spec.shape, stride=spec.stride)
+
+
+class _SpmdView(torch.autograd.Function):
+    """``DTensor.from_local`` on the SPMD mesh whose backward leaves the
+    gradient's data-parallel dims as they come (``Partial`` there is this
+    rank's contribution, which the flat buffer's reduce-scatter sums) and
+    redistributes only the model-parallel dim to the forward placement,
+    as FSDP2 does with ``dp_mesh_dims`` (``from_local``'s own backward
+    would all-reduce over the data-parallel dims first)."""
+
+    @staticmethod
+    def forward(ctx, view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
+        ctx.spec = spec
+        return DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
+                                  shape=spec.shape, stride=spec.stride)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        spec = ctx.spec
+        if hasattr(grad, "wait"):  # an AsyncCollectiveTensor
+            grad = grad.wait()
+        target = tuple(grad.placements[i] if i in spec.dp_dims else p
+                       for i, p in enumerate(spec.placements))
+        if target != tuple(grad.placements):
+            grad = grad.redistribute(placements=target)
+        return local_tensor(grad), None
 
 
 def norm_process_group(spec: Optional[TensorParallelSpec]) -> Optional[dist.ProcessGroup]:
     """The extra group a gradient norm must be summed over: the tp group for
     TP-sharded parameters (each tp rank holds other elements), ``None`` for
     plain and TP-replicated ones (every tp rank holds the same values)."""
-    if spec is None or not spec.is_sharded:
+    if spec is None or not spec.is_sharded or spec.tp_mesh is None:
         return None
-    return spec.mesh.get_group()
+    return spec.tp_mesh.get_group()
 
 
 # --------------------------------------------------------------- checkpoint
@@ -175,6 +267,24 @@ def checkpoint_value(chunk: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
     ``DTensor`` (global shape, on the (dp, tp) mesh)."""
     return DTensor.from_local(chunk, spec.checkpoint_mesh, spec.checkpoint_placements,
                               run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def shard_dim_layout(spec: TensorParallelSpec, dim: int) -> tuple[DeviceMesh,
+                                                                  tuple[Placement, ...]]:
+    """The state-dict mesh and placements of a TP parameter that
+    ``fully_shard`` places ``Shard(dim)`` (experts split on dim 1 by the
+    data-parallel dim): FSDP2's, the dp dim's ``Shard(dim)``, or
+    ``_StridedShard(dim, split_factor=tp)`` where TP splits ``dim`` too
+    (this rank's piece is ``torch.chunk(tp_local, dp, dim)``: tp first)."""
+    placements = list(spec.checkpoint_placements)
+    if spec.tp_mesh is None:  # an SPMD parameter replicated on its other dim
+        placements[-1] = Shard(dim)
+        return spec.checkpoint_mesh, tuple(placements)
+    tp_placement = placements[-1]
+    splits_too = isinstance(tp_placement, Shard) and tp_placement.dim == dim
+    placements[-2] = StridedShard(dim, split_factor=spec.tp_mesh.size()) if splits_too \
+        else Shard(dim)
+    return spec.checkpoint_mesh, tuple(placements)
 
 
 def local_chunk(value: DTensor, spec: TensorParallelSpec) -> Optional[torch.Tensor]:

@@ -171,6 +171,10 @@ def shard_dim_value(local: torch.Tensor, record: ParamRecord, group: ShardGroup)
     ``torch.chunk(param, F, d)[rank]``, FSDP2's local tensor of ``Shard(d)``,
     so it is placed as such with no exchange (a contiguous copy of it)."""
     dim = shard_dim(record)
+    if record.tp is not None:
+        mesh, placements = tensor_parallel.shard_dim_layout(record.tp, dim)
+        return DTensor.from_local(local.contiguous().clone(), mesh, placements, run_check=False,
+                                  shape=record.tp.shape, stride=record.tp.stride)
     return DTensor.from_local(local.contiguous().clone(), group.mesh,
                               _shard_dim_placements(group, dim), run_check=False,
                               shape=record.shape, stride=_contiguous_strides(record.shape))
@@ -182,7 +186,13 @@ def shard_dim_local(value: torch.Tensor, record: ParamRecord, group: ShardGroup)
     redistributed to ``Shard(d)`` (collective), one on another mesh is
     gathered in full; a full tensor is cut locally."""
     dim = shard_dim(record)
-    if isinstance(value, DTensor) and value.device_mesh == group.mesh:
+    if record.tp is not None:  # tensor parallel: the TP-local part, then its chunk
+        mesh, placements = tensor_parallel.shard_dim_layout(record.tp, dim)
+        if isinstance(value, DTensor) and value.device_mesh == mesh and \
+                tuple(value.placements) == placements:
+            return value.to_local()
+        value = tensor_parallel.tp_local_value(value, record.tp)
+    elif isinstance(value, DTensor) and value.device_mesh == group.mesh:
         placements = _shard_dim_placements(group, dim)
         if tuple(value.placements) != placements:
             value = value.redistribute(group.mesh, placements)

@@ -135,6 +135,37 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
                       replicate_size=1 if replicate is None else replicate.size())
 
 
+def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
+    """FSDP2's ``dp_mesh_dims`` on the whole SPMD ``mesh``: the 1-D (shard)
+    or 2-D (replicate, shard) mesh of the data-parallel dims it names
+    (torch's ``DataParallelMeshDims``, or anything with ``shard`` and
+    ``replicate`` names). Raises naming what is wrong."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError("dp_mesh_dims needs mesh= (the whole SPMD DeviceMesh), got "
+                        f"{type(mesh).__name__}")
+    names = mesh.mesh_dim_names or ()
+    chosen = []
+    for role in ("replicate", "shard"):
+        value = getattr(dp_mesh_dims, role, None)
+        value = (value,) if isinstance(value, str) else tuple(value or ())
+        if len(value) > 1:
+            raise NotImplementedError(
+                f"dp_mesh_dims.{role}={value}: several dims flattened into one is not "
+                "supported; flatten them on the mesh first (mesh[names]._flatten(name)) and "
+                "name the flattened dim.")
+        chosen += list(value)
+    if not getattr(dp_mesh_dims, "shard", None) and not getattr(dp_mesh_dims, "replicate", None):
+        raise ValueError("dp_mesh_dims names no dim: set shard (and replicate for HSDP)")
+    unknown = [n for n in chosen if n not in names]
+    if unknown:
+        raise ValueError(f"dp_mesh_dims names {unknown}, which are not dims of the mesh "
+                         f"(its dims: {list(names)})")
+    if getattr(dp_mesh_dims, "shard", None) is None:
+        raise NotImplementedError("dp_mesh_dims with replicate only (DDP over the SPMD mesh) is "
+                                  "not supported; name a shard dim (of size 1 for no sharding).")
+    return mesh[tuple(chosen)] if len(chosen) > 1 else mesh[chosen[0]]
+
+
 def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
     """The group of ``size`` consecutive ranks of ``group``'s shard group
     that this rank belongs to: where a unit with ``reshard_after_forward=size``
