@@ -150,9 +150,13 @@ class ShardedModule:
         """With ``False``, the end of backward neither waits for the
         reduce-scatters still in flight nor hands the gradients to the
         parameters: more backwards of this step follow (micro-batches,
-        pipeline schedules). Set ``True`` before the step's last backward."""
-        for state in _states(self, recurse=True):
-            state.unit.settings.is_last_backward = is_last_backward
+        pipeline schedules). Set ``True`` before the step's last backward.
+        A setting of the model (its end of backward reads it): made on any
+        of its annotated modules, it applies to the whole model."""
+        def apply(context: ModelContext) -> None:
+            context.root.unit.settings.is_last_backward = is_last_backward
+
+        _own_state(self).change_model_setting("set_is_last_backward", is_last_backward, apply)
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Reduce gradients as the sum over ranks divided by ``factor``

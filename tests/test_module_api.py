@@ -232,20 +232,27 @@ MICRO = 3
 PER_MICRO = 2
 
 
-def train_is_last_backward(steps: int = 2):
+def train_is_last_backward(steps: int = 2, on_block: bool = False):
+    """``on_block``: the setting is the model's, so made on a block it holds
+    the gradients back just the same (the root reads it)."""
     model, optim = _sharded_lm("adamw")
+    published_early = []
     for step in range(steps):
         tokens, targets = _local_batch(step, SEED_13, per_rank=MICRO * PER_MICRO)
         for i, (x, y) in enumerate(zip(tokens.chunk(MICRO), targets.chunk(MICRO))):
-            model.set_is_last_backward(i == MICRO - 1)
+            (model.blocks[0] if on_block else model).set_is_last_backward(i == MICRO - 1)
             (model.loss(x, y) / MICRO).backward()
+            if i < MICRO - 1:
+                published_early.append(any(p.grad is not None for p in model.parameters()))
         optim.step()
         optim.zero_grad()
-    return {"params": full_params(model)}
+    return {"params": full_params(model), "published_early": published_early}
 
 
-def test_is_last_backward_false_between_micro_batches_parity():
-    results = run_distributed(2, train_is_last_backward, timeout=TIMEOUT)
+@pytest.mark.parametrize("on_block", [False, True])
+def test_is_last_backward_false_between_micro_batches_parity(on_block):
+    results = run_distributed(2, train_is_last_backward, 2, on_block, timeout=TIMEOUT)
+    assert all(not any(res["published_early"]) for res in results), results
     assert_parity(results, reference_lm(2, 2, SEED_13, "adamw", per_rank=MICRO * PER_MICRO))
 
 
