@@ -200,7 +200,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
         _warn_flattened(flattened)
     _check_params(records, group.device)
     unit = Unit(modules, managed, group_records(records), group, reshard_after_forward,
-                     mp_policy, offload_policy)
+                mp_policy, offload_policy)
     if mp_policy is not None and mp_policy.buffer_dtype is not None:
         _cast_buffers(managed, mp_policy.buffer_dtype)
     record_owners(unit)
