@@ -276,10 +276,21 @@ def _reshard_through_dcp(path: str) -> dict:
     for block in fresh.blocks:
         fully_shard(block)
     fully_shard(fresh)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    fresh.load_state_dict(state)
+    _load_through_dcp(fresh, path)
     return {"saved": saved, "loaded": _full_state(fresh)}
+
+
+def _load_through_dcp(model: nn.Module, path: str) -> None:
+    """DCP reads ``path`` into ``model``'s own state dict (its layout), which
+    the model then loads."""
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+
+
+def _same_values(a: nn.Module, b: nn.Module) -> bool:
+    want, got = _full_state(a), _full_state(b)
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_checkpoint_moves_between_expert_parallel_and_plain_sharding(tmp_path):
@@ -352,22 +363,13 @@ def _checkpoints_cross(root: str, layout: str) -> dict:
     _train(ours, "sgd", clip=False)
     dcp.save(ours.state_dict(), checkpoint_id=f"{root}/ours")
     theirs = shard_moe_with_fsdp2(build_moe(), world, layout)
-    state = theirs.state_dict()
-    dcp.load(state, checkpoint_id=f"{root}/ours")
-    theirs.load_state_dict(state)
-    mine, loaded = _full_state(ours), _full_state(theirs)
-    fsdp2_loaded_ours = mine.keys() == loaded.keys() and \
-        all(torch.equal(mine[k], loaded[k]) for k in mine)
+    _load_through_dcp(theirs, f"{root}/ours")
+    fsdp2_loaded_ours = _same_values(ours, theirs)
     _train(theirs, "adamw", clip=False)  # now different values again
     dcp.save(theirs.state_dict(), checkpoint_id=f"{root}/theirs")
     fresh = shard_moe(build_moe(), world, layout)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=f"{root}/theirs")
-    fresh.load_state_dict(state)
-    want, got = _full_state(theirs), _full_state(fresh)
-    return {"fsdp2_loaded_ours": fsdp2_loaded_ours,
-            "ours_loaded_fsdp2": want.keys() == got.keys() and
-            all(torch.equal(want[k], got[k]) for k in want)}
+    _load_through_dcp(fresh, f"{root}/theirs")
+    return {"fsdp2_loaded_ours": fsdp2_loaded_ours, "ours_loaded_fsdp2": _same_values(theirs, fresh)}
 
 
 @pytest.mark.parametrize("layout", FSDP2_LAYOUTS)
