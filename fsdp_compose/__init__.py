@@ -17,14 +17,14 @@ from .forward_methods import register_forward_method
 from .full_params import full_params
 from .grad_scaler import ShardedGradScaler
 from .init import materialize, sync_module_states
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from .torch_norms import route_torch_grad_norms
 from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, propose_units
 from .sharded_module import ShardedModule, UnshardHandle
 
 __all__ = [
     "fully_shard", "Blocks", "OnMesh", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
-    "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy",
+    "MixedPrecisionPolicy", "CPUOffloadPolicy", "PrefetchPolicy", "CommPolicy",
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "fully_shard_root", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",

@@ -31,7 +31,7 @@ from .checks.divergence import DivergenceMonitor
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
 from .comm.groups import ShardGroup, shard_group_from_mesh
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import Owner, owner_of, record_owners
 from .runtime.state import attach_state, link_annotated_below, state_of
 from .runtime.unit import Unit
@@ -182,7 +182,8 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                offload_policy: Optional[CPUOffloadPolicy],
                placement: object = None,
                shard_placement_fn: Optional[PlacementFn] = None,
-               spmd_mesh: Optional[DeviceMesh] = None) -> Unit:
+               spmd_mesh: Optional[DeviceMesh] = None,
+               comm_policy: Optional[CommPolicy] = None) -> Unit:
     """Take the parameters of ``modules`` into a new unit over ``group``,
     attach its ``FullyShardState`` (hooks) and its checks.
 
@@ -200,7 +201,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
         _warn_flattened(flattened)
     _check_params(records, group.device)
     unit = Unit(modules, managed, group_records(records), group, reshard_after_forward,
-                mp_policy, offload_policy)
+                mp_policy, offload_policy, comm_policy)
     if mp_policy is not None and mp_policy.buffer_dtype is not None:
         _cast_buffers(managed, mp_policy.buffer_dtype)
     record_owners(unit)

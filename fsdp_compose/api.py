@@ -26,7 +26,7 @@ from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard
 from .checks.unmanaged import install_unmanaged_warning
 from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
@@ -64,7 +64,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                 ignored_params: Optional[Iterable[nn.Parameter]] = None,
                 placement: object = None,
                 shard_placement_fn: Optional[PlacementFn] = None,
-                dp_mesh_dims: Optional[object] = None) -> ModuleOrModules:
+                dp_mesh_dims: Optional[object] = None,
+                comm_policy: Optional[CommPolicy] = None) -> ModuleOrModules:
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
     Args:
@@ -128,6 +129,9 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             (tensor or expert parallel). Forward sees them on the SPMD mesh;
             each rank's gradient on the data-parallel dims is its own
             contribution, reduced as usual.
+        comm_policy: quantize this unit's all-gather and/or gradient
+            reduction block-wise to int8 or fp8 (:class:`CommPolicy`;
+            ``None``: exact collectives). The sharded values stay exact.
 
     Returns:
         ``module`` itself, whose class now also derives from
@@ -143,6 +147,9 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     check_reshard_after_forward(reshard_after_forward)
     mp_policy = as_mp_policy(mp_policy)  # torch FSDP2's policy objects are converted
     offload_policy = as_offload_policy(offload_policy)
+    if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
+        raise TypeError("comm_policy must be a fsdp_compose.CommPolicy or None, got "
+                        f"{type(comm_policy).__name__}")
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(
@@ -162,7 +169,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                                   else default_mesh(_params_device(modules)))
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy, placement,
-                      shard_placement_fn, spmd_mesh)
+                      shard_placement_fn, spmd_mesh, comm_policy)
     UnitStateDictHooks(unit)
     _install_process_wide_changes()
     for m in modules:

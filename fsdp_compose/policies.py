@@ -1,5 +1,6 @@
-"""Policies: mixed precision and CPU offload (``fully_shard``'s arguments) and
-prefetching (``set_prefetch_policy`` on the root).
+"""Policies: mixed precision, CPU offload and quantized communication
+(``fully_shard``'s arguments) and prefetching (``set_prefetch_policy`` on
+the root).
 
 Frozen dataclasses, so one policy object can be shared by many units.
 """
@@ -86,6 +87,53 @@ class CPUOffloadPolicy:
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    """Fewer bytes on the wire: block-quantized collectives (opt-in, per
+    unit; ZeRO++'s qwZ and qgZ). The sharded parameters (the optimizer's
+    master copy) and the sharded gradients stay exact; only what the
+    collectives move is quantized, block by block with one fp32 scale per
+    ``block_size`` elements (``docs/performance.md``, "Quantized
+    collectives", for the error and when it pays).
+
+    Attributes:
+        all_gather: code dtype of the parameters' all-gather: ``torch.int8``
+            or ``torch.float8_e4m3fn`` (~1 byte per element plus 4 per
+            block, instead of 4 for fp32 or 2 for bf16). Every rank decodes
+            the same values, its own shard's included, into the unsharded
+            buffer (``param_dtype`` under mixed precision), so forward and
+            backward see the same quantized parameters on every rank.
+            ``None``: the exact values.
+        reduce_scatter: code dtype of the gradients' reduction (same
+            choices): each rank quantizes each destination's chunk of its
+            flat gradient, an all-to-all delivers them, and each rank sums
+            the decoded chunks in fp32. ``None``: the exact reduce-scatter.
+        block_size: elements per scale (a multiple of 4; smaller blocks
+            are more accurate and cost ``4 / block_size`` bytes more per
+            element).
+
+    Applies to floating-point buffers sharded over more than one rank; the
+    all-gather over a ``reshard_after_forward=k`` group (which regathers
+    values already quantized in forward) and the all-reduce across
+    replicas (hybrid sharding) stay exact.
+    """
+
+    all_gather: Optional[torch.dtype] = None
+    reduce_scatter: Optional[torch.dtype] = None
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        allowed = [torch.int8] + ([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
+        for name in ("all_gather", "reduce_scatter"):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"CommPolicy.{name} must be one of {allowed} or None, "
+                                 f"got {value!r}")
+        if self.block_size <= 0 or self.block_size % 4:
+            raise ValueError(f"CommPolicy.block_size must be a positive multiple of 4, "
+                             f"got {self.block_size}")
 
 
 @dataclass(frozen=True)

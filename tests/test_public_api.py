@@ -11,7 +11,7 @@ import pytest
 
 PUBLIC = {
     "fsdp_compose": [
-        "Blocks", "CPUOffloadPolicy", "MixedPrecisionPolicy", "OnMesh", "PrefetchPolicy",
+        "Blocks", "CPUOffloadPolicy", "CommPolicy", "MixedPrecisionPolicy", "OnMesh", "PrefetchPolicy",
         "ShardedGradScaler", "ShardedModule", "ShardedParamInfo", "UnshardHandle",
         "check_finite_gradients", "clip_grad_norm_", "describe", "estimate_memory",
         "full_params", "fully_shard", "fully_shard_by", "fully_shard_root",

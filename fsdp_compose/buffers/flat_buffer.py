@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from .._torch_private import unsafe_set_version_counter
 from ..comm.groups import ShardGroup
+from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
 from .param_views import SplitIntoParams, Strided, ViewPlan, strided_view
@@ -117,6 +118,10 @@ class FlatBuffer:
         self.compute_dtype: torch.dtype
         self.reduce_dtype: torch.dtype
         self.reduce_comm_dtype: torch.dtype
+        self.gather_quantizer: Optional[BlockQuantizer] = None
+        """The all-gather's wire format (``CommPolicy``; ``None``: exact)."""
+        self.reduce_quantizer: Optional[BlockQuantizer] = None
+        """The gradient reduction's wire format (``None``: exact)."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -218,6 +223,9 @@ class FlatBuffer:
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
+        if dtypes.param.is_floating_point:
+            self.gather_quantizer = self.policy.gather_quantizer
+            self.reduce_quantizer = self.policy.reduce_quantizer
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from ..comm.groups import ShardGroup
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..comm.quantized import BlockQuantizer
+from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .layout import FLAT, ROWS, FlatLayout, Placement, alignment, is_fixed
 from .tensor_parallel import TensorParallelSpec
 
@@ -65,6 +66,9 @@ class BufferPolicy(NamedTuple):
             (``None``: ``reduce_dtype``).
         offload_to_cpu: keep ``sharded``/``sharded_grad`` on the CPU.
         pin_memory: pin them (only meaningful with CUDA).
+        gather_quantizer: the wire format of the all-gather (``CommPolicy``;
+            ``None``: exact). Floating-point buffers only.
+        reduce_quantizer: the wire format of the gradient reduction.
     """
 
     compute_dtype: Optional[torch.dtype] = None
@@ -72,6 +76,8 @@ class BufferPolicy(NamedTuple):
     offload_to_cpu: bool = False
     pin_memory: bool = False
     reduce_comm_dtype: Optional[torch.dtype] = None
+    gather_quantizer: Optional[BlockQuantizer] = None
+    reduce_quantizer: Optional[BlockQuantizer] = None
 
 
 class BufferDtypes(NamedTuple):
@@ -92,12 +98,19 @@ class BufferDtypes(NamedTuple):
 
 
 def buffer_policy(mp_policy: MixedPrecisionPolicy, offload_policy: Optional[CPUOffloadPolicy],
-                  cuda_available: bool) -> BufferPolicy:
+                  cuda_available: bool, comm_policy: Optional[CommPolicy] = None) -> BufferPolicy:
     """A unit's policies, as its flat buffers see them."""
+    comm = comm_policy or CommPolicy()
     return BufferPolicy(
         compute_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
         reduce_comm_dtype=mp_policy.reduce_comm_dtype, offload_to_cpu=offload_policy is not None,
-        pin_memory=offload_policy is not None and offload_policy.pin_memory and cuda_available)
+        pin_memory=offload_policy is not None and offload_policy.pin_memory and cuda_available,
+        gather_quantizer=_quantizer(comm.all_gather, comm.block_size),
+        reduce_quantizer=_quantizer(comm.reduce_scatter, comm.block_size))
+
+
+def _quantizer(code_dtype: Optional[torch.dtype], block: int) -> Optional[BlockQuantizer]:
+    return None if code_dtype is None else BlockQuantizer(code_dtype, block)
 
 
 def resolve_dtypes(dtype: torch.dtype, policy: BufferPolicy) -> BufferDtypes:

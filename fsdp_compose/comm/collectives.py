@@ -146,7 +146,7 @@ def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optio
                    force_sum: bool) -> None:
     """The local division that completes the reduction (a no-op when the
     collectives averaged already)."""
-    if _needs_post_division(group, divide_factor, force_sum):
+    if needs_post_division(group, divide_factor, force_sum):
         factor = group.total_size if divide_factor is None else divide_factor
         if factor != 1.0:
             output.div_(factor)
@@ -154,12 +154,14 @@ def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optio
 
 def _reduce_op(group: ShardGroup, divide_factor: Optional[float],
                force_sum: bool) -> dist.ReduceOp:
-    return dist.ReduceOp.SUM if _needs_post_division(group, divide_factor, force_sum) \
+    return dist.ReduceOp.SUM if needs_post_division(group, divide_factor, force_sum) \
         else dist.ReduceOp.AVG
 
 
-def _needs_post_division(group: ShardGroup, divide_factor: Optional[float],
-                         force_sum: bool) -> bool:
+def needs_post_division(group: ShardGroup, divide_factor: Optional[float],
+                        force_sum: bool) -> bool:
+    """Whether the reduction sums (and :func:`finish_scaling` divides
+    afterwards) rather than averaging over the group in the collective."""
     mean = divide_factor is None or divide_factor == group.total_size
     return force_sum or not mean
 

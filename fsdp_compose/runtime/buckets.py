@@ -10,8 +10,9 @@ across ranks (the first two by default, or all of them with
 run backward.
 
 Consecutive units of that order that qualify (below) and share a key
-(process group, compute dtype, communication dtype, reduce options, gradient
-sync, whether they reshard after forward: units kept unsharded from forward
+(process group, compute dtype, communication dtype and wire formats
+(``CommPolicy``), reduce options, gradient sync, whether they reshard
+after forward: units kept unsharded from forward
 to backward, e.g. ``fully_shard_root``'s embeddings and head, never join
 units that reshard) are grouped greedily while the bucket's unsharded bytes
 stay within ``cap_bytes``; a bucket of one unit is no bucket. ``cap_bytes =
@@ -181,9 +182,10 @@ def _key(unit) -> Optional[tuple]:
         return None
     groups = {id(b.group.process_group) for b in buffers}
     dtypes = {b.compute_dtype for b in buffers}
-    comm = {b.reduce_comm_dtype for b in buffers if b.requires_grad}
-    if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1:
+    comm = {(b.reduce_comm_dtype, b.reduce_quantizer) for b in buffers if b.requires_grad}
+    wires = {b.gather_quantizer for b in buffers}
+    if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1 or len(wires) != 1:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
-            next(iter(comm), None), settings.reduce_options, settings.requires_gradient_sync,
-            unit.resolved_reshard_after_forward)
+            next(iter(comm), None), wires.pop(), settings.reduce_options,
+            settings.requires_gradient_sync, unit.resolved_reshard_after_forward)

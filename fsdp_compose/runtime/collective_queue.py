@@ -96,6 +96,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
 from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scatter_scaled
+from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..comm.watched_wait import wait_watched
 from ..policies import PrefetchPolicy
 from ..profiling import profiled
@@ -357,8 +358,13 @@ class CollectiveQueue:
             return
         shard, group = prepared
         version = buffer.unsharded._version
+        quantizer = buffer.gather_quantizer if group is buffer.group else None
         with unsafe_preserve_version_counter(buffer.unsharded):
-            work = all_gather_into(buffer.unsharded.detach(), shard, group, async_op=True)
+            if quantizer is not None:  # decoded into the buffer at the wait
+                rows = buffer.unsharded.detach().view(group.world_size, -1)
+                work = all_gather_quantized([rows], [shard], group, quantizer)
+            else:
+                work = all_gather_into(buffer.unsharded.detach(), shard, group, async_op=True)
         self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
                                     _gathered({id(buffer): version}), keep_alive=[shard]))
 
@@ -385,6 +391,14 @@ class CollectiveQueue:
             return
         first = buffers[0]
         group, world, total = first.group, first.group.world_size, offset
+        if first.gather_quantizer is not None:  # the bucket's wire format (the plan's promise)
+            rows = {id(b): b.unsharded.detach().view(world, -1) for b, _, _ in joined}
+            work = all_gather_quantized([rows.get(id(b)) for b in buffers], inputs, group,
+                                        first.gather_quantizer)
+            self._track_gather(InFlight(
+                "all_gather", work, group.process_group, [b for b, _, _ in joined],
+                _gathered({id(b): version for b, version, _ in joined}), keep_alive=inputs))
+            return
         packed = torch.cat([shard.reshape(-1) for shard in inputs]) if len(inputs) > 1 else inputs[0]
         out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
         temporaries = [out, packed] if len(inputs) > 1 else [out]  # one input: a shard, not ours
@@ -555,8 +569,7 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
     if len(buffers) == 1:
         (buffer, flat), = members
         output = torch.empty(buffer.grad.reduce_chunk, dtype=flat.dtype, device=device)
-        work = reduce_scatter_scaled(output, flat, group, options.divide_factor,
-                                     options.force_sum, async_op=True)
+        work = _issue_reduce_scatter(output, flat, buffer, options)
         freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
         return InFlight("reduce_scatter", work, group.process_group, [buffer],
                         lambda _done: reduced([(buffer, output)], options),
@@ -575,8 +588,7 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         starts.append(offset)
         offset += size
     reduced_chunk = torch.empty(total, dtype=dtype, device=device)
-    work = reduce_scatter_scaled(reduced_chunk, packed, group, options.divide_factor,
-                                 options.force_sum, async_op=True)
+    work = _issue_reduce_scatter(reduced_chunk, packed, first, options)
     copies, outputs = [], []
     for buffer, flat, start in zip(buffers, grads, starts):
         if flat is None:
@@ -587,3 +599,15 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         outputs.append((buffer, output))
     return InFlight("reduce_scatter", work, group.process_group, [b for b, _ in members],
                     lambda _done: reduced(outputs, options), copies, [packed, reduced_chunk])
+
+
+def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,
+                          options: ReduceOptions) -> object:
+    """The asynchronous reduce-scatter of ``flat`` into ``output`` over
+    ``buffer``'s group, quantized when its policy says so (a bucket's
+    buffers share the wire format: the plan's promise)."""
+    if buffer.reduce_quantizer is not None:
+        return reduce_scatter_quantized(output, flat, buffer.group, buffer.reduce_quantizer,
+                                        options.divide_factor, options.force_sum)
+    return reduce_scatter_scaled(output, flat, buffer.group, options.divide_factor,
+                                 options.force_sum, async_op=True)

@@ -19,7 +19,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
 from ..comm.groups import ShardGroup, post_forward_group
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from ..profiling import profiled
 from .collective_queue import CollectiveQueue
 from .prefetch_order import PrefetchOrder
@@ -40,6 +40,8 @@ class UnitSettings:
     """Fixed at annotation."""
     offload_policy: Optional[CPUOffloadPolicy] = None
     """Fixed at annotation; ``None``: the shard stays on the compute device."""
+    comm_policy: CommPolicy = field(default_factory=CommPolicy)
+    """Fixed at annotation: quantized collectives (default: exact)."""
     reshard_after_forward: Optional[bool] = None
     """``None``: reshard after forward unless this is the root."""
     post_forward_group: Optional[ShardGroup] = None
@@ -77,7 +79,8 @@ class Unit:
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
                  reshard_after_forward: Union[bool, int, None],
                  mp_policy: Optional[MixedPrecisionPolicy] = None,
-                 offload_policy: Optional[CPUOffloadPolicy] = None) -> None:
+                 offload_policy: Optional[CPUOffloadPolicy] = None,
+                 comm_policy: Optional[CommPolicy] = None) -> None:
         # Structure
         self.modules: tuple[nn.Module, ...] = tuple(modules)
         """The annotated module(s) whose forward hooks drive this unit."""
@@ -85,9 +88,11 @@ class Unit:
         """Every module whose parameters this unit took (its subtree minus
         subtrees of units annotated before it)."""
         self.group: ShardGroup = group
-        self.settings: UnitSettings = UnitSettings(mp_policy or MixedPrecisionPolicy(), offload_policy)
+        self.settings: UnitSettings = UnitSettings(mp_policy or MixedPrecisionPolicy(), offload_policy,
+                                                   comm_policy or CommPolicy())
         """Every setting of this unit (``ShardedModule``'s setters write them)."""
-        policy = buffer_policy(self.settings.mp_policy, offload_policy, torch.cuda.is_available())
+        policy = buffer_policy(self.settings.mp_policy, offload_policy, torch.cuda.is_available(),
+                               self.settings.comm_policy)
         self.buffers: list[FlatBuffer] = [
             FlatBuffer(records, records[0].group or group, post_accumulate_grad=self._post_backward,
                        policy=policy)

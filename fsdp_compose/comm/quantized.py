@@ -1,0 +1,229 @@
+"""Block-wise quantization of what the collectives move (``CommPolicy``):
+the wire format, and the quantized all-gather and reduce-scatter built on it.
+
+[Note: block-quantized wire format]
+A flat tensor of ``n`` elements is cut into ``nb = ceil(n / B)`` blocks of
+``B`` elements (the last one padded with zeros). Each block gets one fp32
+scale, ``absmax / qmax`` (``qmax``: 127 for int8, 448 for fp8 e4m3), and its
+elements become codes ``x / scale`` rounded to the code dtype (int8:
+round-half-even then clamped to [-127, 127]; fp8: torch's cast, nearest).
+The payload is ``nb * B`` code bytes followed by ``nb`` fp32 scales, so its
+size, :meth:`BlockQuantizer.payload_bytes`, depends on ``n`` and ``B``
+only (the same on every rank) and is a multiple of 4 (``B`` is), so a
+payload placed at a multiple of 4 bytes views its scales as fp32 in place.
+
+Decoding is ``code * scale``. The error per element is at most half a code
+step: ``absmax / 254`` for int8; for fp8 e4m3 at most ``|x| / 16`` (3
+mantissa bits) and ``absmax / 448 * 2**-10`` near zero (half the smallest
+subnormal step), so at most ``absmax / 16`` (:meth:`error_bound`). A block
+of zeros decodes to zeros exactly; a block holding an inf or NaN decodes to
+non-finite values (its scale is non-finite), so overflow still shows after
+a quantized reduction (a grad scaler still sees it).
+
+Every rank decodes the same payload to the same values, own chunk included,
+so the ranks compute with identical parameters; the sharded master copy
+itself is never quantized.
+
+[Note: quantized reduce-scatter]
+A reduce-scatter cannot sum codes with different scales, so the quantized
+gradient reduction is an all-to-all (as ZeRO++'s qgZ): rank ``r`` encodes
+its flat gradient's chunk for each rank ``j`` (each chunk with its own
+blocks) and sends it to ``j``; each rank decodes the ``F`` chunks it
+received to fp32 and sums them in rank order. The error of the sum is at
+most the sum of the ``F`` contributions' errors; every rank moves ``F``
+payloads out and in, like a reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_flat, needs_post_division
+from .groups import ShardGroup
+
+FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)
+"""The fp8 code dtype, where this torch has it."""
+
+_QMAX = {torch.int8: 127.0}
+if FP8_E4M3 is not None:
+    _QMAX[FP8_E4M3] = 448.0
+
+
+def code_dtypes() -> tuple[torch.dtype, ...]:
+    """The code dtypes the wire format supports with this torch."""
+    return tuple(_QMAX)
+
+
+@dataclass(frozen=True)
+class BlockQuantizer:
+    """The wire format of one collective (see [Note: block-quantized wire
+    format]): ``code_dtype`` (``torch.int8`` or ``torch.float8_e4m3fn``)
+    and ``block`` elements per scale (a positive multiple of 4)."""
+
+    code_dtype: torch.dtype
+    block: int
+
+    def __post_init__(self) -> None:
+        if self.code_dtype not in _QMAX:
+            names = ", ".join(str(d) for d in _QMAX)
+            raise ValueError(f"quantized collectives support the code dtypes {names}, "
+                             f"got {self.code_dtype!r}")
+        if self.block <= 0 or self.block % 4:
+            raise ValueError(f"the quantization block must be a positive multiple of 4 "
+                             f"elements, got {self.block}")
+
+    @property
+    def qmax(self) -> float:
+        return _QMAX[self.code_dtype]
+
+    def blocks(self, numel: int) -> int:
+        return math.ceil(numel / self.block)
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of the payload of ``numel`` elements: codes, then scales."""
+        blocks = self.blocks(numel)
+        return blocks * self.block + 4 * blocks
+
+    def error_bound(self, block_absmax: torch.Tensor) -> torch.Tensor:
+        """The largest decoding error of an element of a block whose largest
+        magnitude is ``block_absmax`` (see the note)."""
+        if self.code_dtype == torch.int8:
+            return block_absmax / (2 * self.qmax)
+        return block_absmax / 16
+
+    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+        """Write the payload of the flat tensor ``values`` (any floating
+        dtype) into ``payload`` (``payload_bytes(values.numel())`` uint8)."""
+        numel, block = values.numel(), self.block
+        blocks = self.blocks(numel)
+        grid = values.reshape(-1).float()
+        if blocks * block != numel:
+            grid = torch.nn.functional.pad(grid, (0, blocks * block - numel))
+        grid = grid.view(blocks, block)
+        scales = payload[blocks * block:].view(torch.float32)
+        torch.div(grid.abs().amax(dim=1), self.qmax, out=scales)
+        inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
+        scaled = grid * inverse.unsqueeze(1)
+        codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
+        if self.code_dtype == torch.int8:
+            # a non-finite block has a non-finite scale: its codes do not matter
+            codes.copy_(scaled.round_().clamp_(-self.qmax, self.qmax).nan_to_num_(0.0))
+        else:
+            codes.copy_(scaled.clamp_(-self.qmax, self.qmax))
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the values of ``payload`` (a 1-D uint8 view, stride 1,
+        4-byte aligned) into the flat tensor ``out`` (any floating dtype;
+        its numel is the encoded one)."""
+        numel, block = out.numel(), self.block
+        blocks = self.blocks(numel)
+        codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
+        scales = payload[blocks * block:blocks * block + 4 * blocks].view(torch.float32)
+        values = codes.float().mul_(scales.unsqueeze(1)).view(-1)
+        out.copy_(values[:numel] if blocks * block != numel else values)
+
+
+class QuantizedWork:
+    """The work of a quantized collective: waiting on it waits the
+    transfer, then decodes (once) and frees the wire buffers (see [Note:
+    freeing what a collective read] in ``runtime/collective_queue.py``)."""
+
+    def __init__(self, work: Optional[dist.Work], finish: Callable[[], None],
+                 wire: Sequence[torch.Tensor]) -> None:
+        self._work = work
+        self._finish: Optional[Callable[[], None]] = finish
+        self._wire = list(wire)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if self._finish is None:
+            return True
+        if self._work is not None:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)  # raises if it runs out: decoded at a later wait
+            self._work = None
+        finish, self._finish = self._finish, None
+        finish()
+        for tensor in self._wire:
+            tensor.untyped_storage().resize_(0)
+        self._wire = []
+        return True
+
+
+def all_gather_quantized(destinations: Sequence[Optional[torch.Tensor]],
+                         shards: Sequence[torch.Tensor], group: ShardGroup,
+                         quantizer: BlockQuantizer) -> QuantizedWork:
+    """One asynchronous all-gather of the quantized ``shards`` (one per
+    buffer, each ``S_i`` elements, the same on every rank) into
+    ``destinations`` (each a ``(F, S_i)`` view: rank ``r``'s decoded shard
+    lands in row ``r``; any floating dtype; ``None``: this rank does not
+    need that buffer, which still travels). The payloads of all shards are
+    packed into one collective; decoding happens at the wait.
+
+    Pre-condition: ``group.world_size > 1``."""
+    sizes = [quantizer.payload_bytes(s.numel()) for s in shards]
+    total, world = sum(sizes), group.world_size
+    device = destinations[0].device
+    packed = torch.empty(total, dtype=torch.uint8, device=device)
+    offsets = []
+    offset = 0
+    for shard, size in zip(shards, sizes):
+        quantizer.encode(shard, packed[offset:offset + size])
+        offsets.append(offset)
+        offset += size
+    gathered = torch.empty(world * total, dtype=torch.uint8, device=device)
+    work = all_gather_flat(gathered, packed, group=group.process_group, async_op=True)
+
+    def finish() -> None:
+        rows = gathered.view(world, total)
+        with torch.no_grad():
+            for destination, start, size in zip(destinations, offsets, sizes):
+                if destination is None:
+                    continue
+                for rank in range(world):
+                    quantizer.decode(rows[rank, start:start + size], destination[rank])
+
+    return QuantizedWork(work, finish, [gathered, packed])
+
+
+def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                             quantizer: BlockQuantizer, divide_factor: Optional[float] = None,
+                             force_sum: bool = False) -> QuantizedWork:
+    """The quantized counterpart of ``collectives.reduce_scatter_scaled``
+    (same result contract: this rank's chunk of the sum, or of the mean
+    over the shard group when the unquantized path would average in the
+    collective; :func:`collectives.finish_scaling` completes it), as an
+    asynchronous all-to-all of quantized chunks (see [Note: quantized
+    reduce-scatter]). ``flat`` is ``F`` chunks of ``output``'s size; it is
+    encoded now, so the caller may free it at once.
+
+    Pre-condition: ``group.world_size > 1``."""
+    world, chunk = group.world_size, output.numel()
+    size = quantizer.payload_bytes(chunk)
+    device = flat.device
+    sent = torch.empty(world * size, dtype=torch.uint8, device=device)
+    chunks = flat.view(world, chunk)
+    for rank in range(world):
+        quantizer.encode(chunks[rank], sent[rank * size:(rank + 1) * size])
+    received = torch.empty_like(sent)
+    work = dist.all_to_all_single(received, sent, group=group.process_group, async_op=True)
+    average = not needs_post_division(group, divide_factor, force_sum)
+
+    def finish() -> None:
+        total = torch.zeros(chunk, dtype=torch.float32, device=device)
+        part = torch.empty(chunk, dtype=torch.float32, device=device)
+        for rank in range(world):
+            quantizer.decode(received[rank * size:(rank + 1) * size], part)
+            total.add_(part)
+        if average:
+            total.div_(world)
+        output.copy_(total)
+
+    return QuantizedWork(work, finish, [sent, received])
