@@ -195,23 +195,30 @@ def all_gather_quantized(destinations: Sequence[Optional[torch.Tensor]],
 
 def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                              quantizer: BlockQuantizer, divide_factor: Optional[float] = None,
-                             force_sum: bool = False) -> QuantizedWork:
+                             force_sum: bool = False,
+                             segments: Optional[Sequence[int]] = None) -> QuantizedWork:
     """The quantized counterpart of ``collectives.reduce_scatter_scaled``
     (same result contract: this rank's chunk of the sum, or of the mean
     over the shard group when the unquantized path would average in the
     collective; :func:`collectives.finish_scaling` completes it), as an
     asynchronous all-to-all of quantized chunks (see [Note: quantized
     reduce-scatter]). ``flat`` is ``F`` chunks of ``output``'s size; it is
-    encoded now, so the caller may free it at once.
+    encoded now, so the caller may free it at once. ``segments``: the
+    sizes of the buffers packed in each chunk (a bucket's), each encoded
+    with blocks of its own so that the numbers do not depend on the
+    packing; default: one.
 
     Pre-condition: ``group.world_size > 1``."""
     world, chunk = group.world_size, output.numel()
-    size = quantizer.payload_bytes(chunk)
+    segments = list(segments) if segments is not None else [chunk]
+    sizes = [quantizer.payload_bytes(n) for n in segments]
+    size = sum(sizes)
     device = flat.device
     sent = torch.empty(world * size, dtype=torch.uint8, device=device)
     chunks = flat.view(world, chunk)
     for rank in range(world):
-        quantizer.encode(chunks[rank], sent[rank * size:(rank + 1) * size])
+        for (start, stop), (wire_start, wire_stop) in _spans(segments, sizes, rank * size):
+            quantizer.encode(chunks[rank, start:stop], sent[wire_start:wire_stop])
     received = torch.empty_like(sent)
     work = dist.all_to_all_single(received, sent, group=group.process_group, async_op=True)
     average = not needs_post_division(group, divide_factor, force_sum)
@@ -220,10 +227,20 @@ def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: Sh
         total = torch.zeros(chunk, dtype=torch.float32, device=device)
         part = torch.empty(chunk, dtype=torch.float32, device=device)
         for rank in range(world):
-            quantizer.decode(received[rank * size:(rank + 1) * size], part)
+            for (start, stop), (wire_start, wire_stop) in _spans(segments, sizes, rank * size):
+                quantizer.decode(received[wire_start:wire_stop], part[start:stop])
             total.add_(part)
         if average:
             total.div_(world)
         output.copy_(total)
 
     return QuantizedWork(work, finish, [sent, received])
+
+
+def _spans(segments: Sequence[int], sizes: Sequence[int], wire_offset: int):
+    """Per segment: its element range in a chunk and its byte range on the wire."""
+    start, wire = 0, wire_offset
+    for numel, size in zip(segments, sizes):
+        yield (start, start + numel), (wire, wire + size)
+        start += numel
+        wire += size

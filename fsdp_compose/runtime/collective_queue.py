@@ -588,7 +588,8 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         starts.append(offset)
         offset += size
     reduced_chunk = torch.empty(total, dtype=dtype, device=device)
-    work = _issue_reduce_scatter(reduced_chunk, packed, first, options)
+    work = _issue_reduce_scatter(reduced_chunk, packed, first, options,
+                                 [b.grad.reduce_chunk for b in buffers])
     copies, outputs = [], []
     for buffer, flat, start in zip(buffers, grads, starts):
         if flat is None:
@@ -602,12 +603,13 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
 
 
 def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,
-                          options: ReduceOptions) -> object:
+                          options: ReduceOptions, segments: Optional[list[int]] = None) -> object:
     """The asynchronous reduce-scatter of ``flat`` into ``output`` over
     ``buffer``'s group, quantized when its policy says so (a bucket's
-    buffers share the wire format: the plan's promise)."""
+    buffers share the wire format, the plan's promise; ``segments``: their
+    chunk sizes, each quantized on its own)."""
     if buffer.reduce_quantizer is not None:
         return reduce_scatter_quantized(output, flat, buffer.group, buffer.reduce_quantizer,
-                                        options.divide_factor, options.force_sum)
+                                        options.divide_factor, options.force_sum, segments)
     return reduce_scatter_scaled(output, flat, buffer.group, options.divide_factor,
                                  options.force_sum, async_op=True)
