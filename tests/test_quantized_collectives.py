@@ -28,7 +28,7 @@ from fsdp_compose import CommPolicy, MixedPrecisionPolicy, fully_shard, param_in
 from fsdp_compose.comm.quantized import FP8_E4M3, BlockQuantizer
 from fsdp_compose.runtime.state import state_of
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
-from tests._training import build_model, global_batch, local_batch
+from tests._training import build_model, local_batch
 from tests.harness import run_distributed
 
 WORLD = 3
