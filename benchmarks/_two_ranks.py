@@ -16,14 +16,17 @@ import torch.multiprocessing as mp
 from fsdp_compose.testing import GPTConfig
 
 
-def gpt_arguments(description: str, repeats: int) -> argparse.Namespace:
-    """``--layers --vocab --d-model --heads --repeats`` (the benchmark's default GPT)."""
+def gpt_arguments(description: str, repeats: int, impls: str = "") -> argparse.Namespace:
+    """``--layers --vocab --d-model --heads --repeats`` (the benchmark's default
+    GPT), and ``--impls`` (a comma-separated list) when ``impls`` gives its default."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=repeats)
+    if impls:
+        parser.add_argument("--impls", default=impls)
     return parser.parse_args()
 
 

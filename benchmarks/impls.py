@@ -55,23 +55,24 @@ def build_fsdp1(model: GPT) -> nn.Module:
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
                        placement: Optional[str] = "flat", bucket_cap_mb: Optional[float] = None,
-                       split_root: bool = False, check_divergence: Optional[bool] = None
-                       ) -> nn.Module:
+                       split_root: bool = False, check_divergence: Optional[bool] = None,
+                       quantize: Optional[str] = None) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
     from fsdp_compose import (MixedPrecisionPolicy, PrefetchPolicy, fully_shard,
                               fully_shard_root, set_gloo_reduce_scatter_via_all_reduce)
+    comm = quantized_comm_policy(quantize)
     mp = None
     if bf16 is not None:  # bf16 compute, fp32 reduction; "comm": the collective in bf16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   reduce_comm_dtype=torch.bfloat16 if bf16 == "comm" else None)
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp, placement=placement)
+        fully_shard(block, mp_policy=mp, placement=placement, comm_policy=comm)
     if split_root:  # the root's parameters gathered and reduced where they are used
         fully_shard_root(model, mp_policy=mp, placement=placement)
     else:
-        fully_shard(model, mp_policy=mp, placement=placement)
+        fully_shard(model, mp_policy=mp, placement=placement, comm_policy=comm)
     if bucket_cap_mb is not None:
         model.set_bucket_cap_mb(bucket_cap_mb)
     if retain_staging:
@@ -84,6 +85,22 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
 
     model.register_forward_pre_hook(set_gloo_path)
     return model
+
+
+QUANTIZED_MODES = ("int8-weights", "int8", "fp8")
+"""``CommPolicy`` modes the benchmarks compare: int8 all-gather only, int8
+all-gather and reduction, fp8 e4m3 both."""
+
+
+def quantized_comm_policy(mode: Optional[str]):
+    """The ``CommPolicy`` of a mode of :data:`QUANTIZED_MODES` (``None``: exact)."""
+    from fsdp_compose import CommPolicy
+    if mode is None:
+        return None
+    if mode == "int8-weights":
+        return CommPolicy(all_gather=torch.int8)
+    code = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[mode]
+    return CommPolicy(all_gather=code, reduce_scatter=code)
 
 
 BUILDERS: dict[str, Callable[[GPT], nn.Module]] = {
@@ -106,6 +123,9 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_noagree": functools.partial(build_fsdp_compose, check_divergence=False),
     "fsdp_compose_bucket1": functools.partial(build_fsdp_compose, bucket_cap_mb=1),
     "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
+    "fsdp_compose_int8w": functools.partial(build_fsdp_compose, quantize="int8-weights"),
+    "fsdp_compose_int8": functools.partial(build_fsdp_compose, quantize="int8"),
+    "fsdp_compose_fp8": functools.partial(build_fsdp_compose, quantize="fp8"),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
@@ -115,7 +135,8 @@ in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``),
 bucketing off (``set_bucket_cap_mb(0)``; the default is 4 MiB) or with a 1 MiB
 cap, and the root's embeddings and its final norm + head annotated as units of
 their own (``fully_shard_root``: gathered and reduced where they are used, the
-head's reduction overlaps the rest of backward)."""
+head's reduction overlaps the rest of backward), and quantized collectives
+(``CommPolicy``: int8 all-gather; int8 all-gather and reduction; fp8 both)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

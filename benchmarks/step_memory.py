@@ -4,6 +4,9 @@ GPU's counterpart).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory                  # default GPT
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --layers 48 --d-model 64 --vocab 512
+    # bucket caps side by side (fsdp_compose@C: buckets of at most C MiB)
+    PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --layers 48 --d-model 64 --vocab 512 \
+        --impls fsdp_compose@4,fsdp_compose@1,fsdp2
 
 Each implementation is built alone in the ranks, then ``--steps`` steps run
 under the PyTorch profiler with ``profile_memory=True`` (every CPU tensor
@@ -33,11 +36,13 @@ PHASES = ("forward", "backward", "optimizer")
 
 def _build(name: str, cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The seeded GPT under ``name`` (``benchmarks/impls.py``'s builders;
-    fsdp_compose with the library's default placement), and its AdamW."""
+    fsdp_compose with the library's default placement, ``fsdp_compose@C``
+    with buckets of at most ``C`` MiB), and its AdamW."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    if name == "fsdp_compose":
-        model = build_fsdp_compose(model, placement=None)
+    if name.startswith("fsdp_compose"):
+        cap = float(name.split("@")[1]) if "@" in name else None
+        model = build_fsdp_compose(model, placement=None, bucket_cap_mb=cap)
     else:
         model = build_fsdp2(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -71,7 +76,7 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
     join_gloo_group(rank, world, init_file, timeout_s=300)
     cfg = gpt_config(args)
     results = {}
-    for name in ("fsdp_compose", "fsdp2"):
+    for name in args.impls:
         results[name] = _phase_peaks(name, cfg, args.repeats)
         gc.collect()
     if rank == 0:
@@ -80,19 +85,26 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
 
 
 def main() -> None:
-    args = gpt_arguments(__doc__.splitlines()[0], repeats=4)  # --repeats: the steps
+    args = gpt_arguments(__doc__.splitlines()[0], repeats=4,  # --repeats: the steps
+                         impls="fsdp_compose,fsdp2")
+    args.impls = args.impls.split(",")
     results = run_two_ranks(_worker, args, timeout=1200)
     print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch 4 x 128 "
           f"per rank, fp32, AdamW; rank 0's live tensor MiB")
-    print("| step | phase | fsdp_compose | FSDP2 | difference |")
-    print("|---|---|---|---|---|")
-    ours, theirs = results["fsdp_compose"], results["fsdp2"]
+    theirs = results["fsdp2"]
+    ours = [name for name in args.impls if name != "fsdp2"]
+    print("| step | phase | " + " | ".join(ours) + " | FSDP2 | difference |")
+    print("|---|---|" + "---|" * (len(ours) + 2))
     for step in range(args.repeats):
         for p, phase in enumerate(PHASES):
-            a, b = ours["peaks"][step][p] / MiB, theirs["peaks"][step][p] / MiB
-            print(f"| {step + 1} | {phase} peak | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
-        a, b = ours["after"][step] / MiB, theirs["after"][step] / MiB
-        print(f"| {step + 1} | after the step | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+            values = [results[n]["peaks"][step][p] / MiB for n in ours]
+            b = theirs["peaks"][step][p] / MiB
+            print(f"| {step + 1} | {phase} peak | " + " | ".join(f"{a:.1f}" for a in values) +
+                  f" | {b:.1f} | " + " / ".join(f"{a - b:+.1f}" for a in values) + " |")
+        values = [results[n]["after"][step] / MiB for n in ours]
+        b = theirs["after"][step] / MiB
+        print(f"| {step + 1} | after the step | " + " | ".join(f"{a:.1f}" for a in values) +
+              f" | {b:.1f} | " + " / ".join(f"{a - b:+.1f}" for a in values) + " |")
 
 
 if __name__ == "__main__":
