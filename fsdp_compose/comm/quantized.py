@@ -111,9 +111,11 @@ class BlockQuantizer:
         inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
         scaled = grid * inverse.unsqueeze(1)
         codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
+        # |scaled| <= qmax up to rounding, so no clamp for int8 (the rounding
+        # stays within +-127); fp8's cast saturates to nan past 448, so clamp.
+        # A non-finite block has a non-finite scale: its codes do not matter.
         if self.code_dtype == torch.int8:
-            # a non-finite block has a non-finite scale: its codes do not matter
-            codes.copy_(scaled.round_().clamp_(-self.qmax, self.qmax).nan_to_num_(0.0))
+            codes.copy_(scaled.round_())
         else:
             codes.copy_(scaled.clamp_(-self.qmax, self.qmax))
 
@@ -125,6 +127,10 @@ class BlockQuantizer:
         blocks = self.blocks(numel)
         codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
         scales = payload[blocks * block:blocks * block + 4 * blocks].view(torch.float32)
+        if self.code_dtype == torch.int8 and out.dtype == torch.float32 and \
+                blocks * block == numel and out.is_contiguous():
+            torch.mul(codes, scales.unsqueeze(1), out=out.view(blocks, block))  # one pass
+            return
         values = codes.float().mul_(scales.unsqueeze(1)).view(-1)
         out.copy_(values[:numel] if blocks * block != numel else values)
 
