@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 # The layer contracts first (import-linter, pyproject.toml), then the tests.
 test: venv
 	$(VENV)/bin/lint-imports
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	$(VPY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The tests on the oldest supported torch (TORCH_OLDEST), in $(OLDEST_VENV).
 test-oldest:

@@ -122,6 +122,7 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     # no forward agreement (nor verification): its cost, against "fsdp_compose"
     "fsdp_compose_noagree": functools.partial(build_fsdp_compose, check_divergence=False),
     "fsdp_compose_bucket1": functools.partial(build_fsdp_compose, bucket_cap_mb=1),
+    "fsdp_compose_bucket4": functools.partial(build_fsdp_compose, bucket_cap_mb=4),
     "fsdp_compose_split": functools.partial(build_fsdp_compose, split_root=True),
     "fsdp_compose_int8w": functools.partial(build_fsdp_compose, quantize="int8-weights"),
     "fsdp_compose_int8": functools.partial(build_fsdp_compose, quantize="int8"),
@@ -132,9 +133,9 @@ own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
 the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
 bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
 in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``),
-bucketing off (``set_bucket_cap_mb(0)``; the default is 4 MiB) or with a 1 MiB
-cap, and the root's embeddings and its final norm + head annotated as units of
-their own (``fully_shard_root``: gathered and reduced where they are used, the
+bucketing off (``set_bucket_cap_mb(0)``; the default is 2 MiB) or with a 1
+or 4 MiB cap (4: the default before issue 39), the root's embeddings and its
+final norm + head annotated as units of their own (``fully_shard_root``: gathered and reduced where they are used, the
 head's reduction overlaps the rest of backward), and quantized collectives
 (``CommPolicy``: int8 all-gather; int8 all-gather and reduction; fp8 both)."""
 

@@ -43,6 +43,10 @@ LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "d
           "fsdp_compose_bf16comm": "fsdp_compose bf16/bf16 RS",
           "fsdp_compose_nobucket": "fsdp_compose (no buckets)",
           "fsdp_compose_bucket1": "fsdp_compose (buckets 1 MiB)",
+          "fsdp_compose_bucket4": "fsdp_compose (buckets 4 MiB)",
+          "fsdp_compose_int8w": "fsdp_compose int8 all-gather",
+          "fsdp_compose_int8": "fsdp_compose int8 both",
+          "fsdp_compose_fp8": "fsdp_compose fp8 both",
           "fsdp_compose_split": "fsdp_compose (split root)"}
 
 

@@ -112,7 +112,7 @@ class ShardedModule:
         model this module belongs to: units of at most ``bucket_cap_mb`` MiB
         unsharded, consecutive in the forward order, are gathered by one
         all-gather and reduced by one reduce-scatter, in buckets of at most
-        that size (default ``DEFAULT_BUCKET_CAP_MB``, 4; ``0`` turns
+        that size (default ``DEFAULT_BUCKET_CAP_MB``, 2; ``0`` turns
         bucketing off). Same numbers bit for bit; see ``runtime/buckets.py``
         and docs/performance.md. Every rank must call it at the same point.
         Takes effect at the next root forward (the buckets follow the

@@ -70,6 +70,7 @@ def test_llama_training_parity_and_reload(optim_name):
                                    reference["model"](input_ids=ids).logits, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # ~30 s; two ranks: test_llama_training_parity_and_reload
 def test_llama_on_three_ranks_with_padding():
     results = run_distributed(3, _train, False, False, "adamw")
     reference = _hf.train_reference(functools.partial(_hf.build_llama, False, False), 3, "adamw")

@@ -219,9 +219,15 @@ FSDP2_LAYOUTS = [layout if not layout.startswith("on-mesh") or
                  else pytest.param(layout, marks=pytest.mark.skip(
                      reason="this torch's FSDP2 has no mesh per parameter (torch >= 2.13)"))
                  for layout in ALL_LAYOUTS]
+_FAST_FSDP2_LAYOUT = "on-mesh" if hasattr(_fsdp_common, "ShardPlacementResult") else "experts-units"
+FSDP2_LAYOUTS_ONE_FAST = [
+    layout if not isinstance(layout, str) or layout == _FAST_FSDP2_LAYOUT
+    else pytest.param(layout, marks=pytest.mark.slow)  # the same path on another layout
+    for layout in FSDP2_LAYOUTS]
+"""``FSDP2_LAYOUTS`` with all but one marked slow, for the costliest tests."""
 
 
-@pytest.mark.parametrize("layout", FSDP2_LAYOUTS)
+@pytest.mark.parametrize("layout", FSDP2_LAYOUTS_ONE_FAST)
 def test_same_recipe_as_fsdp2_step_by_step(layout):
     ours = run_distributed(WORLD, _losses_under, "fsdp_compose", layout, timeout=120)
     theirs = run_distributed(WORLD, _losses_under, "fsdp2", layout, timeout=120)
@@ -372,7 +378,7 @@ def _checkpoints_cross(root: str, layout: str) -> dict:
     return {"fsdp2_loaded_ours": fsdp2_loaded_ours, "ours_loaded_fsdp2": _same_values(theirs, fresh)}
 
 
-@pytest.mark.parametrize("layout", FSDP2_LAYOUTS)
+@pytest.mark.parametrize("layout", FSDP2_LAYOUTS_ONE_FAST)
 def test_checkpoints_cross_between_fsdp2_and_fsdp_compose(tmp_path, layout):
     for res in run_distributed(WORLD, _checkpoints_cross, str(tmp_path), layout, timeout=120):
         assert res == {"fsdp2_loaded_ours": True, "ours_loaded_fsdp2": True}, res

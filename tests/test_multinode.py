@@ -78,6 +78,7 @@ def one_process(tmp_path_factory) -> list[float]:
     return _losses(out, "ddp")
 
 
+@pytest.mark.slow  # ~2.5 min (two torchrun agents); HSDP parity: tests/test_hsdp.py
 def test_two_nodes_hsdp_matches_one_process(tmp_path, one_process):
     outputs = _run_two_nodes(tmp_path, "--hsdp")
     assert any("HSDP 2 replicas x 2 shards" in out for out in outputs), outputs

@@ -457,7 +457,7 @@ def test_meta_init_and_materialize_equal_an_eager_build(name):
             torch.testing.assert_close(res["got"][key], value, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+@pytest.mark.parametrize("name", ["rows", pytest.param("owned", marks=pytest.mark.slow), "shard1"])
 def test_hsdp_and_integer_reshard_after_forward(name):
     """4 ranks: a (2, 2) HSDP mesh (the placement applies within each shard
     group), then a 1-D mesh with reshard_after_forward=2."""
@@ -596,7 +596,7 @@ def test_clip_grad_norm_and_param_norms(name):
             assert res["clipped"][key] == pytest.approx(want_clipped[key], rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
+@pytest.mark.parametrize("name", ["rows", "owned", pytest.param("shard1", marks=pytest.mark.slow)])
 def test_cpu_offload_policy(name):
     """The blocks with CPUOffloadPolicy (on a CPU mesh its storage path:
     shards and gradients kept apart from the compute copies)."""

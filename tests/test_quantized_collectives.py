@@ -227,3 +227,23 @@ def test_bytes_on_the_wire_are_the_payloads_and_bucketing_changes_no_bit():
     assert bucketed[0]["counts"][ALL_TO_ALL] < alone[0]["counts"][ALL_TO_ALL]
     for a, b in zip(alone, bucketed):
         assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def _seen_over_a_mesh_of_one_shard() -> dict:
+    """Pure replication (mesh ``(2, 1)``), bf16 compute: shard groups of one
+    rank, which move nothing."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = _shard(build_model(), CommPolicy(all_gather=torch.int8, reduce_scatter=torch.int8),
+                   MixedPrecisionPolicy(param_dtype=torch.bfloat16), mesh=mesh)
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(
+        lambda m, _: seen.update({n: p.detach().clone() for n, p in m.named_parameters()}))
+    model.loss(*local_batch(0, dist.get_rank(), 2)).backward()
+    return seen
+
+
+def test_one_rank_shard_groups_are_not_quantized():
+    exact = dict(build_model().blocks[0].named_parameters())
+    for seen in run_distributed(2, _seen_over_a_mesh_of_one_shard):
+        for name, value in seen.items():
+            assert torch.equal(value, exact[name].detach().to(torch.bfloat16)), name

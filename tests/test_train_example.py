@@ -120,6 +120,7 @@ def test_resumed_run_says_the_steps_run_now_and_the_step_reached(tmp_path):
     assert f"{STEPS} steps" not in summary
 
 
+@pytest.mark.slow  # accumulation parity: tests/test_parity.py
 def test_micro_batches_equal_a_doubled_batch(compare, tmp_path):
     """2 micro-batches of 2 rows (sync on the last only, each loss / 2) train exactly
     like one batch of 4 rows per rank: the same loss at every step."""
@@ -132,9 +133,9 @@ def test_micro_batches_equal_a_doubled_batch(compare, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [
-    ("--activation-checkpointing",),
+    pytest.param(("--activation-checkpointing",), marks=pytest.mark.slow),
     ("--reshard-after-forward", "false"),
-    ("--mixed-precision", "bf16"),
+    pytest.param(("--mixed-precision", "bf16"), marks=pytest.mark.slow),
 ])
 def test_training_options(compare, tmp_path, flags):
     """Each option trains; checkpointing and resharding change no number, bf16 a little.
@@ -156,7 +157,7 @@ def test_training_options(compare, tmp_path, flags):
         assert not (tmp_path / "train_gpt.png").exists()
 
 
-@pytest.mark.parametrize("mode", ["raise", "exit"])
+@pytest.mark.parametrize("mode", [pytest.param("raise", marks=pytest.mark.slow), "exit"])
 def test_failing_rank_ends_the_job_promptly(tmp_path, mode):
     """Rank 1 fails at step 3 (an exception, or an abrupt os._exit); without
     --max-restarts torchrun stops rank 0 and exits non-zero, with the error shown."""
@@ -209,6 +210,7 @@ def test_ctrl_c_stops_every_rank_with_a_message(tmp_path):
     assert re.search(r"\[rank [01]\] interrupted \(Ctrl-C\) at step \d+: exiting", err), err[-3000:]
 
 
+@pytest.mark.slow  # ~30 s; Muon on owned matrices: tests/test_placements.py
 def test_muon_on_owned_matrices_trains_like_ddp(tmp_path):
     """``--optimizer muon``: torch's Muon on the blocks' weight matrices,
     each whole on one rank (placement "owned"), AdamW on the rest; DDP runs
@@ -228,6 +230,7 @@ def test_muon_on_owned_matrices_trains_like_ddp(tmp_path):
     assert losses[STEPS] < losses[1]
 
 
+@pytest.mark.slow  # ~55 s; async saves: tests/test_checkpoint_async.py
 def test_async_checkpoints_resume_exactly(compare, tmp_path):
     """``--async-save``: checkpoints at steps 2 and 4 written in the background
     (the job waits for the last before it ends), then a resume from step 4

@@ -223,7 +223,7 @@ class FlatBuffer:
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
-        if dtypes.param.is_floating_point:
+        if dtypes.param.is_floating_point and self.group.world_size > 1:  # else nothing moves
             self.gather_quantizer = self.policy.gather_quantizer
             self.reduce_quantizer = self.policy.reduce_quantizer
         self.storage_device = sharded.device
