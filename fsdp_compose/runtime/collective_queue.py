@@ -21,7 +21,9 @@ and all-reduces them over the replicas (hybrid sharding).
    the limit, the end of backward) waits the work through
    ``comm/watched_wait.wait_watched``, copies each member's part out of a packed
    output and frees the temporaries ([Note: freeing what a collective
-   read]), once. Then it completes members: an all-gather completes the
+   read]), once. A quantized collective (``CommPolicy``) is the same to
+   the queue: its work object decodes into the members and frees its wire
+   buffers inside that wait (``comm/quantized.py``). Then it completes members: an all-gather completes the
    member waited for (``FlatBuffer.complete_gather``: the buffer is
    unsharded), and a bucket's other members when their own unit waits, so
    until then they count as gathering; a reduce-scatter completes every
