@@ -19,6 +19,7 @@ curves, when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -58,15 +59,14 @@ def _train(mode: str, steps: int, rank: int, world: int) -> dict:
     for step in range(steps):
         x, y = synthetic_tokens(step, rows * world, cfg.seq_len, cfg.vocab_size, seed=0)
         x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        if step == 3:  # bucketed by then; counted once
-            with CollectiveCounter() as counter:  # the portable reduce-scatter, counted
-                loss = model.loss(x, y)
-                loss.backward()
-            wire = {_name(op): n * _sent_per_output_byte(op, world)
-                    for op, n in counter.bytes.items()}
-        else:
+        # step 3 is bucketed by then: its collectives are counted (the portable reduce-scatter)
+        counter = CollectiveCounter() if step == 3 else contextlib.nullcontext()
+        with counter:
             loss = model.loss(x, y)
             loss.backward()
+        if step == 3:
+            wire = {_name(op): n * _sent_per_output_byte(op, world)
+                    for op, n in counter.bytes.items()}
         optim.step()
         optim.zero_grad()
         mean = loss.detach()
