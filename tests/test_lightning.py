@@ -1,10 +1,10 @@
-"""Lightning Fabric with fsdp_compose: FSDP2's recipe with our ``fully_shard``
-and ``fsdp_compose.integrations.lightning.ModelParallelStrategy``, on 2 CPU
-ranks, against the same script with torch's FSDP2 and Lightning's own
-strategy: losses step by step, ``fabric.save`` / ``fabric.load`` resume
+"""Lightning with fsdp_compose: FSDP2's recipes with our ``fully_shard`` and
+the strategies of ``fsdp_compose.integrations.lightning`` (``fabric`` and
+``pytorch``), on 2 CPU ranks, against the same scripts with torch's FSDP2
+and Lightning's own strategies: losses step by step, checkpoint resume
 (sharded and full checkpoints, and an FSDP2 checkpoint resumed by
-fsdp_compose), gradient clipping through ``fabric.clip_gradients`` and
-gradient accumulation under ``fabric.no_backward_sync``.
+fsdp_compose), gradient clipping through Lightning's clipping and, under
+Fabric, gradient accumulation under ``fabric.no_backward_sync``.
 """
 
 import os
@@ -45,7 +45,7 @@ def _fabric(impl, sharded_checkpoint):
     if impl == "fsdp2":
         from lightning.fabric.strategies import ModelParallelStrategy
     else:
-        from fsdp_compose.integrations.lightning import ModelParallelStrategy
+        from fsdp_compose.integrations.lightning.fabric import ModelParallelStrategy
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0",
                       WORLD_SIZE=str(dist.get_world_size()))
     warnings.filterwarnings("ignore")
@@ -106,7 +106,9 @@ def _sync_settings(model):
             for m in model.modules() if isinstance(m, ShardedModule)]
 
 
-@pytest.mark.parametrize("sharded_checkpoint", [True, False], ids=["sharded", "full"])
+@pytest.mark.parametrize("sharded_checkpoint", [
+    True, pytest.param(False, marks=pytest.mark.slow)],  # ~8 s each; sharded: the default
+    ids=["sharded", "full"])
 def test_fabric_matches_fsdp2_and_resumes_exactly(sharded_checkpoint):
     with tempfile.TemporaryDirectory() as tmp:
         ours_ckpt, fsdp2_ckpt = os.path.join(tmp, "ours"), os.path.join(tmp, "fsdp2")
@@ -138,3 +140,89 @@ def test_fabric_no_backward_sync_accumulates_like_fsdp2():
         # inside the context no unit synchronises; after it, every unit does again
         assert res["sync_off"] and all(not any(s) for s in res["sync_off"])
         assert all(res["sync_after"])
+
+
+# ------------------------------------------------------------ the Trainer
+def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_from=None):
+    """``Trainer.fit`` of a LightningModule whose ``configure_model`` shards a
+    GPT (FSDP2's recipe), ``gradient_clip_val``; rank 0's per-step global
+    mean losses (of the steps this fit ran)."""
+    import lightning.pytorch as pl
+    if impl == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+    else:
+        from fsdp_compose.integrations.lightning.pytorch import ModelParallelStrategy
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0",
+                      WORLD_SIZE=str(dist.get_world_size()))
+    warnings.filterwarnings("ignore")
+    parallelize = _parallelize(impl)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.losses = []
+
+        def configure_model(self):
+            if not hasattr(self, "gpt"):
+                torch.manual_seed(0)
+                self.gpt = parallelize(GPT(CFG), self.device_mesh)
+
+        def training_step(self, batch, _index):
+            (x,) = batch
+            loss = self.gpt.loss(x, x.roll(1, 1))
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            self.losses.append(mean.item() / dist.get_world_size())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    # An epoch is SAVE_AFTER steps of this rank's own batches, in order: a resume
+    # restarts an unfinished epoch (Lightning's loader is not stateful) and
+    # Lightning's DistributedSampler would reshuffle each epoch, seeded
+    # differently after a resume; so each rank reads its own slice, unsampled.
+    g = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, CFG.vocab_size, (8 * SAVE_AFTER, CFG.seq_len), generator=g)
+    data = torch.utils.data.TensorDataset(tokens[dist.get_rank()::dist.get_world_size()])
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=sharded_checkpoint)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
+                         gradient_clip_val=MAX_NORM, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, use_distributed_sampler=False)
+    module = Module()
+    trainer.fit(module, loader, ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return module.losses
+
+
+@pytest.mark.parametrize("sharded_checkpoint", [
+    True, pytest.param(False, marks=pytest.mark.slow)],  # ~8 s each; sharded: the default
+    ids=["sharded", "full"])
+def test_trainer_matches_fsdp2_and_resumes_like_fsdp2(sharded_checkpoint):
+    """Fit 6 steps; fit 3, ``save_checkpoint``, fit to 6 from it. The resumed
+    fit starts from exactly the weights of step 3 (its first loss is the
+    uninterrupted fit's), and every resumed step equals FSDP2's resumed fit.
+    (From the second resumed step on, a resumed fit differs from the
+    uninterrupted one under FSDP2 as under fsdp_compose: Lightning 2.6.6's
+    loop restarts there differently; not ours to fix.)"""
+    with tempfile.TemporaryDirectory() as tmp:
+        fsdp2_ckpt, ours_ckpt = os.path.join(tmp, "fsdp2"), os.path.join(tmp, "ours")
+        fsdp2 = run_distributed(2, _trainer_fit, "fsdp2", STEPS)[0]
+        ours = run_distributed(2, _trainer_fit, "ours", STEPS)[0]
+        runs = {}
+        for impl, ckpt in (("fsdp2", fsdp2_ckpt), ("ours", ours_ckpt)):
+            first = run_distributed(2, _trainer_fit, impl, SAVE_AFTER, save_to=ckpt,
+                                    sharded_checkpoint=sharded_checkpoint)[0]
+            resumed = run_distributed(2, _trainer_fit, impl, STEPS, resume_from=ckpt,
+                                      sharded_checkpoint=sharded_checkpoint)[0]
+            runs[impl] = first, resumed
+    assert len(ours) == STEPS
+    torch.testing.assert_close(ours, fsdp2, atol=1e-6, rtol=0)
+    first, resumed = runs["ours"]
+    assert first == ours[:SAVE_AFTER]
+    assert len(resumed) == STEPS - SAVE_AFTER and resumed[0] == ours[SAVE_AFTER]
+    torch.testing.assert_close(resumed, runs["fsdp2"][1], atol=1e-6, rtol=0)

@@ -36,7 +36,10 @@ PUBLIC = {
     "fsdp_compose.grad_scaler": [
         "ShardedGradScaler",
     ],
-    "fsdp_compose.integrations.lightning": [
+    "fsdp_compose.integrations.lightning.fabric": [
+        "ModelParallelStrategy",
+    ],
+    "fsdp_compose.integrations.lightning.pytorch": [
         "ModelParallelStrategy",
     ],
     "fsdp_compose.testing": [

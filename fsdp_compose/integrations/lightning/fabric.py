@@ -1,0 +1,107 @@
+"""fsdp_compose under Lightning Fabric: the strategy to pass to ``Fabric``.
+
+Lightning's ``ModelParallelStrategy`` runs the user's ``parallelize_fn``
+(where FSDP2's recipe calls torch's ``fully_shard``) and then recognises the
+sharded model by what FSDP2 leaves on it: ``DTensor`` parameters to save and
+load, ``FSDPModule`` to skip gradient synchronisation. fsdp_compose keeps the
+original parameters as plain tensors, so with Lightning's own strategy
+``fabric.save`` finds no model and ``fabric.no_backward_sync`` does nothing.
+
+:class:`ModelParallelStrategy` is Lightning's strategy with those three
+places made to recognise fsdp_compose models (any module of the model is a
+:class:`~fsdp_compose.ShardedModule`); everything else, FSDP2 models
+included, is Lightning's. The checkpoints are Lightning's formats
+(``_checkpoints.py``): sharded by default, one file of full tensors with
+``save_distributed_checkpoint=False``.
+
+Gradient clipping needs nothing here: Lightning calls
+``torch.nn.utils.clip_grad_norm_``, which fsdp_compose routes to the norm
+over all ranks (``route_torch_grad_norms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch.nn as nn
+from lightning.fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch.optim import Optimizer
+
+from ...sharded_module import ShardedModule
+from ._checkpoints import Filter, State, is_sharded, load, load_full_model, save, sharded_model
+
+__all__ = ["ModelParallelStrategy"]
+
+
+class ModelParallelStrategy(_LightningModelParallelStrategy):
+    """``lightning.fabric.strategies.ModelParallelStrategy`` for models that
+    ``parallelize_fn`` shards with :func:`fsdp_compose.fully_shard`. Takes
+    the same arguments; the device mesh Lightning builds has the dims
+    ``"data_parallel"`` and ``"tensor_parallel"`` (shard over
+    ``mesh["data_parallel"]``; note that Lightning's default sizes put every
+    device on ``"tensor_parallel"``).
+
+    Invariant: for a state without an fsdp_compose model every method is
+    Lightning's own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = _GradientSyncControl()
+
+    def save_checkpoint(self, path: Union[str, Path], state: State,
+                        storage_options: Optional[Any] = None,
+                        filter: Optional[Filter] = None) -> None:
+        model = sharded_model(state.values())
+        if model is None:
+            return super().save_checkpoint(path, state, storage_options, filter)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not "
+                            "supported: the checkpoint is written by torch.distributed.checkpoint.")
+        sharded = self._save_distributed_checkpoint
+        if filter is not None and sharded:
+            raise NotImplementedError(
+                "fabric.save(..., filter=...) with a sharded checkpoint: a filtered sharded checkpoint "
+                "cannot be loaded; pass save_distributed_checkpoint=False to the strategy to filter.")
+        path = Path(self.broadcast(path))
+        save(path, state, model, sharded=sharded, rank=self.global_rank, filter=filter)
+
+    def load_checkpoint(self, path: Union[str, Path],
+                        state: Optional[Union[nn.Module, Optimizer, State]] = None,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> State:
+        if isinstance(state, nn.Module) and is_sharded(state):
+            path = Path(self.broadcast(path))
+            load_full_model(path, state, strict=strict, weights_only=weights_only)
+            return {}
+        model = sharded_model(state.values()) if isinstance(state, dict) else None
+        if model is None:
+            return super().load_checkpoint(path, state, strict, weights_only)
+        path = Path(self.broadcast(path))
+        return load(path, state, model, strict=strict, weights_only=weights_only)
+
+
+class _GradientSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: while ``enabled``, every
+    sharded unit of ``model`` (fsdp_compose's or FSDP2's) keeps its
+    gradients unreduced; on exit they synchronise again (the backward after
+    the context reduces the sum)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return _gradient_sync_off(module) if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in module.modules() if isinstance(m, (ShardedModule, FSDPModule))]
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+
+

@@ -1,0 +1,46 @@
+"""fsdp_compose under the Lightning Trainer: the strategy to pass to
+``Trainer(strategy=...)``, with ``configure_model()`` calling
+:func:`fsdp_compose.fully_shard` where FSDP2's recipe calls torch's.
+
+Lightning's Trainer saves an FSDP2 model through torch's state-dict
+functions, which fsdp_compose models answer too, but it loads a checkpoint
+only into a model whose parameters are ``DTensor``\\ s: with Lightning's own
+strategy ``Trainer.fit(ckpt_path=...)`` raises "Could not find a distributed
+model". :class:`ModelParallelStrategy` is Lightning's Trainer strategy whose
+``load_checkpoint`` also takes fsdp_compose models, from either of
+Lightning's formats (``_checkpoints.py``). Gradient clipping
+(``gradient_clip_val``) calls ``torch.nn.utils.clip_grad_norm_``, which
+fsdp_compose routes to the norm over all ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+
+from ._checkpoints import is_sharded, load
+
+__all__ = ["ModelParallelStrategy"]
+
+
+class ModelParallelStrategy(_LightningModelParallelStrategy):
+    """``lightning.pytorch.strategies.ModelParallelStrategy`` for models that
+    ``configure_model()`` shards with :func:`fsdp_compose.fully_shard` (over
+    ``self.device_mesh["data_parallel"]``). Takes the same arguments.
+
+    Invariant: for a model without fsdp_compose units every method is
+    Lightning's own."""
+
+    def load_checkpoint(self, checkpoint_path: Union[str, Path],
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        model = self.model
+        if model is None or not is_sharded(model):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        state = {"state_dict": model,
+                 **{f"optimizer_{index}": opt for index, opt in enumerate(self.optimizers)}}
+        assert self.lightning_module is not None
+        return load(path, state, model, strict=self.lightning_module.strict_loading,
+                    weights_only=weights_only)
