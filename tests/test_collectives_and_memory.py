@@ -57,12 +57,21 @@ def count_step_collectives(recipe: str, lora: bool, mode: str):
         x, y = global_batch(i, world, "plain")
         per = x.shape[0] // world
         x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-        if mode == "nosync-then-sync":
+        if mode.startswith("nosync-then-"):
             model.set_requires_gradient_sync(False)
             model.loss(x, y).backward()
             model.set_requires_gradient_sync(True)
-        model.loss(x, y).backward()
-        optim.step()
+        if mode == "nosync-then-closure":
+            # the step's backward runs inside step(closure), after the step
+            # pre-hooks (LBFGS; Lightning's automatic optimization)
+            def closure():
+                loss = model.loss(x, y)
+                loss.backward()
+                return loss
+            optim.step(closure)
+        else:
+            model.loss(x, y).backward()
+            optim.step()
         optim.zero_grad()
 
     step(0)
@@ -90,13 +99,14 @@ def count_step_collectives(recipe: str, lora: bool, mode: str):
     ("siblings", False, "plain"),
     ("no-reshard-after-forward", False, "plain"),
     ("blocks+root", False, "nosync-then-sync"),
+    ("blocks+root", False, "nosync-then-closure"),
 ])
 def test_collectives_per_step(recipe, lora, mode):
     res = run_distributed(2, count_step_collectives, recipe, lora, mode)[0]
     n, root, trainable = res["buffers"], res["root_buffers"], res["trainable_buffers"]
     backward_gathers = 0 if recipe == "no-reshard-after-forward" else n - root
     per_backward = n + backward_gathers
-    backwards = 2 if mode == "nosync-then-sync" else 1
+    backwards = 2 if mode.startswith("nosync-then-") else 1
     assert res["all_gathers"] == backwards * per_backward
     # one reduce-scatter per trainable buffer, only on the synced backward;
     # frozen-only units never reduce-scatter

@@ -4,7 +4,8 @@ the strategies of ``fsdp_compose.integrations.lightning`` (``fabric`` and
 and Lightning's own strategies: losses step by step, checkpoint resume
 (sharded and full checkpoints, and an FSDP2 checkpoint resumed by
 fsdp_compose), gradient clipping through Lightning's clipping and, under
-Fabric, gradient accumulation under ``fabric.no_backward_sync``.
+Fabric, bf16 compute through ``MixedPrecisionPolicy`` and gradient
+accumulation under ``fabric.no_backward_sync``.
 """
 
 import os
@@ -25,20 +26,22 @@ STEPS, SAVE_AFTER, MAX_NORM = 6, 3, 0.5
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
-def _parallelize(impl):
+def _parallelize(impl, bf16=False):
     def parallelize(model, mesh):
         if impl == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         else:
-            from fsdp_compose import fully_shard
+            from fsdp_compose import MixedPrecisionPolicy, fully_shard
+        kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32)} if bf16 else {}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["data_parallel"])
-        fully_shard(model, mesh=mesh["data_parallel"])
+            fully_shard(block, mesh=mesh["data_parallel"], **kwargs)
+        fully_shard(model, mesh=mesh["data_parallel"], **kwargs)
         return model
     return parallelize
 
 
-def _fabric(impl, sharded_checkpoint):
+def _fabric(impl, sharded_checkpoint, bf16=False):
     """A Fabric over the harness's process group (Lightning sees processes
     started externally and a process group already initialised)."""
     from lightning.fabric import Fabric
@@ -49,7 +52,7 @@ def _fabric(impl, sharded_checkpoint):
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0",
                       WORLD_SIZE=str(dist.get_world_size()))
     warnings.filterwarnings("ignore")
-    strategy = ModelParallelStrategy(parallelize_fn=_parallelize(impl), data_parallel_size=2,
+    strategy = ModelParallelStrategy(parallelize_fn=_parallelize(impl, bf16), data_parallel_size=2,
                                      tensor_parallel_size=1,
                                      save_distributed_checkpoint=sharded_checkpoint)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
@@ -64,11 +67,12 @@ def _batches(rank):
     return [data[4 * step + rank::2][:2] for step in range(STEPS)]  # two micro-batches per step
 
 
-def _train(impl, save_to=None, resume_from=None, sharded_checkpoint=True, accumulate=False):
+def _train(impl, save_to=None, resume_from=None, sharded_checkpoint=True, accumulate=False,
+           bf16=False):
     """Steps ``0..STEPS-1`` (from the checkpoint's step when resuming); the
     global mean loss of each, and the norm clip_gradients saw. With
     ``save_to``, a checkpoint after step ``SAVE_AFTER - 1``."""
-    fabric = _fabric(impl, sharded_checkpoint)
+    fabric = _fabric(impl, sharded_checkpoint, bf16)
     torch.manual_seed(0)
     model = fabric.setup_module(GPT(CFG))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -132,6 +136,17 @@ def test_fabric_matches_fsdp2_and_resumes_exactly(sharded_checkpoint):
                                atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # ~10 s; the policy itself: tests/test_mixed_precision.py
+def test_fabric_mixed_precision_policy_matches_fsdp2():
+    """bf16 compute with fp32 reduction, through the policy given to
+    fully_shard in parallelize_fn (Fabric's precision stays "32-true")."""
+    fsdp2 = run_distributed(2, _train, "fsdp2", bf16=True)[0]
+    ours = run_distributed(2, _train, "ours", bf16=True)[0]
+    assert ours["losses"] == fsdp2["losses"]
+    # bf16 compute did happen: every loss is a bf16 value
+    assert all(torch.tensor(x).bfloat16().item() == x for x in ours["losses"])
+
+
 def test_fabric_no_backward_sync_accumulates_like_fsdp2():
     fsdp2 = run_distributed(2, _train, "fsdp2", accumulate=True)[0]
     results = run_distributed(2, _train, "ours", accumulate=True)
@@ -143,10 +158,13 @@ def test_fabric_no_backward_sync_accumulates_like_fsdp2():
 
 
 # ------------------------------------------------------------ the Trainer
-def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_from=None):
+def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_from=None,
+                 accumulate=1, sync_seen=None):
     """``Trainer.fit`` of a LightningModule whose ``configure_model`` shards a
-    GPT (FSDP2's recipe), ``gradient_clip_val``; rank 0's per-step global
-    mean losses (of the steps this fit ran)."""
+    GPT (FSDP2's recipe), ``gradient_clip_val``; rank 0's per-batch global
+    mean losses (of the batches this fit ran). With ``sync_seen`` (a
+    list), each batch's gradient-sync settings of the units are returned
+    too."""
     import lightning.pytorch as pl
     if impl == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -160,7 +178,7 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.losses = []
+            self.losses, self.sync_seen = [], []
 
         def configure_model(self):
             if not hasattr(self, "gpt"):
@@ -173,6 +191,7 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             self.losses.append(mean.item() / dist.get_world_size())
+            self.sync_seen.append(_sync_settings(self.gpt))
             return loss
 
         def configure_optimizers(self):
@@ -191,12 +210,13 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                          gradient_clip_val=MAX_NORM, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, use_distributed_sampler=False)
+                         num_sanity_val_steps=0, use_distributed_sampler=False,
+                         accumulate_grad_batches=accumulate)
     module = Module()
     trainer.fit(module, loader, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    return module.losses
+    return (module.losses, module.sync_seen) if sync_seen is not None else module.losses
 
 
 @pytest.mark.parametrize("sharded_checkpoint", [
@@ -226,3 +246,17 @@ def test_trainer_matches_fsdp2_and_resumes_like_fsdp2(sharded_checkpoint):
     assert first == ours[:SAVE_AFTER]
     assert len(resumed) == STEPS - SAVE_AFTER and resumed[0] == ours[SAVE_AFTER]
     torch.testing.assert_close(resumed, runs["fsdp2"][1], atol=1e-6, rtol=0)
+
+
+def test_trainer_accumulation_reduces_once_per_step_and_matches_fsdp2():
+    """``accumulate_grad_batches=2``: FSDP2 under Lightning reduces every
+    micro-batch; fsdp_compose's strategy turns reduction off for the first
+    (Lightning's ``block_backward_sync``), with the same losses."""
+    fsdp2, _ = run_distributed(2, _trainer_fit, "fsdp2", 2, accumulate=2, sync_seen=True)[0]
+    results = run_distributed(2, _trainer_fit, "ours", 2, accumulate=2, sync_seen=True)
+    for losses, sync_seen in results:
+        # an epoch is 3 batches: (b0 + b1) step, then b2 alone (an epoch's last batch steps)
+        assert len(losses) == 3
+        torch.testing.assert_close(losses, fsdp2, atol=1e-6, rtol=0)
+        assert [any(s) for s in sync_seen] == [False, True, True]
+        assert all(all(s) for s in sync_seen[1:])

@@ -4,7 +4,9 @@ not ready: it would silently apply stale or missing gradients.
 One global optimizer step pre-hook (installed by the first ``fully_shard``)
 looks at the flat buffers of the parameters the optimizer holds. The state
 it reads is the same on every rank (every rank ran the same forward and
-backward), so every rank raises together, before any collective. Cost per
+backward), so every rank raises together, before any collective. A step
+given a closure computes its gradients after the hook: only the units'
+states are checked then. Cost per
 step: a few attribute reads per flat buffer (the buffers of an optimizer
 are found once and cached while its parameter count stays the same).
 """
@@ -48,8 +50,13 @@ def _managed_buffers(optimizer: Optimizer) -> list[tuple[Unit, FlatBuffer]]:
     return _buffers_of[optimizer][1]
 
 
-def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
+def _check_step(optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
     in_backward = current_graph_task_id() != -1  # e.g. optimizer in backward hooks
+    # optimizer.step(closure) (LBFGS; Lightning's automatic optimization) runs
+    # the step's forward and backward inside step(), after this hook: the
+    # gradients are made there, so only the units' states can be checked now
+    # (``args`` are step()'s own, the optimizer first)
+    gradients_come_later = kwargs.get("closure", args[1] if len(args) > 1 else None) is not None
     for unit, buffer in _managed_buffers(optimizer):
         fqn = buffer.records[0].fqn
         if unit.training_state is TrainingState.FORWARD or (unit.training_state is not TrainingState.IDLE
@@ -58,6 +65,8 @@ def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
                 f"optimizer.step() while {unit.name} (parameter '{fqn}') is in its "
                 f"{unit.training_state.name.lower()}: step after backward has finished. If a forward or "
                 "backward raised, call reset_iter_state() on the root module first.")
+        if gradients_come_later:
+            continue
         if buffer.grad.has_unpublished:
             raise RuntimeError(
                 f"optimizer.step() while the reduce-scatter of {unit.name}'s gradients "

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch.nn as nn
 from lightning.fabric.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.optim import Optimizer
 
-from ...sharded_module import ShardedModule
 from ._checkpoints import Filter, State, is_sharded, load, load_full_model, save, sharded_model
+from ._gradient_sync import gradient_sync_off
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -89,19 +89,4 @@ class _GradientSyncControl(_BackwardSyncControl):
     the context reduces the sum)."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        return _gradient_sync_off(module) if enabled else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _gradient_sync_off(module: nn.Module) -> Iterator[None]:
-    from torch.distributed.fsdp import FSDPModule
-    units = [m for m in module.modules() if isinstance(m, (ShardedModule, FSDPModule))]
-    for unit in units:
-        unit.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.set_requires_gradient_sync(True, recurse=False)
-
-
+        return gradient_sync_off(module) if enabled else contextlib.nullcontext()

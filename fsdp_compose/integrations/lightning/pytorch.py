@@ -8,19 +8,24 @@ only into a model whose parameters are ``DTensor``\\ s: with Lightning's own
 strategy ``Trainer.fit(ckpt_path=...)`` raises "Could not find a distributed
 model". :class:`ModelParallelStrategy` is Lightning's Trainer strategy whose
 ``load_checkpoint`` also takes fsdp_compose models, from either of
-Lightning's formats (``_checkpoints.py``). Gradient clipping
+Lightning's formats (``_checkpoints.py``), and whose
+``block_backward_sync`` (what ``accumulate_grad_batches`` enters for every
+micro-batch but the last) turns gradient reduction off on fsdp_compose's
+units; Lightning's reduces every micro-batch (for FSDP2 too). Gradient clipping
 (``gradient_clip_val``) calls ``torch.nn.utils.clip_grad_norm_``, which
 fsdp_compose routes to the norm over all ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 
 from ._checkpoints import is_sharded, load
+from ._gradient_sync import gradient_sync_off
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -44,3 +49,13 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         assert self.lightning_module is not None
         return load(path, state, model, strict=self.lightning_module.strict_loading,
                     weights_only=weights_only)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        model = self.model
+        if model is None or not is_sharded(model):
+            with super().block_backward_sync():
+                yield
+            return
+        with gradient_sync_off(model):
+            yield
