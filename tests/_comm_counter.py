@@ -15,7 +15,9 @@ ALL_REDUCE = torch.ops.c10d.allreduce_.default
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts every c10d op dispatched while active, with the bytes of its
-    first (output) tensor argument; also sees ops run inside backward.
+    first (output) argument (a tensor, or every tensor of a list: the
+    ``allreduce_`` of ``dist.all_reduce`` takes a list); also sees ops run
+    inside backward.
 
     While active, gradient reductions use the portable reduce-scatter op
     (not gloo's all-reduce emulation, see ``_comm.py``), so that counts
@@ -46,12 +48,21 @@ class CollectiveCounter(TorchDispatchMode):
             self.counts[func] += 1
             ranks = _group_ranks(args)
             self.by_ranks[func, ranks] += 1
-            out = args[0]
-            if isinstance(out, torch.Tensor):
+            # the first argument: a tensor, or a list of them (allreduce_, broadcast_)
+            for out in _tensors(args[0]):
                 self.bytes[func] += out.numel() * out.element_size()
                 self.bytes_by_ranks[func, ranks] += out.numel() * out.element_size()
                 self.dtypes.setdefault(func, set()).add(out.dtype)
         return func(*args, **(kwargs or {}))
+
+
+def _tensors(arg) -> list:
+    """The tensors of a c10d op's argument, nested lists flattened."""
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [t for item in arg for t in _tensors(item)]
+    return []
 
 
 def _group_ranks(args) -> tuple:

@@ -120,6 +120,24 @@ def test_collectives_per_step(recipe, lora, mode):
         assert (n, trainable) == (4, 4)  # the exact numbers: 7 all-gathers, 4 reduce-scatters
 
 
+def _counted_bytes_of_plain_collectives():
+    """torch's own collectives under the counter: an all-reduce (whose c10d
+    op takes a list of tensors) and an all-gather into one tensor."""
+    x = torch.ones(10, dtype=torch.float32)
+    gathered = torch.empty(20 * dist.get_world_size(), dtype=torch.float16)
+    with CollectiveCounter() as comm:
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(gathered, torch.ones(20, dtype=torch.float16))
+    return {"all_reduce": comm.bytes[AR], "all_gather": comm.bytes[AG],
+            "dtypes": sorted(str(d) for ds in comm.dtypes.values() for d in ds)}
+
+
+def test_collective_counter_counts_the_bytes_of_list_arguments():
+    for res in run_distributed(2, _counted_bytes_of_plain_collectives):
+        assert res == {"all_reduce": 40, "all_gather": 2 * 20 * 2,
+                       "dtypes": ["torch.float16", "torch.float32"]}
+
+
 def gloo_all_reduce_path(via_all_reduce: bool):
     """One step (after two warm-up steps) with the gloo reduce-scatter done as
     an in-place all-reduce, or not; returns the counts by op and the

@@ -260,3 +260,24 @@ def test_trainer_accumulation_reduces_once_per_step_and_matches_fsdp2():
         torch.testing.assert_close(losses, fsdp2, atol=1e-6, rtol=0)
         assert [any(s) for s in sync_seen] == [False, True, True]
         assert all(all(s) for s in sync_seen[1:])
+
+
+def _load_raw(path):
+    """``fabric.load_raw``: a file of full tensors (an unsharded model's
+    ``state_dict()``) into the sharded model; the model's full weights after."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    fabric = _fabric("ours", sharded_checkpoint=True)
+    torch.manual_seed(0)
+    model = fabric.setup_module(GPT(CFG))
+    fabric.load_raw(path, model)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+@pytest.mark.slow  # ~5 s; the full-tensor loading itself: tests/test_checkpoint_model.py
+def test_fabric_load_raw_reads_full_tensors_into_the_sharded_model(tmp_path):
+    torch.manual_seed(1)
+    reference = GPT(CFG).state_dict()
+    torch.save(reference, tmp_path / "weights.pt")
+    for loaded in run_distributed(2, _load_raw, str(tmp_path / "weights.pt")):
+        assert loaded.keys() == reference.keys()
+        assert all(torch.equal(loaded[k], reference[k]) for k in reference)
