@@ -9,7 +9,8 @@ every unit in its subtree.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import contextlib
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -73,6 +74,22 @@ class ShardedModule:
         collectives) and the next backward with ``True`` reduces their sum."""
         for state in _states(self, recurse):
             state.unit.settings.requires_gradient_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's and FSDP1's gradient-accumulation context: inside, every
+        unit at or below this module keeps its gradients unreduced; on exit
+        each unit's previous setting returns (the next backward outside
+        reduces the accumulated sum). What accelerate's ``no_sync`` calls."""
+        states = _states(self, True)
+        previous = [state.unit.settings.requires_gradient_sync for state in states]
+        for state in states:
+            state.unit.settings.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            for state, setting in zip(states, previous):
+                state.unit.settings.requires_gradient_sync = setting
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:

@@ -61,6 +61,9 @@ def count_step_collectives(recipe: str, lora: bool, mode: str):
             model.set_requires_gradient_sync(False)
             model.loss(x, y).backward()
             model.set_requires_gradient_sync(True)
+        if mode == "no_sync-context-then-sync":  # DDP's / FSDP1's context (what accelerate calls)
+            with model.no_sync():
+                model.loss(x, y).backward()
         if mode == "nosync-then-closure":
             # the step's backward runs inside step(closure), after the step
             # pre-hooks (LBFGS; Lightning's automatic optimization)
@@ -100,13 +103,14 @@ def count_step_collectives(recipe: str, lora: bool, mode: str):
     ("no-reshard-after-forward", False, "plain"),
     ("blocks+root", False, "nosync-then-sync"),
     ("blocks+root", False, "nosync-then-closure"),
+    ("blocks+root", False, "no_sync-context-then-sync"),
 ])
 def test_collectives_per_step(recipe, lora, mode):
     res = run_distributed(2, count_step_collectives, recipe, lora, mode)[0]
     n, root, trainable = res["buffers"], res["root_buffers"], res["trainable_buffers"]
     backward_gathers = 0 if recipe == "no-reshard-after-forward" else n - root
     per_backward = n + backward_gathers
-    backwards = 2 if mode.startswith("nosync-then-") else 1
+    backwards = 2 if "then-" in mode else 1
     assert res["all_gathers"] == backwards * per_backward
     # one reduce-scatter per trainable buffer, only on the synced backward;
     # frozen-only units never reduce-scatter

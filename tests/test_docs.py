@@ -44,7 +44,7 @@ from tests.harness import run_distributed
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_RANKS = 2
-OPTIONAL = ("transformers", "peft", "safetensors", "lightning")  # snippets importing these skip without them
+OPTIONAL = ("transformers", "peft", "safetensors", "lightning", "accelerate")  # snippets importing these skip without them
 OPTIONS = {"setup", "continues", "ranks", "local", "torchrun", "slow", "no-run", "output", "rank"}
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")

@@ -36,6 +36,9 @@ PUBLIC = {
     "fsdp_compose.grad_scaler": [
         "ShardedGradScaler",
     ],
+    "fsdp_compose.integrations.hf": [
+        "ShardedTrainer", "ShardedTrainerMixin",
+    ],
     "fsdp_compose.integrations.lightning.fabric": [
         "ModelParallelStrategy",
     ],
@@ -68,6 +71,8 @@ PUBLIC = {
 def test_public_names_are_pinned(module_name):
     if module_name.startswith("fsdp_compose.integrations.lightning"):
         pytest.importorskip("lightning")  # the [lightning] extra
+    if module_name == "fsdp_compose.integrations.hf":
+        pytest.importorskip("accelerate")  # the [hf] extra
     module = importlib.import_module(module_name)
     assert sorted(module.__all__) == PUBLIC[module_name], (
         f"{module_name}.__all__ changed: added {sorted(set(module.__all__) - set(PUBLIC[module_name]))}, "

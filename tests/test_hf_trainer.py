@@ -1,0 +1,128 @@
+"""Hugging Face's ``Trainer`` with fsdp_compose (``ShardedTrainer``) on 2
+CPU ranks, against the same script under the Trainer's own multi-process
+mode (accelerate's DistributedDataParallel: accelerate refuses FSDP on a
+CPU): a tiny Llama with PEFT LoRA, losses and gradient norms step by step
+(clipping on, gradient accumulation on and off), ``save_model`` writing an
+adapter that ``PeftModel.from_pretrained`` loads in one process, and
+``resume_from_checkpoint`` repeating the steps after the checkpoint exactly.
+"""
+
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+from tests._hf import VOCAB, SEQ, build_llama, shard_layers_and_root  # noqa: E402
+from tests.harness import run_distributed  # noqa: E402
+
+STEPS, SAVE_EVERY, PER_DEVICE = 6, 3, 2
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
+                                        "ignore::FutureWarning")
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(3, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _train(impl, output_dir, accumulate=1, resume=None):
+    """``STEPS`` optimizer steps (from the checkpoint's step when resuming),
+    a checkpoint every ``SAVE_EVERY``, then ``save_model()``; returns the
+    logged loss and gradient norm of each step and the reduce-scatters
+    issued (ours)."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+    from tests._comm_counter import REDUCE_SCATTER, CollectiveCounter
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
+                      WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE=str(dist.get_world_size()),
+                      OMP_NUM_THREADS=str(torch.get_num_threads()), HF_HUB_OFFLINE="1")
+    warnings.filterwarnings("ignore")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
+        gradient_accumulation_steps=accumulate, learning_rate=5e-3, max_grad_norm=0.25,
+        logging_steps=1, save_steps=SAVE_EVERY, save_strategy="steps", report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
+    model = build_llama(lora=True)
+    if impl == "fsdp_compose":
+        from fsdp_compose.integrations.hf import ShardedTrainer as cls
+        try:
+            cls(model=model, args=args, train_dataset=_Tokens(64))
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        shard_layers_and_root(model)
+        model.set_bucket_cap_mb(0)  # one reduce-scatter per trainable unit and step, to count
+    else:
+        cls, refused = Trainer, None
+    trainer = cls(model=model, args=args, train_dataset=_Tokens(64))
+    with CollectiveCounter() as counter:
+        trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"steps": [e["step"] for e in logs], "losses": [e["loss"] for e in logs],
+            "norms": [e["grad_norm"] for e in logs], "refused": refused,
+            "reduce_scatters": counter.counts[REDUCE_SCATTER]}
+
+
+def _adapter(directory):
+    """The LoRA weights ``PeftModel.from_pretrained`` reads from
+    ``directory`` into a fresh base model, in this (one) process."""
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(build_llama(), directory)
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+def _close(a, b, **tol):
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6, **tol)
+
+
+def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
+    with tempfile.TemporaryDirectory() as tmp:
+        ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"))[0]
+        ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"))[0]
+        assert ours["steps"] == ddp["steps"] == list(range(1, STEPS + 1))
+        _close(ours["losses"], ddp["losses"])
+        _close(ours["norms"], ddp["norms"])
+        assert min(ddp["norms"]) < 0.25 < max(ddp["norms"])  # some steps clipped, some not
+        assert "fully_shard" in ours["refused"]  # an unannotated model is refused
+
+        saved, expected = _adapter(os.path.join(tmp, "ours")), _adapter(os.path.join(tmp, "ddp"))
+        initial = {n: p for n, p in build_llama(lora=True).named_parameters() if "lora_" in n}
+        assert saved.keys() == expected.keys() == initial.keys() and len(saved) == 8
+        _close(saved, expected)
+        assert all(not torch.equal(saved[n], initial[n]) for n in saved)  # trained, not the init
+
+        checkpoint = os.path.join(tmp, "ours", f"checkpoint-{SAVE_EVERY}")
+        assert os.path.isdir(os.path.join(checkpoint, "optimizer"))
+        resumed = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"),
+                                  resume=checkpoint)[0]
+        assert resumed["steps"] == ours["steps"]
+        assert resumed["losses"] == ours["losses"] and resumed["norms"] == ours["norms"]
+        _close(_adapter(os.path.join(tmp, "ours")), saved)
+
+
+def test_trainer_gradient_accumulation_reduces_once_per_step():
+    with tempfile.TemporaryDirectory() as tmp:
+        ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"), accumulate=2)[0]
+        ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"), accumulate=2)[0]
+        once = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "once"))[0]
+    _close(ours["losses"], ddp["losses"])
+    _close(ours["norms"], ddp["norms"])
+    # two micro-batches per step, the reductions of one (the first runs under no_sync):
+    # one reduce-scatter per step for each layer's LoRA parameters
+    assert ours["reduce_scatters"] == once["reduce_scatters"] == 2 * STEPS
