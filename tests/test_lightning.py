@@ -19,14 +19,15 @@ import torch.distributed as dist
 pytest.importorskip("lightning")
 
 from fsdp_compose.testing import GPT, GPTConfig  # noqa: E402
+from tests._hf import VOCAB, build_llama, decoder_layers, lm_loss  # noqa: E402
 from tests.harness import run_distributed  # noqa: E402
 
 CFG = GPTConfig(vocab_size=128, seq_len=16, d_model=32, n_heads=4, n_layers=3)
-STEPS, SAVE_AFTER, MAX_NORM = 6, 3, 0.5
+STEPS, SAVE_AFTER, MAX_NORM, LORA_MAX_NORM = 6, 3, 0.5, 0.15
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
-def _parallelize(impl, bf16=False):
+def _parallelize(impl, bf16=False, lora=False):
     def parallelize(model, mesh):
         if impl == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -34,14 +35,14 @@ def _parallelize(impl, bf16=False):
             from fsdp_compose import MixedPrecisionPolicy, fully_shard
         kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                     reduce_dtype=torch.float32)} if bf16 else {}
-        for block in model.blocks:
+        for block in (decoder_layers(model) if lora else model.blocks):
             fully_shard(block, mesh=mesh["data_parallel"], **kwargs)
         fully_shard(model, mesh=mesh["data_parallel"], **kwargs)
         return model
     return parallelize
 
 
-def _fabric(impl, sharded_checkpoint, bf16=False):
+def _fabric(impl, sharded_checkpoint, bf16=False, lora=False):
     """A Fabric over the harness's process group (Lightning sees processes
     started externally and a process group already initialised)."""
     from lightning.fabric import Fabric
@@ -52,7 +53,7 @@ def _fabric(impl, sharded_checkpoint, bf16=False):
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0",
                       WORLD_SIZE=str(dist.get_world_size()))
     warnings.filterwarnings("ignore")
-    strategy = ModelParallelStrategy(parallelize_fn=_parallelize(impl, bf16), data_parallel_size=2,
+    strategy = ModelParallelStrategy(parallelize_fn=_parallelize(impl, bf16, lora), data_parallel_size=2,
                                      tensor_parallel_size=1,
                                      save_distributed_checkpoint=sharded_checkpoint)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
@@ -68,14 +69,16 @@ def _batches(rank):
 
 
 def _train(impl, save_to=None, resume_from=None, sharded_checkpoint=True, accumulate=False,
-           bf16=False):
+           bf16=False, lora=False):
     """Steps ``0..STEPS-1`` (from the checkpoint's step when resuming); the
     global mean loss of each, and the norm clip_gradients saw. With
-    ``save_to``, a checkpoint after step ``SAVE_AFTER - 1``."""
-    fabric = _fabric(impl, sharded_checkpoint, bf16)
+    ``save_to``, a checkpoint after step ``SAVE_AFTER - 1``. With ``lora``,
+    a tiny Llama with PEFT LoRA (the adapters trained, the base frozen)."""
+    fabric = _fabric(impl, sharded_checkpoint, bf16, lora)
     torch.manual_seed(0)
-    model = fabric.setup_module(GPT(CFG))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model = fabric.setup_module(build_llama(lora=True) if lora else GPT(CFG))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(trainable, lr=1e-2))
     start = 0
     if resume_from is not None:
         state = {"model": model, "optimizer": optimizer, "step": 0}
@@ -90,9 +93,10 @@ def _train(impl, save_to=None, resume_from=None, sharded_checkpoint=True, accumu
             with fabric.no_backward_sync(model, enabled=not last):
                 if not last:
                     sync_off.append(_sync_settings(model))
-                loss = model.loss(x, x.roll(1, 1)) / (2 if accumulate else 1)
+                loss = (lm_loss(model, x % VOCAB) if lora else model.loss(x, x.roll(1, 1))) \
+                    / (2 if accumulate else 1)
                 fabric.backward(loss)
-        norm = fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=LORA_MAX_NORM if lora else MAX_NORM)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
@@ -136,6 +140,23 @@ def test_fabric_matches_fsdp2_and_resumes_exactly(sharded_checkpoint):
                                atol=1e-6, rtol=0)
 
 
+def test_fabric_lora_llama_matches_fsdp2_and_resumes_exactly():
+    """PEFT LoRA on a tiny Llama (frozen base, trainable adapters in the same
+    units): FSDP2's losses and clipped norms step by step, an exact resume
+    from the sharded checkpoint (frozen weights and the adapters' AdamW
+    state)."""
+    pytest.importorskip("peft")
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "ours")
+        fsdp2 = run_distributed(2, _train, "fsdp2", lora=True)[0]
+        ours = run_distributed(2, _train, "ours", save_to=ckpt, lora=True)[0]
+        resumed = run_distributed(2, _train, "ours", resume_from=ckpt, lora=True)[0]
+    torch.testing.assert_close(ours["losses"], fsdp2["losses"], atol=1e-6, rtol=0)
+    assert min(ours["norms"]) < LORA_MAX_NORM < max(ours["norms"])  # some steps clipped
+    torch.testing.assert_close(ours["norms"], fsdp2["norms"], atol=1e-5, rtol=1e-6)
+    assert resumed["losses"] == ours["losses"][SAVE_AFTER:]
+
+
 @pytest.mark.slow  # ~10 s; the policy itself: tests/test_mixed_precision.py
 def test_fabric_mixed_precision_policy_matches_fsdp2():
     """bf16 compute with fp32 reduction, through the policy given to
@@ -159,7 +180,7 @@ def test_fabric_no_backward_sync_accumulates_like_fsdp2():
 
 # ------------------------------------------------------------ the Trainer
 def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_from=None,
-                 accumulate=1, sync_seen=None):
+                 accumulate=1, sync_seen=None, lora=False):
     """``Trainer.fit`` of a LightningModule whose ``configure_model`` shards a
     GPT (FSDP2's recipe), ``gradient_clip_val``; rank 0's per-batch global
     mean losses (of the batches this fit ran). With ``sync_seen`` (a
@@ -173,7 +194,7 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0",
                       WORLD_SIZE=str(dist.get_world_size()))
     warnings.filterwarnings("ignore")
-    parallelize = _parallelize(impl)
+    parallelize = _parallelize(impl, lora=lora)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -183,11 +204,12 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
         def configure_model(self):
             if not hasattr(self, "gpt"):
                 torch.manual_seed(0)
-                self.gpt = parallelize(GPT(CFG), self.device_mesh)
+                self.gpt = parallelize(build_llama(lora=True) if lora else GPT(CFG),
+                                       self.device_mesh)
 
         def training_step(self, batch, _index):
             (x,) = batch
-            loss = self.gpt.loss(x, x.roll(1, 1))
+            loss = lm_loss(self.gpt, x % VOCAB) if lora else self.gpt.loss(x, x.roll(1, 1))
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             self.losses.append(mean.item() / dist.get_world_size())
@@ -195,7 +217,7 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
     # An epoch is SAVE_AFTER steps of this rank's own batches, in order: a resume
     # restarts an unfinished epoch (Lightning's loader is not stateful) and
@@ -246,6 +268,15 @@ def test_trainer_matches_fsdp2_and_resumes_like_fsdp2(sharded_checkpoint):
     assert first == ours[:SAVE_AFTER]
     assert len(resumed) == STEPS - SAVE_AFTER and resumed[0] == ours[SAVE_AFTER]
     torch.testing.assert_close(resumed, runs["fsdp2"][1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow  # ~8 s; LoRA under Fabric (resume included) is in the fast set
+def test_trainer_lora_llama_matches_fsdp2():
+    pytest.importorskip("peft")
+    fsdp2 = run_distributed(2, _trainer_fit, "fsdp2", STEPS, lora=True)[0]
+    ours = run_distributed(2, _trainer_fit, "ours", STEPS, lora=True)[0]
+    assert len(ours) == STEPS
+    torch.testing.assert_close(ours, fsdp2, atol=1e-6, rtol=0)
 
 
 def test_trainer_accumulation_reduces_once_per_step_and_matches_fsdp2():
