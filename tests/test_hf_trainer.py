@@ -1,8 +1,9 @@
 """Hugging Face's ``Trainer`` with fsdp_compose (``ShardedTrainer``) on 2
-CPU ranks, against the same script under the Trainer with accelerate's
-FSDP2 plugin (``fsdp_config={"version": 2}``, which calls torch's
-``fully_shard`` on every decoder layer): a tiny Llama with PEFT LoRA, losses and gradient norms step by step
-(clipping on, gradient accumulation on and off), ``save_model`` writing an
+CPU ranks, against the same script under the plain Trainer, which
+accelerate runs with DistributedDataParallel on CPUs (its FSDP plugin is
+turned on for GPU-like devices only: with ``use_cpu`` an ``fsdp_config``
+is ignored and DDP runs, checked below): a tiny Llama with PEFT LoRA, losses and gradient norms step by step
+(clipping on, gradient accumulation on and off), evaluation between steps, ``save_model`` writing an
 adapter that ``PeftModel.from_pretrained`` loads in one process, and
 ``resume_from_checkpoint`` repeating the steps after the checkpoint exactly.
 """
@@ -52,33 +53,35 @@ def _train(impl, output_dir, accumulate=1, resume=None):
                       OMP_NUM_THREADS=str(torch.get_num_threads()), HF_HUB_OFFLINE="1")
     warnings.filterwarnings("ignore")
     AcceleratorState._reset_state(reset_partial_state=True)
-    fsdp = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "FULL_STATE_DICT",
-                                        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     args = TrainingArguments(
-        **(fsdp if impl == "fsdp2" else {}), output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
+        output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
         gradient_accumulation_steps=accumulate, learning_rate=5e-3, max_grad_norm=0.25,
         logging_steps=1, save_steps=SAVE_EVERY, save_strategy="steps", report_to=[],
+        eval_strategy="steps", eval_steps=SAVE_EVERY, per_device_eval_batch_size=PER_DEVICE,
         use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
     model = build_llama(lora=True)
     if impl == "fsdp_compose":
         from fsdp_compose.integrations.hf import ShardedTrainer as cls
         try:
-            cls(model=model, args=args, train_dataset=_Tokens(64))
+            cls(model=model, args=args, train_dataset=_Tokens(64), eval_dataset=_Tokens(8))
             refused = None
         except ValueError as e:
             refused = str(e)
         shard_layers_and_root(model)
         model.set_bucket_cap_mb(0)  # one reduce-scatter per trainable unit and step, to count
     else:
-        cls, refused = Trainer, None  # accelerate's FSDP2 shards it in prepare()
-    trainer = cls(model=model, args=args, train_dataset=_Tokens(64))
+        cls, refused = Trainer, None  # accelerate wraps it in DistributedDataParallel
+    trainer = cls(model=model, args=args, train_dataset=_Tokens(64), eval_dataset=_Tokens(8))
     with CollectiveCounter() as counter:
         trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"steps": [e["step"] for e in logs], "losses": [e["loss"] for e in logs],
             "norms": [e["grad_norm"] for e in logs], "refused": refused,
-            "reduce_scatters": counter.counts[REDUCE_SCATTER]}
+            "eval": [(e["step"], e["eval_loss"]) for e in trainer.state.log_history
+                     if "eval_loss" in e],
+            "reduce_scatters": counter.counts[REDUCE_SCATTER],
+            "wrapped": type(trainer.model_wrapped).__name__}
 
 
 def _adapter(directory):
@@ -93,17 +96,21 @@ def _close(a, b, **tol):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6, **tol)
 
 
-def test_trainer_matches_accelerate_fsdp2_saves_adapter_and_resumes_exactly():
+def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
     with tempfile.TemporaryDirectory() as tmp:
-        fsdp2 = run_distributed(2, _train, "fsdp2", os.path.join(tmp, "fsdp2"))[0]
+        ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"))[0]
         ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"))[0]
-        assert ours["steps"] == fsdp2["steps"] == list(range(1, STEPS + 1))
-        _close(ours["losses"], fsdp2["losses"])
-        _close(ours["norms"], fsdp2["norms"])
-        assert min(fsdp2["norms"]) < 0.25 < max(fsdp2["norms"])  # some steps clipped, some not
+        assert ours["steps"] == ddp["steps"] == list(range(1, STEPS + 1))
+        _close(ours["losses"], ddp["losses"])
+        _close(ours["norms"], ddp["norms"])
+        assert [step for step, _ in ours["eval"]] == [SAVE_EVERY, STEPS]  # evaluation mid-run
+        _close(ours["eval"], ddp["eval"])
+        assert min(ddp["norms"]) < 0.25 < max(ddp["norms"])  # some steps clipped, some not
         assert "fully_shard" in ours["refused"]  # an unannotated model is refused
+        assert ours["wrapped"] == "ShardedPeftModel"  # no DistributedDataParallel around it
+        assert ddp["wrapped"] == "DistributedDataParallel"
 
-        saved, expected = _adapter(os.path.join(tmp, "ours")), _adapter(os.path.join(tmp, "fsdp2"))
+        saved, expected = _adapter(os.path.join(tmp, "ours")), _adapter(os.path.join(tmp, "ddp"))
         initial = {n: p for n, p in build_llama(lora=True).named_parameters() if "lora_" in n}
         assert saved.keys() == expected.keys() == initial.keys() and len(saved) == 8
         _close(saved, expected)
@@ -115,16 +122,17 @@ def test_trainer_matches_accelerate_fsdp2_saves_adapter_and_resumes_exactly():
                                   resume=checkpoint)[0]
         assert resumed["steps"] == ours["steps"]
         assert resumed["losses"] == ours["losses"] and resumed["norms"] == ours["norms"]
+        assert resumed["eval"] == ours["eval"]
         _close(_adapter(os.path.join(tmp, "ours")), saved)
 
 
 def test_trainer_gradient_accumulation_reduces_once_per_step():
     with tempfile.TemporaryDirectory() as tmp:
-        fsdp2 = run_distributed(2, _train, "fsdp2", os.path.join(tmp, "fsdp2"), accumulate=2)[0]
+        ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"), accumulate=2)[0]
         ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"), accumulate=2)[0]
         once = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "once"))[0]
-    _close(ours["losses"], fsdp2["losses"])
-    _close(ours["norms"], fsdp2["norms"])
+    _close(ours["losses"], ddp["losses"])
+    _close(ours["norms"], ddp["norms"])
     # two micro-batches per step, the reductions of one (the first runs under no_sync):
     # one reduce-scatter per step for each layer's LoRA parameters
     assert ours["reduce_scatters"] == once["reduce_scatters"] == 2 * STEPS
