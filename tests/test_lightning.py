@@ -42,7 +42,7 @@ def _parallelize(impl, bf16=False, lora=False):
     return parallelize
 
 
-def _fabric(impl, sharded_checkpoint, bf16=False, lora=False):
+def _fabric(impl, sharded_checkpoint, bf16=False, lora=False, data_parallel_size=2):
     """A Fabric over the harness's process group (Lightning sees processes
     started externally and a process group already initialised)."""
     from lightning.fabric import Fabric
@@ -53,8 +53,9 @@ def _fabric(impl, sharded_checkpoint, bf16=False, lora=False):
     os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0",
                       WORLD_SIZE=str(dist.get_world_size()))
     warnings.filterwarnings("ignore")
-    strategy = ModelParallelStrategy(parallelize_fn=_parallelize(impl, bf16, lora), data_parallel_size=2,
-                                     tensor_parallel_size=1,
+    strategy = ModelParallelStrategy(parallelize_fn=_parallelize(impl, bf16, lora),
+                                     data_parallel_size=data_parallel_size,
+                                     tensor_parallel_size=3 - data_parallel_size,
                                      save_distributed_checkpoint=sharded_checkpoint)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -180,7 +181,7 @@ def test_fabric_no_backward_sync_accumulates_like_fsdp2():
 
 # ------------------------------------------------------------ the Trainer
 def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_from=None,
-                 accumulate=1, sync_seen=None, lora=False):
+                 accumulate=1, sync_seen=None, lora=False, data_parallel_size=2):
     """``Trainer.fit`` of a LightningModule whose ``configure_model`` shards a
     GPT (FSDP2's recipe), ``gradient_clip_val``; rank 0's per-batch global
     mean losses (of the batches this fit ran). With ``sync_seen`` (a
@@ -227,7 +228,8 @@ def _trainer_fit(impl, max_steps, sharded_checkpoint=True, save_to=None, resume_
     tokens = torch.randint(0, CFG.vocab_size, (8 * SAVE_AFTER, CFG.seq_len), generator=g)
     data = torch.utils.data.TensorDataset(tokens[dist.get_rank()::dist.get_world_size()])
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+    strategy = ModelParallelStrategy(data_parallel_size=data_parallel_size,
+                                     tensor_parallel_size=3 - data_parallel_size,
                                      save_distributed_checkpoint=sharded_checkpoint)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
                          gradient_clip_val=MAX_NORM, logger=False, enable_checkpointing=False,
@@ -291,6 +293,26 @@ def test_trainer_accumulation_reduces_once_per_step_and_matches_fsdp2():
         torch.testing.assert_close(losses, fsdp2, atol=1e-6, rtol=0)
         assert [any(s) for s in sync_seen] == [False, True, True]
         assert all(all(s) for s in sync_seen[1:])
+
+
+def _replicas_refused(trainer):
+    """Lightning's default sizes (every device on "tensor_parallel") with
+    FSDP2's recipe: the error each rank raises, or None."""
+    try:
+        if trainer:
+            _trainer_fit("ours", 1, data_parallel_size=1)
+        else:
+            fabric = _fabric("ours", sharded_checkpoint=True, data_parallel_size=1)
+            fabric.setup_module(GPT(CFG))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("trainer", [False, True], ids=["fabric", "trainer"])
+def test_data_parallel_size_one_is_refused_on_every_rank(trainer):
+    for message in run_distributed(2, _replicas_refused, trainer):
+        assert message is not None and "data_parallel_size=" in message, message
 
 
 def _load_raw(path):

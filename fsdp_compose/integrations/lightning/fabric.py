@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from ._checkpoints import Filter, State, is_sharded, load, load_full_model, save, sharded_model
 from ._gradient_sync import gradient_sync_off
+from ._replicas import check_ranks_synchronise
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -50,6 +51,11 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _GradientSyncControl()
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        check_ranks_synchronise(module)
+        return module
 
     def save_checkpoint(self, path: Union[str, Path], state: State,
                         storage_options: Optional[Any] = None,

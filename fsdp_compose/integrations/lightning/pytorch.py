@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _LightningMode
 
 from ._checkpoints import is_sharded, load
 from ._gradient_sync import gradient_sync_off
+from ._replicas import check_ranks_synchronise
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -37,6 +38,11 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
     Invariant: for a model without fsdp_compose units every method is
     Lightning's own."""
+
+    def setup(self, trainer: Any) -> None:
+        if self.model is not None:  # configure_model() has run
+            check_ranks_synchronise(self.model)
+        super().setup(trainer)
 
     def load_checkpoint(self, checkpoint_path: Union[str, Path],
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
