@@ -1,10 +1,12 @@
 """Hugging Face's ``Trainer`` with fsdp_compose (``ShardedTrainer``) on 2
 CPU ranks, against the same script under the plain Trainer, which
 accelerate runs with DistributedDataParallel on CPUs (its FSDP plugin is
-turned on for GPU-like devices only: with ``use_cpu`` an ``fsdp_config``
-is ignored and DDP runs, checked below): a tiny Llama with PEFT LoRA, losses and gradient norms step by step
-(clipping on, gradient accumulation on and off), evaluation between steps, ``save_model`` writing an
-adapter that ``PeftModel.from_pretrained`` loads in one process, and
+turned on for GPU-like devices only: with ``use_cpu`` an ``fsdp_config`` is
+ignored and DDP runs, checked below). A tiny Llama, with PEFT LoRA and
+fully fine-tuned: losses, evaluation losses and gradient norms step by
+step (clipping on, gradient accumulation on and off), ``save_model``
+writing an adapter that ``PeftModel.from_pretrained`` loads in one process
+(or a ``model.safetensors`` for ``from_pretrained``) equal to DDP's, and
 ``resume_from_checkpoint`` repeating the steps after the checkpoint exactly.
 """
 
@@ -40,11 +42,11 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _train(impl, output_dir, accumulate=1, resume=None):
+def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     """``STEPS`` optimizer steps (from the checkpoint's step when resuming),
     a checkpoint every ``SAVE_EVERY``, then ``save_model()``; returns the
     logged loss and gradient norm of each step and the reduce-scatters
-    issued (ours)."""
+    issued (ours). ``lora=False``: full fine-tuning of every parameter."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
     from tests._comm_counter import REDUCE_SCATTER, CollectiveCounter
@@ -59,7 +61,7 @@ def _train(impl, output_dir, accumulate=1, resume=None):
         logging_steps=1, save_steps=SAVE_EVERY, save_strategy="steps", report_to=[],
         eval_strategy="steps", eval_steps=SAVE_EVERY, per_device_eval_batch_size=PER_DEVICE,
         use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
-    model = build_llama(lora=True)
+    model = build_llama(lora=lora)
     if impl == "fsdp_compose":
         from fsdp_compose.integrations.hf import ShardedTrainer as cls
         try:
@@ -126,7 +128,8 @@ def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
         _close(_adapter(os.path.join(tmp, "ours")), saved)
 
 
-def test_trainer_gradient_accumulation_reduces_once_per_step():
+@pytest.mark.slow  # ~12 s; accumulation with full fine-tuning is in the fast set
+def test_trainer_lora_gradient_accumulation_reduces_once_per_step():
     with tempfile.TemporaryDirectory() as tmp:
         ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"), accumulate=2)[0]
         ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"), accumulate=2)[0]
@@ -136,3 +139,32 @@ def test_trainer_gradient_accumulation_reduces_once_per_step():
     # two micro-batches per step, the reductions of one (the first runs under no_sync):
     # one reduce-scatter per step for each layer's LoRA parameters
     assert ours["reduce_scatters"] == once["reduce_scatters"] == 2 * STEPS
+
+
+def _full_weights(directory):
+    """``model.safetensors`` that ``save_model`` wrote, loaded by
+    ``LlamaForCausalLM.from_pretrained`` in this (one) process."""
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(directory)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_trainer_full_fine_tuning_accumulates_saves_and_resumes_exactly():
+    """Every parameter trained (no PEFT), two micro-batches per step: DDP's
+    losses, reductions once per step, ``model.safetensors`` equal to DDP's,
+    an exact resume."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ours_dir = os.path.join(tmp, "ours")
+        ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"), accumulate=2,
+                              lora=False)[0]
+        ours = run_distributed(2, _train, "fsdp_compose", ours_dir, accumulate=2, lora=False)[0]
+        saved = _full_weights(ours_dir)
+        resumed = run_distributed(2, _train, "fsdp_compose", ours_dir, accumulate=2, lora=False,
+                                  resume=os.path.join(ours_dir, f"checkpoint-{SAVE_EVERY}"))[0]
+        _close(saved, _full_weights(os.path.join(tmp, "ddp")))
+        _close(_full_weights(ours_dir), saved)
+    _close(ours["losses"], ddp["losses"])
+    _close(ours["norms"], ddp["norms"])
+    # one reduce-scatter per unit (two layers and the root) and step
+    assert ours["reduce_scatters"] == 3 * STEPS
+    assert resumed["losses"] == ours["losses"] and resumed["norms"] == ours["norms"]
