@@ -78,7 +78,7 @@ test-torch:
 GPU_PYTHON ?= $(VPY)
 GPU_TESTS ?= tests/test_cuda.py tests/test_parity.py tests/test_mixed_precision.py \
 	tests/test_collectives_and_memory.py tests/test_prefetch.py tests/test_split_root.py \
-	tests/test_clip.py tests/test_bucketing.py tests/test_grad_scaler.py
+	tests/test_clip.py tests/test_bucketing.py tests/test_grad_scaler.py tests/test_hf_trainer.py
 test-gpu:
 	@if $(GPU_PYTHON) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		echo FSDP_COMPOSE_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q $(GPU_TESTS) $(PYTEST_ARGS); \

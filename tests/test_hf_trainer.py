@@ -23,7 +23,8 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
 from tests._hf import VOCAB, SEQ, build_llama, shard_layers_and_root  # noqa: E402
-from tests.harness import run_distributed  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from tests.harness import TEST_DEVICE, run_distributed  # noqa: E402
 
 STEPS, SAVE_EVERY, PER_DEVICE = 6, 3, 2
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
@@ -46,23 +47,31 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     """``STEPS`` optimizer steps (from the checkpoint's step when resuming),
     a checkpoint every ``SAVE_EVERY``, then ``save_model()``; returns the
     logged loss and gradient norm of each step and the reduce-scatters
-    issued (ours). ``lora=False``: full fine-tuning of every parameter."""
+    issued (ours). ``lora=False``: full fine-tuning of every parameter.
+    ``impl``: "fsdp_compose" (``ShardedTrainer``), "ddp" (the plain Trainer)
+    or, in CUDA mode, "fsdp2" (the plain Trainer with accelerate's FSDP2
+    plugin; the ranks share the GPU over the harness's gloo group, each
+    told it is local rank 0 so that accelerate puts both on ``cuda:0``)."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
     from tests._comm_counter import REDUCE_SCATTER, CollectiveCounter
-    os.environ.update(LOCAL_RANK=str(dist.get_rank()), RANK=str(dist.get_rank()),
+    cuda = TEST_DEVICE.type == "cuda"
+    os.environ.update(LOCAL_RANK="0" if cuda else str(dist.get_rank()), RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE=str(dist.get_world_size()),
                       OMP_NUM_THREADS=str(torch.get_num_threads()), HF_HUB_OFFLINE="1")
     warnings.filterwarnings("ignore")
     AcceleratorState._reset_state(reset_partial_state=True)
+    fsdp2 = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "FULL_STATE_DICT",
+                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
+        **(fsdp2 if impl == "fsdp2" else {}), output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
         gradient_accumulation_steps=accumulate, learning_rate=5e-3, max_grad_norm=0.25,
         logging_steps=1, save_steps=SAVE_EVERY, save_strategy="steps", report_to=[],
         eval_strategy="steps", eval_steps=SAVE_EVERY, per_device_eval_batch_size=PER_DEVICE,
-        use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
+        use_cpu=not cuda, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
     model = build_llama(lora=lora)
     if impl == "fsdp_compose":
+        model.to(TEST_DEVICE)
         from fsdp_compose.integrations.hf import ShardedTrainer as cls
         try:
             cls(model=model, args=args, train_dataset=_Tokens(64), eval_dataset=_Tokens(8))
@@ -72,7 +81,7 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
         shard_layers_and_root(model)
         model.set_bucket_cap_mb(0)  # one reduce-scatter per trainable unit and step, to count
     else:
-        cls, refused = Trainer, None  # accelerate wraps it in DistributedDataParallel
+        cls, refused = Trainer, None  # accelerate wraps (DDP) or shards (FSDP2) it
     trainer = cls(model=model, args=args, train_dataset=_Tokens(64), eval_dataset=_Tokens(8))
     with CollectiveCounter() as counter:
         trainer.train(resume_from_checkpoint=resume)
@@ -83,7 +92,8 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
             "eval": [(e["step"], e["eval_loss"]) for e in trainer.state.log_history
                      if "eval_loss" in e],
             "reduce_scatters": counter.counts[REDUCE_SCATTER],
-            "wrapped": type(trainer.model_wrapped).__name__}
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "torch_fsdp2_units": sum(isinstance(m, FSDPModule) for m in trainer.model.modules())}
 
 
 def _adapter(directory):
@@ -98,6 +108,10 @@ def _close(a, b, **tol):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6, **tol)
 
 
+CPU_ONLY = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="accelerate runs DDP on CPUs only")
+
+
+@CPU_ONLY
 def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
     with tempfile.TemporaryDirectory() as tmp:
         ddp = run_distributed(2, _train, "ddp", os.path.join(tmp, "ddp"))[0]
@@ -128,6 +142,7 @@ def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
         _close(_adapter(os.path.join(tmp, "ours")), saved)
 
 
+@CPU_ONLY
 @pytest.mark.slow  # ~12 s; accumulation with full fine-tuning is in the fast set
 def test_trainer_lora_gradient_accumulation_reduces_once_per_step():
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,6 +164,7 @@ def _full_weights(directory):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@CPU_ONLY
 def test_trainer_full_fine_tuning_accumulates_saves_and_resumes_exactly():
     """Every parameter trained (no PEFT), two micro-batches per step: DDP's
     losses, reductions once per step, ``model.safetensors`` equal to DDP's,
@@ -168,3 +184,27 @@ def test_trainer_full_fine_tuning_accumulates_saves_and_resumes_exactly():
     # one reduce-scatter per unit (two layers and the root) and step
     assert ours["reduce_scatters"] == 3 * STEPS
     assert resumed["losses"] == ours["losses"] and resumed["norms"] == ours["norms"]
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA mode only (make test-gpu)")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_trainer_on_a_gpu_matches_accelerate_fsdp2(accumulate):
+    """On a GPU accelerate's FSDP2 plugin runs (on CPUs it falls back to
+    DDP): the same LoRA script under it and under ``ShardedTrainer``, both
+    ranks on the one GPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fsdp2 = run_distributed(2, _train, "fsdp2", os.path.join(tmp, "fsdp2"),
+                                accumulate=accumulate)[0]
+        ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"),
+                               accumulate=accumulate)[0]
+        saved, expected = _adapter(os.path.join(tmp, "ours")), _adapter(os.path.join(tmp, "fsdp2"))
+    assert fsdp2["torch_fsdp2_units"] >= 3  # the decoder layers and the root: FSDP2 did run
+    assert ours["torch_fsdp2_units"] == 0 and ours["wrapped"] == "ShardedPeftModel"
+    assert ours["steps"] == fsdp2["steps"] == list(range(1, STEPS + 1))
+    tol = dict(rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours["losses"], fsdp2["losses"], **tol)
+    torch.testing.assert_close(ours["norms"], fsdp2["norms"], **tol)
+    torch.testing.assert_close(ours["eval"], fsdp2["eval"], **tol)
+    assert ours["reduce_scatters"] == 2 * STEPS  # once per step and LoRA unit
+    assert saved.keys() == expected.keys() and len(saved) == 8
+    torch.testing.assert_close(saved, expected, **tol)
