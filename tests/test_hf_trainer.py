@@ -51,7 +51,11 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     ``impl``: "fsdp_compose" (``ShardedTrainer``), "ddp" (the plain Trainer)
     or, in CUDA mode, "fsdp2" (the plain Trainer with accelerate's FSDP2
     plugin; the ranks share the GPU over the harness's gloo group, each
-    told it is local rank 0 so that accelerate puts both on ``cuda:0``)."""
+    told it is local rank 0 so that accelerate puts both on ``cuda:0``).
+    In CUDA mode nothing is saved: a full-state-dict gather of CUDA
+    ``DTensor``\ s over gloo inside the collective counter's dispatch mode
+    segfaulted in torch 2.11 (``_c_check_aliasing_constraint``), for FSDP2
+    and for us; saving is tested on CPUs."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
     from tests._comm_counter import REDUCE_SCATTER, CollectiveCounter
@@ -59,6 +63,8 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     os.environ.update(LOCAL_RANK="0" if cuda else str(dist.get_rank()), RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()), LOCAL_WORLD_SIZE=str(dist.get_world_size()),
                       OMP_NUM_THREADS=str(torch.get_num_threads()), HF_HUB_OFFLINE="1")
+    for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "FSDP_"))]:
+        del os.environ[name]  # what an FSDP2 run before (same worker process) left set
     warnings.filterwarnings("ignore")
     AcceleratorState._reset_state(reset_partial_state=True)
     fsdp2 = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "FULL_STATE_DICT",
@@ -66,7 +72,8 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     args = TrainingArguments(
         **(fsdp2 if impl == "fsdp2" else {}), output_dir=output_dir, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
         gradient_accumulation_steps=accumulate, learning_rate=5e-3, max_grad_norm=0.25,
-        logging_steps=1, save_steps=SAVE_EVERY, save_strategy="steps", report_to=[],
+        logging_steps=1, save_steps=SAVE_EVERY, save_strategy="no" if cuda else "steps",
+        report_to=[],
         eval_strategy="steps", eval_steps=SAVE_EVERY, per_device_eval_batch_size=PER_DEVICE,
         use_cpu=not cuda, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
     model = build_llama(lora=lora)
@@ -85,7 +92,8 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     trainer = cls(model=model, args=args, train_dataset=_Tokens(64), eval_dataset=_Tokens(8))
     with CollectiveCounter() as counter:
         trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
+    if not cuda:
+        trainer.save_model()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"steps": [e["step"] for e in logs], "losses": [e["loss"] for e in logs],
             "norms": [e["grad_norm"] for e in logs], "refused": refused,
@@ -191,13 +199,13 @@ def test_trainer_full_fine_tuning_accumulates_saves_and_resumes_exactly():
 def test_trainer_on_a_gpu_matches_accelerate_fsdp2(accumulate):
     """On a GPU accelerate's FSDP2 plugin runs (on CPUs it falls back to
     DDP): the same LoRA script under it and under ``ShardedTrainer``, both
-    ranks on the one GPU."""
+    ranks on the one GPU: losses, gradient norms and the evaluation losses
+    (the last one after the final step: the trained adapters agree)."""
     with tempfile.TemporaryDirectory() as tmp:
         fsdp2 = run_distributed(2, _train, "fsdp2", os.path.join(tmp, "fsdp2"),
                                 accumulate=accumulate)[0]
         ours = run_distributed(2, _train, "fsdp_compose", os.path.join(tmp, "ours"),
                                accumulate=accumulate)[0]
-        saved, expected = _adapter(os.path.join(tmp, "ours")), _adapter(os.path.join(tmp, "fsdp2"))
     assert fsdp2["torch_fsdp2_units"] >= 3  # the decoder layers and the root: FSDP2 did run
     assert ours["torch_fsdp2_units"] == 0 and ours["wrapped"] == "ShardedPeftModel"
     assert ours["steps"] == fsdp2["steps"] == list(range(1, STEPS + 1))
@@ -205,6 +213,5 @@ def test_trainer_on_a_gpu_matches_accelerate_fsdp2(accumulate):
     torch.testing.assert_close(ours["losses"], fsdp2["losses"], **tol)
     torch.testing.assert_close(ours["norms"], fsdp2["norms"], **tol)
     torch.testing.assert_close(ours["eval"], fsdp2["eval"], **tol)
+    assert [step for step, _ in ours["eval"]] == [SAVE_EVERY, STEPS]
     assert ours["reduce_scatters"] == 2 * STEPS  # once per step and LoRA unit
-    assert saved.keys() == expected.keys() and len(saved) == 8
-    torch.testing.assert_close(saved, expected, **tol)
