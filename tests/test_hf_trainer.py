@@ -75,6 +75,9 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
         logging_steps=1, save_steps=SAVE_EVERY, save_strategy="no" if cuda else "steps",
         report_to=[],
         eval_strategy="steps", eval_steps=SAVE_EVERY, per_device_eval_batch_size=PER_DEVICE,
+        # at the end, reload the checkpoint of step SAVE_EVERY (the "best": its evaluation
+        # loss is the higher one), so that what save_model writes shows the reload
+        load_best_model_at_end=not cuda, metric_for_best_model="eval_loss", greater_is_better=True,
         use_cpu=not cuda, seed=0, disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0)
     model = build_llama(lora=lora)
     if impl == "fsdp_compose":
@@ -93,7 +96,7 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     with CollectiveCounter() as counter:
         trainer.train(resume_from_checkpoint=resume)
     if not cuda:
-        trainer.save_model()
+        trainer.save_model()  # the best (reloaded) model
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"steps": [e["step"] for e in logs], "losses": [e["loss"] for e in logs],
             "norms": [e["grad_norm"] for e in logs], "refused": refused,
@@ -139,6 +142,10 @@ def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
         assert saved.keys() == expected.keys() == initial.keys() and len(saved) == 8
         _close(saved, expected)
         assert all(not torch.equal(saved[n], initial[n]) for n in saved)  # trained, not the init
+        # load_best_model_at_end reloaded step SAVE_EVERY's adapter into the sharded model
+        _close(saved, _adapter(os.path.join(tmp, "ours", f"checkpoint-{SAVE_EVERY}")))
+        last = _adapter(os.path.join(tmp, "ours", f"checkpoint-{STEPS}"))
+        assert all(not torch.equal(saved[n], last[n]) for n in saved)
 
         checkpoint = os.path.join(tmp, "ours", f"checkpoint-{SAVE_EVERY}")
         assert os.path.isdir(os.path.join(checkpoint, "optimizer"))
