@@ -62,8 +62,9 @@ class ShardedTrainerMixin:
     (``class MyTrainer(ShardedTrainerMixin, SFTTrainer)``); the model passed
     to the trainer must already be annotated by ``fully_shard``, its root
     included. Mixed precision comes from ``fully_shard``'s ``mp_policy``:
-    ``TrainingArguments(bf16=True / fp16=True)`` is refused (accelerate's
-    autocast and gradient scaler would act on the shards)."""
+    ``TrainingArguments(bf16=True / fp16=True)`` is refused (accelerate adds
+    its autocast while preparing the model, which the mixin skips: the run
+    would be fp32 without a word)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
@@ -81,9 +82,10 @@ class ShardedTrainerMixin:
                              "FSDP / DeepSpeed (TrainingArguments fsdp=..., deepspeed=...).")
         if self.args.bf16 or self.args.fp16:
             raise ValueError(
-                f"{type(self).__name__}: TrainingArguments(bf16/fp16=True) would autocast and scale "
-                "around the shards; pass fully_shard(..., mp_policy=MixedPrecisionPolicy("
-                "param_dtype=torch.bfloat16)) instead and leave bf16/fp16 off.")
+                f"{type(self).__name__}: TrainingArguments(bf16/fp16=True) has no effect here "
+                "(accelerate autocasts the model while preparing it, and the mixin hands it over "
+                "prepared): the run would be fp32. Pass fully_shard(..., mp_policy="
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)) instead and leave bf16/fp16 off.")
 
     # ------------------------------------------------------------ training
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
