@@ -89,9 +89,16 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
         except ValueError as e:
             refused = str(e)
         shard_layers_and_root(model)
+        try:
+            bf16 = TrainingArguments(output_dir=output_dir, bf16=True, use_cpu=not cuda,
+                                     report_to=[], ddp_backend="gloo")
+            cls(model=model, args=bf16, train_dataset=_Tokens(64))
+            refused_bf16 = None
+        except ValueError as e:
+            refused_bf16 = str(e)
         model.set_bucket_cap_mb(0)  # one reduce-scatter per trainable unit and step, to count
     else:
-        cls, refused = Trainer, None  # accelerate wraps (DDP) or shards (FSDP2) it
+        cls, refused, refused_bf16 = Trainer, None, None  # accelerate wraps (DDP) or shards (FSDP2) it
     trainer = cls(model=model, args=args, train_dataset=_Tokens(64), eval_dataset=_Tokens(8))
     with CollectiveCounter() as counter:
         trainer.train(resume_from_checkpoint=resume)
@@ -99,7 +106,7 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
         trainer.save_model()  # the best (reloaded) model
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"steps": [e["step"] for e in logs], "losses": [e["loss"] for e in logs],
-            "norms": [e["grad_norm"] for e in logs], "refused": refused,
+            "norms": [e["grad_norm"] for e in logs], "refused": refused, "refused_bf16": refused_bf16,
             "eval": [(e["step"], e["eval_loss"]) for e in trainer.state.log_history
                      if "eval_loss" in e],
             "reduce_scatters": counter.counts[REDUCE_SCATTER],
@@ -134,6 +141,7 @@ def test_trainer_matches_ddp_saves_adapter_and_resumes_exactly():
         _close(ours["eval"], ddp["eval"])
         assert min(ddp["norms"]) < 0.25 < max(ddp["norms"])  # some steps clipped, some not
         assert "fully_shard" in ours["refused"]  # an unannotated model is refused
+        assert "MixedPrecisionPolicy" in ours["refused_bf16"]  # and bf16=True
         assert ours["wrapped"] == "ShardedPeftModel"  # no DistributedDataParallel around it
         assert ddp["wrapped"] == "DistributedDataParallel"
 

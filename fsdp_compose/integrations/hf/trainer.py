@@ -72,20 +72,13 @@ class ShardedTrainerMixin:
             raise RuntimeError(f"{type(self).__name__} overrides Trainer.{', Trainer.'.join(missing)}, "
                                "which this transformers release lacks; install the tested range "
                                "(pip install 'fsdp_compose[hf]').")
+        # checked before Trainer.__init__, which fixes accelerate's process-wide state
+        _check_model(type(self).__name__, kwargs.get("model", args[0] if args else None))
+        _check_precision(type(self).__name__, kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
-        model = self.model
-        if not isinstance(model, ShardedModule):
-            raise ValueError(f"{type(self).__name__} needs a model whose root is annotated by "
-                             f"fully_shard (got {type(model).__name__}). {_FIX}")
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise ValueError(f"{type(self).__name__} shards with fsdp_compose: turn off accelerate's "
                              "FSDP / DeepSpeed (TrainingArguments fsdp=..., deepspeed=...).")
-        if self.args.bf16 or self.args.fp16:
-            raise ValueError(
-                f"{type(self).__name__}: TrainingArguments(bf16/fp16=True) has no effect here "
-                "(accelerate autocasts the model while preparing it, and the mixin hands it over "
-                "prepared): the run would be fp32. Pass fully_shard(..., mp_policy="
-                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)) instead and leave bf16/fp16 off.")
 
     # ------------------------------------------------------------ training
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
@@ -133,6 +126,21 @@ class ShardedTrainerMixin:
 class ShardedTrainer(ShardedTrainerMixin, Trainer):
     """``transformers.Trainer`` for a model annotated by ``fully_shard``
     (see :class:`ShardedTrainerMixin`)."""
+
+
+def _check_model(trainer: str, model: Any) -> None:
+    if not isinstance(model, ShardedModule):
+        raise ValueError(f"{trainer} needs a model whose root is annotated by fully_shard "
+                         f"(got {type(model).__name__}). {_FIX}")
+
+
+def _check_precision(trainer: str, args: Any) -> None:
+    if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+        raise ValueError(
+            f"{trainer}: TrainingArguments(bf16/fp16=True) has no effect here (accelerate "
+            "autocasts the model while preparing it, and the mixin hands it over prepared): the "
+            "run would be fp32. Pass fully_shard(..., mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16)) instead and leave bf16/fp16 off.")
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
