@@ -45,8 +45,9 @@ which the CPU staging pool is off (:data:`CAN_SWAP_STORAGE_DATA`).
 from __future__ import annotations
 
 import importlib
+import operator
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -170,6 +171,30 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> dict:
     (empty when none); the end of backward runs them for gradients it publishes."""
     try:
         return param._post_accumulate_grad_hooks or {}
+    except AttributeError:
+        _missing("torch.Tensor._post_accumulate_grad_hooks",
+                 "running post-accumulate-grad hooks on reduced gradients")()
+        raise  # unreachable
+
+
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def functorch_transforms_active() -> bool:
+    """Whether a functorch transform (``vmap``, ``grad``) is active, when a
+    custom autograd function must go through ``autograd.Function.apply``'s
+    own preamble; ``True`` (the safe answer) where torch cannot tell."""
+    return _functorch_transforms_active is None or _functorch_transforms_active()
+
+
+_post_accumulate_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def with_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``params`` that have post-accumulate-grad hooks (one
+    C-level pass: the end of backward asks this of every parameter)."""
+    try:
+        return list(filter(_post_accumulate_hooks_of, params))
     except AttributeError:
         _missing("torch.Tensor._post_accumulate_grad_hooks",
                  "running post-accumulate-grad hooks on reduced gradients")()

@@ -14,7 +14,7 @@ dispatched (one C call to ask).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Union
+from typing import Callable, TypeVar, Union
 
 from torch.autograd.profiler import record_function
 
@@ -22,6 +22,7 @@ from ._torch_private import profiler_active
 
 PREFIX = "fsdp_compose::"
 _NOTHING = nullcontext()
+_T = TypeVar("_T")
 
 
 def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> AbstractContextManager:
@@ -33,3 +34,13 @@ def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> Abstra
     if callable(subject):
         subject = subject()
     return record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment)
+
+
+def call_profiled(moment: str, subject: str, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` inside :func:`profiled` ``(moment, subject)``: the same
+    range, for the hooks that run once per unit and step (no context
+    manager is entered while no profiler records)."""
+    if not profiler_active():
+        return fn(*args)
+    with record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment):
+        return fn(*args)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_compose.buffers.layout import FLAT, ROWS, FlatLayout, ShardDim
-from fsdp_compose.buffers.param_views import SplitIntoParams, ViewPlan
+from fsdp_compose.buffers.param_views import SplitIntoParams, ViewPlan, split_plan, strided_view
 
 from .harness import run_distributed
 
@@ -75,6 +75,37 @@ def test_views_and_flat_gradient_match_split_and_view(shapes, world, kind, used,
     sum(ref_terms).backward()
     assert torch.equal(ours_flat.grad, ref_flat.grad)
     assert seen == [[used[i] for i in range(len(shapes))]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=_shapes, world=st.integers(1, 4), kind=st.sampled_from(["flat", "rows", "dim"]))
+def test_local_views_by_one_split_match_each_view(shapes, world, kind):
+    """``split_plan`` (how a buffer cuts a shard-shaped tensor into every
+    parameter's local piece in one ``split``) gives the same views as one
+    ``as_strided`` per parameter, on every rank, or declines (``None``)
+    where some piece is not a 1-D run; it applies to every ``"flat"`` layout."""
+    placements = {"flat": FLAT, "rows": ROWS}
+    layout = FlatLayout(shapes, world, [placements.get(kind) or ShardDim(len(s) - 1)
+                                        for s in shapes])
+    for rank in range(world):
+        slices = layout.shard_slices(rank)
+        strided = [strided_view(layout.local_shape(i, rank),
+                                len(s) - 1 if kind == "dim" else 0, slices[i].shard_start)
+                   for i, s in enumerate(shapes)]
+        shard = torch.randn(layout.shard_numel)
+        expected = [shard.as_strided(size, stride, offset) for size, stride, offset in strided]
+        plan = split_plan(strided, layout.shard_numel)
+        if kind == "flat":
+            assert plan is not None
+        if plan is None:
+            continue
+        sizes, picks = plan
+        parts = shard.split_with_sizes(sizes)
+        for index, mine in enumerate(parts[i] for i in picks):
+            ref = expected[index]
+            assert mine.shape == ref.shape
+            if ref.numel():
+                assert mine.data_ptr() == ref.data_ptr() and mine.stride() == ref.stride()
 
 
 def test_frozen_outputs_take_no_gradient():

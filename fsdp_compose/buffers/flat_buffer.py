@@ -39,7 +39,7 @@ from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
-from .param_views import SplitIntoParams, Strided, ViewPlan, strided_view
+from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
@@ -91,6 +91,11 @@ class FlatBuffer:
             strided_view(shape, d, s.shard_start)
             for shape, d, s in zip(self._local_shapes, self._moved_dims, self._slices))
         """Each parameter's :meth:`local_view` of a contiguous shard-shaped tensor."""
+        self._local_split: Optional[tuple[list[int], list[int]]] = split_plan(
+            self._local_strided, self.layout.shard_numel)
+        """``(split sizes, index of each parameter's part)`` cutting a shard
+        into every :meth:`local_view` when all are 1-D runs in order
+        (``None``: some are not)."""
         self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in records)
         self._slots: tuple[tuple[dict, str, int], ...] = tuple(
             (module._parameters, name, index)
@@ -186,7 +191,14 @@ class FlatBuffer:
         return view.movedim(0, d) if d else view
 
     def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """:meth:`local_view` of every parameter (``flat`` contiguous)."""
+        """:meth:`local_view` of every parameter (``flat`` contiguous, ``S``
+        elements). Where every piece is 1-D (``"flat"``, the default), one
+        ``split`` makes them all (the end of backward publishes gradients
+        through this once per buffer and step)."""
+        if self._local_split is not None:
+            sizes, picks = self._local_split
+            parts = flat.split_with_sizes(sizes)
+            return [parts[i] for i in picks]
         base = flat.storage_offset()
         return [flat.as_strided(size, stride, base + offset)
                 for size, stride, offset in self._local_strided]
@@ -279,8 +291,8 @@ class FlatBuffer:
         keeps its memory until then (resharding cannot free it)."""
         if self.requires_grad:
             with torch.enable_grad():
-                views = list(SplitIntoParams.apply(self.unsharded, self._view_plan,
-                                                   self._param_requires_grad, self._on_backward))
+                views = list(split_into_params(self.unsharded, self._view_plan,
+                                               self._param_requires_grad, self._on_backward))
         else:
             with torch.no_grad():
                 views = self._view_plan.views(self.unsharded)

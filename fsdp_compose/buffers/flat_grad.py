@@ -38,7 +38,9 @@ optimizer (Muon) run on whole matrices, each on one rank.
 
 from __future__ import annotations
 
+import operator
 import weakref
+from itertools import repeat
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
@@ -127,6 +129,9 @@ class FlatGradient:
             (r.param, i) for i, (r, s) in enumerate(zip(owner.records, owner.local_slices()))
             if s.length)
         """The parameters (and their indices) with a piece on this rank."""
+        self._owned_params: tuple[nn.Parameter, ...] = tuple(p for p, _ in self._owned)
+        self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in owner.records)
+        self._every_param_receives: bool = all(owner.grad_receivers)
         self._current_training: tuple[bool, ...] = tuple(r.param.requires_grad for r in owner.records)
         """The parameters' ``requires_grad`` as of the last forward."""
         self._trained_before_change: Optional[tuple[bool, ...]] = None
@@ -142,10 +147,8 @@ class FlatGradient:
     def mark_used(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Called by the backward of the buffer's views with each
         parameter's gradient: one that is ``None`` was not used."""
-        used = self.used
-        for index, grad in enumerate(param_grads):
-            if grad is not None:
-                used[index] = True
+        self.used = list(map(operator.or_, self.used, map(operator.is_not, param_grads,
+                                                          repeat(None))))
 
     # ------------------------------------------------------------ unreduced
     @property
@@ -281,7 +284,7 @@ class FlatGradient:
             return self._unpublished
         owner = self.owner
         owned = self._owned
-        if all(p.grad is None for p, _ in owned):
+        if all(map(operator.is_, map(_grad_of, self._owned_params), repeat(None))):
             return None
         base = self.sharded_grad
         if base is None:  # the user's .grad tensors are not ours (e.g. after module.to())
@@ -319,9 +322,13 @@ class FlatGradient:
         if grad is None:
             return []
         self._published = weakref.ref(grad)
-        fresh = []
         owner = self.owner
         views = owner.local_views(grad)
+        if self._every_param_receives and all(used):  # the common case, one loop
+            for param, view in zip(self._params, views):
+                param.grad = view
+            return list(self._params)
+        fresh = []
         for record, view, receives, was_used in zip(owner.records, views, owner.grad_receivers,
                                                     used):
             if not receives:
@@ -345,3 +352,6 @@ class FlatGradient:
         for index, (record, flag) in enumerate(zip(self.owner.records, has_grad)):
             if flag:
                 record.param.grad = self.owner.local_view(grad, index)
+
+
+_grad_of = operator.attrgetter("grad")

@@ -24,11 +24,13 @@ function may not be modified in place, as for the outputs of ``split``.
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .._torch_private import flatten_dense_tensors
+from .._torch_private import flatten_dense_tensors, functorch_transforms_active
 from .layout import FlatLayout
 
 class Strided(NamedTuple):
@@ -48,6 +50,35 @@ def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> St
     return Strided(tuple(meta.shape), tuple(meta.stride()), offset)
 
 
+def split_plan(views: Sequence[Strided], numel: int) -> Optional[tuple[list[int], list[int]]]:
+    """Split sizes of a tensor of ``numel`` elements and the index of each
+    of ``views`` among the parts, when ``views`` are 1-D contiguous runs in
+    increasing order (an empty view may sit anywhere: it becomes an empty
+    part at the current position); ``None`` otherwise."""
+    sizes: list[int] = []
+    picks: list[int] = []
+    position = 0
+    for size, stride, offset in views:
+        if len(size) != 1:
+            return None
+        if size[0] == 0:
+            picks.append(len(sizes))
+            sizes.append(0)
+            continue
+        if stride != (1,) or offset < position:
+            return None
+        if offset > position:
+            sizes.append(offset - position)  # padding between pieces
+        picks.append(len(sizes))
+        sizes.append(size[0])
+        position = offset + size[0]
+    if position > numel:
+        return None
+    if position < numel:
+        sizes.append(numel - position)
+    return sizes, picks
+
+
 UsedCallback = Callable[[Sequence[Optional[torch.Tensor]]], None]
 """Called in backward with each parameter's gradient (``None``: unused)."""
 
@@ -60,7 +91,8 @@ class ViewPlan:
     concatenation of the per-segment gradients is the flat gradient."""
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
-                 "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes")
+                 "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
+                 "_all_strided", "_direct_parts")
 
     def __init__(self, layout: FlatLayout, moved_dims: Sequence[int]) -> None:
         segments = layout.segments()
@@ -83,12 +115,26 @@ class ViewPlan:
             for shape, d, segs in zip(layout.stored_shapes, moved_dims, self.param_segments))
         """Per contiguous parameter, its view of the buffer as one
         ``as_strided`` (``None``: assembled from pieces)."""
+        self._all_strided: Optional[tuple[Strided, ...]] = tuple(self._strided) \
+            if all(s is not None for s in self._strided) else None
+        """:attr:`_strided` when every parameter is one view (the common
+        case: one loop, no per-parameter branch)."""
+        self._direct_parts: Optional[tuple[tuple[int, int], ...]] = tuple(
+            (param, length) for param, length in zip(self.segment_params, self.split_sizes)) \
+            if all(self.contiguous) and not any(self.moved_dims) else None
+        """Per segment ``(parameter or -1 for padding, length)`` when every
+        parameter is one run in its own dim order: its gradient is its part
+        of the flat gradient as it is (``None``: some need reordering)."""
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter of ``flat`` in its own shape: a view where it is
         contiguous, else an assembled copy. Records no autograd history
         (call under ``no_grad``, as a custom function's forward runs)."""
         base = flat.storage_offset()
+        if self._all_strided is not None:
+            as_strided = flat.as_strided
+            return [as_strided(size, stride, base + offset)
+                    for size, stride, offset in self._all_strided]
         out = []
         for index, strided in enumerate(self._strided):
             if strided is not None:
@@ -110,6 +156,10 @@ class ViewPlan:
         device) from each parameter's gradient in its own shape (``None``:
         zeros); ``padding``: zeros of at least :attr:`max_padding` elements.
         One concatenation (flattening each part on the way)."""
+        if self._direct_parts is not None and not any(map(operator.is_, grads, repeat(None))):
+            parts = [grads[param] if param >= 0 else padding[:length]
+                     for param, length in self._direct_parts]
+            return flatten_dense_tensors(parts) if parts else padding.new_zeros(0)
         parts = []
         for param, start, length in zip(self.segment_params, self.segment_param_starts,
                                         self.split_sizes):
@@ -138,7 +188,7 @@ class SplitIntoParams(torch.autograd.Function):
                 trainable: Sequence[bool], on_backward: UsedCallback) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.plan, ctx.on_backward = plan, on_backward
-        ctx.numel, ctx.dtype, ctx.device = flat.numel(), flat.dtype, flat.device
+        ctx.dtype, ctx.device = flat.dtype, flat.device
         views = plan.views(flat)
         if not all(trainable):
             # detached: a view of a buffer that requires grad would say it requires grad too
@@ -151,6 +201,21 @@ class SplitIntoParams(torch.autograd.Function):
         ctx.on_backward(grads)
         padding = _padding(ctx.plan.max_padding, ctx.dtype, ctx.device)
         return ctx.plan.flat_gradient(grads, padding), None, None, None
+
+
+_apply_unwrapped = super(torch.autograd.Function, SplitIntoParams).apply
+"""``autograd.Function.apply`` without its Python-level preamble (functorch
+unwrapping of every argument), which matters only under functorch transforms."""
+
+
+def split_into_params(flat: torch.Tensor, plan: ViewPlan, trainable: Sequence[bool],
+                      on_backward: UsedCallback) -> tuple[torch.Tensor, ...]:
+    """``SplitIntoParams.apply(flat, plan, trainable, on_backward)``: one
+    output per parameter (a forward of every unit calls this: its
+    host time is per unit and step)."""
+    if functorch_transforms_active():
+        return SplitIntoParams.apply(flat, plan, trainable, on_backward)
+    return _apply_unwrapped(flat, plan, trainable, on_backward)
 
 
 _PADDING: dict[tuple, torch.Tensor] = {}

@@ -164,6 +164,7 @@ class DivergenceMonitor(CollectiveObserver):
         """Rolling hash of every collective recorded since the last forward
         agreement (all process groups)."""
         self._units: list[ObservedUnit] = []
+        self._groups: list[ShardGroup] = []
         self._where: dict[int, tuple[int, int]] = {}
         """id(buffer) -> (unit index, buffer index)."""
         self._index: dict[int, int] = {}
@@ -185,6 +186,7 @@ class DivergenceMonitor(CollectiveObserver):
         self._index = {id(unit): u for u, unit in enumerate(units)}
         self._where = {id(b): (u, i) for u, unit in enumerate(units)
                        for i, b in enumerate(unit.buffers)}
+        self._groups = _groups_of(self._units)
         for group in self.groups():
             if group.world_size > 1:
                 self.flight.attach(group.process_group)
@@ -331,13 +333,9 @@ class DivergenceMonitor(CollectiveObserver):
         self._logs.pop(key, None)
 
     def groups(self) -> list[ShardGroup]:
-        """One ShardGroup per process group of the model, in unit order."""
-        seen: dict[int, ShardGroup] = {}
-        for unit in self._units:
-            seen.setdefault(id(unit.group.process_group), unit.group)
-            for buffer in unit.buffers:  # on another mesh (shard_placement_fn)
-                seen.setdefault(id(buffer.group.process_group), buffer.group)
-        return list(seen.values())
+        """One ShardGroup per process group of the model, in unit order
+        (found once, by :meth:`bind`: a unit's groups never change)."""
+        return self._groups
 
     def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str]) -> None:
         """The forward agreement has waited ``waited`` s for the ranks of
@@ -556,3 +554,13 @@ def _first_difference(logs: list[list[Collective]]) -> int:
     while all(index < len(log) for log in logs) and len({log[index] for log in logs}) == 1:
         index += 1
     return index
+
+
+def _groups_of(units: Sequence[ObservedUnit]) -> list[ShardGroup]:
+    """One ShardGroup per process group of ``units``, in unit order."""
+    seen: dict[int, ShardGroup] = {}
+    for unit in units:
+        seen.setdefault(id(unit.group.process_group), unit.group)
+        for buffer in unit.buffers:  # on another mesh (shard_placement_fn)
+            seen.setdefault(id(buffer.group.process_group), buffer.group)
+    return list(seen.values())

@@ -308,9 +308,11 @@ class CollectiveQueue:
     def wait_gathers(self, unit) -> None:
         """Wait ``unit``'s all-gathers in flight; its buffers are unsharded
         (or stay sharded where nothing was issued)."""
+        if all(buffer.gathering is None for buffer in unit.buffers):
+            return  # nothing in flight (the steady state over one rank, or waited already)
         with profiled("all_gather_wait", unit.name):
             for buffer in unit.buffers:
-                if buffer.gathering is not None:
+                if buffer.gathering is not None:  # a bucket's wait completes its other members
                     buffer.gathering.wait(buffer)
 
     def inflight_all_gathers(self) -> int:

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .._torch_private import post_accumulate_grad_hooks
+from .._torch_private import post_accumulate_grad_hooks, with_post_accumulate_grad_hooks
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max
 from .observer import CollectiveObserver
@@ -75,8 +75,12 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
         if id(buffer) in pending:
             buffer.grad.settle()
     by_group: dict[int, list[FlatBuffer]] = {}
+    group_key: dict[int, int] = {}  # id(ShardGroup) -> id(its process group): one lookup each
     for buffer in buffers:
-        by_group.setdefault(id(buffer.group.process_group), []).append(buffer)
+        key = group_key.get(id(buffer.group))
+        if key is None:
+            key = group_key[id(buffer.group)] = id(buffer.group.process_group)
+        by_group.setdefault(key, []).append(buffer)
     fresh: list[nn.Parameter] = []
     for group_buffers in by_group.values():
         if not any(id(b) in pending for b in group_buffers):
@@ -100,6 +104,6 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
             if id(buffer) in pending:
                 fresh += buffer.grad.publish(flags[start:start + count])
             start += count
-    for param in fresh:
+    for param in with_post_accumulate_grad_hooks(fresh):
         for hook in post_accumulate_grad_hooks(param).values():
             hook(param)

@@ -19,7 +19,7 @@ import torch.nn as nn
 from .._torch_private import ComposableState as _State, contract, current_graph_task_id, queue_autograd_callback
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
-from ..profiling import profiled
+from ..profiling import call_profiled, profiled
 from .compile import run_eagerly
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
@@ -218,21 +218,24 @@ class FullyShardState(_State):
             return args, kwargs  # inside a registered forward method: already unsharded
         if self.held_whole:
             return args, kwargs  # inside full_params: the parameters are whole already
-        with profiled("pre_forward", self.unit.name):
-            return self._unshard_for_forward(module, args, kwargs)
+        return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
+                             module, args, kwargs)
 
     def _unshard_for_forward(self, module: nn.Module, args: tuple,
                              kwargs: dict) -> tuple[tuple, dict]:
-        self.lazy_init()
-        self.unit.check_materialized()
-        self._pre_forward_check(self.context.root.unit.modules[0])
-        if self.is_root and current_graph_task_id() == -1:
-            self._reset_unfinished_iteration()  # not a recomputation in backward
-        if self.is_root and self.unit.training_state is TrainingState.IDLE:
-            self.context.prefetch_order.start_iteration()  # not a recomputation inside backward
-            self.context.collectives.start_iteration()
-        args, kwargs = self.unit.cast_inputs(args, kwargs)
-        self.unit.pre_forward(module, args, kwargs)
+        if self.context is None:
+            self.lazy_init()
+        unit, context = self.unit, self.context
+        unit.check_materialized()
+        self._pre_forward_check(context.root.unit.modules[0])
+        if context.root is self:
+            if current_graph_task_id() == -1:
+                self._reset_unfinished_iteration()  # not a recomputation in backward
+            if unit.training_state is TrainingState.IDLE:
+                context.prefetch_order.start_iteration()  # not a recomputation inside backward
+                context.collectives.start_iteration()
+        args, kwargs = unit.cast_inputs(args, kwargs)
+        unit.pre_forward(module, args, kwargs)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -240,8 +243,7 @@ class FullyShardState(_State):
             return output  # the registered method's own post-forward follows
         if self.held_whole:
             return output  # inside full_params: nothing was gathered
-        with profiled("post_forward", self.unit.name):
-            return self._finish_forward(module, output)
+        return call_profiled("post_forward", self.unit.name, self._finish_forward, module, output)
 
     def _finish_forward(self, module: nn.Module, output: Any) -> Any:
         output = self.unit.cast_output(output)
@@ -326,12 +328,14 @@ class FullyShardState(_State):
                 unit.reshard()
 
     def _pre_backward(self) -> None:
-        with profiled("pre_backward", self.unit.name):
-            context = self.context
-            if not context.backward_callback_queued:
-                context.backward_callback_queued = True
-                queue_autograd_callback(context.root._finish_backward)
-            self.unit.pre_backward()
+        call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
+
+    def _unshard_for_backward(self) -> None:
+        context = self.context
+        if not context.backward_callback_queued:
+            context.backward_callback_queued = True
+            queue_autograd_callback(context.root._finish_backward)
+        self.unit.pre_backward()
 
     def _finish_backward(self) -> None:
         """Queued once per backward: publish the reduced gradients (unless

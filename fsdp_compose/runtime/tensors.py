@@ -34,6 +34,8 @@ def iter_tensors(obj: Any):
 
 def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     """The tensors in ``obj`` that take part in autograd."""
+    if isinstance(obj, torch.Tensor):  # most modules return one tensor
+        return [obj] if obj.requires_grad else []
     return [t for t in iter_tensors(obj) if t.requires_grad]
 
 

@@ -20,7 +20,7 @@ from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
-from ..profiling import profiled
+from ..profiling import call_profiled
 from .collective_queue import CollectiveQueue
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
@@ -246,12 +246,16 @@ class Unit:
         self.prefetch_order.record_forward(self)
         self.collectives.gather(self, self.prefetch_order.forward_targets(self), self.prefetch_order.ran)
         if torch.is_grad_enabled():
-            self._guard_saved_parameters()
+            if self._saved_guard is not None or not self.settings.unshard_in_backward:
+                self._guard_saved_parameters()
+            frozen = False
             for buffer in self.buffers:
                 buffer.sync_requires_grad()
-            for buffer in self.trainable_buffers:
-                buffer.refresh_views()  # see [Note: storage and autograd]
-            if self.frozen_buffers:
+                if buffer.requires_grad:
+                    buffer.refresh_views()  # see [Note: storage and autograd]
+                else:
+                    frozen = True
+            if frozen:
                 self._register_frozen_post_backward(args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[], None],
@@ -262,7 +266,8 @@ class Unit:
         the root's forward, is a pass by itself)."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return False  # recomputation inside backward: stay unsharded
-        self._release_saved_guard()
+        if self._saved_guard is not None:
+            self._release_saved_guard()
         if torch.is_grad_enabled():
             tensors = tensors_requiring_grad(output)
             if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
@@ -331,16 +336,19 @@ class Unit:
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
-        with profiled("post_backward", self.name):
-            if self.settings.requires_gradient_sync and self.settings.reduce_scatter_unused_params:
-                pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
-            elif self.settings.requires_gradient_sync:
-                self.collectives.reduce(buffer, self.settings.reduce_options)
-            else:
-                buffer.grad.stash_unreduced()
-            if self.settings.reshard_after_backward:
-                buffer.reshard()
-            self.training_state = TrainingState.POST_BACKWARD
+        call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+
+    def _reduce_and_reshard(self, buffer: FlatBuffer) -> None:
+        settings = self.settings
+        if settings.requires_gradient_sync and settings.reduce_scatter_unused_params:
+            pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
+        elif settings.requires_gradient_sync:
+            self.collectives.reduce(buffer, settings.reduce_options)
+        else:
+            buffer.grad.stash_unreduced()
+        if settings.reshard_after_backward:
+            buffer.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
         """Frozen buffers have no gradient hook; they reshard once the
@@ -370,12 +378,11 @@ class Unit:
     def finish_backward(self) -> None:
         """End of backward: reshard what is still unsharded (per policy) and
         go back to IDLE."""
-        if self.settings.reshard_after_backward and self.training_state is not TrainingState.FORWARD:
-            self.reshard()
         if self.training_state is not TrainingState.FORWARD:
             for buffer in self.buffers:
+                if self.settings.reshard_after_backward:
+                    buffer.reshard()
                 buffer.drop_post_forward_copy()  # this backward did not need it
-        if self.training_state is not TrainingState.FORWARD:
             self._frozen_uses = 0
         self.training_state = TrainingState.IDLE
 
