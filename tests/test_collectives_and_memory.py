@@ -237,39 +237,46 @@ def staging_pool_is_reused(retain: bool):
     step pools nothing, then the pool holds no more than the peak
     unsharded working set: the root and three blocks (in backward: the block
     whose gradient is still accumulating, the running one, the prefetched one).
-    Without ``retain_staging`` it is empty between steps."""
+    Without ``retain_staging`` it is empty between steps, and at the end of
+    every forward (the loss and the start of backward, where a step's
+    activations peak: [Note: the pool across the end of forward])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layers=6))  # more blocks than the bound, so holding all would show
     unbucketed(RECIPES["blocks+root"](model))
     model.set_prefetch_policy(PrefetchPolicy(retain_staging=retain))
     optim = make_optimizer(model, "sgd")
-    sizes = []
+    sizes, after_forward = [], []
     for step in range(3):
         x, y = global_batch(step, world, "plain")
         per = x.shape[0] // world
-        model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        loss = model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        pool = state_of(model).context.collectives.staging  # the model's, built at lazy init
+        after_forward.append(pool.pooled_bytes)
+        loss.backward()
         optim.step()
         optim.zero_grad()
-        pool = state_of(model).context.collectives.staging  # the model's, built at lazy init
         sizes.append(pool.pooled_bytes)
     root_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model).unit.buffers)
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
-    return sizes, root_bytes, block_bytes
+    return sizes, after_forward, root_bytes, block_bytes
 
 
 @pytest.mark.skipif(not CAN_SWAP_STORAGE_DATA, reason="this torch has no "
                     "UntypedStorage._swap_data_ptr_ (torch<2.12): the staging pool is off")
 def test_staging_pool_is_reused():
-    sizes, root_bytes, block_bytes = run_distributed(2, staging_pool_is_reused, True)[0]
+    sizes, after_forward, root_bytes, block_bytes = run_distributed(
+        2, staging_pool_is_reused, True)[0]
     assert sizes[0] == 0 and sizes[1] == sizes[2] > 0
     assert root_bytes + 2 * block_bytes <= sizes[1] <= root_bytes + 3 * block_bytes
+    assert after_forward[2] > 0  # retained through the forward too
 
 
 @CPU_ONLY
-def test_staging_pool_is_released_between_steps_by_default():
-    sizes, _, _ = run_distributed(2, staging_pool_is_reused, False)[0]
+def test_staging_pool_is_released_between_steps_and_after_forward_by_default():
+    sizes, after_forward, _, _ = run_distributed(2, staging_pool_is_reused, False)[0]
     assert sizes == [0, 0, 0]
+    assert after_forward == [0, 0, 0]
 
 
 def _unit_freed_after_model_dropped(with_state_dict: bool) -> bool:

@@ -37,6 +37,16 @@ second iteration on. In the steady state nothing is faulted in more than
 before: what is freed early would have been freed at the end of the
 iteration.
 
+[Note: the pool across the end of forward]
+When the root's forward ends, the pool holds the last units' unsharded
+memory for the first fills of backward. That moment (the loss, then the
+start of backward) is where a step's activations peak, and memory freed
+instead would not count there: on the step-memory benchmark's GPT the
+pool held two blocks' buffers (24 MiB) at the forward and backward peaks of
+every step, above FSDP2's. So the end of the root's forward frees the pool
+(``CollectiveQueue.end_forward``; not under ``retain_staging``): the
+backward's first fills fault their pages in again, once per step.
+
 [Note: staging and memory trackers]
 Swapping data pointers is invisible to tools that follow storage sizes
 through dispatched ops and ``UntypedStorage.resize_`` (torch's
@@ -157,6 +167,11 @@ class StagingPool:
         if self._expected is None:  # no history: none in the first iteration, all after
             return not self._first_iteration
         return self._fills[nbytes] < self._expected[nbytes]
+
+    def release(self) -> None:
+        """Free every pooled storage now; the iteration goes on (its fill
+        counts are kept)."""
+        self._free.clear()
 
     def keep(self) -> None:
         """End of an iteration under ``retain_staging``: keep what is

@@ -247,6 +247,15 @@ class CollectiveQueue:
         differs, and they pay a blocking check per buffer anyway."""
         self.buckets.rebuild([] if self.observer.will_verify() else order)
 
+    def end_forward(self) -> None:
+        """The root's forward ended and a backward follows: free what the
+        staging pool holds (unless the policy retains it), so that the
+        step's peak, the loss and the start of backward, does not count
+        memory kept only for the backward's first fills (see [Note: the
+        pool across the end of forward] in ``buffers/staging.py``)."""
+        if not self.policy.retain_staging:
+            self.staging.release()
+
     def end_iteration(self) -> None:
         """The iteration's last use of unsharded memory is over (end of the
         last backward, or a forward without backward): release the staging

@@ -260,6 +260,8 @@ class FullyShardState(_State):
             collectives.observer.after_root_forward(self.context.prefetch_order.forward_order)
             if not torch.is_grad_enabled():
                 collectives.end_iteration()  # no backward follows (e.g. evaluation)
+            else:
+                collectives.end_forward()
         return output
 
     def _reset_unfinished_iteration(self) -> None:
