@@ -7,7 +7,7 @@ import argparse
 import datetime
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,11 @@ import torch.multiprocessing as mp
 from fsdp_compose.testing import GPTConfig
 
 
-def gpt_arguments(description: str, repeats: int, impls: str = "") -> argparse.Namespace:
+def gpt_arguments(description: str, repeats: int, impls: str = "",
+                  flags: Optional[dict[str, str]] = None) -> argparse.Namespace:
     """``--layers --vocab --d-model --heads --repeats`` (the benchmark's default
-    GPT), and ``--impls`` (a comma-separated list) when ``impls`` gives its default."""
+    GPT), ``--impls`` (a comma-separated list) when ``impls`` gives its default,
+    and each of ``flags`` (name -> help) as an on/off option."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=16384)
@@ -27,6 +29,8 @@ def gpt_arguments(description: str, repeats: int, impls: str = "") -> argparse.N
     parser.add_argument("--repeats", type=int, default=repeats)
     if impls:
         parser.add_argument("--impls", default=impls)
+    for name, text in (flags or {}).items():
+        parser.add_argument(name, action="store_true", help=text)
     return parser.parse_args()
 
 

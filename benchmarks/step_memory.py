@@ -15,6 +15,12 @@ step is three phases (forward, backward, AdamW step + ``zero_grad``); the
 table shows rank 0's peak of live tensor bytes in each phase of each step,
 counted from just before the model was built, and the bytes live after the
 step. fp32, every block a unit plus the root; FSDP2 on a CPU mesh.
+
+AdamW runs as torch runs it on the CPU by default (one parameter at a time:
+its temporaries are the size of the largest piece of a parameter a rank
+holds, which under the default ``"rows"`` placement can be a whole
+parameter where FSDP2 holds half of each); ``--foreach`` runs it as on a
+GPU (every parameter at once: the temporaries total the rank's shard).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ MiB = 2 ** 20
 PHASES = ("forward", "backward", "optimizer")
 
 
-def _build(name: str, cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(name: str, cfg, foreach: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The seeded GPT under ``name`` (``benchmarks/impls.py``'s builders;
     fsdp_compose with the library's default placement, ``fsdp_compose@C``
     with buckets of at most ``C`` MiB), and its AdamW."""
@@ -45,10 +51,10 @@ def _build(name: str, cfg) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = build_fsdp_compose(model, placement=None, bucket_cap_mb=cap)
     else:
         model = build_fsdp2(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach or None)
 
 
-def _phase_peaks(name: str, cfg, steps: int) -> dict[str, Any]:
+def _phase_peaks(name: str, cfg, steps: int, foreach: bool) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = synthetic_tokens(0, 4 * world, cfg.seq_len, cfg.vocab_size)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -67,7 +73,7 @@ def _phase_peaks(name: str, cfg, steps: int) -> dict[str, Any]:
         dist.barrier()
         gc.collect()
 
-    report = measure_training_memory(lambda: _build(name, cfg), phase, 3 * steps, settle)
+    report = measure_training_memory(lambda: _build(name, cfg, foreach), phase, 3 * steps, settle)
     return {"peaks": [report.step_peaks[i:i + 3] for i in range(0, 3 * steps, 3)],
             "after": [report.after_step[i + 2] for i in range(0, 3 * steps, 3)]}
 
@@ -77,7 +83,7 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
     cfg = gpt_config(args)
     results = {}
     for name in args.impls:
-        results[name] = _phase_peaks(name, cfg, args.repeats)
+        results[name] = _phase_peaks(name, cfg, args.repeats, args.foreach)
         gc.collect()
     if rank == 0:
         queue.put(results)
@@ -86,11 +92,12 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
 
 def main() -> None:
     args = gpt_arguments(__doc__.splitlines()[0], repeats=4,  # --repeats: the steps
-                         impls="fsdp_compose,fsdp2")
+                         impls="fsdp_compose,fsdp2",
+                         flags={"--foreach": "AdamW(foreach=True), as on a GPU"})
     args.impls = args.impls.split(",")
     results = run_two_ranks(_worker, args, timeout=1200)
     print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch 4 x 128 "
-          f"per rank, fp32, AdamW; rank 0's live tensor MiB")
+          f"per rank, fp32, AdamW{'(foreach=True)' if args.foreach else ''}; rank 0's live tensor MiB")
     theirs = results["fsdp2"]
     ours = [name for name in args.impls if name != "fsdp2"]
     print("| step | phase | " + " | ".join(ours) + " | FSDP2 | difference |")

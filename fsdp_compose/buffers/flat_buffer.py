@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -290,9 +290,11 @@ class FlatBuffer:
         (:meth:`complete_gather`), and one that autograd saved for backward
         keeps its memory until then (resharding cannot free it)."""
         if self.requires_grad:
-            with torch.enable_grad():
-                views = list(split_into_params(self.unsharded, self._view_plan,
-                                               self._param_requires_grad, self._on_backward))
+            if torch.is_grad_enabled():  # every forward that records a graph: no context manager
+                views = self._differentiable_views()
+            else:
+                with torch.enable_grad():
+                    views = self._differentiable_views()
         else:
             with torch.no_grad():
                 views = self._view_plan.views(self.unsharded)
@@ -301,6 +303,10 @@ class FlatBuffer:
         # tensor parallelism: forward sees the DTensor again, over the local view
         return [view if record.tp is None else as_dtensor(view, record.tp)
                 for view, record in zip(views, self.records)]
+
+    def _differentiable_views(self) -> list[torch.Tensor]:
+        return list(split_into_params(self.unsharded, self._view_plan,
+                                      self._param_requires_grad, self._on_backward))
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes the user made on the original
@@ -553,18 +559,17 @@ class FlatBuffer:
 _requires_grad = operator.attrgetter("requires_grad")
 
 
-def _called_weakly(fn: Callable) -> Callable:
+def _called_weakly(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn`` (a bound method: weakly; anything else as is), called with the
-    same arguments while its object lives and while none is ``None``; a
-    no-op after. For hooks that autograd stores in C++, where a strong
-    reference back to a buffer makes a cycle Python cannot collect."""
+    same argument while its object lives and while the argument is not
+    ``None``; a no-op after. For hooks that autograd stores in C++, where a
+    strong reference back to a buffer makes a cycle Python cannot collect."""
     ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
 
-    def call(*args):
+    def call(arg):
         target = ref()
-        if target is None or any(a is None for a in args):
+        if target is None or arg is None:
             return None
-        return target(*args)
+        return target(arg)
 
     return call
-

@@ -271,7 +271,7 @@ class Unit:
         if torch.is_grad_enabled():
             tensors = tensors_requiring_grad(output)
             if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
-                tensors[0].register_hook(lambda _grad: pre_backward())
+                _on_gradient(tensors[0], pre_backward)
                 self._backward_possible = True
             elif tensors:
                 register_multi_grad_hook(tensors, lambda _grads: pre_backward(), mode="any")
@@ -406,3 +406,14 @@ class Unit:
     def __repr__(self) -> str:
         return f"Unit({self.name}, buffers={self.buffers})"
 
+
+def _on_gradient(tensor: torch.Tensor, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` when backward reaches ``tensor``'s gradient: a
+    pre-hook on the node that made it (the moment a tensor hook would run,
+    without the tensor hook's Python-level handle bookkeeping), or a tensor
+    hook on a leaf (no node)."""
+    node = tensor.grad_fn
+    if node is not None:
+        node.register_prehook(lambda _grads: callback())
+    else:
+        tensor.register_hook(lambda _grad: callback())
