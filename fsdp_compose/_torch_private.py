@@ -321,8 +321,12 @@ def local_scalar_dense_op() -> Any:
     return op.default
 
 
-MemTracker: type = _lookup("torch.distributed._tools.mem_tracker", "MemTracker",
-                           "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
+def mem_tracker_class() -> type:
+    """``torch.distributed._tools.mem_tracker.MemTracker``, imported on first
+    use: ``torch.distributed._tools`` imports ``torch._inductor`` and with it
+    ``torch._dynamo`` (half a second), which ``import fsdp_compose`` does not."""
+    return _lookup("torch.distributed._tools.mem_tracker", "MemTracker",
+                   "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
 
 
 def dynamo_disable(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:

@@ -53,7 +53,7 @@ def _train(impl, output_dir, accumulate=1, resume=None, lora=True):
     plugin; the ranks share the GPU over the harness's gloo group, each
     told it is local rank 0 so that accelerate puts both on ``cuda:0``).
     In CUDA mode nothing is saved: a full-state-dict gather of CUDA
-    ``DTensor``\ s over gloo inside the collective counter's dispatch mode
+    ``DTensor`` values over gloo inside the collective counter's dispatch mode
     segfaulted in torch 2.11 (``_c_check_aliasing_constraint``), for FSDP2
     and for us; saving is tested on CPUs."""
     from accelerate.state import AcceleratorState

@@ -185,6 +185,7 @@ def test_every_private_name_exists_on_this_torch():
     assert _stand_ins() == []
     tp.local_scalar_dense_op()
     tp.dynamo_disable(lambda: None)
+    assert not hasattr(tp.mem_tracker_class(), tp.MISSING_MARK)
     with tp.fake_tensor_mode():
         pass
     if not tp.CAN_SWAP_STORAGE_DATA:  # torch 2.11: the staging pool is off

@@ -16,7 +16,6 @@ by a rule.
 """
 
 from .annotate import fully_shard_by
-from .mem_tracker import ShardedMemTracker
 from .split_root import fully_shard_root
 from .describe import BufferReport, ModelReport, ParamReport, Totals, UnitReport, describe
 from .planner import MemoryEstimate, Proposal, estimate_memory, propose_units
@@ -24,3 +23,12 @@ from .planner import MemoryEstimate, Proposal, estimate_memory, propose_units
 __all__ = ["describe", "fully_shard_by", "ModelReport", "UnitReport", "BufferReport",
            "ParamReport", "Totals", "estimate_memory", "propose_units", "MemoryEstimate",
            "Proposal", "ShardedMemTracker", "fully_shard_root"]
+
+
+def __getattr__(name: str):
+    # ShardedMemTracker subclasses torch's MemTracker, whose import brings in
+    # torch._inductor and torch._dynamo: imported when first asked for
+    if name == "ShardedMemTracker":
+        from .mem_tracker import ShardedMemTracker
+        return ShardedMemTracker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,9 @@ import warnings
 
 import torch.nn as nn
 
-from .._torch_private import MemTracker
+from .._torch_private import mem_tracker_class
+
+MemTracker = mem_tracker_class()
 
 
 class ShardedMemTracker(MemTracker):
