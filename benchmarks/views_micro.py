@@ -17,6 +17,11 @@ forward + backward + clearing the gradients, in one thread:
 * ``views_node``: a custom ``autograd.Function`` per block and forward that
   returns the ``as_strided`` views and concatenates their gradients into the
   flat gradient in backward (the shape of ``SplitIntoParams``);
+* ``native_split``: torch's differentiable ``split_with_sizes`` and a
+  ``view`` per multi-dimensional parameter, per block and forward, with one
+  pre-hook on the split's backward node (what used-parameter tracking
+  needs): C++ backward nodes (a ``ViewBackward`` per parameter, one
+  ``SplitWithSizesBackward``) instead of the Python one;
 * ``leaves``: views of the flat buffer made once as leaf tensors, a small
   ``autograd.Function`` on each block's input per forward (FSDP2's
   post-backward trigger), the flat gradient concatenated from the leaves'
@@ -99,6 +104,11 @@ class _Leaves:
             p.grad = None
 
 
+def _saw_gradients(grads) -> None:
+    """What the buffer's used-parameter flags read: which parts got a gradient."""
+    [g is not None for g in grads]
+
+
 def _step_fn(variant: str, units: int) -> Callable[[], None]:
     x0 = torch.randn(2, 8, WIDTH)
     if variant == "plain":
@@ -119,6 +129,17 @@ def _step_fn(variant: str, units: int) -> Callable[[], None]:
             x = x0
             for flat in flats:
                 x = _block(x, list(_ViewsNode.apply(flat)))
+            x.sum().backward()
+            for flat in flats:
+                flat.grad = None
+        return step
+    if variant == "native_split":
+        def step() -> None:
+            x = x0
+            for flat in flats:
+                parts = flat.split_with_sizes(SIZES)
+                parts[0].grad_fn.register_prehook(_saw_gradients)
+                x = _block(x, [p.view(s) if len(s) > 1 else p for p, s in zip(parts, SHAPES)])
             x.sum().backward()
             for flat in flats:
                 flat.grad = None
@@ -152,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    variants = ["plain", "views_node", "leaves", "leaves_in_place"]
+    variants = ["plain", "views_node", "native_split", "leaves", "leaves_in_place"]
     steps = {v: _step_fn(v, args.units) for v in variants}
     for step in steps.values():
         step()  # warm-up
