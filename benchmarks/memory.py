@@ -5,14 +5,23 @@ analytic bound. Not run directly: ``benchmarks/run.py`` uses it, e.g.
 
 Measurement method: the PyTorch profiler with ``profile_memory=True``. On CPU,
 every tensor storage comes from c10's CPU allocator, which reports each
-allocation and free (with its size, from any thread, gloo's worker threads
-included) to an active profiler. The running sum of those events is the live
-tensor bytes of this process counted from the moment the profiler started; we
-start it before the model is built, so it covers the model, the wrapper's flat
+allocation and free to an active profiler, but only those made by a thread
+the profiler watches: a free in gloo's worker thread (which may drop the
+last reference to a finished collective's tensors, torch FSDP2's and DDP's)
+is never reported, and a running sum of the events counts that memory as
+live for ever. So this module turns on c10's own count of live CPU bytes
+over every thread (``FLAGS_caffe2_report_cpu_memory_usage``, set by
+:func:`count_every_thread` before the first measurement) and reads that total from each event (``total_allocated``): the
+live tensor bytes of the whole process at each allocation or free the
+profiler saw, counted from the moment the profiler started; we start it
+before the model is built, so it covers the model, the wrapper's flat
 buffers/DTensors/DDP buckets, gradients, optimizer states, activations,
 unsharded parameters and collective staging buffers. Memory allocated before
-the profiler started (the other implementations' models) is invisible to it,
-so each implementation is measured in isolation within one process.
+the profiler started (the other implementations' models) is not counted,
+so each implementation is measured in isolation within one process. (Until
+2026-11-28 the benchmarks summed the events; FSDP2's memory on the CPU then
+grew by 12-36 MiB a step that gloo's thread had freed. BENCHMARKS.md,
+eleventh session.)
 
 A third pass runs torch's ``MemTracker`` (what users run to compare FSDP
 setups) for every implementation: :func:`measure_mem_tracker`, through
@@ -30,10 +39,13 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import resource
 import statistics
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -42,6 +54,24 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 MiB = 2 ** 20
 _PHASE_PREFIX = "bench_phase:"
+
+
+@functools.cache
+def count_every_thread() -> bool:
+    """Turn on c10's count of live CPU allocator bytes over every thread
+    (``FLAGS_caffe2_report_cpu_memory_usage``, a flag of ``libc10``), for
+    the rest of the process; the profiler's allocation events then carry it
+    as ``total_allocated``. Returns whether it is on (``False``: a torch
+    without the flag, whose measurements miss frees made by other threads)."""
+    try:
+        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+        flag = ctypes.c_bool.in_dll(library, "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):
+        warnings.warn("this torch's libc10 has no FLAGS_caffe2_report_cpu_memory_usage: frees "
+                      "made by gloo's threads are not counted", stacklevel=2)
+        return False
+    flag.value = True
+    return True
 
 
 @dataclass
@@ -89,6 +119,7 @@ def measure_training_memory(build: Callable[[], tuple[nn.Module, torch.optim.Opt
     ``settle()`` (e.g. a barrier and ``gc.collect()``) under the profiler and
     return this rank's live-tensor-byte profile. What ``build`` returns is
     dropped before this function returns."""
+    every_thread = count_every_thread()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function(_PHASE_PREFIX + "setup"):
             module, optim = build()
@@ -98,26 +129,31 @@ def measure_training_memory(build: Callable[[], tuple[nn.Module, torch.optim.Opt
         with record_function(_PHASE_PREFIX + "settle"):
             settle()
         del module, optim
-    return _report_from(prof, steps)
+    return _report_from(prof, steps, every_thread)
 
 
-def _report_from(prof: profile, steps: int) -> MemoryReport:
+def _report_from(prof: profile, steps: int, every_thread: bool) -> MemoryReport:
     tree = prof.profiler.kineto_results.experimental_event_tree()
-    allocations: list[tuple[int, int]] = []
+    allocations: list[tuple[int, int, int]] = []  # time, size (frees negative), process total
     phases: dict[str, tuple[int, int]] = {}
     for node in _walk(tree):
         fields = node.extra_fields
         if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
-            allocations.append((node.start_time_ns, fields.alloc_size))
+            allocations.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
         elif node.name.startswith(_PHASE_PREFIX):
             phases[node.name[len(_PHASE_PREFIX):]] = (node.start_time_ns, node.end_time_ns)
     allocations.sort()
-    times = [t for t, _ in allocations]
+    times = [t for t, _, _ in allocations]
     live: list[int] = []
-    total = 0
-    for _, size in allocations:
-        total += size  # frees come as negative sizes
-        live.append(total)
+    if every_thread and allocations:
+        _, size, total = allocations[0]
+        base = total - size  # live bytes of the whole process when the profiler started
+        live = [total - base for _, _, total in allocations]
+    else:
+        total = 0
+        for _, size, _ in allocations:
+            total += size  # frees come as negative sizes
+            live.append(total)
 
     def live_at(t_ns: int) -> int:
         i = bisect.bisect_right(times, t_ns)
