@@ -177,9 +177,9 @@ def summarize(s, raw: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
         "environment": env,
         "reference_losses": ref["losses"],
         "analytic_mib": {k: v / MiB for k, v in bounds.items()},
-        "memory_method": "torch.profiler(profile_memory=True): running sum of c10 CPU "
-                         "allocator events, from before model construction; peak over "
-                         "steps 2..mem_steps",
+        "memory_method": "torch.profiler(profile_memory=True) events carrying c10's live CPU "
+                         "bytes over every thread (total_allocated), from before model "
+                         "construction; peak over steps 2..mem_steps",
         "results": rows,
     }
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -73,7 +73,8 @@ class FlatBuffer:
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
                  post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None,
-                 policy: BufferPolicy = BufferPolicy()) -> None:
+                 policy: BufferPolicy = BufferPolicy(),
+                 before_flat_gradient: Optional[Callable[["FlatBuffer"], None]] = None) -> None:
         if not records:
             raise AssertionError("a flat buffer needs at least one parameter")
         # What it holds
@@ -116,6 +117,10 @@ class FlatBuffer:
         """Each parameter's ``requires_grad`` as of the last forward."""
         self.requires_grad: bool = any(self._param_requires_grad)
         self._post_accumulate_grad = post_accumulate_grad
+        self._before_flat_gradient = before_flat_gradient
+        """Called in backward when the views' node has every parameter's
+        gradient of one forward, before it concatenates them into a new flat
+        gradient (the unit makes room among the reductions in flight)."""
         self.policy: BufferPolicy = policy
 
         # Storage (all set by _install)
@@ -151,7 +156,7 @@ class FlatBuffer:
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
-        self._on_backward = _called_weakly(self.grad.mark_used)
+        self._on_backward = _called_weakly(self._views_backward)
         self._install(self._shard_values(records[0].param.dtype))
 
     # ------------------------------------------------------------------ setup
@@ -307,6 +312,13 @@ class FlatBuffer:
     def _differentiable_views(self) -> list[torch.Tensor]:
         return list(split_into_params(self.unsharded, self._view_plan,
                                       self._param_requires_grad, self._on_backward))
+
+    def _views_backward(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """The views' node is about to make a flat gradient from
+        ``param_grads`` (see [Note: used parameters] in ``flat_grad.py``)."""
+        self.grad.mark_used(param_grads)
+        if self._before_flat_gradient is not None:
+            self._before_flat_gradient(self)
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes the user made on the original

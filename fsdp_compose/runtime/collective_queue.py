@@ -516,6 +516,23 @@ class CollectiveQueue:
                 for flight in self._replicas.popleft():
                     flight.wait()
 
+    def make_room_for_reduce(self) -> None:
+        """A unit's backward is about to make the flat gradient of its next
+        reduction: wait the oldest reduce-scatters in flight until at most
+        ``max_pending_reduces - 1`` remain, so that their inputs (each a
+        unit's flat gradient) are freed before the new one is allocated, and
+        the new one issued keeps the limit. Each waited reduction overlapped
+        the backward of the unit that is now done (torch FSDP2 waits the
+        previous reduce-scatter at the next reduction the same way).
+        Without it, the flat gradient of the last unit reduced stayed alive
+        while the root's was made: one unit's gradient above FSDP2 at the
+        end of backward, where the step memory peaked (BENCHMARKS.md,
+        eleventh session)."""
+        self._reduces = deque(f for f in self._reduces if not f.done)
+        while len(self._reduces) >= self.policy.max_pending_reduces:
+            with profiled("reduce_scatter_wait"):
+                self._reduces.popleft().wait()
+
     def finish_reduces(self) -> None:
         """Wait every reduction in flight, oldest first (the end of the
         step's last backward)."""

@@ -95,7 +95,7 @@ class Unit:
                                self.settings.comm_policy)
         self.buffers: list[FlatBuffer] = [
             FlatBuffer(records, records[0].group or group, post_accumulate_grad=self._post_backward,
-                       policy=policy)
+                       policy=policy, before_flat_gradient=self._before_flat_gradient)
             for records in records_by_group]
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
@@ -337,6 +337,16 @@ class Unit:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
         call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+
+    def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
+        """``buffer``'s new flat gradient is about to be made: a reduction
+        will follow, so wait the oldest ones in flight until it fits in the
+        limit, which frees their inputs before the new gradient takes its
+        memory (see ``CollectiveQueue.make_room_for_reduce``)."""
+        settings = self.settings
+        if self.collectives is not None and settings.requires_gradient_sync and \
+                not settings.reduce_scatter_unused_params:
+            self.collectives.make_room_for_reduce()
 
     def _reduce_and_reshard(self, buffer: FlatBuffer) -> None:
         settings = self.settings

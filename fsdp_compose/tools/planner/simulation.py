@@ -15,9 +15,12 @@ the next ``prefetch`` units in backward order, and then
       before the first unit, the embeddings, only at its own backward) and
       the padded flat gradient the split's backward concatenates them
       into, both alive for a moment (plus a copy when reduce_dtype differs);
-  (b) its reduce-scatter, issued while the previous unit's is in flight
-      (max_pending_reduces=1): two flat gradients alive. The output is this
-      rank's gradient shard, extra only when its dtype or device differs.
+  (b) its reduce-scatter (max_pending_reduces=1): the previous unit's,
+      in flight through this unit's backward, is waited once this unit's
+      per-parameter gradients exist, before they are concatenated
+      (``CollectiveQueue.make_room_for_reduce``), so one flat gradient is
+      being reduced at a time. The output is this rank's gradient shard,
+      extra only when its dtype or device differs.
 Buckets ([Note: bucketing] in ``runtime/collective_queue.py``; which units:
 ``buckets.py``): a unit's all-gather is its bucket's, issued for all
 members at once (fixed-size: every member, in forward and in backward) and
@@ -282,6 +285,13 @@ class Step:
             if not p.flat_grad:
                 continue  # frozen only: no gradient, no reduce-scatter
             cast = p.flat_reduce if p.flat_reduce != p.flat_grad else 0
+            if pending is not None:
+                # the per-parameter gradients exist; the reduction in flight is
+                # waited (its input freed) before they are concatenated
+                yield _Moment(_label("backward", p, "gradients computed"), live,
+                              held + p.view_grads, comm, frozenset(reduced), acts(i, False))
+                reduced.update(pending)
+                pending, held, comm = None, held - flying, 0
             yield _Moment(_label("backward", p, "gradients"), live,
                           held + p.view_grads + p.flat_grad + cast, comm,
                           frozenset(reduced), acts(i, False))
@@ -298,8 +308,6 @@ class Step:
             clone = sum(plans[j].flat_reduce for j in group) if gloo_reduce_copy else 0
             yield _Moment(_label("backward", p, label), live, held + issued, comm + clone,
                           frozenset(reduced), acts(i, False))
-            if pending is not None:
-                reduced.update(pending)
             pending = group
         temp = 0
         if self.adam and not self.offload:  # sqrt and division temporaries of the update
