@@ -17,10 +17,12 @@ from fsdp_compose.testing import GPTConfig
 
 
 def gpt_arguments(description: str, repeats: int, impls: str = "",
-                  flags: Optional[dict[str, str]] = None) -> argparse.Namespace:
+                  flags: Optional[dict[str, str]] = None,
+                  batch_per_rank: Optional[int] = None) -> argparse.Namespace:
     """``--layers --vocab --d-model --heads --repeats`` (the benchmark's default
     GPT), ``--impls`` (a comma-separated list) when ``impls`` gives its default,
-    and each of ``flags`` (name -> help) as an on/off option."""
+    ``--batch-per-rank`` when ``batch_per_rank`` gives its default, and each
+    of ``flags`` (name -> help) as an on/off option."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=16384)
@@ -29,6 +31,9 @@ def gpt_arguments(description: str, repeats: int, impls: str = "",
     parser.add_argument("--repeats", type=int, default=repeats)
     if impls:
         parser.add_argument("--impls", default=impls)
+    if batch_per_rank is not None:
+        parser.add_argument("--batch-per-rank", type=int, default=batch_per_rank,
+                            help="sequences of 128 tokens per rank and step")
     for name, text in (flags or {}).items():
         parser.add_argument(name, action="store_true", help=text)
     return parser.parse_args()

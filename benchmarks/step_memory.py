@@ -3,6 +3,7 @@ torch FSDP2 on two gloo ranks (issue 36 item 3; ``benchmarks/gpu.py`` is the
 GPU's counterpart).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory                  # default GPT
+    PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --batch-per-rank 2   # benchmarks.run's batch
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --layers 48 --d-model 64 --vocab 512
     # bucket caps side by side (fsdp_compose@C: buckets of at most C MiB)
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --layers 48 --d-model 64 --vocab 512 \
@@ -54,9 +55,9 @@ def _build(name: str, cfg, foreach: bool) -> tuple[torch.nn.Module, torch.optim.
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach or None)
 
 
-def _phase_peaks(name: str, cfg, steps: int, foreach: bool) -> dict[str, Any]:
+def _phase_peaks(name: str, cfg, steps: int, foreach: bool, batch: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = synthetic_tokens(0, 4 * world, cfg.seq_len, cfg.vocab_size)
+    x, y = synthetic_tokens(0, batch * world, cfg.seq_len, cfg.vocab_size)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     held: dict[str, Any] = {}
 
@@ -83,7 +84,7 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
     cfg = gpt_config(args)
     results = {}
     for name in args.impls:
-        results[name] = _phase_peaks(name, cfg, args.repeats, args.foreach)
+        results[name] = _phase_peaks(name, cfg, args.repeats, args.foreach, args.batch_per_rank)
         gc.collect()
     if rank == 0:
         queue.put(results)
@@ -93,11 +94,13 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
 def main() -> None:
     args = gpt_arguments(__doc__.splitlines()[0], repeats=4,  # --repeats: the steps
                          impls="fsdp_compose,fsdp2",
-                         flags={"--foreach": "AdamW(foreach=True), as on a GPU"})
+                         flags={"--foreach": "AdamW(foreach=True), as on a GPU"},
+                         batch_per_rank=4)
     args.impls = args.impls.split(",")
     results = run_two_ranks(_worker, args, timeout=1200)
-    print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch 4 x 128 "
-          f"per rank, fp32, AdamW{'(foreach=True)' if args.foreach else ''}; rank 0's live tensor MiB")
+    print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch "
+          f"{args.batch_per_rank} x 128 per rank, fp32, AdamW"
+          f"{'(foreach=True)' if args.foreach else ''}; rank 0's live tensor MiB")
     theirs = results["fsdp2"]
     ours = [name for name in args.impls if name != "fsdp2"]
     print("| step | phase | " + " | ".join(ours) + " | FSDP2 | difference |")
