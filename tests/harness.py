@@ -32,8 +32,9 @@ tensors, so several ranks share one GPU. ``run_nccl(world_size, fn, ...)`` runs 
 Workers: one pool of ``world_size`` processes per world size and backend (``spawn`` context), started lazily,
 kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit).  Each
 pool rendezvouses through its own temp file, never a TCP port.  Before every call each worker
-runs ``gc.collect()``, reseeds ``random``/``torch`` with 0, sets one thread, enables grad and
-resets the default dtype, so tests do not depend on their order.
+runs ``gc.collect()`` (then ``gc.freeze()``: what survived is never scanned again), reseeds
+``random``/``torch`` with 0, sets one thread, enables grad and resets the default dtype, so
+tests do not depend on their order.
 
 Failures raise ``DistributedTestError`` (an ``AssertionError``) with a ``[rank N]`` section per rank:
 * a rank raised: its traceback.  If the others finished, a quick all-reduce health check keeps
@@ -185,6 +186,11 @@ def _run_call(msg: bytes) -> bytes:
 
 def _reset_state() -> None:
     gc.collect()
+    # What survived a collection is mostly torch's and the imported modules'
+    # objects (250k+ of them): kept out of later collections, which then take
+    # microseconds instead of ~0.1 s per call and rank. Garbage made by a test
+    # is younger than this and still collected before the next call.
+    gc.freeze()
     random.seed(0)
     torch.manual_seed(0)
     torch.set_num_threads(1)
