@@ -90,6 +90,69 @@ def test_bucketing_counts_collectives_and_keeps_the_memory_bound():
     assert off["peak_unsharded"] <= off["root_bytes"] + (limit + 1) * off["block_bytes"]
 
 
+def _steps(model, optim, steps: int, before_each) -> None:
+    """``steps`` training steps of this rank's batches, ``before_each()`` first in each."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        before_each()
+        x, y = local_batch(step, rank, world)
+        model.loss(x, y).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _filled_at_each_block():
+    """One bucket of all blocks: right after each block's unit unsharded
+    for its forward and for its backward in the last step, which blocks'
+    unsharded storages hold memory, and which are still gathering."""
+    from fsdp_compose.runtime.unit import Unit
+    torch.manual_seed(0)
+    model = shard_blocks_and_root(GPT(CFG).to(TEST_DEVICE))
+    optim = make_optimizer(model, "sgd")
+    units = [state_of(b).unit for b in model.blocks]
+    seen = []
+    original = Unit.pre_forward, Unit.pre_backward
+
+    def record(moment, unit):
+        if unit in units:
+            seen.append((moment, units.index(unit),
+                         [any(b.unsharded.untyped_storage().nbytes() > 0 for b in u.buffers)
+                          for u in units],
+                         [any(b.is_gathering for b in u.buffers) for u in units]))
+
+    def pre_forward(self, *args):
+        original[0](self, *args)
+        record("forward", self)
+
+    def pre_backward(self):
+        original[1](self)
+        record("backward", self)
+    Unit.pre_forward, Unit.pre_backward = pre_forward, pre_backward
+    try:
+        _steps(model, optim, 4, seen.clear)
+    finally:
+        Unit.pre_forward, Unit.pre_backward = original
+    buckets = [len(b.units) for b in state_of(model).context.collectives.buckets.buckets]
+    return buckets, seen
+
+
+def test_a_bucket_fills_each_member_at_its_own_wait():
+    # [Note: a bucket's copies]: the members a bucket's all-gather brings
+    # are given memory one by one, when each unit runs, not all at the
+    # first member's wait (which held twice the bucket's bytes at once)
+    blocks = CFG.n_layers
+    for buckets, seen in run_distributed(2, _filled_at_each_block):
+        assert buckets == [blocks]
+        assert [(moment, index) for moment, index, _, _ in seen] == \
+            [("forward", i) for i in range(blocks)] + \
+            [("backward", i) for i in reversed(range(blocks))]
+        for moment, index, filled, gathering in seen:
+            ahead = [j for j in range(blocks) if (j > index if moment == "forward" else j < index)]
+            assert filled[index] and not gathering[index], (moment, index, filled)
+            assert not any(filled[j] for j in ahead), (moment, index, filled)
+            assert all(gathering[j] for j in ahead), (moment, index, gathering)
+
+
 def test_a_cap_below_the_unit_size_changes_nothing():
     # units above the cap are never bucketed: a model of large units runs as before
     small = run_distributed(2, _train, 1e-3, "sgd", 3, True)[0]
@@ -166,7 +229,6 @@ def _backward_bucket_gathers():
     """Two buckets of two blocks ([0, 1], [2, 3]): which unit issued each
     bucket all-gather of the last step's backward, and whether as a prefetch."""
     from fsdp_compose.runtime.collective_queue import CollectiveQueue
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = shard_blocks_and_root(GPT(GPTConfig(n_layers=4)).to(TEST_DEVICE))
     block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
@@ -190,12 +252,7 @@ def _backward_bucket_gathers():
         return done
     CollectiveQueue._gather_bucket, CollectiveQueue.gather = recording, gathering
     try:
-        for step in range(4):
-            issued.clear()
-            x, y = local_batch(step, rank, world)
-            model.loss(x, y).backward()
-            optim.step()
-            optim.zero_grad()
+        _steps(model, optim, 4, issued.clear)
     finally:
         CollectiveQueue._gather_bucket, CollectiveQueue.gather = original, gather
     buckets = [[u.name for u in b.units] for b in state_of(model).context.collectives.buckets.buckets]

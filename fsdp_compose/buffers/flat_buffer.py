@@ -441,12 +441,16 @@ class FlatBuffer:
     # -------------------------------------------------------------- unshard
     # The all-gather itself is issued and waited by runtime/collective_queue.py:
     # prepare_unshard before it, complete_gather after it.
-    def prepare_unshard(self, coalescable: bool = False) -> Optional[tuple[torch.Tensor, ShardGroup]]:
+    def prepare_unshard(self, coalescable: bool = False, defer_storage: bool = False
+                        ) -> Optional[tuple[torch.Tensor, ShardGroup]]:
         """Everything an all-gather needs before it is issued: the
         unsharded storage holds memory again; returns what to all-gather
         and over which group (``None``: nothing to gather). With
         ``coalescable``, only a plain gather over the shard group qualifies
         (a kept post-forward piece does not: ``None`` and nothing done).
+        With ``defer_storage`` the storage stays empty: the caller fills it
+        with :meth:`allocate_unsharded` before copying the values in (a
+        bucket's member, whose values arrive in the bucket's packed output).
         The caller (``runtime/collective_queue.py``) then issues the
         collective and, once it completed, calls :meth:`complete_gather`."""
         if self.gathering is not None:
@@ -464,11 +468,8 @@ class FlatBuffer:
             # Kept unsharded (reshard_after_backward=False or a manual unshard())
             # across an optimizer step: gather the new values.
             self.reshard()
-        nbytes = self.layout.padded_numel * self.unsharded.element_size()
-        if self.staging is not None:
-            self.staging.fill(self.unsharded.untyped_storage(), nbytes)
-        else:
-            self.unsharded.untyped_storage().resize_(nbytes)
+        if not defer_storage:
+            self.allocate_unsharded()
         kept, self._post_forward = self._post_forward, None
         if kept is not None and kept.versions == self._param_versions():
             # reshard_after_forward=k: gather from the k ranks of the smaller group
@@ -476,6 +477,15 @@ class FlatBuffer:
         else:
             shard, group = self.gather_input(), self.group
         return shard, group
+
+    def allocate_unsharded(self) -> None:
+        """Give the empty unsharded storage its memory (from the staging
+        pool where there is one); its views stay valid (same storage)."""
+        nbytes = self.layout.padded_numel * self.unsharded.element_size()
+        if self.staging is not None:
+            self.staging.fill(self.unsharded.untyped_storage(), nbytes)
+        else:
+            self.unsharded.untyped_storage().resize_(nbytes)
 
     def gather_input(self) -> torch.Tensor:
         """This rank's shard as the all-gather moves it: one copy to the

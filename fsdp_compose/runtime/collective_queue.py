@@ -19,9 +19,10 @@ and all-reduces them over the replicas (hybrid sharding).
    the flat gradients they keep alive).
 3. *Wait.* The first wait (a unit's pre-forward or pre-backward, a reshard,
    the limit, the end of backward) waits the work through
-   ``comm/watched_wait.wait_watched``, copies each member's part out of a packed
-   output and frees the temporaries ([Note: freeing what a collective
-   read]), once. A quantized collective (``CommPolicy``) is the same to
+   ``comm/watched_wait.wait_watched``, once; a bucket's all-gather copies
+   each member's part out of its packed output when that member is
+   completed ([Note: a bucket's copies]), and the temporaries are freed
+   after the last copy ([Note: freeing what a collective read]). A quantized collective (``CommPolicy``) is the same to
    the queue: its work object decodes into the members and frees its wire
    buffers inside that wait (``comm/quantized.py``). Then it completes members: an all-gather completes the
    member waited for (``FlatBuffer.complete_gather``: the buffer is
@@ -69,6 +70,18 @@ abort the process, and the fingerprint at the end of backward names the
 difference on every rank ([Note: rank divergence]). In a run without
 divergence every rank needs the same members, so nothing is padded.
 
+[Note: a bucket's copies]
+A bucket's all-gather fills each wanted member when that member is
+completed, i.e. at its own unit's wait: its unsharded storage gets its
+memory then (``FlatBuffer.allocate_unsharded``), its values are copied out
+of the packed output, and the packed output is freed after the last
+member's copy. Filling every member at issue held the packed output and
+all the members at once, twice the bucket's unsharded bytes, at the start
+of backward, where the activations peak; now it is the packed output and
+the members in use (the many-small GPT's peaks, BENCHMARKS.md's twelfth
+session). Quantized all-gathers decode into every member inside their
+wait, so their members are filled at issue.
+
 [Note: freeing what a collective read]
 Dropping the last Python reference to a tensor a collective read or wrote
 does not free it when the backend still holds one: gloo keeps a finished
@@ -114,24 +127,34 @@ class InFlight:
     """One collective issued and not yet waited, whatever its kind: its
     work, the copies out of its output, the temporaries to free, and what
     completing it does to each member. The first :meth:`wait` waits the
-    work, copies and frees, once; each member is completed once, when it is
-    waited for (a bucket's members at their own unit's wait, so a member
-    whose unit has not run yet still counts as gathering) or with the rest."""
+    work and makes the copies that are not a member's, once; each member is
+    completed once, when it is waited for (a bucket's members at their own
+    unit's wait, so a member whose unit has not run yet still counts as
+    gathering) or with the rest, its own copy made then (``member_copies``:
+    its storage filled first); the temporaries are freed after the last
+    copy."""
 
-    __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies",
+    __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies", "_member_copies",
                  "_temporaries", "_keep_alive", "_complete", "_settled")
 
     def __init__(self, kind: CollectiveKind, work: Optional[object], process_group: object,
                  members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
-                 keep_alive: Sequence[torch.Tensor] = ()) -> None:
+                 keep_alive: Sequence[torch.Tensor] = (),
+                 member_copies: Sequence[tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = ()
+                 ) -> None:
         self.kind: CollectiveKind = kind
         self._pending: list[FlatBuffer] = list(members)  # not completed yet
         self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
         self._process_group = process_group
         self._copies = list(copies)  # (destination, source), made after the wait
-        self._temporaries = list(temporaries)  # freed after the copies
+        self._member_copies: dict[int, tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = {
+            id(member): (member, destination, source)
+            for member, destination, source in member_copies}
+        """By member id: its unsharded storage is filled and its values
+        copied in when it is completed (see [Note: a bucket's copies])."""
+        self._temporaries = list(temporaries)  # freed after the last copy
         self._keep_alive = list(keep_alive)  # inputs the backend reads until the wait
         self._complete = complete
         self._settled = False
@@ -158,14 +181,23 @@ class InFlight:
                 for destination, source in self._copies:
                     destination.copy_(source)
             self._copies, self._keep_alive = [], []
-            _free(self._temporaries)
-            self._temporaries = []
             self._settled = True
         if member is None:
             todo, self._pending = self._pending, []
         else:
             todo = [m for m in self._pending if m is member]
             self._pending = [m for m in self._pending if m is not member]
+        if self._member_copies:
+            with torch.no_grad():
+                for done in todo:
+                    entry = self._member_copies.pop(id(done), None)
+                    if entry is not None:
+                        _, destination, source = entry
+                        done.allocate_unsharded()
+                        destination.copy_(source)
+        if self._temporaries and not self._member_copies:
+            _free(self._temporaries)
+            self._temporaries = []
         if todo:
             self._complete(todo)
 
@@ -178,6 +210,7 @@ class InFlight:
             self._work = None
         _free(self._temporaries)
         self._copies, self._temporaries, self._keep_alive = [], [], []
+        self._member_copies = {}
         self._settled = True
         for buffer in self._pending:
             if buffer.gathering is self:
@@ -392,8 +425,10 @@ class CollectiveQueue:
         inputs: list[torch.Tensor] = []
         joined: list[tuple[FlatBuffer, int, int]] = []  # buffer, version, offset
         offset = 0
+        deferred = buffers[0].gather_quantizer is None  # see [Note: a bucket's copies]
         for buffer in buffers:
-            prepared = buffer.prepare_unshard(coalescable=True) if id(buffer) in wanted_ids else None
+            prepared = buffer.prepare_unshard(coalescable=True, defer_storage=deferred) \
+                if id(buffer) in wanted_ids else None
             if prepared is not None:
                 joined.append((buffer, buffer.unsharded._version, offset))
                 inputs.append(prepared[0])
@@ -417,12 +452,12 @@ class CollectiveQueue:
         temporaries = [out, packed] if len(inputs) > 1 else [out]  # one input: a shard, not ours
         work = all_gather_into(out, packed, group, async_op=True)
         grid = out.view(world, total)
-        copies = [(b.unsharded.detach().view(world, b.layout.shard_numel),
+        copies = [(b, b.unsharded.detach().view(world, b.layout.shard_numel),
                    grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
         self._track_gather(InFlight(
             "all_gather", work, group.process_group, [b for b, _, _ in joined],
-            _gathered({id(b): version for b, version, _ in joined}), copies, temporaries,
-            keep_alive=inputs))
+            _gathered({id(b): version for b, version, _ in joined}), temporaries=temporaries,
+            keep_alive=inputs, member_copies=copies))
 
     def _track_gather(self, flight: InFlight) -> None:
         for buffer in flight.members:

@@ -24,10 +24,10 @@ the next ``prefetch`` units in backward order, and then
 Buckets ([Note: bucketing] in ``runtime/collective_queue.py``; which units:
 ``buckets.py``): a unit's all-gather is its bucket's, issued for all
 members at once (fixed-size: every member, in forward and in backward) and
-counted as one against the prefetch; while in flight it holds the packed
-shards (T) and the output (F*T) besides the members' unsharded buffers (and
-until its first member waits, in backward through the prefetching unit's
-backward). A member's flat gradient is held until the bucket's last member
+counted as one against the prefetch; it holds the packed shards (T) and
+the output (F*T) until its last member waits (each member's unsharded
+buffer is filled at its own wait, [Note: a bucket's copies]; a lone
+unit's at issue). A member's flat gradient is held until the bucket's last member
 in backward (its first in forward); then all of them are packed (F*T) and
 reduced into a chunk (T) and the members' outputs, alive with the packed
 gradients until the reduce-scatter is waited.
@@ -220,6 +220,13 @@ class Step:
             comm += sum(sum(plans[j].unsharded) for j in group) if self.staging else 0
         return transient, comm
 
+    def _packed(self, group: list[int]) -> int:
+        """A bucket's packed shards (T) and output (F*T), alive from its
+        all-gather until its last member waits (0 for a lone unit)."""
+        if len(group) == 1:
+            return 0
+        return sum(self.plans[j].shard_compute + sum(self.plans[j].unsharded) for j in group)
+
     def _reducing(self, group: list[int]) -> int:
         """What ``group``'s reduce-scatter keeps alive while in flight: the
         flat gradient (a bucket: the packed gradients, F*T, and the reduced
@@ -250,13 +257,17 @@ class Step:
         none = frozenset()
         for i in range(n):  # forward
             targets = range(i + 1, min(i + k, n - 1) + 1)
-            ahead = {j for t in targets for j in groups[t] if j >= t}
+            # prefetched lone units are filled at issue, a bucket's members at their wait
+            ahead = {t for t in targets if len(groups[t]) == 1}
             # in flight: unit i's own all-gather (a bucket's: at its first member)
             # and those of the prefetch targets (a bucket counts as one)
-            flying = distinct(([groups[i]] if groups[i][0] == i else [])
+            first = groups[i][0] == i
+            flying = distinct(([groups[i]] if first else [])
                               + [groups[t] for t in targets if groups[t] is not groups[i]])
             transient, comm = self._gathering(flying)
-            live = {i} | {j for j in groups[i] if j > i} | ahead | {j for j in kept if j < i}
+            if not first:
+                transient += self._packed(groups[i])  # until its last member's copy
+            live = {i} | ahead | {j for j in kept if j < i}
             yield _Moment(_label("forward", plans[i], "all-gather"), frozenset(live),
                           transient, comm, none, acts(i, True))
         yield _Moment("end of forward", frozenset(kept), 0, 0, none,
@@ -266,9 +277,10 @@ class Step:
         for i in range(n - 1, -1, -1):  # backward
             p, group = plans[i], groups[i]
             targets = range(max(i - k, 1), i)
-            ahead = {j for t in targets for j in groups[t] if j <= t}
-            live = frozenset({0, i} | {j for j in group if j < i} | ahead
-                             | {j for j in kept if j < i})
+            ahead = {t for t in targets if len(groups[t]) == 1}
+            live = frozenset({0, i} | ahead | {j for j in kept if j < i})
+            # the bucket's packed output lives until its last member (group[0]) waits
+            packed = self._packed(group)
             flying = 0 if pending is None else self._reducing(pending)
             # the root's parameter gradients, but for those of its modules before the units
             held = flying + (plans[0].view_grads - self.root_late_grads if i else 0)
@@ -280,8 +292,10 @@ class Step:
             gathering, staged = self._gathering(
                 distinct([groups[t] for t in targets if groups[t] is not group]))
             held += gathering
-            yield _Moment(_label("backward", p, "start"), live, held,
+            yield _Moment(_label("backward", p, "start"), live, held + packed,
                           comm + staged, frozenset(reduced), acts(i, True))
+            if group[0] != i:
+                held += packed  # through this unit's backward
             if not p.flat_grad:
                 continue  # frozen only: no gradient, no reduce-scatter
             cast = p.flat_reduce if p.flat_reduce != p.flat_grad else 0
