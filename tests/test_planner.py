@@ -31,8 +31,9 @@ by rank and run). Measured (estimate minus measurement): 0.00% (GPT,
 blocks or 21 finer units) and +2.7% (tiny Llama: the root's gradients are
 assumed alive all through backward) without buckets; 8 small blocks in
 buckets of three, with or without the root split: -0.1%; at the default
-4 MiB cap: GPT blocks -0.03%, its 21 units 0.00% (+2% until the runtime
-prefetched the next bucket in backward), Llama +2.1%. Planned
+cap: GPT blocks -0.04%, its 21 units -0.02 to -0.04% (+2% until the runtime
+prefetched the next bucket in backward), Llama +2.3% (twelfth session,
+after a bucket's members were filled at their own waits). Planned
 buckets must be the runtime's (``test_planned_buckets_are_the_runtimes``).
 """
 

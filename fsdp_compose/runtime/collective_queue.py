@@ -19,10 +19,11 @@ and all-reduces them over the replicas (hybrid sharding).
    the flat gradients they keep alive).
 3. *Wait.* The first wait (a unit's pre-forward or pre-backward, a reshard,
    the limit, the end of backward) waits the work through
-   ``comm/watched_wait.wait_watched``, once; a bucket's all-gather copies
-   each member's part out of its packed output when that member is
-   completed ([Note: a bucket's copies]), and the temporaries are freed
-   after the last copy ([Note: freeing what a collective read]). A quantized collective (``CommPolicy``) is the same to
+   ``comm/watched_wait.wait_watched``, makes the copies and frees the
+   temporaries ([Note: freeing what a collective read]), once; a bucket's
+   all-gather instead copies each member's part out of its packed output
+   when that member is completed and frees the output after the last
+   ([Note: a bucket's copies]). A quantized collective (``CommPolicy``) is the same to
    the queue: its work object decodes into the members and frees its wire
    buffers inside that wait (``comm/quantized.py``). Then it completes members: an all-gather completes the
    member waited for (``FlatBuffer.complete_gather``: the buffer is
@@ -75,10 +76,11 @@ A bucket's all-gather fills each wanted member when that member is
 completed, i.e. at its own unit's wait: its unsharded storage gets its
 memory then (``FlatBuffer.allocate_unsharded``), its values are copied out
 of the packed output, and the packed output is freed after the last
-member's copy. Filling every member at issue held the packed output and
-all the members at once, twice the bucket's unsharded bytes, at the start
-of backward, where the activations peak; now it is the packed output and
-the members in use (the many-small GPT's peaks, BENCHMARKS.md's twelfth
+member's copy (the packed input, read by the collective only, at the
+wait). Filling every member at issue held the packed output and all the
+members at once, twice the bucket's unsharded bytes, at the start of
+backward, where the activations peak; now it is the packed output and the
+members in use (the many-small GPT's peaks, BENCHMARKS.md's twelfth
 session). Quantized all-gathers decode into every member inside their
 wait, so their members are filled at issue.
 
@@ -127,23 +129,23 @@ class InFlight:
     """One collective issued and not yet waited, whatever its kind: its
     work, the copies out of its output, the temporaries to free, and what
     completing it does to each member. The first :meth:`wait` waits the
-    work and makes the copies that are not a member's, once; each member is
-    completed once, when it is waited for (a bucket's members at their own
-    unit's wait, so a member whose unit has not run yet still counts as
-    gathering) or with the rest, its own copy made then (``member_copies``:
-    its storage filled first); the temporaries are freed after the last
-    copy."""
+    work, makes the copies that are not a member's and frees the
+    temporaries, once; each member is completed once, when it is waited for
+    (a bucket's members at their own unit's wait, so a member whose unit
+    has not run yet still counts as gathering) or with the rest, its own
+    copy made then (``member_copies``: its storage filled first);
+    ``packed_output``, which those copies read, is freed after the last."""
 
     __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies", "_member_copies",
-                 "_temporaries", "_keep_alive", "_complete", "_settled")
+                 "_packed_output", "_temporaries", "_keep_alive", "_complete", "_settled")
 
     def __init__(self, kind: CollectiveKind, work: Optional[object], process_group: object,
                  members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
                  keep_alive: Sequence[torch.Tensor] = (),
-                 member_copies: Sequence[tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = ()
-                 ) -> None:
+                 member_copies: Sequence[tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = (),
+                 packed_output: Optional[torch.Tensor] = None) -> None:
         self.kind: CollectiveKind = kind
         self._pending: list[FlatBuffer] = list(members)  # not completed yet
         self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
@@ -154,7 +156,8 @@ class InFlight:
             for member, destination, source in member_copies}
         """By member id: its unsharded storage is filled and its values
         copied in when it is completed (see [Note: a bucket's copies])."""
-        self._temporaries = list(temporaries)  # freed after the last copy
+        self._packed_output = packed_output  # what member_copies read: freed after the last
+        self._temporaries = list(temporaries)  # freed after the wait's copies
         self._keep_alive = list(keep_alive)  # inputs the backend reads until the wait
         self._complete = complete
         self._settled = False
@@ -181,6 +184,8 @@ class InFlight:
                 for destination, source in self._copies:
                     destination.copy_(source)
             self._copies, self._keep_alive = [], []
+            _free(self._temporaries)
+            self._temporaries = []
             self._settled = True
         if member is None:
             todo, self._pending = self._pending, []
@@ -195,9 +200,9 @@ class InFlight:
                         _, destination, source = entry
                         done.allocate_unsharded()
                         destination.copy_(source)
-        if self._temporaries and not self._member_copies:
-            _free(self._temporaries)
-            self._temporaries = []
+        if self._packed_output is not None and not self._member_copies:
+            _free([self._packed_output])
+            self._packed_output = None
         if todo:
             self._complete(todo)
 
@@ -208,9 +213,9 @@ class InFlight:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        _free(self._temporaries)
+        _free(self._temporaries + ([self._packed_output] if self._packed_output is not None else []))
         self._copies, self._temporaries, self._keep_alive = [], [], []
-        self._member_copies = {}
+        self._member_copies, self._packed_output = {}, None
         self._settled = True
         for buffer in self._pending:
             if buffer.gathering is self:
@@ -449,7 +454,7 @@ class CollectiveQueue:
             return
         packed = torch.cat([shard.reshape(-1) for shard in inputs]) if len(inputs) > 1 else inputs[0]
         out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
-        temporaries = [out, packed] if len(inputs) > 1 else [out]  # one input: a shard, not ours
+        temporaries = [packed] if len(inputs) > 1 else []  # one input: a shard, not ours
         work = all_gather_into(out, packed, group, async_op=True)
         grid = out.view(world, total)
         copies = [(b, b.unsharded.detach().view(world, b.layout.shard_numel),
@@ -457,7 +462,7 @@ class CollectiveQueue:
         self._track_gather(InFlight(
             "all_gather", work, group.process_group, [b for b, _, _ in joined],
             _gathered({id(b): version for b, version, _ in joined}), temporaries=temporaries,
-            keep_alive=inputs, member_copies=copies))
+            keep_alive=inputs, member_copies=copies, packed_output=out))
 
     def _track_gather(self, flight: InFlight) -> None:
         for buffer in flight.members:

@@ -24,10 +24,10 @@ the next ``prefetch`` units in backward order, and then
 Buckets ([Note: bucketing] in ``runtime/collective_queue.py``; which units:
 ``buckets.py``): a unit's all-gather is its bucket's, issued for all
 members at once (fixed-size: every member, in forward and in backward) and
-counted as one against the prefetch; it holds the packed shards (T) and
-the output (F*T) until its last member waits (each member's unsharded
-buffer is filled at its own wait, [Note: a bucket's copies]; a lone
-unit's at issue). A member's flat gradient is held until the bucket's last member
+counted as one against the prefetch; it holds the packed shards (T) until
+its first wait and the output (F*T) until its last member waits (each
+member's unsharded buffer is filled at its own wait, [Note: a bucket's
+copies]; a lone unit's at issue). A member's flat gradient is held until the bucket's last member
 in backward (its first in forward); then all of them are packed (F*T) and
 reduced into a chunk (T) and the members' outputs, alive with the packed
 gradients until the reduce-scatter is waited.
@@ -221,11 +221,11 @@ class Step:
         return transient, comm
 
     def _packed(self, group: list[int]) -> int:
-        """A bucket's packed shards (T) and output (F*T), alive from its
-        all-gather until its last member waits (0 for a lone unit)."""
+        """A bucket's packed output (F*T), alive after its all-gather's
+        first wait until its last member waits (0 for a lone unit)."""
         if len(group) == 1:
             return 0
-        return sum(self.plans[j].shard_compute + sum(self.plans[j].unsharded) for j in group)
+        return sum(sum(self.plans[j].unsharded) for j in group)
 
     def _reducing(self, group: list[int]) -> int:
         """What ``group``'s reduce-scatter keeps alive while in flight: the
