@@ -156,14 +156,14 @@ def max_diff(result: dict, reference: dict) -> float:
 # ------------------------------------------------------------- measuring
 class SavedActivations:
     """Context manager: bytes of the tensors autograd saves for backward
-    while active (distinct storages), leaving out views of the flat buffers
+    while active (distinct storages), leaving out tensors in the flat buffers' unsharded storage
     (parameters: they are freed by resharding, not by checkpointing).
     Tensors saved inside a non-reentrant checkpoint region go to the
     checkpoint's own hooks (the innermost win) and are therefore not counted:
     exactly the memory checkpointing saves."""
 
     def __init__(self, flat_bases) -> None:
-        self.flat_bases = {id(t) for t in flat_bases}
+        self.flat_bases = list(flat_bases)
         self.storages: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -172,9 +172,9 @@ class SavedActivations:
         return sum(self.storages.values())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(base) not in self.flat_bases:
-            storage = t.untyped_storage()
+        storage = t.untyped_storage()
+        # a parameter reads its unit's unsharded storage (which holds memory now)
+        if storage.data_ptr() not in {f.untyped_storage().data_ptr() for f in self.flat_bases}:
             self.storages.setdefault(storage.data_ptr(), storage.nbytes())
         return t
 

@@ -200,6 +200,34 @@ def submodule_before_root_forward():
     return state_of(model.blocks[1]).context is state_of(model).context
 
 
+class _ScalesItsWeightInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.mul_(2)  # the misuse: a parameter changed in place inside forward
+        return x * self.weight
+
+
+def parameter_modified_in_place_in_forward():
+    """Forward reads parameters through tensors made once per buffer (see
+    [Note: parameter aliases made once]): an in-place change is caught at
+    the end of the unit's forward, named, and the model stays usable."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), _ScalesItsWeightInPlace())
+    fully_shard(model[1])
+    fully_shard(model)
+    x = torch.randn(2, 5)
+    message = _raises(lambda: model(x), "parameter '1.weight'", "modified in place during forward")
+    assert bool((model[1].weight == 1).all()), "the change must not reach the shard"
+    model.reset_iter_state()
+    model[1].forward = lambda x: x * model[1].weight  # the fix: no in-place change
+    model(x).sum().backward()
+    assert model[1].weight.grad is not None
+    return message
+
+
 def mesh_without_this_rank():
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh("cpu", [0])  # built on every rank; rank 1 is not in it
@@ -212,12 +240,13 @@ def mesh_without_this_rank():
 @pytest.mark.parametrize("case", [
     ranks_disagree_on_annotated_modules, step_with_pending_reduce_scatter,
     step_with_unreduced_gradients, step_inside_forward, step_after_unsharded_idle_is_fine,
-    submodule_before_root_forward, mesh_without_this_rank,
+    submodule_before_root_forward, mesh_without_this_rank, parameter_modified_in_place_in_forward,
 ])
 def test_misuse_during_training(case):
     results = run_distributed(2, case, timeout=60)
     assert all(results)
-    if case.__name__.startswith("step_with") or case is step_inside_forward:
+    if case.__name__.startswith("step_with") or case in (step_inside_forward,
+                                                          parameter_modified_in_place_in_forward):
         assert results[0] == results[1]  # the same error on every rank
 
 

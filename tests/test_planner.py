@@ -203,14 +203,15 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 4,
             model = real_model(name)
             annotate(model, kind, cap_mb)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        flat = {id(b.unsharded) for b in _flat_buffers(model)}
+        flat = [b.unsharded for b in _flat_buffers(model)]
         for step in range(steps):
             ptrs = saved_ptrs[step] = set()
 
             def pack(t, ptrs=ptrs):
-                base = t._base if t._base is not None else t
-                if id(base) not in flat:  # unsharded parameters are not activations
-                    ptrs.add(t.untyped_storage().data_ptr())
+                ptr = t.untyped_storage().data_ptr()
+                # unsharded parameters (in the unsharded storage now) are not activations
+                if ptr not in {f.untyped_storage().data_ptr() for f in flat}:
+                    ptrs.add(ptr)
                 return t
 
             active.append(runtime_buckets(model))  # the plan this step runs with

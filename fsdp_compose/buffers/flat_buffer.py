@@ -140,6 +140,13 @@ class FlatBuffer:
         self.aliased: bool
         self._sharded_views: list[torch.Tensor]
         self._unsharded_views: list[torch.Tensor]
+        self._aliases: Optional[tuple[torch.Tensor, ...]]
+        """The outputs of every forward's views node while all parameters
+        train: made once per storage (see [Note: parameter aliases made
+        once] in ``param_views.py``; ``None``: views made per forward)."""
+        self._alias_versions: Optional[tuple[int, ...]]
+        """The aliases' versions when the running forward's node was made
+        (``None``: no forward with aliases is running)."""
         self.is_unsharded: bool = False
         self.gathering: Optional[PendingCollective] = None
         """The all-gather into ``unsharded`` in flight (issued, not waited):
@@ -263,6 +270,9 @@ class FlatBuffer:
         self._grad_hook_registered = False
         self._register_grad_hook()
         self._sharded_views = [self.local_view(sharded, i) for i in range(len(self.records))]
+        # see [Note: parameter aliases made once] (the storage is whole only now)
+        self._aliases = None if self.is_meta else self._view_plan.aliases(self.unsharded)
+        self._alias_versions = None
         self._unsharded_views = self._build_unsharded_views()
         if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
@@ -310,8 +320,28 @@ class FlatBuffer:
                 for view, record in zip(views, self.records)]
 
     def _differentiable_views(self) -> list[torch.Tensor]:
-        return list(split_into_params(self.unsharded, self._view_plan,
-                                      self._param_requires_grad, self._on_backward))
+        flags = self._param_requires_grad
+        aliases = self._aliases if all(flags) else None
+        views = split_into_params(self.unsharded, self._view_plan, flags, self._on_backward, aliases)
+        if aliases is not None:
+            self._alias_versions = tuple(map(_version_of, aliases))
+        return list(views)
+
+    def check_params_unmodified(self) -> None:
+        """Raise if forward changed a parameter in place (see [Note:
+        parameter aliases made once] in ``param_views.py``): called when a
+        forward pass that recorded a graph ends."""
+        recorded, self._alias_versions = self._alias_versions, None
+        if recorded is None or tuple(map(_version_of, self._aliases)) == recorded:
+            return
+        index = next(i for i, (alias, version) in enumerate(zip(self._aliases, recorded))
+                     if alias._version != version)
+        raise RuntimeError(
+            f"parameter '{self.records[index].fqn}' was modified in place during forward. "
+            "fully_shard hands forward a copy of the all-gathered values, so the change would "
+            "not reach the sharded parameter (and autograd would not see it as a change of a "
+            "parameter). Compute a new tensor instead (e.g. w = self.weight * 2), or change the "
+            "parameter between steps under torch.no_grad().")
 
     def _views_backward(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
         """The views' node is about to make a flat gradient from
@@ -579,6 +609,7 @@ class FlatBuffer:
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_version_of = operator.attrgetter("_version")
 
 
 def _called_weakly(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:

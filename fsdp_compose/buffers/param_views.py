@@ -15,11 +15,26 @@ and concatenates them in the buffer's order into one flat gradient, exactly
 what ``SplitWithSizesBackward`` computed (zeros for padding and unused
 parameters), which autograd then accumulates into the buffer's ``.grad``.
 
-Outputs are views of the buffer's storage (zero copy), except for a
-parameter that is not one contiguous run of the buffer (``ShardDim``): its
-output is an assembled copy (``torch.cat`` of its pieces). Frozen
-parameters' outputs are non-differentiable. Views created by a custom
-function may not be modified in place, as for the outputs of ``split``.
+Outputs share the buffer's storage (zero copy), except for a parameter
+that is not one contiguous run of the buffer (``ShardDim``): its output is
+an assembled copy (``torch.cat`` of its pieces). Frozen parameters' outputs
+are non-differentiable.
+
+[Note: parameter aliases made once]
+Making a dozen views per buffer and forward (``as_strided``, each with
+autograd's view bookkeeping) was the largest single host cost of a unit's
+forward. Where every parameter is one run of the buffer and all of them
+train (the common case), the buffer instead makes its outputs once, at
+installation (:meth:`ViewPlan.aliases`): plain tensors set on the unsharded
+storage, which is the same storage object for the buffer's life (resharding
+resizes it, the staging pool swaps its memory in place), so they read
+whatever it holds. Each forward's node returns those same tensors; autograd
+points their ``grad_fn`` at the new node, and the graphs of earlier forwards
+keep their own edges. They are not views in autograd's sense, so autograd
+would let an in-place change of one pass (where it refuses for a view made
+by a custom function): the buffer checks their version counters at the
+end of each forward pass and raises, naming the parameter
+(``FlatBuffer.check_params_unmodified``).
 """
 
 from __future__ import annotations
@@ -147,6 +162,21 @@ class ViewPlan:
             out.append(view.movedim(0, d) if d else view)
         return out
 
+    def aliases(self, flat: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+        """Each parameter of ``flat`` in its own shape as a tensor set on
+        ``flat``'s storage (not a view: no autograd view bookkeeping), made
+        once (see [Note: parameter aliases made once]); ``None`` unless every
+        parameter is one run of ``flat``.
+
+        Pre-condition: ``flat``'s storage holds all of ``flat`` now (``set_``
+        would grow a smaller one)."""
+        if self._all_strided is None:
+            return None
+        storage, base = flat.untyped_storage(), flat.storage_offset()
+        with torch.no_grad():
+            return tuple(flat.new_empty(0).set_(storage, base + offset, size, stride)
+                         for size, stride, offset in self._all_strided)
+
     def _segment_range(self, segment: int) -> tuple[int, int]:
         return sum(self.split_sizes[:segment]), self.split_sizes[segment]
 
@@ -185,10 +215,13 @@ class SplitIntoParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
-                trainable: Sequence[bool], on_backward: UsedCallback) -> tuple[torch.Tensor, ...]:
+                trainable: Sequence[bool], on_backward: UsedCallback,
+                aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.plan, ctx.on_backward = plan, on_backward
         ctx.dtype, ctx.device = flat.dtype, flat.device
+        if aliases is not None:  # every parameter trains, see [Note: parameter aliases made once]
+            return aliases
         views = plan.views(flat)
         if not all(trainable):
             # detached: a view of a buffer that requires grad would say it requires grad too
@@ -200,7 +233,7 @@ class SplitIntoParams(torch.autograd.Function):
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
         ctx.on_backward(grads)
         padding = _padding(ctx.plan.max_padding, ctx.dtype, ctx.device)
-        return ctx.plan.flat_gradient(grads, padding), None, None, None
+        return ctx.plan.flat_gradient(grads, padding), None, None, None, None
 
 
 _apply_unwrapped = super(torch.autograd.Function, SplitIntoParams).apply
@@ -209,13 +242,15 @@ unwrapping of every argument), which matters only under functorch transforms."""
 
 
 def split_into_params(flat: torch.Tensor, plan: ViewPlan, trainable: Sequence[bool],
-                      on_backward: UsedCallback) -> tuple[torch.Tensor, ...]:
+                      on_backward: UsedCallback,
+                      aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
     """``SplitIntoParams.apply(flat, plan, trainable, on_backward)``: one
-    output per parameter (a forward of every unit calls this: its
-    host time is per unit and step)."""
+    output per parameter (a forward of every unit calls this: its host time
+    is per unit and step). ``aliases`` (:meth:`ViewPlan.aliases` of
+    ``flat``, every parameter trainable): the outputs, instead of new views."""
     if functorch_transforms_active():
         return SplitIntoParams.apply(flat, plan, trainable, on_backward)
-    return _apply_unwrapped(flat, plan, trainable, on_backward)
+    return _apply_unwrapped(flat, plan, trainable, on_backward, aliases)
 
 
 _PADDING: dict[tuple, torch.Tensor] = {}

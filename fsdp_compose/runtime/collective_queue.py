@@ -547,7 +547,8 @@ class CollectiveQueue:
         """Beyond the limit, the oldest reduce-scatter is waited; under
         hybrid sharding its all-reduces over the replicas are then issued
         and waited only when those exceed the limit in turn (or at the end)."""
-        self._reduces = deque(f for f in self._reduces if not f.done)
+        if self._reduces:
+            self._reduces = deque(f for f in self._reduces if not f.done)
         while len(self._reduces) > self.policy.max_pending_reduces:
             with profiled("reduce_scatter_wait"):
                 self._reduces.popleft().wait()
@@ -568,6 +569,8 @@ class CollectiveQueue:
         while the root's was made: one unit's gradient above FSDP2 at the
         end of backward, where the step memory peaked (BENCHMARKS.md,
         eleventh session)."""
+        if not self._reduces:
+            return  # nothing in flight (every earlier one waited, or one rank)
         self._reduces = deque(f for f in self._reduces if not f.done)
         while len(self._reduces) >= self.policy.max_pending_reduces:
             with profiled("reduce_scatter_wait"):

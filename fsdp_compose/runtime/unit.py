@@ -293,6 +293,8 @@ class Unit:
             keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
             for buffer in self.buffers:
                 buffer.reshard(keep_for_backward=keep)
+        for buffer in self.buffers:
+            buffer.check_params_unmodified()  # may raise (on every rank: forward is the same)
 
     def _guard_saved_parameters(self) -> None:
         """With ``unshard_in_backward`` off, backward runs on freed parameter
