@@ -366,6 +366,8 @@ class FlatBuffer:
         self.unsharded.requires_grad_(self.requires_grad)
         self._register_grad_hook()
         self._unsharded_views = self._build_unsharded_views()
+        if self.is_unsharded:  # the module attributes hold the views of the new flags
+            self.use_unsharded_views()
 
     def rebuild_after_conversion(self) -> bool:
         """After ``module.to(dtype)`` / ``.double()`` / ``_apply``: the
@@ -557,7 +559,16 @@ class FlatBuffer:
 
     def refresh_views(self) -> None:
         """Build new per-parameter views for a forward that records a graph
-        (see the note above) and point the module attributes at them."""
+        (see the note above) and point the module attributes at them. Where
+        the new node hands out the buffer's aliases ([Note: parameter
+        aliases made once] in ``param_views.py``), the module attributes
+        hold them already (the unshard or a change of the flags put them
+        there): only the node is new.
+
+        Pre-condition: unsharded, grad mode on, ``requires_grad``."""
+        if self._aliases is not None and not self._has_tp and all(self._param_requires_grad):
+            self._differentiable_views()
+            return
         self._unsharded_views = self._build_unsharded_views()
         self.use_unsharded_views()
 

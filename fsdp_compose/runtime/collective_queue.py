@@ -364,7 +364,8 @@ class CollectiveQueue:
 
     def inflight_all_gathers(self) -> int:
         """All-gathers issued here and not waited on yet (a bucket's is one)."""
-        self._gathers = [g for g in self._gathers if not g.done]
+        if self._gathers:
+            self._gathers = [g for g in self._gathers if not g.done]
         return len(self._gathers)
 
     def _gather_bucket(self, unit, issuer: TrainingState, ran: Container[int],
