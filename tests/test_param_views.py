@@ -150,3 +150,63 @@ def _graph_nodes() -> None:
     loss.backward()
     expected = sum(math.prod(p.shape) for p in model.parameters())
     assert expected > 0
+
+
+def test_aliases_serve_every_forward_with_the_views_values_and_gradient():
+    """[Note: parameter aliases made once]: the node hands out the same
+    tensors at every forward, each reading what the storage holds now (also
+    after its memory was freed and given back) at the offset and strides of
+    the view it replaces, and the flat gradient is the views' one."""
+    layout = FlatLayout([(3, 2), (4,), (2, 5)], 3, [ROWS] * 3)
+    plan = ViewPlan(layout, [0, 0, 0])
+    generator = torch.Generator().manual_seed(0)
+    flat = torch.zeros(layout.padded_numel, dtype=torch.float64).requires_grad_(True)
+    aliases = plan.aliases(flat)
+    assert aliases is not None and not any(a._is_view() for a in aliases)
+    nbytes = flat.untyped_storage().nbytes()
+    for forward in range(3):
+        flat.untyped_storage().resize_(0)  # a reshard, then an unshard filling new values
+        flat.untyped_storage().resize_(nbytes)
+        values = torch.randn(layout.padded_numel, generator=generator, dtype=torch.float64)
+        with torch.no_grad():
+            flat.copy_(values)
+        ref = values.clone().requires_grad_(True)
+        outputs = SplitIntoParams.apply(flat, plan, (True,) * 3, lambda grads: None, aliases)
+        assert all(out is alias for out, alias in zip(outputs, aliases))
+        ref_views = _reference_views(ref, layout, [0, 0, 0])
+        weights = [torch.randn(v.shape, generator=generator, dtype=torch.float64) for v in ref_views]
+        for out, view in zip(outputs, ref_views):
+            assert torch.equal(out.detach(), view.detach()) and out.stride() == view.stride()
+            assert out.data_ptr() - flat.data_ptr() == view.data_ptr() - ref.data_ptr()
+        flat.grad = None
+        sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
+        sum((v * w).sum() for v, w in zip(ref_views, weights)).backward()
+        assert torch.equal(flat.grad, ref.grad), forward
+
+
+def test_a_unit_hands_forward_the_same_tensors_until_a_parameter_is_frozen():
+    run_distributed(2, _forward_tensors)
+
+
+def _forward_tensors() -> None:
+    from fsdp_compose import fully_shard
+    from tests._owners import buffer_of
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    buffer = buffer_of(model[0].weight)
+    seen = []
+
+    def capture(module, args):  # runs after fully_shard's pre-forward hook
+        storage = buffer.unsharded.untyped_storage()
+        assert module.weight.untyped_storage().data_ptr() == storage.data_ptr() != 0
+        seen.append((module.weight, module.bias))
+
+    model[0].register_forward_pre_hook(capture)
+    for step in range(4):
+        if step == 2:
+            model[0].bias.requires_grad_(False)  # a mixed buffer: views made per forward
+        model(torch.randn(4, 5)).sum().backward()
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1]
+    assert seen[2][0] is not seen[3][0] and not seen[2][1].requires_grad
