@@ -70,7 +70,8 @@ def test_bucketing_is_bit_identical(world, optim_name):
         assert a["described"] == () and b["described"] == (
             tuple(f"blocks.{i}" for i in range(CFG.n_layers)),)
         assert "bucket of" not in a["described_text"]
-        assert f"bucket of {CFG.n_layers} units (one all-gather, one reduce-scatter): blocks.0, " \
+        assert f"bucket of {CFG.n_layers} units (one all-gather in forward, one per unit in " \
+            "backward (the first bucket backward reaches), one reduce-scatter): blocks.0, " \
             "blocks.1" in b["described_text"]
         assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))
 
@@ -81,8 +82,9 @@ def test_bucketing_counts_collectives_and_keeps_the_memory_bound():
     blocks = CFG.n_layers
     # off: the root once, every block in forward and backward; one reduction each
     assert (off["all_gathers"], off["reduce_scatters"]) == (1 + 2 * blocks, blocks + 1)
-    # on: the root once, the bucket of all blocks in forward and in backward
-    assert (on["all_gathers"], on["reduce_scatters"]) == (3, 2)
+    # on: the root once, the bucket of all blocks in forward; in backward, where
+    # it is the first bucket reached, every block alone; one bucket reduction
+    assert (on["all_gathers"], on["reduce_scatters"]) == (2 + blocks, 2)
     # unsharded at once: at most max_inflight_all_gathers (2) buckets, each at most
     # the cap (here: every block), plus the root
     limit = PrefetchPolicy().max_inflight_all_gathers
@@ -102,12 +104,14 @@ def _steps(model, optim, steps: int, before_each) -> None:
 
 
 def _filled_at_each_block():
-    """One bucket of all blocks: right after each block's unit unsharded
-    for its forward and for its backward in the last step, which blocks'
-    unsharded storages hold memory, and which are still gathering."""
+    """Two buckets, blocks 0-2 and 3-4: right after each block's unit
+    unsharded for its forward and for its backward in the last step, which
+    blocks' unsharded storages hold memory, and which are still gathering."""
     from fsdp_compose.runtime.unit import Unit
     torch.manual_seed(0)
     model = shard_blocks_and_root(GPT(CFG).to(TEST_DEVICE))
+    block_bytes = sum(b.layout.padded_numel * 4 for b in state_of(model.blocks[0]).unit.buffers)
+    model.set_bucket_cap_mb(3.5 * block_bytes / 2 ** 20)
     optim = make_optimizer(model, "sgd")
     units = [state_of(b).unit for b in model.blocks]
     seen = []
@@ -142,13 +146,26 @@ def test_a_bucket_fills_each_member_at_its_own_wait():
     # first member's wait (which held twice the bucket's bytes at once)
     blocks = CFG.n_layers
     for buckets, seen in run_distributed(2, _filled_at_each_block):
-        assert buckets == [blocks]
+        assert buckets == [3, 2]
         assert [(moment, index) for moment, index, _, _ in seen] == \
             [("forward", i) for i in range(blocks)] + \
             [("backward", i) for i in reversed(range(blocks))]
         for moment, index, filled, gathering in seen:
-            ahead = [j for j in range(blocks) if (j > index if moment == "forward" else j < index)]
             assert filled[index] and not gathering[index], (moment, index, filled)
+            bucket = range(3) if index < 3 else range(3, blocks)
+            if moment == "backward" and index >= 3:
+                # the first bucket backward reaches: each member its own all-gather,
+                # the next one prefetched alone (filled at issue); block 3 prefetches
+                # the other bucket as one (filled at each member's wait)
+                expected = [False] * blocks
+                if index == 4:
+                    expected[3] = True
+                assert filled == [j == index or expected[j] for j in range(blocks)], \
+                    (index, filled)
+                assert gathering == [j < 3 if index == 3 else j == 3 for j in range(blocks)], \
+                    (index, gathering)
+                continue
+            ahead = [j for j in bucket if (j > index if moment == "forward" else j < index)]
             assert not any(filled[j] for j in ahead), (moment, index, filled)
             assert all(gathering[j] for j in ahead), (moment, index, gathering)
 
@@ -260,12 +277,13 @@ def _backward_bucket_gathers():
 
 
 def test_the_next_bucket_is_prefetched_in_backward():
-    # the last bucket of forward is gathered at its own pre-backward; the one
-    # before it must then be prefetched (in flight while the blocks 3 and 2
-    # run backward), not left to its own pre-backward: a finished gather of
-    # the same bucket must not count against the in-flight limit
+    # the last bucket of forward is gathered member by member in backward
+    # (the first bucket backward reaches); the one before it must then be
+    # prefetched as one (in flight while block 2 runs backward), not left to
+    # its own pre-backward
     for buckets, issued in run_distributed(2, _backward_bucket_gathers):
         assert buckets == [[f"'blocks.{i}' (ShardedBlock)" for i in pair]
                            for pair in ((0, 1), (2, 3))], buckets
-        assert [(unit.split()[0], limited) for _, unit, limited in issued] == [
-            ("'blocks.3'", False), ("'blocks.1'", True)], issued
+        assert [(issuer.split()[0], unit.split()[0], limited)
+                for issuer, unit, limited in issued] == [
+            ("'blocks.2'", "'blocks.1'", True)], issued

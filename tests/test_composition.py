@@ -116,8 +116,9 @@ def test_activation_checkpointing(how, ac_reference, no_ac):
         assert _hf.max_diff(plain, ac_reference) <= ATOL
         # recomputation runs while the layer is unsharded for backward: no
         # second all-gather (the two layers are one bucket: the root and the
-        # bucket in forward, the bucket in backward, root not again)
-        assert res["all_gathers"] == plain["all_gathers"] == 3
+        # bucket in forward; in backward, the first bucket it reaches, each
+        # layer alone; root not again)
+        assert res["all_gathers"] == plain["all_gathers"] == 4
         assert res["reduce_scatters"] == plain["reduce_scatters"] == 2
         # the layers' activations are not kept (only their inputs)
         assert res["saved_bytes"] < 0.5 * plain["saved_bytes"], (res["saved_bytes"],
@@ -133,8 +134,9 @@ def test_activation_checkpointing_with_lora(how):
     for res, base in zip(run_distributed(2, _train_with_ac, how, True), plain):
         assert _hf.max_diff(res, reference) <= ATOL
         # root frozen; per layer frozen + adapters, the two layers one bucket:
-        # root and bucket in forward, bucket in backward; the bucket's adapters reduced
-        assert res["all_gathers"] == base["all_gathers"] == 3
+        # root and bucket in forward; in backward each layer's two buffers
+        # alone (the first bucket backward reaches); the bucket's adapters reduced
+        assert res["all_gathers"] == base["all_gathers"] == 6
         assert res["reduce_scatters"] == base["reduce_scatters"] == 1
         assert res["saved_bytes"] < 0.5 * base["saved_bytes"]
 

@@ -73,7 +73,8 @@ def _dp(shape) -> int:
 # ------------------------------------------------------------------- parity
 def _expected_counts(shape) -> dict:
     """Per step, by (op, mesh dim): FSDP's all-gathers (the blocks, one
-    bucket by default, in forward and backward, the root once) and
+    bucket by default, in forward, and each alone in backward, where it is
+    the first bucket reached; the root once) and
     reduce-scatters (the bucket's and the root's) over dp_shard (none when
     it has one rank: the buffers alias the shards, nothing is bucketed); one
     gradient all-reduce per unit across dp_replicate; the used flags once
@@ -83,7 +84,7 @@ def _expected_counts(shape) -> dict:
     units = LAYERS + 1
     want = {("all_reduce", "tp"): 6 * LAYERS}
     if shards > 1:
-        want[("_allgather_base_", "dp_shard")] = 3
+        want[("_allgather_base_", "dp_shard")] = 2 + LAYERS
         want[("_reduce_scatter_base_", "dp_shard")] = 2
         want[("allreduce_", "dp_shard")] = 1
     if replicas > 1:

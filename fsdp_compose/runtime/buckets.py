@@ -26,6 +26,13 @@ prefetch targets, no ``reshard_after_forward=k`` group, no
 one process group and one compute dtype over its buffers, none aliased (one
 rank with nothing to gather).
 
+Backward reaches the last bucket of the forward order first, where the saved
+activations peak: its members are all-gathered one by one there (each its
+own all-gather, prefetched like any lone unit; ``gathered_in_backward`` is
+False), so the packed output of a bucket never sits on top of the whole
+activation peak; its gradients are still reduced as one bucket. Every other
+bucket is gathered as one in backward too.
+
 Memory: a bucket is gathered as one all-gather and counts as one against
 ``max_inflight_all_gathers``, so with bucketing on the unsharded bytes in
 flight are at most that limit times ``max(cap_bytes, largest unit)``; units
@@ -65,6 +72,9 @@ class Bucket:
     def __init__(self, units: list) -> None:
         self.units: list = units
         self.buffers: list[FlatBuffer] = [b for u in units for b in u.buffers]
+        self.gathered_in_backward: bool = True
+        """False for the first bucket backward reaches: its members are
+        gathered one by one there (see the module docstring)."""
 
     def gather_members(self, unit, issuer_state: TrainingState, ran: set[int]) -> list:
         """The members to all-gather with ``unit`` now: ``unit`` and those
@@ -125,6 +135,8 @@ class BucketPlan:
                 for unit, size in zip(self._order, sizes)]
         for group in group_consecutive(sizes, keys, self.cap_bytes):
             self._close([self._order[i] for i in group])
+        if self.buckets:
+            self.buckets[-1].gathered_in_backward = False
 
     def _close(self, units: list) -> None:
         if len(units) < 2:

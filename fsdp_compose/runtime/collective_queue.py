@@ -121,6 +121,8 @@ from .buckets import Bucket, BucketPlan
 from .observer import CollectiveObserver
 from .training_state import TrainingState
 
+_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
 
@@ -370,12 +372,14 @@ class CollectiveQueue:
 
     def _gather_bucket(self, unit, issuer: TrainingState, ran: Container[int],
                        limited: bool = False) -> bool:
-        """If ``unit`` is in a bucket: issue one all-gather for the members
-        that need one (``limited``: only within the in-flight limit) and
-        return True; else False (nothing done)."""
+        """If ``unit`` is in a bucket gathered as one now: issue one
+        all-gather for the members that need one (``limited``: only within
+        the in-flight limit) and return True; else False (nothing done)."""
         bucket = self.buckets.of_unit(unit)
         if bucket is None:
             return False
+        if not bucket.gathered_in_backward and issuer in _BACKWARD:
+            return False  # the first bucket backward reaches: member by member (buckets.py)
         members = bucket.gather_members(unit, issuer, ran)
         wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]
         if not wanted:

@@ -207,6 +207,9 @@ class ModelReport:
         buckets: the units whose collectives the next iteration coalesces,
             one tuple of unit labels per bucket (``set_bucket_cap_mb``;
             empty before the first backward and with bucketing off).
+        buckets_gathered_alone_in_backward: the buckets (as in ``buckets``)
+            whose members are all-gathered one by one in backward: the
+            first bucket backward reaches, the last of each root's.
         unmanaged: FQNs of parameters no unit manages.
         totals: sums, see :class:`Totals`.
     """
@@ -220,6 +223,7 @@ class ModelReport:
     buckets: tuple[tuple[str, ...], ...]
     unmanaged: tuple[str, ...]
     totals: Totals
+    buckets_gathered_alone_in_backward: tuple[tuple[str, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain JSON types (dtypes as strings like
@@ -246,6 +250,10 @@ def describe(model: nn.Module) -> ModelReport:
     order = [u for s in orders for u in s.recorded_order()]
     unit_reports = tuple(_unit_report(u, paths, labels, id(u) in roots) for u in units)
     unmanaged = _unmanaged(model, units)
+    buckets = [b for queue in _queues(units, roots) for b in queue.buckets.buckets]
+
+    def named(bucket) -> tuple[str, ...]:
+        return tuple(labels.get(id(u), u.name) for u in bucket.units)
     return ModelReport(
         model_type=_class_name(model),
         rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
@@ -253,10 +261,11 @@ def describe(model: nn.Module) -> ModelReport:
         units=unit_reports,
         execution_order=tuple(labels.get(id(u), u.name) for u in order),
         prefetch_policy=orders[0].policy if orders else None,
-        buckets=tuple(tuple(labels.get(id(u), u.name) for u in bucket.units)
-                      for queue in _queues(units, roots) for bucket in queue.buckets.buckets),
+        buckets=tuple(named(b) for b in buckets),
         unmanaged=tuple(fqn for fqn, _ in unmanaged),
         totals=_totals(unit_reports, unmanaged),
+        buckets_gathered_alone_in_backward=tuple(
+            named(b) for b in buckets if not b.gathered_in_backward),
     )
 
 
@@ -475,7 +484,10 @@ def _render(report: ModelReport) -> str:
             bwd = ", ".join(unit.backward_prefetch) or "-"
             lines.append(f"  {unit.label}: before forward -> {fwd}; at backward -> {bwd}")
     for bucket in report.buckets:
-        lines.append(f"bucket of {len(bucket)} units (one all-gather, one reduce-scatter): "
+        gathers = "one all-gather in forward, one per unit in backward (the first bucket " \
+            "backward reaches)" if bucket in report.buckets_gathered_alone_in_backward else \
+            "one all-gather"
+        lines.append(f"bucket of {len(bucket)} units ({gathers}, one reduce-scatter): "
                      + ", ".join(bucket))
     if report.unmanaged:
         lines.append("not sharded (replicated on every rank): " + ", ".join(report.unmanaged))

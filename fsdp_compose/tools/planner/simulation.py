@@ -27,7 +27,8 @@ members at once (fixed-size: every member, in forward and in backward) and
 counted as one against the prefetch; it holds the packed shards (T) until
 its first wait and the output (F*T) until its last member waits (each
 member's unsharded buffer is filled at its own wait, [Note: a bucket's
-copies]; a lone unit's at issue). A member's flat gradient is held until the bucket's last member
+copies]; a lone unit's at issue). In backward the last bucket's members,
+the first reached, are gathered as lone units. A member's flat gradient is held until the bucket's last member
 in backward (its first in forward); then all of them are packed (F*T) and
 reduced into a chunk (T) and the members' outputs, alive with the packed
 gradients until the reduce-scatter is waited.
@@ -198,11 +199,13 @@ class Step:
             backend_assumed=backend_assumed, bucket_cap_mb=bucket_cap_mb,
             buckets=tuple(tuple(plans[i].name for i in b) for b in self.buckets))
 
-    def _groups(self) -> list[list[int]]:
+    def _groups(self, backward: bool = False) -> list[list[int]]:
         """Per plan index, the units gathered and reduced with it: its
-        bucket, else itself alone."""
+        bucket, else itself alone (``backward``: the units gathered with it
+        in backward, where the last bucket's members are gathered alone,
+        ``runtime/buckets.py``)."""
         groups = [[i] for i in range(len(self.plans))]
-        for bucket in self.buckets:
+        for bucket in self.buckets[:-1] if backward else self.buckets:
             for i in bucket:
                 groups[i] = bucket
         return groups
@@ -247,6 +250,8 @@ class Step:
         kept = set(range(n)) if raf is False else \
             set(self.kept) | ({0} if raf is not True else set())  # the root, the split parts
         groups = self._groups()
+        # backward gathers the first bucket it reaches (the last) member by member
+        gathered = self._groups(backward=True)
 
         def acts(i: int, own: bool) -> int:  # root's saved before unit i, units 1..i
             return sum(self.root_acts[:i]) + sum(self.unit_acts[1:i + own])
@@ -277,10 +282,10 @@ class Step:
         for i in range(n - 1, -1, -1):  # backward
             p, group = plans[i], groups[i]
             targets = range(max(i - k, 1), i)
-            ahead = {t for t in targets if len(groups[t]) == 1}
+            ahead = {t for t in targets if len(gathered[t]) == 1}
             live = frozenset({0, i} | ahead | {j for j in kept if j < i})
             # the bucket's packed output lives until its last member (group[0]) waits
-            packed = self._packed(group)
+            packed = self._packed(gathered[i])
             flying = 0 if pending is None else self._reducing(pending)
             # the root's parameter gradients, but for those of its modules before the units
             held = flying + (plans[0].view_grads - self.root_late_grads if i else 0)
@@ -290,11 +295,11 @@ class Step:
             # the prefetched all-gathers' shard copies (a bucket's packed input
             # and output too) stay until their first unit's backward waits
             gathering, staged = self._gathering(
-                distinct([groups[t] for t in targets if groups[t] is not group]))
+                distinct([gathered[t] for t in targets if gathered[t] is not gathered[i]]))
             held += gathering
             yield _Moment(_label("backward", p, "start"), live, held + packed,
                           comm + staged, frozenset(reduced), acts(i, True))
-            if group[0] != i:
+            if gathered[i][0] != i:
                 held += packed  # through this unit's backward
             if not p.flat_grad:
                 continue  # frozen only: no gradient, no reduce-scatter
