@@ -56,7 +56,8 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
                        placement: Optional[str] = "flat", bucket_cap_mb: Optional[float] = None,
                        split_root: bool = False, check_divergence: Optional[bool] = None,
-                       quantize: Optional[str] = None) -> nn.Module:
+                       quantize: Optional[str] = None,
+                       shard_placement_fn: Optional[Callable] = None) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
@@ -68,11 +69,13 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                   reduce_comm_dtype=torch.bfloat16 if bf16 == "comm" else None)
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp, placement=placement, comm_policy=comm)
+        fully_shard(block, mp_policy=mp, placement=placement, comm_policy=comm,
+                    shard_placement_fn=shard_placement_fn)
     if split_root:  # the root's parameters gathered and reduced where they are used
         fully_shard_root(model, mp_policy=mp, placement=placement)
     else:
-        fully_shard(model, mp_policy=mp, placement=placement, comm_policy=comm)
+        fully_shard(model, mp_policy=mp, placement=placement, comm_policy=comm,
+                    shard_placement_fn=shard_placement_fn)
     if bucket_cap_mb is not None:
         model.set_bucket_cap_mb(bucket_cap_mb)
     if retain_staging:

@@ -44,15 +44,24 @@ PHASES = ("forward", "backward", "optimizer")
 def _build(name: str, cfg, foreach: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The seeded GPT under ``name`` (``benchmarks/impls.py``'s builders;
     fsdp_compose with the library's default placement, ``fsdp_compose@C``
-    with buckets of at most ``C`` MiB), and its AdamW."""
+    with buckets of at most ``C`` MiB, ``fsdp_compose_shard0`` with
+    ``Shard(0)`` for the parameters of 1 MiB or more: split over every
+    rank as FSDP2 splits them), and its AdamW."""
     torch.manual_seed(0)
     model = GPT(cfg)
     if name.startswith("fsdp_compose"):
         cap = float(name.split("@")[1]) if "@" in name else None
-        model = build_fsdp_compose(model, placement=None, bucket_cap_mb=cap)
+        placement_fn = _large_rows_sharded if name.startswith("fsdp_compose_shard0") else None
+        model = build_fsdp_compose(model, placement=None, bucket_cap_mb=cap,
+                                   shard_placement_fn=placement_fn)
     else:
         model = build_fsdp2(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach or None)
+
+
+def _large_rows_sharded(param: torch.nn.Parameter):
+    from torch.distributed.tensor import Shard
+    return Shard(0) if param.numel() * param.element_size() >= MiB else None
 
 
 def _phase_peaks(name: str, cfg, steps: int, foreach: bool, batch: int) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compose import Blocks, CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, param_info
 from tests._training import (_attr, _local, _local_step, assert_parity, build_model, global_batch,
-                             make_optimizer, train_reference)
+                             local_batch, make_optimizer, train_reference)
 from tests._models import WithUnused
 from tests.harness import run_distributed
 
@@ -425,6 +425,46 @@ def test_scatter_full_state_dict_under_placements(name):
     for res in run_distributed(3, scatter_from_rank0, name):
         for key, want in res["want"].items():
             torch.testing.assert_close(res["got"][key], want, rtol=0, atol=0)
+
+
+# ------------------------------------------------- assembled copies' memory
+def _forward_tensor_bytes_after_forward(name: str) -> dict:
+    """The blocks' parameters as forward read them (a ``Shard(d)`` piece
+    separated from its others in the buffer is read as an assembled copy),
+    and the bytes those tensors' storages hold once the whole forward ran
+    (the blocks reshard after forward; autograd saved the copies); then
+    backward and a step, and the same after the next forward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard_with(build_model("gpt"), name)
+    optim = make_optimizer(model, "adamw")
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(block, _args):
+        for param_name, _ in block.named_parameters():
+            tensor = _attr(block, param_name)
+            seen[id(tensor)] = tensor
+    for block in model.blocks:
+        block.register_forward_pre_hook(record)
+    held = []
+    for step in range(2):
+        seen.clear()
+        x, y = local_batch(step, rank, world)
+        loss = model.loss(x, y)
+        held.append(sum(t.untyped_storage().nbytes() for t in seen.values()))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    return {"held": held, "read": len(seen)}
+
+
+@pytest.mark.parametrize("name", ["shard0", "shard1", "rows"])
+def test_forward_tensors_of_a_resharded_unit_hold_no_memory_until_backward(name):
+    # [Note: assembled copies]: a copy autograd saved is freed with the
+    # reshard after forward, as the views of the unsharded buffer are, and
+    # filled again by backward's all-gather (parity: test_parity_and_local_shapes)
+    for res in run_distributed(2, _forward_tensor_bytes_after_forward, name):
+        assert res["read"] > 0
+        assert res["held"] == [0, 0], res
 
 
 # ------------------------------------------- meta-device init, HSDP, offload

@@ -273,6 +273,8 @@ class FlatBuffer:
         # see [Note: parameter aliases made once] (the storage is whole only now)
         self._aliases = None if self.is_meta else self._view_plan.aliases(self.unsharded)
         self._alias_versions = None
+        if self._has_copies and not self.is_meta:  # see [Note: assembled copies]
+            self._view_plan.make_copies(self.unsharded)
         self._unsharded_views = self._build_unsharded_views()
         if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
@@ -300,10 +302,10 @@ class FlatBuffer:
         parameters were used (see [Note: used parameters]). A parameter that
         is not contiguous in the buffer (``ShardDim``, whose rows are dealt
         as ``torch.chunk`` does) is assembled by a copy, as FSDP2 copies
-        every parameter out of its all-gather output. Such a copy holds
-        values, not a view of the storage: it is rebuilt at every unshard
-        (:meth:`complete_gather`), and one that autograd saved for backward
-        keeps its memory until then (resharding cannot free it)."""
+        every parameter out of its all-gather output, into a storage of
+        their own that is filled at every unshard (:meth:`complete_gather`)
+        and freed at every reshard, the same tensors every time ([Note:
+        assembled copies] in ``param_views.py``)."""
         if self.requires_grad:
             if torch.is_grad_enabled():  # every forward that records a graph: no context manager
                 views = self._differentiable_views()
@@ -519,6 +521,15 @@ class FlatBuffer:
         else:
             self.unsharded.untyped_storage().resize_(nbytes)
 
+    def unsharded_storage_ptrs(self) -> set[int]:
+        """``data_ptr`` of every storage forward reads this buffer's
+        unsharded parameters from (the buffer's, and the assembled copies')."""
+        ptrs = {self.unsharded.untyped_storage().data_ptr()}
+        copies = self._view_plan.copies_storage_ptr()
+        if copies is not None:
+            ptrs.add(copies)
+        return ptrs
+
     def gather_input(self) -> torch.Tensor:
         """This rank's shard as the all-gather moves it: one copy to the
         compute device and dtype (none without offload or mixed precision),
@@ -540,6 +551,7 @@ class FlatBuffer:
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)
+            self._view_plan.fill_copies(self.unsharded)
             self._unsharded_views = self._build_unsharded_views()
         self.use_unsharded_views()
 
@@ -583,8 +595,9 @@ class FlatBuffer:
         group), first keep this rank's ``1/k`` of the unsharded values, so
         that the next unshard gathers from those ``k`` ranks only.
 
-        Post-condition: not ``is_unsharded``; ``unsharded`` holds no storage;
-        every slot holds its original ``nn.Parameter``.
+        Post-condition: not ``is_unsharded``; ``unsharded`` and the
+        assembled copies hold no storage; every slot holds its original
+        ``nn.Parameter``.
         """
         if self.gathering is not None:
             self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
@@ -599,6 +612,7 @@ class FlatBuffer:
         for parameters, name, index in self._slots:
             parameters[name] = self.records[index].param
         self.is_unsharded = False
+        self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
         if self.aliased:
             return  # the storage is the shard itself
         if self.staging is not None:

@@ -17,8 +17,22 @@ parameters), which autograd then accumulates into the buffer's ``.grad``.
 
 Outputs share the buffer's storage (zero copy), except for a parameter
 that is not one contiguous run of the buffer (``ShardDim``): its output is
-an assembled copy (``torch.cat`` of its pieces). Frozen parameters' outputs
-are non-differentiable.
+an assembled copy of its pieces (see [Note: assembled copies]). Frozen
+parameters' outputs are non-differentiable.
+
+[Note: assembled copies]
+The buffer's parameters that are not one run of it are copied, at every
+unshard, into one storage of their own (each parameter's pieces in order,
+one parameter after the other), which the buffer resizes to nothing when it
+reshards, as it does the unsharded storage: like FSDP2's unsharded
+parameters. Their outputs are made once on that storage (as the aliases
+below), so a copy autograd saved in forward holds no memory between the
+reshard after forward and the all-gather of backward, which fills the
+same storage again before any node of the unit reads it. New copies at
+each unshard would each keep a whole copy of the parameters alive from
+forward to backward. The values are written through a tensor of their own
+(:meth:`ViewPlan.fill_copies`), so the outputs' version counters, which
+autograd checks, do not move.
 
 [Note: parameter aliases made once]
 Making a dozen views per buffer and forward (``as_strided``, each with
@@ -107,7 +121,7 @@ class ViewPlan:
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
-                 "_all_strided", "_direct_parts")
+                 "_all_strided", "_direct_parts", "_copy_runs", "copy_numel", "copies")
 
     def __init__(self, layout: FlatLayout, moved_dims: Sequence[int]) -> None:
         segments = layout.segments()
@@ -140,6 +154,25 @@ class ViewPlan:
         """Per segment ``(parameter or -1 for padding, length)`` when every
         parameter is one run in its own dim order: its gradient is its part
         of the flat gradient as it is (``None``: some need reordering)."""
+        starts = [0]
+        for size in self.split_sizes:
+            starts.append(starts[-1] + size)
+        runs, position = [], 0
+        for index, strided in enumerate(self._strided):
+            if strided is None:  # assembled from pieces, see [Note: assembled copies]
+                pieces = tuple((starts[s], self.split_sizes[s]) for s in self.param_segments[index])
+                runs.append((index, strided_view(self._stored_shapes[index], moved_dims[index],
+                                                 position), pieces))
+                position += sum(length for _, length in pieces)
+        self._copy_runs: tuple[tuple[int, Strided, tuple[tuple[int, int], ...]], ...] = \
+            tuple(runs)
+        """Per assembled parameter: its index, its output on the copies'
+        storage, and its pieces of the buffer ``(start, length)`` in order."""
+        self.copy_numel: int = position
+        """Elements of the copies' storage (0: every parameter is one run)."""
+        self.copies: Optional[tuple[torch.Tensor, dict[int, torch.Tensor]]] = None
+        """The copies' storage as one 1-D tensor and, per assembled
+        parameter, its output on it (:meth:`make_copies`); ``None``: none."""
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter of ``flat`` in its own shape: a view where it is
@@ -151,9 +184,13 @@ class ViewPlan:
             return [as_strided(size, stride, base + offset)
                     for size, stride, offset in self._all_strided]
         out = []
+        copies = self.copies[1] if self.copies is not None else None
         for index, strided in enumerate(self._strided):
             if strided is not None:
                 out.append(flat.as_strided(strided.size, strided.stride, base + strided.offset))
+                continue
+            if copies is not None:
+                out.append(copies[index])
                 continue
             whole = torch.cat([flat.narrow(0, *self._segment_range(s))
                                for s in self.param_segments[index]])
@@ -176,6 +213,46 @@ class ViewPlan:
         with torch.no_grad():
             return tuple(flat.new_empty(0).set_(storage, base + offset, size, stride)
                          for size, stride, offset in self._all_strided)
+
+    def make_copies(self, flat: torch.Tensor) -> None:
+        """Set :attr:`copies`: a storage for the assembled parameters (with
+        ``flat``'s dtype and device; empty, see :meth:`fill_copies`) and their
+        outputs on it, made once (see [Note: assembled copies]). Nothing
+        where every parameter is one run."""
+        if not self._copy_runs:
+            return
+        with torch.no_grad():
+            whole = flat.new_empty(self.copy_numel)
+            storage = whole.untyped_storage()
+            outputs = {index: flat.new_empty(0).set_(storage, strided.offset, strided.size,
+                                                     strided.stride)
+                       for index, strided, _ in self._copy_runs}
+        storage.resize_(0)
+        self.copies = (whole, outputs)
+
+    def fill_copies(self, flat: torch.Tensor) -> None:
+        """Give the copies' storage its memory and copy each assembled
+        parameter's pieces of ``flat`` (unsharded, values in place) into it;
+        :meth:`free_copies` undoes the first part."""
+        if self.copies is None:
+            return
+        whole = self.copies[0]
+        whole.untyped_storage().resize_(self.copy_numel * whole.element_size())
+        with torch.no_grad():
+            for _, strided, pieces in self._copy_runs:
+                position = strided.offset
+                for start, length in pieces:
+                    whole.narrow(0, position, length).copy_(flat.detach().narrow(0, start, length))
+                    position += length
+
+    def free_copies(self) -> None:
+        """Free the copies' memory; their outputs stay (see [Note: assembled copies])."""
+        if self.copies is not None:
+            self.copies[0].untyped_storage().resize_(0)
+
+    def copies_storage_ptr(self) -> Optional[int]:
+        """``data_ptr`` of the copies' storage (``None``: no copies)."""
+        return None if self.copies is None else self.copies[0].untyped_storage().data_ptr()
 
     def _segment_range(self, segment: int) -> tuple[int, int]:
         return sum(self.split_sizes[:segment]), self.split_sizes[segment]

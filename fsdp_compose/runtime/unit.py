@@ -303,7 +303,7 @@ class Unit:
         self._release_saved_guard()  # left over by a forward that raised
         if self.settings.unshard_in_backward:
             return
-        storages = {b.unsharded.untyped_storage().data_ptr() for b in self.buffers}
+        storages = set().union(*(b.unsharded_storage_ptrs() for b in self.buffers))
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.untyped_storage().data_ptr() in storages:
