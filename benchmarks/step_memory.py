@@ -8,6 +8,8 @@ GPU's counterpart).
     # bucket caps side by side (fsdp_compose@C: buckets of at most C MiB)
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --layers 48 --d-model 64 --vocab 512 \
         --impls fsdp_compose@4,fsdp_compose@1,fsdp2
+    # the parameters of 1 MiB or more split over every rank as FSDP2 splits them
+    PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory --impls fsdp_compose,fsdp_compose_shard0,fsdp2
 
 Each implementation is built alone in the ranks, then ``--steps`` steps run
 under the PyTorch profiler with ``profile_memory=True`` (every CPU tensor

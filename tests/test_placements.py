@@ -433,16 +433,24 @@ def _forward_tensor_bytes_after_forward(name: str) -> dict:
     separated from its others in the buffer is read as an assembled copy),
     and the bytes those tensors' storages hold once the whole forward ran
     (the blocks reshard after forward; autograd saved the copies); then
-    backward and a step, and the same after the next forward."""
+    backward and a step, and the same after the next forward. Also, during
+    each block's forward, the bytes its gathered buffers hold where every
+    parameter of the buffer is read from a copy (released once copied out)."""
+    from fsdp_compose.runtime.state import state_of
     rank, world = dist.get_rank(), dist.get_world_size()
     model = shard_with(build_model("gpt"), name)
     optim = make_optimizer(model, "adamw")
     seen: dict[int, torch.Tensor] = {}
+    copied = {"buffers": 0, "gathered_bytes": 0}
 
     def record(block, _args):
         for param_name, _ in block.named_parameters():
             tensor = _attr(block, param_name)
             seen[id(tensor)] = tensor
+        for buffer in state_of(block).unit.buffers:
+            if buffer._view_plan.copies_only:
+                copied["buffers"] += 1
+                copied["gathered_bytes"] += buffer.unsharded.untyped_storage().nbytes()
     for block in model.blocks:
         block.register_forward_pre_hook(record)
     held = []
@@ -454,17 +462,22 @@ def _forward_tensor_bytes_after_forward(name: str) -> dict:
         loss.backward()
         optim.step()
         optim.zero_grad()
-    return {"held": held, "read": len(seen)}
+    return {"held": held, "read": len(seen), **copied}
 
 
 @pytest.mark.parametrize("name", ["shard0", "shard1", "rows"])
 def test_forward_tensors_of_a_resharded_unit_hold_no_memory_until_backward(name):
     # [Note: assembled copies]: a copy autograd saved is freed with the
     # reshard after forward, as the views of the unsharded buffer are, and
-    # filled again by backward's all-gather (parity: test_parity_and_local_shapes)
+    # filled again by backward's all-gather (parity: test_parity_and_local_shapes;
+    # reshard_after_forward=k, whose kept piece is read back from the copies:
+    # test_hsdp_and_integer_reshard_after_forward)
     for res in run_distributed(2, _forward_tensor_bytes_after_forward, name):
         assert res["read"] > 0
         assert res["held"] == [0, 0], res
+        # a buffer read only through copies frees its gathered values once copied out
+        assert (res["buffers"] > 0) == (name != "rows"), res
+        assert res["gathered_bytes"] == 0, res
 
 
 # ------------------------------------------- meta-device init, HSDP, offload

@@ -552,6 +552,8 @@ class FlatBuffer:
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)
             self._view_plan.fill_copies(self.unsharded)
+            if self._view_plan.copies_only:  # nothing reads the gathered values any more
+                self._release_unsharded_storage()
             self._unsharded_views = self._build_unsharded_views()
         self.use_unsharded_views()
 
@@ -604,6 +606,9 @@ class FlatBuffer:
         if not self.is_unsharded:
             return  # already sharded: nothing to free
         if keep_for_backward is not None and not self.aliased:
+            if self.unsharded.untyped_storage().nbytes() == 0:  # released: read the copies back
+                self.allocate_unsharded()
+                self._view_plan.unfill_copies(self.unsharded)
             size = self.layout.padded_numel // keep_for_backward.world_size
             piece = self.unsharded.detach().narrow(
                 0, keep_for_backward.rank * size, size).clone()
@@ -615,6 +620,11 @@ class FlatBuffer:
         self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
         if self.aliased:
             return  # the storage is the shard itself
+        self._release_unsharded_storage()
+
+    def _release_unsharded_storage(self) -> None:
+        """Free the unsharded storage's memory (into the staging pool where
+        there is one); its views stay valid (same storage)."""
         if self.staging is not None:
             self.staging.drain(self.unsharded.untyped_storage())
         else:

@@ -25,7 +25,11 @@ The buffer's parameters that are not one run of it are copied, at every
 unshard, into one storage of their own (each parameter's pieces in order,
 one parameter after the other), which the buffer resizes to nothing when it
 reshards, as it does the unsharded storage: like FSDP2's unsharded
-parameters. Their outputs are made once on that storage (as the aliases
+parameters. Where every parameter of the buffer is such a copy, the
+gathered buffer's own memory is released as soon as the copies are filled,
+as FSDP2 frees its all-gather output once copied out (a piece kept for
+backward under ``reshard_after_forward=k`` is then read back from the
+copies). Their outputs are made once on that storage (as the aliases
 below), so a copy autograd saved in forward holds no memory between the
 reshard after forward and the all-gather of backward, which fills the
 same storage again before any node of the unit reads it. New copies at
@@ -121,7 +125,8 @@ class ViewPlan:
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
-                 "_all_strided", "_direct_parts", "_copy_runs", "copy_numel", "copies")
+                 "_all_strided", "_direct_parts", "_copy_runs", "copy_numel", "copies",
+                 "copies_only")
 
     def __init__(self, layout: FlatLayout, moved_dims: Sequence[int]) -> None:
         segments = layout.segments()
@@ -170,6 +175,9 @@ class ViewPlan:
         storage, and its pieces of the buffer ``(start, length)`` in order."""
         self.copy_numel: int = position
         """Elements of the copies' storage (0: every parameter is one run)."""
+        self.copies_only: bool = bool(runs) and len(runs) == len(self._strided)
+        """Every parameter is read from its copy: once they are filled, the
+        gathered buffer's values are not read again until the next all-gather."""
         self.copies: Optional[tuple[torch.Tensor, dict[int, torch.Tensor]]] = None
         """The copies' storage as one 1-D tensor and, per assembled
         parameter, its output on it (:meth:`make_copies`); ``None``: none."""
@@ -243,6 +251,19 @@ class ViewPlan:
                 position = strided.offset
                 for start, length in pieces:
                     whole.narrow(0, position, length).copy_(flat.detach().narrow(0, start, length))
+                    position += length
+
+    def unfill_copies(self, flat: torch.Tensor) -> None:
+        """The inverse of :meth:`fill_copies`: each assembled parameter's
+        pieces written back into ``flat`` (which holds memory) from its copy."""
+        if self.copies is None:
+            return
+        whole = self.copies[0]
+        with torch.no_grad():
+            for _, strided, pieces in self._copy_runs:
+                position = strided.offset
+                for start, length in pieces:
+                    flat.detach().narrow(0, start, length).copy_(whole.narrow(0, position, length))
                     position += length
 
     def free_copies(self) -> None:
