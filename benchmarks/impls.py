@@ -90,6 +90,14 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
     return model
 
 
+def shard_large_params(param: nn.Parameter):
+    """A ``shard_placement_fn``: ``Shard(0)`` for the parameters of 1 MiB or
+    more (each split over every rank, as FSDP2 splits every parameter),
+    the default placement for the rest."""
+    from torch.distributed.tensor import Shard
+    return Shard(0) if param.numel() * param.element_size() >= 2 ** 20 else None
+
+
 QUANTIZED_MODES = ("int8-weights", "int8", "fp8")
 """``CommPolicy`` modes the benchmarks compare: int8 all-gather only, int8
 all-gather and reduction, fp8 e4m3 both."""
@@ -130,6 +138,8 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_int8w": functools.partial(build_fsdp_compose, quantize="int8-weights"),
     "fsdp_compose_int8": functools.partial(build_fsdp_compose, quantize="int8"),
     "fsdp_compose_fp8": functools.partial(build_fsdp_compose, quantize="fp8"),
+    "fsdp_compose_shard0": functools.partial(build_fsdp_compose, placement=None,
+                                             shard_placement_fn=shard_large_params),
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
@@ -140,7 +150,9 @@ bucketing off (``set_bucket_cap_mb(0)``; the default is 2 MiB) or with a 1
 or 4 MiB cap (4: the default before issue 39), the root's embeddings and its
 final norm + head annotated as units of their own (``fully_shard_root``: gathered and reduced where they are used, the
 head's reduction overlaps the rest of backward), and quantized collectives
-(``CommPolicy``: int8 all-gather; int8 all-gather and reduction; fp8 both)."""
+(``CommPolicy``: int8 all-gather; int8 all-gather and reduction; fp8 both),
+and ``Shard(0)`` for the parameters of 1 MiB or more (``shard_large_params``:
+each read through an assembled copy, ``docs/placements.md``)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

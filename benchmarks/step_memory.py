@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._two_ranks import gpt_arguments, gpt_config, join_gloo_group, run_two_ranks
-from benchmarks.impls import build_fsdp2, build_fsdp_compose
+from benchmarks.impls import build_fsdp2, build_fsdp_compose, shard_large_params
 from benchmarks.memory import measure_training_memory
 from fsdp_compose.testing import GPT, synthetic_tokens
 
@@ -53,17 +53,12 @@ def _build(name: str, cfg, foreach: bool) -> tuple[torch.nn.Module, torch.optim.
     model = GPT(cfg)
     if name.startswith("fsdp_compose"):
         cap = float(name.split("@")[1]) if "@" in name else None
-        placement_fn = _large_rows_sharded if name.startswith("fsdp_compose_shard0") else None
+        placement_fn = shard_large_params if name.startswith("fsdp_compose_shard0") else None
         model = build_fsdp_compose(model, placement=None, bucket_cap_mb=cap,
                                    shard_placement_fn=placement_fn)
     else:
         model = build_fsdp2(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach or None)
-
-
-def _large_rows_sharded(param: torch.nn.Parameter):
-    from torch.distributed.tensor import Shard
-    return Shard(0) if param.numel() * param.element_size() >= MiB else None
 
 
 def _phase_peaks(name: str, cfg, steps: int, foreach: bool, batch: int) -> dict[str, Any]:
