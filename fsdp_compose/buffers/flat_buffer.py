@@ -38,7 +38,7 @@ from .._torch_private import unsafe_set_version_counter
 from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
-from .layout import OWNED, FlatLayout, ShardDim, ShardSlice
+from .layout import OWNED, FlatLayout, ShardSlice
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
@@ -85,8 +85,7 @@ class FlatBuffer:
         self._local_shapes: tuple[tuple[int, ...], ...] = tuple(
             self.layout.local_shape(i, group.rank) for i in range(len(records)))
         """Shape of each parameter's piece here, in stored order."""
-        self._moved_dims: tuple[int, ...] = tuple(
-            p.dim if isinstance(p, ShardDim) else 0 for p in self.layout.placements)
+        self._moved_dims: tuple[int, ...] = self.layout.moved_dims()
         """``ShardDim(d)``: the dim stored first (0: none moved)."""
         self._local_strided: tuple[Strided, ...] = tuple(
             strided_view(shape, d, s.shard_start)

@@ -231,6 +231,11 @@ class FlatLayout:
         pieces = self._pieces[index]
         return all(a.start + a.length == b.start for a, b in zip(pieces, pieces[1:]))
 
+    def moved_dims(self) -> tuple[int, ...]:
+        """Per parameter, the dim stored first: ``d`` for ``ShardDim(d)``
+        (its rows are dealt along ``d``), else 0 (none moved)."""
+        return tuple(p.dim if isinstance(p, ShardDim) else 0 for p in self.placements)
+
     def keeps_shape(self, index: int) -> bool:
         """Whether each rank's piece is whole rows (viewable as
         ``(rows, *stored_shape[1:])``); flat pieces are 1-D."""

@@ -32,6 +32,10 @@ the first reached, are gathered as lone units. A member's flat gradient is held 
 in backward (its first in forward); then all of them are packed (F*T) and
 reduced into a chunk (T) and the members' outputs, alive with the packed
 gradients until the reduce-scatter is waited.
+A unit's assembled copies ([Note: assembled copies] in
+``buffers/param_views.py``) count while it is unsharded: beside the buffer
+where other parameters are read in place, and as the buffer itself where
+every parameter is copied (its gathered values are released once copied).
 Gradient shards exist from their reduce-scatter to the optimizer step
 (``zero_grad(set_to_none=True)`` frees them); the step adds the optimizer's
 temporaries. A unit's saved activations live from its forward to its
@@ -60,6 +64,7 @@ import torch.nn as nn
 
 from ..._setup import plan_buffers
 from ...buffers.layout import FlatLayout
+from ...buffers.param_views import ViewPlan
 from ...buffers.records import buffer_policy, is_aliased
 from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
 from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -78,6 +83,7 @@ class UnitPlan(NamedTuple):
     state: int  # one optimizer state tensor per trainable element on the most loaded rank
     trainable_params: int
     unsharded: tuple[int, ...]  # per buffer, compute dtype
+    copies: int  # assembled copies kept beside a buffer that others read in place
     view_grads: int  # per-parameter gradients before the split's backward
     flat_grad: int  # the split's output, compute dtype
     flat_reduce: int  # the reduce-scatter input, reduce dtype
@@ -98,6 +104,18 @@ class _Buffer(NamedTuple):
     extra_output: bool  # the reduce-scatter output is not the gradient shard
     shard_copy: bool  # the all-gather reads a cast/moved copy of the shard
     aliased: bool  # one rank: the unsharded buffer is the shard itself
+    copies: int  # elements assembled beside the unsharded buffer (see _copied_beside)
+
+
+def _copied_beside(layout: FlatLayout) -> int:
+    """Elements of the assembled copies ([Note: assembled copies] in
+    ``buffers/param_views.py``) held *in addition to* the unsharded buffer
+    while it is unsharded: the parameters that are not one contiguous
+    range of it, when some others are (a buffer read only through copies
+    releases its gathered values once they are filled, so it holds about
+    the buffer's size either way, which ``unsharded`` counts)."""
+    views = ViewPlan(layout, layout.moved_dims())
+    return 0 if views.copies_only else views.copy_numel
 
 
 def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: bool) -> UnitPlan:
@@ -115,7 +133,8 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
         b = _Buffer(plan.layout, dtypes.param.itemsize, dtypes.compute.itemsize, reduce.itemsize,
                     [r.param for r in plan.records], offload or reduce != dtypes.param,
                     offload or dtypes.compute != dtypes.param and world > 1,
-                    is_aliased(world, dtypes, stored_where_computed=not offload))
+                    is_aliased(world, dtypes, stored_where_computed=not offload),
+                    _copied_beside(plan.layout))
         buffers.append(b)
         if plan.requires_grad:
             train.append(b)
@@ -127,6 +146,7 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
         state=sum(max(b.layout.rank_numels()) * b.size for b in train),
         trainable_params=sum(len(b.params) for b in train),
         unsharded=tuple(0 if b.aliased else b.layout.padded_numel * b.compute for b in buffers),
+        copies=sum(b.copies * b.compute for b in buffers if not b.aliased),
         view_grads=sum(b.layout.numel * b.compute for b in train),
         flat_grad=sum(b.layout.padded_numel * b.compute for b in train),
         # one rank: the flat gradient itself becomes the gradient shard
@@ -183,6 +203,7 @@ class Step:
         for index, m in enumerate(moments):
             unsharded = pooled[index] if pooled is not None else \
                 sum(sum(plans[i].unsharded) for i in m.live)
+            unsharded += sum(plans[i].copies for i in m.live)  # not pooled: resized in place
             shard_grads = 0 if self.offload else sum(plans[i].grads for i in m.reduced)
             parts.append(PeakParts(fixed, shard_grads, unsharded + m.transient, m.comm, m.acts))
         peak = max(range(len(parts)), key=lambda i: sum(parts[i]))
