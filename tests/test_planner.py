@@ -344,11 +344,9 @@ def _check_measured(what: str, result: dict, est, forgetful) -> None:
         # params + grads + optimizer state + unsharded buffers, at their peak
         assert m["peak_no_comm"] == pytest.approx(est.state_peak, rel=TOLERANCE), where
         assert m["peak_no_comm"] != pytest.approx(forgetful.state_peak, rel=TOLERANCE), where
-        # the same bytes in every step (up to a few scalars): what the library
-        # allocates does not depend on when gloo's threads let go of
-        # finished collectives (whole buffers, far above a KiB)
-        assert m["peak_no_comm"] == pytest.approx(result["steps"][0]["peak_no_comm"],
-                                                  abs=1024), where
+        # the same bytes in every step: what the library allocates does not
+        # depend on when gloo's threads let go of finished collectives
+        assert m["peak_no_comm"] == result["steps"][0]["peak_no_comm"], where
         # nothing of earlier steps is held (up to a few scalars)
         assert m["stale"] <= 1024, where
     # What gloo allocates inside its collectives (``comm_at_peak``, and so

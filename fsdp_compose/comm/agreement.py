@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat
+from .collectives import all_gather_flat, release_after_collective
 from .groups import ShardGroup
 
 
@@ -82,7 +82,9 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
     mine = torch.tensor([value], dtype=torch.int64, device=device)
     every = torch.empty(size, dtype=torch.int64, device=device)
     all_gather_flat(every, mine, group=process_group)
-    return [int(v) for v in every.cpu()]
+    values = every.tolist()
+    release_after_collective(mine, every)  # tiny, but at every root forward
+    return values
 
 
 

@@ -178,6 +178,18 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=replicate)
 
 
+def release_after_collective(*tensors: torch.Tensor) -> None:
+    """Free the memory of CPU tensors that a finished collective read or
+    wrote and that nothing reads any more: gloo's worker thread may hold
+    them long after the collective, into later steps ([Note: freeing what
+    a collective read] in ``runtime/collective_queue.py``), so the memory
+    the process holds would depend on thread scheduling. On an accelerator
+    the caching allocator frees them in stream order."""
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            tensor.untyped_storage().resize_(0)
+
+
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                input_counts: list[int], group: ShardGroup) -> None:
     """Rank ``r`` sends ``input_counts[j]`` consecutive elements of ``input``

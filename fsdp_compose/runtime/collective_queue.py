@@ -98,7 +98,12 @@ a bucket's packed tensors on every device; a lone buffer's flat gradient
 (the library's own, taken from ``unsharded.grad`` or cast from it) on the
 CPU only, where no stream orders the free (on CUDA the caching allocator
 and NCCL's stream recording free it in stream order), and not when the
-output is the input itself (one rank).
+output is the input itself (one rank). The tiny tensors of the ranks'
+agreements and of the used flags (``comm/agreement.py``,
+``runtime/end_of_backward.py``) go the same way
+(``comm.collectives.release_after_collective``): a few bytes each, but
+one or two per unit in the verified iterations, which a memory tracker
+otherwise saw alive steps later, in a number that varied from run to run.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .._torch_private import post_accumulate_grad_hooks, with_post_accumulate_grad_hooks
 from ..buffers.flat_buffer import FlatBuffer
-from ..comm.collectives import all_reduce_max
+from ..comm.collectives import all_reduce_max, release_after_collective
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
 from .unit import Unit
@@ -95,6 +95,7 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
             mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
             all_reduce_max(mask, group)
             values = mask.tolist()
+            release_after_collective(mask)
             if extra:
                 observer.check(group, values[len(flags):])
             flags = [bool(v) for v in values[:len(flags)]]
