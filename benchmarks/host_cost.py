@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost                 # the table
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --profile 20    # + where the time goes
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --moments 20    # + each hook moment, timed
     python -m benchmarks.host_cost --device cuda                          # the same on a GPU
 
 One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
@@ -24,6 +25,15 @@ clock (the CPU proxy on a VM whose wall clock other tenants steal from).
 ``--profile N``: N more fsdp_compose steps under cProfile; the functions
 with the most own time, and the time under each of the library's hook
 moments (cumulative time of the functions that start them).
+
+``--moments N``: N more steps of a new fsdp_compose model whose hook
+moments are timed by this thread's CPU clock, two clock reads per moment
+and no profiler (cProfile charges every Python call, which inflates the
+library's many small functions against torch's C++): µs per unit and step
+of each moment, their sum, and what is left of the excess over the
+unsharded model, which is torch's own work for what the library adds (the
+views node, the flat gradient's accumulation, the hooks' dispatch) plus
+the clock reads.
 """
 
 from __future__ import annotations
@@ -53,6 +63,59 @@ HOOK_MOMENTS = {
     ("runtime/unit.py", "_post_backward"): "post-backward",
     ("runtime/end_of_backward.py", "finish_backward"): "end of backward",
 }
+
+
+def _timed_moments() -> list[tuple[object, str, str]]:
+    """(class, attribute, label): the library's entry point of each hook
+    moment, the views node's backward included. Bound methods of the first
+    four are taken when a model is annotated or a backward starts, so
+    patch them before building the model that is timed."""
+    from fsdp_compose.buffers.param_views import SplitIntoParams
+    from fsdp_compose.runtime.state import FullyShardState
+    from fsdp_compose.runtime.unit import Unit
+    return [(FullyShardState, "_pre_forward", "pre-forward"),
+            (FullyShardState, "_post_forward", "post-forward"),
+            (FullyShardState, "_pre_backward", "pre-backward"),
+            (SplitIntoParams, "backward", "views' backward"),
+            (Unit, "_post_backward", "post-backward"),
+            (FullyShardState, "_finish_backward", "end of backward")]
+
+
+def _time_moments(cfg: GPTConfig, device: torch.device, x: torch.Tensor, y: torch.Tensor,
+                  steps: int, excess_us: float) -> None:
+    """``--moments``: a new fsdp_compose model with each hook moment timed."""
+    spent: dict[str, int] = {}
+    originals = []
+    for owner, name, label in _timed_moments():
+        original = owner.__dict__[name]
+        originals.append((owner, name, original))
+        function = original.__func__ if isinstance(original, staticmethod) else original
+
+        def timed(*args, _function=function, _label=label):
+            begin = time.thread_time_ns()
+            try:
+                return _function(*args)
+            finally:
+                spent[_label] = spent.get(_label, 0) + time.thread_time_ns() - begin
+        setattr(owner, name, staticmethod(timed) if isinstance(original, staticmethod) else timed)
+    try:
+        step = _stepper(_build("fsdp_compose", cfg, device), x, y, device, time.thread_time)
+        for _ in range(3):
+            step()
+        spent.clear()
+        for _ in range(steps):
+            step()
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    units = cfg.n_layers + 1
+    print(f"\nfsdp_compose's hook moments, thread CPU time, {steps} steps "
+          "(µs per unit per step):")
+    for label, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:16} {ns / 1e3 / steps / units:7.1f}")
+    total = sum(spent.values()) / 1e3 / steps / units
+    print(f"  {'all moments':16} {total:7.1f}  (the table's excess over the unsharded model: "
+          f"{excess_us:.0f}; the rest, {excess_us - total:.0f}, is torch's work for the library)")
 
 
 def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
@@ -117,6 +180,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--moments", type=int, default=0, metavar="N",
+                        help="N more steps with each hook moment timed (no profiler)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: this thread's CPU time (CPU only; a busy or "
@@ -162,6 +227,9 @@ def main() -> None:
                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |")
         if options.profile:
             _profile(steppers["fsdp_compose"], options.profile, units, options.top)
+        if options.moments:
+            excess = (min(rounds["fsdp_compose"]) - min(rounds["unsharded"])) * 1e6 / units
+            _time_moments(cfg, device, x, y, options.moments, excess)
         dist.destroy_process_group()
 
 
