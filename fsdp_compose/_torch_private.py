@@ -237,6 +237,16 @@ def default_store() -> dist.Store:
     return _get_default_store()
 
 
+def forget_mesh_groups(mesh: Any) -> None:
+    """Drop a ``DeviceMesh``'s cache of its ``ProcessGroup`` objects (its
+    ``_pg_registry``, where this torch has one; else nothing): once
+    ``destroy_process_group()`` ran, that cache is what keeps the destroyed
+    groups, and gloo's threads, alive into interpreter finalization."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
+
+
 def sequence_number(group: dist.ProcessGroup) -> int:
     """The count of collectives issued on ``group`` (the backend's sequence
     number). Raises ``RuntimeError`` or ``AttributeError`` where the backend

@@ -7,6 +7,7 @@ default mesh); the per-step collectives over these groups are in
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -14,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .._torch_private import forget_mesh_groups
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,30 @@ def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
 # device type -> (the default process group it was built for, weakly; the mesh)
 _DEFAULT_MESH: dict[str, tuple["weakref.ref[dist.ProcessGroup]", DeviceMesh]] = {}
 
+_MESHES: "weakref.WeakSet[DeviceMesh]" = weakref.WeakSet()
+"""Every mesh a unit shards over (see :func:`_release_destroyed_groups`)."""
+_EXIT_HOOK: list = []  # non-empty once the exit hook is registered
+
+
+# [Note: process groups at exit]
+# A DeviceMesh keeps its ProcessGroup objects (torch caches them on the mesh),
+# and a model's units keep their meshes; so after a script's
+# ``destroy_process_group()`` the destroyed gloo groups, and their worker
+# threads, lived on until interpreter finalization, where tearing them down
+# now and then aborted the process ("terminate called without an active
+# exception": gloo's threads still holding a finished collective's tensors
+# while the interpreter goes away). At exit, while the interpreter is still
+# whole, the meshes of fsdp_compose's units drop those cached groups when the
+# default group was destroyed, so gloo's threads are joined then. A job that
+# never called ``destroy_process_group()`` is left as torch leaves it.
+def _release_destroyed_groups() -> None:
+    if not dist.is_available() or dist.is_initialized():
+        return  # not destroyed: nothing of ours to let go of
+    meshes = list(_MESHES) + [mesh for _, mesh in _DEFAULT_MESH.values()]
+    _DEFAULT_MESH.clear()
+    for mesh in meshes:
+        forget_mesh_groups(mesh)
+
 
 def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
     """Validate ``mesh`` (1-D, or 2-D ``(replicate, shard)``) and describe it
@@ -125,6 +152,9 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
             "a (dp_replicate, dp_shard, tp) mesh.")
     group = mesh.get_group(mesh.ndim - 1)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(atexit.register(_release_destroyed_groups))  # once
+    _MESHES.add(mesh)
     if mesh.device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:

@@ -187,6 +187,7 @@ class InFlight:
             if self._work is not None:
                 wait_watched(self._work, self._process_group)
                 self._work = None
+            self._process_group = None  # [Note: process groups at exit] in comm/groups.py
             with torch.no_grad():
                 for destination, source in self._copies:
                     destination.copy_(source)
@@ -220,6 +221,7 @@ class InFlight:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        self._process_group = None
         _free(self._temporaries + ([self._packed_output] if self._packed_output is not None else []))
         self._copies, self._temporaries, self._keep_alive = [], [], []
         self._member_copies, self._packed_output = {}, None
@@ -303,8 +305,10 @@ class CollectiveQueue:
 
     def end_iteration(self) -> None:
         """The iteration's last use of unsharded memory is over (end of the
-        last backward, or a forward without backward): release the staging
-        pool unless the policy retains it between iterations."""
+        last backward, or a forward without backward): forget the finished
+        all-gathers and release the staging pool unless the policy retains
+        it between iterations."""
+        self.inflight_all_gathers()  # drops the finished ones
         if self.policy.retain_staging:
             self.staging.keep()
         else:
