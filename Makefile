@@ -20,7 +20,8 @@ TORCH_NEWEST := 2.14.1
 NEWEST_VENV  := .venv-torch-$(TORCH_NEWEST)
 # What `make test-oldest` runs: the guard and the torch-sensitive paths (staging
 # pool, version counters, the views' autograd node, composable state, DTensor/DCP checkpoints, TP's
-# _StridedShard, MemTracker, the planner's fake tensors, pipelining, fp8/int8 wire codecs) plus
+# _StridedShard, MemTracker, the planner's fake tensors, pipelining, fp8/int8 wire codecs, DeviceMesh's
+# process-group cache at exit) plus
 # parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
 OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_param_views.py \
 	tests/test_parity.py \
@@ -28,7 +29,7 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_checkpoint_flat.py tests/test_checkpoint_optim.py tests/test_tensor_parallel.py \
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
 	tests/test_module_api.py tests/test_errors.py tests/test_moe.py tests/test_spmd_mesh.py \
-	tests/test_quantized_wire.py tests/test_quantized_collectives.py
+	tests/test_quantized_wire.py tests/test_quantized_collectives.py tests/test_exit.py
 
 .PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench clean
 
