@@ -9,7 +9,9 @@ One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
 thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
 arithmetic is next to nothing), every block a unit plus the root. A step is
 forward, backward, AdamW step and ``zero_grad``. The unsharded model,
-fsdp_compose and torch FSDP2 run in interleaved rounds; each round times
+the design's floor (``host_floor.py``: the torch work
+fsdp_compose's design needs per unit, with next to no Python), fsdp_compose
+and torch FSDP2 run in interleaved rounds; each round times
 ``--steps`` steps of each and keeps the median; the table shows the best
 round's median, the ratio to the unsharded model, the host time per unit
 per step over the unsharded model ((step - unsharded step) / units), and
@@ -26,14 +28,15 @@ clock (the CPU proxy on a VM whose wall clock other tenants steal from).
 with the most own time, and the time under each of the library's hook
 moments (cumulative time of the functions that start them).
 
-``--moments N``: N more steps of a new fsdp_compose model whose hook
-moments are timed by this thread's CPU clock, two clock reads per moment
-and no profiler (cProfile charges every Python call, which inflates the
-library's many small functions against torch's C++): µs per unit and step
-of each moment, their sum, and what is left of the excess over the
-unsharded model, which is torch's own work for what the library adds (the
-views node, the flat gradient's accumulation, the hooks' dispatch) plus
-the clock reads.
+``--moments N``: N more steps of a new fsdp_compose model, and of a new
+floor model, whose hook moments are timed by this thread's CPU clock, two
+clock reads per moment and no profiler (cProfile charges every Python
+call, which inflates the library's many small functions against torch's
+C++): µs per unit and step of each moment for both, what fsdp_compose
+spends over the floor in each, and what is left of fsdp_compose's excess
+over the unsharded model outside the moments, which is torch's own work
+for what the library adds (the views node, the flat gradient's
+accumulation, the hooks' dispatch) plus the clock reads.
 """
 
 from __future__ import annotations
@@ -65,11 +68,19 @@ HOOK_MOMENTS = {
 }
 
 
-def _timed_moments() -> list[tuple[object, str, str]]:
-    """(class, attribute, label): the library's entry point of each hook
-    moment, the views node's backward included. Bound methods of the first
-    four are taken when a model is annotated or a backward starts, so
-    patch them before building the model that is timed."""
+def _timed_moments(name: str) -> list[tuple[object, str, str]]:
+    """(class, attribute, label): the entry point of each hook moment of
+    variant ``name`` (``fsdp_compose`` or ``floor``), the views node's
+    backward included. Bound methods are taken when a model is annotated or
+    a backward starts, so patch them before building the model that is timed."""
+    if name == "floor":
+        from benchmarks.host_floor import FloorUnit, _Views
+        return [(FloorUnit, "_pre_forward", "pre-forward"),
+                (FloorUnit, "_post_forward", "post-forward"),
+                (FloorUnit, "_pre_backward", "pre-backward"),
+                (_Views, "backward", "views' backward"),
+                (FloorUnit, "_take_gradient", "post-backward"),
+                (FloorUnit, "_end_of_backward", "end of backward")]
     from fsdp_compose.buffers.param_views import SplitIntoParams
     from fsdp_compose.runtime.state import FullyShardState
     from fsdp_compose.runtime.unit import Unit
@@ -81,14 +92,15 @@ def _timed_moments() -> list[tuple[object, str, str]]:
             (FullyShardState, "_finish_backward", "end of backward")]
 
 
-def _time_moments(cfg: GPTConfig, device: torch.device, x: torch.Tensor, y: torch.Tensor,
-                  steps: int, excess_us: float) -> None:
-    """``--moments``: a new fsdp_compose model with each hook moment timed."""
+def _moment_times(name: str, cfg: GPTConfig, device: torch.device, x: torch.Tensor,
+                  y: torch.Tensor, steps: int) -> dict[str, float]:
+    """µs per unit and step of each hook moment of a new model of variant
+    ``name``, each timed by two reads of this thread's CPU clock."""
     spent: dict[str, int] = {}
     originals = []
-    for owner, name, label in _timed_moments():
-        original = owner.__dict__[name]
-        originals.append((owner, name, original))
+    for owner, attribute, label in _timed_moments(name):
+        original = owner.__dict__[attribute]
+        originals.append((owner, attribute, original))
         function = original.__func__ if isinstance(original, staticmethod) else original
 
         def timed(*args, _function=function, _label=label):
@@ -97,25 +109,37 @@ def _time_moments(cfg: GPTConfig, device: torch.device, x: torch.Tensor, y: torc
                 return _function(*args)
             finally:
                 spent[_label] = spent.get(_label, 0) + time.thread_time_ns() - begin
-        setattr(owner, name, staticmethod(timed) if isinstance(original, staticmethod) else timed)
+        setattr(owner, attribute,
+                staticmethod(timed) if isinstance(original, staticmethod) else timed)
     try:
-        step = _stepper(_build("fsdp_compose", cfg, device), x, y, device, time.thread_time)
+        step = _stepper(_build(name, cfg, device), x, y, device, time.thread_time)
         for _ in range(3):
             step()
         spent.clear()
         for _ in range(steps):
             step()
     finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
+        for owner, attribute, original in originals:
+            setattr(owner, attribute, original)
     units = cfg.n_layers + 1
-    print(f"\nfsdp_compose's hook moments, thread CPU time, {steps} steps "
-          "(µs per unit per step):")
-    for label, ns in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"  {label:16} {ns / 1e3 / steps / units:7.1f}")
-    total = sum(spent.values()) / 1e3 / steps / units
-    print(f"  {'all moments':16} {total:7.1f}  (the table's excess over the unsharded model: "
-          f"{excess_us:.0f}; the rest, {excess_us - total:.0f}, is torch's work for the library)")
+    return {label: ns / 1e3 / steps / units for label, ns in spent.items()}
+
+
+def _time_moments(cfg: GPTConfig, device: torch.device, x: torch.Tensor, y: torch.Tensor,
+                  steps: int, excess_us: float) -> None:
+    """``--moments``: new fsdp_compose and floor models, each hook moment timed."""
+    library = _moment_times("fsdp_compose", cfg, device, x, y, steps)
+    floor = _moment_times("floor", cfg, device, x, y, steps)
+    print(f"\nhook moments, thread CPU time, {steps} steps (µs per unit per step; the floor "
+          "does the same moment's torch work with next to no Python):")
+    print(f"  {'moment':16} {'fsdp_compose':>12} {'floor':>7} {'over floor':>10}")
+    for label, us in sorted(library.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:16} {us:12.1f} {floor.get(label, 0.0):7.1f} "
+              f"{us - floor.get(label, 0.0):10.1f}")
+    total, floor_total = sum(library.values()), sum(floor.values())
+    print(f"  {'all moments':16} {total:12.1f} {floor_total:7.1f} {total - floor_total:10.1f}")
+    print(f"  (fsdp_compose's excess over the unsharded model in the table: {excess_us:.0f}; "
+          f"outside the moments, {excess_us - total:.0f}, is torch's work for the library)")
 
 
 def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
@@ -127,6 +151,9 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+    elif name == "floor":
+        from benchmarks.host_floor import floor_units
+        floor_units(model, model.blocks)  # the hooks on the modules keep the units
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -193,7 +220,7 @@ def main() -> None:
     clock = time.thread_time if options.clock == "cpu" else time.perf_counter
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
     torch.set_num_threads(1)
-    names = ["unsharded", "fsdp_compose", "fsdp2"]
+    names = ["unsharded", "floor", "fsdp_compose", "fsdp2"]
     with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{f.name}", rank=0, world_size=1,
@@ -206,7 +233,7 @@ def main() -> None:
                 step()  # warm-up: lazy initialisation, optimizer state
         rounds: dict[str, list[float]] = {name: [] for name in names}
         for r in range(options.rounds):
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 gc.collect()
                 rounds[name].append(statistics.median(steppers[name]() for _ in range(options.steps)))
         units = options.layers + 1
