@@ -16,7 +16,10 @@ round: ``--steps`` steps of each variant, in rotated order; CUDA events
 around each step); the step time is the best round's median. Every variant
 computes in bf16 and keeps fp32 master weights: fsdp_compose and FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on every block
-and the root, the unsharded model under ``torch.autocast``; AdamW.
+and the root, the unsharded model under ``torch.autocast``; AdamW. On the
+many-small config the design's floor (``benchmarks/host_floor.py``, under
+autocast too) is timed beside them: how close to the unsharded model a
+unit of this design can get on the host.
 
 ``world2``: two ranks sharing the GPU over gloo (``cpu:gloo,cuda:gloo``),
 fp32: fsdp_compose's and FSDP2's losses against one process on the global
@@ -61,6 +64,11 @@ QUICK = {"gpt-tiny": (GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_heads=
                                 n_layers=4), 4)}
 WORLD2_CONFIG = (GPTConfig(vocab_size=4096, seq_len=256, d_model=256, n_heads=8, n_layers=6), 4)
 VARIANTS = ("unsharded", "fsdp_compose", "fsdp2")
+FLOOR_CONFIGS = ("many-small", "gpt-tiny")
+"""Configs whose world-1 runs also time the design's floor (``host_floor.py``:
+the torch work of fsdp_compose's design per unit with next to no Python,
+under autocast as the unsharded model): what the host costs at the least
+where units are many and small."""
 
 
 @dataclass
@@ -117,10 +125,13 @@ def _build(variant: str, cfg: GPTConfig, device: torch.device, bf16: bool
         for block in model.blocks:
             fully_shard(block, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh, **kw)
+    elif variant == "floor":
+        from benchmarks.host_floor import floor_units
+        floor_units(model, model.blocks)  # the hooks on the modules keep the units
     elif variant != "unsharded":
         raise ValueError(variant)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if variant == "unsharded" and bf16:
+    if variant in ("unsharded", "floor") and bf16:
         def loss_fn(x, y):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 return model.loss(x, y)
@@ -296,7 +307,8 @@ def world1(options: argparse.Namespace) -> list[VariantResult]:
             results = []
             for name, (cfg, batch) in configs.items():
                 print(f"world1 {name}: measuring", flush=True)
-                results += measure_config(name, cfg, batch, device, list(VARIANTS), options)
+                variants = list(VARIANTS) + (["floor"] if name in FLOOR_CONFIGS else [])
+                results += measure_config(name, cfg, batch, device, variants, options)
             return results
         finally:
             dist.destroy_process_group()
