@@ -10,7 +10,8 @@ thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
 arithmetic is next to nothing), every block a unit plus the root. A step is
 forward, backward, AdamW step and ``zero_grad``. The unsharded model,
 the design's floor (``host_floor.py``: the torch work
-fsdp_compose's design needs per unit, with next to no Python), fsdp_compose
+fsdp_compose's design needs per unit, with next to no Python), the same
+with fsdp_compose's per-forward checks (``floor_checked``), fsdp_compose
 and torch FSDP2 run in interleaved rounds; each round times
 ``--steps`` steps of each and keeps the median; the table shows the best
 round's median, the ratio to the unsharded model, the host time per unit
@@ -151,9 +152,9 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    elif name == "floor":
+    elif name in ("floor", "floor_checked"):
         from benchmarks.host_floor import floor_units
-        floor_units(model, model.blocks)  # the hooks on the modules keep the units
+        floor_units(model, model.blocks, checked=name == "floor_checked")  # the hooks keep them
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -220,7 +221,7 @@ def main() -> None:
     clock = time.thread_time if options.clock == "cpu" else time.perf_counter
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
     torch.set_num_threads(1)
-    names = ["unsharded", "floor", "fsdp_compose", "fsdp2"]
+    names = ["unsharded", "floor", "floor_checked", "fsdp_compose", "fsdp2"]
     with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"file://{f.name}", rank=0, world_size=1,

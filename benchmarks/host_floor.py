@@ -13,20 +13,28 @@ unit and step over one rank, with as little Python around it as possible:
 - at the end of backward (an autograd callback), each parameter's ``.grad``
   becomes its view of the flat gradient.
 
-It shards nothing, checks nothing and supports nothing else (one rank, one
-dtype, no padding, every parameter trainable, forward once per step): it is
-a measuring stick, not an implementation. fsdp_compose's step minus this
-one is what the library's own bookkeeping costs per unit; this one minus
-the unsharded model's is what the design costs at the least.
+It shards nothing and supports nothing else (one rank, one dtype, no
+padding, every parameter trainable, forward once per step): it is a
+measuring stick, not an implementation. :class:`CheckedFloorUnit` adds the
+three checks fsdp_compose makes at every forward (parameters registered
+after annotation, ``requires_grad`` changes, in-place changes of a
+parameter during forward). This floor's step minus the unsharded model's is
+what the design costs at the least; the checked floor's minus this one is
+what the checks cost; fsdp_compose's minus the checked floor's is what the
+library's own bookkeeping (prefetch order, collective queue, gradient
+accumulation, states and settings) costs per unit.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
+
+from fsdp_compose.checks.late_parameters import check_no_late_parameters, snapshot_modules
 
 
 class _Views(torch.autograd.Function):
@@ -47,7 +55,8 @@ _apply = super(torch.autograd.Function, _Views).apply  # without functorch's pre
 
 class FloorUnit:
     """The parameters of ``modules`` (every parameter not taken by a unit
-    made earlier) in one flat buffer, driven by hooks on ``hooked``."""
+    made earlier: ``taken`` holds their ids) in one flat buffer, driven by
+    hooks on ``hooked``."""
 
     def __init__(self, modules: list[nn.Module], hooked: nn.Module, units: list["FloorUnit"],
                  taken: set[int]) -> None:
@@ -111,12 +120,47 @@ class FloorUnit:
                     param.grad = grad[s:s + n]
 
 
-def floor_units(model: nn.Module, blocks: nn.ModuleList) -> list[FloorUnit]:
+_requires_grad = operator.attrgetter("requires_grad")
+_version = operator.attrgetter("_version")
+
+
+class CheckedFloorUnit(FloorUnit):
+    """A floor unit that also makes fsdp_compose's per-forward checks, with
+    the library's own late-parameter check and the same comparisons as
+    ``FlatBuffer.sync_requires_grad`` and ``check_params_unmodified``."""
+
+    def __init__(self, modules: list[nn.Module], hooked: nn.Module, units: list["FloorUnit"],
+                 taken: set[int]) -> None:
+        super().__init__(modules, hooked, units, taken)
+        # its managed modules, as fully_shard's: not those of units made before it
+        managed = [m for top in modules for m in top.modules() if id(m) not in taken]
+        taken.update(map(id, managed))
+        self.snapshot = snapshot_modules(managed)
+        self.flags = tuple(map(_requires_grad, self.params))
+        self.versions: Optional[tuple[int, ...]] = None
+
+    def _pre_forward(self) -> None:
+        check_no_late_parameters(self.snapshot, None)
+        if tuple(map(_requires_grad, self.params)) != self.flags:
+            raise RuntimeError("the floor supports no requires_grad change")
+        super()._pre_forward()
+        self.versions = tuple(map(_version, self.aliases))
+
+    def _post_forward(self, output: torch.Tensor) -> None:
+        super()._post_forward(output)
+        if tuple(map(_version, self.aliases)) != self.versions:
+            raise RuntimeError("a parameter was modified in place during forward")
+
+
+def floor_units(model: nn.Module, blocks: nn.ModuleList, checked: bool = False
+                ) -> list[FloorUnit]:
     """Every block a unit, the root (``model``: the rest) first, as
-    ``fully_shard`` on each block and then on the model lays them out."""
+    ``fully_shard`` on each block and then on the model lays them out
+    (``checked``: :class:`CheckedFloorUnit`)."""
+    kind = CheckedFloorUnit if checked else FloorUnit
     units: list[FloorUnit] = []
     taken: set[int] = set()
-    block_units = [FloorUnit([block], block, units, taken) for block in blocks]
-    units.append(FloorUnit([model], model, units, taken))
+    block_units = [kind([block], block, units, taken) for block in blocks]
+    units.append(kind([model], model, units, taken))
     units.extend(block_units)
     return units
