@@ -1,4 +1,4 @@
-"""The floor of the design's host cost: the ``floor`` variant of ``host_cost``.
+"""The floor of the design's host cost (``host_cost``'s ``floor`` and ``floor_checked``).
 
 A unit here does only the torch work that fsdp_compose's design needs per
 unit and step over one rank, with as little Python around it as possible:
