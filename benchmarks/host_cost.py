@@ -69,28 +69,30 @@ HOOK_MOMENTS = {
 }
 
 
+MOMENTS = ("pre-forward", "post-forward", "pre-backward", "views' backward", "post-backward",
+           "end of backward")
+"""The hook moments ``--moments`` times, in the order each variant lists its entry points."""
+
+
 def _timed_moments(name: str) -> list[tuple[object, str, str]]:
     """(class, attribute, label): the entry point of each hook moment of
     variant ``name`` (``fsdp_compose`` or ``floor``), the views node's
-    backward included. Bound methods are taken when a model is annotated or
-    a backward starts, so patch them before building the model that is timed."""
+    backward included, labelled as :data:`MOMENTS` (so both variants' rows
+    pair up). Bound methods are taken when a model is annotated or a
+    backward starts, so patch them before building the model that is timed."""
     if name == "floor":
         from benchmarks.host_floor import FloorUnit, _Views
-        return [(FloorUnit, "_pre_forward", "pre-forward"),
-                (FloorUnit, "_post_forward", "post-forward"),
-                (FloorUnit, "_pre_backward", "pre-backward"),
-                (_Views, "backward", "views' backward"),
-                (FloorUnit, "_take_gradient", "post-backward"),
-                (FloorUnit, "_end_of_backward", "end of backward")]
-    from fsdp_compose.buffers.param_views import SplitIntoParams
-    from fsdp_compose.runtime.state import FullyShardState
-    from fsdp_compose.runtime.unit import Unit
-    return [(FullyShardState, "_pre_forward", "pre-forward"),
-            (FullyShardState, "_post_forward", "post-forward"),
-            (FullyShardState, "_pre_backward", "pre-backward"),
-            (SplitIntoParams, "backward", "views' backward"),
-            (Unit, "_post_backward", "post-backward"),
-            (FullyShardState, "_finish_backward", "end of backward")]
+        entries = [(FloorUnit, "_pre_forward"), (FloorUnit, "_post_forward"),
+                   (FloorUnit, "_pre_backward"), (_Views, "backward"),
+                   (FloorUnit, "_take_gradient"), (FloorUnit, "_end_of_backward")]
+    else:
+        from fsdp_compose.buffers.param_views import SplitIntoParams
+        from fsdp_compose.runtime.state import FullyShardState
+        from fsdp_compose.runtime.unit import Unit
+        entries = [(FullyShardState, "_pre_forward"), (FullyShardState, "_post_forward"),
+                   (FullyShardState, "_pre_backward"), (SplitIntoParams, "backward"),
+                   (Unit, "_post_backward"), (FullyShardState, "_finish_backward")]
+    return [(owner, attribute, label) for (owner, attribute), label in zip(entries, MOMENTS)]
 
 
 def _moment_times(name: str, cfg: GPTConfig, device: torch.device, x: torch.Tensor,
