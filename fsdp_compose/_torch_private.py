@@ -177,14 +177,12 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> dict:
         raise  # unreachable
 
 
-_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def functorch_transforms_active() -> bool:
-    """Whether a functorch transform (``vmap``, ``grad``) is active, when a
-    custom autograd function must go through ``autograd.Function.apply``'s
-    own preamble; ``True`` (the safe answer) where torch cannot tell."""
-    return _functorch_transforms_active is None or _functorch_transforms_active()
+functorch_transforms_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
+"""Whether a functorch transform (``vmap``, ``grad``) is active, when a
+custom autograd function must go through ``autograd.Function.apply``'s own
+preamble; ``True`` (the safe answer) where torch cannot tell. torch's own C
+function where it has one (asked at every unit's forward)."""
 
 
 _post_accumulate_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")

@@ -93,9 +93,9 @@ def reductions_in_flight_at_each_gradient(limit, steps=2):
     seen = []
     original = ViewPlan.flat_gradient
 
-    def flat_gradient(plan, grads, padding):
+    def flat_gradient(plan, grads, dtype, device):
         seen.append(sum(b.grad.reducing is not None for b in buffers))
-        return original(plan, grads, padding)
+        return original(plan, grads, dtype, device)
 
     ViewPlan.flat_gradient = flat_gradient
     try:

@@ -351,6 +351,27 @@ class FlatBuffer:
         if self._before_flat_gradient is not None:
             self._before_flat_gradient(self)
 
+    def start_recorded_forward(self) -> bool:
+        """A forward that records a graph starts on this (unsharded) buffer:
+        :meth:`sync_requires_grad`, then, where some parameter trains,
+        :meth:`refresh_views`, in one call (once per unit and step). Returns
+        ``requires_grad``."""
+        if tuple(map(_requires_grad, self._params)) == self._param_requires_grad:
+            self.grad.saw_forward = True
+        else:
+            self.sync_requires_grad()
+        if not self.requires_grad:
+            return False
+        aliases = self._aliases
+        if aliases is not None and not self._has_tp and all(self._param_requires_grad):
+            # the module attributes hold the aliases already: only the node is new
+            split_into_params(self.unsharded, self._view_plan, self._param_requires_grad,
+                              self._on_backward, aliases)
+            self._alias_versions = tuple(map(_version_of, aliases))
+        else:
+            self.refresh_views()
+        return True
+
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad`` changes the user made on the original
         parameters since the last forward (freezing or unfreezing after
@@ -572,16 +593,12 @@ class FlatBuffer:
 
     def refresh_views(self) -> None:
         """Build new per-parameter views for a forward that records a graph
-        (see the note above) and point the module attributes at them. Where
-        the new node hands out the buffer's aliases ([Note: parameter
-        aliases made once] in ``param_views.py``), the module attributes
-        hold them already (the unshard or a change of the flags put them
-        there): only the node is new.
+        (see the note above) and point the module attributes at them (where
+        the new node hands out the buffer's aliases, :meth:`start_recorded_forward`
+        makes only the node: see [Note: parameter aliases made once] in
+        ``param_views.py``).
 
         Pre-condition: unsharded, grad mode on, ``requires_grad``."""
-        if self._aliases is not None and not self._has_tp and all(self._param_requires_grad):
-            self._differentiable_views()
-            return
         self._unsharded_views = self._build_unsharded_views()
         self.use_unsharded_views()
 
@@ -616,7 +633,8 @@ class FlatBuffer:
         for parameters, name, index in self._slots:
             parameters[name] = self.records[index].param
         self.is_unsharded = False
-        self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
+        if self._has_copies:
+            self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
         if self.aliased:
             return  # the storage is the shard itself
         self._release_unsharded_storage()
@@ -650,13 +668,20 @@ def _called_weakly(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn`` (a bound method: weakly; anything else as is), called with the
     same argument while its object lives and while the argument is not
     ``None``; a no-op after. For hooks that autograd stores in C++, where a
-    strong reference back to a buffer makes a cycle Python cannot collect."""
-    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+    strong reference back to a buffer makes a cycle Python cannot collect.
+    (The object's weak reference and the plain function, rather than a
+    ``WeakMethod``, whose Python-level call runs once per unit and step.)"""
+    owner = getattr(fn, "__self__", None)
+    if owner is None:
+        def call_plain(arg):
+            return None if arg is None else fn(arg)
+        return call_plain
+    ref, function = weakref.ref(owner), fn.__func__
 
     def call(arg):
         target = ref()
         if target is None or arg is None:
             return None
-        return target(arg)
+        return function(target, arg)
 
     return call

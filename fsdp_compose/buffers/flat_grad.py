@@ -177,7 +177,7 @@ class FlatGradient:
         owner.unsharded.grad = None
         self._accumulated = None
         if accumulated is None:
-            return None if grad is None else _in_dtype(grad, dtype)
+            return grad if grad is None or grad.dtype == dtype else grad.to(dtype)
         if grad is not None:
             accumulated.add_(grad)
         return _in_dtype(accumulated, dtype)
@@ -228,7 +228,8 @@ class FlatGradient:
         if self._trained_before_change is not None:
             training = tuple(a or b for a, b in zip(self._trained_before_change, training))
         self._trained_before_change, self.saw_forward = None, False
-        self._subset = self._subset_for(training)
+        subset = self._subsets.get(training, _UNPLANNED)  # _subset_for, without its call
+        self._subset = self._subset_for(training) if subset is _UNPLANNED else subset
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
         flat = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
         return flat if flat is None or self._subset is None else self._subset.pack(flat)
@@ -251,16 +252,18 @@ class FlatGradient:
         self._current_training = tuple(flags)
 
     def _subset_for(self, training: tuple[bool, ...]) -> Optional[ReduceSubset]:
-        if training not in self._subsets:
+        subset = self._subsets.get(training, _UNPLANNED)
+        if subset is _UNPLANNED:
             owner = self.owner
-            self._subsets[training] = plan_subset(owner.layout, training, owner.group.rank)
-        return self._subsets[training]
+            subset = self._subsets[training] = plan_subset(owner.layout, training, owner.group.rank)
+        return subset
 
     def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
         """The reduced chunk (every rank of the mesh summed or averaged)
         scaled and added into the unpublished sharded gradient."""
         owner = self.owner
-        output = _in_dtype(output, owner.reduce_dtype)  # reduce_comm_dtype: widen before dividing
+        if output.dtype != owner.reduce_dtype:  # reduce_comm_dtype: widen before dividing
+            output = output.to(owner.reduce_dtype)
         if self._subset is not None:
             output, self._subset = self._subset.spread(output), None
         finish_scaling(output, owner.group, *options)
@@ -301,7 +304,7 @@ class FlatGradient:
     # -------------------------------------------------------------- publish
     @property
     def has_unpublished(self) -> bool:
-        return self._unpublished is not None or self.is_reducing
+        return self._unpublished is not None or self.reducing is not None
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
@@ -355,6 +358,7 @@ class FlatGradient:
 
 
 _grad_of = operator.attrgetter("grad")
+_UNPLANNED = object()  # a ``_subsets`` key not planned yet (``None`` is a plan: the whole shard)
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

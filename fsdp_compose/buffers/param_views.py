@@ -125,7 +125,7 @@ class ViewPlan:
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
-                 "_all_strided", "_direct_parts", "_copy_runs", "copy_numel", "copies",
+                 "_all_strided", "_direct_parts", "_grads_in_order", "_copy_runs", "copy_numel", "copies",
                  "copies_only")
 
     def __init__(self, layout: FlatLayout, moved_dims: Sequence[int]) -> None:
@@ -159,6 +159,11 @@ class ViewPlan:
         """Per segment ``(parameter or -1 for padding, length)`` when every
         parameter is one run in its own dim order: its gradient is its part
         of the flat gradient as it is (``None``: some need reordering)."""
+        self._grads_in_order: bool = self._direct_parts is not None and \
+            [param for param, _ in self._direct_parts] == list(range(len(layout.shapes))) and \
+            len(layout.shapes) > 0
+        """:attr:`_direct_parts` is every parameter in order, no padding: the
+        flat gradient is the parameters' gradients concatenated as given."""
         starts = [0]
         for size in self.split_sizes:
             starts.append(starts[-1] + size)
@@ -278,16 +283,20 @@ class ViewPlan:
     def _segment_range(self, segment: int) -> tuple[int, int]:
         return sum(self.split_sizes[:segment]), self.split_sizes[segment]
 
-    def flat_gradient(self, grads: Sequence[Optional[torch.Tensor]],
-                      padding: torch.Tensor) -> torch.Tensor:
-        """The flat gradient (the buffer's size, ``padding``'s dtype and
-        device) from each parameter's gradient in its own shape (``None``:
-        zeros); ``padding``: zeros of at least :attr:`max_padding` elements.
-        One concatenation (flattening each part on the way)."""
+    def flat_gradient(self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """The flat gradient (the buffer's size, ``dtype`` on ``device``)
+        from each parameter's gradient in its own shape (``None``: zeros).
+        One concatenation (flattening each part on the way); the padding's
+        zeros are looked up only where the layout pads."""
         if self._direct_parts is not None and not any(map(operator.is_, grads, repeat(None))):
+            if self._grads_in_order:  # no padding, parameters in order: the gradients as given
+                return flatten_dense_tensors(grads)
+            padding = _padding(self.max_padding, dtype, device)
             parts = [grads[param] if param >= 0 else padding[:length]
                      for param, length in self._direct_parts]
-            return flatten_dense_tensors(parts) if parts else padding.new_zeros(0)
+            return flatten_dense_tensors(parts)
+        padding = _padding(self.max_padding, dtype, device)
         parts = []
         for param, start, length in zip(self.segment_params, self.segment_param_starts,
                                         self.split_sizes):
@@ -315,7 +324,7 @@ class SplitIntoParams(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
                 trainable: Sequence[bool], on_backward: UsedCallback,
                 aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
+        ctx.materialize_grads = False  # what ctx.set_materialize_grads(False) sets, without the call
         ctx.plan, ctx.on_backward = plan, on_backward
         ctx.dtype, ctx.device = flat.dtype, flat.device
         if aliases is not None:  # every parameter trains, see [Note: parameter aliases made once]
@@ -330,8 +339,7 @@ class SplitIntoParams(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):  # type: ignore[override]
         ctx.on_backward(grads)
-        padding = _padding(ctx.plan.max_padding, ctx.dtype, ctx.device)
-        return ctx.plan.flat_gradient(grads, padding), None, None, None, None
+        return ctx.plan.flat_gradient(grads, ctx.dtype, ctx.device), None, None, None, None
 
 
 _apply_unwrapped = super(torch.autograd.Function, SplitIntoParams).apply

@@ -229,7 +229,8 @@ class DivergenceMonitor(CollectiveObserver):
 
     def before_reduce_scatter(self, buffer: FlatBuffer) -> None:
         """Called right before ``buffer``'s reduce-scatter is issued."""
-        self._issue(Kind.REDUCE_SCATTER, buffer, Phase.BACKWARD)
+        if buffer.group.world_size > 1:  # else nothing is communicated (see _issue)
+            self._issue(Kind.REDUCE_SCATTER, buffer, Phase.BACKWARD)
 
     def _issue(self, kind: Kind, buffer: FlatBuffer, phase: Phase) -> None:
         group = buffer.group

@@ -32,14 +32,12 @@ class ModuleSnapshot(NamedTuple):
 
 class Snapshot(NamedTuple):
     """What the managed modules of one unit registered at annotation, and
-    the same as flat tuples of ids in registration order (the fast check)."""
+    the same as one flat tuple of ids in registration order (the fast check)."""
 
     modules: tuple[ModuleSnapshot, ...]
     module_dicts: tuple[dict, ...]  # each module's __dict__ (where the registry lives)
-    param_dicts: tuple[dict, ...]  # each module's _parameters
-    child_dicts: tuple[dict, ...]  # each module's _modules
-    param_ids: tuple[int, ...]
-    child_ids: tuple[int, ...]
+    dicts: tuple[dict, ...]  # each module's _parameters, then each module's _modules
+    ids: tuple[int, ...]  # the ids of every value of ``dicts``, in order
 
 
 def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
@@ -48,10 +46,8 @@ def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
     entries = tuple(ModuleSnapshot(m, {n: id(p) for n, p in m._parameters.items() if p is not None},
                                    {n: id(c) for n, c in m._modules.items() if c is not None})
                     for m in modules)
-    param_dicts = tuple(m._parameters for m in modules)
-    child_dicts = tuple(m._modules for m in modules)
-    return Snapshot(entries, tuple(m.__dict__ for m in modules), param_dicts, child_dicts,
-                    _ids(param_dicts), _ids(child_dicts))
+    dicts = tuple(m._parameters for m in modules) + tuple(m._modules for m in modules)
+    return Snapshot(entries, tuple(m.__dict__ for m in modules), dicts, _ids(dicts))
 
 
 def _ids(dicts: tuple[dict, ...]) -> tuple[int, ...]:
@@ -72,15 +68,11 @@ def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> N
             for module, _, _ in snapshot.modules:
                 if is_replicated(module):
                     _raise_replicated(module, root)
-    params_changed = _ids(snapshot.param_dicts) != snapshot.param_ids
-    children_changed = _ids(snapshot.child_dicts) != snapshot.child_ids
-    if not params_changed and not children_changed:
+    if _ids(snapshot.dicts) == snapshot.ids:
         return
     for module, params, children in snapshot.modules:
-        if params_changed:
-            _check_params(module, params, root)
-        if children_changed:
-            _check_children(module, children, root)
+        _check_params(module, params, root)
+        _check_children(module, children, root)
 
 
 _registry = operator.methodcaller("get", REGISTRY_KEY)

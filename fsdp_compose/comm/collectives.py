@@ -146,6 +146,8 @@ def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optio
                    force_sum: bool) -> None:
     """The local division that completes the reduction (a no-op when the
     collectives averaged already)."""
+    if divide_factor is None and not force_sum:
+        return  # the mean, taken by the collective (needs_post_division, without its calls)
     if needs_post_division(group, divide_factor, force_sum):
         factor = group.total_size if divide_factor is None else divide_factor
         if factor != 1.0:

@@ -113,7 +113,7 @@ from typing import Callable, Container, Literal, Optional, Sequence
 
 import torch
 
-from .._torch_private import unsafe_preserve_version_counter
+from .._torch_private import profiler_active, unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
@@ -121,7 +121,7 @@ from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scat
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..comm.watched_wait import wait_watched
 from ..policies import PrefetchPolicy
-from ..profiling import profiled
+from ..profiling import call_profiled, profiled
 from .buckets import Bucket, BucketPlan
 from .observer import CollectiveObserver
 from .training_state import TrainingState
@@ -331,13 +331,19 @@ class CollectiveQueue:
         limit). A unit in a bucket is gathered with the rest of its bucket
         (``ran``: ids of the units whose forward ran in this pass, which a
         bucket's forward gather leaves out)."""
-        self.inflight_all_gathers()  # forget finished gathers before counting
+        if self._gathers:
+            self.inflight_all_gathers()  # forget finished gathers before counting
         issuer = unit.training_state
-        if not self._gather_bucket(unit, issuer, ran):
+        bucketed = bool(self.buckets.buckets)  # else no unit is in a bucket: no lookups
+        if not (bucketed and self._gather_bucket(unit, issuer, ran)):
             for buffer in unit.buffers:
-                self._gather_alone(buffer, issuer, unit.name)
+                if buffer.aliased:  # one rank: only the views switch (see _gather_alone)
+                    if not buffer.is_unsharded:
+                        buffer.prepare_unshard()
+                else:
+                    self._gather_alone(buffer, issuer, unit.name)
         for target in prefetch:
-            if self._gather_bucket(target, issuer, ran, limited=True):
+            if bucketed and self._gather_bucket(target, issuer, ran, limited=True):
                 continue
             for buffer in target.buffers:
                 if buffer.aliased:
@@ -350,7 +356,10 @@ class CollectiveQueue:
                 if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
                     break
                 self._gather_alone(buffer, issuer, target.name)
-        self.wait_gathers(unit)
+        for buffer in unit.buffers:
+            if buffer.gathering is not None:
+                self.wait_gathers(unit)
+                return
 
     def start_unshard(self, unit, issuer: TrainingState) -> None:
         """Issue ``unit``'s all-gathers, each buffer alone, without waiting
@@ -366,7 +375,10 @@ class CollectiveQueue:
     def wait_gathers(self, unit) -> None:
         """Wait ``unit``'s all-gathers in flight; its buffers are unsharded
         (or stay sharded where nothing was issued)."""
-        if all(buffer.gathering is None for buffer in unit.buffers):
+        for buffer in unit.buffers:
+            if buffer.gathering is not None:
+                break
+        else:
             return  # nothing in flight (the steady state over one rank, or waited already)
         with profiled("all_gather_wait", unit.name):
             for buffer in unit.buffers:
@@ -488,7 +500,7 @@ class CollectiveQueue:
         """Issue ``buffer``'s reduce-scatter; wait the oldest ones beyond the
         limit. A buffer of a bucket is held until the bucket's last expected
         gradient is ready; then one reduce-scatter goes for all of them."""
-        bucket = self.buckets.of_buffer(buffer)
+        bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
         if bucket is not None:
             _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
             if not any(b is buffer for b in ready):
@@ -522,19 +534,25 @@ class CollectiveQueue:
         bucketing]): a buffer without a gradient contributes zeros and
         receives nothing; nothing is issued when none has one."""
         for buffer in buffers:
-            buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
-        observed = ([trigger] if trigger is not None else []) + [b for b in buffers if b is not trigger]
+            if buffer.grad.reducing is not None:
+                buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
+        observed = buffers if trigger is None or trigger is buffers[0] else \
+            [trigger] + [b for b in buffers if b is not trigger]
         for buffer in observed:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
-        subject = "" if len(buffers) == 1 else (lambda: f"bucket of {len(buffers)} buffers")
-        with profiled("reduce_scatter", subject):
+        if profiler_active():
+            subject = "" if len(buffers) == 1 else f"bucket of {len(buffers)} buffers"
+            flight = call_profiled("reduce_scatter", subject, _reduce_scatter, buffers, options,
+                                   self._reduced)
+        else:
             flight = _reduce_scatter(buffers, options, self._reduced)
         if flight is not None:
             for buffer in flight.members:
                 buffer.grad.reducing = flight
             self._reduces.append(flight)
-        self._keep_reduce_limit()
+        if self._reduces or self._replicas:
+            self._keep_reduce_limit()
 
     def _reduced(self, members: list[tuple[FlatBuffer, torch.Tensor]],
                  options: ReduceOptions) -> None:
@@ -546,7 +564,7 @@ class CollectiveQueue:
         for buffer, output in members:
             buffer.grad.reducing = None
             group = buffer.group
-            if group.replicate_process_group is not None and group.replicate_size > 1:
+            if group.replicate_size > 1 and group.replicate_process_group is not None:
                 work = all_reduce_replicas(output, group, *options, async_op=True)
                 flight = InFlight("all_reduce_replicas", work, group.replicate_process_group,
                                   [buffer], _folded(buffer, output, options))
@@ -643,10 +661,16 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
     rank-major when several, see [Note: bucketing]); ``None`` when no buffer
     has a gradient, or over one rank, where ``reduced`` ran at once (nothing
     to communicate). ``reduced(members, options)`` completes it."""
-    grads = [b.grad.take_for_reduce() for b in buffers]
-    members = [(b, g) for b, g in zip(buffers, grads) if g is not None]
-    if not members:
-        return None
+    if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
+        grad = buffers[0].grad.take_for_reduce()
+        if grad is None:
+            return None
+        grads, members = [grad], [(buffers[0], grad)]
+    else:
+        grads = [b.grad.take_for_reduce() for b in buffers]
+        members = [(b, g) for b, g in zip(buffers, grads) if g is not None]
+        if not members:
+            return None
     first = buffers[0]
     group, world = first.group, first.group.world_size
     device = first.compute_device

@@ -72,7 +72,7 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
     """
     pending = {id(b) for b in buffers if b.grad.has_unpublished}
     for buffer in buffers:
-        if id(buffer) in pending:
+        if id(buffer) in pending and buffer.grad.reducing is not None:
             buffer.grad.settle()
     by_group: dict[int, list[FlatBuffer]] = {}
     group_key: dict[int, int] = {}  # id(ShardGroup) -> id(its process group): one lookup each

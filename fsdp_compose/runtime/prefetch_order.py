@@ -10,7 +10,7 @@ in-flight limits, waits) are ``collective_queue.py``'s.
 
 from __future__ import annotations
 
-from typing import Container, Optional, Protocol
+from typing import Optional, Protocol
 
 from ..policies import PrefetchPolicy
 from .training_state import TrainingState
@@ -37,34 +37,36 @@ class PrefetchOrder:
         """Units in the order their forward started in this iteration."""
         self.previous_forward_order: list["OrderedUnit"] = []
         """The same for the previous iteration (used by forward prefetch)."""
-        self._positions: dict[int, int] = {}
+        self.ran: dict[int, int] = {}
+        """id(unit) -> its index in ``forward_order``: the ids of the units
+        whose forward ran in this pass (prefetch looks units up once per
+        unit: no scan of the order)."""
         self._previous_positions: dict[int, int] = {}
-        """id(unit) -> its index in ``forward_order`` / ``previous_forward_order``
-        (prefetch looks units up once per unit: no scan of the order)."""
+        """The same for ``previous_forward_order``."""
 
     # ---------------------------------------------------------------- order
     def start_iteration(self) -> None:
         """Called at the root's pre-forward: a new forward order begins."""
         if self.forward_order:
             self.previous_forward_order = self.forward_order
-            self._previous_positions = self._positions
-        self.forward_order, self._positions = [], {}
-
-    @property
-    def ran(self) -> Container[int]:
-        """Ids of the units whose forward ran in this pass."""
-        return self._positions
+            self._previous_positions = self.ran
+        self.forward_order, self.ran = [], {}
 
     def discard_iteration(self) -> None:
         """Forget an iteration that raised (``reset_iter_state``): its partial
         forward order (forward prefetch keeps following the last complete
         one)."""
-        self.forward_order, self._positions = [], {}
+        self.forward_order, self.ran = [], {}
 
-    def record_forward(self, unit: "OrderedUnit") -> None:
-        if id(unit) not in self._positions:
-            self._positions[id(unit)] = len(self.forward_order)
+    def record_forward(self, unit: "OrderedUnit") -> list["OrderedUnit"]:
+        """``unit``'s forward starts: record it in the order (the first time
+        in this pass) and return :meth:`forward_targets` (one call: once per
+        unit and step)."""
+        ran = self.ran
+        if id(unit) not in ran:
+            ran[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
+        return self.forward_targets(unit)
 
     def forward_targets(self, unit: "OrderedUnit",
                         order: Optional[list["OrderedUnit"]] = None) -> list["OrderedUnit"]:
@@ -90,7 +92,7 @@ class PrefetchOrder:
         if not self.policy.backward:
             return []
         if order is None:
-            order, position = self.forward_order, self._positions.get(id(unit))
+            order, position = self.forward_order, self.ran.get(id(unit))
         else:
             position = next((i for i, u in enumerate(order) if u is unit), None)
         if position is None:

@@ -16,7 +16,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from .._torch_private import ComposableState as _State, contract, current_graph_task_id, queue_autograd_callback
+from .._torch_private import (
+    ComposableState as _State, contract, current_graph_task_id, profiler_active,
+    queue_autograd_callback)
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
 from ..profiling import call_profiled, profiled
@@ -216,10 +218,12 @@ class FullyShardState(_State):
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if id(module) in self._in_forward_method:
             return args, kwargs  # inside a registered forward method: already unsharded
-        if self.held_whole:
+        if self._held_whole:
             return args, kwargs  # inside full_params: the parameters are whole already
-        return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
-                             module, args, kwargs)
+        if profiler_active():
+            return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
+                                 module, args, kwargs)
+        return self._unshard_for_forward(module, args, kwargs)
 
     def _unshard_for_forward(self, module: nn.Module, args: tuple,
                              kwargs: dict) -> tuple[tuple, dict]:
@@ -234,26 +238,33 @@ class FullyShardState(_State):
             if unit.training_state is TrainingState.IDLE:
                 context.prefetch_order.start_iteration()  # not a recomputation inside backward
                 context.collectives.start_iteration()
-        args, kwargs = unit.cast_inputs(args, kwargs)
+        policy = unit.settings.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = unit.cast_inputs(args, kwargs)
         unit.pre_forward(module, args, kwargs)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if id(module) in self._in_forward_method:
             return output  # the registered method's own post-forward follows
-        if self.held_whole:
+        if self._held_whole:
             return output  # inside full_params: nothing was gathered
-        return call_profiled("post_forward", self.unit.name, self._finish_forward, module, output)
+        if profiler_active():
+            return call_profiled("post_forward", self.unit.name, self._finish_forward, module,
+                                 output)
+        return self._finish_forward(module, output)
 
     def _finish_forward(self, module: nn.Module, output: Any) -> Any:
-        output = self.unit.cast_output(output)
-        root_unit = self.context.root.unit
-        inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not self.unit
-        completed = self.unit.post_forward(module, output, self._pre_backward,
-                                           pass_ends=not inside_root_forward)
-        if completed and not inside_root_forward and not self.is_root:
-            self.context.root._drop_prefetches_of_outside_call(self.unit)
-        if completed and self.is_root:
+        unit, root = self.unit, self.context.root
+        if unit.settings.mp_policy.output_dtype is not None:
+            output = unit.cast_output(output)
+        root_unit = root.unit
+        inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not unit
+        completed = unit.post_forward(module, output, self._pre_backward,
+                                      pass_ends=not inside_root_forward)
+        if completed and not inside_root_forward and root is not self:
+            root._drop_prefetches_of_outside_call(unit)
+        if completed and root is self:
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
             collectives = self.context.collectives
@@ -330,7 +341,10 @@ class FullyShardState(_State):
                 unit.reshard()
 
     def _pre_backward(self) -> None:
-        call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
+        if profiler_active():
+            call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
+        else:
+            self._unshard_for_backward()
 
     def _unshard_for_backward(self) -> None:
         context = self.context

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
+from .._torch_private import profiler_active
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
@@ -208,7 +209,7 @@ class Unit:
     def check_materialized(self) -> None:
         """Raise if the unit's parameters are still on the meta device."""
         for buffer in self.buffers:
-            if buffer.is_meta:
+            if buffer.sharded.is_meta:  # FlatBuffer.is_meta, without the property's call
                 raise RuntimeError(
                     f"parameter '{buffer.records[0].fqn}' of {self.name} is still on the meta "
                     "device at forward. Call fsdp_compose.materialize(model) (or "
@@ -218,7 +219,7 @@ class Unit:
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
         """All-gather this unit's buffers (no prefetch) and wait for them."""
-        self.collectives.gather(self, [], self.prefetch_order.ran)
+        self.collectives.gather(self, (), self.prefetch_order.ran)
 
     def reshard(self) -> None:
         for buffer in self.buffers:
@@ -243,17 +244,14 @@ class Unit:
             self._modules_to_run = set(self.modules)
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
-        self.prefetch_order.record_forward(self)
-        self.collectives.gather(self, self.prefetch_order.forward_targets(self), self.prefetch_order.ran)
+        order = self.prefetch_order
+        self.collectives.gather(self, order.record_forward(self), order.ran)
         if torch.is_grad_enabled():
             if self._saved_guard is not None or not self.settings.unshard_in_backward:
                 self._guard_saved_parameters()
             frozen = False
             for buffer in self.buffers:
-                buffer.sync_requires_grad()
-                if buffer.requires_grad:
-                    buffer.refresh_views()  # see [Note: storage and autograd]
-                else:
+                if not buffer.start_recorded_forward():  # see [Note: storage and autograd]
                     frozen = True
             if frozen:
                 self._register_frozen_post_backward(args, kwargs)
@@ -269,7 +267,10 @@ class Unit:
         if self._saved_guard is not None:
             self._release_saved_guard()
         if torch.is_grad_enabled():
-            tensors = tensors_requiring_grad(output)
+            if type(output) is torch.Tensor:  # the common case, without the walk
+                tensors = (output,) if output.requires_grad else ()
+            else:
+                tensors = tensors_requiring_grad(output)
             if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
                 _on_gradient(tensors[0], pre_backward)
                 self._backward_possible = True
@@ -328,17 +329,21 @@ class Unit:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.settings.unshard_in_backward:
+        settings = self.settings
+        if settings.unshard_in_backward:
             # reduce_scatter_unused_params: this may run on some ranks only, so
             # it issues no prefetch (it is still unsharded from forward)
-            targets = [] if self.settings.reduce_scatter_unused_params else \
-                self.prefetch_order.backward_targets(self)
-            self.collectives.gather(self, targets, self.prefetch_order.ran)
+            order = self.prefetch_order
+            targets = () if settings.reduce_scatter_unused_params else order.backward_targets(self)
+            self.collectives.gather(self, targets, order.ran)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
-        call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+        if profiler_active():
+            call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+        else:
+            self._reduce_and_reshard(buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
         """``buffer``'s new flat gradient is about to be made: a reduction
