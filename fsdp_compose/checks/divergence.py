@@ -165,6 +165,7 @@ class DivergenceMonitor(CollectiveObserver):
         agreement (all process groups)."""
         self._units: list[ObservedUnit] = []
         self._groups: list[ShardGroup] = []
+        self._communicates: bool = False
         self._where: dict[int, tuple[int, int]] = {}
         """id(buffer) -> (unit index, buffer index)."""
         self._index: dict[int, int] = {}
@@ -191,6 +192,9 @@ class DivergenceMonitor(CollectiveObserver):
             if group.world_size > 1:
                 self.flight.attach(group.process_group)
         self._agreement = _Agreement.of(units[0].group) if units else None
+        self._communicates = any(group.world_size > 1 for group in self._groups)
+        """Some unit's collectives go to another rank (else there is nothing
+        to fingerprint or compare)."""
 
     def start_iteration(self) -> None:
         """At the root's pre-forward, before any collective of the forward:
@@ -254,6 +258,8 @@ class DivergenceMonitor(CollectiveObserver):
         group's fingerprint and, when verifying, compare it across ranks now
         (forward prefetch can make a skipped unit's all-gather happen anyway,
         so the collectives of the forward alone may still agree)."""
+        if not self._communicates and self._agreement is None:
+            return  # one rank: nothing was communicated, nothing to agree on
         entries = [Collective(Kind.FORWARD, self._index.get(id(u), 0xFFFFF), 0, Phase.FORWARD)
                    for u in order]
         combined = _FNV_OFFSET

@@ -25,7 +25,9 @@ def run_eagerly(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def hook(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        # dynamo reads True here while it traces (one call to ask, against
+        # is_compiling's two: this runs twice per unit and step)
+        if torch.compiler.is_dynamo_compiling():
             return dynamo_disable(fn, recursive=True)(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -322,12 +322,14 @@ class FullyShardState(_State):
         Also units prefetched again after their forward (by a unit called
         twice, e.g. c1 in c1, c0, c1) when no backward will use them (a
         ``no_grad`` forward): nothing else would free them."""
-        ran = {id(u) for u in self.context.prefetch_order.forward_order}
+        ran = self.context.prefetch_order.ran
         for state in self.context.states:
             unit = state.unit
-            if any(b.is_gathering for b in unit.buffers) and \
-                    (id(unit) not in ran or not unit.backward_possible):
-                unit.reshard()
+            for buffer in unit.buffers:
+                if buffer.gathering is not None:  # is_gathering, without a call per unit
+                    if id(unit) not in ran or not unit.backward_possible:
+                        unit.reshard()
+                    break
 
     def _drop_prefetches_of_outside_call(self, caller: Unit) -> None:
         """A unit called on its own outside the root's forward (a chunked

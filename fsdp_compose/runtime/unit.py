@@ -396,8 +396,9 @@ class Unit:
         """End of backward: reshard what is still unsharded (per policy) and
         go back to IDLE."""
         if self.training_state is not TrainingState.FORWARD:
+            reshard = self.settings.reshard_after_backward
             for buffer in self.buffers:
-                if self.settings.reshard_after_backward:
+                if reshard and (buffer.is_unsharded or buffer.gathering is not None):
                     buffer.reshard()
                 buffer.drop_post_forward_copy()  # this backward did not need it
             self._frozen_uses = 0
