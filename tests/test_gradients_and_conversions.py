@@ -243,6 +243,42 @@ def test_post_accumulate_grad_hook_optimizer_in_backward_parity():
 
 
 # ============================================================================
+# 6b. A .grad the user assigns after zero_grad(set_to_none=True) is added to
+# ============================================================================
+def train_with_assigned_grads(optim_name: str, steps: int, world: int = 0):
+    """Every other step, after the gradients were cleared, the user gives
+    every other parameter a ``.grad`` of its own before backward (a constant,
+    so a shard's is the slice of the whole one): backward adds to it, as in
+    one process. The published gradient is dead by then, so the reduction
+    leaves the reading of ``.grad`` to publication ([Note: reading .grad at
+    publication] in ``buffers/flat_grad.py``)."""
+    sharded = world == 0
+    rank, world = rank_world() if sharded else (0, world)
+    model = build_lm()
+    if sharded:
+        shard_blocks_and_root(model)
+    optim = make_optim(model.parameters(), optim_name)
+    for step in range(steps):
+        if step % 2 == 1:
+            for index, param in enumerate(model.parameters()):
+                if index % 2 == 0:
+                    param.grad = torch.full_like(param, 0.05 * (index + 1))
+        tokens, targets = token_batch(step, world * PER_RANK, seed=8)
+        if sharded:
+            tokens, targets = rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
+        model.loss(tokens, targets).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return {"params": full_params(model) if sharded else plain_params(model)}
+
+
+@pytest.mark.parametrize("optim_name", OPTIMS)
+def test_a_grad_assigned_after_clearing_is_accumulated_into(optim_name):
+    results = run_distributed(3, train_with_assigned_grads, optim_name, 4, timeout=TIMEOUT)
+    assert_parity(results, train_with_assigned_grads(optim_name, 4, world=3))
+
+
+# ============================================================================
 # 7. module.to(dtype) after fully_shard
 # ============================================================================
 def train_converted(dtype_name: str, swap: bool, steps: int, world: int = 0):

@@ -288,9 +288,8 @@ class FlatBuffer:
             # garbage collector cannot see, so strong references from it back to
             # this buffer (or its unit) would keep every unit, and the process
             # group its ShardGroup holds, alive after the model is dropped.
-            buffer = weakref.ref(self)
-            callback = _called_weakly(self._post_accumulate_grad)
-            self.unsharded.register_post_accumulate_grad_hook(lambda _tensor: callback(buffer()))
+            self.unsharded.register_post_accumulate_grad_hook(
+                _called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
@@ -664,24 +663,30 @@ _requires_grad = operator.attrgetter("requires_grad")
 _version_of = operator.attrgetter("_version")
 
 
-def _called_weakly(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _called_weakly(fn: Callable[[Any], Any],
+                   bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
     """``fn`` (a bound method: weakly; anything else as is), called with the
     same argument while its object lives and while the argument is not
-    ``None``; a no-op after. For hooks that autograd stores in C++, where a
-    strong reference back to a buffer makes a cycle Python cannot collect.
-    (The object's weak reference and the plain function, rather than a
-    ``WeakMethod``, whose Python-level call runs once per unit and step.)"""
+    ``None``; a no-op after. With ``bound`` (a weak reference), ``fn`` is
+    called with ``bound()`` instead, whatever the call's own argument (a
+    hook's tensor). For hooks that autograd stores in C++, where a strong
+    reference back to a buffer makes a cycle Python cannot collect. (The
+    object's weak reference and the plain function, rather than a
+    ``WeakMethod`` and a wrapper, whose Python-level calls run once per unit
+    and step.)"""
     owner = getattr(fn, "__self__", None)
-    if owner is None:
-        def call_plain(arg):
-            return None if arg is None else fn(arg)
-        return call_plain
-    ref, function = weakref.ref(owner), fn.__func__
+    ref, function = (weakref.ref(owner), fn.__func__) if owner is not None else \
+        ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
 
     def call(arg):
         target = ref()
+        if bound is not None:
+            arg = bound()
         if target is None or arg is None:
             return None
         return function(target, arg)
 
     return call
+
+
+_NO_OWNER = object()  # what a plain function's (strong) "owner" reference returns

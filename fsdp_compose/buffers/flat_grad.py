@@ -34,6 +34,22 @@ rank's optimizer holds state for the same parameters and
 Under ``"owned"`` a non-owner keeps ``.grad is None``: its optimizer skips
 the parameter and holds no state for it, which is what lets a matrix
 optimizer (Muon) run on whole matrices, each on one rank.
+
+[Note: reading .grad at publication]
+A reduction adds to what the parameters' ``.grad`` hold (accumulation
+across steps without ``zero_grad``), so the first reduction after a
+publication must know whether any owned parameter still has a ``.grad``.
+Where the published sharded gradient is still alive (a ``.grad`` views it,
+or the user holds it), the reduction reads them and adds at once, as the
+gradient arrives: its new chunk is freed right away (the memory FSDP2
+keeps in that case too). Where it died (``zero_grad(set_to_none=True)``
+dropped every view, the common case), the only ``.grad`` left could be
+tensors the user assigned; the reduction then keeps its chunk as it is,
+and publication, which writes every ``.grad`` anyway, reads them first
+and adds them in. Reading every parameter's ``.grad`` at each reduction
+cost more than the rest of it on the host-cost proxy (objects last
+touched by the optimizer, a step ago); at publication they are about to
+be written.
 """
 
 from __future__ import annotations
@@ -123,6 +139,10 @@ class FlatGradient:
         and cleared by the collective queue)."""
         self._unpublished: Optional[torch.Tensor] = None
         """The reduced sharded gradient, not yet given to the parameters."""
+        self._kept_unread: bool = False
+        """``_unpublished`` was started without reading the parameters'
+        ``.grad``: publication adds what they hold then (see [Note: reading
+        .grad at publication])."""
         self._published: Optional[weakref.ref] = None
         """The sharded gradient the parameters' ``.grad`` views point into."""
         self._owned: tuple[tuple[nn.Parameter, int], ...] = tuple(
@@ -197,6 +217,7 @@ class FlatGradient:
             self.reducing.discard()
         self.reducing = None
         self._unpublished = None
+        self._kept_unread = False
         self._subset = None
         self.discard_unreduced()
         self.used = [False] * len(self.used)
@@ -267,7 +288,12 @@ class FlatGradient:
         if self._subset is not None:
             output, self._subset = self._subset.spread(output), None
         finish_scaling(output, owner.group, *options)
-        base = self._accumulation_base()
+        base = self._unpublished
+        if base is None:  # the first reduction since the last publication
+            if self.sharded_grad is not None:
+                base = self._kept_gradient()  # the parameters' .grad may view it: add to it now
+            else:
+                self._kept_unread = True  # see [Note: reading .grad at publication]
         if base is not None:
             base.add_(output.to(owner.storage_device, owner.dtype))
             self._unpublished = base
@@ -279,12 +305,11 @@ class FlatGradient:
             grad.copy_(output)  # blocking: the host reads it next
             self._unpublished = grad
 
-    def _accumulation_base(self) -> Optional[torch.Tensor]:
-        """The sharded gradient a new reduction adds to: the unpublished
-        one, else the published one as the user left it (``None`` where
-        every owned parameter's ``.grad`` was cleared: start anew)."""
-        if self._unpublished is not None:
-            return self._unpublished
+    def _kept_gradient(self) -> Optional[torch.Tensor]:
+        """What the parameters' ``.grad`` hold now as one sharded gradient (a
+        new reduction adds to it): the published one as the user left it,
+        or a new one holding their tensors; ``None`` where every owned
+        parameter's ``.grad`` was cleared (start anew)."""
         owner = self.owner
         owned = self._owned
         if all(map(operator.is_, map(_grad_of, self._owned_params), repeat(None))):
@@ -324,6 +349,11 @@ class FlatGradient:
         self.used = [False] * len(self.used)
         if grad is None:
             return []
+        if self._kept_unread:  # see [Note: reading .grad at publication]
+            self._kept_unread = False
+            kept = self._kept_gradient()
+            if kept is not None:
+                grad = kept.add_(grad)
         self._published = weakref.ref(grad)
         owner = self.owner
         views = owner.local_views(grad)
@@ -349,6 +379,7 @@ class FlatGradient:
         as the published sharded gradient of the parameters flagged in
         ``has_grad``, e.g. after a dtype conversion."""
         self._unpublished = None
+        self._kept_unread = False
         self._published = None if grad is None else weakref.ref(grad)
         if grad is None:
             return
