@@ -110,6 +110,9 @@ class FullyShardState(_State):
         rank-divergence checks). Both come from outside ``runtime/``, which
         never imports the checks."""
         self.unit = unit
+        self._pre_backward_hook: Callable[[Any], None] = lambda _grads: self._pre_backward()
+        """The pre-backward hook every forward puts on the unit's output
+        (made once: a new function per forward is garbage per unit and step)."""
         if pre_forward_check is not None:
             self._pre_forward_check = pre_forward_check
         self._new_observer = new_observer
@@ -260,7 +263,7 @@ class FullyShardState(_State):
             output = unit.cast_output(output)
         root_unit = root.unit
         inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not unit
-        completed = unit.post_forward(module, output, self._pre_backward,
+        completed = unit.post_forward(module, output, self._pre_backward_hook,
                                       pass_ends=not inside_root_forward)
         if completed and not inside_root_forward and root is not self:
             root._drop_prefetches_of_outside_call(unit)

@@ -240,8 +240,8 @@ class Unit:
             for buffer in self.buffers:
                 buffer.use_unsharded_views()
             return
-        if not self._modules_to_run:  # a new pass starts
-            self._modules_to_run = set(self.modules)
+        if not self._modules_to_run:  # a new pass starts (the same set refilled: no allocation)
+            self._modules_to_run.update(self.modules)
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
         order = self.prefetch_order
@@ -256,10 +256,11 @@ class Unit:
             if frozen:
                 self._register_frozen_post_backward(args, kwargs)
 
-    def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[], None],
+    def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[Any], None],
                      pass_ends: bool) -> bool:
         """Finish the forward of ``module``: the pre-backward hook goes on its
-        output. Returns True when the unit's pass is complete: every module
+        output (``pre_backward``: made once, it ignores its one argument,
+        the gradients or the grad outputs its hook kind passes). Returns True when the unit's pass is complete: every module
         of the unit ran, or ``pass_ends`` (a module called on its own, outside
         the root's forward, is a pass by itself)."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
@@ -275,7 +276,7 @@ class Unit:
                 _on_gradient(tensors[0], pre_backward)
                 self._backward_possible = True
             elif tensors:
-                register_multi_grad_hook(tensors, lambda _grads: pre_backward(), mode="any")
+                register_multi_grad_hook(tensors, pre_backward, mode="any")
                 self._backward_possible = True
         self._modules_to_run.discard(module)
         if self._modules_to_run and not pass_ends:
@@ -286,7 +287,7 @@ class Unit:
     def complete_forward(self) -> None:
         """End the forward pass: reshard if no backward will need the
         parameters or the policy says so."""
-        self._modules_to_run = set()
+        self._modules_to_run.clear()
         self.training_state = TrainingState.IDLE
         if not self._backward_possible:
             self.reshard()
@@ -417,7 +418,7 @@ class Unit:
             buffer.grad.discard_iteration()
             buffer.reshard()  # waits an all-gather still in flight
         self.training_state = TrainingState.IDLE
-        self._modules_to_run = set()
+        self._modules_to_run.clear()
         self._backward_possible = False
         self._frozen_uses = 0
 
@@ -425,13 +426,13 @@ class Unit:
         return f"Unit({self.name}, buffers={self.buffers})"
 
 
-def _on_gradient(tensor: torch.Tensor, callback: Callable[[], None]) -> None:
-    """Call ``callback()`` when backward reaches ``tensor``'s gradient: a
-    pre-hook on the node that made it (the moment a tensor hook would run,
-    without the tensor hook's Python-level handle bookkeeping), or a tensor
-    hook on a leaf (no node)."""
+def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
+    """Call ``hook`` (with one argument, ignored) when backward reaches
+    ``tensor``'s gradient: a pre-hook on the node that made it (the moment a
+    tensor hook would run, without the tensor hook's Python-level handle
+    bookkeeping), or a tensor hook on a leaf (no node)."""
     node = tensor.grad_fn
     if node is not None:
-        node.register_prehook(lambda _grads: callback())
+        node.register_prehook(hook)
     else:
-        tensor.register_hook(lambda _grad: callback())
+        tensor.register_hook(hook)
