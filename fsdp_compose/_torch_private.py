@@ -122,15 +122,15 @@ ComposableState: type = _lookup("torch.distributed._composable_state", "_State",
 
 # ----------------------------------------------------------------- autograd
 # buffers/param_views.py: the flat gradient of a buffer's views, one C++ call.
-_flatten_dense_tensors = getattr(torch._C._nn, "flatten_dense_tensors", None)
+def _flatten_in_python(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat`` of ``tensors``, each flattened, in one call (fallback
-    where this torch lacks it: the same in Python)."""
-    if _flatten_dense_tensors is None:
-        return torch.cat([t.reshape(-1) for t in tensors])
-    return _flatten_dense_tensors(tensors)
+flatten_dense_tensors: Callable[[Sequence[torch.Tensor]], torch.Tensor] = getattr(
+    torch._C._nn, "flatten_dense_tensors", None) or _flatten_in_python
+"""``torch.cat`` of ``tensors``, each flattened, in one call: torch's own C
+function (each unit's views' backward calls it once per step), or the same
+in Python where this torch lacks it."""
 
 
 _current_graph_task_id = _method(torch._C, "_current_graph_task_id",
