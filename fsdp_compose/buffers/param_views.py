@@ -125,8 +125,8 @@ class ViewPlan:
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
-                 "_all_strided", "_direct_parts", "_grads_in_order", "_copy_runs", "copy_numel", "copies",
-                 "copies_only")
+                 "_all_strided", "_direct_parts", "_grads_in_order", "_copy_runs", "copy_numel",
+                 "copies", "copies_only")
 
     def __init__(self, layout: FlatLayout, moved_dims: Sequence[int]) -> None:
         segments = layout.segments()
@@ -324,7 +324,7 @@ class SplitIntoParams(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
                 trainable: Sequence[bool], on_backward: UsedCallback,
                 aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-        ctx.materialize_grads = False  # what ctx.set_materialize_grads(False) sets, without the call
+        ctx.materialize_grads = False  # ctx.set_materialize_grads(False), without its call
         ctx.plan, ctx.on_backward = plan, on_backward
         ctx.dtype, ctx.device = flat.dtype, flat.device
         if aliases is not None:  # every parameter trains, see [Note: parameter aliases made once]

@@ -260,9 +260,10 @@ class Unit:
                      pass_ends: bool) -> bool:
         """Finish the forward of ``module``: the pre-backward hook goes on its
         output (``pre_backward``: made once, it ignores its one argument,
-        the gradients or the grad outputs its hook kind passes). Returns True when the unit's pass is complete: every module
-        of the unit ran, or ``pass_ends`` (a module called on its own, outside
-        the root's forward, is a pass by itself)."""
+        the gradients or the grad outputs its hook kind passes). Returns
+        True when the unit's pass is complete: every module of the unit
+        ran, or ``pass_ends`` (a module called on its own, outside the
+        root's forward, is a pass by itself)."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return False  # recomputation inside backward: stay unsharded
         if self._saved_guard is not None:
