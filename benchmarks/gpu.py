@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens, train_losses
 
 GiB = 2 ** 30
 CONFIGS = {  # name: (config, batch)
@@ -341,14 +341,7 @@ def _one_process_losses(cfg: GPTConfig, batch: int, device: torch.device, steps:
     with device:
         model = GPT(cfg)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses = []
-    for x, y in _batches(cfg, batch, device, steps):
-        loss = model.loss(x, y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, optim, _batches(cfg, batch, device, steps))
 
 
 def world2(options: argparse.Namespace) -> tuple[list[dict], list[float], list]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.host_floor import floor_units
-from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens, train_losses
 
 
 def _losses(floor: bool, steps: int = 3, checked: bool = False) -> list[float]:
@@ -22,15 +22,7 @@ def _losses(floor: bool, steps: int = 3, checked: bool = False) -> list[float]:
         assert len(units) == 4 and sum(len(u.params) for u in units) == \
             len(list(model.parameters()))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        tokens, targets = synthetic_tokens(step, 2, 8, 64)
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, optim, (synthetic_tokens(step, 2, 8, 64) for step in range(steps)))
 
 
 @pytest.mark.parametrize("checked", [False, True], ids=["floor", "floor_checked"])

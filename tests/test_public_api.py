@@ -47,7 +47,7 @@ PUBLIC = {
     ],
     "fsdp_compose.testing": [
         "GPT", "GPTConfig", "TinyMoELM", "enable_expert_parallel", "init_from_torchrun",
-        "synthetic_tokens",
+        "synthetic_tokens", "train_losses",
     ],
     "fsdp_compose.tools": [
         "BufferReport", "MemoryEstimate", "ModelReport", "ParamReport", "Proposal",

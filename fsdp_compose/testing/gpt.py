@@ -7,6 +7,7 @@ benchmarks, so that all three train the same model on the same data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -98,3 +99,19 @@ def synthetic_tokens(step: int, batch: int, seq_len: int, vocab_size: int,
     flip = torch.rand(tokens.shape, generator=g) < noise
     tokens = torch.where(flip, torch.randint(vocab_size, tokens.shape, generator=g), tokens)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def train_losses(model: GPT, optimizer: torch.optim.Optimizer,
+                 batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Train ``model`` one step per ``(inputs, targets)`` of ``batches``
+    (loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``)
+    and return each step's loss: the plain loop that a sharded run's losses
+    are compared with."""
+    losses = []
+    for inputs, targets in batches:
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
