@@ -511,7 +511,7 @@ class FlatBuffer:
         if self.aliased:
             if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
                 self.is_unsharded = True
-                self.use_unsharded_views()
+                self._swap_in_views()
             return None
         if coalescable and self._post_forward is not None:
             return None
@@ -574,7 +574,32 @@ class FlatBuffer:
             if self._view_plan.copies_only:  # nothing reads the gathered values any more
                 self._release_unsharded_storage()
             self._unsharded_views = self._build_unsharded_views()
-        self.use_unsharded_views()
+        self._swap_in_views()
+
+    def _swap_in_views(self) -> None:
+        """Sharded -> unsharded: every slot holds its original parameter (the
+        post-condition of :meth:`reshard` and of annotation) and gets its
+        view. A slot holding another ``nn.Parameter`` was written behind the
+        module API, which the late-parameter check does not see (see [Note:
+        the late-parameter fast check] in ``checks/late_parameters.py``):
+        an error, rather than overwriting it and putting the original back
+        at the next reshard."""
+        views, params = self._unsharded_views, self._params
+        for parameters, name, index in self._slots:
+            held = parameters.get(name)
+            if held is not params[index] and isinstance(held, nn.Parameter):
+                self._raise_replaced(parameters, name, index)
+            parameters[name] = views[index]  # type: ignore[assignment]
+
+    def _raise_replaced(self, parameters: dict, name: str, index: int) -> None:
+        record = self.records[index]
+        module = next(m for m, attr in record.slots if m._parameters is parameters and attr == name)
+        raise RuntimeError(
+            f"parameter '{record.fqn}' (attribute '{name}' of {type(module).__name__}) was "
+            "replaced after fully_shard annotated it, by a write into _parameters; fully_shard "
+            "does not manage the new "
+            "one, so it would be silently put back by the original. Register parameters before "
+            "calling fully_shard (or load values into the existing one under torch.no_grad()).")
 
     @property
     def is_gathering(self) -> bool:

@@ -1,0 +1,122 @@
+"""Host cost per unit of this tree against another revision, paired step by step.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost_ab --baseline HEAD
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost_ab --baseline 81cf3cb --pairs 600
+
+``benchmarks/host_cost.py`` compares fsdp_compose with the unsharded model,
+the floor and FSDP2 on the host-cost proxy (one rank, a GPT of 48 tiny
+blocks, every block a unit). Between two processes its ratios move by
+about ±0.05, more than most single changes to the hooks, so judging a
+change by two runs of it (before and after) mostly measures the machine.
+This builds ``--baseline``'s ``fsdp_compose`` package (``git archive``,
+renamed ``fsdp_compose_baseline`` so both import side by side) and this
+tree's, annotates one model with each, and times single steps in turns
+(baseline, this tree, unsharded; the order reversed every other turn), by
+this thread's CPU clock. Each turn gives one difference per unit; the
+median over ``--pairs`` turns, with its quartiles, is what the change
+costs or saves per unit and step. The paired medians of each variant's
+ratio to the unsharded model are printed too (their difference is the
+change; their level depends on three models sharing the caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.host_cost import _build, _stepper
+from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+
+BASELINE_PACKAGE = "fsdp_compose_baseline"
+
+
+def export_baseline(revision: str, into: str) -> None:
+    """``revision``'s ``fsdp_compose`` as package :data:`BASELINE_PACKAGE` under ``into``."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", revision, "fsdp_compose"], cwd=root,
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        try:
+            tar.extractall(into, filter="data")
+        except TypeError:  # a Python without extraction filters (our own archive: trusted)
+            tar.extractall(into)
+    package = os.path.join(into, BASELINE_PACKAGE)
+    os.rename(os.path.join(into, "fsdp_compose"), package)
+    name = re.compile(r"\bfsdp_compose\b")
+    for folder, _, files in os.walk(package):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(name.sub(BASELINE_PACKAGE, text))
+
+
+def _baseline_model(cfg: GPTConfig) -> GPT:
+    import importlib
+    baseline = importlib.import_module(BASELINE_PACKAGE)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        baseline.fully_shard(block)
+    baseline.fully_shard(model)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="HEAD", help="git revision to compare with")
+    parser.add_argument("--pairs", type=int, default=400, help="turns of one step each")
+    parser.add_argument("--layers", type=int, default=48)
+    options = parser.parse_args()
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
+    units = options.layers + 1
+    device = torch.device("cpu")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder, tempfile.NamedTemporaryFile() as f:
+        export_baseline(options.baseline, folder)
+        sys.path.insert(0, folder)
+        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=120))
+        x, y = synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size)
+        models = {"baseline": _baseline_model(cfg), "this tree": _build("fsdp_compose", cfg, device),
+                  "unsharded": _build("unsharded", cfg, device)}
+        steps = {name: _stepper(model, x, y, device, time.thread_time)
+                 for name, model in models.items()}
+        for step in steps.values():
+            for _ in range(5):
+                step()  # lazy initialisation, the verified iterations, optimizer state
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        order = list(steps)
+        for turn in range(options.pairs):
+            for name in (order if turn % 2 else order[::-1]):
+                times[name].append(steps[name]())
+        dist.destroy_process_group()
+    saved = [(new - old) * 1e6 / units for new, old in zip(times["this tree"], times["baseline"])]
+    low, _, high = statistics.quantiles(saved, n=4)
+    ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["unsharded"]))
+             for name in ("baseline", "this tree")}
+    print(f"host-cost proxy, {units} units, {options.pairs} turns of one step each (thread CPU "
+          f"clock); torch {torch.__version__}; load average (1 min) {os.getloadavg()[0]:.2f}")
+    print(f"this tree - {options.baseline}: {statistics.median(saved):+.1f} µs per unit and step "
+          f"(quartiles {low:+.1f} .. {high:+.1f})")
+    print(f"x unsharded, paired median: {options.baseline} {ratio['baseline']:.3f}, "
+          f"this tree {ratio['this tree']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
