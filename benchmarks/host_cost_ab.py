@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
+import itertools
 import os
 import re
 import statistics
@@ -101,9 +102,9 @@ def main() -> None:
             for _ in range(5):
                 step()  # lazy initialisation, the verified iterations, optimizer state
         times: dict[str, list[float]] = {name: [] for name in steps}
-        order = list(steps)
+        orders = list(itertools.permutations(steps))  # no variant always first or after another
         for turn in range(options.pairs):
-            for name in (order if turn % 2 else order[::-1]):
+            for name in orders[turn % len(orders)]:
                 times[name].append(steps[name]())
         dist.destroy_process_group()
     saved = [(new - old) * 1e6 / units for new, old in zip(times["this tree"], times["baseline"])]
