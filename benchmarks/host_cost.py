@@ -3,6 +3,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost                 # the table
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --profile 20    # + where the time goes
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --moments 20    # + each hook moment, timed
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --processes 5   # ratios across 5 processes
     python -m benchmarks.host_cost --device cuda                          # the same on a GPU
 
 One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
@@ -25,6 +26,13 @@ Issue 36's target for fsdp_compose: at most 1.2x the unsharded model (about
 ``--clock cpu``: time steps by this thread's CPU time instead of the wall
 clock (the CPU proxy on a VM whose wall clock other tenants steal from).
 
+``--processes N``: the whole benchmark in N fresh processes, one after the
+other, then each variant's ratios across them: every process's best round
+and median of rounds, and the median over processes of each. The
+unsharded model's best round moves by over 10% from process to process
+(where the allocator and the interpreter put things), which moves every
+ratio of that process alike; one process is one sample of it.
+
 ``--profile N``: N more fsdp_compose steps under cProfile; the functions
 with the most own time, and the time under each of the library's hook
 moments (cumulative time of the functions that start them).
@@ -46,9 +54,12 @@ import argparse
 import cProfile
 import datetime
 import gc
+import json
 import os
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -216,7 +227,13 @@ def main() -> None:
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: this thread's CPU time (CPU only; a busy or "
                              "oversubscribed VM steals wall time, not CPU time)")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="run the benchmark in N fresh processes and summarise the ratios")
+    parser.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child's ratios
     options = parser.parse_args()
+    if options.processes > 1:
+        _across_processes(options.processes, sys.argv[1:])
+        return
     device = torch.device(options.device)
     if options.clock == "cpu" and device.type != "cpu":
         parser.error("--clock cpu measures the host thread alone: use it with --device cpu")
@@ -249,18 +266,48 @@ def main() -> None:
               "| x unsharded, median of rounds (range) |")
         print("|---|---|---|---|---|")
         base = min(rounds["unsharded"]) * 1e3
+        summary = {}
         for name in names:
             ms = min(rounds[name]) * 1e3
             ratios = [a / b for a, b in zip(rounds[name], rounds["unsharded"])]
+            summary[name] = (ms / base, statistics.median(ratios))
             print(f"| {name} | {ms:.2f} | {ms / base:.2f} | "
                   f"{'-' if name == 'unsharded' else f'{(ms - base) * 1e3 / units:.0f}'} | "
                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |")
+        if options.json:
+            with open(options.json, "w") as out:
+                json.dump(summary, out)
         if options.profile:
             _profile(steppers["fsdp_compose"], options.profile, units, options.top)
         if options.moments:
             excess = (min(rounds["fsdp_compose"]) - min(rounds["unsharded"])) * 1e6 / units
             _time_moments(cfg, device, x, y, options.moments, excess)
         dist.destroy_process_group()
+
+
+def _across_processes(count: int, argv: list[str]) -> None:
+    """Run this benchmark ``count`` times, each in a fresh process (its
+    table printed as it comes), then each variant's best-round ratio and
+    median-of-rounds ratio per process, and the median over processes."""
+    child = [a for i, a in enumerate(argv)
+             if not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
+    results: list[dict[str, list[float]]] = []
+    with tempfile.TemporaryDirectory() as folder:
+        for index in range(count):
+            path = os.path.join(folder, f"{index}.json")
+            subprocess.run([sys.executable, "-m", "benchmarks.host_cost", *child, "--json", path],
+                           check=True)
+            with open(path) as f:
+                results.append(json.load(f))
+    print(f"\nacross {count} processes: x unsharded, best round / median of rounds per "
+          "process; the median over processes of each")
+    print("| variant | per process | median over processes |")
+    print("|---|---|---|")
+    for name in results[0]:
+        best = [r[name][0] for r in results]
+        median = [r[name][1] for r in results]
+        each = ", ".join(f"{b:.2f}/{m:.2f}" for b, m in zip(best, median))
+        print(f"| {name} | {each} | {statistics.median(best):.2f} / {statistics.median(median):.2f} |")
 
 
 if __name__ == "__main__":
