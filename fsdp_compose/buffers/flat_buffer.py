@@ -597,9 +597,9 @@ class FlatBuffer:
         raise RuntimeError(
             f"parameter '{record.fqn}' (attribute '{name}' of {type(module).__name__}) was "
             "replaced after fully_shard annotated it, by a write into _parameters; fully_shard "
-            "does not manage the new "
-            "one, so it would be silently put back by the original. Register parameters before "
-            "calling fully_shard (or load values into the existing one under torch.no_grad()).")
+            "does not manage the new one, and would put the original back over it at the next "
+            "reshard. Register parameters before calling fully_shard; to give a parameter new "
+            "values, load them with model.load_state_dict().")
 
     @property
     def is_gathering(self) -> bool:
