@@ -218,6 +218,32 @@ def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     _swap_data_ptr(a, b)
 
 
+_storage_use_count = _lookup("torch._C", "_storage_Use_Count",
+                             "telling whether a kept gradient is still referenced")
+_tensor_use_count = _method(torch.Tensor, "_use_count",
+                            "telling whether a kept gradient is still referenced")
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references torch holds to the storage's ``StorageImpl``:
+    one per tensor on it (views included) and per Python storage object."""
+    return _storage_use_count(storage._cdata)
+
+
+def tensor_use_counts(tensors: Iterable[torch.Tensor]) -> int:
+    """The sum of the tensors' ``TensorImpl`` reference counts: each Python
+    object holds one, and so does every C++ holder (a parameter's ``.grad``,
+    a graph, a DLPack capsule)."""
+    return sum(map(_tensor_use_count, tensors))
+
+
+CAN_COUNT_USES: bool = not (hasattr(_storage_use_count, MISSING_MARK)
+                            or hasattr(_tensor_use_count, MISSING_MARK))
+"""Whether this torch tells how many references a storage and a tensor
+have. Without it the sharded gradient is made anew at every reduction
+(``buffers/kept_gradient.py``): the same values, more host time."""
+
+
 def storage_key(storage: torch.UntypedStorage) -> int:
     """An id of the storage's memory block that is shared by every tensor on
     it, fake tensors included (``_cdata``: the address of torch's StorageImpl)."""

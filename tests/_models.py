@@ -1,5 +1,5 @@
-"""Small models, data and helpers shared by ``test_real_code.py`` and
-``test_module_api.py``.
+"""Small models, data and helpers shared by ``test_real_code.py``,
+``test_module_api.py``, ``test_late_parameters.py`` and ``test_kept_gradient.py``.
 
 Shapes are deliberately uneven (width 7, hidden 15, vocabulary 97) so that
 the flat buffers need padding and some ranks own none of a small parameter.
@@ -222,3 +222,17 @@ def global_mean(value: torch.Tensor) -> float:
     t = value.detach().to(torch.float64)  # float32 would round a float64 loss
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     return t.item()
+
+
+def tiny_gpt(sharded: bool = True) -> nn.Module:
+    """A seeded 3-block GPT (d=16, vocabulary 32, sequence 8), each block a
+    unit and then the root when ``sharded``."""
+    from fsdp_compose.testing import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=3))
+    if sharded:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model

@@ -11,21 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests._models import tiny_gpt
 from tests.harness import run_distributed
 
 STEPS_BEFORE = 3
-
-
-def _sharded_gpt():
-    from fsdp_compose import fully_shard
-    from fsdp_compose.testing import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=3))
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 def _step(model, optim, seed: int) -> None:
@@ -42,7 +31,7 @@ def _add_late(kind: str) -> dict:
     from fsdp_compose.testing import GPTConfig
     from fsdp_compose.testing.gpt import Block
 
-    model = _sharded_gpt()
+    model = tiny_gpt()
     # built before the steps: its own registrations must not be what reveals the insertion
     spare = Block(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -91,7 +80,7 @@ def _full_checks_per_step(change: str) -> list[int]:
 
     from fsdp_compose.checks import late_parameters
 
-    model = _sharded_gpt()
+    model = tiny_gpt()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for seed in range(STEPS_BEFORE):
         _step(model, optim, seed)

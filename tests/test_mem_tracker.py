@@ -4,7 +4,9 @@ Before the fix, the staging pool released unsharded memory by swapping data
 pointers, which MemTracker cannot see: it counted every unit as unsharded
 after the step (the whole model's unsharded bytes too much). The direct
 count is the bytes of the distinct storages of the parameters, their
-gradients and the optimizer state.
+gradients (with the sharded gradients the library keeps for the next step
+after ``zero_grad(set_to_none=True)``, until the next forward: [Note: the
+kept sharded gradient]) and the optimizer state.
 """
 
 import torch
@@ -31,6 +33,11 @@ def _direct_bytes(model, optim) -> int:
     for t in tensors:
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
+    for state in state_of(model).context.states:
+        for buffer in state.unit.buffers:
+            kept = buffer.grad._kept
+            if kept is not None and kept.storage.nbytes():
+                storages[kept.storage.data_ptr()] = kept.storage.nbytes()
     return sum(storages.values())
 
 

@@ -13,9 +13,13 @@ between autograd and the optimizer:
 * the reduction in flight (``reducing``: issued, not waited; set and
   cleared by the collective queue);
 * the *reduced* sharded gradient: full precision, ``S`` elements. Until it
-  is published it is held here; once published, only the parameters'
-  ``.grad`` views keep it alive (a weak reference here), so
-  ``zero_grad(set_to_none=True)`` frees it.
+  is published it is held here; once published, the parameters' ``.grad``
+  view it, and the library keeps it and its views for the next reduction
+  to write into once nobody else holds them (``kept_gradient.py``, [Note:
+  the kept sharded gradient]; its memory is given back at the next
+  forward). Where it is not kept (pinned memory, or a torch that cannot
+  count uses), only the ``.grad`` views keep it alive (a weak reference
+  here), so ``zero_grad(set_to_none=True)`` frees it.
 
 [Note: used parameters]
 The flat gradient holds zeros for a parameter nobody used, so it cannot say
@@ -62,8 +66,10 @@ from typing import NamedTuple, Optional, Protocol, Sequence
 import torch
 import torch.nn as nn
 
+from .._torch_private import CAN_COUNT_USES
 from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
+from .kept_gradient import KeptGradient
 from .layout import FlatLayout, ShardSlice
 from .reduce_subset import ReduceSubset, plan_subset
 from .records import ParamRecord
@@ -145,6 +151,11 @@ class FlatGradient:
         .grad at publication])."""
         self._published: Optional[weakref.ref] = None
         """The sharded gradient the parameters' ``.grad`` views point into."""
+        self._keeps: bool = CAN_COUNT_USES
+        """Whether published gradients in pageable or device memory are kept
+        (see [Note: the kept sharded gradient])."""
+        self._kept: Optional[KeptGradient] = None
+        """The last published gradient and its views, kept (``_keeps``)."""
         self._owned: tuple[tuple[nn.Parameter, int], ...] = tuple(
             (r.param, i) for i, (r, s) in enumerate(zip(owner.records, owner.local_slices()))
             if s.length)
@@ -290,20 +301,65 @@ class FlatGradient:
         finish_scaling(output, owner.group, *options)
         base = self._unpublished
         if base is None:  # the first reduction since the last publication
+            kept = self._kept
+            if kept is not None and output is kept.base:  # reduced into it: free (reduce_output)
+                self._kept_unread = True
+                self._unpublished = output
+                return
             if self.sharded_grad is not None:
                 base = self._kept_gradient()  # the parameters' .grad may view it: add to it now
+                if base is None:
+                    self._kept = None  # every .grad cleared, but the user holds it: theirs now
             else:
                 self._kept_unread = True  # see [Note: reading .grad at publication]
         if base is not None:
             base.add_(output.to(owner.storage_device, owner.dtype))
             self._unpublished = base
-        elif output.dtype == owner.dtype and output.device == owner.storage_device:
-            self._unpublished = output
         else:
-            grad = torch.empty(owner.layout.shard_numel, dtype=owner.dtype,
-                               device=owner.storage_device, pin_memory=owner.pin_memory)
-            grad.copy_(output)  # blocking: the host reads it next
-            self._unpublished = grad
+            self._unpublished = self._adopt(output)
+
+    def _adopt(self, output: torch.Tensor) -> torch.Tensor:
+        """A sharded gradient holding ``output``: the kept one (free here,
+        see :meth:`fold`), else ``output`` itself where it is in the
+        parameters' dtype and device (and, where gradients are kept, its
+        memory exactly), else a copy."""
+        owner = self.owner
+        kept = self._kept
+        if kept is not None:
+            base = kept.reclaim()
+            base.copy_(output)
+            return base
+        if output.dtype == owner.dtype and output.device == owner.storage_device and \
+                (not self._keeps or _owns_its_memory(output)):
+            return output
+        grad = torch.empty(owner.layout.shard_numel, dtype=owner.dtype,
+                           device=owner.storage_device, pin_memory=owner.pin_memory)
+        grad.copy_(output)  # blocking: the host reads it next
+        return grad
+
+    def reduce_output(self, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """The kept gradient, for the reduce-scatter of :meth:`take_for_reduce`
+        to write into (``None``: allocate one): where it is free and is what
+        :meth:`fold` would write the whole chunk into, in the collective's
+        ``dtype`` on its ``device`` (see [Note: the kept sharded gradient])."""
+        kept = self._kept
+        owner = self.owner
+        if kept is None or self._unpublished is not None or self._subset is not None or \
+                dtype != owner.dtype or device != owner.storage_device or not kept.is_free:
+            return None
+        return kept.reclaim()
+
+    def release_if_free(self) -> None:
+        """The root's pre-forward: give back the kept gradient's memory where
+        nobody holds it (``zero_grad(set_to_none=True)`` ran), so that the
+        step's forward and backward hold no more than when each reduction
+        made a new gradient."""
+        kept = self._kept
+        if kept is None or kept.released or self._unpublished is not None or \
+                self.reducing is not None:
+            return
+        if kept.is_free:
+            kept.release()
 
     def _kept_gradient(self) -> Optional[torch.Tensor]:
         """What the parameters' ``.grad`` hold now as one sharded gradient (a
@@ -333,7 +389,11 @@ class FlatGradient:
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
-        """The published sharded gradient, while any ``.grad`` views it."""
+        """The published sharded gradient, while any ``.grad`` views it (or,
+        where it is kept, while anything but the library holds it)."""
+        kept = self._kept
+        if kept is not None:
+            return None if kept.is_free else kept.base
         return None if self._published is None else self._published()
 
     def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
@@ -351,12 +411,20 @@ class FlatGradient:
             return []
         if self._kept_unread:  # see [Note: reading .grad at publication]
             self._kept_unread = False
-            kept = self._kept_gradient()
-            if kept is not None:
-                grad = kept.add_(grad)
+            held = self._kept_gradient()
+            if held is not None:
+                grad = held.add_(grad)
         self._published = weakref.ref(grad)
         owner = self.owner
-        views = owner.local_views(grad)
+        kept = self._kept
+        if kept is not None and grad is kept.base:
+            views = kept.views
+        elif self._keeps and not owner.pin_memory and _owns_its_memory(grad):
+            kept = self._kept = KeptGradient(grad, owner.local_views)
+            views = kept.views
+        else:
+            self._kept = None
+            views = owner.local_views(grad)
         if self._every_param_receives and all(used):  # the common case, one loop
             for param, view in zip(self._params, views):
                 param.grad = view
@@ -380,6 +448,7 @@ class FlatGradient:
         ``has_grad``, e.g. after a dtype conversion."""
         self._unpublished = None
         self._kept_unread = False
+        self._kept = None
         self._published = None if grad is None else weakref.ref(grad)
         if grad is None:
             return
@@ -390,6 +459,13 @@ class FlatGradient:
 
 _grad_of = operator.attrgetter("grad")
 _UNPLANNED = object()  # a ``_subsets`` key not planned yet (``None`` is a plan: the whole shard)
+
+
+def _owns_its_memory(tensor: torch.Tensor) -> bool:
+    """``tensor`` is all of its storage (kept gradients give back exactly
+    their own memory)."""
+    return tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

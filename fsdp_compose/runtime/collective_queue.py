@@ -679,7 +679,7 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         return None
     if len(buffers) == 1:
         (buffer, flat), = members
-        output = torch.empty(buffer.grad.reduce_chunk, dtype=flat.dtype, device=device)
+        output = _reduce_output(buffer, flat.dtype, device)
         work = _issue_reduce_scatter(output, flat, buffer, options)
         freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
         return InFlight("reduce_scatter", work, group.process_group, [buffer],
@@ -706,11 +706,20 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         if flat is None:
             continue
         size = buffer.grad.reduce_chunk
-        output = torch.empty(size, dtype=dtype, device=device)
+        output = _reduce_output(buffer, dtype, device)
         copies.append((output, reduced_chunk[start:start + size]))
         outputs.append((buffer, output))
     return InFlight("reduce_scatter", work, group.process_group, [b for b, _ in members],
                     lambda _done: reduced(outputs, options), copies, [packed, reduced_chunk])
+
+
+def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where ``buffer``'s reduced chunk goes: its kept sharded gradient where
+    free (see [Note: the kept sharded gradient]), else a new tensor."""
+    output = buffer.grad.reduce_output(dtype, device)
+    if output is None:
+        output = torch.empty(buffer.grad.reduce_chunk, dtype=dtype, device=device)
+    return output
 
 
 def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,

@@ -19,6 +19,7 @@ import torch.nn as nn
 from .._torch_private import (
     ComposableState as _State, contract, current_graph_task_id, profiler_active,
     queue_autograd_callback)
+from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
 from ..profiling import call_profiled, profiled
@@ -65,6 +66,10 @@ class ModelContext:
         """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
         self.after_last_backward: Optional[Callable[[nn.Module], None]] = None
+        self.gradients: tuple[FlatGradient, ...] = tuple(
+            buffer.grad for state in states for buffer in state.unit.buffers)
+        """Every buffer's gradient state (the root's pre-forward gives back
+        the memory of kept gradients nobody holds)."""
 
 
 class FullyShardState(_State):
@@ -241,6 +246,8 @@ class FullyShardState(_State):
             if unit.training_state is TrainingState.IDLE:
                 context.prefetch_order.start_iteration()  # not a recomputation inside backward
                 context.collectives.start_iteration()
+                for gradient in context.gradients:  # see [Note: the kept sharded gradient]
+                    gradient.release_if_free()
         policy = unit.settings.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = unit.cast_inputs(args, kwargs)

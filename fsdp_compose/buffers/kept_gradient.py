@@ -1,0 +1,95 @@
+"""One buffer's sharded gradient kept across steps, with the ``.grad``
+views made into it once (see [Note: the kept sharded gradient]).
+
+[Note: the kept sharded gradient]
+Publication points each parameter's ``.grad`` at a view of the reduced
+sharded gradient. Making those views (one ``as_strided`` or ``split`` piece
+per parameter) and a new sharded gradient at every step cost about 15 µs of
+host time per unit and step on the host-cost proxy (``benchmarks/host_cost_ab.py``):
+the largest per-unit cost left that the unsharded model does not pay.
+So the library keeps the last sharded gradient and its views, and the next
+reduction writes into it, where nobody else can see it:
+
+* *free*: nothing but the library references the views or the memory under
+  them. :class:`KeptGradient` counts every kind of holder: Python references
+  to a view (``sys.getrefcount``: ``g = p.grad``), C++ references to a view
+  (``Tensor._use_count``: a parameter's ``.grad``, an autograd graph, a
+  DLPack capsule) and other tensors on the memory (the storage's use count:
+  ``p.grad.detach()``, a slice, a NumPy array of it). Each adds to
+  :meth:`KeptGradient.holders`, which is at its baseline (taken when only
+  the library held the views) exactly when the gradient is free. A holder
+  of the flat base tensor itself (``p.grad._base``, nothing the library
+  hands out) is not counted.
+* *in use*: a ``.grad`` still views it (no ``zero_grad``, or
+  ``zero_grad(set_to_none=False)``), or the user holds a piece of it. The
+  next reduction then adds to it as before (accumulation), or, where every
+  ``.grad`` was cleared but something else holds it, writes into a new
+  gradient and the old one is left to its holders.
+* *released*: free at the root's next pre-forward, its memory is given
+  back (the storage resized to 0 bytes; the views stay, pointing at
+  nothing). The next reduction resizes it and writes every element.
+  So between steps the memory is what it was when each step made a new
+  gradient, except between ``zero_grad(set_to_none=True)`` and the next
+  forward, where the gradient's memory is still held; nothing runs
+  between them that the step's peak would count.
+
+Only where torch counts uses (``_torch_private.CAN_COUNT_USES``) and the
+gradient lives in pageable or device memory (not pinned: CPU offload makes
+a new gradient at every step, as before).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+from .._torch_private import storage_use_count, tensor_use_counts
+
+
+class KeptGradient:
+    """A sharded gradient (``base``, ``S`` elements) and the ``.grad`` view
+    of each parameter (``views``, by parameter index), made once.
+
+    Invariant: ``baseline`` is :meth:`holders` with nothing but this object
+    referencing ``views`` and ``storage``; while ``released``, the storage
+    holds 0 bytes and the gradient is free."""
+
+    __slots__ = ("base", "views", "storage", "nbytes", "baseline", "released")
+
+    def __init__(self, base: torch.Tensor,
+                 make_views: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> None:
+        self.base: torch.Tensor = base
+        self.views: tuple[torch.Tensor, ...] = tuple(make_views(base))  # no other holder
+        self.storage: torch.UntypedStorage = base.untyped_storage()
+        self.nbytes: int = self.storage.nbytes()
+        self.released: bool = False
+        self.baseline: int = 0
+        self.baseline = self.holders()
+
+    def holders(self) -> int:
+        """Every reference to the views and their memory, summed (see the
+        Note): any holder besides this object raises it above ``baseline``."""
+        views = self.views
+        return (storage_use_count(self.storage) + tensor_use_counts(views)
+                + sum(map(sys.getrefcount, views)))
+
+    @property
+    def is_free(self) -> bool:
+        """Nothing outside the library references the gradient."""
+        return self.released or self.holders() == self.baseline
+
+    def release(self) -> None:
+        """Give the memory back. Pre-condition: :attr:`is_free`."""
+        self.storage.resize_(0)
+        self.released = True
+
+    def reclaim(self) -> torch.Tensor:
+        """The base, its memory back (uninitialised where it was released),
+        for a reduction to write every element of. Pre-condition:
+        :attr:`is_free`."""
+        if self.released:
+            self.storage.resize_(self.nbytes)
+            self.released = False
+        return self.base
