@@ -320,17 +320,20 @@ class FlatGradient:
 
     def _adopt(self, output: torch.Tensor) -> torch.Tensor:
         """A sharded gradient holding ``output``: the kept one (free here,
-        see :meth:`fold`), else ``output`` itself where it is in the
-        parameters' dtype and device (and, where gradients are kept, its
-        memory exactly), else a copy."""
+        see :meth:`fold`; taking ``output``'s memory where it can, else a
+        copy), else ``output`` itself where it is in the parameters' dtype
+        and device (and, where gradients are kept, its memory exactly),
+        else a copy."""
         owner = self.owner
         kept = self._kept
+        matches = output.dtype == owner.dtype and output.device == owner.storage_device
         if kept is not None:
+            if matches and kept.take_memory_of(output):  # over one rank: no copy
+                return kept.base
             base = kept.reclaim()
             base.copy_(output)
             return base
-        if output.dtype == owner.dtype and output.device == owner.storage_device and \
-                (not self._keeps or _owns_its_memory(output)):
+        if matches and (not self._keeps or _owns_its_memory(output)):
             return output
         grad = torch.empty(owner.layout.shard_numel, dtype=owner.dtype,
                            device=owner.storage_device, pin_memory=owner.pin_memory)

@@ -45,7 +45,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._torch_private import storage_use_count, tensor_use_counts
+from .._torch_private import (CAN_SWAP_STORAGE_DATA, storage_use_count, swap_storage_data,
+                              tensor_use_counts)
 
 
 class KeptGradient:
@@ -84,6 +85,22 @@ class KeptGradient:
         """Give the memory back. Pre-condition: :attr:`is_free`."""
         self.storage.resize_(0)
         self.released = True
+
+    def take_memory_of(self, tensor: torch.Tensor) -> bool:
+        """Make ``tensor``'s memory the base's, without a copy, where
+        ``tensor`` is all of a storage of the base's size that nothing else
+        views (over one rank: the flat gradient autograd made, about to be
+        dropped); ``tensor`` is left holding the base's old memory (none
+        once released). Returns whether it did. Pre-condition: free, and
+        ``tensor`` in the base's dtype and on its device."""
+        if not CAN_SWAP_STORAGE_DATA or tensor.storage_offset():
+            return False
+        storage = tensor.untyped_storage()
+        if storage.nbytes() != self.nbytes or storage_use_count(storage) != 2:
+            return False  # 2: the tensor and the storage object just made
+        swap_storage_data(self.storage, storage)
+        self.released = False
+        return True
 
     def reclaim(self) -> torch.Tensor:
         """The base, its memory back (uninitialised where it was released),
