@@ -230,11 +230,14 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
     return _storage_use_count(storage._cdata)
 
 
-def tensor_use_counts(tensors: Iterable[torch.Tensor]) -> int:
-    """The sum of the tensors' ``TensorImpl`` reference counts: each Python
-    object holds one, and so does every C++ holder (a parameter's ``.grad``,
-    a graph, a DLPack capsule)."""
-    return sum(map(_tensor_use_count, tensors))
+storage_key_use_count: Callable[[int], int] = _storage_use_count
+""":func:`storage_use_count` of the storage whose :func:`storage_key` is
+given (no Python frame: for the kept gradient's check at every forward)."""
+
+tensor_use_count: Callable[[torch.Tensor], int] = _tensor_use_count
+"""A tensor's ``TensorImpl`` reference count: its Python object holds one,
+and so does every C++ holder (a parameter's ``.grad``, a graph, a DLPack
+capsule)."""
 
 
 CAN_COUNT_USES: bool = not (hasattr(_storage_use_count, MISSING_MARK)

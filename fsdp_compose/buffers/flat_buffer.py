@@ -102,6 +102,12 @@ class FlatBuffer:
             for index, record in enumerate(records) for module, name in record.slots)
         """Every ``(module._parameters, name, parameter index)`` the views
         and the original parameters are swapped into."""
+        originals: dict[int, tuple[dict, dict]] = {}
+        for parameters, name, index in self._slots:
+            originals.setdefault(id(parameters), (parameters, {}))[1][name] = self._params[index]
+        self._originals: tuple[tuple[dict, dict], ...] = tuple(originals.values())
+        """Per ``_parameters`` dict with a slot, its slots' original
+        parameters: a reshard puts them back with one ``update`` per module."""
         self._view_plan: ViewPlan = ViewPlan(self.layout, self._moved_dims)
         self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
@@ -654,8 +660,8 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        for parameters, name, index in self._slots:
-            parameters[name] = self.records[index].param
+        for parameters, originals in self._originals:
+            parameters.update(originals)
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py

@@ -361,7 +361,7 @@ class FlatGradient:
         if kept is None or kept.released or self._unpublished is not None or \
                 self.reducing is not None:
             return
-        if kept.is_free:
+        if kept.holders() == kept.baseline:  # is_free, without the property's call
             kept.release()
 
     def _kept_gradient(self) -> Optional[torch.Tensor]:

@@ -5,8 +5,9 @@ views made into it once (see [Note: the kept sharded gradient]).
 Publication points each parameter's ``.grad`` at a view of the reduced
 sharded gradient. Making those views (one ``as_strided`` or ``split`` piece
 per parameter) and a new sharded gradient at every step cost about 15 µs of
-host time per unit and step on the host-cost proxy (``benchmarks/host_cost_ab.py``):
-the largest per-unit cost left that the unsharded model does not pay.
+host time per unit and step on the host-cost proxy (``benchmarks/host_cost_ab.py
+--baseline 58baa2c``: -15.1 µs with this): the largest per-unit cost left
+that the unsharded model does not pay.
 So the library keeps the last sharded gradient and its views, and the next
 reduction writes into it, where nobody else can see it:
 
@@ -27,7 +28,11 @@ reduction writes into it, where nobody else can see it:
   gradient and the old one is left to its holders.
 * *released*: free at the root's next pre-forward, its memory is given
   back (the storage resized to 0 bytes; the views stay, pointing at
-  nothing). The next reduction resizes it and writes every element.
+  nothing). The next reduction resizes it and the reduce-scatter writes
+  every element; over one rank, where nothing is communicated, the storage
+  takes the memory of the flat gradient autograd made instead (a swap of
+  data pointers, :meth:`KeptGradient.take_memory_of`; a copy on torch
+  2.11, which cannot swap).
   So between steps the memory is what it was when each step made a new
   gradient, except between ``zero_grad(set_to_none=True)`` and the next
   forward, where the gradient's memory is still held; nothing runs
@@ -45,8 +50,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._torch_private import (CAN_SWAP_STORAGE_DATA, storage_use_count, swap_storage_data,
-                              tensor_use_counts)
+from .._torch_private import (CAN_SWAP_STORAGE_DATA, storage_key, storage_key_use_count,
+                              storage_use_count, swap_storage_data, tensor_use_count)
 
 
 class KeptGradient:
@@ -57,13 +62,14 @@ class KeptGradient:
     referencing ``views`` and ``storage``; while ``released``, the storage
     holds 0 bytes and the gradient is free."""
 
-    __slots__ = ("base", "views", "storage", "nbytes", "baseline", "released")
+    __slots__ = ("base", "views", "storage", "key", "nbytes", "baseline", "released")
 
     def __init__(self, base: torch.Tensor,
                  make_views: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> None:
         self.base: torch.Tensor = base
         self.views: tuple[torch.Tensor, ...] = tuple(make_views(base))  # no other holder
         self.storage: torch.UntypedStorage = base.untyped_storage()
+        self.key: int = storage_key(self.storage)
         self.nbytes: int = self.storage.nbytes()
         self.released: bool = False
         self.baseline: int = 0
@@ -73,7 +79,7 @@ class KeptGradient:
         """Every reference to the views and their memory, summed (see the
         Note): any holder besides this object raises it above ``baseline``."""
         views = self.views
-        return (storage_use_count(self.storage) + tensor_use_counts(views)
+        return (storage_key_use_count(self.key) + sum(map(tensor_use_count, views))
                 + sum(map(sys.getrefcount, views)))
 
     @property
