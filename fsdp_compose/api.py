@@ -90,7 +90,10 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             over groups of ``k`` consecutive ranks between forward and
             backward (each rank holds ``1/k`` of them; backward gathers
             from ``k`` ranks only, e.g. within a node); ``F`` is ``True``
-            and ``1`` is ``False``.
+            and ``1`` is ``False``. Over one rank (no mixed precision or
+            offload) the unsharded buffer is the shard itself, so there is
+            nothing to free: every setting keeps the unsharded views from
+            forward to the post-backward reshard.
         mp_policy: compute/communicate in lower precision for this unit
             (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
             torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` is

@@ -169,6 +169,58 @@ def test_world_size_one_runs_no_collectives():
     assert_parity([res], reference_lm(1, 3, SEED_11))
 
 
+def blocks_between_forward_and_backward(steps: int = 3):
+    """Per step: whether block 0's ``fc1.weight`` is an ``nn.Parameter``
+    between forward and backward and after backward, and how many times
+    the module attributes were swapped to the unsharded views."""
+    from fsdp_compose.buffers.flat_buffer import FlatBuffer
+    swaps = 0
+    swap_in_views = FlatBuffer._swap_in_views
+
+    def counted(buffer):
+        nonlocal swaps
+        swaps += 1
+        swap_in_views(buffer)
+
+    FlatBuffer._swap_in_views = counted
+    try:
+        model, optim = _sharded_lm("sgd")
+        seen = []
+        for step in range(steps):
+            tokens, targets = _local_batch(step, SEED_11)
+            swaps = 0
+            loss = model.loss(tokens, targets)
+            between = type(model.blocks[0].fc1.weight) is torch.nn.Parameter
+            loss.backward()
+            after = type(model.blocks[0].fc1.weight) is torch.nn.Parameter
+            seen.append((between, after, swaps))
+            optim.step()
+            optim.zero_grad()
+    finally:
+        FlatBuffer._swap_in_views = swap_in_views
+    return {"seen": seen, "params": full_params(model)}
+
+
+def test_one_rank_keeps_the_views_from_forward_to_backward():
+    """Over one rank the unsharded buffer is the shard: resharding after
+    forward would free nothing and backward would only swap the views back
+    in. So a block keeps its views until its post-backward reshard (one
+    swap per unit and step), while over two ranks it is resharded after
+    forward and swapped again in backward (the all-gather). Parity in both."""
+    n = N_BLOCKS + 1
+    [one] = run_distributed(1, blocks_between_forward_and_backward, timeout=TIMEOUT)
+    assert one["seen"] == [(False, True, n)] * 3, (
+        "over one rank, expected block 0 unsharded (a view) from forward to backward, its "
+        f"Parameter back after backward, and {n} swaps per step; got (between, after, "
+        f"swaps) per step = {one['seen']}")
+    assert_parity([one], reference_lm(1, 3, SEED_11))
+    two = run_distributed(2, blocks_between_forward_and_backward, timeout=TIMEOUT)
+    for rank, res in enumerate(two):
+        # the root stays unsharded after forward (default), the blocks are gathered again
+        assert res["seen"] == [(True, True, n + N_BLOCKS)] * 3, (rank, res["seen"])
+    assert_parity(two, reference_lm(2, 3, SEED_11))
+
+
 # ============================================================================
 # 12. set_gradient_divide_factor / set_force_sum_reduction_for_comms
 # ============================================================================

@@ -260,6 +260,11 @@ class FlatBuffer:
         self.sharded = sharded
         self.aliased = is_aliased(self.group.world_size, dtypes,
                                   self.storage_device == self.compute_device)
+        self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
+        """A reshard would only swap the module attributes back (no memory
+        is freed: the unsharded buffer is the shard, and no assembled copies
+        exist), so the reshard after forward is skipped (see
+        ``Unit.complete_forward``)."""
         if self.is_meta:  # nothing to allocate until materialised (rebuild_after_conversion)
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)

@@ -295,7 +295,10 @@ class Unit:
         elif self.resolved_reshard_after_forward:
             keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
             for buffer in self.buffers:
-                buffer.reshard(keep_for_backward=keep)
+                # one rank: resharding frees nothing, and backward would only swap the views
+                # back in; they stay until the post-backward reshard, as with False
+                if not buffer.reshard_frees_nothing:
+                    buffer.reshard(keep_for_backward=keep)
         for buffer in self.buffers:
             buffer.check_params_unmodified()  # may raise (on every rank: forward is the same)
 
