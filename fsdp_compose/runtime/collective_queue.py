@@ -501,6 +501,14 @@ class CollectiveQueue:
         limit. A buffer of a bucket is held until the bucket's last expected
         gradient is ready; then one reduce-scatter goes for all of them."""
         bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
+        if bucket is None and buffer.group.total_size == 1 and not profiler_active():
+            # one rank, no replica: nothing to communicate, observe (the observers record
+            # only what crosses ranks) or keep in flight; what _issue_reduce would do, inline
+            grad = buffer.grad
+            flat = grad.take_for_reduce()
+            if flat is not None:
+                grad.fold(flat, options)
+            return
         if bucket is not None:
             _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
             if not any(b is buffer for b in ready):
