@@ -254,11 +254,12 @@ def _assembled(results):
     return [assemble_grads([res["grads"][step] for res in results]) for step in range(steps)]
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("factor", [1.0, 3.0], ids=["sum", "divide-by-3"])
-def test_gradient_divide_factor(factor):
+def test_gradient_divide_factor(factor, world):
     """Reduced gradient = sum over ranks / factor = (world / factor) x the
-    gradient of the global mean loss; factor 1.0 gives world x the default."""
-    world = 2
+    gradient of the global mean loss; factor 1.0 gives world x the default.
+    Over one rank nothing is communicated: the division alone."""
     results = run_distributed(world, grads_with_reduction, f"divide-by-{factor}", timeout=TIMEOUT)
     reference = reference_lm(world, 2, SEED_12, scale=world / factor)
     for step, (got, want) in enumerate(zip(_assembled(results), reference["grads"])):
