@@ -125,6 +125,21 @@ def test_activation_checkpointing(how, ac_reference, no_ac):
                                                                  plain["saved_bytes"])
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("how", ["hf", "composable-after"])
+def test_activation_checkpointing_over_one_rank(how, lora):
+    """Over one rank the layers keep their views from forward to backward
+    (a reshard would free nothing): recomputation runs on them, trainable
+    or frozen, with no collective."""
+    reference = _hf.train_reference(functools.partial(_hf.build_llama, False, lora), 1, "adamw")
+    [res] = run_distributed(1, _train_with_ac, how, lora)
+    [plain] = run_distributed(1, _train_with_ac, "none", lora)
+    assert _hf.max_diff(res, reference) <= ATOL
+    assert res["all_gathers"] == res["reduce_scatters"] == 0
+    assert res["saved_bytes"] < 0.5 * plain["saved_bytes"], (res["saved_bytes"],
+                                                             plain["saved_bytes"])
+
+
 @pytest.mark.parametrize("how", ["hf", "wrapper-before", "composable-after"])
 def test_activation_checkpointing_with_lora(how):
     """Frozen base weights (resharded once the layer's input gradients exist)
