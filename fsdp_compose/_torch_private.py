@@ -366,6 +366,13 @@ def mem_tracker_class() -> type:
                    "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
 
 
+lazy_dynamo_disable: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(
+    torch, "_disable_dynamo", None) or (lambda fn: fn)
+"""``torch._disable_dynamo``: ``fn`` never traced by dynamo, which is imported
+only when ``fn`` is first called (as torch decorates ``Optimizer.zero_grad``);
+``fn`` itself where this torch lacks it."""
+
+
 def dynamo_disable(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
     """``torch._dynamo.disable(fn, recursive=...)``; ``torch._dynamo`` is imported on first use."""
     disable = _lookup("torch._dynamo", "disable", "running hooks outside torch.compile's graphs")

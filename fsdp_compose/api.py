@@ -30,7 +30,7 @@ from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
-from . import torch_norms
+from . import torch_norms, torch_zero_grad
 from .torch_policies import as_mp_policy, as_offload_policy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
@@ -226,9 +226,14 @@ def _install_process_wide_changes() -> None:
       (``checkpoint/_optim.py``), the step guard (``checks/step_guard.py``),
       the forgotten-root warning (``checks/unmanaged.py``) and the empty
       param-group check (``checks/empty_groups.py``). Each returns at once
-      for an optimizer that holds no annotated parameter.
+      for an optimizer that holds no annotated parameter;
+    * ``torch.optim.Optimizer.zero_grad`` also gives back the memory of the
+      kept sharded gradients it cleared (``torch_zero_grad``; nothing else
+      changes, and nothing at all for an optimizer over no annotated
+      parameter).
     """
     torch_norms.install()
+    torch_zero_grad.install()
     install_optimizer_layout_hooks()
     install_step_guard()
     install_unmanaged_warning()

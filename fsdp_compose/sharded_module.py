@@ -290,6 +290,17 @@ class ShardedModule:
         Returns the total norm. See :func:`fsdp_compose.clip_grad_norm_`."""
         return clip_grad_norm_(self, max_norm, norm_type)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; with ``set_to_none`` (the default) the
+        memory of the sharded gradients it cleared is given back at once,
+        where nothing else holds them, rather than at the next forward (as
+        ``optimizer.zero_grad()`` does, see ``fsdp_compose/torch_zero_grad.py``)."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        if set_to_none:
+            for state in states_below((self,)):
+                for buffer in state.unit.buffers:
+                    buffer.grad.release_if_free()
+
     def __new__(cls, *args, **kwargs):
         # Constructing the sharded class (nn.Sequential slicing does
         # ``self.__class__(...)``) gives a plain module of the original class:

@@ -200,17 +200,22 @@ IMPORT_CHANGES_NOTHING = """
 import sys, tempfile, torch, torch.distributed as dist
 from torch.optim.optimizer import _global_optimizer_pre_hooks as step_hooks
 before = len(step_hooks)
+zero_grad = torch.optim.Optimizer.zero_grad
 import fsdp_compose, fsdp_compose.checkpoint, fsdp_compose.tools
 from fsdp_compose.torch_norms import is_routed
 assert len(step_hooks) == before and not is_routed(), "importing the package changed the process"
+assert torch.optim.Optimizer.zero_grad is zero_grad, "importing the package changed zero_grad"
 compiler = {"torch._dynamo", "torch._inductor"}
 assert not compiler & set(sys.modules), "importing the package imported torch.compile's machinery"
 dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rdzv", rank=0,
                         world_size=1)
 fsdp_compose.fully_shard(torch.nn.Linear(2, 2))
 assert len(step_hooks) == before + 4 and is_routed(), (len(step_hooks), before)
+installed = torch.optim.Optimizer.zero_grad
+assert installed is not zero_grad and installed.__wrapped__.__wrapped__ is zero_grad
 model = fsdp_compose.fully_shard(torch.nn.Linear(2, 2))
 assert len(step_hooks) == before + 4, "installed twice"
+assert torch.optim.Optimizer.zero_grad is installed, "zero_grad replaced twice"
 model(torch.randn(3, 2)).sum().backward()
 assert not compiler & set(sys.modules), "a step without torch.compile imported torch._dynamo"
 dist.destroy_process_group()
@@ -219,7 +224,8 @@ print("ok")
 
 
 def test_importing_changes_nothing_and_the_first_fully_shard_installs_each_hook_once():
-    """Process-wide changes (norm routing, four optimizer step pre-hooks)
+    """Process-wide changes (norm routing, four optimizer step pre-hooks,
+    ``Optimizer.zero_grad`` giving back kept gradient memory)
     come with the first ``fully_shard``, not with ``import fsdp_compose``
     (a fresh interpreter: this one has annotated models already); neither
     imports torch.compile's machinery (``torch._dynamo``, half a second), nor

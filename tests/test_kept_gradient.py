@@ -1,7 +1,8 @@
 """The sharded gradient kept across steps (buffers/kept_gradient.py, [Note:
 the kept sharded gradient]): made once and written into at every later
-step, its memory given back at the next forward once
-``zero_grad(set_to_none=True)`` dropped the ``.grad``; and never written
+step, its memory given back by ``zero_grad(set_to_none=True)`` (the
+optimizer's or the model's) or else at the next forward once the ``.grad``
+were dropped; and never written
 while anything the user holds still sees it (a Python reference, a detached
 alias, a slice, a NumPy array, a ``.grad`` left in place). Parity of the
 gradients with one process is ``tests/test_parity.py``'s; here, what
@@ -86,6 +87,51 @@ def test_the_steady_state_makes_no_gradient_and_holds_none_at_forward(world):
         assert counts["copied"] == (counts["buffers"] * STEPS if world == 1 else 0), counts
         # the first block's forward runs after the root's pre-forward released them all
         assert counts["held_at_forward"][WARMUP:] == [0] * STEPS, counts
+
+
+def _kept_bytes_after_zero_grad(how: str) -> dict:
+    """Bytes the kept gradients hold right after each step's ``zero_grad``
+    (``how``: which one, and what the user keeps), and their total while
+    the ``.grad`` still view them (after the optimizer step)."""
+    model = tiny_gpt()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    target = model.blocks[1].mlp[0].weight
+    after, published, kept = [], [], None
+    for seed in range(WARMUP + STEPS):
+        _loss(model, seed).backward()
+        optim.step()
+        published.append(sum(g._kept.storage.nbytes() for g in _gradients(model)
+                             if g._kept is not None))
+        if how == "holding":
+            kept = target.grad
+        if how == "model":
+            model.zero_grad()
+        else:
+            optim.zero_grad(set_to_none=how != "set_to_zero")
+        after.append(sum(g._kept.storage.nbytes() for g in _gradients(model)
+                         if g._kept is not None))
+    held = target.grad if how == "set_to_zero" else kept
+    return {"after": after, "published": published,
+            "target": 0 if held is None else held.untyped_storage().nbytes()}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("how", ["optimizer", "model", "set_to_zero", "holding"])
+def test_zero_grad_gives_the_memory_back_at_once(how, world):
+    """``optimizer.zero_grad()`` and ``model.zero_grad()`` (``set_to_none``,
+    the default) give back the memory of the gradients they cleared, as
+    FSDP2 frees them there, not only at the next forward; gradients still
+    viewed (``set_to_none=False``) or held by the user keep theirs."""
+    for res in run_distributed(world, _kept_bytes_after_zero_grad, how):
+        assert all(res["published"][WARMUP:]), res
+        after = res["after"][WARMUP:]
+        if how in ("optimizer", "model"):
+            assert after == [0] * STEPS, f"zero_grad left kept gradients holding memory: {res}"
+        elif how == "set_to_zero":
+            assert after == res["published"][WARMUP:], res  # zeroed in place, still .grad
+        else:  # the held gradient's buffer keeps its memory, the others give theirs back
+            assert 0 < res["target"] and all(0 < a < p for a, p in
+                                             zip(after, res["published"][WARMUP:])), res
 
 
 def _train_holding(hold: str) -> dict:

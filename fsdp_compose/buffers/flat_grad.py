@@ -353,10 +353,12 @@ class FlatGradient:
         return kept.reclaim()
 
     def release_if_free(self) -> None:
-        """The root's pre-forward: give back the kept gradient's memory where
-        nobody holds it (``zero_grad(set_to_none=True)`` ran), so that the
-        step's forward and backward hold no more than when each reduction
-        made a new gradient."""
+        """Give back the kept gradient's memory where nobody holds it
+        (``zero_grad(set_to_none=True)`` ran): called by ``zero_grad``
+        (``torch_zero_grad.py``, ``ShardedModule.zero_grad``) and at the
+        root's pre-forward, so that between steps, and in the step's forward
+        and backward, no more is held than when each reduction made a new
+        gradient."""
         kept = self._kept
         if kept is None or kept.released or self._unpublished is not None or \
                 self.reducing is not None:

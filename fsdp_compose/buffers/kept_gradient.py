@@ -26,17 +26,18 @@ reduction writes into it, where nobody else can see it:
   next reduction then adds to it as before (accumulation), or, where every
   ``.grad`` was cleared but something else holds it, writes into a new
   gradient and the old one is left to its holders.
-* *released*: free at the root's next pre-forward, its memory is given
-  back (the storage resized to 0 bytes; the views stay, pointing at
-  nothing). The next reduction resizes it and the reduce-scatter writes
+* *released*: free right after ``optimizer.zero_grad()`` or
+  ``model.zero_grad()`` (``torch_zero_grad.py``, ``ShardedModule.zero_grad``),
+  or at the root's next pre-forward (any other way of clearing ``.grad``),
+  its memory is given back (the storage resized to 0 bytes; the views stay,
+  pointing at nothing). The next reduction resizes it and the reduce-scatter writes
   every element; over one rank, where nothing is communicated, the storage
   takes the memory of the flat gradient autograd made instead (a swap of
   data pointers, :meth:`KeptGradient.take_memory_of`; a copy on torch
   2.11, which cannot swap).
   So between steps the memory is what it was when each step made a new
-  gradient, except between ``zero_grad(set_to_none=True)`` and the next
-  forward, where the gradient's memory is still held; nothing runs
-  between them that the step's peak would count.
+  gradient (FSDP2's); only ``.grad`` cleared by other means than
+  ``zero_grad`` keeps its memory until the next forward.
 
 Only where torch counts uses (``_torch_private.CAN_COUNT_USES``) and the
 gradient lives in pageable or device memory (not pinned: CPU offload makes
