@@ -35,7 +35,7 @@ from ._torch_private import lazy_dynamo_disable
 from .buffers.flat_grad import FlatGradient
 from .runtime.owners import any_owner, owner_of
 
-__all__ = ["install", "is_installed", "uninstall"]
+__all__ = ["install", "release_cleared_gradients"]
 
 _original: list[Callable[..., None]] = []
 """torch's ``Optimizer.zero_grad`` while replaced."""
@@ -62,16 +62,6 @@ def install() -> None:
 
     _original.append(original)
     Optimizer.zero_grad = lazy_dynamo_disable(zero_grad)  # type: ignore[method-assign]
-
-
-def uninstall() -> None:
-    """Put torch's ``Optimizer.zero_grad`` back (for tests)."""
-    if _original:
-        Optimizer.zero_grad = _original.pop()  # type: ignore[method-assign]
-
-
-def is_installed() -> bool:
-    return bool(_original)
 
 
 def release_cleared_gradients(optimizer: Optimizer) -> None:
