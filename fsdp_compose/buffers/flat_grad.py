@@ -16,8 +16,8 @@ between autograd and the optimizer:
   is published it is held here; once published, the parameters' ``.grad``
   view it, and the library keeps it and its views for the next reduction
   to write into once nobody else holds them (``kept_gradient.py``, [Note:
-  the kept sharded gradient]; its memory is given back at the next
-  forward). Where it is not kept (pinned memory, or a torch that cannot
+  the kept sharded gradient]; its memory is given back by ``zero_grad``,
+  else at the next forward). Where it is not kept (pinned memory, or a torch that cannot
   count uses), only the ``.grad`` views keep it alive (a weak reference
   here), so ``zero_grad(set_to_none=True)`` frees it.
 
