@@ -174,30 +174,36 @@ def blocks_between_forward_and_backward(steps: int = 3):
     between forward and backward and after backward, and how many times
     the module attributes were swapped to the unsharded views."""
     from fsdp_compose.buffers.flat_buffer import FlatBuffer
-    swaps = 0
-    swap_in_views = FlatBuffer._swap_in_views
+    from fsdp_compose.runtime.collective_queue import CollectiveQueue
+    swaps = gathers = 0
+    swap_in_views, gather = FlatBuffer._swap_in_views, CollectiveQueue.gather
 
-    def counted(buffer):
+    def counted_swap(buffer):
         nonlocal swaps
         swaps += 1
         swap_in_views(buffer)
 
-    FlatBuffer._swap_in_views = counted
+    def counted_gather(queue, *args):
+        nonlocal gathers
+        gathers += 1
+        gather(queue, *args)
+
+    FlatBuffer._swap_in_views, CollectiveQueue.gather = counted_swap, counted_gather
     try:
         model, optim = _sharded_lm("sgd")
         seen = []
         for step in range(steps):
             tokens, targets = _local_batch(step, SEED_11)
-            swaps = 0
+            swaps = gathers = 0
             loss = model.loss(tokens, targets)
             between = type(model.blocks[0].fc1.weight) is torch.nn.Parameter
             loss.backward()
             after = type(model.blocks[0].fc1.weight) is torch.nn.Parameter
-            seen.append((between, after, swaps))
+            seen.append((between, after, swaps, gathers))
             optim.step()
             optim.zero_grad()
     finally:
-        FlatBuffer._swap_in_views = swap_in_views
+        FlatBuffer._swap_in_views, CollectiveQueue.gather = swap_in_views, gather
     return {"seen": seen, "params": full_params(model)}
 
 
@@ -205,20 +211,51 @@ def test_one_rank_keeps_the_views_from_forward_to_backward():
     """Over one rank the unsharded buffer is the shard: resharding after
     forward would free nothing and backward would only swap the views back
     in. So a block keeps its views until its post-backward reshard (one
-    swap per unit and step), while over two ranks it is resharded after
-    forward and swapped again in backward (the all-gather). Parity in both."""
+    swap per unit and step) and its pre-backward gathers nothing (one
+    gather call per unit and step, in forward), while over two ranks it is
+    resharded after forward and gathered and swapped again in backward.
+    Parity in both."""
     n = N_BLOCKS + 1
     [one] = run_distributed(1, blocks_between_forward_and_backward, timeout=TIMEOUT)
-    assert one["seen"] == [(False, True, n)] * 3, (
+    assert one["seen"] == [(False, True, n, n)] * 3, (
         "over one rank, expected block 0 unsharded (a view) from forward to backward, its "
-        f"Parameter back after backward, and {n} swaps per step; got (between, after, "
-        f"swaps) per step = {one['seen']}")
+        f"Parameter back after backward, {n} swaps and {n} gathers per step; got (between, "
+        f"after, swaps, gathers) per step = {one['seen']}")
     assert_parity([one], reference_lm(1, 3, SEED_11))
     two = run_distributed(2, blocks_between_forward_and_backward, timeout=TIMEOUT)
     for rank, res in enumerate(two):
         # the root stays unsharded after forward (default), the blocks are gathered again
-        assert res["seen"] == [(True, True, n + N_BLOCKS)] * 3, (rank, res["seen"])
+        assert res["seen"] == [(True, True, n + N_BLOCKS, 2 * n)] * 3, (rank, res["seen"])
     assert_parity(two, reference_lm(2, 3, SEED_11))
+
+
+def backward_after_a_manual_reshard(steps: int = 3):
+    """Over one rank, ``model.reshard(recurse=True)`` between forward and
+    backward: whether ``blocks[0].fc1`` holds its view when its backward
+    runs (its backward pre-hook), per step."""
+    model, optim = _sharded_lm("sgd")
+    seen = []
+    model.blocks[0].fc1.register_full_backward_pre_hook(
+        lambda module, _grads: seen.append(type(module.weight) is torch.nn.Parameter))
+    for step in range(steps):
+        tokens, targets = _local_batch(step, SEED_11)
+        loss = model.loss(tokens, targets)
+        if step == 1:
+            model.reshard(recurse=True)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    return {"parameter_in_backward": seen, "params": full_params(model)}
+
+
+def test_one_rank_backward_after_a_manual_reshard_gathers_the_views_again():
+    """Over one rank nothing is gathered in backward while the views stayed
+    from forward; after a manual reshard the pre-backward swaps them in
+    again (the module attributes in backward are the views, as always), and
+    the numbers are one process's."""
+    [res] = run_distributed(1, backward_after_a_manual_reshard, timeout=TIMEOUT)
+    assert res["parameter_in_backward"] == [False, False, False], res["parameter_in_backward"]
+    assert_parity([res], reference_lm(1, 3, SEED_11))
 
 
 # ============================================================================

@@ -264,6 +264,12 @@ class CollectiveQueue:
         self._replicas: deque[list[InFlight]] = deque()
         """Hybrid sharding: the replica all-reduces issued when one
         reduce-scatter was waited (one entry per reduce-scatter), oldest first."""
+        self.gathers_nothing: bool = False
+        """No buffer of the model all-gathers in this iteration: each is the
+        shard itself and was not resharded after forward (one rank, see
+        ``FlatBuffer.reshard_frees_nothing``). Then nothing is fetched ahead,
+        and a unit still unsharded since its forward has nothing to gather
+        in backward (``Unit.pre_backward``). Set by :meth:`start_iteration`."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
         """Per bucket (by id): its buffers whose gradient is ready, held
         until the bucket's last one is (:meth:`reduce`)."""
@@ -277,10 +283,12 @@ class CollectiveQueue:
                 buffer.staging = self.staging
 
     # -------------------------------------------------------------- iteration
-    def start_iteration(self) -> None:
-        """The root's pre-forward: apply a changed bucket cap, tell the observer."""
+    def start_iteration(self, buffers: Sequence[FlatBuffer]) -> None:
+        """The root's pre-forward: apply a changed bucket cap, tell the
+        observer, and note whether any of the model's ``buffers`` gathers."""
         self.buckets.refresh()
         self.observer.start_iteration()
+        self.gathers_nothing = all(b.reshard_frees_nothing for b in buffers)
 
     def order_agreed(self, order: Sequence) -> None:
         """Called at the end of the step's last backward, once every rank

@@ -19,6 +19,7 @@ import torch.nn as nn
 from .._torch_private import (
     ComposableState as _State, contract, current_graph_task_id, profiler_active,
     queue_autograd_callback)
+from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
@@ -66,8 +67,9 @@ class ModelContext:
         """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
         self.after_last_backward: Optional[Callable[[nn.Module], None]] = None
-        self.gradients: tuple[FlatGradient, ...] = tuple(
-            buffer.grad for state in states for buffer in state.unit.buffers)
+        self.buffers: tuple[FlatBuffer, ...] = tuple(
+            buffer for state in states for buffer in state.unit.buffers)
+        self.gradients: tuple[FlatGradient, ...] = tuple(buffer.grad for buffer in self.buffers)
         """Every buffer's gradient state (the root's pre-forward gives back
         the memory of kept gradients nobody holds)."""
 
@@ -245,7 +247,7 @@ class FullyShardState(_State):
                 self._reset_unfinished_iteration()  # not a recomputation in backward
             if unit.training_state is TrainingState.IDLE:
                 context.prefetch_order.start_iteration()  # not a recomputation inside backward
-                context.collectives.start_iteration()
+                context.collectives.start_iteration(context.buffers)
                 for gradient in context.gradients:  # see [Note: the kept sharded gradient]
                     gradient.release_if_free()
         policy = unit.settings.mp_policy

@@ -8,6 +8,7 @@ backward) is the job of ``state.py``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -26,6 +27,8 @@ from .collective_queue import CollectiveQueue
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
+
+_is_unsharded = operator.attrgetter("is_unsharded")
 
 
 @dataclass
@@ -335,7 +338,9 @@ class Unit:
             return  # an earlier output of this unit already triggered it
         self.training_state = TrainingState.PRE_BACKWARD
         settings = self.settings
-        if settings.unshard_in_backward:
+        if settings.unshard_in_backward and not (
+                self.collectives.gathers_nothing and all(map(_is_unsharded, self.buffers))):
+            # (else one rank, unsharded since forward: nothing to gather or fetch ahead)
             # reduce_scatter_unused_params: this may run on some ranks only, so
             # it issues no prefetch (it is still unsharded from forward)
             order = self.prefetch_order
