@@ -108,6 +108,16 @@ class FlatBuffer:
         self._originals: tuple[tuple[dict, dict], ...] = tuple(originals.values())
         """Per ``_parameters`` dict with a slot, its slots' original
         parameters: a reshard puts them back with one ``update`` per module."""
+        self._slot_dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
+        self._slot_names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
+        self._slot_originals: tuple[nn.Parameter, ...] = tuple(
+            self._params[index] for _, _, index in self._slots)
+        """``_slots`` as three columns: an unshard checks every slot in one
+        C-level loop (see :meth:`_swap_in_views`)."""
+        self._views_by_module: tuple[tuple[dict, dict], ...] = ()
+        """Per ``_parameters`` dict with a slot, its slots' unsharded views:
+        an unshard puts them in with one ``update`` per module (set with
+        the views, :meth:`_set_unsharded_views`)."""
         self._view_plan: ViewPlan = ViewPlan(self.layout, self._moved_dims)
         self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
@@ -285,7 +295,7 @@ class FlatBuffer:
         self._alias_versions = None
         if self._has_copies and not self.is_meta:  # see [Note: assembled copies]
             self._view_plan.make_copies(self.unsharded)
-        self._unsharded_views = self._build_unsharded_views()
+        self._set_unsharded_views(self._build_unsharded_views())
         if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
         self.is_unsharded = False
@@ -397,7 +407,7 @@ class FlatBuffer:
         self.requires_grad = any(flags)
         self.unsharded.requires_grad_(self.requires_grad)
         self._register_grad_hook()
-        self._unsharded_views = self._build_unsharded_views()
+        self._set_unsharded_views(self._build_unsharded_views())
         if self.is_unsharded:  # the module attributes hold the views of the new flags
             self.use_unsharded_views()
 
@@ -584,7 +594,7 @@ class FlatBuffer:
             self._view_plan.fill_copies(self.unsharded)
             if self._view_plan.copies_only:  # nothing reads the gathered values any more
                 self._release_unsharded_storage()
-            self._unsharded_views = self._build_unsharded_views()
+            self._set_unsharded_views(self._build_unsharded_views())
         self._swap_in_views()
 
     def _swap_in_views(self) -> None:
@@ -595,12 +605,27 @@ class FlatBuffer:
         the late-parameter fast check] in ``checks/late_parameters.py``):
         an error, rather than overwriting it and putting the original back
         at the next reshard."""
-        views, params = self._unsharded_views, self._params
+        if not all(map(operator.is_, map(dict.get, self._slot_dicts, self._slot_names),
+                       self._slot_originals)):
+            self._check_not_replaced()
+        for parameters, views in self._views_by_module:
+            parameters.update(views)
+
+    def _check_not_replaced(self) -> None:
+        """Raise if a slot holds an ``nn.Parameter`` other than its original
+        (anything else, e.g. a view left by an earlier unshard, is replaced)."""
         for parameters, name, index in self._slots:
             held = parameters.get(name)
-            if held is not params[index] and isinstance(held, nn.Parameter):
+            if held is not self._params[index] and isinstance(held, nn.Parameter):
                 self._raise_replaced(parameters, name, index)
-            parameters[name] = views[index]  # type: ignore[assignment]
+
+    def _set_unsharded_views(self, views: list[torch.Tensor]) -> None:
+        """``views`` (by parameter index) are what an unshard puts in the slots."""
+        self._unsharded_views = views
+        by_module: dict[int, tuple[dict, dict]] = {}
+        for parameters, name, index in self._slots:
+            by_module.setdefault(id(parameters), (parameters, {}))[1][name] = views[index]
+        self._views_by_module = tuple(by_module.values())
 
     def _raise_replaced(self, parameters: dict, name: str, index: int) -> None:
         record = self.records[index]
@@ -634,13 +659,12 @@ class FlatBuffer:
         ``param_views.py``).
 
         Pre-condition: unsharded, grad mode on, ``requires_grad``."""
-        self._unsharded_views = self._build_unsharded_views()
+        self._set_unsharded_views(self._build_unsharded_views())
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        views = self._unsharded_views
-        for parameters, name, index in self._slots:
-            parameters[name] = views[index]  # type: ignore[assignment]
+        for parameters, views in self._views_by_module:
+            parameters.update(views)
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;

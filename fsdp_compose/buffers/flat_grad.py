@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import deque
 from itertools import repeat
 from typing import NamedTuple, Optional, Protocol, Sequence
 
@@ -430,9 +431,8 @@ class FlatGradient:
         else:
             self._kept = None
             views = owner.local_views(grad)
-        if self._every_param_receives and all(used):  # the common case, one loop
-            for param, view in zip(self._params, views):
-                param.grad = view
+        if self._every_param_receives and all(used):  # the common case, one C-level loop
+            deque(map(setattr, self._params, repeat("grad"), views), maxlen=0)
             return list(self._params)
         fresh = []
         for record, view, receives, was_used in zip(owner.records, views, owner.grad_receivers,

@@ -339,6 +339,11 @@ class CollectiveQueue:
         limit). A unit in a bucket is gathered with the rest of its bucket
         (``ran``: ids of the units whose forward ran in this pass, which a
         bucket's forward gather leaves out)."""
+        if self.gathers_nothing:  # one rank: only the views switch (see _gather_alone)
+            for buffer in unit.buffers:
+                if not buffer.is_unsharded:
+                    buffer.prepare_unshard()
+            return
         if self._gathers:
             self.inflight_all_gathers()  # forget finished gathers before counting
         issuer = unit.training_state

@@ -85,20 +85,25 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
     for group_buffers in by_group.values():
         if not any(id(b) in pending for b in group_buffers):
             continue
+        group = group_buffers[0].group
+        if group.total_size == 1:  # one rank, no replica: its own flags are every rank's
+            for buffer in group_buffers:
+                if id(buffer) in pending:
+                    fresh += buffer.grad.publish(buffer.grad.used)
+            continue
         # every buffer of the group has its flags (False where nothing is pending), so
         # the all-reduce has the same size on every rank even if their backwards differed
+        # (replicas take part too, F = 1 replication included)
         flags = [u for b in group_buffers for u in (
             b.grad.used if id(b) in pending else [False] * len(b.records))]
-        group = group_buffers[0].group
-        if group.total_size > 1:  # replicas too (F = 1 replication included)
-            extra = observer.payload(group)
-            mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
-            all_reduce_max(mask, group)
-            values = mask.tolist()
-            release_after_collective(mask)
-            if extra:
-                observer.check(group, values[len(flags):])
-            flags = [bool(v) for v in values[:len(flags)]]
+        extra = observer.payload(group)
+        mask = torch.tensor(flags + extra, dtype=torch.uint8, device=group.device)
+        all_reduce_max(mask, group)
+        values = mask.tolist()
+        release_after_collective(mask)
+        if extra:
+            observer.check(group, values[len(flags):])
+        flags = [bool(v) for v in values[:len(flags)]]
         start = 0
         for buffer in group_buffers:
             count = len(buffer.records)

@@ -10,7 +10,7 @@ in-flight limits, waits) are ``collective_queue.py``'s.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 from ..policies import PrefetchPolicy
 from .training_state import TrainingState
@@ -58,15 +58,17 @@ class PrefetchOrder:
         one)."""
         self.forward_order, self.ran = [], {}
 
-    def record_forward(self, unit: "OrderedUnit") -> list["OrderedUnit"]:
+    def record_forward(self, unit: "OrderedUnit", fetch_ahead: bool = True
+                       ) -> Sequence["OrderedUnit"]:
         """``unit``'s forward starts: record it in the order (the first time
         in this pass) and return :meth:`forward_targets` (one call: once per
-        unit and step)."""
+        unit and step); none where not ``fetch_ahead`` (nothing of the
+        model all-gathers)."""
         ran = self.ran
         if id(unit) not in ran:
             ran[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
-        return self.forward_targets(unit)
+        return self.forward_targets(unit) if fetch_ahead else ()
 
     def forward_targets(self, unit: "OrderedUnit",
                         order: Optional[list["OrderedUnit"]] = None) -> list["OrderedUnit"]:

@@ -247,8 +247,10 @@ class Unit:
             self._modules_to_run.update(self.modules)
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
-        order = self.prefetch_order
-        self.collectives.gather(self, order.record_forward(self), order.ran)
+        order, collectives = self.prefetch_order, self.collectives
+        # one rank (nothing of the model all-gathers): nothing to fetch ahead
+        collectives.gather(self, order.record_forward(self, not collectives.gathers_nothing),
+                           order.ran)
         if torch.is_grad_enabled():
             if self._saved_guard is not None or not self.settings.unshard_in_backward:
                 self._guard_saved_parameters()
