@@ -25,8 +25,13 @@ from ..runtime.training_state import TrainingState
 from ..runtime.unit import Unit
 
 _installed: list[object] = []  # the hook handle, once installed
-_buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[tuple[Unit, FlatBuffer]]]]" \
+_buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[weakref.ref[Unit]], list[FlatBuffer]]]" \
     = weakref.WeakKeyDictionary()
+"""Per optimizer: its parameter count when last looked at, and the unit (weakly) and
+the index of every buffer that holds one of its annotated parameters. Weakly, so
+that this cache never keeps a model alive: an optimizer dropped with its model
+(a cycle each) would otherwise hold the model through the collection that frees
+the optimizer, and a single ``gc.collect()`` would leave the model in memory."""
 
 
 def install_step_guard() -> None:
@@ -38,16 +43,24 @@ def install_step_guard() -> None:
 def _managed_buffers(optimizer: Optimizer) -> list[tuple[Unit, FlatBuffer]]:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
     cached = _buffers_of.get(optimizer)
-    if cached is not None and cached[0] == count:
-        return cached[1]
-    found: dict[int, tuple[Unit, FlatBuffer]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            entry = owner_of(param)
-            if entry is not None:
-                found.setdefault(id(entry.buffer), (entry.unit, entry.buffer))
-    _buffers_of[optimizer] = (count, list(found.values()))
-    return _buffers_of[optimizer][1]
+    if cached is None or cached[0] != count:
+        found: dict[int, tuple[Unit, int]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                entry = owner_of(param)
+                if entry is not None:
+                    found.setdefault(id(entry.buffer),
+                                     (entry.unit, entry.unit.buffers.index(entry.buffer)))
+        cached = _buffers_of[optimizer] = (
+            count, [weakref.ref(unit) for unit, _ in found.values()],
+            [index for _, index in found.values()])
+    _, units, indices = cached
+    managed = []
+    for unit_ref, index in zip(units, indices):
+        unit = unit_ref()
+        if unit is not None:  # else its model was dropped: nothing of it to check
+            managed.append((unit, unit.buffers[index]))
+    return managed
 
 
 def _check_step(optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
