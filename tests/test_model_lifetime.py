@@ -19,7 +19,8 @@ from tests.harness import run_distributed
 
 
 def _train_and_drop(optimizer_steps: bool) -> tuple:
-    """Weak references to a model trained two steps (AdamW, ``zero_grad``)
+    """Weak references to a model trained two steps (AdamW, ``zero_grad``;
+    with ``optimizer_steps``, also clipping, the step and both state dicts)
     inside this function, and to its optimizer, once both are dropped."""
     import weakref
 
@@ -34,8 +35,12 @@ def _train_and_drop(optimizer_steps: bool) -> tuple:
     for _ in range(2):
         model.loss(tokens, targets).backward()
         if optimizer_steps:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         optimizer.zero_grad()
+    if optimizer_steps:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        get_state_dict(model, optimizer)
     return weakref.ref(model), weakref.ref(model.blocks[0]), weakref.ref(optimizer)
 
 
