@@ -12,16 +12,19 @@ one and two ranks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests._models import tiny_gpt
 from tests.harness import run_distributed
 
 
-def _train_and_drop(optimizer_steps: bool) -> tuple:
+def _train_and_drop(optimizer_steps: bool, checkpoint_root: str) -> tuple:
     """Weak references to a model trained two steps (AdamW, ``zero_grad``;
-    with ``optimizer_steps``, also clipping, the step and both state dicts)
-    inside this function, and to its optimizer, once both are dropped."""
+    with ``optimizer_steps``, also clipping, the step, torch's state dicts
+    and a flat checkpoint saved and loaded under ``checkpoint_root``) inside
+    this function, and to its optimizer, once both are dropped."""
     import weakref
 
     import torch
@@ -40,18 +43,26 @@ def _train_and_drop(optimizer_steps: bool) -> tuple:
         optimizer.zero_grad()
     if optimizer_steps:
         from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from fsdp_compose.checkpoint import CheckpointStore, flat_state_dict
         get_state_dict(model, optimizer)
+        store = CheckpointStore(checkpoint_root, keep=1)
+        model_state, optimizer_state = flat_state_dict(model, optimizer)
+        store.save(1, {"model": model_state, "optim": optimizer_state})
+        model_state, optimizer_state = flat_state_dict(model, optimizer)
+        store.load_latest({"model": model_state, "optim": optimizer_state})
     return weakref.ref(model), weakref.ref(model.blocks[0]), weakref.ref(optimizer)
 
 
-def dropped_after_one_collection(optimizer_steps: bool) -> tuple[bool, bool, bool]:
+def dropped_after_one_collection(optimizer_steps: bool, checkpoint_root: str
+                                 ) -> tuple[bool, bool, bool]:
     import gc
 
     enabled = gc.isenabled()
     gc.disable()
     try:
         gc.collect()  # whatever earlier tests left
-        refs = _train_and_drop(optimizer_steps)
+        refs = _train_and_drop(optimizer_steps, checkpoint_root)
         gc.collect()
         return tuple(ref() is None for ref in refs)
     finally:
@@ -61,8 +72,9 @@ def dropped_after_one_collection(optimizer_steps: bool) -> tuple[bool, bool, boo
 
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("optimizer_steps", [True, False], ids=["step", "no-step"])
-def test_a_dropped_model_is_freed_by_one_collection(world_size: int, optimizer_steps: bool) -> None:
+def test_a_dropped_model_is_freed_by_one_collection(world_size: int, optimizer_steps: bool,
+                                                    tmp_path: Path) -> None:
     for rank, freed in enumerate(run_distributed(world_size, dropped_after_one_collection,
-                                                 optimizer_steps)):
+                                                 optimizer_steps, str(tmp_path / "ckpt"))):
         assert freed == (True, True, True), (
             f"rank {rank}: after one gc.collect(), model / block / optimizer freed: {freed}")
