@@ -20,28 +20,42 @@ from tests._models import tiny_gpt
 from tests.harness import run_distributed
 
 
-def _train_and_drop(optimizer_steps: bool, checkpoint_root: str) -> tuple:
-    """Weak references to a model trained two steps (AdamW, ``zero_grad``;
-    with ``optimizer_steps``, also clipping, the step, torch's state dicts
-    and a flat checkpoint saved and loaded under ``checkpoint_root``) inside
-    this function, and to its optimizer, once both are dropped."""
+def _train_and_drop(mode: str, checkpoint_root: str) -> tuple:
+    """Weak references to a model trained two steps (AdamW, ``zero_grad``)
+    inside this function, and to its optimizer, once both are dropped.
+    ``mode``: ``"plain"``; ``"step"``, also clipping, the step, torch's
+    state dicts and a flat checkpoint saved and loaded under
+    ``checkpoint_root``; ``"frozen"``, the step with the embeddings and each
+    block's first norm frozen (frozen buffers: a block's forward hooks its
+    inputs' gradients to reshard them)."""
     import weakref
 
     import torch
     import torch.distributed as dist
 
+    from fsdp_compose import fully_shard
     from fsdp_compose.testing import synthetic_tokens
 
-    model = tiny_gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = tiny_gpt(sharded=mode != "frozen")
+    if mode == "frozen":
+        model.tok_emb.weight.requires_grad_(False)
+        model.pos_emb.weight.requires_grad_(False)
+        for block in model.blocks:
+            block.ln1.requires_grad_(False)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tokens, targets = synthetic_tokens(dist.get_rank(), 2, 8, 32)
     for _ in range(2):
-        model.loss(tokens, targets).backward()
-        if optimizer_steps:
+        loss = model.loss(tokens, targets)  # held through the next step, as a training loop does
+        loss.backward()
+        if mode == "step":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if mode != "plain":
             optimizer.step()
         optimizer.zero_grad()
-    if optimizer_steps:
+    if mode == "step":
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         from fsdp_compose.checkpoint import CheckpointStore, flat_state_dict
@@ -54,15 +68,14 @@ def _train_and_drop(optimizer_steps: bool, checkpoint_root: str) -> tuple:
     return weakref.ref(model), weakref.ref(model.blocks[0]), weakref.ref(optimizer)
 
 
-def dropped_after_one_collection(optimizer_steps: bool, checkpoint_root: str
-                                 ) -> tuple[bool, bool, bool]:
+def dropped_after_one_collection(mode: str, checkpoint_root: str) -> tuple[bool, bool, bool]:
     import gc
 
     enabled = gc.isenabled()
     gc.disable()
     try:
         gc.collect()  # whatever earlier tests left
-        refs = _train_and_drop(optimizer_steps, checkpoint_root)
+        refs = _train_and_drop(mode, checkpoint_root)
         gc.collect()
         return tuple(ref() is None for ref in refs)
     finally:
@@ -71,10 +84,10 @@ def dropped_after_one_collection(optimizer_steps: bool, checkpoint_root: str
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("optimizer_steps", [True, False], ids=["step", "no-step"])
-def test_a_dropped_model_is_freed_by_one_collection(world_size: int, optimizer_steps: bool,
+@pytest.mark.parametrize("mode", ["plain", "step", "frozen"])
+def test_a_dropped_model_is_freed_by_one_collection(world_size: int, mode: str,
                                                     tmp_path: Path) -> None:
     for rank, freed in enumerate(run_distributed(world_size, dropped_after_one_collection,
-                                                 optimizer_steps, str(tmp_path / "ckpt"))):
+                                                 mode, str(tmp_path / "ckpt"))):
         assert freed == (True, True, True), (
             f"rank {rank}: after one gc.collect(), model / block / optimizer freed: {freed}")

@@ -11,6 +11,7 @@ callback that finishes the iteration.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -117,9 +118,19 @@ class FullyShardState(_State):
         rank-divergence checks). Both come from outside ``runtime/``, which
         never imports the checks."""
         self.unit = unit
-        self._pre_backward_hook: Callable[[Any], None] = lambda _grads: self._pre_backward()
+        me = weakref.ref(self)
+
+        def pre_backward_hook(_grads: Any) -> None:
+            state = me()
+            if state is not None:
+                state._pre_backward()
+        self._pre_backward_hook: Callable[[Any], None] = pre_backward_hook
         """The pre-backward hook every forward puts on the unit's output
-        (made once: a new function per forward is garbage per unit and step)."""
+        (made once: a new function per forward is garbage per unit and step).
+        It holds the state weakly: autograd keeps hooks in C++, where a
+        reference back to the model makes a cycle the garbage collector
+        cannot see, and a dropped model stayed in memory
+        (``tests/test_model_lifetime.py``)."""
         if pre_forward_check is not None:
             self._pre_forward_check = pre_forward_check
         self._new_observer = new_observer

@@ -9,6 +9,7 @@ backward) is the job of ``state.py``.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -393,7 +394,13 @@ class Unit:
             self._frozen_uses = -1
             return
         self._frozen_uses += 1
-        register_multi_grad_hook(inputs, lambda _grads: self._frozen_use_done(), mode="all")
+        me = weakref.ref(self)  # autograd keeps the hook in C++: see FullyShardState.bind
+
+        def use_done(_grads: Any) -> None:
+            unit = me()
+            if unit is not None:
+                unit._frozen_use_done()
+        register_multi_grad_hook(inputs, use_done, mode="all")
 
     def _frozen_use_done(self) -> None:
         if self._frozen_uses <= 0:
