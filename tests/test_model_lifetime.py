@@ -7,7 +7,8 @@ parameter or mesh) must never hold it, or ``del model; gc.collect()`` (a
 sweep over models, a notebook, freeing memory before the next job) leaves
 its parameters, gradients and optimizer state in memory. Checked with the
 garbage collector off (no automatic collection hides a second pass), on
-one and two ranks.
+one and two ranks, and for the first model of a fresh interpreter (whose
+first ``zero_grad`` imports ``torch._dynamo`` mid-step: see the last test).
 """
 
 from __future__ import annotations
@@ -91,3 +92,36 @@ def test_a_dropped_model_is_freed_by_one_collection(world_size: int, mode: str,
                                                  mode, str(tmp_path / "ckpt"))):
         assert freed == (True, True, True), (
             f"rank {rank}: after one gc.collect(), model / block / optimizer freed: {freed}")
+
+
+FRESH_PROCESS = """
+import os, sys, tempfile
+import torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+from tests.test_model_lifetime import dropped_after_one_collection
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
+                            rank=0, world_size=1)
+    print(dropped_after_one_collection(sys.argv[1], os.path.join(tmp, "ckpt")))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "frozen"])
+def test_the_first_model_of_a_process_is_freed_by_one_collection(mode: str) -> None:
+    """The first ``zero_grad`` of a process imports ``torch._dynamo``
+    (torch's and the library's ``zero_grad`` are ``torch._disable_dynamo``
+    wrappers); done while the step's graph is alive, a hook that holds the
+    model strongly from autograd's C++ side then keeps it through a
+    collection (plain torch does the same). The pool's workers have
+    imported it long before, hence a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, mode], capture_output=True,
+                            text=True, timeout=180, cwd=repository)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "(True, True, True)", (
+        f"after one gc.collect(), model / block / optimizer freed: {result.stdout.strip()}")
