@@ -106,3 +106,61 @@ def test_bytecode_instructions_per_unit_and_step_stay_bounded() -> None:
         f"fsdp_compose runs {per_unit:.0f} bytecode instructions per unit and training step, "
         f"more than the {INSTRUCTIONS_PER_UNIT} this test allows: some hook moment does more "
         "per-unit work than before (benchmarks/host_cost.py --moments shows which)")
+
+
+def attributes_outside_slots(mode: str) -> list[str]:
+    """Train a few steps in ``mode``; every attribute of the per-unit and
+    per-model objects the hooks read that lives in an instance ``__dict__``
+    rather than a declared slot, as ``Class.attribute``."""
+    import torch.distributed as dist
+
+    from fsdp_compose import MixedPrecisionPolicy, fully_shard
+    from fsdp_compose.runtime.state import state_of
+    from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=3))
+    if mode == "frozen":
+        model.blocks[0].requires_grad_(False)
+    options = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} \
+        if mode == "mixed" else {}
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tokens, targets = synthetic_tokens(dist.get_rank(), 2, 8, 64)
+    for step in range(3):
+        if mode == "accumulate":
+            model.set_requires_gradient_sync(step % 2 == 1)
+        model.loss(tokens, targets).backward()
+        if mode != "accumulate" or step % 2 == 1:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        model.loss(tokens, targets)  # an evaluation forward too
+    root = state_of(model)
+    context = root.context
+    objects = [context, context.prefetch_order, context.collectives]
+    for state in context.states:
+        objects += [state, state.unit, state.unit.settings]
+        for buffer in state.unit.buffers:
+            objects += [buffer, buffer.grad]
+    return sorted({f"{type(o).__name__}.{name}" for o in objects
+                   for name in getattr(o, "__dict__", {})})
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", ["plain", "mixed", "frozen", "accumulate"])
+def test_the_hooks_objects_keep_their_attributes_in_slots(mode: str, world_size: int) -> None:
+    """The objects every hook moment reads (a unit's state, unit, settings,
+    buffers and gradient state; the model's context, prefetch order and
+    collective queue) declare their attributes in ``__slots__``: an
+    attribute read is then one load from the object, where an instance
+    dictionary costs another memory access (about 7 µs per unit and step on
+    the host-cost proxy, ``benchmarks/host_cost_ab.py``, when they were
+    declared). An attribute added without declaring it still works, in the
+    ``__dict__`` the classes keep for that; this test names it."""
+    for outside in run_distributed(world_size, attributes_outside_slots, mode, timeout=120):
+        assert outside == [], (
+            f"attributes set outside the classes' __slots__: {outside}; add them to the "
+            "class's __slots__ (the hooks read them every step)")

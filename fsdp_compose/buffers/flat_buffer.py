@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import deque
+from itertools import starmap
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -70,6 +72,21 @@ class FlatBuffer:
       parameters do (``requires_grad``);
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
+
+    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype',
+                 'gather_quantizer', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
+                 'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
+                 'reduce_dtype', 'reduce_quantizer', 'requires_grad',
+                 'reshard_frees_nothing', 'sharded', 'staging', 'storage_device',
+                 'unsharded', '_alias_versions', '_aliases', '_assembled',
+                 '_before_flat_gradient', '_grad_hook_registered', '_grad_receivers',
+                 '_has_copies', '_has_tp', '_local_shapes', '_local_split',
+                 '_local_strided', '_moved_dims', '_on_backward', '_originals',
+                 '_param_requires_grad', '_params', '_post_accumulate_grad',
+                 '_post_forward', '_sharded_views', '_slices', '_slot_dicts',
+                 '_slot_names', '_slot_originals', '_slots', '_unsharded_views',
+                 '_versions_at_unshard', '_view_plan', '_views_by_module', '__dict__',
+                 '__weakref__')
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
                  post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None,
@@ -268,6 +285,9 @@ class FlatBuffer:
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded
+        self.is_meta: bool = sharded.is_meta
+        """The shards are still on the meta device (deferred init): set with
+        ``sharded``, which only :meth:`_install` replaces."""
         self.aliased = is_aliased(self.group.world_size, dtypes,
                                   self.storage_device == self.compute_device)
         self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
@@ -462,11 +482,6 @@ class FlatBuffer:
         self.grad.attach(grad, [g is not None for g in grads])
         return True
 
-    @property
-    def is_meta(self) -> bool:
-        """Whether the shards are still on the meta device (deferred init)."""
-        return self.sharded.is_meta
-
     # ---------------------------------------------------- deferred initialisation
     def _stored_to_full(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """A whole parameter (``flat``, in stored order) in its own shape."""
@@ -608,8 +623,7 @@ class FlatBuffer:
         if not all(map(operator.is_, map(dict.get, self._slot_dicts, self._slot_names),
                        self._slot_originals)):
             self._check_not_replaced()
-        for parameters, views in self._views_by_module:
-            parameters.update(views)
+        _consume(starmap(dict.update, self._views_by_module))
 
     def _check_not_replaced(self) -> None:
         """Raise if a slot holds an ``nn.Parameter`` other than its original
@@ -663,8 +677,7 @@ class FlatBuffer:
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        for parameters, views in self._views_by_module:
-            parameters.update(views)
+        _consume(starmap(dict.update, self._views_by_module))
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
@@ -689,8 +702,7 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        for parameters, originals in self._originals:
-            parameters.update(originals)
+        _consume(starmap(dict.update, self._originals))
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
@@ -721,6 +733,9 @@ class FlatBuffer:
 
 _requires_grad = operator.attrgetter("requires_grad")
 _version_of = operator.attrgetter("_version")
+_consume = deque(maxlen=0).extend
+"""Run an iterator to its end in C (``_consume(starmap(dict.update, pairs))``:
+one ``update`` per module without a Python-level loop)."""
 
 
 def _called_weakly(fn: Callable[[Any], Any],

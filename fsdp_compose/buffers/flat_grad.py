@@ -131,6 +131,12 @@ class ReduceOptions(NamedTuple):
 class FlatGradient:
     """Gradient state of one flat buffer (see the module docstring)."""
 
+    __slots__ = ('owner', 'reducing', 'saw_forward', 'used', '_accumulated',
+                 '_current_training', '_every_param_receives', '_keeps', '_kept',
+                 '_kept_unread', '_owned', '_owned_params', '_params', '_published',
+                 '_subset', '_subsets', '_trained_before_change', '_unpublished',
+                 '__dict__', '__weakref__')
+
     def __init__(self, owner: GradientOwner) -> None:
         self.owner: GradientOwner = owner
         count = len(owner.records)

@@ -245,6 +245,9 @@ class CollectiveQueue:
     [Note: the life of a collective]). Built by the root's lazy init and
     shared by every unit of the model (``unit.collectives``)."""
 
+    __slots__ = ('buckets', 'gathers_nothing', 'observer', 'policy', 'staging',
+                 '_gathers', '_held', '_reduces', '_replicas', '__dict__', '__weakref__')
+
     def __init__(self, policy: PrefetchPolicy = PrefetchPolicy(),
                  observer: Optional[CollectiveObserver] = None) -> None:
         self.policy: PrefetchPolicy = policy

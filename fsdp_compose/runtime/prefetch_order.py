@@ -30,6 +30,9 @@ class OrderedUnit(Protocol):
 class PrefetchOrder:
     """Forward order and prefetch targets for one model."""
 
+    __slots__ = ('forward_order', 'policy', 'previous_forward_order', 'ran',
+                 '_previous_positions', '__dict__', '__weakref__')
+
     def __init__(self, policy: PrefetchPolicy = PrefetchPolicy()) -> None:
         self.policy: PrefetchPolicy = policy
         """Whether forward and backward prefetch by the recorded order."""

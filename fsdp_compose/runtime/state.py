@@ -58,6 +58,10 @@ class ModelContext:
             (``set_check_finite_gradients``; ``None``: nothing).
     """
 
+    __slots__ = ('after_last_backward', 'backward_callback_queued', 'buffers',
+                 'collectives', 'gradients', 'prefetch_order', 'root', 'states',
+                 '__dict__', '__weakref__')
+
     def __init__(self, root: "FullyShardState", states: list["FullyShardState"],
                  prefetch_order: PrefetchOrder, collectives: CollectiveQueue) -> None:
         self.root: FullyShardState = root
@@ -84,6 +88,10 @@ class FullyShardState(_State):
     :meth:`bind`, :meth:`change_model_setting`, :meth:`set_after_last_backward`,
     :meth:`hold_whole` and :meth:`run_forward_method`.
     """
+
+    __slots__ = ('annotated_parent', 'context', 'pending_settings', 'unit', 'validated',
+                 '_held_whole', '_in_forward_method', '_new_observer',
+                 '_pre_backward_hook', '_pre_forward_check')
 
     def __init__(self) -> None:
         super().__init__()
@@ -261,8 +269,7 @@ class FullyShardState(_State):
                 context.collectives.start_iteration(context.buffers)
                 for gradient in context.gradients:  # see [Note: the kept sharded gradient]
                     gradient.release_if_free()
-        policy = unit.settings.mp_policy
-        if policy.param_dtype is not None and policy.cast_forward_inputs:
+        if unit.casts_inputs:
             args, kwargs = unit.cast_inputs(args, kwargs)
         unit.pre_forward(module, args, kwargs)
         return args, kwargs
@@ -279,7 +286,7 @@ class FullyShardState(_State):
 
     def _finish_forward(self, module: nn.Module, output: Any) -> Any:
         unit, root = self.unit, self.context.root
-        if unit.settings.mp_policy.output_dtype is not None:
+        if unit.casts_output:
             output = unit.cast_output(output)
         root_unit = root.unit
         inside_root_forward = root_unit.training_state is TrainingState.FORWARD and root_unit is not unit

@@ -32,7 +32,7 @@ from .training_state import TrainingState
 _is_unsharded = operator.attrgetter("is_unsharded")
 
 
-@dataclass
+@dataclass(slots=True)
 class UnitSettings:
     """Every setting of one unit, in one place: the policies fixed at
     annotation (mixed precision, CPU offload) and what ``ShardedModule``'s
@@ -80,6 +80,11 @@ class Unit:
     every transition below is idempotent (see the early returns).
     """
 
+    __slots__ = ('buffers', 'casts_inputs', 'casts_output', 'collectives', 'group', 'is_root',
+                 'managed_modules', 'modules', 'name', 'prefetch_order', 'settings',
+                 'training_state', '_backward_possible', '_buffer_of', '_frozen_uses',
+                 '_modules_to_run', '_saved_guard', '__dict__', '__weakref__')
+
     def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
                  reshard_after_forward: Union[bool, int, None],
@@ -96,6 +101,12 @@ class Unit:
         self.settings: UnitSettings = UnitSettings(mp_policy or MixedPrecisionPolicy(), offload_policy,
                                                    comm_policy or CommPolicy())
         """Every setting of this unit (``ShardedModule``'s setters write them)."""
+        mp_policy = self.settings.mp_policy
+        self.casts_inputs: bool = mp_policy.param_dtype is not None and \
+            mp_policy.cast_forward_inputs
+        """The policy casts forward's floating-point inputs (:meth:`cast_inputs`)."""
+        self.casts_output: bool = mp_policy.output_dtype is not None
+        """The policy casts forward's output (:meth:`cast_output`)."""
         policy = buffer_policy(self.settings.mp_policy, offload_policy, torch.cuda.is_available(),
                                self.settings.comm_policy)
         self.buffers: list[FlatBuffer] = [
@@ -213,7 +224,7 @@ class Unit:
     def check_materialized(self) -> None:
         """Raise if the unit's parameters are still on the meta device."""
         for buffer in self.buffers:
-            if buffer.sharded.is_meta:  # FlatBuffer.is_meta, without the property's call
+            if buffer.is_meta:
                 raise RuntimeError(
                     f"parameter '{buffer.records[0].fqn}' of {self.name} is still on the meta "
                     "device at forward. Call fsdp_compose.materialize(model) (or "
