@@ -209,13 +209,20 @@ pool (``buffers/staging.py``) is off: unsharded buffers are allocated and
 freed as on CUDA (the same values, more page faults on the CPU)."""
 
 
-def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    """Exchange the memory (data pointers and sizes) of two storages; each
-    storage object stays the one its tensors and views point at."""
-    if _swap_data_ptr is None:
-        _missing("torch.UntypedStorage._swap_data_ptr_",
-                 "moving memory between storages, in the CPU staging pool", since="2.12")()
-    _swap_data_ptr(a, b)
+def _storage_data_swapper(method: Optional[Callable[..., None]]) -> Callable[..., None]:
+    """``method`` (torch's ``UntypedStorage._swap_data_ptr_``), or where this
+    torch lacks it a stand-in that raises when called."""
+    return method if method is not None else _missing(
+        "torch.UntypedStorage._swap_data_ptr_",
+        "moving memory between storages, in the CPU staging pool", since="2.12")
+
+
+swap_storage_data: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = \
+    _storage_data_swapper(_swap_data_ptr)
+"""Exchange the memory (data pointers and sizes) of two storages; each
+storage object stays the one its tensors and views point at (torch's own
+method, no Python frame: over one rank a kept gradient takes each step's
+flat gradient this way)."""
 
 
 _storage_use_count = _lookup("torch._C", "_storage_Use_Count",

@@ -216,11 +216,11 @@ def test_a_missing_name_raises_naming_torch_and_the_feature():
         tp.require_override(Base, "renamed", "testing the guard")
 
 
-def test_swapping_storage_data_without_the_feature_raises(monkeypatch):
-    monkeypatch.setattr(tp, "_swap_data_ptr", None)
+def test_swapping_storage_data_without_the_feature_raises():
+    swap = tp._storage_data_swapper(None)  # what a torch without _swap_data_ptr_ gets
     a = torch.empty(0, dtype=torch.uint8).untyped_storage()
     with pytest.raises(tp.TorchFeatureMissing, match=r"_swap_data_ptr_.*torch>=2\.12"):
-        tp.swap_storage_data(a, torch.empty(4, dtype=torch.uint8).untyped_storage())
+        swap(a, torch.empty(4, dtype=torch.uint8).untyped_storage())
 
 
 def test_staging_pool_is_off_exactly_where_storages_cannot_swap_memory():

@@ -273,6 +273,18 @@ class FlatGradient:
         flat = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
         return flat if flat is None or self._subset is None else self._subset.pack(flat)
 
+    def fold_unreduced(self, options: ReduceOptions) -> None:
+        """One rank and no replica: the unreduced flat gradient is the
+        reduced one; fold it in (:meth:`take_for_reduce` then :meth:`fold`,
+        without packing the parameters that train, which only saves bytes
+        on a wire there is none of).
+
+        Pre-condition: no reduction in flight."""
+        self._trained_before_change, self.saw_forward = None, False
+        flat = self._take_unreduced(self.owner.reduce_dtype)
+        if flat is not None:
+            self.fold(flat, options)
+
     @property
     def reduce_chunk(self) -> int:
         """Elements per rank of the reduce-scatter that :meth:`take_for_reduce`

@@ -519,11 +519,8 @@ class CollectiveQueue:
         bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
         if bucket is None and buffer.group.total_size == 1 and not profiler_active():
             # one rank, no replica: nothing to communicate, observe (the observers record
-            # only what crosses ranks) or keep in flight; what _issue_reduce would do, inline
-            grad = buffer.grad
-            flat = grad.take_for_reduce()
-            if flat is not None:
-                grad.fold(flat, options)
+            # only what crosses ranks) or keep in flight
+            buffer.grad.fold_unreduced(options)
             return
         if bucket is not None:
             _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
