@@ -11,11 +11,19 @@ change by two runs of it (before and after) mostly measures the machine.
 This builds ``--baseline``'s ``fsdp_compose`` package (``git archive``,
 renamed ``fsdp_compose_baseline`` so both import side by side) and this
 tree's, annotates one model with each, and times single steps in turns
-(baseline, this tree, unsharded; the order reversed every other turn), by
-this thread's CPU clock. Each turn gives one difference per unit; the
-median over ``--pairs`` turns, with its quartiles, is what the change
-costs or saves per unit and step. The paired medians of each variant's
-ratio to the unsharded model are printed too (their difference is the
+(baseline, this tree, unsharded; the order changed every turn), by this
+thread's CPU clock. Each turn gives one difference per unit; the median
+over ``--pairs`` turns, with its quartiles, is one process's reading.
+
+Which model a process builds first matters by itself: the tree compared
+with its own ``HEAD`` in one process that built the baseline's model first
+read -7.6 µs per unit and step (twenty-second session), a bias as large as
+the changes this should judge. So the measurement runs in ``--processes``
+processes, one after the other, half of them building the baseline's model
+first and half this tree's; the result is the mean of the two orders'
+readings, and half their difference (what the order alone does) is
+printed with it. The paired medians of each variant's ratio to the
+unsharded model are printed per process too (their difference is the
 change; their level depends on three models sharing the caches).
 """
 
@@ -25,6 +33,7 @@ import argparse
 import datetime
 import io
 import itertools
+import json
 import os
 import re
 import statistics
@@ -78,24 +87,23 @@ def _baseline_model(cfg: GPTConfig) -> GPT:
     return model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", default="HEAD", help="git revision to compare with")
-    parser.add_argument("--pairs", type=int, default=400, help="turns of one step each")
-    parser.add_argument("--layers", type=int, default=48)
-    options = parser.parse_args()
+def _measure(options: argparse.Namespace, folder: str, tree_first: bool) -> dict:
+    """One process's turns (see the module docstring): the models built in
+    the given order, then timed; the per-turn differences and ratios."""
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
     units = options.layers + 1
     device = torch.device("cpu")
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as folder, tempfile.NamedTemporaryFile() as f:
-        export_baseline(options.baseline, folder)
-        sys.path.insert(0, folder)
+    sys.path.insert(0, folder)
+    with tempfile.NamedTemporaryFile() as f:
         dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=120))
         x, y = synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size)
-        models = {"baseline": _baseline_model(cfg), "this tree": _build("fsdp_compose", cfg, device),
-                  "unsharded": _build("unsharded", cfg, device)}
+        builders = {"baseline": lambda: _baseline_model(cfg),
+                    "this tree": lambda: _build("fsdp_compose", cfg, device)}
+        order = ["this tree", "baseline"] if tree_first else ["baseline", "this tree"]
+        models = {name: builders[name]() for name in order}
+        models["unsharded"] = _build("unsharded", cfg, device)
         steps = {name: _stepper(model, x, y, device, time.thread_time)
                  for name, model in models.items()}
         for step in steps.values():
@@ -108,15 +116,55 @@ def main() -> None:
                 times[name].append(steps[name]())
         dist.destroy_process_group()
     saved = [(new - old) * 1e6 / units for new, old in zip(times["this tree"], times["baseline"])]
-    low, _, high = statistics.quantiles(saved, n=4)
     ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["unsharded"]))
              for name in ("baseline", "this tree")}
-    print(f"host-cost proxy, {units} units, {options.pairs} turns of one step each (thread CPU "
-          f"clock); torch {torch.__version__}; load average (1 min) {os.getloadavg()[0]:.2f}")
-    print(f"this tree - {options.baseline}: {statistics.median(saved):+.1f} µs per unit and step "
-          f"(quartiles {low:+.1f} .. {high:+.1f})")
-    print(f"x unsharded, paired median: {options.baseline} {ratio['baseline']:.3f}, "
-          f"this tree {ratio['this tree']:.3f}")
+    return {"saved": saved, "ratio": ratio}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="HEAD", help="git revision to compare with")
+    parser.add_argument("--pairs", type=int, default=400, help="turns of one step per process")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="processes, one after the other, alternating which model is built "
+                             "first (even: as many each way)")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--child", choices=("baseline", "tree"), help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.child:
+        print(json.dumps(_measure(options, options.folder, options.child == "tree")))
+        return
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        export_baseline(options.baseline, folder)
+        for index in range(options.processes):
+            first = "baseline" if index % 2 == 0 else "tree"
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.host_cost_ab", "--pairs", str(options.pairs),
+                 "--layers", str(options.layers), "--child", first, "--folder", folder],
+                capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                sys.exit(f"a measuring process failed:\n{proc.stderr[-3000:]}")
+            runs.append((first, json.loads(proc.stdout.strip().splitlines()[-1])))
+    units = options.layers + 1
+    print(f"host-cost proxy, {units} units, {options.processes} processes x {options.pairs} "
+          f"turns of one step each (thread CPU clock); torch {torch.__version__}; load average "
+          f"(1 min) {os.getloadavg()[0]:.2f}")
+    medians = {"baseline": [], "tree": []}
+    for first, run in runs:
+        median = statistics.median(run["saved"])
+        low, _, high = statistics.quantiles(run["saved"], n=4)
+        medians[first].append(median)
+        print(f"  {first:>8} built first: this tree - {options.baseline}: {median:+.1f} µs per "
+              f"unit and step (quartiles {low:+.1f} .. {high:+.1f}); x unsharded, paired "
+              f"median: {options.baseline} {run['ratio']['baseline']:.3f}, this tree "
+              f"{run['ratio']['this tree']:.3f}")
+    if medians["baseline"] and medians["tree"]:
+        each_way = [statistics.mean(medians["baseline"]), statistics.mean(medians["tree"])]
+        print(f"this tree - {options.baseline}: {statistics.mean(each_way):+.1f} µs per unit and "
+              f"step (the mean of both build orders); the build order alone moves it by "
+              f"{(each_way[0] - each_way[1]) / 2:+.1f} (half the difference between the orders)")
 
 
 if __name__ == "__main__":
