@@ -31,7 +31,12 @@ other, then each variant's ratios across them: every process's best round
 and median of rounds, and the median over processes of each. The
 unsharded model's best round moves by over 10% from process to process
 (where the allocator and the interpreter put things), which moves every
-ratio of that process alike; one process is one sample of it.
+ratio of that process alike; one process is one sample of it. Process
+``i`` builds the models starting from the ``i``-th variant (the unsharded
+model first in the first process, the floor first in the second, ...):
+the model a process builds first runs a few µs per unit slower by that
+alone (``host_cost_ab.py``), so no variant is always first. With five
+processes each variant is built first once.
 
 ``--profile N``: N more fsdp_compose steps under cProfile; the functions
 with the most own time, and the time under each of the library's hook
@@ -230,6 +235,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="run the benchmark in N fresh processes and summarise the ratios")
     parser.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child's ratios
+    parser.add_argument("--build-first", type=int, default=0, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.processes > 1:
         _across_processes(options.processes, sys.argv[1:])
@@ -246,8 +252,12 @@ def main() -> None:
                                 init_method=f"file://{f.name}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=120))
         x, y = (t.to(device) for t in synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size))
-        steppers = {name: _stepper(_build(name, cfg, device), x, y, device, clock)
-                    for name in names}
+        # built from the --build-first'th variant on (--processes rotates it: which model a
+        # process builds first changes its speed by itself, see host_cost_ab.py)
+        first = options.build_first % len(names)
+        built = {name: _stepper(_build(name, cfg, device), x, y, device, clock)
+                 for name in names[first:] + names[:first]}
+        steppers = {name: built[name] for name in names}
         for step in steppers.values():
             for _ in range(3):
                 step()  # warm-up: lazy initialisation, optimizer state
@@ -287,16 +297,18 @@ def main() -> None:
 
 def _across_processes(count: int, argv: list[str]) -> None:
     """Run this benchmark ``count`` times, each in a fresh process (its
-    table printed as it comes), then each variant's best-round ratio and
-    median-of-rounds ratio per process, and the median over processes."""
+    table printed as it comes; process ``i`` builds the ``i``-th variant's
+    model first, and the others in order after it), then each variant's
+    best-round ratio and median-of-rounds ratio per process, and the
+    median over processes."""
     child = [a for i, a in enumerate(argv)
              if not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
     results: list[dict[str, list[float]]] = []
     with tempfile.TemporaryDirectory() as folder:
         for index in range(count):
             path = os.path.join(folder, f"{index}.json")
-            subprocess.run([sys.executable, "-m", "benchmarks.host_cost", *child, "--json", path],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "benchmarks.host_cost", *child, "--json", path,
+                            "--build-first", str(index)], check=True)
             with open(path) as f:
                 results.append(json.load(f))
     print(f"\nacross {count} processes: x unsharded, best round / median of rounds per "
