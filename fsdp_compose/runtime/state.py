@@ -126,6 +126,7 @@ class FullyShardState(_State):
         rank-divergence checks). Both come from outside ``runtime/``, which
         never imports the checks."""
         self.unit = unit
+        unit.backward_started = self._queue_end_of_backward
         me = weakref.ref(self)
 
         def pre_backward_hook(_grads: Any) -> None:
@@ -379,11 +380,17 @@ class FullyShardState(_State):
             self._unshard_for_backward()
 
     def _unshard_for_backward(self) -> None:
+        self._queue_end_of_backward()
+        self.unit.pre_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        """Queue the model's end of backward (once per backward): from the
+        first pre-backward hook, or from the first gradient of a unit that
+        has none (``Unit.backward_started``)."""
         context = self.context
         if not context.backward_callback_queued:
             context.backward_callback_queued = True
             queue_autograd_callback(context.root._finish_backward)
-        self.unit.pre_backward()
 
     def _finish_backward(self) -> None:
         """Queued once per backward: publish the reduced gradients (unless

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from .._torch_private import profiler_active
+from .._torch_private import current_graph_task_id, profiler_active
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
@@ -82,8 +82,9 @@ class Unit:
 
     __slots__ = ('buffers', 'casts_inputs', 'casts_output', 'collectives', 'group', 'is_root',
                  'managed_modules', 'modules', 'name', 'prefetch_order', 'settings',
-                 'training_state', '_backward_possible', '_buffer_of', '_frozen_uses',
-                 '_modules_to_run', '_saved_guard', '__dict__', '__weakref__')
+                 'training_state', 'backward_started', '_backward_possible', '_buffer_of',
+                 '_frozen_uses', '_modules_to_run', '_no_pre_backward_hook', '_saved_guard',
+                 '__dict__', '__weakref__')
 
     def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
@@ -136,6 +137,13 @@ class Unit:
         in the current pass; the unit reshards when it empties."""
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
+        self._no_pre_backward_hook: bool = False
+        """The last forward that recorded a graph put no pre-backward hook
+        on this unit's outputs (see [Note: one rank without pre-backward
+        hooks])."""
+        self.backward_started: Callable[[], None] = lambda: None
+        """Queues the model's end of backward if no hook did yet in this
+        backward (set by the unit's state when it is bound)."""
         self._saved_guard: Optional[saved_tensors_hooks] = None
         """Active during a forward when ``unshard_in_backward`` is off: refuses
         to let autograd save the parameters (backward would read freed memory)."""
@@ -246,9 +254,31 @@ class Unit:
         for buffer in self.buffers:
             buffer.rebuild_after_conversion()
 
+    # [Note: one rank without pre-backward hooks]
+    # Where nothing of the model all-gathers (one rank), a unit's pre-backward
+    # has nothing to gather or fetch ahead: its hook on the forward's outputs
+    # would only mark the unit as in backward and queue the end of backward.
+    # Putting that hook on every output of every forward cost about 14 µs per
+    # unit and step on the host-cost proxy (``benchmarks.host_cost_ab``), so
+    # over one rank a unit whose buffers all train puts none (the root keeps
+    # its own, as does a unit under a profiler, which labels the moment):
+    # its first gradient queues the end of backward instead
+    # (``backward_started``), and a forward while a backward runs on this
+    # thread is a recomputation (:meth:`_in_backward`), as it is for a unit
+    # whose hook ran. A unit with frozen buffers keeps the hook: their
+    # resharding counts on the unit's backward state. The state then goes
+    # from IDLE to POST_BACKWARD at the unit's post-backward.
+    def _in_backward(self) -> bool:
+        """Backward is running this unit's part now (a forward now is a
+        recomputation, activation checkpointing): its pre-backward hook ran,
+        or, where its outputs carry none (see [Note: one rank without
+        pre-backward hooks]), a backward runs on this thread."""
+        return self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) \
+            or (self._no_pre_backward_hook and current_graph_task_id() != -1)
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Unshard for the forward of ``module`` (one of ``self.modules``)."""
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self._in_backward():
             # Recomputation inside backward (activation checkpointing): the
             # buffers are unsharded for backward already; only restore the views.
             self.unshard()
@@ -272,6 +302,10 @@ class Unit:
                     frozen = True
             if frozen:
                 self._register_frozen_post_backward(args, kwargs)
+            # see [Note: one rank without pre-backward hooks]
+            self._no_pre_backward_hook = collectives.gathers_nothing and not frozen and \
+                not self.is_root and not self.settings.reduce_scatter_unused_params and \
+                not profiler_active()
 
     def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[Any], None],
                      pass_ends: bool) -> bool:
@@ -281,7 +315,7 @@ class Unit:
         True when the unit's pass is complete: every module of the unit
         ran, or ``pass_ends`` (a module called on its own, outside the
         root's forward, is a pass by itself)."""
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self._in_backward():
             return False  # recomputation inside backward: stay unsharded
         if self._saved_guard is not None:
             self._release_saved_guard()
@@ -290,12 +324,14 @@ class Unit:
                 tensors = (output,) if output.requires_grad else ()
             else:
                 tensors = tensors_requiring_grad(output)
-            if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
-                _on_gradient(tensors[0], pre_backward)
+            if tensors:
                 self._backward_possible = True
-            elif tensors:
-                register_multi_grad_hook(tensors, pre_backward, mode="any")
-                self._backward_possible = True
+                if self._no_pre_backward_hook:
+                    pass  # see [Note: one rank without pre-backward hooks]
+                elif len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
+                    _on_gradient(tensors[0], pre_backward)
+                else:
+                    register_multi_grad_hook(tensors, pre_backward, mode="any")
         self._modules_to_run.discard(module)
         if self._modules_to_run and not pass_ends:
             return False  # a sibling module of this unit has yet to run
@@ -364,6 +400,8 @@ class Unit:
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """Autograd finished accumulating ``buffer``'s flat gradient: reduce
         it (or keep it, accumulating without sync) and reshard the buffer."""
+        if self._no_pre_backward_hook:
+            self.backward_started()  # no pre-backward hook ran: queue the end of backward
         if profiler_active():
             call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
         else:
