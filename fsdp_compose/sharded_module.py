@@ -66,7 +66,7 @@ class ShardedModule:
         """Free the unsharded parameters; attributes are the sharded
         ``nn.Parameter`` objects again."""
         for state in _states(self, recurse):
-            state.unit.reshard()
+            state.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:

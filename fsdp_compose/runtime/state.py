@@ -60,6 +60,7 @@ class ModelContext:
 
     __slots__ = ('after_last_backward', 'backward_callback_queued', 'buffers',
                  'collectives', 'gradients', 'prefetch_order', 'root', 'states',
+                 'views_for_backward',
                  '__dict__', '__weakref__')
 
     def __init__(self, root: "FullyShardState", states: list["FullyShardState"],
@@ -72,6 +73,10 @@ class ModelContext:
         """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
         self.after_last_backward: Optional[Callable[[nn.Module], None]] = None
+        self.views_for_backward: list[Unit] = []
+        """Units resharded by hand after a forward that put no pre-backward
+        hook on their outputs (one rank): the next backward's first event
+        puts their views back (:meth:`FullyShardState.reshard`)."""
         self.buffers: tuple[FlatBuffer, ...] = tuple(
             buffer for state in states for buffer in state.unit.buffers)
         self.gradients: tuple[FlatGradient, ...] = tuple(buffer.grad for buffer in self.buffers)
@@ -337,6 +342,7 @@ class FullyShardState(_State):
             context.prefetch_order.discard_iteration()
             context.collectives.discard_iteration()
             context.backward_callback_queued = False
+            context.views_for_backward.clear()
 
     def _finish_incomplete_units(self) -> None:
         """A multi-module unit some of whose modules did not run: its pass
@@ -386,11 +392,30 @@ class FullyShardState(_State):
     def _queue_end_of_backward(self) -> None:
         """Queue the model's end of backward (once per backward): from the
         first pre-backward hook, or from the first gradient of a unit that
-        has none (``Unit.backward_started``)."""
+        has none (``Unit.backward_started``). That first event also puts
+        back the views of units resharded by hand since their forward
+        (:meth:`reshard`)."""
         context = self.context
         if not context.backward_callback_queued:
             context.backward_callback_queued = True
             queue_autograd_callback(context.root._finish_backward)
+            if context.views_for_backward:
+                for unit in context.views_for_backward:
+                    unit.unshard()
+                context.views_for_backward.clear()
+
+    def reshard(self) -> None:
+        """``ShardedModule.reshard`` of this unit. Where its last forward put
+        no pre-backward hook on its outputs (one rank, see [Note: one rank
+        without pre-backward hooks]) and its backward is still to come, the
+        model's next backward puts the views back at its first event, so that
+        the module attributes in backward are the views, as everywhere else
+        (where the loss bypasses the root's output, that first event may be
+        this unit's own gradient: after its backward)."""
+        unit = self.unit
+        unit.reshard()
+        if self.context is not None and unit.backward_pending_without_hook():
+            self.context.views_for_backward.append(unit)
 
     def _finish_backward(self) -> None:
         """Queued once per backward: publish the reduced gradients (unless

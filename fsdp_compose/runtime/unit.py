@@ -258,16 +258,20 @@ class Unit:
     # Where nothing of the model all-gathers (one rank), a unit's pre-backward
     # has nothing to gather or fetch ahead: its hook on the forward's outputs
     # would only mark the unit as in backward and queue the end of backward.
-    # Putting that hook on every output of every forward cost about 14 µs per
-    # unit and step on the host-cost proxy (``benchmarks.host_cost_ab``), so
-    # over one rank a unit whose buffers all train puts none (the root keeps
-    # its own, as does a unit under a profiler, which labels the moment):
-    # its first gradient queues the end of backward instead
-    # (``backward_started``), and a forward while a backward runs on this
-    # thread is a recomputation (:meth:`_in_backward`), as it is for a unit
-    # whose hook ran. A unit with frozen buffers keeps the hook: their
+    # Putting that hook on every output of every forward cost about 11 µs per
+    # unit and step on the host-cost proxy (``benchmarks.host_cost_ab
+    # --processes 4``), so over one rank a unit whose buffers all train puts
+    # none (the root keeps its own, as does a unit under a profiler, which
+    # labels the moment): its first gradient queues the end of backward
+    # instead (``backward_started``), and a forward while a backward runs on
+    # this thread is a recomputation (:meth:`_in_backward`), as it is for a
+    # unit whose hook ran. A unit with frozen buffers keeps the hook: their
     # resharding counts on the unit's backward state. The state then goes
-    # from IDLE to POST_BACKWARD at the unit's post-backward.
+    # from IDLE to POST_BACKWARD at the unit's post-backward. A unit
+    # resharded by hand between its forward and backward
+    # (``ShardedModule.reshard``) gets its views back at the backward's
+    # first event (``FullyShardState.reshard``), as its pre-backward would
+    # have swapped them in.
     def _in_backward(self) -> bool:
         """Backward is running this unit's part now (a forward now is a
         recomputation, activation checkpointing): its pre-backward hook ran,
@@ -275,6 +279,12 @@ class Unit:
         pre-backward hooks]), a backward runs on this thread."""
         return self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) \
             or (self._no_pre_backward_hook and current_graph_task_id() != -1)
+
+    def backward_pending_without_hook(self) -> bool:
+        """The last forward put no pre-backward hook on this unit's outputs
+        and recorded a graph whose backward has not reached the unit yet."""
+        return self._no_pre_backward_hook and self.training_state is TrainingState.IDLE and \
+            any(buffer.grad.saw_forward for buffer in self.buffers)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Unshard for the forward of ``module`` (one of ``self.modules``)."""
