@@ -26,7 +26,8 @@ from .buffers import tensor_parallel
 from .buffers.layout import (DEFAULT_PLACEMENT, FLAT, Blocks, FlatLayout, Placement, ShardDim,
                              check_placement)
 from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
-                              flatten_costly_rows, group_records, resolve_dtypes)
+                              flatten_costly_rows, group_records, resolve_dtypes,
+                              split_whole_pieces)
 from .checks.divergence import DivergenceMonitor
 from .checks.late_parameters import check_no_late_parameters, snapshot_modules
 from .checks.replicate import is_replicated
@@ -196,7 +197,8 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     choices = placement_choices(records, shard_placement_fn)
     _assign_groups(records, choices, group)
     _localize_tensor_parallel(records, group, spmd_mesh)
-    flattened = assign_placements(records, placement, choices, group.world_size)
+    flattened = assign_placements(records, placement, choices, group.world_size,
+                                  steps_on_cpu=group.device.type == "cpu")
     if flattened and group.rank == 0:
         _warn_flattened(flattened)
     _check_params(records, group.device)
@@ -248,14 +250,17 @@ def check_unit_placement(placement: object) -> None:
 
 def assign_placements(records: list[ParamRecord], placement: object,
                       choices: Optional[Sequence[Any]],
-                      world_size: int) -> list[ParamRecord]:
+                      world_size: int, steps_on_cpu: bool = False) -> list[ParamRecord]:
     """Each record's placement: its choice (:func:`placement_choices`; the
     placement part of an :class:`OnMesh`), or the unit's where that is
     ``None``; checked against the parameter's shape (a
     unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
     one returned for it raises, naming it). The unit's placement ``None`` is
     the default: ``"rows"``, but ``"flat"`` for parameters whose whole rows
-    would pad the buffer much more (``records.flatten_costly_rows``).
+    would pad the buffer much more (``records.flatten_costly_rows``); with
+    ``steps_on_cpu`` (a CPU mesh: torch's optimizers step one parameter at
+    a time), a buffer of its own for a parameter a rank would otherwise
+    hold much more of than FSDP2 does (``records.split_whole_pieces``).
     Returns the parameters of more than one dimension the default made
     ``"flat"``."""
     defaulted = placement is None
@@ -275,7 +280,10 @@ def assign_placements(records: list[ParamRecord], placement: object,
         r.placement = check_placement(value, r.shape, r.fqn, explicit=chosen is not None)
     if not by_default:
         return []
-    return [r for r in flatten_costly_rows(records, by_default, world_size) if len(r.shape) > 1]
+    flattened = flatten_costly_rows(records, by_default, world_size)
+    if steps_on_cpu:
+        split_whole_pieces(records, by_default, world_size)
+    return [r for r in flattened if len(r.shape) > 1]
 
 
 def taken(module: nn.Module) -> bool:

@@ -287,6 +287,10 @@ class FlatLayout:
                                      min(max(start - lo, 0), self.shard_numel), 0))
         return tuple(slices)
 
+    def largest_piece(self, index: int) -> int:
+        """The most elements of parameter ``index`` that one rank holds."""
+        return max((p.length for p in self._pieces[index]), default=0)
+
     def owner_ranks(self, index: int) -> range:
         """Ranks whose chunk intersects parameter ``index`` (empty range for a
         parameter with no elements). Consecutive for every placement."""

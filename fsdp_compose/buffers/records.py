@@ -42,6 +42,9 @@ class ParamRecord:
         group: the ranks its buffer shards over when not its unit's
             (``shard_placement_fn`` returned another mesh); ``None``: the
             unit's.
+        own_buffer: it has a flat buffer of its own
+            (:func:`split_whole_pieces`, the default placement's rule on a
+            CPU mesh).
     """
 
     param: nn.Parameter
@@ -51,6 +54,7 @@ class ParamRecord:
     tp: Optional[TensorParallelSpec] = None
     placement: Placement = FLAT
     group: Optional[ShardGroup] = None
+    own_buffer: bool = False
 
 
 class BufferPolicy(NamedTuple):
@@ -135,10 +139,12 @@ def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
     cost gradient memory or reduce-scatter volume; parameters pinned to
     ranks (``"owned"``, ``ShardDim``) and the others (a stream of
     flat/rows/blocks) never share a layout (``layout.py``); parameters on
-    another mesh than their unit's have buffers of their own."""
-    groups: dict[tuple[torch.dtype, bool, bool, int], list[ParamRecord]] = {}
+    another mesh than their unit's, and those marked ``own_buffer``, have
+    buffers of their own."""
+    groups: dict[tuple[torch.dtype, bool, bool, int, int], list[ParamRecord]] = {}
     for r in records:
-        key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement), id(r.group))
+        key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement), id(r.group),
+               id(r) if r.own_buffer else 0)
         groups.setdefault(key, []).append(r)
     return list(groups.values())
 
@@ -185,6 +191,85 @@ def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord
             record.placement = FLAT
             flattened.append(record)
     return flattened
+
+
+HOST_PIECE_SLACK_BYTES = 4 * 2 ** 20
+"""How much larger than FSDP2's largest piece of a unit's trainable
+parameter a rank's largest one may be, on a CPU mesh, before
+:func:`split_whole_pieces` gives a parameter a buffer of its own (one more
+all-gather and reduce-scatter per step, for at least this much less
+optimizer memory per temporary)."""
+
+
+def largest_share_bytes(record: ParamRecord, world_size: int) -> int:
+    """The largest piece of ``record``'s parameter a rank holds when it is
+    dealt by rows over ``world_size`` ranks (``torch.chunk``: FSDP2's
+    ``Shard(0)``), in bytes."""
+    shape = record.shape
+    rows = -(-shape[0] // world_size) if shape else 1
+    return rows * math.prod(shape[1:]) * record.param.dtype.itemsize
+
+
+def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord],
+                       world_size: int) -> list[ParamRecord]:
+    """The default placement's rule on a CPU mesh: ``candidates`` (placed by default, trainable, not tensor-parallel) get a
+    buffer of their own, largest piece first, while a rank would hold a
+    piece of one that exceeds the unit's largest piece under FSDP2's
+    ``Shard(0)`` (:func:`largest_share_bytes`) by more than
+    :data:`HOST_PIECE_SLACK_BYTES`.
+
+    Why: a buffer's rank boundaries fall wherever its parameters' sizes put
+    them, so a parameter about a rank's share in size (an embedding beside a
+    head of the same size, over two ranks) can sit whole on one rank where
+    FSDP2 holds half of it. torch's optimizers run one parameter at a time
+    on the CPU (no ``foreach``), making temporaries the size of each piece,
+    so their peak follows the largest piece; alone in a buffer, a parameter
+    is cut by rows as FSDP2 cuts it. On CUDA (``foreach``: temporaries the
+    size of the whole shard) the layout does not change the peak, so the
+    rule is not applied there, nor under CPU offload from CUDA (host memory
+    is rarely what runs out there, and each buffer is one more collective
+    on the GPU's critical path).
+
+    Post-condition: every candidate's largest piece is at most the unit's
+    largest ``Shard(0)`` piece plus :data:`HOST_PIECE_SLACK_BYTES`, or at
+    most what it would be alone in a buffer (chunks are whole alignment
+    units: two elements stay on one rank). Returns the parameters given a
+    buffer of their own."""
+    if world_size == 1:
+        return []
+    trainable = [r for r in records if r.param.requires_grad]
+    movable = [r for r in candidates
+               if r.param.requires_grad and r.tp is None and r.shape and not is_fixed(r.placement)]
+    if not movable:
+        return []
+    bound = max(largest_share_bytes(r, world_size) for r in trainable) + HOST_PIECE_SLACK_BYTES
+    split: list[ParamRecord] = []
+    while True:
+        pieces = _largest_pieces(records, world_size)
+        over = [r for r in movable if not r.own_buffer and pieces.get(id(r), 0) > bound
+                and _largest_pieces([r], world_size)[id(r)] < pieces[id(r)]]
+        if not over:
+            return split
+        record = max(over, key=lambda r: pieces[id(r)])
+        record.own_buffer = True
+        split.append(record)
+
+
+def _largest_pieces(records: list[ParamRecord], world_size: int) -> dict[int, int]:
+    """Per record of a stream buffer (by id), the largest piece of it one
+    rank holds, in bytes, with the records' buffers as they are grouped now
+    (a single record: alone in a buffer)."""
+    pieces: dict[int, int] = {}
+    for group in group_records(records):
+        first = group[0]
+        if is_fixed(first.placement):
+            continue
+        itemsize = first.param.dtype.itemsize
+        layout = FlatLayout([r.shape for r in group], world_size, [r.placement for r in group],
+                            alignment(itemsize, 2))
+        for index, r in enumerate(group):
+            pieces[id(r)] = layout.largest_piece(index) * itemsize
+    return pieces
 
 
 def buffer_layout(records: list[ParamRecord], world_size: int, policy: BufferPolicy) -> FlatLayout:

@@ -103,7 +103,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
     specs = resolve_units(model, units)
     for spec in specs:
         assign_placements(spec.records, placement,
-                          placement_choices(spec.records, shard_placement_fn), world_size)
+                          placement_choices(spec.records, shard_placement_fn), world_size,
+                          steps_on_cpu=backend == "gloo")
     plans = [plan_unit(s, world_size, mp_policy or MixedPrecisionPolicy(), offload)
              for s in specs]
     order = module_order(model, specs[:-1])
