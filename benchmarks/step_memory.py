@@ -14,8 +14,8 @@ GPU's counterpart).
 Each implementation is built alone in the ranks, then ``--steps`` steps run
 under the PyTorch profiler with ``profile_memory=True`` (every CPU tensor
 allocation and free, gloo's threads included; ``benchmarks/memory.py``). Each
-step is three phases (forward, backward, AdamW step + ``zero_grad``); the
-table shows rank 0's peak of live tensor bytes in each phase of each step,
+step is three phases (forward, backward, AdamW step + ``zero_grad``); a
+table per rank shows its peak of live tensor bytes in each phase of each step,
 counted from just before the model was built, and the bytes live after the
 step. fp32, every block a unit plus the root; FSDP2 on a CPU mesh.
 
@@ -93,8 +93,10 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
     for name in args.impls:
         results[name] = _phase_peaks(name, cfg, args.repeats, args.foreach, args.batch_per_rank)
         gc.collect()
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, results)
     if rank == 0:
-        queue.put(results)
+        queue.put(every_rank)
     dist.destroy_process_group()
 
 
@@ -104,10 +106,14 @@ def main() -> None:
                          flags={"--foreach": "AdamW(foreach=True), as on a GPU"},
                          batch_per_rank=4)
     args.impls = args.impls.split(",")
-    results = run_two_ranks(_worker, args, timeout=1200)
-    print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch "
-          f"{args.batch_per_rank} x 128 per rank, fp32, AdamW"
-          f"{'(foreach=True)' if args.foreach else ''}; rank 0's live tensor MiB")
+    for rank, results in enumerate(run_two_ranks(_worker, args, timeout=1200)):
+        print(f"GPT {args.layers} x d{args.d_model}, vocab {args.vocab}, 2 gloo ranks, batch "
+              f"{args.batch_per_rank} x 128 per rank, fp32, AdamW"
+              f"{'(foreach=True)' if args.foreach else ''}; rank {rank}'s live tensor MiB")
+        _print_table(args, results)
+
+
+def _print_table(args, results: dict) -> None:
     theirs = results["fsdp2"]
     ours = [name for name in args.impls if name != "fsdp2"]
     print("| step | phase | " + " | ".join(ours) + " | FSDP2 | difference |")

@@ -196,9 +196,9 @@ def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord
 HOST_PIECE_SLACK_BYTES = 4 * 2 ** 20
 """How much larger than FSDP2's largest piece of a unit's trainable
 parameter a rank's largest one may be, on a CPU mesh, before
-:func:`split_whole_pieces` gives a parameter a buffer of its own (one more
-all-gather and reduce-scatter per step, for at least this much less
-optimizer memory per temporary)."""
+:func:`split_whole_pieces` gives parameters buffers of their own (each one
+more all-gather and reduce-scatter per step, so only where a temporary of
+the optimizer's shrinks by more than this)."""
 
 
 def largest_share_bytes(record: ParamRecord, world_size: int) -> int:
@@ -212,11 +212,13 @@ def largest_share_bytes(record: ParamRecord, world_size: int) -> int:
 
 def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord],
                        world_size: int) -> list[ParamRecord]:
-    """The default placement's rule on a CPU mesh: ``candidates`` (placed by default, trainable, not tensor-parallel) get a
-    buffer of their own, largest piece first, while a rank would hold a
-    piece of one that exceeds the unit's largest piece under FSDP2's
+    """The default placement's rule on a CPU mesh: where a rank would hold
+    a piece of one of ``candidates`` (placed by default, trainable, not
+    tensor-parallel) that exceeds the unit's largest piece under FSDP2's
     ``Shard(0)`` (:func:`largest_share_bytes`) by more than
-    :data:`HOST_PIECE_SLACK_BYTES`.
+    :data:`HOST_PIECE_SLACK_BYTES`, candidates get a buffer of their own,
+    largest piece first, until no piece exceeds that largest ``Shard(0)``
+    piece (the slack decides which units change, not how far).
 
     Why: a buffer's rank boundaries fall wherever its parameters' sizes put
     them, so a parameter about a rank's share in size (an embedding beside a
@@ -230,11 +232,12 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     is rarely what runs out there, and each buffer is one more collective
     on the GPU's critical path).
 
-    Post-condition: every candidate's largest piece is at most the unit's
-    largest ``Shard(0)`` piece plus :data:`HOST_PIECE_SLACK_BYTES`, or at
-    most what it would be alone in a buffer (chunks are whole alignment
-    units: two elements stay on one rank). Returns the parameters given a
-    buffer of their own."""
+    Post-condition: either nothing was split and every candidate's largest
+    piece is at most the unit's largest ``Shard(0)`` piece plus
+    :data:`HOST_PIECE_SLACK_BYTES`, or every candidate's largest piece is
+    at most that ``Shard(0)`` piece or what it would be alone in a buffer
+    (chunks are whole alignment units: two elements stay on one rank).
+    Returns the parameters given a buffer of their own."""
     if world_size == 1:
         return []
     trainable = [r for r in records if r.param.requires_grad]
@@ -242,17 +245,19 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
                if r.param.requires_grad and r.tp is None and r.shape and not is_fixed(r.placement)]
     if not movable:
         return []
-    bound = max(largest_share_bytes(r, world_size) for r in trainable) + HOST_PIECE_SLACK_BYTES
+    bound = max(largest_share_bytes(r, world_size) for r in trainable)
+    slack = HOST_PIECE_SLACK_BYTES
     split: list[ParamRecord] = []
     while True:
         pieces = _largest_pieces(records, world_size)
-        over = [r for r in movable if not r.own_buffer and pieces.get(id(r), 0) > bound
+        over = [r for r in movable if not r.own_buffer and pieces.get(id(r), 0) > bound + slack
                 and _largest_pieces([r], world_size)[id(r)] < pieces[id(r)]]
         if not over:
             return split
         record = max(over, key=lambda r: pieces[id(r)])
         record.own_buffer = True
         split.append(record)
+        slack = 0
 
 
 def _largest_pieces(records: list[ParamRecord], world_size: int) -> dict[int, int]:
