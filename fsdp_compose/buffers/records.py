@@ -246,12 +246,13 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     if not movable:
         return []
     bound = max(largest_share_bytes(r, world_size) for r in trainable)
+    alone = {id(r): _largest_pieces([r], world_size)[id(r)] for r in movable}
     slack = HOST_PIECE_SLACK_BYTES
     split: list[ParamRecord] = []
     while True:
         pieces = _largest_pieces(records, world_size)
         over = [r for r in movable if not r.own_buffer and pieces.get(id(r), 0) > bound + slack
-                and _largest_pieces([r], world_size)[id(r)] < pieces[id(r)]]
+                and alone[id(r)] < pieces[id(r)]]
         if not over:
             return split
         record = max(over, key=lambda r: pieces[id(r)])
