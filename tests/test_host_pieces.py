@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
-from fsdp_compose import param_info
+from fsdp_compose import fully_shard, param_info
 from fsdp_compose._setup import assign_placements
 from fsdp_compose.buffers import records as records_module
 from fsdp_compose.buffers.layout import FlatLayout, alignment
@@ -226,3 +226,35 @@ def test_the_single_tensor_optimizer_peak_is_fsdp2s():
         (r, p) for r in (0, 1) for p in ("forward peak", "optimizer peak")}, rows
     for (rank, step, phase), (ours, fsdp2) in rows.items():
         assert ours <= fsdp2 + 0.05, (rank, step, phase, ours, fsdp2)
+
+
+def hsdp_without_slack(mesh_shape: tuple[int, ...], reshard) -> dict:
+    """Runs on every rank: ``tests/test_hsdp.py``'s parity loop on
+    ``mesh_shape`` with no slack, and the buffers each unit then gets."""
+    from tests.test_hsdp import _mesh, _train
+    saved = records_module.HOST_PIECE_SLACK_BYTES
+    records_module.HOST_PIECE_SLACK_BYTES = 0
+    try:
+        result = _train(mesh_shape, "adamw", reshard=reshard)
+        mesh = _mesh(mesh_shape)
+        model = build_model()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+    finally:
+        records_module.HOST_PIECE_SLACK_BYTES = saved
+    result["buffers"] = [len(s.unit.buffers) for s in _states(model)]
+    return result
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="tests/test_hsdp.py's CPU meshes")
+@pytest.mark.parametrize("mesh_shape,reshard", [((2, 2), None), ((4,), 2)],
+                         ids=["hsdp-2x2", "reshard-to-2"])
+def test_split_buffers_under_hsdp_train_like_one_process(mesh_shape, reshard):
+    """Buffers of their own over a shard group of a 2-D mesh, and under
+    ``reshard_after_forward=2`` (gathered from the smaller group in
+    backward): parity with one process, AdamW."""
+    from tests.test_hsdp import _assert_parity
+    results = run_distributed(4, hsdp_without_slack, mesh_shape, reshard, timeout=120)
+    _assert_parity(results, train_reference(4, "adamw"))
+    assert max(results[0]["buffers"]) > 1, results[0]["buffers"]
