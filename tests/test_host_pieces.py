@@ -258,3 +258,68 @@ def test_split_buffers_under_hsdp_train_like_one_process(mesh_shape, reshard):
     results = run_distributed(4, hsdp_without_slack, mesh_shape, reshard, timeout=120)
     _assert_parity(results, train_reference(4, "adamw"))
     assert max(results[0]["buffers"]) > 1, results[0]["buffers"]
+
+
+def with_split_buffers(function: str, *args):
+    """Runs on every rank: ``tests/test_placements.py``'s ``function`` where
+    the placement ``"split"`` is the default one with no slack (buffers of
+    their own on the CPU)."""
+    from tests import test_placements
+    saved = records_module.HOST_PIECE_SLACK_BYTES
+    records_module.HOST_PIECE_SLACK_BYTES = 0
+    test_placements.PLACEMENTS["split"] = (None, None)
+    try:
+        return getattr(test_placements, function)(*args)
+    finally:
+        records_module.HOST_PIECE_SLACK_BYTES = saved
+        del test_placements.PLACEMENTS["split"]
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="buffers of their own are the CPU's")
+@pytest.mark.parametrize("saved_as,loaded_as", [("split", "shard0"), ("rows", "split")])
+def test_state_dicts_cross_split_buffers(saved_as, loaded_as):
+    """A state dict saved with buffers of their own loads under FSDP2's
+    layout, and one saved in one buffer loads into split buffers: exact."""
+    for res in run_distributed(3, with_split_buffers, "save_and_load_across", saved_as,
+                               loaded_as):
+        for key, want in res["want"].items():
+            torch.testing.assert_close(res["loaded"][key], want, rtol=0, atol=0)
+            torch.testing.assert_close(res["loaded_full"][key], want, rtol=0, atol=0)
+            assert res["placements"][key] == "(Shard(dim=0),)", (key, res["placements"][key])
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="buffers of their own are the CPU's")
+@pytest.mark.parametrize("saved_as,loaded_as", [("split", "owned"), ("owned", "split")])
+def test_optimizer_state_crosses_split_buffers(saved_as, loaded_as):
+    """AdamW's state saved with buffers of their own resumes under another
+    layout and back, and the next step agrees."""
+    for res in run_distributed(3, with_split_buffers, "resume_under_another_placement",
+                               saved_as, loaded_as):
+        for key, want in res["source"].items():
+            torch.testing.assert_close(res["target"][key], want, rtol=0, atol=1e-6)
+        assert res["kinds"]
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="buffers of their own are the CPU's")
+def test_split_buffers_under_mixed_precision_equal_one_buffer():
+    """bf16 compute, fp32 reduction, accumulation without sync: buffers of
+    their own train bit for bit as one flat buffer does."""
+    split = run_distributed(2, with_split_buffers, "train_placed", "split", "adamw", 3,
+                            "accum-nosync", True)
+    flat = run_distributed(2, with_split_buffers, "train_placed", "flat0", "adamw", 3,
+                           "accum-nosync", True)
+    for got, want in zip(split, flat):
+        assert got["losses"] == want["losses"]
+        for key, value in want["params"].items():
+            torch.testing.assert_close(got["params"][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="buffers of their own are the CPU's")
+def test_split_buffers_materialize_from_the_meta_device():
+    """Built on the meta device, split, materialised: an eager build's values."""
+    torch.manual_seed(1234)
+    from tests._training import CFG
+    want = {n: p.detach() for n, p in GPT(CFG).named_parameters()}
+    for res in run_distributed(3, with_split_buffers, "materialized_like_eager", "split"):
+        for key, value in want.items():
+            torch.testing.assert_close(res["got"][key], value, rtol=0, atol=0)
