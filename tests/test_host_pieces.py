@@ -31,8 +31,9 @@ from fsdp_compose._setup import assign_placements
 from fsdp_compose.buffers import records as records_module
 from fsdp_compose.buffers.layout import FlatLayout, alignment
 from fsdp_compose.buffers.records import ParamRecord, group_records, largest_share_bytes
-from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.runtime.state import state_of
+from fsdp_compose.testing import GPT, GPTConfig
+from fsdp_compose.tools.describe import describe
 from tests._training import (RECIPES, TEST_DEVICE, assert_parity, build_model, train_reference,
                              train_sharded)
 from tests.harness import run_distributed
@@ -156,6 +157,7 @@ def train_without_slack(optim_name: str) -> dict:
     finally:
         records_module.HOST_PIECE_SLACK_BYTES = saved
     result["buffers"] = [len(s.unit.buffers) for s in _states(model)]
+    result["described"] = str(describe(model))
     result["local"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     result["full"] = {n: tuple(param_info(p).shape) for n, p in model.named_parameters()}
     return result
@@ -177,6 +179,7 @@ def test_split_buffers_train_like_one_process(optim_name):
     on_host = TEST_DEVICE.type == "cpu"
     buffers = results[0]["buffers"]
     assert (max(buffers) > 1) == on_host, buffers
+    assert ("a buffer of its own" in results[0]["described"]) == on_host
     if not on_host:
         return
     full = results[0]["full"]

@@ -106,6 +106,9 @@ class BufferReport:
             much more optimizer state and compute the most loaded rank has.
         ranks: the global ranks it shards over (its unit's mesh, or the
             mesh ``shard_placement_fn`` chose, :class:`OnMesh`).
+        own_buffer: the default placement put its one parameter alone in it
+            (on a CPU mesh, so that no rank holds much more of it than
+            FSDP2's ``Shard(0)``: ``records.split_whole_pieces``).
     """
 
     trainable: bool
@@ -123,6 +126,7 @@ class BufferReport:
     rank_numels: tuple[int, ...] = ()
     imbalance: float = 0.0
     ranks: tuple[int, ...] = ()
+    own_buffer: bool = False
 
 
 @dataclass(frozen=True)
@@ -395,7 +399,8 @@ def _buffer_report(buffer: FlatBuffer, paths: dict[int, list[str]]) -> BufferRep
         unsharded_bytes=layout.padded_numel * buffer.compute_dtype.itemsize,
         shard_numel=layout.shard_numel, shard_bytes=layout.shard_numel * buffer.dtype.itemsize,
         rank_numels=loads, imbalance=_imbalance(loads),
-        ranks=tuple(dist.get_process_group_ranks(buffer.group.process_group)))
+        ranks=tuple(dist.get_process_group_ranks(buffer.group.process_group)),
+        own_buffer=buffer.records[0].own_buffer)
 
 
 def placement_name(placement: object) -> str:
@@ -524,6 +529,9 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
             f"({format_bytes(buffer.shard_bytes)})")
         if len(buffer.ranks) != unit.world_size:
             lines.append(f"    sharded over ranks {list(buffer.ranks)} (another mesh than the unit's)")
+        if buffer.own_buffer:
+            lines.append("    a buffer of its own: beside the unit's other parameters a rank would "
+                         "hold much more of it than FSDP2 does (docs/placements.md)")
         placements = sorted({p.placement for p in buffer.params})
         if placements != ["flat"] or buffer.imbalance > 0.01:
             loads = buffer.rank_numels
