@@ -54,7 +54,7 @@ def build_fsdp1(model: GPT) -> nn.Module:
 
 def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        retain_staging: bool = False, bf16: Optional[str] = None,
-                       placement: Optional[str] = "flat", bucket_cap_mb: Optional[float] = None,
+                       placement: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
                        split_root: bool = False, check_divergence: Optional[bool] = None,
                        quantize: Optional[str] = None,
                        shard_placement_fn: Optional[Callable] = None) -> nn.Module:
@@ -128,7 +128,7 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_bf16": functools.partial(build_fsdp_compose, bf16="fp32-comm"),
     "fsdp_compose_bf16comm": functools.partial(build_fsdp_compose, bf16="comm"),
     "fsdp_compose_rows": functools.partial(build_fsdp_compose, placement="rows"),
-    "fsdp_compose_default": functools.partial(build_fsdp_compose, placement=None),
+    "fsdp_compose_flat": functools.partial(build_fsdp_compose, placement="flat"),
     "fsdp_compose_owned": functools.partial(build_fsdp_compose, placement="owned"),
     "fsdp_compose_nobucket": functools.partial(build_fsdp_compose, bucket_cap_mb=0),
     # no forward agreement (nor verification): its cost, against "fsdp_compose"
@@ -146,9 +146,10 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
 the staging pool kept between steps (``PrefetchPolicy(retain_staging=True)``),
 bf16 compute with fp32 reduction communicated in fp32 or (``reduce_comm_dtype``)
-in bf16, the ``"rows"`` / ``"owned"`` placements (``docs/placements.md``), the
-library's default placement (``placement=None``: ``"rows"``, with a buffer of
-its own for a parameter a rank would hold much more of than FSDP2 does),
+in bf16, the ``"rows"`` / ``"flat"`` / ``"owned"`` placements
+(``docs/placements.md``; ``"fsdp_compose"`` has the library's default,
+``"rows"`` with a buffer of its own on a CPU mesh for a parameter a rank
+would hold much more of than FSDP2 does),
 bucketing off (``set_bucket_cap_mb(0)``; the default is 2 MiB) or with a 1
 or 4 MiB cap (4: the default before issue 39), the root's embeddings and its
 final norm + head annotated as units of their own (``fully_shard_root``: gathered and reduced where they are used, the
