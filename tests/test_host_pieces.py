@@ -89,8 +89,8 @@ def test_the_benchmark_roots_matrices_are_cut_as_fsdp2_cuts_them(world):
 
 def test_nothing_is_split_where_the_rule_does_not_apply():
     """On a CUDA mesh (``foreach`` optimizers), for a placement the user
-    chose, for frozen parameters and over one rank the buffers stay as
-    they were."""
+    chose, for frozen parameters, for parameters on another mesh than the
+    unit's and over one rank the buffers stay as they were."""
     def split(records, placement=None, world=2, host=True):
         assign_placements(records, placement, None, world, steps_on_cpu=host)
         return [r.fqn for r in records if r.own_buffer]
@@ -102,6 +102,10 @@ def test_nothing_is_split_where_the_rule_does_not_apply():
     for r in frozen:
         r.param.requires_grad_(False)
     assert split(frozen) == []
+    elsewhere = _root_records(BENCHMARK_GPT)  # shard_placement_fn put them on another mesh
+    for r in elsewhere:
+        r.group = object()
+    assert split(elsewhere) == []
     assert split(_root_records(BENCHMARK_GPT)) == ["tok_emb.weight", "head.weight"]  # CPU mesh
 
 

@@ -214,7 +214,7 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
                        world_size: int) -> list[ParamRecord]:
     """The default placement's rule on a CPU mesh: where a rank would hold
     a piece of one of ``candidates`` (placed by default, trainable, not
-    tensor-parallel) that exceeds the unit's largest piece under FSDP2's
+    tensor-parallel, on the unit's mesh) that exceeds the unit's largest piece under FSDP2's
     ``Shard(0)`` (:func:`largest_share_bytes`) by more than
     :data:`HOST_PIECE_SLACK_BYTES`, candidates get a buffer of their own,
     largest piece first, until no piece exceeds that largest ``Shard(0)``
@@ -240,9 +240,9 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     Returns the parameters given a buffer of their own."""
     if world_size == 1:
         return []
-    trainable = [r for r in records if r.param.requires_grad]
-    movable = [r for r in candidates
-               if r.param.requires_grad and r.tp is None and r.shape and not is_fixed(r.placement)]
+    trainable = [r for r in records if r.param.requires_grad and r.group is None]
+    movable = [r for r in candidates if r.param.requires_grad and r.group is None
+               and r.tp is None and r.shape and not is_fixed(r.placement)]
     if not movable:
         return []
     bound = max(largest_share_bytes(r, world_size) for r in trainable)
