@@ -3,13 +3,13 @@ per unit and training step, and the bytecode instructions it runs.
 
 On a launch-bound GPU step every microsecond of Python per unit is step
 time (docs/performance.md, "Host time per unit"); its timing belongs to
-``benchmarks/host_cost.py``, but the number of calls the library makes in
+``benchmarks/host_cost/proxy.py``, but the number of calls the library makes in
 the steady state, and of the interpreter's instructions, does not depend
 on the machine or its load, so they are counted here: a change that adds
 per-unit work to a hook moment fails this test instead of slipping into a
 benchmark's noise (on the host-cost proxy one instruction of the library's
 costs in the order of 10 ns, so no paired timing resolves a cut of a few
-hundred of them, ``benchmarks/host_cost_ab.py``). Only frames whose code
+hundred of them, ``benchmarks/host_cost/ab.py``). Only frames whose code
 is fsdp_compose's are counted (not torch's, not the model's), over one
 whole step (forward, backward, ``optimizer.step()``, ``zero_grad()``)
 after warm-up, on one rank.
@@ -96,7 +96,7 @@ def test_python_calls_per_unit_and_step_stay_bounded() -> None:
     assert per_unit <= CALLS_PER_UNIT, (
         f"fsdp_compose makes {per_unit:.1f} Python calls per unit and training step, more "
         f"than the {CALLS_PER_UNIT} this test allows: some hook moment does more per-unit "
-        "work than before (benchmarks/host_cost.py --moments shows which)")
+        "work than before (python -m benchmarks.host_cost --moments shows which)")
 
 
 def test_bytecode_instructions_per_unit_and_step_stay_bounded() -> None:
@@ -108,7 +108,7 @@ def test_bytecode_instructions_per_unit_and_step_stay_bounded() -> None:
     assert per_unit <= INSTRUCTIONS_PER_UNIT, (
         f"fsdp_compose runs {per_unit:.0f} bytecode instructions per unit and training step, "
         f"more than the {INSTRUCTIONS_PER_UNIT} this test allows: some hook moment does more "
-        "per-unit work than before (benchmarks/host_cost.py --moments shows which)")
+        "per-unit work than before (python -m benchmarks.host_cost --moments shows which)")
 
 
 def attributes_outside_slots(mode: str) -> list[str]:
@@ -161,7 +161,7 @@ def test_the_hooks_objects_keep_their_attributes_in_slots(mode: str, world_size:
     attribute read is then one load from the object, where an instance
     dictionary costs another memory access (a few µs per unit and step on
     the host-cost proxy with the session's other cuts, about the resolution
-    of ``benchmarks/host_cost_ab.py``). An attribute added without
+    of ``benchmarks/host_cost/ab.py``). An attribute added without
     declaring it still works, in the ``__dict__`` the classes keep for
     that; this test names it."""
     for outside in run_distributed(world_size, attributes_outside_slots, mode, timeout=120):

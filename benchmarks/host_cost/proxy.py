@@ -10,7 +10,7 @@ One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
 thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
 arithmetic is next to nothing), every block a unit plus the root. A step is
 forward, backward, AdamW step and ``zero_grad``. The unsharded model,
-the design's floor (``host_floor.py``: the torch work
+the design's floor (``host_cost/floor.py``: the torch work
 fsdp_compose's design needs per unit, with next to no Python), the same
 with fsdp_compose's per-forward checks (``floor_checked``), fsdp_compose
 and torch FSDP2 run in interleaved rounds; each round times
@@ -35,7 +35,7 @@ ratio of that process alike; one process is one sample of it. Process
 ``i`` builds the models starting from the ``i``-th variant (the unsharded
 model first in the first process, the floor first in the second, ...):
 the model a process builds first runs a few µs per unit slower by that
-alone (``host_cost_ab.py``), so no variant is always first. With five
+alone (``host_cost/ab.py``), so no variant is always first. With five
 processes each variant is built first once.
 
 ``--profile N``: N more fsdp_compose steps under cProfile; the functions
@@ -97,7 +97,7 @@ def _timed_moments(name: str) -> list[tuple[object, str, str]]:
     pair up). Bound methods are taken when a model is annotated or a
     backward starts, so patch them before building the model that is timed."""
     if name == "floor":
-        from benchmarks.host_floor import FloorUnit, _Views
+        from benchmarks.host_cost.floor import FloorUnit, _Views
         entries = [(FloorUnit, "_pre_forward"), (FloorUnit, "_post_forward"),
                    (FloorUnit, "_pre_backward"), (_Views, "backward"),
                    (FloorUnit, "_take_gradient"), (FloorUnit, "_end_of_backward")]
@@ -171,7 +171,7 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
             fully_shard(block)
         fully_shard(model)
     elif name in ("floor", "floor_checked"):
-        from benchmarks.host_floor import floor_units
+        from benchmarks.host_cost.floor import floor_units
         floor_units(model, model.blocks, checked=name == "floor_checked")  # the hooks keep them
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -253,7 +253,7 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=120))
         x, y = (t.to(device) for t in synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size))
         # built from the --build-first'th variant on (--processes rotates it: which model a
-        # process builds first changes its speed by itself, see host_cost_ab.py)
+        # process builds first changes its speed by itself, see host_cost/ab.py)
         first = options.build_first % len(names)
         built = {name: _stepper(_build(name, cfg, device), x, y, device, clock)
                  for name in names[first:] + names[:first]}
