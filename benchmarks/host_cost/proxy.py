@@ -234,12 +234,17 @@ def main() -> None:
                              "oversubscribed VM steals wall time, not CPU time)")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="run the benchmark in N fresh processes and summarise the ratios")
+    parser.add_argument("--record", action="store_true",
+                        help="with --processes: also write the table of record, "
+                             "benchmarks/results/record/host-cost.json")
     parser.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child's ratios
     parser.add_argument("--build-first", type=int, default=0, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.processes > 1:
-        _across_processes(options.processes, sys.argv[1:])
+        _across_processes(options.processes, sys.argv[1:], options.record)
         return
+    if options.record:
+        parser.error("--record needs --processes N (the record is the median over processes)")
     device = torch.device(options.device)
     if options.clock == "cpu" and device.type != "cpu":
         parser.error("--clock cpu measures the host thread alone: use it with --device cpu")
@@ -295,14 +300,14 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def _across_processes(count: int, argv: list[str]) -> None:
+def _across_processes(count: int, argv: list[str], record: bool = False) -> None:
     """Run this benchmark ``count`` times, each in a fresh process (its
     table printed as it comes; process ``i`` builds the ``i``-th variant's
     model first, and the others in order after it), then each variant's
     best-round ratio and median-of-rounds ratio per process, and the
     median over processes."""
-    child = [a for i, a in enumerate(argv)
-             if not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
+    child = [a for i, a in enumerate(argv) if a != "--record"
+             and not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
     results: list[dict[str, list[float]]] = []
     with tempfile.TemporaryDirectory() as folder:
         for index in range(count):
@@ -315,11 +320,23 @@ def _across_processes(count: int, argv: list[str]) -> None:
           "process; the median over processes of each")
     print("| variant | per process | median over processes |")
     print("|---|---|---|")
+    rows = []
     for name in results[0]:
         best = [r[name][0] for r in results]
         median = [r[name][1] for r in results]
         each = ", ".join(f"{b:.2f}/{m:.2f}" for b, m in zip(best, median))
-        print(f"| {name} | {each} | {statistics.median(best):.2f} / {statistics.median(median):.2f} |")
+        overall = f"{statistics.median(best):.2f} / {statistics.median(median):.2f}"
+        print(f"| {name} | {each} | {overall} |")
+        rows.append([name, overall])
+    if record:
+        from benchmarks.record import write_record
+        write_record("host-cost", order=4,
+                     question="Host cost per unit: the CPU proxy of a launch-bound step (one rank)",
+                     command="PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost " + " ".join(argv),
+                     calibration="DDP is not run by the proxy; its calibration is the unsharded "
+                                 "model's step, to which every ratio is taken",
+                     columns=["variant", f"x unsharded (best round / median of rounds, median "
+                                         f"over {count} processes)"], rows=rows[1:])
 
 
 if __name__ == "__main__":
