@@ -32,15 +32,13 @@ UNITS = BLOCKS + 1  # every block, then the root
 CALLS_PER_UNIT = 72
 """The bound: 68.8 calls per unit and step were counted when it was set
 (this test's model and torch 2.13 and 2.14.1; 67.8 on 2.11; 67.4 on all
-three in the twenty-second session), 75.4 before the twentieth session's
-one-rank cuts (``b1f5e0e``) and 133.4 at ``2ff6881``, before the
-seventeenth session's (at both it fails). Raise it only with the reason in
+three later), 75.4 at ``b1f5e0e`` and 133.4 at ``2ff6881`` (at both it
+fails). Raise it only with the reason in
 the commit."""
 INSTRUCTIONS_PER_UNIT = 1900
 """The bound on bytecode instructions: 1817 per unit and step were counted
 when it was set (this test's model, CPython 3.11, torch 2.13 and 2.14.1;
-1803 on 2.11), 1986 at ``090336c``, before the twenty-second session's
-cuts, and 2353 at ``977a44a``, before the twenty-first's (at both it
+1803 on 2.11), 1986 at ``090336c`` and 2353 at ``977a44a`` (at both it
 fails). Raise it only with the reason in the commit."""
 
 

@@ -17,7 +17,7 @@ over ``--pairs`` turns, with its quartiles, is one process's reading.
 
 Which model a process builds first matters by itself: the tree compared
 with its own ``HEAD`` in one process that built the baseline's model first
-read -7.6 µs per unit and step (twenty-second session), a bias as large as
+read -7.6 µs per unit and step, a bias as large as
 the changes this should judge. So the measurement runs in ``--processes``
 processes, one after the other, half of them building the baseline's model
 first and half this tree's; the result is the mean of the two orders'

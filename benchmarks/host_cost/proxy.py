@@ -20,7 +20,7 @@ per step over the unsharded model ((step - unsharded step) / units), and
 the median over rounds of each round's ratio to the unsharded model's
 median in the same round (variants adjacent in time: robust to a machine
 whose speed drifts).
-Issue 36's target for fsdp_compose: at most 1.2x the unsharded model (about
+The target for fsdp_compose: at most 1.2x the unsharded model (about
 130 µs per unit per step), on a quiet machine.
 
 ``--clock cpu``: time steps by this thread's CPU time instead of the wall
