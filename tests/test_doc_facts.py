@@ -181,3 +181,66 @@ def test_no_page_quotes_a_count_of_tests(page):
     counts = [text[max(0, m.start() - 40):m.end() + 10] for m in _TEST_COUNT.finditer(text)]
     assert not counts, (f"{page} quotes test counts, which go stale with every test added "
                         f"(say what runs, not how many): {counts}")
+
+
+# ------------------------------------------------ docs/errors.md: advice that runs
+ERRORS = ROOT / "docs" / "errors.md"
+# the page's short names for test files (its opening paragraph)
+_PREFIX = {"E": "tests/test_errors.py", "R": "tests/test_recovery.py",
+           "F": "tests/test_first_iterations.py", "C": "tests/test_one_rank_calls.py",
+           "L": "tests/test_flight_log.py", "T": "tests/test_tensor_parallel.py"}
+# a message that tells the user what to write or do
+_PROPOSES_FIX = re.compile(
+    r"\b[Cc]all [\w.]+\(|\b[Pp]ass (?:a |it |the |True|writeback|placement)|\b[Uu]se (?:a list|len\(|`)|"
+    r"\b[Mm]ove the module|\bmake it contiguous|\b[Aa]nnotate (?:bottom-up|the common)|"
+    r"\b[Ww]rap it in|\brun the evaluation on every rank|\bslice both|\bflatten them|"
+    r"\bLoad a state dict with|\bload checkpoints between")
+_FIX_RUNS = re.compile(r"fix (?:runs|works): (?P<refs>.*)")
+_FIX_NOT_RUN = re.compile(r"fix not run \(\w[^)]*\)")
+_REF = re.compile(r"`(?:(?P<file>tests/\w+\.py)|(?P<short>[A-Z]))?::(?P<name>\w+)")
+
+
+def _rows(path: Path):
+    """(line, situation, raised, test) of every table row of the page."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.startswith("| ") or line.startswith(("| ---", "| situation", "| call |")):
+            continue
+        cells = line.strip().strip("|").split(" | ")
+        if len(cells) >= 3:
+            yield n, cells[0].strip(), " | ".join(cells[1:-1]), cells[-1].strip()
+
+
+def _functions(file: str) -> set[str]:
+    return set(re.findall(r"^def (\w+)", (ROOT / file).read_text(), re.MULTILINE))
+
+
+def _unresolved(refs: str) -> list[str]:
+    """The test references in ``refs`` naming no function of their file (a
+    bare ``::name`` continues the file before it)."""
+    bad, file = [], None
+    for m in _REF.finditer(refs):
+        file = m["file"] or (_PREFIX[m["short"]] if m["short"] else file)
+        if file is None or m["name"] not in _functions(file):
+            bad.append(m.group(0))
+    return bad
+
+
+def test_every_fix_errors_md_proposes_names_the_test_that_runs_it():
+    """A row whose message proposes a fix says ``fix runs: <test>`` (a test that
+    executes the proposed code and shows it works) or ``fix not run (why)``."""
+    problems = []
+    for n, situation, raised, test in _rows(ERRORS):
+        if not _PROPOSES_FIX.search(raised):
+            continue
+        runs = _FIX_RUNS.search(test)
+        if runs is None and not _FIX_NOT_RUN.search(test):
+            problems.append(f"errors.md:{n} ({situation[:60]}): proposes a fix but names no "
+                            "test that runs it ('fix runs: `E::...`' or 'fix not run (why)')")
+        elif runs is not None and (not _REF.search(runs["refs"]) or _unresolved(runs["refs"])):
+            problems.append(f"errors.md:{n}: 'fix runs:' names no existing test: {runs['refs']}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_test_errors_md_names_exists():
+    bad = [f"errors.md:{n}: {ref}" for n, _, _, test in _rows(ERRORS) for ref in _unresolved(test)]
+    assert not bad, "\n".join(bad)
