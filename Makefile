@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp
+EXAMPLES_STAMP := $(VENV)/.stamp-examples
 # torch is pinned to the CPU build that pip finds locally; an unpinned
 # `pip install torch` would pull a multi-GB CUDA build from PyPI.
 TORCH_PIN := torch==2.13.0
@@ -88,13 +89,18 @@ test-gpu:
 		echo "make test-gpu: no CUDA device visible to $(GPU_PYTHON); the CUDA mode did not run (nothing passed)"; \
 	fi
 
-# Train a small GPT on 2 CPU ranks (~10 s): progress bar, summary table, and
-# summary.json + a loss/memory plot (with matplotlib) under runs/train_gpt-<time>.
-# More options: DEMO_ARGS="--compare" (the same steps with torch DDP and FSDP2),
-# "--steps 200 --warmup 20 --min-lr-ratio 0.1", "--mixed-precision bf16", ... (--help).
-demo: venv
-	$(VENV)/bin/pip install --no-input -q -e '.[examples]' '$(TORCH_PIN)'
+# Train a small GPT on 2 CPU ranks (~10 s once the venv is built): progress bar,
+# summary table, and summary.json + a loss/memory plot (with matplotlib) under
+# runs/train_gpt-<time>. More options: DEMO_ARGS="--compare" (the same steps with
+# torch DDP and FSDP2), "--steps 200 --warmup 20 --min-lr-ratio 0.1",
+# "--mixed-precision bf16", ... (--help).
+demo: $(EXAMPLES_STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py $(DEMO_ARGS)
+
+# The `examples` extra (tqdm, matplotlib), installed once per pyproject.toml change.
+$(EXAMPLES_STAMP): $(STAMP) pyproject.toml
+	$(VENV)/bin/pip install --no-input -q -e '.[examples]' '$(TORCH_PIN)'
+	@touch $@
 
 # LoRA fine-tuning of a small Hugging Face Llama (PEFT) on 2 CPU ranks; ~1 min.
 lora-demo: venv

@@ -237,6 +237,101 @@ def mesh_without_this_rank():
                    "does not include this rank (1)")
 
 
+# ------------------------------------------------ the fixes the messages propose
+# Each case makes the mistake, checks the message names the fix, then runs the
+# fix as the message writes it and trains a step (docs/errors.md: "fix runs").
+
+
+def _trains(model: nn.Module, *inputs: torch.Tensor) -> bool:
+    """One SGD step on ``model`` changes its (sharded) parameters."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(*inputs).float().pow(2).mean().backward()
+    optim.step()
+    return any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def annotate_once_with_a_list():
+    """"call fully_shard once per module (use a list for several siblings as one unit)"."""
+    model = GPT()
+    fully_shard(model.blocks[0])
+    _raises(lambda: fully_shard(model.blocks[0]), "once per module", "use a list")
+    fixed = GPT()
+    fully_shard([fixed.blocks[0], fixed.blocks[1]])  # two siblings, one unit, one call
+    fully_shard(fixed)
+    return _trains(fixed, torch.randint(97, (2, 16)))
+
+
+def annotate_bottom_up():
+    """"Annotate bottom-up: call fully_shard on children before their parents"."""
+    model = GPT()
+    fully_shard(model)
+    _raises(lambda: fully_shard(model.blocks[1]), "Annotate bottom-up")
+    fixed = GPT()
+    for block in fixed.blocks:
+        fully_shard(block)
+    fully_shard(fixed)
+    return _trains(fixed, torch.randint(97, (2, 16)))
+
+
+def make_it_contiguous():
+    """"make it contiguous (param.data = param.data.contiguous()) before fully_shard"."""
+    module = nn.Linear(4, 3)
+    module.weight = nn.Parameter(torch.randn(4, 3).t())
+    _raises(lambda: fully_shard(module), "param.data = param.data.contiguous()")
+    param = module.weight
+    param.data = param.data.contiguous()  # as the message writes it
+    fully_shard(module)
+    return _trains(module, torch.randn(2, 4))
+
+
+def materialize_meta_parameters():
+    """"Call fsdp_compose.materialize(model)" before the forward."""
+    from fsdp_compose import materialize
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    _raises(lambda: model(torch.randn(2, 4)), "fsdp_compose.materialize(model)")
+    model.reset_iter_state()
+    materialize(model)
+    return _trains(model, torch.randn(2, 4))
+
+
+def two_dimensional_mesh_instead():
+    """A 3-D mesh: "pass ... a 2-D (replicate, shard) mesh (hybrid sharding), e.g.
+    init_device_mesh(device_type, (num_replicas, shard_size), mesh_dim_names=...)"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    three_dimensional_mesh()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = GPT()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _trains(model, torch.randint(97, (2, 16)))
+
+
+def init_process_group_first():
+    """"call torch.distributed.init_process_group(...) first": the harness's
+    workers have, and the same fully_shard trains."""
+    assert dist.is_initialized()
+    model = nn.Linear(8, 6)
+    fully_shard(model)
+    return _trains(model, torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("case", [
+    annotate_once_with_a_list, annotate_bottom_up, make_it_contiguous,
+    materialize_meta_parameters, init_process_group_first,
+])
+def test_the_proposed_fix_works(case):
+    assert all(run_distributed(2, case, timeout=60))
+
+
+def test_a_two_dimensional_mesh_works_where_a_three_dimensional_one_is_refused():
+    assert all(run_distributed(4, two_dimensional_mesh_instead, timeout=60))
+
+
 @pytest.mark.parametrize("case", [
     ranks_disagree_on_annotated_modules, step_with_pending_reduce_scatter,
     step_with_unreduced_gradients, step_inside_forward, step_after_unsharded_idle_is_fine,

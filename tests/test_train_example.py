@@ -106,6 +106,39 @@ def test_progress_in_a_file_is_whole_lines(compare):
     assert {total for _, _, total in lines} == {str(STEPS)}
 
 
+_README_DEMO = re.compile(r"`make demo`.*? ends with\n\n```text\n(.*?)```", re.DOTALL)
+
+
+def _shape(line: str) -> str:
+    """A printed line with its numbers masked and its spacing collapsed: what
+    stays the same from run to run (and for another model size)."""
+    if line.strip() and set(line.strip()) == {"-"}:
+        return "<rule>"
+    return " ".join(re.sub(r"\d[\d,.]*", "#", line).split())
+
+
+def test_readme_shows_what_the_demo_prints(tmp_path):
+    """README.md's ``make demo`` block is how the demo's output ends: the
+    same lines, words and columns (numbers and the run's time stamp aside).
+    The demo as ``make demo`` runs it (its default options, no --out-dir:
+    ``runs/train_gpt-<time>/``), a smaller model for fewer seconds."""
+    pytest.importorskip("matplotlib")  # the `examples` extra, which `make demo` installs
+    shown = _README_DEMO.search((ROOT / "README.md").read_text())
+    assert shown, "README.md has no ```text block after `make demo` ... ends with"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "examples" / "train_gpt.py"), *SMALL, "--steps", str(STEPS)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    want = [_shape(line) for line in shown[1].rstrip("\n").splitlines()]
+    got = [_shape(line) for line in proc.stdout.rstrip("\n").splitlines()][-len(want):]
+    assert got == want, ("README.md's demo output is not what the demo prints:\n--- README\n"
+                         + shown[1] + "--- printed (the end)\n"
+                         + "\n".join(proc.stdout.rstrip("\n").splitlines()[-len(want):]))
+    assert len(list(tmp_path.glob("runs/train_gpt-*/summary.json"))) == 1
+
+
 @pytest.mark.slow  # two torchrun jobs, ~15 s; the text itself: tests/test_example_output.py
 def test_resumed_run_says_the_steps_run_now_and_the_step_reached(tmp_path):
     """A checkpoint after step 4, then --steps 6 --resume: 2 steps ran, not 6."""
