@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.run import SCENARIOS
-from fsdp_compose._setup import assign_placements
+from fsdp_compose.setup.units import assign_placements
 from fsdp_compose.buffers.records import BufferPolicy, buffer_layout, group_records
 from fsdp_compose.testing import GPT
 from fsdp_compose.tools.planner.units import resolve_units

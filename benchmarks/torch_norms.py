@@ -99,7 +99,7 @@ def _recognition_ms(params: list, grads: list, plain: torch.nn.Module,
 def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
     join_gloo_group(rank, world, init_file, timeout_s=300)
     from fsdp_compose import clip_grad_norm_, fully_shard
-    from fsdp_compose.clip import total_norm_over_ranks
+    from fsdp_compose.gradients.clip import total_norm_over_ranks
     cfg = gpt_config(args)
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._setup import PlacementFn, check_unit_placement, setup_unit
+from .setup.units import PlacementFn, check_unit_placement, setup_unit
 from .checkpoint import UnitStateDictHooks
 from .checkpoint import install_optimizer_layout_hooks
 from .checks.empty_groups import install_empty_group_check
@@ -30,8 +30,9 @@ from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
-from . import torch_norms, torch_zero_grad
-from .torch_policies import as_mp_policy, as_offload_policy
+from .gradients import torch_norms
+from .gradients import torch_zero_grad
+from .setup.torch_policies import as_mp_policy, as_offload_policy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
 

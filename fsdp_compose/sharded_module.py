@@ -18,7 +18,7 @@ import torch.nn as nn
 from ._torch_private import require_override
 from .checks.divergence import DivergenceMonitor
 from .checks.finite import check_finite_gradients
-from .clip import clip_grad_norm_
+from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.state import ModelContext, FullyShardState, state_of, states_below

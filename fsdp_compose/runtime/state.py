@@ -24,7 +24,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
-from ..profiling import call_profiled, profiled
+from .profiling import call_profiled, profiled
 from .compile import run_eagerly
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
@@ -161,7 +161,7 @@ class FullyShardState(_State):
 
     @property
     def held_whole(self) -> bool:
-        """``fsdp_compose.full_params`` holds this unit's parameters whole:
+        """``fsdp_compose.params.full_params`` holds this unit's parameters whole:
         forward reads them as they are (the hooks do nothing)."""
         return self._held_whole
 

@@ -62,7 +62,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch.nn as nn
 
-from ..._setup import plan_buffers
+from ...setup.units import plan_buffers
 from ...buffers.layout import FlatLayout
 from ...buffers.param_views import ViewPlan
 from ...buffers.records import buffer_policy, is_aliased

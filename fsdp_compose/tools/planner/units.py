@@ -11,7 +11,7 @@ from typing import Iterator, NamedTuple, Sequence, Union
 
 import torch.nn as nn
 
-from ..._setup import collect_records, join_fqn, managed_modules
+from ...setup.units import collect_records, join_fqn, managed_modules
 from ...buffers.records import ParamRecord
 from ...runtime.state import ROOT_LABEL
 
