@@ -31,7 +31,7 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_module_api.py tests/test_errors.py tests/test_moe.py tests/test_spmd_mesh.py \
 	tests/test_quantized_wire.py tests/test_quantized_collectives.py tests/test_exit.py
 
-.PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench clean
+.PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench bench-report clean
 
 venv: $(STAMP)
 
@@ -105,6 +105,10 @@ lora-demo: venv
 bench: venv
 	$(VENV)/bin/pip install --no-input -q -e '.[bench]'
 	$(VPY) -m benchmarks.run $(BENCH_ARGS)
+
+# BENCHMARKS.md's tables from the records in benchmarks/results/record/ (no benchmark runs).
+bench-report:
+	PYTHONPATH=. $(if $(wildcard $(VPY)),$(VPY),$(PYTHON)) -m benchmarks.record
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis

@@ -40,6 +40,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -167,6 +168,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--record", action="store_true",
+                   help="also write the table of record, benchmarks/results/record/checkpoint.json")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -191,6 +194,8 @@ def main() -> None:
             "config": vars(cfg), "world": world, "rounds": args.rounds,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
             "torch": torch.__version__, "summary": summary, "per_rank": per_rank}, indent=1))
+        if args.record:
+            _record(summary)
     dist.destroy_process_group()
 
 
@@ -211,6 +216,24 @@ def summarize(per_rank: list[dict[str, list[dict[str, float]]]]) -> dict[str, di
     out["async"]["async_block_rss_growth_mib"] = max(
         s["async_block_rss_growth"] for s in samples) / 2**20
     return out
+
+
+def _record(summary: dict[str, dict[str, float]]) -> None:
+    from benchmarks.record import write_record
+    base, a = summary["fsdp2"], summary["async"]
+    write_record(
+        "checkpoint", order=5,
+        question="Checkpoint save and load through DCP (default model after one AdamW step)",
+        command="torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint " + " ".join(sys.argv[1:]),
+        calibration="not measured with this run; the ratios are to FSDP2 in the same rounds",
+        columns=["", "save", "save: RSS growth", "load", "load: RSS growth"],
+        rows=[[name, f"{m['save_ms']:.0f} ms ({m['save_ms'] / base['save_ms']:.2f}x)",
+               f"{m['save_rss_growth_mib']:.0f} MiB",
+               f"{m['load_ms']:.0f} ms ({m['load_ms'] / base['load_ms']:.2f}x)",
+               f"{m['load_rss_growth_mib']:.0f} MiB"] for name, m in summary.items() if name != "async"],
+        notes=[f"Async (`CheckpointStore(async_save=True)`): a synchronous save took "
+               f"{a['sync_save_ms']:.0f} ms; the async save blocked for {a['async_block_ms']:.0f} ms "
+               f"and finished {a['async_wait_ms']:.0f} ms later."])
 
 
 def _print_table(summary: dict[str, dict[str, float]], cfg: GPTConfig, world: int) -> None:

@@ -17,7 +17,7 @@ around each step); the step time is the best round's median. Every variant
 computes in bf16 and keeps fp32 master weights: fsdp_compose and FSDP2 with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on every block
 and the root, the unsharded model under ``torch.autocast``; AdamW. On the
-many-small config the design's floor (``benchmarks/host_floor.py``, under
+many-small config the design's floor (``benchmarks/host_cost/floor.py``, under
 autocast too) is timed beside them: how close to the unsharded model a
 unit of this design can get on the host.
 
@@ -65,7 +65,7 @@ QUICK = {"gpt-tiny": (GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_heads=
 WORLD2_CONFIG = (GPTConfig(vocab_size=4096, seq_len=256, d_model=256, n_heads=8, n_layers=6), 4)
 VARIANTS = ("unsharded", "fsdp_compose", "fsdp2")
 FLOOR_CONFIGS = ("many-small", "gpt-tiny")
-"""Configs whose world-1 runs also time the design's floor (``host_floor.py``:
+"""Configs whose world-1 runs also time the design's floor (``host_cost/floor.py``:
 the torch work of fsdp_compose's design per unit with next to no Python,
 under autocast as the unsharded model): what the host costs at the least
 where units are many and small."""
@@ -126,7 +126,7 @@ def _build(variant: str, cfg: GPTConfig, device: torch.device, bf16: bool
             fully_shard(block, mesh=mesh, **kw)
         fully_shard(model, mesh=mesh, **kw)
     elif variant == "floor":
-        from benchmarks.host_floor import floor_units
+        from benchmarks.host_cost.floor import floor_units
         floor_units(model, model.blocks)  # the hooks on the modules keep the units
     elif variant != "unsharded":
         raise ValueError(variant)

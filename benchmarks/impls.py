@@ -151,7 +151,7 @@ in bf16, the ``"rows"`` / ``"flat"`` / ``"owned"`` placements
 ``"rows"`` with a buffer of its own on a CPU mesh for a parameter a rank
 would hold much more of than FSDP2 does),
 bucketing off (``set_bucket_cap_mb(0)``; the default is 2 MiB) or with a 1
-or 4 MiB cap (4: the default before issue 39), the root's embeddings and its
+or 4 MiB cap (4: the earlier default), the root's embeddings and its
 final norm + head annotated as units of their own (``fully_shard_root``: gathered and reduced where they are used, the
 head's reduction overlaps the rest of backward), and quantized collectives
 (``CommPolicy``: int8 all-gather; int8 all-gather and reduction; fp8 both),

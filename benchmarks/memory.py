@@ -18,10 +18,9 @@ before the model is built, so it covers the model, the wrapper's flat
 buffers/DTensors/DDP buckets, gradients, optimizer states, activations,
 unsharded parameters and collective staging buffers. Memory allocated before
 the profiler started (the other implementations' models) is not counted,
-so each implementation is measured in isolation within one process. (Until
-2026-11-28 the benchmarks summed the events; FSDP2's memory on the CPU then
-grew by 12-36 MiB a step that gloo's thread had freed. BENCHMARKS.md,
-eleventh session.)
+so each implementation is measured in isolation within one process. (Summing the
+events instead makes FSDP2's memory on the CPU grow by 12-36 MiB a step
+that gloo's thread had freed.)
 
 A third pass runs torch's ``MemTracker`` (what users run to compare FSDP
 setups) for every implementation: :func:`measure_mem_tracker`, through

@@ -317,6 +317,29 @@ def write(summary: dict[str, Any], raw: dict[str, Any], out_dir: Path,
         log("matplotlib is not installed: no plot (pip install -e '.[bench]')")
 
 
+def record(summary: dict[str, Any], argv: list[str]) -> None:
+    """Write the scenario's table of record (``benchmarks/record.py``)."""
+    from benchmarks.record import write_record
+    res, model, env = summary["results"], summary["model"], summary["environment"]
+    ddp = res.get("ddp")
+    write_record(
+        f"cpu-step-{summary['scenario']}", order=1 if summary["scenario"] == "default" else 2,
+        question=(f"CPU step vs DDP and FSDP2, {summary['scenario']} model ({model['n_layers']} x "
+                  f"d{model['d_model']}, vocab {model['vocab_size']}; {model['params_m']:.1f}M params)"),
+        command="PYTHONPATH=. .venv/bin/python -m benchmarks.run " + " ".join(argv),
+        calibration=(f"DDP's step on this machine: {ddp['step_ms']:.1f} ms" if ddp else
+                     "DDP was not in this run (add ddp to --impls)"),
+        machine=(f"{env['nproc']}-core {env['cpu_model']}, torch {env['torch']}, CPython "
+                 f"{env['python']}, {env['ranks']} gloo ranks; load average "
+                 f"{env['loadavg_1min_before_after'][0]} at the start"),
+        columns=["impl", "step ms (median)", "rounds (min..max)", "x FSDP2", "peak MiB per rank",
+                 "max loss diff"],
+        rows=[[LABELS.get(name, name), f"{r['step_ms']:.1f}",
+               f"{min(r['step_ms_rounds']):.1f}..{max(r['step_ms_rounds']):.1f}",
+               _ratio(r, "fsdp2"), " / ".join(f"{v:.1f}" for v in r["peak_mib_per_rank"]),
+               f"{r['max_loss_diff_vs_reference']:.1e}"] for name, r in res.items()])
+
+
 def main(argv: list[str]) -> None:
     for path in map(Path, argv):
         summary = json.loads(path.read_text())

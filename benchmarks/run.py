@@ -28,6 +28,7 @@ import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 if __package__ in (None, ""):  # `python benchmarks/run.py`: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--batch-per-rank", type=int, default=2)
     model.add_argument("--lr", type=float, default=2e-4)
     model.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", action="store_true",
+                   help="also write the table of record, benchmarks/results/record/cpu-step-<scenario>.json")
     p.add_argument("--out-dir", type=Path,
                    help=f"where JSON and PNG go (default {RESULTS}, or its scratch/ with --quick)")
     args = p.parse_args(argv)
@@ -112,7 +115,7 @@ def log(msg: str) -> None:
 
 
 def worker(rank: int, world: int, init_method: str, all_settings: list[Settings],
-           out_dir: Path) -> None:
+           out_dir: Path, record_argv: Optional[list[str]] = None) -> None:
     """One rank: run every scenario; rank 0 writes the reports."""
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)  # FSDP1's deprecation notice
@@ -129,13 +132,16 @@ def worker(rank: int, world: int, init_method: str, all_settings: list[Settings]
                 report.stop_clock(env)
                 summary = report.summarize(s, raw, env)
                 report.write(summary, raw, out_dir, log)
+                if record_argv is not None:
+                    report.record(summary, record_argv)
             dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, all_settings: list[Settings], out_dir: Path) -> None:
-    worker(rank, world, f"tcp://127.0.0.1:{port}", all_settings, out_dir)
+def _spawned(rank: int, world: int, port: int, all_settings: list[Settings], out_dir: Path,
+             record_argv: Optional[list[str]]) -> None:
+    worker(rank, world, f"tcp://127.0.0.1:{port}", all_settings, out_dir, record_argv)
 
 
 def _free_port() -> int:
@@ -146,15 +152,16 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    record_argv = list(sys.argv[1:] if argv is None else argv) if args.record else None
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     all_settings = [settings_for(n, args) for n in names]
     out_dir = args.out_dir or (RESULTS / "scratch" if args.quick else RESULTS)
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the ranks started below
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", all_settings,
-               out_dir)
+               out_dir, record_argv)
         return
-    mp.start_processes(_spawned, args=(args.nproc, _free_port(), all_settings, out_dir),
+    mp.start_processes(_spawned, args=(args.nproc, _free_port(), all_settings, out_dir, record_argv),
                        nprocs=args.nproc, start_method="spawn")
 
 

@@ -1,5 +1,5 @@
 """Memory of every step, phase by phase, on the CPU: fsdp_compose against
-torch FSDP2 on two gloo ranks (issue 36 item 3; ``benchmarks/gpu.py`` is the
+torch FSDP2 on two gloo ranks (``benchmarks/gpu.py`` is the
 GPU's counterpart).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory                  # default GPT
@@ -30,6 +30,7 @@ GPU (every parameter at once: the temporaries total the rank's shard).
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Any
 
 import torch
@@ -103,7 +104,9 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
 def main() -> None:
     args = gpt_arguments(__doc__.splitlines()[0], repeats=4,  # --repeats: the steps
                          impls="fsdp_compose,fsdp2",
-                         flags={"--foreach": "AdamW(foreach=True), as on a GPU"},
+                         flags={"--foreach": "AdamW(foreach=True), as on a GPU",
+                                "--record": "also write rank 0's table to "
+                                            "benchmarks/results/record/memory-per-step.json"},
                          batch_per_rank=4)
     args.impls = args.impls.split(",")
     for rank, results in enumerate(run_two_ranks(_worker, args, timeout=1200)):
@@ -111,6 +114,26 @@ def main() -> None:
               f"{args.batch_per_rank} x 128 per rank, fp32, AdamW"
               f"{'(foreach=True)' if args.foreach else ''}; rank {rank}'s live tensor MiB")
         _print_table(args, results)
+        if rank == 0 and args.record:
+            _record(args, results)
+
+
+def _record(args, results: dict) -> None:
+    from benchmarks.record import write_record
+    names = list(args.impls)
+    rows = []
+    for step in range(args.repeats):
+        for p, phase in enumerate(PHASES):
+            rows.append([step + 1, f"{phase} peak"] +
+                        [f"{results[n]['peaks'][step][p] / MiB:.1f}" for n in names])
+        rows.append([step + 1, "after the step"] +
+                    [f"{results[n]['after'][step] / MiB:.1f}" for n in names])
+    write_record("memory-per-step", order=3,
+                 question=(f"Memory of every step, phase by phase (GPT {args.layers} x d{args.d_model}, "
+                           f"vocab {args.vocab}, batch {args.batch_per_rank} x 128 per rank, fp32, AdamW)"),
+                 command="PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory " + " ".join(sys.argv[1:]),
+                 calibration="not a timing (memory counts do not depend on load)",
+                 columns=["step", "phase"] + [f"{n} MiB" for n in names], rows=rows)
 
 
 def _print_table(args, results: dict) -> None:

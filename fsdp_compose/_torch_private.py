@@ -1,4 +1,4 @@
-"""Every private torch name fsdp_compose uses, in one place (issue 33).
+"""Every private torch name fsdp_compose uses, in one place.
 
 torch keeps no promise about names with a leading underscore (or about
 methods it does not document, such as ``PipelineStage.backward_maybe_with_nosync``):

@@ -5,7 +5,7 @@ gloo's worker thread may drop the last reference to a finished collective's
 tensors (torch FSDP2's, DDP's). The PyTorch profiler reports only the frees
 of the threads it watches, so a running sum of its events counted such
 memory as live for ever, and FSDP2's memory on the CPU grew by a block a
-step (BENCHMARKS.md, eleventh session). The method now reads c10's count
+step. The method now reads c10's count
 over every thread. Run in a fresh interpreter: the count is a process-wide
 flag this suite's other processes should not carry.
 """

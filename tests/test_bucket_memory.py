@@ -1,5 +1,5 @@
 """A bucket's packed temporaries hold no memory once its collective is done
-(issue 22, [Note: freeing what a collective read] in
+([Note: freeing what a collective read] in
 ``runtime/collective_queue.py``).
 
 gloo keeps a finished collective's input and output tensors alive for a

@@ -1,4 +1,4 @@
-"""Bucketing across units (issue 22, [Note: bucketing] in
+"""Bucketing across units ([Note: bucketing] in
 ``runtime/collective_queue.py``): the same numbers bit for bit as without it, fewer
 collectives, counted, and the unsharded memory bound kept."""
 

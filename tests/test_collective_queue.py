@@ -1,4 +1,4 @@
-"""The collective queue is the one home of the step's collectives (issue 35):
+"""The collective queue is the one home of the step's collectives:
 every all-gather and reduce-scatter the backend runs was issued as one
 ``InFlight`` and told to the observer first, bucketed, prefetched or
 called by hand (``module.unshard()``)."""

@@ -1,4 +1,4 @@
-"""The default placement keeps shapes (issue 34): recipes that select
+"""The default placement keeps shapes: recipes that select
 parameters by ``p.dim()`` / ``p.ndim`` pick what torch FSDP2 picks and
 train like one process, with no change to the user's code; empty optimizer
 groups are named and do not break a resume.

@@ -1,6 +1,6 @@
 """Code written against torch FSDP2's ``fully_shard`` means the same here
-(issue 23): positional arguments (item 1), torch's policy objects (item 4)
-and ``recurse`` on the module methods (item 5).
+: positional arguments, torch's policy objects and ``recurse`` on the
+module methods.
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/test_fsdp2_compat.py``.
 """

@@ -1,4 +1,4 @@
-"""``fsdp_compose.params.full_params`` (issue 23, item 3): whole parameters inside a
+"""``fsdp_compose.full_params``: whole parameters inside a
 block, each rank keeping its slice of what was written.
 
 Every use is held to one process doing the same on the unsharded model:

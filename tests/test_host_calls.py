@@ -3,13 +3,13 @@ per unit and training step, and the bytecode instructions it runs.
 
 On a launch-bound GPU step every microsecond of Python per unit is step
 time (docs/performance.md, "Host time per unit"); its timing belongs to
-``benchmarks/host_cost.py``, but the number of calls the library makes in
+``benchmarks/host_cost/proxy.py``, but the number of calls the library makes in
 the steady state, and of the interpreter's instructions, does not depend
 on the machine or its load, so they are counted here: a change that adds
 per-unit work to a hook moment fails this test instead of slipping into a
 benchmark's noise (on the host-cost proxy one instruction of the library's
 costs in the order of 10 ns, so no paired timing resolves a cut of a few
-hundred of them, ``benchmarks/host_cost_ab.py``). Only frames whose code
+hundred of them, ``benchmarks/host_cost/ab.py``). Only frames whose code
 is fsdp_compose's are counted (not torch's, not the model's), over one
 whole step (forward, backward, ``optimizer.step()``, ``zero_grad()``)
 after warm-up, on one rank.
@@ -32,15 +32,13 @@ UNITS = BLOCKS + 1  # every block, then the root
 CALLS_PER_UNIT = 72
 """The bound: 68.8 calls per unit and step were counted when it was set
 (this test's model and torch 2.13 and 2.14.1; 67.8 on 2.11; 67.4 on all
-three in the twenty-second session), 75.4 before the twentieth session's
-one-rank cuts (``b1f5e0e``) and 133.4 at ``2ff6881``, before the
-seventeenth session's (at both it fails). Raise it only with the reason in
+three later), 75.4 at ``b1f5e0e`` and 133.4 at ``2ff6881`` (at both it
+fails). Raise it only with the reason in
 the commit."""
 INSTRUCTIONS_PER_UNIT = 1900
 """The bound on bytecode instructions: 1817 per unit and step were counted
 when it was set (this test's model, CPython 3.11, torch 2.13 and 2.14.1;
-1803 on 2.11), 1986 at ``090336c``, before the twenty-second session's
-cuts, and 2353 at ``977a44a``, before the twenty-first's (at both it
+1803 on 2.11), 1986 at ``090336c`` and 2353 at ``977a44a`` (at both it
 fails). Raise it only with the reason in the commit."""
 
 
@@ -96,7 +94,7 @@ def test_python_calls_per_unit_and_step_stay_bounded() -> None:
     assert per_unit <= CALLS_PER_UNIT, (
         f"fsdp_compose makes {per_unit:.1f} Python calls per unit and training step, more "
         f"than the {CALLS_PER_UNIT} this test allows: some hook moment does more per-unit "
-        "work than before (benchmarks/host_cost.py --moments shows which)")
+        "work than before (python -m benchmarks.host_cost --moments shows which)")
 
 
 def test_bytecode_instructions_per_unit_and_step_stay_bounded() -> None:
@@ -108,7 +106,7 @@ def test_bytecode_instructions_per_unit_and_step_stay_bounded() -> None:
     assert per_unit <= INSTRUCTIONS_PER_UNIT, (
         f"fsdp_compose runs {per_unit:.0f} bytecode instructions per unit and training step, "
         f"more than the {INSTRUCTIONS_PER_UNIT} this test allows: some hook moment does more "
-        "per-unit work than before (benchmarks/host_cost.py --moments shows which)")
+        "per-unit work than before (python -m benchmarks.host_cost --moments shows which)")
 
 
 def attributes_outside_slots(mode: str) -> list[str]:
@@ -161,7 +159,7 @@ def test_the_hooks_objects_keep_their_attributes_in_slots(mode: str, world_size:
     attribute read is then one load from the object, where an instance
     dictionary costs another memory access (a few µs per unit and step on
     the host-cost proxy with the session's other cuts, about the resolution
-    of ``benchmarks/host_cost_ab.py``). An attribute added without
+    of ``benchmarks/host_cost/ab.py``). An attribute added without
     declaring it still works, in the ``__dict__`` the classes keep for
     that; this test names it."""
     for outside in run_distributed(world_size, attributes_outside_slots, mode, timeout=120):

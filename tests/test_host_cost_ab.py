@@ -1,4 +1,4 @@
-"""``benchmarks/host_cost_ab.py`` compares this tree with another revision's
+"""``benchmarks/host_cost/ab.py`` compares this tree with another revision's
 package in one process: the exported package must be that revision's code
 alone. One that still imported a module of this tree would compare the tree
 with itself, a silent zero."""
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = """
 import json
 import sys
-from benchmarks.host_cost_ab import BASELINE_PACKAGE, export_baseline
+from benchmarks.host_cost.ab import BASELINE_PACKAGE, export_baseline
 folder = sys.argv[1]
 export_baseline("HEAD", folder)
 sys.path.insert(0, folder)

@@ -1,4 +1,4 @@
-"""The ``floor`` variant of ``benchmarks/host_cost.py`` (``benchmarks/host_floor.py``)
+"""The ``floor`` variant of ``benchmarks/host_cost/proxy.py`` (``benchmarks/host_cost/floor.py``)
 trains exactly as the unsharded model does: its step time is a floor of
 the design's host cost only if it does the same arithmetic.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.host_floor import floor_units
+from benchmarks.host_cost.floor import floor_units
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens, train_losses
 
 

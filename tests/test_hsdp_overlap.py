@@ -1,5 +1,5 @@
 """Hybrid sharding: the all-reduce over the replicas is issued without
-waiting for it and overlaps the rest of backward (issue 22), with the same
+waiting for it and overlaps the rest of backward, with the same
 numbers as one process on the global batch."""
 
 from torch.nn.modules.module import register_module_full_backward_pre_hook

@@ -1,4 +1,4 @@
-"""torch's MemTracker agrees with a direct count on fsdp_compose (issue 22).
+"""torch's MemTracker agrees with a direct count on fsdp_compose.
 
 Before the fix, the staging pool released unsharded memory by swapping data
 pointers, which MemTracker cannot see: it counted every unit as unsharded

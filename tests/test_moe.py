@@ -1,4 +1,4 @@
-"""Mixture of experts with expert parallelism on 4 CPU ranks (issue 37).
+"""Mixture of experts with expert parallelism on 4 CPU ranks.
 
 The meshes are carved from one world mesh, as torchtitan does: the dense
 layers are sharded over all 4 ranks (``dense["fsdp"]``), the routed experts

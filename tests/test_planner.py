@@ -32,12 +32,12 @@ blocks or 21 finer units) and +2.7% (tiny Llama: the root's gradients are
 assumed alive all through backward) without buckets; 8 small blocks in
 buckets of three, with or without the root split: -0.1%; at the default
 cap: GPT blocks -0.04%, its 21 units -0.02 to -0.04% (+2% until the runtime
-prefetched the next bucket in backward), Llama +2.3% (twelfth session,
-after a bucket's members were filled at their own waits). Planned
+prefetched the next bucket in backward), Llama +2.3% (a bucket's members
+filled at their own waits). Planned
 buckets must be the runtime's (``test_planned_buckets_are_the_runtimes``).
 With the GPT's matrices as ``Shard(0)`` (read through assembled copies,
 which the measurement counts as parameters, not activations): +0.02%,
-bucketed or not (fifteenth session).
+bucketed or not.
 """
 
 from __future__ import annotations

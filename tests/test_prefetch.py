@@ -115,8 +115,8 @@ def test_a_new_gradient_waits_for_room_among_the_reductions(limit):
     """A unit's flat gradient is made only once at most ``limit - 1``
     reductions are in flight, so the reduction it feeds keeps the limit and
     the gradients of waited ones are freed first (torch FSDP2 waits the
-    previous reduce-scatter the same way; BENCHMARKS.md, eleventh session:
-    one unit's gradient above FSDP2 at the end of backward before)."""
+    previous reduce-scatter the same way; without it, one unit's gradient
+    stays above FSDP2's at the end of backward)."""
     for result in run_distributed(2, reductions_in_flight_at_each_gradient, limit):
         assert len(result["seen"]) == result["buffers"] > 0, result
         assert max(result["seen"]) == limit - 1, result["seen"]

@@ -1,4 +1,4 @@
-"""Quantized collectives (``CommPolicy``, issue 39) on 3 ranks, against one
+"""Quantized collectives (``CommPolicy``) on 3 ranks, against one
 process on the global batch.
 
 What the quantization promises, and what each test checks:

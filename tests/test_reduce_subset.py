@@ -1,4 +1,4 @@
-"""Parameters frozen after ``fully_shard`` are not reduced (issue 39 item 6):
+"""Parameters frozen after ``fully_shard`` are not reduced:
 the packed reduction of ``buffers/reduce_subset.py`` equals the whole
 reduce-scatter on every position that trains (any layout, flags and world
 size), and a unit whose weights are frozen after annotation moves only its

@@ -1,4 +1,4 @@
-"""``fully_shard_root`` (issue 22, [Note: split root] in
+"""``fully_shard_root`` ([Note: split root] in
 ``tools/split_root.py``): the root's embeddings and its final norm + head
 become units of their own; same numbers as one process, counted, and the
 head's reduction is issued before the blocks' backward is done."""

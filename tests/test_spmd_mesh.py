@@ -1,4 +1,4 @@
-"""FSDP2's SPMD mode on 4 CPU ranks (issue 37): ``fully_shard(module,
+"""FSDP2's SPMD mode on 4 CPU ranks: ``fully_shard(module,
 mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))`` where
 every parameter is a ``DTensor`` on the whole ``(dp, tp)`` mesh,
 ``Replicate()`` on ``dp`` and Colwise / Rowwise / replicated on ``tp``, and

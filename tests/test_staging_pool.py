@@ -1,6 +1,6 @@
 """``buffers/staging.py`` on its own (one process, no collectives).
 
-* pooled memory is visible to torch's ``MemTracker`` (issue 22: its peak
+* pooled memory is visible to torch's ``MemTracker`` (its peak
   missed what the pool held, 24 MiB of the benchmark GPT's peak);
 * memory released after the iteration's last expected fill of its size goes
   back to the allocator instead of waiting in the pool for the end of the

@@ -1,5 +1,5 @@
 """torch's ``clip_grad_norm_`` / ``get_total_norm`` over managed gradients
-give the global result (issue 23, item 2; ``fsdp_compose/torch_norms.py``).
+give the global result (``fsdp_compose/torch_norms.py``).
 
 Held to torch's functions on one process with the global batch: both entry
 points, ``foreach`` on and off, 2-, 1- and inf-norms, frozen and ignored
@@ -237,7 +237,7 @@ def test_training_clipped_by_torch_matches_one_process(optim_name):
 
 
 # ============================================================================
-# managed gradients recognised by identity, not shape (issue 34)
+# managed gradients recognised by identity, not shape
 # ============================================================================
 class _BiasFree(nn.Module):
     """Only 2-D parameters: under shape-keeping placements no managed

@@ -1,4 +1,4 @@
-"""Private torch names live in ``fsdp_compose/_torch_private.py`` only (issue 33).
+"""Private torch names live in ``fsdp_compose/_torch_private.py`` only.
 
 * the package's source is scanned with ``ast``: outside the guard, no module
   imports or uses a torch name with a leading-underscore component

@@ -5,8 +5,8 @@ views made into it once (see [Note: the kept sharded gradient]).
 Publication points each parameter's ``.grad`` at a view of the reduced
 sharded gradient. Making those views (one ``as_strided`` or ``split`` piece
 per parameter) and a new sharded gradient at every step cost about 15 µs of
-host time per unit and step on the host-cost proxy (``benchmarks/host_cost_ab.py
---baseline 58baa2c``: -15.1 µs with this): the largest per-unit cost left
+host time per unit and step on the host-cost proxy (``python -m
+benchmarks.host_cost.ab``, paired against the version without it): the largest per-unit cost left
 that the unsharded model does not pay.
 So the library keeps the last sharded gradient and its views, and the next
 reduction writes into it, where nobody else can see it:

@@ -16,7 +16,7 @@ that records no graph) unless ``PrefetchPolicy(retain_staging=True)``. Within
 an iteration it never holds more than the unsharded working set it has seen
 (the in-flight limits bound that), so between steps nothing unsharded is kept;
 the price is that the first units of the next forward fault their pages in
-again (measured in BENCHMARKS.md, "Performance, round 2").
+again.
 
 [Note: releasing what no fill will take]
 Memory released after the iteration's last fill of its size would only wait
@@ -55,15 +55,14 @@ through dispatched ops and ``UntypedStorage.resize_`` (torch's
 * a drain ends with ``resize_(0)`` on the storage it emptied (free: it holds
   no memory any more), which such tools see. Without it a drained storage
   kept the size it had when last seen, and ``MemTracker`` counted every unit
-  as unsharded after the step (the whole model's unsharded bytes too much,
-  issue 22);
+  as unsharded after the step (the whole model's unsharded bytes too much);
 * the pool keeps each released block of memory in a ``uint8`` tensor made by
   dispatched ops (``empty`` + ``set_`` onto the storage that took the
   memory), so such tools see it appear with its size and disappear when the
   pool lends or frees it. When pooled memory was kept in a bare storage,
   ``MemTracker``'s peak missed it: on the benchmark GPT the peak is the
   embedding's backward at the end of backward, while the pool still holds
-  two blocks' unsharded buffers (24 MiB, 5% of the peak; issue 22).
+  two blocks' unsharded buffers (24 MiB, 5% of the peak).
 
 A fill is seen by the next op that writes the storage (the all-gather).
 Tools that attribute memory by category see pooled memory in the category
@@ -81,7 +80,7 @@ views hold, ``_set_cdata`` changes which storage the Python object wraps. Where 
 is off (``StagingPool.enabled`` is ``False``): a fill allocates with
 ``resize_(nbytes)`` and a drain frees with ``resize_(0)``, exactly what
 buffers off the CPU do. Values and memory are as with the pool or lower (no
-pooled memory); the cost is the page faults the pool avoids (issue 33).
+pooled memory); the cost is the page faults the pool avoids.
 """
 
 from __future__ import annotations

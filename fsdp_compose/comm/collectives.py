@@ -81,7 +81,7 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
 # Gloo's reduce-scatter copies its whole input into a buffer of its own when
 # the work is created (an extra unsharded-gradient-sized allocation per
 # reduction in flight) and, on 2 CPU ranks, takes 1.3-3x as long as an
-# in-place all-reduce of the same buffer (benchmarks/comm_micro.py). On CPU
+# in-place all-reduce of the same buffer (timed round-robin, 4-64 MiB). On CPU
 # gloo groups the reduce-scatter is therefore an all-reduce of the flat
 # gradient in place, after which this rank's chunk is copied out. The chunk
 # is bit-identical to gloo's reduce-scatter output (both sum in rank order;

@@ -52,7 +52,7 @@ DEFAULT_BUCKET_CAP_MB = 2.0
 """Buckets the ~0.2 MiB blocks of the many-small benchmark model by up to
 ~10 and leaves units of more than 2 MiB unsharded (a 7B model's blocks are
 hundreds of MiB) exactly as without bucketing. ``set_bucket_cap_mb(0)``
-turns it off. Measured on many-small (BENCHMARKS.md, issue 39): 2 MiB is
+turns it off. Measured on many-small (BENCHMARKS.md): 2 MiB is
 as fast as 4 (the round-trips saved level off) with a peak 5.7 MiB lower
 (a bucket's packed transients scale with the cap), about FSDP2's; 1 MiB
 is lower still but 8-13% slower."""

@@ -80,8 +80,7 @@ member's copy (the packed input, read by the collective only, at the
 wait). Filling every member at issue held the packed output and all the
 members at once, twice the bucket's unsharded bytes, at the start of
 backward, where the activations peak; now it is the packed output and the
-members in use (the many-small GPT's peaks, BENCHMARKS.md's twelfth
-session). Quantized all-gathers decode into every member inside their
+members in use (the many-small GPT's peaks equal FSDP2's). Quantized all-gathers decode into every member inside their
 wait, so their members are filled at issue.
 
 [Note: freeing what a collective read]
@@ -90,7 +89,7 @@ does not free it when the backend still holds one: gloo keeps a finished
 work's tensors until its worker thread lets go of the work, which happens
 when the thread gets to it (sometimes through the whole next step; on the
 many-small benchmark the first bucket's packed input and output, 6 MiB on
-one rank after the step, issue 22), so the memory the process holds would
+one rank after the step), so the memory the process holds would
 depend on thread scheduling. Once the work is waited and the copies are
 made nothing reads them, so their storage is resized to 0 bytes, which
 frees the memory whoever holds the tensor (and which memory trackers see):
@@ -620,8 +619,7 @@ class CollectiveQueue:
         previous reduce-scatter at the next reduction the same way).
         Without it, the flat gradient of the last unit reduced stayed alive
         while the root's was made: one unit's gradient above FSDP2 at the
-        end of backward, where the step memory peaked (BENCHMARKS.md,
-        eleventh session)."""
+        end of backward, where the step memory peaked."""
         if not self._reduces:
             return  # nothing in flight (every earlier one waited, or one rank)
         self._reduces = deque(f for f in self._reduces if not f.done)

@@ -259,7 +259,7 @@ class Unit:
     # has nothing to gather or fetch ahead: its hook on the forward's outputs
     # would only mark the unit as in backward and queue the end of backward.
     # Putting that hook on every output of every forward cost about 11 µs per
-    # unit and step on the host-cost proxy (``benchmarks.host_cost_ab
+    # unit and step on the host-cost proxy (``benchmarks.host_cost.ab
     # --processes 4``), so over one rank a unit whose buffers all train puts
     # none (the root keeps its own, as does a unit under a profiler, which
     # labels the moment): its first gradient queues the end of backward

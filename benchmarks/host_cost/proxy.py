@@ -10,7 +10,7 @@ One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
 thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
 arithmetic is next to nothing), every block a unit plus the root. A step is
 forward, backward, AdamW step and ``zero_grad``. The unsharded model,
-the design's floor (``host_floor.py``: the torch work
+the design's floor (``host_cost/floor.py``: the torch work
 fsdp_compose's design needs per unit, with next to no Python), the same
 with fsdp_compose's per-forward checks (``floor_checked``), fsdp_compose
 and torch FSDP2 run in interleaved rounds; each round times
@@ -20,7 +20,7 @@ per step over the unsharded model ((step - unsharded step) / units), and
 the median over rounds of each round's ratio to the unsharded model's
 median in the same round (variants adjacent in time: robust to a machine
 whose speed drifts).
-Issue 36's target for fsdp_compose: at most 1.2x the unsharded model (about
+The target for fsdp_compose: at most 1.2x the unsharded model (about
 130 µs per unit per step), on a quiet machine.
 
 ``--clock cpu``: time steps by this thread's CPU time instead of the wall
@@ -35,7 +35,7 @@ ratio of that process alike; one process is one sample of it. Process
 ``i`` builds the models starting from the ``i``-th variant (the unsharded
 model first in the first process, the floor first in the second, ...):
 the model a process builds first runs a few µs per unit slower by that
-alone (``host_cost_ab.py``), so no variant is always first. With five
+alone (``host_cost/ab.py``), so no variant is always first. With five
 processes each variant is built first once.
 
 ``--profile N``: N more fsdp_compose steps under cProfile; the functions
@@ -97,7 +97,7 @@ def _timed_moments(name: str) -> list[tuple[object, str, str]]:
     pair up). Bound methods are taken when a model is annotated or a
     backward starts, so patch them before building the model that is timed."""
     if name == "floor":
-        from benchmarks.host_floor import FloorUnit, _Views
+        from benchmarks.host_cost.floor import FloorUnit, _Views
         entries = [(FloorUnit, "_pre_forward"), (FloorUnit, "_post_forward"),
                    (FloorUnit, "_pre_backward"), (_Views, "backward"),
                    (FloorUnit, "_take_gradient"), (FloorUnit, "_end_of_backward")]
@@ -171,7 +171,7 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
             fully_shard(block)
         fully_shard(model)
     elif name in ("floor", "floor_checked"):
-        from benchmarks.host_floor import floor_units
+        from benchmarks.host_cost.floor import floor_units
         floor_units(model, model.blocks, checked=name == "floor_checked")  # the hooks keep them
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -234,12 +234,17 @@ def main() -> None:
                              "oversubscribed VM steals wall time, not CPU time)")
     parser.add_argument("--processes", type=int, default=1, metavar="N",
                         help="run the benchmark in N fresh processes and summarise the ratios")
+    parser.add_argument("--record", action="store_true",
+                        help="with --processes: also write the table of record, "
+                             "benchmarks/results/record/host-cost.json")
     parser.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child's ratios
     parser.add_argument("--build-first", type=int, default=0, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.processes > 1:
-        _across_processes(options.processes, sys.argv[1:])
+        _across_processes(options.processes, sys.argv[1:], options.record)
         return
+    if options.record:
+        parser.error("--record needs --processes N (the record is the median over processes)")
     device = torch.device(options.device)
     if options.clock == "cpu" and device.type != "cpu":
         parser.error("--clock cpu measures the host thread alone: use it with --device cpu")
@@ -253,7 +258,7 @@ def main() -> None:
                                 timeout=datetime.timedelta(seconds=120))
         x, y = (t.to(device) for t in synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size))
         # built from the --build-first'th variant on (--processes rotates it: which model a
-        # process builds first changes its speed by itself, see host_cost_ab.py)
+        # process builds first changes its speed by itself, see host_cost/ab.py)
         first = options.build_first % len(names)
         built = {name: _stepper(_build(name, cfg, device), x, y, device, clock)
                  for name in names[first:] + names[:first]}
@@ -295,14 +300,14 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def _across_processes(count: int, argv: list[str]) -> None:
+def _across_processes(count: int, argv: list[str], record: bool = False) -> None:
     """Run this benchmark ``count`` times, each in a fresh process (its
     table printed as it comes; process ``i`` builds the ``i``-th variant's
     model first, and the others in order after it), then each variant's
     best-round ratio and median-of-rounds ratio per process, and the
     median over processes."""
-    child = [a for i, a in enumerate(argv)
-             if not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
+    child = [a for i, a in enumerate(argv) if a != "--record"
+             and not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
     results: list[dict[str, list[float]]] = []
     with tempfile.TemporaryDirectory() as folder:
         for index in range(count):
@@ -315,11 +320,23 @@ def _across_processes(count: int, argv: list[str]) -> None:
           "process; the median over processes of each")
     print("| variant | per process | median over processes |")
     print("|---|---|---|")
+    rows = []
     for name in results[0]:
         best = [r[name][0] for r in results]
         median = [r[name][1] for r in results]
         each = ", ".join(f"{b:.2f}/{m:.2f}" for b, m in zip(best, median))
-        print(f"| {name} | {each} | {statistics.median(best):.2f} / {statistics.median(median):.2f} |")
+        overall = f"{statistics.median(best):.2f} / {statistics.median(median):.2f}"
+        print(f"| {name} | {each} | {overall} |")
+        rows.append([name, overall])
+    if record:
+        from benchmarks.record import write_record
+        write_record("host-cost", order=4,
+                     question="Host cost per unit: the CPU proxy of a launch-bound step (one rank)",
+                     command="PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost " + " ".join(argv),
+                     calibration="DDP is not run by the proxy; its calibration is the unsharded "
+                                 "model's step, to which every ratio is taken",
+                     columns=["variant", f"x unsharded (best round / median of rounds, median "
+                                         f"over {count} processes)"], rows=rows[1:])
 
 
 if __name__ == "__main__":

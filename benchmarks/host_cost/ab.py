@@ -1,9 +1,9 @@
 """Host cost per unit of this tree against another revision, paired step by step.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost_ab --baseline HEAD
-    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost_ab --baseline 81cf3cb --pairs 600
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.ab --baseline HEAD
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.ab --baseline 81cf3cb --pairs 600
 
-``benchmarks/host_cost.py`` compares fsdp_compose with the unsharded model,
+``benchmarks/host_cost/proxy.py`` compares fsdp_compose with the unsharded model,
 the floor and FSDP2 on the host-cost proxy (one rank, a GPT of 48 tiny
 blocks, every block a unit). Between two processes its ratios move by
 about ±0.05, more than most single changes to the hooks, so judging a
@@ -17,7 +17,7 @@ over ``--pairs`` turns, with its quartiles, is one process's reading.
 
 Which model a process builds first matters by itself: the tree compared
 with its own ``HEAD`` in one process that built the baseline's model first
-read -7.6 µs per unit and step (twenty-second session), a bias as large as
+read -7.6 µs per unit and step, a bias as large as
 the changes this should judge. So the measurement runs in ``--processes``
 processes, one after the other, half of them building the baseline's model
 first and half this tree's; the result is the mean of the two orders'
@@ -46,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.host_cost import _build, _stepper
+from benchmarks.host_cost.proxy import _build, _stepper
 from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
 
 BASELINE_PACKAGE = "fsdp_compose_baseline"
@@ -141,7 +141,7 @@ def main() -> None:
         for index in range(options.processes):
             first = "baseline" if index % 2 == 0 else "tree"
             proc = subprocess.run(
-                [sys.executable, "-m", "benchmarks.host_cost_ab", "--pairs", str(options.pairs),
+                [sys.executable, "-m", "benchmarks.host_cost.ab", "--pairs", str(options.pairs),
                  "--layers", str(options.layers), "--child", first, "--folder", folder],
                 capture_output=True, text=True, check=False)
             if proc.returncode != 0:

@@ -1,10 +1,10 @@
 """Host cost per unit as instructions: the host-cost proxy counted, not timed.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.host_instructions            # needs valgrind
-    PYTHONPATH=. .venv/bin/python -m benchmarks.host_instructions --impls unsharded,fsdp_compose
-    PYTHONPATH=. .venv/bin/python -m benchmarks.host_instructions --cache   # + simulated caches
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.instructions            # needs valgrind
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.instructions --impls unsharded,fsdp_compose
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.instructions --cache   # + simulated caches
 
-``benchmarks/host_cost.py`` times the proxy (one process, a GPT of 48 tiny
+``benchmarks/host_cost/proxy.py`` times the proxy (one process, a GPT of 48 tiny
 blocks, every block a unit); on a shared VM its ratios move by ±0.05 from
 run to run, as much as the changes it should judge. This counts the
 instructions the process executes instead, under valgrind's callgrind,
@@ -20,7 +20,7 @@ interpreter about 50x slower).
 
 An instruction is not a nanosecond (cache misses, allocation, branch
 prediction differ), so this ranks changes of the host path; the time
-table stays ``host_cost.py``'s. ``--cache`` also simulates the caches
+table stays ``proxy.py``'s. ``--cache`` also simulates the caches
 (valgrind's model, about twice as slow): data reads and writes, and misses
 of the first and the last level, per step.
 """
@@ -47,7 +47,7 @@ def _child(name: str, steps: int, layers: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.host_cost import _build, _stepper
+    from benchmarks.host_cost.proxy import _build, _stepper
     from fsdp_compose.testing import GPTConfig, synthetic_tokens
 
     torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def _count(name: str, steps: int, layers: int, cache: bool) -> dict[str, int]:
     ``steps`` steps of ``name``."""
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                f"--cache-sim={'yes' if cache else 'no'}",
-               sys.executable, "-m", "benchmarks.host_instructions",
+               sys.executable, "-m", "benchmarks.host_cost.instructions",
                "--child", name, str(steps), "--layers", str(layers)]
     environment = dict(os.environ, PYTHONHASHSEED="0")  # the same dict and set layouts each run
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
@@ -97,7 +97,7 @@ def main() -> None:
         return
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (this benchmark counts instructions under "
-                     "callgrind); benchmarks/host_cost.py times the same proxy")
+                     "callgrind); benchmarks/host_cost/proxy.py times the same proxy")
     names = options.impls.split(",")
     runs = [(name, steps) for name in names for steps in (options.short, options.long)]
     with ThreadPoolExecutor(options.jobs) as pool:
