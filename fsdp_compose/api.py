@@ -1,4 +1,4 @@
-"""Public API: ``fully_shard`` (argument checking; ``_setup.py`` builds the
+"""Public API: ``fully_shard`` (argument checking; ``setup/units.py`` builds the
 unit) and ``param_info``. The methods an annotated module gains are in
 ``sharded_module.py``.
 
@@ -98,7 +98,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         mp_policy: compute/communicate in lower precision for this unit
             (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
             torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` is
-            accepted too (converted field by field, ``torch_policies.py``).
+            accepted too (converted field by field, ``setup/torch_policies.py``).
         offload_policy: keep this unit's shards, gradients and optimizer
             state on the CPU (see :class:`CPUOffloadPolicy`); torch's
             ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are

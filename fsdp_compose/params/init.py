@@ -177,7 +177,7 @@ class _InitWalk:
             buffer.keep_own_slice(full)
         _check_same_values(unit, self.full)
         for full in self.full:
-            if full.device.type == "cpu":  # see [Note: freeing a reduced gradient]: gloo's
+            if full.device.type == "cpu":  # see [Note: freeing what a collective read]: gloo's
                 full.untyped_storage().resize_(0)  # thread may still hold the gather's output
         self.full = []
 

@@ -125,9 +125,9 @@ class FullyShardState(_State):
         """Attach ``unit`` and install its forward hooks (once, at annotation).
 
         ``pre_forward_check`` runs at every pre-forward with the root module
-        (``_setup.py`` passes the check for parameters registered after
+        (``setup/units.py`` passes the check for parameters registered after
         annotation); ``new_observer`` builds the model's collective observer
-        if this state becomes the root (``_setup.py`` passes the
+        if this state becomes the root (``setup/units.py`` passes the
         rank-divergence checks). Both come from outside ``runtime/``, which
         never imports the checks."""
         self.unit = unit
