@@ -10,15 +10,14 @@ from .comm.collectives import set_gloo_reduce_scatter_via_all_reduce
 from .checks.finite import check_finite_gradients
 from .checks.unmanaged import mark_reduced_elsewhere
 from .api import ShardedParamInfo, fully_shard, param_info
-from ._setup import OnMesh
-from .buffers.layout import Blocks
-from .clip import clip_grad_norm_, param_norms
-from .forward_methods import register_forward_method
-from .full_params import full_params
-from .grad_scaler import ShardedGradScaler
-from .init import materialize, sync_module_states
+from .placements import Blocks, OnMesh
+from .gradients.clip import clip_grad_norm_, param_norms
+from .runtime.forward_methods import register_forward_method
+from .params.full_params import full_params
+from .gradients.grad_scaler import ShardedGradScaler
+from .params.init import materialize, sync_module_states
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
-from .torch_norms import route_torch_grad_norms
+from .gradients.torch_norms import route_torch_grad_norms
 from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, propose_units
 from .sharded_module import ShardedModule, UnshardHandle
 

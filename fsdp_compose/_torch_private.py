@@ -34,7 +34,7 @@ objects (``UntypedStorage._swap_data_ptr_``, ``DTensor._local_tensor``,
 * the two methods the package overrides, which are checked to exist here
   (:func:`require_override`): ``nn.Module._apply`` (``sharded_module.py``:
   dtype and device conversion of sharded modules) and
-  ``PipelineStage.backward_maybe_with_nosync`` (``pipelining.py``).
+  ``PipelineStage.backward_maybe_with_nosync`` (``integrations/pipelining.py``).
 
 Supported torch: ``MIN_TORCH`` (``pyproject.toml``'s ``torch>=``) up to the
 newest tested version named in the README. On torch 2.11, every name below

@@ -1,4 +1,4 @@
-"""Public API: ``fully_shard`` (argument checking; ``_setup.py`` builds the
+"""Public API: ``fully_shard`` (argument checking; ``setup/units.py`` builds the
 unit) and ``param_info``. The methods an annotated module gains are in
 ``sharded_module.py``.
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._setup import PlacementFn, check_unit_placement, setup_unit
+from .setup.units import PlacementFn, check_unit_placement, setup_unit
 from .checkpoint import UnitStateDictHooks
 from .checkpoint import install_optimizer_layout_hooks
 from .checks.empty_groups import install_empty_group_check
@@ -30,8 +30,9 @@ from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
-from . import torch_norms, torch_zero_grad
-from .torch_policies import as_mp_policy, as_offload_policy
+from .gradients import torch_norms
+from .gradients import torch_zero_grad
+from .setup.torch_policies import as_mp_policy, as_offload_policy
 
 ModuleOrModules = Union[nn.Module, Sequence[nn.Module]]
 
@@ -97,7 +98,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         mp_policy: compute/communicate in lower precision for this unit
             (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
             torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` is
-            accepted too (converted field by field, ``torch_policies.py``).
+            accepted too (converted field by field, ``setup/torch_policies.py``).
         offload_policy: keep this unit's shards, gradients and optimizer
             state on the CPU (see :class:`CPUOffloadPolicy`); torch's
             ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are

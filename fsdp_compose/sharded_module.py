@@ -18,7 +18,7 @@ import torch.nn as nn
 from ._torch_private import require_override
 from .checks.divergence import DivergenceMonitor
 from .checks.finite import check_finite_gradients
-from .clip import clip_grad_norm_
+from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.state import ModelContext, FullyShardState, state_of, states_below
@@ -294,7 +294,7 @@ class ShardedModule:
         """``nn.Module.zero_grad``; with ``set_to_none`` (the default) the
         memory of the sharded gradients it cleared is given back at once,
         where nothing else holds them, rather than at the next forward (as
-        ``optimizer.zero_grad()`` does, see ``fsdp_compose/torch_zero_grad.py``)."""
+        ``optimizer.zero_grad()`` does, see ``fsdp_compose/gradients/torch_zero_grad.py``)."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         if set_to_none:
             for state in states_below((self,)):

@@ -202,7 +202,7 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks as step_hooks
 before = len(step_hooks)
 zero_grad = torch.optim.Optimizer.zero_grad
 import fsdp_compose, fsdp_compose.checkpoint, fsdp_compose.tools
-from fsdp_compose.torch_norms import is_routed
+from fsdp_compose.gradients.torch_norms import is_routed
 assert len(step_hooks) == before and not is_routed(), "importing the package changed the process"
 assert torch.optim.Optimizer.zero_grad is zero_grad, "importing the package changed zero_grad"
 compiler = {"torch._dynamo", "torch._inductor"}

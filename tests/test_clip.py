@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard, param_info
-from fsdp_compose.clip import clip_grad_norm_, param_norms
+from fsdp_compose.gradients.clip import clip_grad_norm_, param_norms
 from tests._comm_counter import CollectiveCounter
 from tests._training import (_attr, assert_parity, build_model, global_batch, local_batch,
                              make_optimizer, shard_blocks_and_root)

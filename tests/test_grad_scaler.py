@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose import fully_shard
-from fsdp_compose.clip import clip_grad_norm_
-from fsdp_compose.grad_scaler import ShardedGradScaler
+from fsdp_compose.gradients.clip import clip_grad_norm_
+from fsdp_compose.gradients.grad_scaler import ShardedGradScaler
 from tests._comm_counter import CollectiveCounter
 from tests._training import (_attr, assert_parity, build_model, global_batch, local_batch,
                              make_optimizer, shard_blocks_and_root)

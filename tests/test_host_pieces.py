@@ -27,7 +27,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 from fsdp_compose import fully_shard, param_info
-from fsdp_compose._setup import assign_placements
+from fsdp_compose.setup.units import assign_placements
 from fsdp_compose.buffers import records as records_module
 from fsdp_compose.buffers.layout import FlatLayout, alignment
 from fsdp_compose.buffers.records import ParamRecord, group_records, largest_share_bytes

@@ -269,7 +269,7 @@ def test_dcp_round_trip_under_hsdp_continues_identically(tmp_path):
 
 
 def _grad_norm_under_hsdp():
-    from fsdp_compose.clip import clip_grad_norm_
+    from fsdp_compose.gradients.clip import clip_grad_norm_
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh((2, 2))
     model = build_model()

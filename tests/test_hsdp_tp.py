@@ -281,7 +281,7 @@ def test_checkpoint_saved_on_2x2x2_loads_on_1x4x2_and_on_1d_fsdp(tmp_path):
 
 # -------------------------------------------------------------- param_norms
 def _param_norms(shape):
-    from fsdp_compose.clip import param_norms
+    from fsdp_compose.gradients.clip import param_norms
     mesh = mesh_3d(shape)
     model = shard_3d(build_model(), mesh)
     x, y = global_batch(0, mesh[DP].size())

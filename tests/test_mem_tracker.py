@@ -158,7 +158,7 @@ def test_mem_tracker_peak_matches_the_profiler():
     missed it). By default, memory no fill will take this iteration is
     freed at once: nothing is left in the pool at the end of backward.
     One measurement: a reduced gradient gloo's thread still holds is freed
-    by the library at once ([Note: freeing a reduced gradient]), so the
+    by the library at once ([Note: freeing what a collective read]), so the
     tracker and the profiler see the same frees whatever the load."""
     results = run_distributed(2, _both_pool_modes)
     for retained, default in results:

@@ -59,7 +59,7 @@ def train_with_checkpointing(impl: str) -> dict:
     every block and the root annotated over one rank, both with each block
     checkpointed (``impl``); losses and parameters of each."""
     from fsdp_compose import fully_shard
-    from fsdp_compose.full_params import full_params
+    from fsdp_compose.params.full_params import full_params
 
     reference = _gpt()
     sharded = copy.deepcopy(reference)

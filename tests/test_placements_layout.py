@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fsdp_compose.buffers.layout import (Blocks, FlatLayout, ShardDim, alignment,
+from fsdp_compose.placements import Blocks
+from fsdp_compose.buffers.layout import (FlatLayout, ShardDim, alignment,
                                          check_placement)
 
 shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=7)

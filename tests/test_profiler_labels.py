@@ -45,7 +45,7 @@ def test_a_bucket_gathers_and_reduces_under_one_range():
 
 
 def test_without_a_profiler_no_range_and_no_name_is_made():
-    from fsdp_compose.profiling import profiled
+    from fsdp_compose.runtime.profiling import profiled
     built = []
 
     def subject() -> str:

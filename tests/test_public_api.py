@@ -27,13 +27,13 @@ PUBLIC = {
     "fsdp_compose.checkpoint.store": [
         "CheckpointError", "CheckpointStore",
     ],
-    "fsdp_compose.clip": [
+    "fsdp_compose.gradients.clip": [
         "clip_grad_norm_", "param_norms",
     ],
-    "fsdp_compose.full_params": [
+    "fsdp_compose.params.full_params": [
         "full_params",
     ],
-    "fsdp_compose.grad_scaler": [
+    "fsdp_compose.gradients.grad_scaler": [
         "ShardedGradScaler",
     ],
     "fsdp_compose.integrations.hf": [
@@ -58,10 +58,10 @@ PUBLIC = {
         "BACKENDS", "MemoryEstimate", "OPTIMIZER_MOMENTS", "PeakParts", "Proposal",
         "default_units", "estimate_memory", "propose_units",
     ],
-    "fsdp_compose.torch_norms": [
+    "fsdp_compose.gradients.torch_norms": [
         "install", "is_routed", "route_torch_grad_norms",
     ],
-    "fsdp_compose.torch_policies": [
+    "fsdp_compose.setup.torch_policies": [
         "as_mp_policy", "as_offload_policy",
     ],
 }

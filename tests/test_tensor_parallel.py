@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_compose import fully_shard, materialize, param_info
-from fsdp_compose.clip import clip_grad_norm_
+from fsdp_compose.gradients.clip import clip_grad_norm_
 from tests._comm_counter import CollectiveCounter
 from tests._checkpointing import resume_through_dcp
 from tests.harness import run_distributed

@@ -374,7 +374,7 @@ class FlatGradient:
     def release_if_free(self) -> None:
         """Give back the kept gradient's memory where nobody holds it
         (``zero_grad(set_to_none=True)`` ran): called by ``zero_grad``
-        (``torch_zero_grad.py``, ``ShardedModule.zero_grad``) and at the
+        (``gradients/torch_zero_grad.py``, ``ShardedModule.zero_grad``) and at the
         root's pre-forward, so that between steps, and in the step's forward
         and backward, no more is held than when each reduction made a new
         gradient."""

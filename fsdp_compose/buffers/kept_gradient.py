@@ -27,7 +27,7 @@ reduction writes into it, where nobody else can see it:
   ``.grad`` was cleared but something else holds it, writes into a new
   gradient and the old one is left to its holders.
 * *released*: free right after ``optimizer.zero_grad()`` or
-  ``model.zero_grad()`` (``torch_zero_grad.py``, ``ShardedModule.zero_grad``),
+  ``model.zero_grad()`` (``gradients/torch_zero_grad.py``, ``ShardedModule.zero_grad``),
   or at the root's next pre-forward (any other way of clearing ``.grad``),
   its memory is given back (the storage resized to 0 bytes; the views stay,
   pointing at nothing). The next reduction resizes it and the reduce-scatter writes

@@ -44,27 +44,13 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
+from ..placements import Blocks
+
 FLAT, ROWS, OWNED = "flat", "rows", "owned"
 DEFAULT_PLACEMENT = ROWS
 """``fully_shard``'s placement when none is given: whole rows, so every
 parameter but a 0-dim one keeps ``p.dim()`` between iterations (a scalar is
 ``"flat"``: shape ``(1,)`` on one rank, ``(0,)`` on the others)."""
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """Like ``"rows"``, in multiples of ``n`` rows (block-wise quantization:
-    a rank boundary never splits a block of ``n`` rows).
-
-    Attributes:
-        n: rows per block, at least 1.
-    """
-
-    n: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"Blocks(n) needs an integer n >= 1, got {self.n!r}")
 
 
 @dataclass(frozen=True)

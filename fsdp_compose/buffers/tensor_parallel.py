@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._torch_private import StridedShard, concatenate_meshes, local_tensor
 from ..comm.groups import ShardGroup
@@ -259,55 +259,3 @@ def norm_process_group(spec: Optional[TensorParallelSpec]) -> Optional[dist.Proc
     if spec is None or not spec.is_sharded or spec.tp_mesh is None:
         return None
     return spec.tp_mesh.get_group()
-
-
-# --------------------------------------------------------------- checkpoint
-def checkpoint_value(chunk: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
-    """This rank's dim-0 chunk of the TP-local tensor as the state-dict
-    ``DTensor`` (global shape, on the (dp, tp) mesh)."""
-    return DTensor.from_local(chunk, spec.checkpoint_mesh, spec.checkpoint_placements,
-                              run_check=False, shape=spec.shape, stride=spec.stride)
-
-
-def shard_dim_layout(spec: TensorParallelSpec, dim: int) -> tuple[DeviceMesh,
-                                                                  tuple[Placement, ...]]:
-    """The state-dict mesh and placements of a TP parameter that
-    ``fully_shard`` places ``Shard(dim)`` (experts split on dim 1 by the
-    data-parallel dim): FSDP2's, the dp dim's ``Shard(dim)``, or
-    ``_StridedShard(dim, split_factor=tp)`` where TP splits ``dim`` too
-    (this rank's piece is ``torch.chunk(tp_local, dp, dim)``: tp first)."""
-    placements = list(spec.checkpoint_placements)
-    if spec.tp_mesh is None:  # an SPMD parameter replicated on its other dim
-        placements[-1] = Shard(dim)
-        return spec.checkpoint_mesh, tuple(placements)
-    tp_placement = placements[-1]
-    splits_too = isinstance(tp_placement, Shard) and tp_placement.dim == dim
-    placements[-2] = StridedShard(dim, split_factor=spec.tp_mesh.size()) if splits_too \
-        else Shard(dim)
-    return spec.checkpoint_mesh, tuple(placements)
-
-
-def local_chunk(value: DTensor, spec: TensorParallelSpec) -> Optional[torch.Tensor]:
-    """This rank's chunk when ``value`` has exactly the checkpoint layout
-    (no communication), else ``None``."""
-    if value.device_mesh == spec.checkpoint_mesh and \
-            tuple(value.placements) == spec.checkpoint_placements:
-        return value.to_local()
-    return None
-
-
-def tp_local_value(value: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
-    """The TP-local part of a checkpoint value in any other form (a
-    ``DTensor`` elsewhere is gathered in full first, collective over its
-    mesh; a full tensor is sliced locally)."""
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return distribute_tensor(value.detach(), spec.mesh, spec.placements,
-                             src_data_rank=None).to_local()
-
-
-def refuse_full_load(fqn: str) -> None:
-    raise NotImplementedError(
-        f"parameter '{fqn}' is tensor-parallel; loading whole weights into it "
-        "(scatter_full_state_dict / safetensors) is not supported. Load a state dict with "
-        "model.load_state_dict() or torch.distributed.checkpoint.state_dict.set_state_dict().")

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..buffers import tensor_parallel
+from . import _tensor_parallel as tensor_parallel
 from ..buffers.layout import FlatLayout, ShardDim
 from ..buffers.records import ParamRecord
 from ..comm.collectives import all_to_all
@@ -101,7 +101,7 @@ def record_value(chunk: torch.Tensor, record: ParamRecord, group: ShardGroup) ->
     """``chunk`` (this rank's dim-0 chunk of the values the flat layout
     holds for ``record``) as its state-dict value: :func:`as_checkpoint_value`,
     or for a tensor-parallel parameter a ``DTensor`` on the (dp, tp) mesh
-    (see ``tensor_parallel.checkpoint_value``)."""
+    (see ``_tensor_parallel.checkpoint_value``)."""
     if record.tp is None:
         return as_checkpoint_value(chunk, record.shape, group)
     return tensor_parallel.checkpoint_value(chunk, record.tp)

@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..buffers.flat_buffer import FlatBuffer
-from ..buffers.tensor_parallel import refuse_full_load
+from ._tensor_parallel import refuse_full_load
 from ..comm.groups import ShardGroup, backend_device
 from ..comm.rendezvous import arrive
 from ..runtime.owners import owner_of
 from ..runtime.state import units_below
-from ..init import allocate_meta
+from ..params.meta import allocate_meta
 from ._exchange import shard_dim, shard_dim_local, stored_order
 
 StateDict = dict[str, torch.Tensor]

@@ -120,7 +120,7 @@ from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scat
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..comm.watched_wait import wait_watched
 from ..policies import PrefetchPolicy
-from ..profiling import call_profiled, profiled
+from .profiling import call_profiled, profiled
 from .buckets import Bucket, BucketPlan
 from .observer import CollectiveObserver
 from .training_state import TrainingState

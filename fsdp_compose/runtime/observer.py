@@ -4,7 +4,7 @@ The collective queue and the end of backward tell a :class:`CollectiveObserver`
 about every data collective *before* issuing it, and let it add bytes to
 the end-of-backward flags all-reduce. The runtime only knows this
 interface; ``checks/divergence.py`` implements it, and ``fully_shard``
-(``_setup.py``) hands the implementation in, so the runtime never imports
+(``setup/units.py``) hands the implementation in, so the runtime never imports
 the checks (dependencies point one way, see ``docs/design.md``).
 """
 

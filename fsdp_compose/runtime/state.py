@@ -24,7 +24,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
-from ..profiling import call_profiled, profiled
+from .profiling import call_profiled, profiled
 from .compile import run_eagerly
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
@@ -125,9 +125,9 @@ class FullyShardState(_State):
         """Attach ``unit`` and install its forward hooks (once, at annotation).
 
         ``pre_forward_check`` runs at every pre-forward with the root module
-        (``_setup.py`` passes the check for parameters registered after
+        (``setup/units.py`` passes the check for parameters registered after
         annotation); ``new_observer`` builds the model's collective observer
-        if this state becomes the root (``_setup.py`` passes the
+        if this state becomes the root (``setup/units.py`` passes the
         rank-divergence checks). Both come from outside ``runtime/``, which
         never imports the checks."""
         self.unit = unit
@@ -161,7 +161,7 @@ class FullyShardState(_State):
 
     @property
     def held_whole(self) -> bool:
-        """``fsdp_compose.full_params`` holds this unit's parameters whole:
+        """``fsdp_compose.params.full_params`` holds this unit's parameters whole:
         forward reads them as they are (the hooks do nothing)."""
         return self._held_whole
 

@@ -23,7 +23,7 @@ from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
-from ..profiling import call_profiled
+from .profiling import call_profiled
 from .collective_queue import CollectiveQueue
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad

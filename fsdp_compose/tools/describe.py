@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._setup import join_fqn
+from ..setup.units import join_fqn
 from ..buffers.flat_buffer import FlatBuffer
-from ..buffers.layout import Blocks, ShardDim
+from ..buffers.layout import ShardDim
+from ..placements import Blocks
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
 from ..runtime.collective_queue import CollectiveQueue

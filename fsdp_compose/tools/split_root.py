@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._setup import managed_modules, taken
+from ..setup.units import managed_modules, taken
 from ..api import fully_shard
 from ..runtime.owners import owner_of
 from ..runtime.state import state_of

@@ -14,7 +14,7 @@ what touches the shards:
   last (accelerate's ``no_sync`` finds the root's ``no_sync``);
 * clipping and the logged gradient norm need nothing: the Trainer calls
   ``torch.nn.utils.clip_grad_norm_``, which fsdp_compose routes to the norm
-  over all ranks (``torch_norms.py``);
+  over all ranks (``gradients/torch_norms.py``);
 * ``save_model`` gathers full tensors on every rank (trainable ones only for
   a PEFT model) and rank 0 writes them with ``save_pretrained``: a
   ``model.safetensors`` or a PEFT adapter, in the usual format;

@@ -18,7 +18,7 @@ Usage::
 ``units``: what would be passed to ``fully_shard``, in call order. Each unit
 takes the parameters of its subtrees that no earlier unit took and groups
 them by (dtype, requires_grad) into flat buffers: the same functions
-``fully_shard`` runs (``fsdp_compose/_setup.py``); the estimate then replays
+``fully_shard`` runs (``fsdp_compose/setup/units.py``); the estimate then replays
 one training step of the library's schedule.
 ``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 

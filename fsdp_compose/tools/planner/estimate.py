@@ -7,7 +7,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..._setup import PlacementFn, assign_placements, placement_choices
+from ...setup.units import PlacementFn, assign_placements, placement_choices
 from ..._torch_private import CAN_SWAP_STORAGE_DATA
 from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy

@@ -62,7 +62,7 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch.nn as nn
 
-from ..._setup import plan_buffers
+from ...setup.units import plan_buffers
 from ...buffers.layout import FlatLayout
 from ...buffers.param_views import ViewPlan
 from ...buffers.records import buffer_policy, is_aliased
@@ -120,7 +120,7 @@ def _copied_beside(layout: FlatLayout) -> int:
 
 def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: bool) -> UnitPlan:
     """The bytes of ``spec``'s flat buffers on rank 0, laid out and typed by
-    ``fully_shard``'s own ``_setup.plan_buffers``."""
+    ``fully_shard``'s own ``setup/units.plan_buffers``."""
     policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
     buffers, train, compute, reduce_comm = [], [], [], []
     for plan in plan_buffers(spec.records, world, policy):

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch.nn as nn
 
-from ..._setup import managed_modules
+from ...setup.units import managed_modules
 from .units import UnitModules
 
 

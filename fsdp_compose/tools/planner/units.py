@@ -2,7 +2,7 @@
 annotations :func:`~fsdp_compose.tools.planner.propose_units` tries.
 
 The parameters are found by ``fully_shard``'s own setup code
-(``fsdp_compose/_setup.py``), run on a model that needs no process group.
+(``fsdp_compose/setup/units.py``), run on a model that needs no process group.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Iterator, NamedTuple, Sequence, Union
 
 import torch.nn as nn
 
-from ..._setup import collect_records, join_fqn, managed_modules
+from ...setup.units import collect_records, join_fqn, managed_modules
 from ...buffers.records import ParamRecord
 from ...runtime.state import ROOT_LABEL
 
@@ -38,8 +38,8 @@ def default_units(model: nn.Module) -> list[UnitModules]:
 
 def resolve_units(model: nn.Module, units: Sequence[UnitModules]) -> list[UnitSpec]:
     """The parameters each unit takes: its modules' subtrees minus those of
-    earlier units, each parameter once (``_setup.managed_modules`` and
-    ``_setup.collect_records``, as ``fully_shard`` does)."""
+    earlier units, each parameter once (``setup/units.managed_modules`` and
+    ``setup/units.collect_records``, as ``fully_shard`` does)."""
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
     if not groups or groups[-1] != [model]:

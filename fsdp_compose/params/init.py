@@ -40,16 +40,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .buffers.flat_buffer import FlatBuffer
-from .buffers.tensor_parallel import as_dtensor
-from .comm.agreement import disagreement, fingerprint_of
-from .comm.groups import backend_device
-from .comm.rendezvous import arrive
-from .runtime.collective_queue import gather_values
-from .runtime.owners import owner_of
-from .runtime.state import units_below
-from .runtime.tensors import swapping_params_on_conversion
-from .runtime.unit import Unit
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.tensor_parallel import as_dtensor
+from ..comm.agreement import disagreement, fingerprint_of
+from ..comm.groups import backend_device
+from ..comm.rendezvous import arrive
+from ..runtime.collective_queue import gather_values
+from ..runtime.owners import owner_of
+from ..runtime.state import units_below
+from ..runtime.unit import Unit
+from .meta import allocate_meta
 
 InitFn = Callable[[nn.Module], None]
 
@@ -177,7 +177,7 @@ class _InitWalk:
             buffer.keep_own_slice(full)
         _check_same_values(unit, self.full)
         for full in self.full:
-            if full.device.type == "cpu":  # see [Note: freeing a reduced gradient]: gloo's
+            if full.device.type == "cpu":  # see [Note: freeing what a collective read]: gloo's
                 full.untyped_storage().resize_(0)  # thread may still hold the gather's output
         self.full = []
 
@@ -240,23 +240,6 @@ def _unit_holding(module: nn.Module) -> Optional[Unit]:
             if owner is not None:
                 return owner.unit
     return None
-
-
-def allocate_meta(module: nn.Module, device: Optional[torch.device] = None) -> None:
-    """``module.to_empty(device=...)`` if it holds meta tensors: annotated
-    units allocate only their shards (where ``fully_shard`` keeps them),
-    the rest goes to ``device`` (default: the units' compute device; CPU
-    without units). Values are uninitialised."""
-    if not any(t.is_meta for t in module.parameters()) and \
-            not any(t.is_meta for t in module.buffers()):
-        return
-    if device is None:
-        units = units_below(module)
-        device = units[0].group.device if units else torch.device("cpu")
-    # A meta Parameter cannot take `.data = <real tensor>`: without swapping,
-    # torch would register new Parameter objects for unannotated parameters.
-    with swapping_params_on_conversion():
-        module.to_empty(device=device)
 
 
 def _allocate(module: nn.Module, table: dict, name: str, tensor: torch.Tensor,

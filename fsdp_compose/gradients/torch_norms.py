@@ -72,7 +72,7 @@ from torch.nn.utils import clip_grad as _torch_clip_grad
 
 from .clip import clip_grad_norm_ as _sharded_clip_grad_norm_
 from .clip import total_norm_over_ranks
-from .runtime.owners import any_owner, live_units, owner_of
+from ..runtime.owners import any_owner, live_units, owner_of
 
 __all__ = ["route_torch_grad_norms", "install", "is_routed"]
 

@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._torch_private import foreach_mul_, foreach_norm, privateuse1_backend_name
-from .buffers.tensor_parallel import norm_process_group
-from .comm.groups import ShardGroup
-from .comm.rendezvous import arrive
-from .runtime.owners import owner_of
-from .runtime.unit import Unit
+from .._torch_private import foreach_mul_, foreach_norm, privateuse1_backend_name
+from ..buffers.tensor_parallel import norm_process_group
+from ..comm.groups import ShardGroup
+from ..comm.rendezvous import arrive
+from ..runtime.owners import owner_of
+from ..runtime.unit import Unit
 
 __all__ = ["clip_grad_norm_", "param_norms"]
 

@@ -28,7 +28,7 @@ import types
 
 import torch.nn as nn
 
-from .runtime.state import state_of
+from .state import state_of
 
 _WRAPPED = "_fsdp_compose_forward_method"
 

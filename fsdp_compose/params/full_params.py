@@ -9,7 +9,7 @@ For code that reads or writes whole parameters between iterations::
         fully_shard(block)
     fully_shard(model)
     model.to_empty(device="cuda")
-    with torch.no_grad(), fsdp_compose.full_params(model):
+    with torch.no_grad(), fsdp_compose.params.full_params(model):
         model.init_weights()            # nn.init.trunc_normal_(p), p.copy_(full_value), ...
 
 also EMA copies (``ema[n].lerp_(p, 0.01)`` on whole values), weight surgery
@@ -45,12 +45,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .buffers.flat_buffer import FlatBuffer
-from .comm.agreement import disagreement, fingerprint_of
-from .runtime.collective_queue import gather_values
-from .runtime.state import state_of, units_below
-from .runtime.training_state import TrainingState
-from .runtime.unit import Unit
+from ..buffers.flat_buffer import FlatBuffer
+from ..comm.agreement import disagreement, fingerprint_of
+from ..runtime.collective_queue import gather_values
+from ..runtime.state import state_of, units_below
+from ..runtime.training_state import TrainingState
+from ..runtime.unit import Unit
 
 __all__ = ["full_params"]
 

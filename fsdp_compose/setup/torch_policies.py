@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
 
 __all__ = ["as_mp_policy", "as_offload_policy"]
 

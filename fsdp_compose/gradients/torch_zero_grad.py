@@ -31,9 +31,9 @@ from typing import Callable
 
 from torch.optim import Optimizer
 
-from ._torch_private import lazy_dynamo_disable
-from .buffers.flat_grad import FlatGradient
-from .runtime.owners import any_owner, owner_of
+from .._torch_private import lazy_dynamo_disable
+from ..buffers.flat_grad import FlatGradient
+from ..runtime.owners import any_owner, owner_of
 
 __all__ = ["install", "release_cleared_gradients"]
 

@@ -22,42 +22,26 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .buffers import tensor_parallel
-from .buffers.layout import (DEFAULT_PLACEMENT, FLAT, Blocks, FlatLayout, Placement, ShardDim,
+from ..buffers import tensor_parallel
+from ..buffers.layout import (DEFAULT_PLACEMENT, FLAT, FlatLayout, Placement, ShardDim,
                              check_placement)
-from .buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
+from ..buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
                               flatten_costly_rows, group_records, resolve_dtypes,
                               split_whole_pieces)
-from .checks.divergence import DivergenceMonitor
-from .checks.late_parameters import check_no_late_parameters, snapshot_modules
-from .checks.replicate import is_replicated
-from .comm.groups import ShardGroup, shard_group_from_mesh
-from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
-from .runtime.owners import Owner, owner_of, record_owners
-from .runtime.state import attach_state, link_annotated_below, state_of
-from .runtime.unit import Unit
+from ..checks.divergence import DivergenceMonitor
+from ..checks.late_parameters import check_no_late_parameters, snapshot_modules
+from ..checks.replicate import is_replicated
+from ..comm.groups import ShardGroup, shard_group_from_mesh
+from ..placements import Blocks, OnMesh
+from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
+from ..runtime.owners import Owner, owner_of, record_owners
+from ..runtime.state import attach_state, link_annotated_below, state_of
+from ..runtime.unit import Unit
 
 PlacementFn = Callable[[nn.Parameter], Optional[object]]
 """FSDP2's ``shard_placement_fn``: a placement per parameter (or an
 :class:`OnMesh`, or FSDP2's ``ShardPlacementResult``), or ``None`` for the
 unit's."""
-
-
-class OnMesh(NamedTuple):
-    """What ``shard_placement_fn`` returns to shard a parameter over another
-    mesh than its unit's (e.g. routed experts over the expert-data-parallel
-    mesh while the rest of the block uses the data-parallel one): the
-    parameter gets a flat buffer of its own mesh, whose all-gathers and
-    reduce-scatters run on that mesh's group (FSDP2's
-    ``ShardPlacementResult(placement, mesh_info)``, which is accepted too).
-
-    Attributes:
-        mesh: a 1-D mesh (full sharding) or a 2-D (replicate, shard) mesh.
-        placement: its placement on that mesh (``None``: the unit's).
-    """
-
-    mesh: DeviceMesh
-    placement: object = None
 
 
 def placement_choices(records: list[ParamRecord],

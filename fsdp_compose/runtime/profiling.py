@@ -18,7 +18,7 @@ from typing import Callable, TypeVar, Union
 
 from torch.autograd.profiler import record_function
 
-from ._torch_private import profiler_active
+from .._torch_private import profiler_active
 
 PREFIX = "fsdp_compose::"
 _NOTHING = nullcontext()

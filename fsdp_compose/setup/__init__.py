@@ -1,0 +1,1 @@
+"""What turns ``fully_shard``'s arguments into units: records, placements, buffers, owners."""

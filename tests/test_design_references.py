@@ -1,0 +1,113 @@
+"""The design page and the code cite each other, and the citations resolve:
+every ``[Note: X]`` cited anywhere has exactly one definition (a line that
+is the note's name alone, in a docstring or a ``#`` comment); every
+backticked repository path in ``docs/`` names a file or folder that
+exists; every ``fsdp_compose.<name>`` that ``docs/design.md`` names can be
+imported. No process group: plain reads of the tracked files."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTE = re.compile(r"\[Note: ([^\]\n]+)\]")
+NOTE_DEFINITION = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]\n]+)\]\s*$", re.M)
+BACKTICKED = re.compile(r"`([^`\s]+)`")
+DOTTED = re.compile(r"\bfsdp_compose(?:\.\w+)+")
+EXTENSIONS = (".py", ".md", ".toml", ".sh", ".json", ".txt", ".yml", ".yaml")
+# A path's first folder: one of the repository's or the package's folders.
+FOLDERS = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".venv")} | \
+    {p.name for p in (ROOT / "fsdp_compose").iterdir() if p.is_dir()}
+ROOTS = (ROOT, ROOT / "fsdp_compose")
+
+
+def _tracked(*suffixes: str) -> list[Path]:
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    return [ROOT / n for n in names if n.endswith(suffixes)]
+
+
+def test_every_cited_note_has_exactly_one_definition():
+    definitions: dict[str, list[str]] = {}
+    cited: dict[str, str] = {}
+    for path in _tracked(".py", ".md"):
+        if path.name == "CHANGELOG.md" or path == Path(__file__).resolve():
+            continue
+        text = path.read_text()
+        for match in NOTE_DEFINITION.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            definitions.setdefault(match.group(1), []).append(f"{path.relative_to(ROOT)}:{line}")
+        for match in NOTE.finditer(text):
+            cited.setdefault(match.group(1), str(path.relative_to(ROOT)))
+    undefined = {name: where for name, where in cited.items() if name not in definitions}
+    twice = {name: places for name, places in definitions.items() if len(places) > 1}
+    assert not undefined, f"notes cited but never defined (name: first citing file): {undefined}"
+    assert not twice, f"notes defined more than once: {twice}"
+
+
+def _doc_paths() -> list[tuple[str, str]]:
+    """(doc, token) for each backticked token that reads as a path of ours:
+    ``folder/...`` with a first folder of the repository or the package,
+    or a bare file name with a known extension."""
+    found = []
+    for path in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "tests" / "README.md"]:
+        for match in BACKTICKED.finditer(path.read_text()):
+            token = re.sub(r"(::.*|:\d+(-\d+)?)$", "", match.group(1).rstrip(".,;)"))
+            first = token.split("/")[0]
+            if ("/" in token and first in FOLDERS) or ("/" not in token and token.endswith(EXTENSIONS)):
+                found.append((path.name, token))
+    return found
+
+
+def _exists(token: str, basenames: set[str]) -> bool:
+    if "/" not in token:
+        return token in basenames
+    if any((root / token).exists() or (root / (token + ".py")).exists() for root in ROOTS):
+        return True
+    module, _, attributes = token.partition(".")  # runtime/unit.Unit: a module's attribute
+    if attributes and (ROOT / "fsdp_compose" / (module + ".py")).exists():
+        return _resolves("fsdp_compose." + module.replace("/", ".") + "." + attributes)
+    return False
+
+
+def test_every_backticked_path_in_the_docs_exists():
+    basenames = {p.name for p in _tracked(*EXTENSIONS)} | {p.parent.name for p in _tracked(".py")}
+    missing = sorted({f"{doc}: {token}" for doc, token in _doc_paths() if not _exists(token, basenames)})
+    assert not missing, "docs name repository paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_path_check_can_fail():
+    basenames = {p.name for p in _tracked(".py")}
+    assert _exists("runtime/unit.py", basenames) and _exists("runtime/unit.Unit", basenames)
+    assert not _exists("runtime/no_such_module.py", basenames)
+    assert not _exists("no_such_module.py", basenames)
+    assert not _exists("runtime/unit.NoSuchClass", basenames)
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", ["design.md"])
+def test_every_package_name_the_design_names_imports(doc):
+    names = sorted(set(DOTTED.findall((ROOT / "docs" / doc).read_text())))
+    assert names, "the design page names no fsdp_compose.<name> at all: the check would be vacuous"
+    unresolved = [name for name in names if not _resolves(name)]
+    assert not unresolved, f"docs/{doc} names what cannot be imported: {unresolved}"
