@@ -8,6 +8,7 @@ Run: ``PYTHONPATH=. python -m pytest -q tests/test_fsdp2_methods.py``.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -22,6 +23,7 @@ from fsdp_compose.testing import synthetic_tokens
 from tests._comm_counter import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter
 from tests._training import CFG, build_model
 from tests.harness import run_distributed
+from tests.test_hsdp import _named_unsharded
 
 MICRO = 3
 LR = 0.05
@@ -47,7 +49,15 @@ def _reference(world: int, lr: float = LR, steps: int = 3) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-class CountingAllGather(AllGather):
+class _Allocating:
+    """Counts allocations; plain ``torch.empty``."""
+
+    def allocate(self, size, *, dtype, device):
+        self.allocated += 1
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(_Allocating, AllGather):
     """torch's protocol (not exported by torch.distributed.fsdp); delegates to
     ``dist``, counting calls and allocations."""
 
@@ -55,23 +65,15 @@ class CountingAllGather(AllGather):
         self.calls = 0
         self.allocated = 0
 
-    def allocate(self, size, *, dtype, device):
-        self.allocated += 1
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls += 1
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountingReduceScatter(ReduceScatter):
+class CountingReduceScatter(_Allocating, ReduceScatter):
     def __init__(self) -> None:
         self.calls = 0
         self.allocated = 0
-
-    def allocate(self, size, *, dtype, device):
-        self.allocated += 1
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
@@ -127,7 +129,7 @@ def _train(mesh_shape, setup: str, steps: int = 3, count_step: int = 2) -> dict:
         xs, ys = x[rank * MICRO:(rank + 1) * MICRO].chunk(MICRO), y[rank * MICRO:(rank + 1) * MICRO].chunk(MICRO)
         counter = GroupNames()
         before = (gather.calls, scatter.calls)
-        with counter if step == count_step else _Null():
+        with counter if step == count_step else contextlib.nullcontext():
             for i, (a, b) in enumerate(zip(xs, ys)):
                 if setup == "all-reduce-once":
                     model.set_requires_all_reduce(i == MICRO - 1)
@@ -158,20 +160,6 @@ def _states(model):
 
 def model_context(model):
     return state_of(model).context
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _named_unsharded(model):
-    for name, _ in list(model.named_parameters()):
-        owner, _, attr = name.rpartition(".")
-        yield name, getattr(model.get_submodule(owner) if owner else model, attr)
 
 
 def _assert_params(results, reference, atol=1e-5):
