@@ -12,14 +12,14 @@ from .checks.unmanaged import mark_reduced_elsewhere
 from .api import ShardedParamInfo, fully_shard, param_info
 from .placements import Blocks, OnMesh
 from .gradients.clip import clip_grad_norm_, param_norms
-from .runtime.forward_methods import register_forward_method
+from .runtime.forward_methods import register_forward_method, register_fsdp_forward_method
 from .params.full_params import full_params
 from .gradients.grad_scaler import ShardedGradScaler
 from .params.init import materialize, sync_module_states
-from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
+from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, PrefetchPolicy
 from .gradients.torch_norms import route_torch_grad_norms
 from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, propose_units
-from .sharded_module import ShardedModule, UnshardHandle
+from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, share_comm_ctx
 
 __all__ = [
     "fully_shard", "Blocks", "OnMesh", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
@@ -28,5 +28,6 @@ __all__ = [
     "materialize", "sync_module_states", "describe", "fully_shard_by", "fully_shard_root", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
     "full_params", "route_torch_grad_norms", "mark_reduced_elsewhere",
+    "FSDPModule", "OffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx",
 ]
 __version__ = "0.1.0"

@@ -73,7 +73,13 @@ class MixedPrecisionPolicy:
 
 
 @dataclass(frozen=True)
-class CPUOffloadPolicy:
+class OffloadPolicy:
+    """No offloading: what FSDP2's base class means as ``offload_policy``
+    (the same as ``None``); :class:`CPUOffloadPolicy` is the one that offloads."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
     """Keep the sharded parameters and gradients (and so the optimizer step
     and its state) on the CPU; each unit's shard is copied to the compute
     device just before its all-gather and the reduced gradient shard copied

@@ -21,6 +21,7 @@ from .checks.finite import check_finite_gradients
 from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
+from .runtime.comm_methods import ShardedCommMethods
 from .runtime.state import ModelContext, FullyShardState, state_of, states_below
 from .runtime.buckets import cap_bytes
 from .runtime.tensors import swapping_params_on_conversion
@@ -40,9 +41,11 @@ class UnshardHandle:
         self._units = []
 
 
-class ShardedModule:
+class ShardedModule(ShardedCommMethods):
     """Methods mixed into every module annotated by :func:`fully_shard`
-    (the module's class becomes a subclass of its own class and this one)."""
+    (the module's class becomes a subclass of its own class and this one);
+    those that change the collectives are in ``runtime/comm_methods.py``.
+    ``fsdp_compose.FSDPModule`` is this class."""
 
     def unshard(self, async_op: bool = False, *, recurse: bool = False) -> Optional[UnshardHandle]:
         """All-gather this unit's parameters (and every unit below it with
@@ -305,7 +308,8 @@ class ShardedModule:
         # Constructing the sharded class (nn.Sequential slicing does
         # ``self.__class__(...)``) gives a plain module of the original class:
         # a fresh module has no fully_shard state.
-        original = cls.__mro__[2]  # (Sharded<X>, ShardedModule, X, ...)
+        # (Sharded<X>, ShardedModule, its bases but object, X, ...)
+        original = cls.__mro__[len(ShardedModule.__mro__)]
         module = original.__new__(original)
         module.__init__(*args, **kwargs)
         return module
@@ -355,6 +359,22 @@ class ShardedModule:
 # nn.Module._apply is not public: a torch that renamed it would skip the override
 # above (module.to(dtype) would convert views of the flat buffers, not the shards)
 require_override(nn.Module, "_apply", "converting the shards of annotated modules (module.to())")
+
+FSDPModule = ShardedModule
+"""FSDP2's name: ``isinstance(module, FSDPModule)`` holds for every
+module annotated by :func:`fully_shard`."""
+
+
+def share_comm_ctx(modules: Sequence[nn.Module]) -> None:
+    """FSDP2 makes several roots (pipeline stages) share its communication
+    streams. The library issues every collective on the current stream and
+    keeps no streams of its own, so the roots share them already: this only
+    checks that every module is annotated (``ValueError`` otherwise, as FSDP2)."""
+    for module in modules:
+        if not isinstance(module, ShardedModule):
+            raise ValueError(f"Expects list of FSDPModules (modules annotated by fully_shard) "
+                             f"but got {type(module).__name__}")
+
 
 _SHARDED_CLASSES: dict[type, type] = {}
 _converting: list[nn.Module] = []

@@ -246,3 +246,16 @@ def test_reshard_after_forward_and_force_sum_recurse(recurse_args, want):
     """Weights: 1 = still unsharded after forward (whole), 0 = resharded."""
     for got in run_distributed(2, reshard_after_forward_recurse, recurse_args, timeout=TIMEOUT):
         assert got == want
+
+
+def test_every_public_fsdp_module_method_exists_on_sharded_module():
+    """A torch that adds a public method to FSDPModule fails here until the
+    library has it (and docs/migrating-from-fsdp2.md's method table says
+    what it does)."""
+    theirs = {n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_")}
+    missing = sorted(n for n in theirs if not callable(getattr(ShardedModule, n, None)))
+    assert not missing, f"FSDPModule methods missing on ShardedModule: {missing}"
+    table = open("docs/migrating-from-fsdp2.md").read()
+    undocumented = sorted(n for n in theirs if f"`{n}`" not in table and f"`{n}(" not in table)
+    assert not undocumented, f"not in docs/migrating-from-fsdp2.md: {undocumented}"
+    assert fsdp_compose.FSDPModule is ShardedModule

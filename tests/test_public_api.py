@@ -11,13 +11,14 @@ import pytest
 
 PUBLIC = {
     "fsdp_compose": [
-        "Blocks", "CPUOffloadPolicy", "CommPolicy", "MixedPrecisionPolicy", "OnMesh", "PrefetchPolicy",
+        "Blocks", "CPUOffloadPolicy", "CommPolicy", "FSDPModule", "MixedPrecisionPolicy",
+        "OffloadPolicy", "OnMesh", "PrefetchPolicy",
         "ShardedGradScaler", "ShardedModule", "ShardedParamInfo", "UnshardHandle",
         "check_finite_gradients", "clip_grad_norm_", "describe", "estimate_memory",
         "full_params", "fully_shard", "fully_shard_by", "fully_shard_root",
         "mark_reduced_elsewhere", "materialize", "param_info", "param_norms", "propose_units",
-        "register_forward_method", "route_torch_grad_norms",
-        "set_gloo_reduce_scatter_via_all_reduce", "sync_module_states",
+        "register_forward_method", "register_fsdp_forward_method", "route_torch_grad_norms",
+        "set_gloo_reduce_scatter_via_all_reduce", "share_comm_ctx", "sync_module_states",
     ],
     "fsdp_compose.checkpoint": [
         "CheckpointError", "CheckpointStore", "FlatLoadPlanner", "FlatSavePlanner",

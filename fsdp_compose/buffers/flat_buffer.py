@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from .._torch_private import unsafe_set_version_counter
+from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
@@ -73,7 +74,7 @@ class FlatBuffer:
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
-    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype',
+    __slots__ = ('aliased', 'comms', 'compute_device', 'compute_dtype', 'dtype',
                  'gather_quantizer', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
                  'reduce_dtype', 'reduce_quantizer', 'requires_grad',
@@ -164,6 +165,9 @@ class FlatBuffer:
         """The all-gather's wire format (``CommPolicy``; ``None``: exact)."""
         self.reduce_quantizer: Optional[BlockQuantizer] = None
         """The gradient reduction's wire format (``None``: exact)."""
+        self.comms: Optional[UnitComms] = None
+        """The unit's replaced collectives, shared by its buffers
+        (``comm/custom.py``; ``None``: the library's own, the plain path)."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool

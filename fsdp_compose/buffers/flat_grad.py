@@ -133,7 +133,7 @@ class FlatGradient:
 
     __slots__ = ('owner', 'reducing', 'saw_forward', 'used', '_accumulated',
                  '_current_training', '_every_param_receives', '_keeps', '_kept',
-                 '_kept_unread', '_owned', '_owned_params', '_params', '_published',
+                 '_kept_unread', '_owned', '_owned_params', '_params', '_partial', '_published',
                  '_subset', '_subsets', '_trained_before_change', '_unpublished',
                  '__dict__', '__weakref__')
 
@@ -151,6 +151,10 @@ class FlatGradient:
         under hybrid sharding then its all-reduce over the replicas (set
         and cleared by the collective queue)."""
         self._unpublished: Optional[torch.Tensor] = None
+        self._partial: Optional[torch.Tensor] = None
+        """Hybrid sharding with ``set_requires_all_reduce(False)``: the sum of
+        the reduce-scatter outputs not all-reduced over the replicas yet
+        (the whole shard chunk, in the collective's dtype)."""
         """The reduced sharded gradient, not yet given to the parameters."""
         self._kept_unread: bool = False
         """``_unpublished`` was started without reading the parameters'
@@ -235,6 +239,7 @@ class FlatGradient:
             self.reducing.discard()
         self.reducing = None
         self._unpublished = None
+        self._partial = None
         self._kept_unread = False
         self._subset = None
         self.discard_unreduced()
@@ -308,6 +313,27 @@ class FlatGradient:
             owner = self.owner
             subset = self._subsets[training] = plan_subset(owner.layout, training, owner.group.rank)
         return subset
+
+    def hold_partial(self, output: torch.Tensor) -> None:
+        """Keep a reduce-scatter's ``output`` for a later all-reduce over the
+        replicas (``set_requires_all_reduce(False)``), added to what earlier
+        ones kept; nothing is folded."""
+        if self._subset is not None:
+            output, self._subset = self._subset.spread(output), None
+        if self._partial is None:
+            self._partial = output.clone()  # output may be the kept gradient, reused later
+        else:
+            self._partial.add_(output)
+
+    def merge_partial(self, output: torch.Tensor) -> torch.Tensor:
+        """``output`` (a reduce-scatter's, about to be all-reduced over the
+        replicas) plus what :meth:`hold_partial` kept, which is cleared."""
+        partial, self._partial = self._partial, None
+        if partial is None:
+            return output
+        if self._subset is not None:
+            output, self._subset = self._subset.spread(output), None
+        return output.add_(partial)
 
     def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
         """The reduced chunk (every rank of the mesh summed or averaged)

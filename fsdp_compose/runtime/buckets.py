@@ -203,4 +203,5 @@ def _key(unit) -> Optional[tuple]:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
             next(iter(comm), None), wires.pop(), settings.reduce_options,
-            settings.requires_gradient_sync, unit.resolved_reshard_after_forward)
+            settings.requires_gradient_sync, unit.resolved_reshard_after_forward,
+            None if settings.comms is None else settings.comms.key())

@@ -117,6 +117,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
 from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scatter_scaled
+from ..comm.custom import UnitComms, allocate, all_gather_custom, reduce_scatter_custom
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..comm.watched_wait import wait_watched
 from ..policies import PrefetchPolicy
@@ -451,6 +452,15 @@ class CollectiveQueue:
         shard, group = prepared
         version = buffer.unsharded._version
         quantizer = buffer.gather_quantizer if group is buffer.group else None
+        custom = buffer.comms.all_gather if buffer.comms is not None else None
+        if custom is not None:  # see [Note: custom collectives] in comm/custom.py
+            out = allocate(custom, buffer.unsharded.numel(), shard.dtype, buffer.compute_device)
+            work = all_gather_custom(custom, out, shard, group)
+            self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
+                                        _gathered({id(buffer): version}),
+                                        copies=[(buffer.unsharded.detach().view(-1), out)],
+                                        keep_alive=[shard, out]))
+            return
         with unsafe_preserve_version_counter(buffer.unsharded):
             if quantizer is not None:  # decoded into the buffer at the wait
                 rows = buffer.unsharded.detach().view(group.world_size, -1)
@@ -494,16 +504,22 @@ class CollectiveQueue:
                 _gathered({id(b): version for b, version, _ in joined}), keep_alive=inputs))
             return
         packed = torch.cat([shard.reshape(-1) for shard in inputs]) if len(inputs) > 1 else inputs[0]
-        out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
         temporaries = [packed] if len(inputs) > 1 else []  # one input: a shard, not ours
-        work = all_gather_into(out, packed, group, async_op=True)
+        custom = first.comms.all_gather if first.comms is not None else None
+        if custom is None:
+            out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
+            work = all_gather_into(out, packed, group, async_op=True)
+        else:  # the comm's memory: never freed here (see [Note: custom collectives])
+            out = allocate(custom, world * total, packed.dtype, first.compute_device)
+            work = all_gather_custom(custom, out, packed, group)
         grid = out.view(world, total)
         copies = [(b, b.unsharded.detach().view(world, b.layout.shard_numel),
                    grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
         self._track_gather(InFlight(
             "all_gather", work, group.process_group, [b for b, _, _ in joined],
             _gathered({id(b): version for b, version, _ in joined}), temporaries=temporaries,
-            keep_alive=inputs, member_copies=copies, packed_output=out))
+            keep_alive=inputs, member_copies=copies,
+            packed_output=out if custom is None else None))
 
     def _track_gather(self, flight: InFlight) -> None:
         for buffer in flight.members:
@@ -516,7 +532,8 @@ class CollectiveQueue:
         limit. A buffer of a bucket is held until the bucket's last expected
         gradient is ready; then one reduce-scatter goes for all of them."""
         bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
-        if bucket is None and buffer.group.total_size == 1 and not profiler_active():
+        if bucket is None and buffer.group.total_size == 1 and buffer.comms is None and \
+                not profiler_active():
             # one rank, no replica: nothing to communicate, observe (the observers record
             # only what crosses ranks) or keep in flight
             buffer.grad.fold_unreduced(options)
@@ -584,7 +601,12 @@ class CollectiveQueue:
         for buffer, output in members:
             buffer.grad.reducing = None
             group = buffer.group
-            if group.replicate_size > 1 and group.replicate_process_group is not None:
+            comms = buffer.comms
+            if comms is not None:  # a hook, or no all-reduce this time (comm/custom.py)
+                flight = _reduced_custom(buffer, output, options, comms)
+                if flight is not None:
+                    replicas.append(flight)
+            elif group.replicate_size > 1 and group.replicate_process_group is not None:
                 work = all_reduce_replicas(output, group, *options, async_op=True)
                 flight = InFlight("all_reduce_replicas", work, group.replicate_process_group,
                                   [buffer], _folded(buffer, output, options))
@@ -665,13 +687,40 @@ def _gathered(versions: dict[int, int]) -> Callable[[list[FlatBuffer]], None]:
     return complete
 
 
-def _folded(buffer: FlatBuffer, output: torch.Tensor,
-            options: ReduceOptions) -> Callable[[list[FlatBuffer]], None]:
-    """Completion of a replica all-reduce: fold the chunk."""
+def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
+            hook: Optional[Callable[[torch.Tensor], None]] = None
+            ) -> Callable[[list[FlatBuffer]], None]:
+    """Completion of a replica all-reduce: ``hook`` the result, fold the chunk."""
     def complete(_buffers: list[FlatBuffer]) -> None:
         buffer.grad.reducing = None
+        if hook is not None:
+            hook(output)
         buffer.grad.fold(output, options)
     return complete
+
+
+def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
+                    comms: UnitComms) -> Optional[InFlight]:
+    """``CollectiveQueue._reduced`` for a buffer whose unit set a hook or
+    ``requires_all_reduce``: under hybrid sharding, keep the chunk for later
+    (``requires_all_reduce`` False; no hook, as FSDP2) or all-reduce it,
+    with what was kept, and hook then fold it when that completes
+    (returned); else hook and fold now."""
+    group = buffer.group
+    if group.replicate_size > 1 and group.replicate_process_group is not None:
+        if not comms.requires_all_reduce:
+            buffer.grad.hold_partial(output)
+            return None
+        output = buffer.grad.merge_partial(output)
+        work = all_reduce_replicas(output, group, *options, async_op=True)
+        flight = InFlight("all_reduce_replicas", work, group.replicate_process_group, [buffer],
+                          _folded(buffer, output, options, comms.all_reduce_hook))
+        buffer.grad.reducing = flight
+        return flight
+    if comms.all_reduce_hook is not None:
+        comms.all_reduce_hook(output)
+    buffer.grad.fold(output, options)
+    return None
 
 
 def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
@@ -696,17 +745,29 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
     if world == 1:  # nothing to communicate: each gradient is its own chunk, complete now
         reduced(members, options)
         return None
+    comms = first.comms
+    custom = comms.reduce_scatter if comms is not None else None
+    wire = group if comms is None else comms.reduce_group(group)  # the reduce-scatter's group
     if len(buffers) == 1:
         (buffer, flat), = members
         output = _reduce_output(buffer, flat.dtype, device)
-        work = _issue_reduce_scatter(output, flat, buffer, options)
         freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
-        return InFlight("reduce_scatter", work, group.process_group, [buffer],
-                        lambda _done: reduced([(buffer, output)], options),
-                        temporaries=freed, keep_alive=[flat])
+        if custom is None:
+            work = _issue_reduce_scatter(output, flat, buffer, options)
+            copies, keep = [], [flat]
+        else:  # the comm's memory in and out (see [Note: custom collectives] in comm/custom.py)
+            comm_input = allocate(custom, flat.numel(), flat.dtype, device)
+            comm_input.copy_(flat)
+            comm_output = allocate(custom, output.numel(), flat.dtype, device)
+            work = _issue_reduce_scatter(comm_output, comm_input, buffer, options)
+            copies, keep = [(output, comm_output)], [comm_input, comm_output]
+        return InFlight("reduce_scatter", work, wire.process_group, [buffer],
+                        lambda _done: reduced([(buffer, output)], options), copies,
+                        temporaries=freed, keep_alive=keep)
     total = sum(b.grad.reduce_chunk for b in buffers)
     dtype = members[0][1].dtype
-    packed = torch.empty(world * total, dtype=dtype, device=device)
+    packed = torch.empty(world * total, dtype=dtype, device=device) if custom is None else \
+        allocate(custom, world * total, dtype, device)
     grid = packed.view(world, total)
     starts, offset = [], 0
     for buffer, flat in zip(buffers, grads):
@@ -717,7 +778,8 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
             grid[:, offset:offset + size].copy_(flat.view(world, size))
         starts.append(offset)
         offset += size
-    reduced_chunk = torch.empty(total, dtype=dtype, device=device)
+    reduced_chunk = torch.empty(total, dtype=dtype, device=device) if custom is None else \
+        allocate(custom, total, dtype, device)
     work = _issue_reduce_scatter(reduced_chunk, packed, first, options,
                                  [b.grad.reduce_chunk for b in buffers])
     copies, outputs = [], []
@@ -728,8 +790,10 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
         output = _reduce_output(buffer, dtype, device)
         copies.append((output, reduced_chunk[start:start + size]))
         outputs.append((buffer, output))
-    return InFlight("reduce_scatter", work, group.process_group, [b for b, _ in members],
-                    lambda _done: reduced(outputs, options), copies, [packed, reduced_chunk])
+    temporaries = [packed, reduced_chunk] if custom is None else []  # the comm's: not ours to free
+    return InFlight("reduce_scatter", work, wire.process_group, [b for b, _ in members],
+                    lambda _done: reduced(outputs, options), copies, temporaries,
+                    keep_alive=[packed, reduced_chunk])
 
 
 def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -746,9 +810,15 @@ def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: Flat
     """The asynchronous reduce-scatter of ``flat`` into ``output`` over
     ``buffer``'s group, quantized when its policy says so (a bucket's
     buffers share the wire format, the plan's promise; ``segments``: their
-    chunk sizes, each quantized on its own)."""
+    chunk sizes, each quantized on its own), or through the unit's custom
+    reduce-scatter, on its reduce-scatter group (``comm/custom.py``)."""
+    group, comms = buffer.group, buffer.comms
+    if comms is not None:
+        group = comms.reduce_group(group)
+        if comms.reduce_scatter is not None:
+            return reduce_scatter_custom(comms.reduce_scatter, output, flat, group, *options)
     if buffer.reduce_quantizer is not None:
-        return reduce_scatter_quantized(output, flat, buffer.group, buffer.reduce_quantizer,
+        return reduce_scatter_quantized(output, flat, group, buffer.reduce_quantizer,
                                         options.divide_factor, options.force_sum, segments)
-    return reduce_scatter_scaled(output, flat, buffer.group, options.divide_factor,
+    return reduce_scatter_scaled(output, flat, group, options.divide_factor,
                                  options.force_sum, async_op=True)

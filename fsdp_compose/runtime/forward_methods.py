@@ -72,3 +72,14 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     setattr(wrapped, _WRAPPED, True)
     setattr(module, method_name, types.MethodType(wrapped, module))
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's name and contract for :func:`register_forward_method`: a
+    no-op on a module that is not annotated (so code runs with and without
+    sharding), ``ValueError`` where the module has no ``method_name``."""
+    if state_of(module) is None:
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    register_forward_method(module, method_name)

@@ -21,6 +21,7 @@ from .._torch_private import current_graph_task_id, profiler_active
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
+from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .profiling import call_profiled
@@ -71,6 +72,9 @@ class UnitSettings:
     """Units to all-gather before this one's forward (None: by recorded order)."""
     backward_prefetch: Optional[list[Unit]] = None
     """Units to all-gather when this one's backward starts (None: by order)."""
+    comms: Optional[UnitComms] = None
+    """Replaced collectives, a hook, ``requires_all_reduce``
+    (``comm/custom.py``), shared with every buffer (``None``: none)."""
 
 
 class Unit:
@@ -247,6 +251,16 @@ class Unit:
     def reshard(self) -> None:
         for buffer in self.buffers:
             buffer.reshard()
+
+    def custom_comms(self) -> UnitComms:
+        """This unit's :class:`UnitComms`, made and shared with its buffers
+        at the first setter that needs one (until then the plain path)."""
+        comms = self.settings.comms
+        if comms is None:
+            comms = self.settings.comms = UnitComms()
+            for buffer in self.buffers:
+                buffer.comms = comms
+        return comms
 
     def rebuild_after_conversion(self) -> None:
         """After a module conversion (``module.to(dtype)``): rebuild the

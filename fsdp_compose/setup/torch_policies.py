@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["as_mp_policy", "as_offload_policy"]
 
@@ -53,6 +53,8 @@ def as_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
     for no offloading); see the module docstring."""
     if policy is None or isinstance(policy, CPUOffloadPolicy):
         return policy
+    if type(policy) is OffloadPolicy:
+        return None  # the base class means "no offloading", as torch's
     torch_base = _torch_class("OffloadPolicy")
     torch_cpu = _torch_class("CPUOffloadPolicy")
     if torch_cpu is not None and type(policy) is torch_cpu:
