@@ -271,6 +271,16 @@ def default_store() -> dist.Store:
     return _get_default_store()
 
 
+_resolve_process_group = _lookup("torch.distributed.distributed_c10d", "_resolve_process_group",
+                                 "a process group from its name (another rank's answer)")
+
+
+def group_named(name: str) -> dist.ProcessGroup:
+    """The process group called ``name`` on this rank (raises where this
+    rank has none of that name)."""
+    return _resolve_process_group(name)
+
+
 def forget_mesh_groups(mesh: Any) -> None:
     """Drop a ``DeviceMesh``'s cache of its ``ProcessGroup`` objects (its
     ``_pg_registry``, where this torch has one; else nothing): once

@@ -48,9 +48,18 @@ from ..comm.rendezvous import arrive
 from ._exchange import shard_dim
 from ._pieces import ShardPieces, has_pieces
 
+SAVE_ADVICE = (
+    "To write one file from rank 0, gather the state dict on every rank and save on rank 0: "
+    "`sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+    "cpu_offload=True))` (from torch.distributed.checkpoint.state_dict), then "
+    "`if rank == 0: torch.save(sd, f)`; for sharded saves, call "
+    "`torch.distributed.checkpoint.save({'model': model.state_dict()}, checkpoint_id=path)` "
+    "on every rank (or use CheckpointStore).")
+"""The fix for a save from rank 0 only (every message of a one-rank
+``state_dict()`` ends with it; ``tests/test_save_advice.py`` runs it)."""
 _FIX = ("Values of fsdp_compose's state dicts are converted to FSDP2's layout when first used, "
-        "collectively: use them (full_tensor(), tensor operations, deepcopy) on every rank "
-        "in the same order.")
+        "collectively: use them (full_tensor(), tensor operations, deepcopy, pickling by "
+        "torch.save) on every rank in the same order. " + SAVE_ADVICE)
 
 
 class LazyChunk(torch.Tensor):

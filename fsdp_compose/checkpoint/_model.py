@@ -42,14 +42,13 @@ from ._exchange import (checkpoint_shape, chunks_to_flat, flat_to_chunks, loadab
                         shard_dim, shard_dim_local, shard_dim_value)
 from ._chunks import chunk_shape
 from ._exchange import checkpoint_placements
-from ._lazy import in_place, is_lazy, lazy_value
+from ._lazy import SAVE_ADVICE, in_place, is_lazy, lazy_value
 from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 
 _STATE_DICT_FIX = (
     "The values of a fully_shard model are spread over the ranks: call state_dict() / "
-    "load_state_dict() on every rank (to write a file from rank 0 only, take the state dict "
-    "on every rank and save it under `if rank == 0:`; or use CheckpointStore).")
+    "load_state_dict() on every rank. " + SAVE_ADVICE)
 
 
 class _Stash(NamedTuple):

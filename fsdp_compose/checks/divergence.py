@@ -59,6 +59,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..comm.agreement import agreed_max, all_gather_fingerprints
 from ..comm.watched_wait import stall_seconds
 from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
+from ..comm.whereabouts import Doing
 from .._torch_private import default_store
 from ..comm.groups import ShardGroup
 from ..runtime.observer import CollectiveObserver, ObservedUnit
@@ -344,7 +345,8 @@ class DivergenceMonitor(CollectiveObserver):
         (found once, by :meth:`bind`: a unit's groups never change)."""
         return self._groups
 
-    def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str]) -> None:
+    def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str],
+                              doing: dict[int, Doing]) -> None:
         """The forward agreement has waited ``waited`` s for the ranks of
         ``elsewhere``. One that waits at a collective call of the library
         will never come: raise. Every :func:`stall_seconds`, compare the

@@ -13,9 +13,15 @@ collective) and waits for the keys of every member of the group. A member
 that waits at another meeting of the library (another call, a forward
 agreement) will never come: the call raises at once, on every rank that
 waits, naming where each rank is ([Note: where each rank waits]). A member
-at no meeting is late (a long evaluation on one rank) and is waited for up
-to :func:`call_timeout` (the collective timeout, 30 minutes, by default),
-with a line every ``LATE_NOTICE_SECONDS``; then the call raises naming it.
+at no meeting is asked what it does ([Note: blocked is not late] in
+``comm/whereabouts.py``): one blocked in a collective that waits for this
+rank (``dist.barrier()`` under ``if rank == 0:``) will never come either,
+and the call raises within seconds naming that collective and its
+``file:line``. Any other is late (a long evaluation on one rank) and is
+waited for up to :func:`call_timeout` (``DEFAULT_CALL_TIMEOUT``, 1800 s,
+torch's collective timeout, by default), with a line every
+``LATE_NOTICE_SECONDS`` that says what it is doing; then the call raises
+naming it.
 Keys are named by the group and numbered by the group's collective
 sequence number and the calls since, so a group's calls pair by order,
 like its collectives, and a call made on some ranks only does not shift
@@ -37,9 +43,10 @@ from typing import Callable, Optional, Sequence
 import torch.distributed as dist
 
 from .._torch_private import default_store, sequence_number
+from .whereabouts import Doing, answer, ask, start_watcher
 
 CALL_TIMEOUT_ENV = "FSDP_COMPOSE_CALL_TIMEOUT"
-"""Seconds a rank waits for the others at a collective call (default 30)."""
+"""Seconds a rank waits for late ranks at a collective call (default 1800)."""
 DEFAULT_CALL_TIMEOUT = 1800.0  # torch's default collective timeout
 _PREFIX = "fsdp_compose/call"
 _calls: dict[str, tuple[int, int]] = {}
@@ -80,17 +87,21 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
     timeout = call_timeout()
     said = [0.0]
 
-    def waiting(waited: float, elsewhere: dict[int, str]) -> None:
+    def waiting(waited: float, elsewhere: dict[int, str], doing: dict[int, Doing]) -> None:
         other = {rank: where for rank, where in elsewhere.items() if where}
         if other:  # a mismatch: they wait at another call, and will never come here
             _raise(me, call, [], {}, fix, timeout, waiting_at=other)
+        blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked"}
+        if blocked:  # in a collective that waits for this rank: never here either
+            _raise_blocked(me, call, blocked, fix)
         if waited >= timeout:
             _raise(me, call, sorted(elsewhere), {}, fix, timeout)
         if waited - said[0] >= LATE_NOTICE_SECONDS:  # late, not (yet) wrong: say so
             said[0] = waited
+            what = "".join(f"; rank {rank} runs {d.says()}" for rank, d in sorted(doing.items()))
             print(f"[rank {me}] fsdp_compose: {call} waits for ranks {sorted(elsewhere)}, which "
                   f"have not reached any collective call of fsdp_compose yet ({waited:.0f} s of "
-                  f"{timeout:g} s, {CALL_TIMEOUT_ENV})", file=sys.stderr, flush=True)
+                  f"{timeout:g} s, {CALL_TIMEOUT_ENV}){what}", file=sys.stderr, flush=True)
 
     names = meet(base, ranks, me, call, call, waiting, _last_key.get(group.group_name))
     _last_key[group.group_name] = f"{base}/{me}"
@@ -108,13 +119,16 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
 # ranks they miss: a rank that waits at *another* meeting will never come
 # (a mismatch: raise at once, naming where it is); a rank at no meeting is
 # late (still computing, evaluating, loading) or gone, and is waited for up
-# to the call's timeout, with a line every ``LATE_NOTICE_SECONDS``. Polling
+# to the call's timeout, with a line every ``LATE_NOTICE_SECONDS``, unless
+# its watcher says it is blocked ([Note: blocked is not late]). Polling
 # ``check`` (not the store's blocking ``wait``, whose time-outs log socket
 # warnings and raise ``DistStoreError``) keeps the error the first thing a
 # user reads.
 _WHERE = "fsdp_compose/where"
-POLL_SECONDS = 1.0
-"""How often a waiting rank reads where the ranks it misses are."""
+POLL_ENV = "FSDP_COMPOSE_POLL_SECONDS"
+"""Seconds between two looks of a waiting rank at where the ranks it misses
+are, and two questions to their watchers (default 1)."""
+DEFAULT_POLL_SECONDS = 1.0
 LATE_NOTICE_SECONDS = 30.0
 """How often a rank waiting for late ranks says so."""
 _MAX_SLEEP = 0.002
@@ -123,19 +137,32 @@ _PUBLISH_AFTER = 0.05
 milliseconds apart meet without it: two store round trips saved)."""
 
 
+def poll_seconds() -> float:
+    """``FSDP_COMPOSE_POLL_SECONDS`` (read at each wait, default 1)."""
+    value = os.environ.get(POLL_ENV, "")
+    return float(value) if value else DEFAULT_POLL_SECONDS
+
+
+Waiting = Callable[[float, dict[int, str], dict[int, Doing]], None]
+"""Told while a meeting waits: (seconds waited, {missing rank: the meeting
+it waits at, "" if none}, {missing rank at no meeting: what it does})."""
+
+
 def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
-         waiting: Callable[[float, dict[int, str]], None],
+         waiting: Waiting,
          previous: Optional[str] = None) -> list[str]:
     """Every rank's ``value``, in the order of ``ranks``, exchanged through
     the default store under ``prefix/<rank>`` (see [Note: where each rank
     waits]). While some are missing, calls ``waiting(seconds waited,
-    {missing rank: what it waits at, "" if nothing})`` about every
-    :data:`POLL_SECONDS` (it may raise). A rank that raised while waiting
+    {missing rank: what it waits at, "" if nothing}, {missing rank at no
+    meeting: its watcher's latest answer, kind ``"blocked"`` once it is
+    blocked})`` about every :func:`poll_seconds` (it may raise). A rank that raised while waiting
     elsewhere leaves ``LEFT + <what it waited at>`` as its value here.
     Deletes ``previous`` (this rank's key of its previous meeting in the
     same series: every rank read it once all keys of this one exist).
     Four store round trips when the ranks arrive together."""
     store = default_store()
+    start_watcher()
     if not _exit_marked:
         atexit.register(_mark_exit, store, me)
         _exit_marked.append(True)
@@ -155,9 +182,10 @@ while waiting at its own (the rest names where it waited)."""
 
 
 def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int, what: str,
-              prefix: str, waiting: Callable[[float, dict[int, str]], None]) -> None:
-    start = time.monotonic()
-    next_look, sleep, published = start + POLL_SECONDS, 5e-5, False
+              prefix: str, waiting: Waiting) -> None:
+    start, poll = time.monotonic(), poll_seconds()
+    next_look, sleep, published = start + poll, 5e-5, False
+    asking = _Asking(me)
     try:
         while not store.check(keys):
             time.sleep(sleep)
@@ -168,11 +196,13 @@ def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int,
                 published = True
             if now < next_look:
                 continue
-            next_look = now + POLL_SECONDS
+            next_look = now + poll
             missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
             elsewhere = {r: _where_of(store, r) for r in missing}
+            doing = asking.look([r for r, (w, at) in elsewhere.items() if not w])
             try:
-                waiting(now - start, {r: w for r, (w, at) in elsewhere.items() if at != prefix})
+                waiting(now - start, {r: w for r, (w, at) in elsewhere.items() if at != prefix},
+                        doing)
             except BaseException:
                 for rank, (_, at) in elsewhere.items():
                     if at and at not in (prefix, _EXITED):  # it waits for this rank there
@@ -181,6 +211,36 @@ def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int,
     finally:
         if published:
             store.set(f"{_WHERE}/{me}", "")
+
+
+class _Asking:
+    """The questions one waiting rank puts to the watchers of the ranks it
+    misses, one a look ([Note: blocked is not late])."""
+
+    def __init__(self, me: int) -> None:
+        self.me: int = me
+        self.asked: dict[int, int] = {}
+        """rank -> the number of its unanswered question."""
+        self.said: dict[int, Doing] = {}
+        """rank -> its latest answer."""
+
+    def look(self, ranks: list[int]) -> dict[int, Doing]:
+        """Read the answers of ``ranks`` (at no meeting), ask them again;
+        {rank: latest answer}, kind ``"blocked"`` where two answers in a row
+        name the same collective that waits for this rank."""
+        for rank in ranks:
+            number = self.asked.get(rank)
+            if number is not None:
+                now = answer(rank, number)
+                if now is None:
+                    continue  # not answered yet: its watcher is busy, or it has none
+                before = self.said.get(rank)
+                if before is not None and before.token and before.token == now.token and \
+                        now.waits_for(self.me):
+                    now = now._replace(kind="blocked")
+                self.said[rank] = now
+            self.asked[rank] = ask(rank)
+        return {rank: self.said[rank] for rank in ranks if rank in self.said}
 
 
 _exit_marked: list[bool] = []
@@ -219,6 +279,16 @@ def _next_number(group: dist.ProcessGroup) -> str:
     count = count if seen == issued else 0
     _calls[group.group_name] = (issued, count + 1)
     return f"{issued}.{count}"
+
+
+def _raise_blocked(me: int, call: str, blocked: dict[int, Doing], fix: str) -> None:
+    parts = "; ".join(f"rank {rank} is blocked in {d.says()}, which waits for this rank"
+                      for rank, d in sorted(blocked.items()))
+    raise CallMismatchError(
+        f"[rank {me}] {call} is collective (every rank of its process group must call it, in "
+        f"the same order as the other collective calls), but {parts}: neither can go on "
+        f"(this rank raises at once; the blocked collective fails when this process exits). "
+        f"Nothing was communicated. {fix}")
 
 
 def _raise(me: int, call: str, missing: list[int], other: dict[int, str], fix: str,

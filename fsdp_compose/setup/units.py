@@ -32,6 +32,7 @@ from ..checks.divergence import DivergenceMonitor
 from ..checks.late_parameters import check_no_late_parameters, snapshot_modules
 from ..checks.replicate import is_replicated
 from ..comm.groups import ShardGroup, shard_group_from_mesh
+from ..comm.whereabouts import start_watcher
 from ..placements import Blocks, OnMesh
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from ..runtime.owners import Owner, owner_of, record_owners
@@ -195,6 +196,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                  pre_forward_check=functools.partial(check_no_late_parameters,
                                                      snapshot_modules(unit.managed_modules)))
     link_annotated_below(state_of(modules[0]))
+    start_watcher()  # other ranks may ask where this one is ([Note: blocked is not late])
     if len(modules) == 1:
         _rename_below(modules[0])
     return unit

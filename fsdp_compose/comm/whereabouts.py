@@ -1,0 +1,234 @@
+"""What a rank's main thread is doing, told on request to the ranks that
+wait for it at a meeting of the library.
+
+[Note: blocked is not late]
+A rank waiting at a collective call of the library ([Note: call
+rendezvous]) for a rank that has not come cannot tell from the store alone
+whether that rank is late (an evaluation, a data loader: it will come) or
+blocked in a collective that waits for the waiting rank (FSDP2's habit
+``if rank == 0: torch.save(model.state_dict(), f)`` then ``dist.barrier()``:
+rank 1 sits in the barrier, and will never come). So every rank runs a
+watcher: a daemon thread that sleeps in a blocking wait of the store (its
+own client, :meth:`Store.clone`: a store client serves one operation at a
+time) on the key of the next question to it. A waiting rank asks
+(:func:`ask`: a counter ``add`` and a ``set``); the watcher wakes, reads
+where its main thread is (``sys._current_frames()``), answers with a
+:class:`Doing` under a key numbered like the question, and sleeps again.
+Nobody waits: nothing runs (the thread sleeps in the store's server, or in
+the file store's poll). Keys are numbered per rank by the counter, the
+question is deleted when read and the answer when read, so no later
+meeting can read a stale one.
+
+A rank is *blocked* when its main thread is inside a ``torch.distributed``
+collective (or a wait of the library's own, ``wait_watched``) whose members
+include the waiting rank, the group has issued more collectives there than
+on the waiting rank (nothing of the waiting rank can pair with it), and two
+answers a poll apart name the same call in progress. Anything else (user
+code, a collective among other ranks) is *late*.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+from datetime import timedelta
+from types import FrameType
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._torch_private import default_store, group_named, sequence_number
+
+_PREFIX = "fsdp_compose/probe"
+_STOP = "stop"
+_FOREVER = timedelta(days=3650)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
+
+class Doing(NamedTuple):
+    """Where one rank's main thread was when asked.
+
+    Attributes:
+        kind: ``"collective"`` (inside a collective), ``"meeting"`` (at a
+            meeting of the library: told through the store already) or
+            ``"code"`` (running anything else).
+        what: the call it is in, as the user wrote it
+            (``torch.distributed.barrier()``), or the function it runs.
+        where: ``file:line`` of the user's code that made that call.
+        group: the collective's process group name ("" if none).
+        members: global ranks the collective waits for.
+        issued: collectives the group had issued on that rank (-1 unknown).
+        token: the same while the same call is in progress.
+    """
+
+    kind: str
+    what: str
+    where: str
+    group: str = ""
+    members: tuple[int, ...] = ()
+    issued: int = -1
+    token: str = ""
+
+    def says(self) -> str:
+        """One phrase for messages: ``torch.distributed.barrier() at train.py:42``."""
+        return f"{self.what} at {self.where}" if self.where else self.what
+
+    def waits_for(self, me: int) -> bool:
+        """Inside a collective that cannot finish without ``me`` (a member
+        that issued fewer collectives on its group, see the note)."""
+        if self.kind != "collective" or me not in self.members:
+            return False
+        if self.issued < 0 or not self.group:
+            return True
+        try:
+            mine = sequence_number(group_named(self.group))
+        except (RuntimeError, AttributeError, KeyError, ValueError):
+            return True  # a group this rank cannot count on: the call in progress decides
+        return mine < self.issued
+
+
+def ask(rank: int) -> int:
+    """Ask ``rank``'s watcher where its main thread is; returns the number
+    to read the answer with (:func:`answer`)."""
+    store = default_store()
+    number = store.add(f"{_PREFIX}/{rank}/asked", 1)
+    store.set(f"{_PREFIX}/{rank}/ask/{number}", str(dist.get_rank()))
+    return number
+
+
+def answer(rank: int, number: int) -> Optional[Doing]:
+    """``rank``'s answer to question ``number``, or ``None`` if not there yet
+    (read once: the key is deleted)."""
+    store = default_store()
+    key = f"{_PREFIX}/{rank}/said/{number}"
+    if not store.check([key]):
+        return None
+    fields = json.loads(store.get(key).decode())
+    store.delete_key(key)
+    return Doing(*fields[:4], tuple(fields[4]), *fields[5:])
+
+
+class _Watcher:
+    """The thread of this rank that answers :func:`ask` (one per process)."""
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        self.listen: dist.Store = store.clone()  # blocked in wait: a client of its own
+        self.tell: dist.Store = store.clone()  # for the stop at exit
+        self.rank: int = rank
+        self.thread: threading.Thread = threading.Thread(
+            target=self._serve, name="fsdp_compose-whereabouts", daemon=True)
+
+    def _serve(self) -> None:
+        store, mine = self.listen, f"{_PREFIX}/{self.rank}"
+        try:
+            number = store.add(f"{mine}/asked", 0) + 1  # earlier questions are not answered
+            while True:
+                key = f"{mine}/ask/{number}"
+                store.wait([key], _FOREVER)
+                question = store.get(key).decode()
+                store.delete_key(key)
+                if question == _STOP:
+                    return
+                store.set(f"{mine}/said/{number}", json.dumps(list(main_thread_doing())))
+                number += 1
+        except Exception:  # noqa: BLE001 - the store went away (the job ends): nothing to tell
+            return
+
+    def stop(self) -> None:
+        """At exit: wake the thread with a stop question and join it."""
+        try:
+            number = self.tell.add(f"{_PREFIX}/{self.rank}/asked", 1)
+            self.tell.set(f"{_PREFIX}/{self.rank}/ask/{number}", _STOP)
+        except Exception:  # noqa: BLE001 - the store is gone: the thread has ended with it
+            return
+        self.thread.join(2.0)
+
+
+_watcher: list[_Watcher] = []
+
+
+def start_watcher() -> None:
+    """Start this rank's watcher once (a no-op without a default process
+    group of several ranks, or when it runs already)."""
+    if _watcher or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        store = default_store()
+    except (RuntimeError, ValueError):
+        return  # no default group: nobody asks
+    watcher = _Watcher(store, dist.get_rank())
+    _watcher.append(watcher)
+    watcher.thread.start()
+    atexit.register(watcher.stop)
+
+
+def main_thread_doing() -> Doing:
+    """Classify where the main thread is now (see the note)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return Doing("code", "(no main thread)", "")
+    user, entry, collective, meeting = None, None, None, False
+    inner: list[FrameType] = []  # frames of torch and of the library, innermost first
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR):
+            inner.append(frame)
+            name = frame.f_code.co_name
+            if collective is None and (path.endswith("distributed_c10d.py") or
+                                       name == "wait_watched" and path.startswith(_OUR_DIR)):
+                collective = frame
+            meeting = meeting or (name == "_wait_for" and path.startswith(_OUR_DIR))
+        else:
+            user = frame
+            break
+        frame = frame.f_back
+    where = _location(user) if user is not None else ""
+    entry = _entry(inner)
+    if meeting:
+        return Doing("meeting", entry, where)
+    if collective is None:
+        what = f"{user.f_code.co_name}()" if user is not None else entry
+        return Doing("code", f"{entry} (from {what})" if inner else what, where)
+    group, members = _members(collective)
+    try:
+        issued = sequence_number(group)
+    except (RuntimeError, AttributeError):
+        issued = -1
+    token = f"{id(collective)}:{collective.f_lineno}:{issued}"
+    return Doing("collective", entry, where, group.group_name, members, issued, token)
+
+
+def _entry(inner: list[FrameType]) -> str:
+    """The call the user made: the outermost frame of torch or the library
+    (torch's logging wrappers skipped), as ``module.function()``."""
+    for frame in reversed(inner):
+        module = frame.f_globals.get("__name__", "?")
+        if module != "torch.distributed.c10d_logger":
+            module = module.replace("torch.distributed.distributed_c10d", "torch.distributed")
+            return f"{module}.{getattr(frame.f_code, 'co_qualname', frame.f_code.co_name)}()"
+    return "(unknown)"
+
+
+def _members(frame: FrameType) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+    """The process group of the collective ``frame`` runs, and the global
+    ranks it waits for (the peer alone for point-to-point calls)."""
+    local = frame.f_locals
+    group = local.get("group", local.get("process_group")) or dist.group.WORLD
+    if frame.f_code.co_name in _POINT_TO_POINT:
+        peer = local.get("src", local.get("dst"))
+        if isinstance(peer, int):
+            return group, (peer,)
+    return group, tuple(dist.get_process_group_ranks(group))
+
+
+def _location(frame: FrameType) -> str:
+    path = frame.f_code.co_filename
+    relative = os.path.relpath(path) if os.path.isabs(path) else path
+    shown = path if relative.startswith("..") else relative
+    return f"{shown}:{frame.f_lineno}"
