@@ -28,7 +28,7 @@ import pytest
 from fsdp_compose.buffers.records import HOST_PIECE_SLACK_BYTES, ROWS_EXTRA_PADDING
 from fsdp_compose.checks.divergence import CHECK_ENV, VERIFICATION_ITERATIONS
 from fsdp_compose.comm.rendezvous import (CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT,
-                                          LATE_NOTICE_SECONDS)
+                                          DEFAULT_POLL_SECONDS, LATE_NOTICE_SECONDS, POLL_ENV)
 from fsdp_compose.comm.watched_wait import DEFAULT_STALL_SECONDS, STALL_ENV
 from fsdp_compose.policies import CommPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from fsdp_compose.runtime.buckets import DEFAULT_BUCKET_CAP_MB
@@ -57,6 +57,8 @@ QUOTED_DEFAULTS = [
     # an environment variable, then its default in parentheses: "(30)", "(default 1800", "(1800 s)"
     Quoted(CALL_TIMEOUT_ENV, rf"`{CALL_TIMEOUT_ENV}`[^`.;]{{0,30}}?\((?:default )?(\d+(?:\.\d+)?)",
            DEFAULT_CALL_TIMEOUT),
+    Quoted(POLL_ENV, rf"`{POLL_ENV}`[^`.;]{{0,30}}?\((?:default )?(\d+(?:\.\d+)?)",
+           DEFAULT_POLL_SECONDS),
     Quoted(STALL_ENV, rf"`{STALL_ENV}`[^`.;]{{0,30}}?\((?:default )?(\d+(?:\.\d+)?)",
            DEFAULT_STALL_SECONDS),
     Quoted("the late-rank notice (rendezvous.LATE_NOTICE_SECONDS)", r"\bevery (\d+) s\b",
