@@ -24,7 +24,7 @@ from .checkpoint import install_optimizer_layout_hooks
 from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard
-from .checks.unmanaged import install_unmanaged_warning
+from .checks.unmanaged import install_unmanaged_check, mark_reduced_elsewhere
 from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
@@ -102,7 +102,9 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             state on the CPU (see :class:`CPUOffloadPolicy`); torch's
             ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are
             accepted too.
-        ignored_params: parameters left alone: not sharded, not reduced.
+        ignored_params: parameters left alone: not sharded, not reduced
+            (the optimizer's first step does not refuse them: see
+            :func:`mark_reduced_elsewhere`).
         placement: where rank boundaries may fall in this unit's parameters
             (``docs/placements.md``): ``None`` (default): ``"rows"``, but
             ``"flat"`` for a parameter whose whole rows would pad its buffer
@@ -170,10 +172,12 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         spmd_mesh, mesh = mesh, data_parallel_mesh(mesh, dp_mesh_dims)
     group = shard_group_from_mesh(mesh if mesh is not None
                                   else default_mesh(_params_device(modules)))
+    ignored_params = list(ignored_params or ())
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy, placement,
                       shard_placement_fn, spmd_mesh, comm_policy)
     UnitStateDictHooks(unit)
+    mark_reduced_elsewhere(ignored_params)  # left to the user: the first step does not refuse them
     _install_process_wide_changes()
     for m in modules:
         m.__class__ = sharded_class(type(m))
@@ -224,7 +228,7 @@ def _install_process_wide_changes() -> None:
       (``torch.optim.optimizer.register_optimizer_step_pre_hook``): the
       checkpoint layout hooks attached at each optimizer's first step
       (``checkpoint/_optim.py``), the step guard (``checks/step_guard.py``),
-      the forgotten-root warning (``checks/unmanaged.py``) and the empty
+      the forgotten-root check (``checks/unmanaged.py``) and the empty
       param-group check (``checks/empty_groups.py``). Each returns at once
       for an optimizer that holds no annotated parameter;
     * ``torch.optim.Optimizer.zero_grad`` also gives back the memory of the
@@ -236,7 +240,7 @@ def _install_process_wide_changes() -> None:
     torch_zero_grad.install()
     install_optimizer_layout_hooks()
     install_step_guard()
-    install_unmanaged_warning()
+    install_unmanaged_check()
     install_empty_group_check()
 
 
