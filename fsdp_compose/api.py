@@ -28,6 +28,7 @@ from .checks.unmanaged import install_unmanaged_check, mark_reduced_elsewhere
 from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
+from .runtime.class_names import user_class_name
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
 from . import torch_norms, torch_zero_grad
@@ -158,7 +159,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(
-                f"{type(m).__name__} module is already annotated by fully_shard; call "
+                f"{user_class_name(m)} module is already annotated by fully_shard; call "
                 "fully_shard once per module (use a list for several siblings as one unit).")
     check_unit_placement(placement)
     if shard_placement_fn is not None and not callable(shard_placement_fn):

@@ -40,11 +40,20 @@ def outermost_ancestors(modules: Iterable[nn.Module]) -> list[nn.Module]:
 def qualified_names(tops: Iterable[nn.Module]) -> dict[int, str]:
     """The longest fully-qualified name of every parameter under ``tops``,
     by the parameter's id (the longest: the name in the outermost module)."""
+    tops = list(tops)
+    return _longest(pair for top in tops for pair in top.named_parameters(remove_duplicate=False))
+
+
+def module_qualified_names(tops: Iterable[nn.Module]) -> dict[int, str]:
+    """The same for every module under ``tops`` (the outermost: ``""``)."""
+    return _longest(pair for top in tops for pair in top.named_modules(remove_duplicate=False))
+
+
+def _longest(named: Iterable[tuple[str, object]]) -> dict[int, str]:
     names: dict[int, str] = {}
-    for top in tops:
-        for name, param in top.named_parameters(remove_duplicate=False):
-            if len(name) > len(names.get(id(param), "")):
-                names[id(param)] = name
+    for name, obj in named:
+        if id(obj) not in names or len(name) > len(names[id(obj)]):
+            names[id(obj)] = name
     return names
 
 
