@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
 from fsdp_compose.tools import describe, fully_shard_by
+from fsdp_compose.tools._format import format_bytes
 from tests import _models as M
 from tests._comm_counter import CollectiveCounter
 from tests.harness import run_distributed
