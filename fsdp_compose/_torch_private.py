@@ -383,6 +383,13 @@ def mem_tracker_class() -> type:
                    "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
 
 
+def mem_tracker_grad_kind() -> Any:
+    """``_MemRefType.GRAD`` of torch's ``MemTracker`` module: the category it
+    counts a gradient under (imported on first use, as :func:`mem_tracker_class`)."""
+    return _lookup("torch.distributed._tools.mem_tracker", "_MemRefType",
+                   "torch's MemTracker categories (fsdp_compose.tools.mem_tracker)").GRAD
+
+
 lazy_dynamo_disable: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(
     torch, "_disable_dynamo", None) or (lambda fn: fn)
 """``torch._disable_dynamo``: ``fn`` never traced by dynamo, which is imported

@@ -24,10 +24,11 @@ from .checkpoint import install_optimizer_layout_hooks
 from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard
-from .checks.unmanaged import install_unmanaged_warning
+from .checks.unmanaged import install_unmanaged_check, mark_reduced_elsewhere
 from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
+from .runtime.class_names import user_class_name
 from .runtime.state import state_of
 from .sharded_module import check_reshard_after_forward, sharded_class
 from .gradients import torch_norms
@@ -103,7 +104,9 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
             state on the CPU (see :class:`CPUOffloadPolicy`); torch's
             ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are
             accepted too.
-        ignored_params: parameters left alone: not sharded, not reduced.
+        ignored_params: parameters left alone: not sharded, not reduced
+            (the optimizer's first step does not refuse them: see
+            :func:`mark_reduced_elsewhere`).
         placement: where rank boundaries may fall in this unit's parameters
             (``docs/placements.md``): ``None`` (default): ``"rows"``, but
             ``"flat"`` for a parameter whose whole rows would pad its buffer
@@ -157,7 +160,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     for m in modules:
         if state_of(m) is not None:
             raise ValueError(
-                f"{type(m).__name__} module is already annotated by fully_shard; call "
+                f"{user_class_name(m)} module is already annotated by fully_shard; call "
                 "fully_shard once per module (use a list for several siblings as one unit).")
     check_unit_placement(placement)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
@@ -171,10 +174,12 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         spmd_mesh, mesh = mesh, data_parallel_mesh(mesh, dp_mesh_dims)
     group = shard_group_from_mesh(mesh if mesh is not None
                                   else default_mesh(_params_device(modules)))
+    ignored_params = list(ignored_params or ())
     unit = setup_unit(module, modules, group, _ignored_set(ignored_params),
                       reshard_after_forward, mp_policy, offload_policy, placement,
                       shard_placement_fn, spmd_mesh, comm_policy)
     UnitStateDictHooks(unit)
+    mark_reduced_elsewhere(ignored_params)  # left to the user: the first step does not refuse them
     _install_process_wide_changes()
     for m in modules:
         m.__class__ = sharded_class(type(m))
@@ -225,7 +230,7 @@ def _install_process_wide_changes() -> None:
       (``torch.optim.optimizer.register_optimizer_step_pre_hook``): the
       checkpoint layout hooks attached at each optimizer's first step
       (``checkpoint/_optim.py``), the step guard (``checks/step_guard.py``),
-      the forgotten-root warning (``checks/unmanaged.py``) and the empty
+      the forgotten-root check (``checks/unmanaged.py``) and the empty
       param-group check (``checks/empty_groups.py``). Each returns at once
       for an optimizer that holds no annotated parameter;
     * ``torch.optim.Optimizer.zero_grad`` also gives back the memory of the
@@ -237,7 +242,7 @@ def _install_process_wide_changes() -> None:
     torch_zero_grad.install()
     install_optimizer_layout_hooks()
     install_step_guard()
-    install_unmanaged_warning()
+    install_unmanaged_check()
     install_empty_group_check()
 
 

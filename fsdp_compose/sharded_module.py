@@ -24,6 +24,7 @@ from .policies import PrefetchPolicy
 from .runtime.comm_methods import ShardedCommMethods
 from .runtime.state import ModelContext, FullyShardState, state_of, states_below
 from .runtime.buckets import cap_bytes
+from .runtime.class_names import USER_CLASS_ATTR
 from .runtime.tensors import swapping_params_on_conversion
 from .runtime.unit import Unit
 
@@ -387,7 +388,7 @@ def sharded_class(cls: type) -> type:
         return cls
     if cls not in _SHARDED_CLASSES:
         _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls),
-                                     {"__module__": cls.__module__})
+                                     {"__module__": cls.__module__, USER_CLASS_ATTR: cls})
     return _SHARDED_CLASSES[cls]
 
 

@@ -282,7 +282,7 @@ def test_the_next_bucket_is_prefetched_in_backward():
     # prefetched as one (in flight while block 2 runs backward), not left to
     # its own pre-backward
     for buckets, issued in run_distributed(2, _backward_bucket_gathers):
-        assert buckets == [[f"'blocks.{i}' (ShardedBlock)" for i in pair]
+        assert buckets == [[f"'blocks.{i}' (Block)" for i in pair]
                            for pair in ((0, 1), (2, 3))], buckets
         assert [(issuer.split()[0], unit.split()[0], limited)
                 for issuer, unit, limited in issued] == [

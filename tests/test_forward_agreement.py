@@ -115,8 +115,8 @@ def test_a_unit_skipped_on_one_rank_at_step_5_is_named_on_every_rank(bucket_cap_
     the backward communicates."""
     results = run_distributed(2, train_with_odd_rank, 8, 5, "skip", bucket_cap_mb, timeout=90)
     assert_diverged_on_every_rank(results, 5, "ran different units in root forward #6",
-                                  "rank 0 ran [<root> (ShardedUnequal), 'blocks.1'",
-                                  "rank 1 ran [<root> (ShardedUnequal), 'blocks.0'",
+                                  "rank 0 ran [<root> (Unequal), 'blocks.1'",
+                                  "rank 1 ran [<root> (Unequal), 'blocks.0'",
                                   "before the backward communicated anything")
 
 

@@ -166,3 +166,48 @@ def test_mem_tracker_peak_matches_the_profiler():
         if CAN_SWAP_STORAGE_DATA:  # else (torch<2.12) the pool is off and holds nothing
             assert retained["pooled_now"] > 0.04 * retained["profiled"], retained  # a real test
         assert default["pooled_at_end"] == [0, 0], default
+
+
+def _tracked_with_frozen(kind: str):
+    """Two steps under ``ShardedMemTracker`` of a model with frozen
+    parameters: a PEFT LoRA Llama (``lora``) or the test GPT with its big
+    matrices frozen (``frozen``); the tracked and the direct count after each."""
+    import warnings
+    from tests import _hf
+    from tests._training import freeze_like_lora
+    warnings.filterwarnings("ignore", category=FutureWarning)  # PEFT on transformers
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "lora":
+        model = _hf.build_llama(lora=True)
+        _hf.shard_layers_and_root(model)
+        loss_of = lambda step: _hf.lm_loss(model, _hf.local(_hf.batch(step, world), rank, world))
+    else:
+        model = build_model()
+        freeze_like_lora(model)
+        shard_blocks_and_root(model)
+        loss_of = lambda step: model.loss(*local_batch(step, rank, world))
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tracker = ShardedMemTracker()
+    tracker.track_external(model, optim)
+    after = []
+    with tracker:
+        for step in range(2):
+            loss_of(step).backward()
+            optim.step()
+            optim.zero_grad()
+            snapshot = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
+            after.append((snapshot["Total"], _direct_bytes(model, optim)))
+            tracker.reset_mod_stats()
+    return after
+
+
+def test_mem_tracker_on_models_with_frozen_parameters():
+    """torch's MemTracker hooks every parameter, and a frozen one refuses a
+    gradient hook; the sharded tracker hooks only the trainable ones and
+    agrees with the direct count."""
+    import pytest
+    pytest.importorskip("peft")
+    for kind in ("lora", "frozen"):
+        for after in run_distributed(2, _tracked_with_frozen, kind):
+            for tracked, direct in after:
+                assert abs(tracked - direct) <= 0.02 * direct, (kind, tracked, direct)

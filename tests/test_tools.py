@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard, param_info
 from fsdp_compose.tools import describe, fully_shard_by
+from fsdp_compose.tools._format import format_bytes
 from tests import _models as M
 from tests._comm_counter import CollectiveCounter
 from tests.harness import run_distributed
@@ -160,6 +161,12 @@ def test_describe_frozen_mixed_precision_and_ignored():
         assert totals["gradient_bytes_per_rank"] == sum(
             b["shard_bytes"] for u in report["units"] for b in u["buffers"] if b["trainable"])
         assert "frozen float32" in text and "bfloat16" in text and "norm.bias" in text
+        # sizes read with their dtypes: gathered in bf16, stored in fp32
+        assert (f"unsharded {format_bytes(block['unsharded_bytes'])} bfloat16, per rank "
+                f"{format_bytes(block['shard_bytes'])} float32") in text, text
+        assert (f"({format_bytes(buffer['unsharded_bytes'])} bfloat16); "
+                f"{buffer['shard_numel']:,} per rank ({format_bytes(buffer['shard_bytes'])} "
+                "float32)") in text, text
 
 
 # ----------------------------------------------------------- fully_shard_by

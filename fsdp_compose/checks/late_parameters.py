@@ -50,6 +50,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 
 from .._torch_private import REGISTRY_KEY
 from ..runtime.owners import owner_of
+from ..runtime.class_names import user_class_name
 from .replicate import is_replicated
 
 
@@ -171,7 +172,7 @@ def _raise(module: nn.Module, name: str, root: Optional[nn.Module], what: str) -
         prefix = next((n for n, m in root.named_modules(remove_duplicate=False) if m is module), "")
     fqn = f"{prefix}.{name}" if prefix else name
     raise RuntimeError(
-        f"parameter '{fqn}' was {what} on {type(module).__name__} after fully_shard annotated it; "
+        f"parameter '{fqn}' was {what} on {user_class_name(module)} after fully_shard annotated it; "
         "fully_shard does not manage it, so it would stay unsharded on every rank and its "
         "gradient would never be averaged across ranks. Register parameters (and modules that "
         "hold parameters) before calling fully_shard, or keep non-trainable state in buffers "

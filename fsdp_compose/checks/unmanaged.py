@@ -1,26 +1,31 @@
-"""Warn once about parameters the optimizer updates from each rank's own
-gradient: the forgotten root.
+"""Refuse the forgotten root: parameters the optimizer would update from
+each rank's own gradient.
 
 ``fully_shard`` on every block but not on the root leaves the embeddings,
 final norm and head as plain parameters: each rank's backward gives them
 its own local gradient, the optimizer steps on it, and the replicas drift
 apart silently (torch FSDP2 is silent too). At an optimizer's first step
-with gradients, if it also holds parameters of ``fully_shard`` units, every
-parameter with a gradient that no unit manages, that is not a ``DTensor``
-(tensor parallelism, ``replicate``'s FSDP-based form) and that no DDP
-(``DistributedDataParallel``, ``replicate``) reduces is named in one
-warning on rank 0. :func:`mark_reduced_elsewhere` opts parameters out for
-users who reduce them by hand. Cost: one look per optimizer, at its first
-step with gradients; a search of live objects only when such parameters
-exist (to name them and find DDP instances).
+with gradients, before it updates anything, if it holds parameters of
+``fully_shard`` units, every parameter with a gradient that
+
+* no unit manages,
+* is not a ``DTensor`` (tensor parallelism, ``replicate``'s DTensor form),
+* no DDP (``DistributedDataParallel``) or ``replicate`` module holds, and
+* was not passed to :func:`mark_reduced_elsewhere` (nor in
+  ``fully_shard``'s ``ignored_params``)
+
+is named in a ``RuntimeError`` raised on every rank. The ranks agree first
+(the largest count over the mesh of the optimizer's first unit, one tiny
+all-gather per optimizer, once), so a rank whose own list is empty raises
+too and none is left waiting. Cost: one look per optimizer, at its first
+step with gradients; a walk up from the units to the user's model
+(``runtime/ancestors.py``) only when such parameters exist.
 """
 
 from __future__ import annotations
 
-import gc
-import warnings
 import weakref
-from typing import Iterable
+from typing import Iterable, Union
 
 import torch
 import torch.distributed as dist
@@ -30,27 +35,33 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..comm.agreement import agreed_max
+from ..runtime.ancestors import outermost_ancestors, qualified_names
 from ..runtime.owners import owner_of
+from .replicate import is_replicated
 
 _installed: list[object] = []
 _looked_at: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
 _reduced_elsewhere: set[int] = set()
 """ids of parameters marked by the user (not weak references to them, which
 would stop ``torch.utils.swap_tensors``; the parameters outlive the model's
-training, and an id reused by a later tensor only silences this warning)."""
-_SHOWN = 8  # parameters named in the warning
+training, and an id reused by a later tensor only skips this check)."""
+_SHOWN = 8  # parameters named in the message
 
 
-def mark_reduced_elsewhere(params: Iterable[torch.Tensor]) -> None:
-    """Tell fsdp_compose that ``params`` (not managed by any ``fully_shard``
-    unit) have their gradients reduced across ranks by other code (by hand,
-    or an API it does not recognise), so the optimizer's first step does not
-    warn that they are updated from each rank's own gradient."""
+def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> None:
+    """Tell fsdp_compose that these parameters (a module's, or the given
+    ones), which no ``fully_shard`` unit manages, have their gradients
+    reduced across ranks by other code (by hand, or an API it does not
+    recognise), so the optimizer's first step does not refuse to update
+    them. Call it on every rank, before the first ``optimizer.step()``."""
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
+        else module_or_params
     for param in params:
         _reduced_elsewhere.add(id(param))
 
 
-def install_unmanaged_warning() -> None:
+def install_unmanaged_check() -> None:
     """Install the step pre-hook (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_look_once))
@@ -60,43 +71,53 @@ def _look_once(optimizer: Optimizer, args: object, kwargs: object) -> None:
     if optimizer in _looked_at:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(p.grad is not None for p in params):
-        return  # no backward yet: look at a later step
-    _looked_at[optimizer] = True
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_rank() != 0:
-        return
-    if not any(owner_of(p) is not None for p in params):
+    managed = next((owner for owner in map(owner_of, params) if owner is not None), None)
+    if managed is None:
+        _looked_at[optimizer] = True
         return  # not the optimizer of a fully_shard model
+    if not any(p.grad is not None for p in params):
+        return  # no backward yet (a step with a closure): look at a later step
+    _looked_at[optimizer] = True
+    if not dist.is_initialized() or managed.unit.group.total_size == 1:
+        return  # one copy of the model: nothing drifts
     loose = [p for p in params if p.grad is not None and owner_of(p) is None
              and not isinstance(p, DTensor) and id(p) not in _reduced_elsewhere]
-    if not loose:
-        return
-    names, by_ddp = _names_and_ddp(loose)
-    loose = [p for p in loose if id(p) not in by_ddp]
-    if not loose:
-        return
-    shown = [names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in loose[:_SHOWN]]
-    more = f" and {len(loose) - _SHOWN} more" if len(loose) > _SHOWN else ""
-    warnings.warn(
-        f"fsdp_compose: the optimizer updates {len(loose)} parameter(s) that no fully_shard unit "
-        f"manages ({', '.join(shown)}{more}): they are updated on each rank from its own "
-        "gradient, so the ranks' copies drift apart. Call fully_shard on the module that holds "
-        "them, usually the root (fully_shard(model) after the blocks). If your code reduces "
-        "their gradients itself, call fsdp_compose.mark_reduced_elsewhere(params) to silence "
-        "this.", stacklevel=3)
-
-
-def _names_and_ddp(loose: list[torch.Tensor]) -> tuple[dict[int, str], set[int]]:
-    """The longest FQN of each parameter in ``loose`` among live modules
-    (the outermost module's), and the ids of those a live DDP reduces."""
-    wanted = {id(p) for p in loose}
     names: dict[int, str] = {}
-    by_ddp: set[int] = set()
-    for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
-            by_ddp.update(id(p) for p in obj.module.parameters() if id(p) in wanted)
-        elif isinstance(obj, nn.Module):
-            for name, param in obj.named_parameters(remove_duplicate=False):
-                if id(param) in wanted and len(name) > len(names.get(id(param), "")):
-                    names[id(param)] = name
-    return {key: f"'{name}'" for key, name in names.items()}, by_ddp
+    if loose:
+        tops = outermost_ancestors(m for owner in map(owner_of, params) if owner is not None
+                                   for m in owner.unit.modules)
+        names = qualified_names(tops)
+        reduced = _reduced_by_other_apis(tops)
+        loose = [p for p in loose if id(p) not in reduced]
+    # the same decision on every rank of the model's mesh, before any update
+    if agreed_max(len(loose), managed.unit.group) == 0:
+        return
+    raise RuntimeError(_message(loose, names))
+
+
+def _reduced_by_other_apis(tops: list[nn.Module]) -> set[int]:
+    """ids of the parameters a DDP or a ``replicate``-annotated module holds."""
+    reduced: set[int] = set()
+    for top in tops:
+        for module in top.modules():
+            if issubclass(type(module), DistributedDataParallel) or is_replicated(module):
+                reduced.update(id(p) for p in module.parameters())
+    return reduced
+
+
+def _message(loose: list[torch.Tensor], names: dict[int, str]) -> str:
+    if not loose:
+        what = ("the optimizer on another rank updates parameters that no fully_shard unit "
+                "manages (this rank's has none: are the models built alike on every rank?)")
+    else:
+        shown = [f"'{names[id(p)]}'" if id(p) in names else f"a parameter of shape {tuple(p.shape)}"
+                 for p in loose[:_SHOWN]]
+        more = f" and {len(loose) - _SHOWN} more" if len(loose) > _SHOWN else ""
+        what = (f"the optimizer would update {len(loose)} parameter(s) that no fully_shard unit "
+                f"manages ({', '.join(shown)}{more}) from each rank's own gradient, so the ranks' "
+                "copies would drift apart")
+    return (
+        f"fsdp_compose: {what}. Nothing was updated. Call fully_shard on the module that holds "
+        "them, usually the root, last: fully_shard(model) after the blocks. If your code reduces "
+        "their gradients across ranks itself, call fsdp_compose.mark_reduced_elsewhere(module or "
+        "params) on every rank before the first step.")

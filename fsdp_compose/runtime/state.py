@@ -26,6 +26,7 @@ from ..comm.agreement import disagreement, fingerprint_of
 from ..policies import PrefetchPolicy
 from .profiling import call_profiled, profiled
 from .compile import run_eagerly
+from .class_names import user_class_name
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
@@ -486,8 +487,8 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[FullyShardState]) -> 
     for state in states:
         first = state.unit.modules[0]
         label = names.get(first, "")
-        state.unit.name = f"'{label}' ({type(first).__name__})" if label else \
-            f"{ROOT_LABEL} ({type(first).__name__})"
+        state.unit.name = f"'{label}' ({user_class_name(first)})" if label else \
+            f"{ROOT_LABEL} ({user_class_name(first)})"
 
 
 def _check_devices(states: list[FullyShardState]) -> None:

@@ -26,6 +26,7 @@ from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .profiling import call_profiled
 from .collective_queue import CollectiveQueue
+from .class_names import user_class_name
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
@@ -120,7 +121,7 @@ class Unit:
             for records in records_by_group]
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
-        self.name: str = type(self.modules[0]).__name__
+        self.name: str = user_class_name(self.modules[0])
         """How messages name the unit; the FQN once a root knows it."""
         self.set_reshard_after_forward(reshard_after_forward)
 

@@ -31,26 +31,27 @@ from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 __all__ = ["as_mp_policy", "as_offload_policy"]
 
 
-def as_mp_policy(policy: object) -> Optional[MixedPrecisionPolicy]:
+def as_mp_policy(policy: object, caller: str = "fully_shard") -> Optional[MixedPrecisionPolicy]:
     """``policy`` as an fsdp_compose :class:`MixedPrecisionPolicy` (or
-    ``None`` for no mixed precision); see the module docstring."""
+    ``None`` for no mixed precision); see the module docstring. ``caller``
+    names the function in messages (the planner takes the same policies)."""
     if policy is None or isinstance(policy, MixedPrecisionPolicy):
         return policy
     torch_cls = _torch_class("MixedPrecisionPolicy")
     if torch_cls is None or not isinstance(policy, torch_cls):
         raise TypeError(
-            f"fully_shard: mp_policy must be a {_qualname(MixedPrecisionPolicy)} or a "
+            f"{caller}: mp_policy must be a {_qualname(MixedPrecisionPolicy)} or a "
             f"{_torch_name('MixedPrecisionPolicy')}, got a {_qualname(type(policy))}.")
-    values = _convertible_fields(policy, MixedPrecisionPolicy, "mp_policy")
+    values = _convertible_fields(policy, MixedPrecisionPolicy, "mp_policy", caller)
     if all(values[name] == field.default for name, field in _fields(MixedPrecisionPolicy).items()
            if name in values):
         return None  # torch's default policy: no mixed precision
     return MixedPrecisionPolicy(**values)
 
 
-def as_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
+def as_offload_policy(policy: object, caller: str = "fully_shard") -> Optional[CPUOffloadPolicy]:
     """``policy`` as an fsdp_compose :class:`CPUOffloadPolicy` (or ``None``
-    for no offloading); see the module docstring."""
+    for no offloading); see the module docstring and :func:`as_mp_policy`."""
     if policy is None or isinstance(policy, CPUOffloadPolicy):
         return policy
     if type(policy) is OffloadPolicy:
@@ -58,11 +59,12 @@ def as_offload_policy(policy: object) -> Optional[CPUOffloadPolicy]:
     torch_base = _torch_class("OffloadPolicy")
     torch_cpu = _torch_class("CPUOffloadPolicy")
     if torch_cpu is not None and type(policy) is torch_cpu:
-        return CPUOffloadPolicy(**_convertible_fields(policy, CPUOffloadPolicy, "offload_policy"))
+        return CPUOffloadPolicy(**_convertible_fields(policy, CPUOffloadPolicy, "offload_policy",
+                                                      caller))
     if torch_base is not None and type(policy) is torch_base:
         return None  # torch's base class means "no offloading"
     raise TypeError(
-        f"fully_shard: offload_policy must be a {_qualname(CPUOffloadPolicy)}, a "
+        f"{caller}: offload_policy must be a {_qualname(CPUOffloadPolicy)}, a "
         f"{_torch_name('CPUOffloadPolicy')} or a {_torch_name('OffloadPolicy')} (no "
         f"offloading), got a {_qualname(type(policy))}.")
 
@@ -92,7 +94,8 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-def _convertible_fields(policy: object, ours: type, argument: str) -> dict[str, object]:
+def _convertible_fields(policy: object, ours: type, argument: str,
+                        caller: str) -> dict[str, object]:
     """The values of ``policy``'s dataclass fields that ``ours`` has too.
     A field ``ours`` lacks must hold its default (it would be dropped)."""
     mine = _fields(ours)
@@ -103,7 +106,7 @@ def _convertible_fields(policy: object, ours: type, argument: str) -> dict[str, 
             values[field.name] = value
         elif value != field.default:
             raise TypeError(
-                f"fully_shard: {argument}={_qualname(type(policy))}(..., {field.name}={value!r}) "
+                f"{caller}: {argument}={_qualname(type(policy))}(..., {field.name}={value!r}) "
                 f"cannot be converted: {_qualname(ours)} has no field '{field.name}'. Pass a "
                 f"{_qualname(ours)} (fields: {', '.join(mine)}), or leave '{field.name}' at "
                 f"its default ({field.default!r}).")

@@ -35,6 +35,7 @@ from ..comm.groups import ShardGroup, shard_group_from_mesh
 from ..comm.whereabouts import start_watcher
 from ..placements import Blocks, OnMesh
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
+from ..runtime.ancestors import module_qualified_names, outermost_ancestors
 from ..runtime.owners import Owner, owner_of, record_owners
 from ..runtime.state import attach_state, link_annotated_below, state_of
 from ..runtime.unit import Unit
@@ -296,6 +297,11 @@ def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
     owner_module, owner_attr = record.slots[0]
     other = join_fqn(names[id(owner_module)], owner_attr) if id(owner_module) in names \
         else record.fqn
+    # both names in the model that holds the two modules (each unit knows only its own)
+    in_model = module_qualified_names(outermost_ancestors([module, owner_module]))
+    if id(module) in in_model and id(owner_module) in in_model:
+        fqn = join_fqn(in_model[id(module)], fqn.rpartition(".")[2])
+        other = join_fqn(in_model[id(owner_module)], owner_attr)
     raise ValueError(
         f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
         f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head). A "

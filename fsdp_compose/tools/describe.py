@@ -35,11 +35,11 @@ from ..buffers.layout import ShardDim
 from ..placements import Blocks
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
+from ..runtime.class_names import user_class_name
 from ..runtime.collective_queue import CollectiveQueue
 from ..runtime.prefetch_order import PrefetchOrder
 from ..runtime.state import ROOT_LABEL, state_of, states_below, units_below
 from ..runtime.unit import Unit
-from ..sharded_module import ShardedModule
 from ._format import format_bytes, module_paths
 
 
@@ -260,7 +260,7 @@ def describe(model: nn.Module) -> ModelReport:
     def named(bucket) -> tuple[str, ...]:
         return tuple(labels.get(id(u), u.name) for u in bucket.units)
     return ModelReport(
-        model_type=_class_name(model),
+        model_type=user_class_name(model),
         rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
         initialized=initialized,
         units=unit_reports,
@@ -277,14 +277,6 @@ def describe(model: nn.Module) -> ModelReport:
 def _unit_fqns(unit: Unit, paths: dict[int, list[str]]) -> tuple[str, ...]:
     # a unit outside the described model (describe(submodule)): its own name
     return tuple(paths[id(m)][0] if id(m) in paths else unit.name for m in unit.modules)
-
-
-def _class_name(module: nn.Module) -> str:
-    """The user's class name (not the ``Sharded...`` subclass fully_shard makes)."""
-    cls = type(module)
-    if issubclass(cls, ShardedModule) and cls.__bases__[0] is ShardedModule:
-        cls = cls.__bases__[1]
-    return cls.__name__
 
 
 def _label(fqns: tuple[str, ...]) -> str:
@@ -362,7 +354,7 @@ def _unit_report(unit: Unit, paths: dict[int, list[str]], labels: dict[int, str]
     buffers = tuple(_buffer_report(b, paths) for b in unit.buffers)
     return UnitReport(
         fqns=fqns,
-        module_types=tuple(_class_name(m) for m in unit.modules),
+        module_types=tuple(user_class_name(m) for m in unit.modules),
         label=labels[id(unit)],
         is_root=is_root,
         reshard_after_forward=(not is_root) if reshard is None else bool(reshard),
@@ -514,7 +506,8 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
     lines = [f"unit {index + 1}/{count}: {modules}",
              f"  {root}reshard_after_forward={unit.reshard_after_forward}, "
              f"{_precision(unit.mp_policy)}, {_offload(unit.offload_policy)}; "
-             f"unsharded {format_bytes(unit.unsharded_bytes)}, per rank {format_bytes(unit.shard_bytes)}"]
+             f"unsharded {_sized(unit.unsharded_bytes, [b.compute_dtype for b in unit.buffers])}, "
+             f"per rank {_sized(unit.shard_bytes, [b.dtype for b in unit.buffers])}"]
     if not unit.buffers:
         lines.append("  no parameters of its own (units below took them all)")
     for b_index, buffer in enumerate(unit.buffers):
@@ -526,8 +519,8 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
         lines.append(
             f"  buffer {b_index}: {kind} {dtypes} on {buffer.storage_device}: "
             f"{buffer.numel:,} + {buffer.padding} padding = {buffer.unsharded_numel:,} elements "
-            f"({format_bytes(buffer.unsharded_bytes)}); {buffer.shard_numel:,} per rank "
-            f"({format_bytes(buffer.shard_bytes)})")
+            f"({_sized(buffer.unsharded_bytes, [buffer.compute_dtype])}); {buffer.shard_numel:,} "
+            f"per rank ({_sized(buffer.shard_bytes, [buffer.dtype])})")
         if len(buffer.ranks) != unit.world_size:
             lines.append(f"    sharded over ranks {list(buffer.ranks)} (another mesh than the unit's)")
         if buffer.own_buffer:
@@ -565,6 +558,14 @@ def _ranks(ranks: tuple[int, ...]) -> str:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _sized(nbytes: int, dtypes: list[torch.dtype]) -> str:
+    """Bytes with the dtype(s) they are counted in (unsharded and sharded
+    sizes differ in dtype under mixed precision: side by side they must not
+    read as one)."""
+    named = sorted({_dtype(d) for d in dtypes})
+    return f"{format_bytes(nbytes)} {'/'.join(named)}" if named else format_bytes(nbytes)
 
 
 def _precision(policy: MixedPrecisionPolicy) -> str:

@@ -11,6 +11,7 @@ from ...setup.units import PlacementFn, assign_placements, placement_choices
 from ..._torch_private import CAN_SWAP_STORAGE_DATA
 from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
+from ...torch_policies import as_mp_policy, as_offload_policy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
 from ...runtime.buckets import group_consecutive
@@ -35,8 +36,8 @@ class Proposal(NamedTuple):
 
 
 def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequence[UnitModules]] = None,
-                    optimizer: str = "adamw", mp_policy: Optional[MixedPrecisionPolicy] = None,
-                    offload: bool = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
+                    optimizer: str = "adamw", mp_policy: object = None,
+                    offload: object = False, prefetch: int = 1, batch_fn: Optional[BatchFn] = None,
                     reshard_after_forward: Optional[bool] = None,
                     backend: Optional[str] = None, placement: object = None,
                     shard_placement_fn: Optional[PlacementFn] = None,
@@ -51,8 +52,12 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         units: the ``fully_shard`` calls in order, ending with ``model`` (a
             list entry is one unit of sibling modules). Default: :func:`default_units`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum) or ``"none"``.
-        mp_policy: every unit's mixed precision.
-        offload: ``CPUOffloadPolicy()`` on every unit.
+        mp_policy: every unit's mixed precision: what ``fully_shard`` takes
+            (ours, or torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
+            converted as ``fully_shard`` converts it: ``torch_policies.py``).
+        offload: CPU offloading on every unit: ``True``/``False``, or an
+            ``offload_policy`` as ``fully_shard`` takes it (ours or torch's
+            ``CPUOffloadPolicy``; torch's ``OffloadPolicy()`` means none).
         prefetch: units all-gathered ahead of the running one (the library's
             default schedule prefetches one).
         batch_fn: runs one forward of one rank's batch, e.g.
@@ -84,6 +89,9 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         ValueError: an unknown option, units that do not end with ``model``,
             or a parameter shared by two units (naming it).
     """
+    mp_policy = as_mp_policy(mp_policy, "estimate_memory")
+    if not isinstance(offload, bool):
+        offload = as_offload_policy(offload, "estimate_memory") is not None
     backend_assumed = backend is None
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,74 @@
+"""The modules that hold a given module, found without a root.
+
+A module does not know its parent; messages about a unit (the forgotten
+root, a tied parameter) need names in the user's whole model. The parents
+of a module are found through the objects that refer to it: its parent's
+``_modules`` dict, held by the parent (directly, or through the parent's
+instance ``__dict__``). Only those referrers are looked at, each by its
+exact type (``type(obj)``, never ``isinstance``, which would read
+``__class__`` of arbitrary objects, some of which warn when read). Cost:
+``gc.get_referrers`` scans the heap once per call, a few calls per level:
+used on error paths and once per optimizer, never per step.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterable, Iterator
+
+import torch.nn as nn
+
+
+def outermost_ancestors(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules that hold one of ``modules`` and are held by no module
+    (each once, in order of discovery; a module held by none is its own)."""
+    tops: dict[int, nn.Module] = {}
+    seen: set[int] = set()
+    todo = list(modules)
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        parents = list(_parents(module))
+        if not parents:
+            tops.setdefault(id(module), module)
+        todo.extend(parents)
+    return list(tops.values())
+
+
+def qualified_names(tops: Iterable[nn.Module]) -> dict[int, str]:
+    """The longest fully-qualified name of every parameter under ``tops``,
+    by the parameter's id (the longest: the name in the outermost module)."""
+    tops = list(tops)
+    return _longest(pair for top in tops for pair in top.named_parameters(remove_duplicate=False))
+
+
+def module_qualified_names(tops: Iterable[nn.Module]) -> dict[int, str]:
+    """The same for every module under ``tops`` (the outermost: ``""``)."""
+    return _longest(pair for top in tops for pair in top.named_modules(remove_duplicate=False))
+
+
+def _longest(named: Iterable[tuple[str, object]]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, obj in named:
+        if id(obj) not in names or len(name) > len(names[id(obj)]):
+            names[id(obj)] = name
+    return names
+
+
+def _is_module(obj: object) -> bool:
+    return issubclass(type(obj), nn.Module)
+
+
+def _parents(module: nn.Module) -> Iterator[nn.Module]:
+    for holder in gc.get_referrers(module):
+        if type(holder) is not dict:
+            continue
+        for owner in gc.get_referrers(holder):
+            if _is_module(owner) and vars(owner).get("_modules") is holder:
+                yield owner
+            elif type(owner) is dict and owner.get("_modules") is holder:
+                # the parent's materialised instance __dict__
+                yield from (m for m in gc.get_referrers(owner)
+                            if _is_module(m) and vars(m) is owner)
