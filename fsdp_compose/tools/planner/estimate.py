@@ -11,7 +11,7 @@ from ...setup.units import PlacementFn, assign_placements, placement_choices
 from ..._torch_private import CAN_SWAP_STORAGE_DATA
 from ...buffers.records import buffer_policy, resolve_dtypes
 from ...policies import MixedPrecisionPolicy
-from ...torch_policies import as_mp_policy, as_offload_policy
+from ...setup.torch_policies import as_mp_policy, as_offload_policy
 from .._format import format_bytes
 from .activations import BatchFn, fake_forward
 from ...runtime.buckets import group_consecutive
