@@ -129,13 +129,20 @@ def _by_buffer(params_by_key: dict[Any, torch.Tensor]) -> list[_BufferEntries]:
 
 
 # ------------------------------------------------------------------- save
-_OPTIM_FIX = ("Sharded optimizer state is spread over the ranks: call it on every rank (to "
-              "write a file from rank 0 only, take it on every rank and save it under "
-              "`if rank == 0:`; or use CheckpointStore).")
+OPTIM_SAVE_ADVICE = (
+    "Sharded optimizer state is spread over the ranks: call it on every rank. To write one "
+    "file from rank 0, gather it on every rank and save on rank 0: "
+    "`osd = get_optimizer_state_dict(model, optim, options=StateDictOptions("
+    "full_state_dict=True, cpu_offload=True))` (from torch.distributed.checkpoint.state_dict), "
+    "then `if rank == 0: torch.save(osd, f)`; for sharded saves, call "
+    "`torch.distributed.checkpoint.save({'optim': get_optimizer_state_dict(model, optim)}, "
+    "checkpoint_id=path)` on every rank (or use CheckpointStore).")
+"""The fix for an optimizer state dict taken on one rank only
+(``tests/test_save_advice.py`` runs it)."""
 
 
 def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-    arrive(None, "optimizer.state_dict()", _OPTIM_FIX)
+    arrive(None, "optimizer.state_dict()", OPTIM_SAVE_ADVICE)
     params = dict(enumerate(_params(optimizer)))
     _drop_zero_step_state(optimizer, state_dict)
     state = state_dict["state"]
@@ -333,7 +340,7 @@ def _describe(summary: Optional[list]) -> str:
 
 # ------------------------------------------------------------------- load
 def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    arrive(None, "optimizer.load_state_dict()", _OPTIM_FIX)
+    arrive(None, "optimizer.load_state_dict()", OPTIM_SAVE_ADVICE)
     _ZERO_STEPPED.discard(optimizer)  # the loaded state replaces an initialisation
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = dict(zip(saved_ids, _params(optimizer)))
