@@ -14,10 +14,14 @@ with gradients, before it updates anything, if it holds parameters of
 * was not passed to :func:`mark_reduced_elsewhere` (nor in
   ``fully_shard``'s ``ignored_params``)
 
-is named in a ``RuntimeError`` raised on every rank. The ranks agree first
-(the largest count over the mesh of the optimizer's first unit, one tiny
-all-gather per optimizer, once), so a rank whose own list is empty raises
-too and none is left waiting. Cost: one look per optimizer, at its first
+is named in a ``RuntimeError``. The look is local, with no collective: a
+step pre-hook cannot know that every rank steps the same optimizer over
+the same parameters (Muon over owned matrices gives each rank its own, and
+a rank whose optimizer holds nothing with a gradient looks later), so a
+collective here could pair with nothing on another rank. Models and
+optimizers built alike on every rank (the SPMD script) decide alike, so
+every rank raises; where they differ, the rank that raises alone ends the
+job (torchrun stops the others). Cost: one look per optimizer, at its first
 step with gradients; a walk up from the units to the user's model
 (``runtime/ancestors.py``) only when such parameters exist.
 """
@@ -35,7 +39,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..comm.agreement import agreed_max
 from ..runtime.ancestors import outermost_ancestors, qualified_names
 from ..runtime.owners import owner_of
 from .replicate import is_replicated
@@ -89,10 +92,8 @@ def _look_once(optimizer: Optimizer, args: object, kwargs: object) -> None:
         names = qualified_names(tops)
         reduced = _reduced_by_other_apis(tops)
         loose = [p for p in loose if id(p) not in reduced]
-    # the same decision on every rank of the model's mesh, before any update
-    if agreed_max(len(loose), managed.unit.group) == 0:
-        return
-    raise RuntimeError(_message(loose, names))
+    if loose:
+        raise RuntimeError(_message(loose, names))
 
 
 def _reduced_by_other_apis(tops: list[nn.Module]) -> set[int]:
@@ -106,16 +107,12 @@ def _reduced_by_other_apis(tops: list[nn.Module]) -> set[int]:
 
 
 def _message(loose: list[torch.Tensor], names: dict[int, str]) -> str:
-    if not loose:
-        what = ("the optimizer on another rank updates parameters that no fully_shard unit "
-                "manages (this rank's has none: are the models built alike on every rank?)")
-    else:
-        shown = [f"'{names[id(p)]}'" if id(p) in names else f"a parameter of shape {tuple(p.shape)}"
-                 for p in loose[:_SHOWN]]
-        more = f" and {len(loose) - _SHOWN} more" if len(loose) > _SHOWN else ""
-        what = (f"the optimizer would update {len(loose)} parameter(s) that no fully_shard unit "
-                f"manages ({', '.join(shown)}{more}) from each rank's own gradient, so the ranks' "
-                "copies would drift apart")
+    shown = [f"'{names[id(p)]}'" if id(p) in names else f"a parameter of shape {tuple(p.shape)}"
+             for p in loose[:_SHOWN]]
+    more = f" and {len(loose) - _SHOWN} more" if len(loose) > _SHOWN else ""
+    what = (f"the optimizer would update {len(loose)} parameter(s) that no fully_shard unit "
+            f"manages ({', '.join(shown)}{more}) from each rank's own gradient, so the ranks' "
+            "copies would drift apart")
     return (
         f"fsdp_compose: {what}. Nothing was updated. Call fully_shard on the module that holds "
         "them, usually the root, last: fully_shard(model) after the blocks. If your code reduces "

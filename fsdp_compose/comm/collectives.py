@@ -62,7 +62,7 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
         return _DoneWork() if async_op else None
-    op = _reduce_op(group, divide_factor, force_sum)
+    op = reduce_op_for(group, divide_factor, force_sum)
     if _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE and flat.device.type == "cpu" and \
             dist.get_backend(group.process_group) == "gloo":
         # see [Note: gloo reduce-scatter as an all-reduce]
@@ -138,7 +138,7 @@ def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
     replicate = group.replicate_process_group
     if replicate is None or group.replicate_size == 1:
         return _DoneWork() if async_op else None
-    return dist.all_reduce(output, op=_reduce_op(group, divide_factor, force_sum),
+    return dist.all_reduce(output, op=reduce_op_for(group, divide_factor, force_sum),
                            group=replicate, async_op=async_op)
 
 
@@ -154,8 +154,8 @@ def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optio
             output.div_(factor)
 
 
-def _reduce_op(group: ShardGroup, divide_factor: Optional[float],
-               force_sum: bool) -> dist.ReduceOp:
+def reduce_op_for(group: ShardGroup, divide_factor: Optional[float],
+                  force_sum: bool) -> dist.ReduceOp:
     return dist.ReduceOp.SUM if needs_post_division(group, divide_factor, force_sum) \
         else dist.ReduceOp.AVG
 
