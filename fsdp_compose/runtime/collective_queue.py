@@ -108,9 +108,10 @@ otherwise saw alive steps later, in a number that varied from run to run.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Container, Literal, Optional, Sequence
+from typing import Callable, Container, Literal, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .._torch_private import profiler_active, unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
@@ -120,16 +121,24 @@ from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scat
 from ..comm.custom import UnitComms, allocate, all_gather_custom, reduce_scatter_custom
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..comm.watched_wait import wait_watched
-from ..policies import PrefetchPolicy
 from .profiling import call_profiled, profiled
 from .buckets import Bucket, BucketPlan
+from .model_settings import ModelSettings
 from .observer import CollectiveObserver
 from .training_state import TrainingState
+from .unit_protocols import BucketedUnit
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
+
+
+class Waitable(Protocol):
+    """What an in-flight collective waits: a ``torch.distributed.Work``,
+    ``comm/quantized.QuantizedWork``, or a custom collective's work."""
+
+    def wait(self) -> object: ...
 
 
 class InFlight:
@@ -146,7 +155,8 @@ class InFlight:
     __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies", "_member_copies",
                  "_packed_output", "_temporaries", "_keep_alive", "_complete", "_settled")
 
-    def __init__(self, kind: CollectiveKind, work: Optional[object], process_group: object,
+    def __init__(self, kind: CollectiveKind, work: Optional[Waitable],
+                 process_group: Optional[dist.ProcessGroup],
                  members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
@@ -155,8 +165,8 @@ class InFlight:
                  packed_output: Optional[torch.Tensor] = None) -> None:
         self.kind: CollectiveKind = kind
         self._pending: list[FlatBuffer] = list(members)  # not completed yet
-        self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
-        self._process_group = process_group
+        self._work: Optional[Waitable] = work  # None: nothing to wait (one rank)
+        self._process_group: Optional[dist.ProcessGroup] = process_group
         self._copies = list(copies)  # (destination, source), made after the wait
         self._member_copies: dict[int, tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = {
             id(member): (member, destination, source)
@@ -178,7 +188,7 @@ class InFlight:
     def done(self) -> bool:
         return not self._pending
 
-    def wait(self, member: Optional[FlatBuffer] = None) -> None:
+    def wait(self, member: Optional[object] = None) -> None:
         """Wait the work (watched: a stall is diagnosed), copy out and free
         the temporaries (once), then complete ``member`` (default: every
         member not completed yet). On CUDA the wait only orders the current
@@ -245,14 +255,15 @@ class CollectiveQueue:
     [Note: the life of a collective]). Built by the root's lazy init and
     shared by every unit of the model (``unit.collectives``)."""
 
-    __slots__ = ('buckets', 'gathers_nothing', 'observer', 'policy', 'staging',
+    __slots__ = ('buckets', 'gathers_nothing', 'observer', 'settings', 'staging',
                  '_gathers', '_held', '_reduces', '_replicas', '__dict__', '__weakref__')
 
-    def __init__(self, policy: PrefetchPolicy = PrefetchPolicy(),
+    def __init__(self, settings: ModelSettings,
                  observer: Optional[CollectiveObserver] = None) -> None:
-        self.policy: PrefetchPolicy = policy
-        """The in-flight limits and ``retain_staging`` are read here."""
-        self.buckets: BucketPlan = BucketPlan()
+        self.settings: ModelSettings = settings
+        """The model's settings: ``prefetch_policy``'s in-flight limits and
+        ``retain_staging`` are read here."""
+        self.buckets: BucketPlan = BucketPlan(settings)
         """Which units share their collectives in this iteration
         (``buckets.py``; rebuilt where the ranks agree, :meth:`order_agreed`)."""
         self.observer: CollectiveObserver = observer or CollectiveObserver()
@@ -293,7 +304,7 @@ class CollectiveQueue:
         self.observer.start_iteration()
         self.gathers_nothing = all(b.reshard_frees_nothing for b in buffers)
 
-    def order_agreed(self, order: Sequence) -> None:
+    def order_agreed(self, order: Sequence[BucketedUnit]) -> None:
         """Called at the end of the step's last backward, once every rank
         has checked that its collectives, forward order included, were the
         same as every other rank's (the fingerprint in ``publish_gradients``,
@@ -311,7 +322,7 @@ class CollectiveQueue:
         step's peak, the loss and the start of backward, does not count
         memory kept only for the backward's first fills (see [Note: the
         pool across the end of forward] in ``buffers/staging.py``)."""
-        if not self.policy.retain_staging:
+        if not self.settings.prefetch_policy.retain_staging:
             self.staging.release()
 
     def end_iteration(self) -> None:
@@ -320,7 +331,7 @@ class CollectiveQueue:
         all-gathers and release the staging pool unless the policy retains
         it between iterations."""
         self.inflight_all_gathers()  # drops the finished ones
-        if self.policy.retain_staging:
+        if self.settings.prefetch_policy.retain_staging:
             self.staging.keep()
         else:
             self.staging.clear()
@@ -336,7 +347,8 @@ class CollectiveQueue:
         self._held = {}
 
     # ------------------------------------------------------------- all-gather
-    def gather(self, unit, prefetch: Sequence, ran: Container[int]) -> None:
+    def gather(self, unit: BucketedUnit, prefetch: Sequence[BucketedUnit],
+               ran: Container[int]) -> None:
         """Unshard ``unit`` for its pre-forward or pre-backward, issuing the
         all-gathers of ``prefetch`` while its own is in flight (within the
         limit). A unit in a bucket is gathered with the rest of its bucket
@@ -369,7 +381,7 @@ class CollectiveQueue:
                     continue
                 if not _issues_all_gather(buffer):
                     continue  # already gathered or in flight
-                if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                if self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
                     break
                 self._gather_alone(buffer, issuer, target.name)
         for buffer in unit.buffers:
@@ -377,18 +389,18 @@ class CollectiveQueue:
                 self.wait_gathers(unit)
                 return
 
-    def start_unshard(self, unit, issuer: TrainingState) -> None:
+    def start_unshard(self, unit: BucketedUnit, issuer: TrainingState) -> None:
         """Issue ``unit``'s all-gathers, each buffer alone, without waiting
         for them (``ShardedModule.unshard``, which every rank calls):
         observed like every other and within the in-flight limit (at the
         limit, the oldest all-gather in flight is waited first)."""
         for buffer in unit.buffers:
             if _issues_all_gather(buffer):
-                while self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                while self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
                     self._gathers[0].wait()
             self._gather_alone(buffer, issuer, unit.name)
 
-    def wait_gathers(self, unit) -> None:
+    def wait_gathers(self, unit: BucketedUnit) -> None:
         """Wait ``unit``'s all-gathers in flight; its buffers are unsharded
         (or stay sharded where nothing was issued)."""
         for buffer in unit.buffers:
@@ -407,7 +419,7 @@ class CollectiveQueue:
             self._gathers = [g for g in self._gathers if not g.done]
         return len(self._gathers)
 
-    def _gather_bucket(self, unit, issuer: TrainingState, ran: Container[int],
+    def _gather_bucket(self, unit: BucketedUnit, issuer: TrainingState, ran: Container[int],
                        limited: bool = False) -> bool:
         """If ``unit`` is in a bucket gathered as one now: issue one
         all-gather for the members that need one (``limited``: only within
@@ -421,7 +433,7 @@ class CollectiveQueue:
         wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]
         if not wanted:
             return True  # already gathered or in flight
-        if limited and self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+        if limited and self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
             return True
         for buffer in wanted:
             self.observer.before_all_gather(buffer, issuer)
@@ -456,7 +468,8 @@ class CollectiveQueue:
         if custom is not None:  # see [Note: custom collectives] in comm/custom.py
             out = allocate(custom, buffer.unsharded.numel(), shard.dtype, buffer.compute_device)
             work = all_gather_custom(custom, out, shard, group)
-            self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
+            self._track_gather(InFlight("all_gather", work,  # type: ignore[arg-type]
+                                        group.process_group, [buffer],
                                         _gathered({id(buffer): version}),
                                         copies=[(buffer.unsharded.detach().view(-1), out)],
                                         keep_alive=[shard, out]))
@@ -495,6 +508,7 @@ class CollectiveQueue:
             return
         first = buffers[0]
         group, world, total = first.group, first.group.world_size, offset
+        work: Optional[Waitable]
         if first.gather_quantizer is not None:  # the bucket's wire format (the plan's promise)
             rows = {id(b): b.unsharded.detach().view(world, -1) for b, _, _ in joined}
             work = all_gather_quantized([rows.get(id(b)) for b in buffers], inputs, group,
@@ -511,7 +525,7 @@ class CollectiveQueue:
             work = all_gather_into(out, packed, group, async_op=True)
         else:  # the comm's memory: never freed here (see [Note: custom collectives])
             out = allocate(custom, world * total, packed.dtype, first.compute_device)
-            work = all_gather_custom(custom, out, packed, group)
+            work = all_gather_custom(custom, out, packed, group)  # type: ignore[assignment]
         grid = out.view(world, total)
         copies = [(b, b.unsharded.detach().view(world, b.layout.shard_numel),
                    grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
@@ -623,10 +637,10 @@ class CollectiveQueue:
         and waited only when those exceed the limit in turn (or at the end)."""
         if self._reduces:
             self._reduces = deque(f for f in self._reduces if not f.done)
-        while len(self._reduces) > self.policy.max_pending_reduces:
+        while len(self._reduces) > self.settings.prefetch_policy.max_pending_reduces:
             with profiled("reduce_scatter_wait"):
                 self._reduces.popleft().wait()
-        while len(self._replicas) > self.policy.max_pending_reduces:
+        while len(self._replicas) > self.settings.prefetch_policy.max_pending_reduces:
             with profiled("all_reduce_replicas_wait"):
                 for flight in self._replicas.popleft():
                     flight.wait()
@@ -645,7 +659,7 @@ class CollectiveQueue:
         if not self._reduces:
             return  # nothing in flight (every earlier one waited, or one rank)
         self._reduces = deque(f for f in self._reduces if not f.done)
-        while len(self._reduces) >= self.policy.max_pending_reduces:
+        while len(self._reduces) >= self.settings.prefetch_policy.max_pending_reduces:
             with profiled("reduce_scatter_wait"):
                 self._reduces.popleft().wait()
 
@@ -806,7 +820,8 @@ def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device)
 
 
 def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,
-                          options: ReduceOptions, segments: Optional[list[int]] = None) -> object:
+                          options: ReduceOptions, segments: Optional[list[int]] = None
+                          ) -> Optional[Waitable]:
     """The asynchronous reduce-scatter of ``flat`` into ``output`` over
     ``buffer``'s group, quantized when its policy says so (a bucket's
     buffers share the wire format, the plan's promise; ``segments``: their
@@ -816,7 +831,8 @@ def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: Flat
     if comms is not None:
         group = comms.reduce_group(group)
         if comms.reduce_scatter is not None:
-            return reduce_scatter_custom(comms.reduce_scatter, output, flat, group, *options)
+            return reduce_scatter_custom(  # type: ignore[return-value]  # typed object in comm/
+                comms.reduce_scatter, output, flat, group, *options)
     if buffer.reduce_quantizer is not None:
         return reduce_scatter_quantized(output, flat, group, buffer.reduce_quantizer,
                                         options.divide_factor, options.force_sum, segments)

@@ -23,21 +23,16 @@ from .._torch_private import (
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
-from ..policies import PrefetchPolicy
 from .profiling import call_profiled, profiled
 from .compile import run_eagerly
 from .class_names import user_class_name
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
+from .model_settings import ModelSettings, merge_changes
 from .prefetch_order import PrefetchOrder
 from .training_state import TrainingState
 from .unit import Unit
-
-ModelSetting = Callable[["ModelContext"], None]
-"""Applies one model-wide setting (prefetch policy, divergence checking) to
-a model's shared context."""
-
 
 ROOT_LABEL = "<root>"  # how names of units and modules show the root module (FQN "")
 
@@ -49,31 +44,31 @@ class ModelContext:
         root: the root's state (outermost annotated module).
         states: every state in the root's subtree, root first, then in module
             order.
+        settings: the model-wide settings (read by reference by the
+            prefetch order, the collective queue and the observer).
         prefetch_order: the model's prefetch order.
         collectives: the model's collective queue (every all-gather and
             reduction, buckets, in-flight limits, the collective observer).
         backward_callback_queued: whether the end-of-backward callback is
             queued for the backward running now (queued once per backward).
-        after_last_backward: runs with the root module after every last
-            backward, once everything is resharded and published
-            (``set_check_finite_gradients``; ``None``: nothing).
     """
 
-    __slots__ = ('after_last_backward', 'backward_callback_queued', 'buffers',
-                 'collectives', 'gradients', 'prefetch_order', 'root', 'states',
+    __slots__ = ('backward_callback_queued', 'buffers',
+                 'collectives', 'gradients', 'prefetch_order', 'root', 'settings', 'states',
                  'views_for_backward',
                  '__dict__', '__weakref__')
 
     def __init__(self, root: "FullyShardState", states: list["FullyShardState"],
-                 prefetch_order: PrefetchOrder, collectives: CollectiveQueue) -> None:
+                 settings: ModelSettings, prefetch_order: PrefetchOrder[Unit],
+                 collectives: CollectiveQueue) -> None:
         self.root: FullyShardState = root
         self.states: list[FullyShardState] = states
-        self.prefetch_order: PrefetchOrder = prefetch_order
+        self.settings: ModelSettings = settings
+        self.prefetch_order: PrefetchOrder[Unit] = prefetch_order
         """Shared by every unit of the model (``unit.prefetch_order``)."""
         self.collectives: CollectiveQueue = collectives
         """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
-        self.after_last_backward: Optional[Callable[[nn.Module], None]] = None
         self.views_for_backward: list[Unit] = []
         """Units resharded by hand after a forward that put no pre-backward
         hook on their outputs (one rank): the next backward's first event
@@ -91,8 +86,7 @@ class FullyShardState(_State):
     Created empty by the composable-API ``contract`` and filled by
     :meth:`bind`; all hooks registered by ``fully_shard`` are its methods.
     Only this class writes its fields: other modules go through
-    :meth:`bind`, :meth:`change_model_setting`, :meth:`set_after_last_backward`,
-    :meth:`hold_whole` and :meth:`run_forward_method`.
+    :meth:`bind`, :meth:`change_model_setting`, :meth:`hold_whole` and :meth:`run_forward_method`.
     """
 
     __slots__ = ('annotated_parent', 'context', 'pending_settings', 'unit', 'validated',
@@ -116,9 +110,9 @@ class FullyShardState(_State):
         self._new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
         """Builds the model's collective observer when this state becomes
         the root (see :meth:`bind`)."""
-        self.pending_settings: dict[str, tuple[object, ModelSetting]] = {}
+        self.pending_settings: dict[str, object] = {}
         """Model-wide settings made on this module before the root's lazy
-        init: name -> (value, how to apply it); the root applies them."""
+        init (``ModelSettings.change`` name -> value); the root merges them."""
         self._held_whole: bool = False
 
     def bind(self, unit: Unit, pre_forward_check: Optional[Callable[[nn.Module], None]] = None,
@@ -195,10 +189,12 @@ class FullyShardState(_State):
         """The lazy init of a root: one context for every state below it."""
         states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
         _name_units(self.unit.modules, states)
-        settings = _pending_settings(states)  # may raise: before anything is shared
+        settings = ModelSettings()
+        settings.change_all(merge_changes(  # may raise: before anything is shared
+            [(s.unit.name, s.pending_settings) for s in states], self.unit.name))
         observer = self._new_observer()
-        context = ModelContext(self, states, PrefetchOrder(PrefetchPolicy()),
-                               CollectiveQueue(PrefetchPolicy(), observer))
+        context = ModelContext(self, states, settings, PrefetchOrder[Unit](settings),
+                               CollectiveQueue(settings, observer))
         for state in states:
             state.context = context
             state.unit.is_root = state is self
@@ -206,30 +202,18 @@ class FullyShardState(_State):
             state.unit.collectives = context.collectives
             context.collectives.share_staging_pool(state.unit.buffers)
             state.pending_settings = {}
-        for apply in settings:
-            apply(context)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
-        observer.bind([s.unit for s in states])
+        observer.bind([s.unit for s in states], settings)
 
-    def change_model_setting(self, name: str, value: object, apply: ModelSetting) -> None:
-        """A setting of the whole model (``set_prefetch_policy``,
-        ``set_check_rank_divergence``) made through this module: applied to
-        the model's shared context now if the root is initialised, else by
-        the root's lazy init (see :func:`_pending_settings`)."""
+    def change_model_setting(self, name: str, value: object) -> None:
+        """A change of one field of the model's :class:`ModelSettings`
+        (``ModelSettings.change``) made through this module: applied now if
+        the root is initialised, else merged by the root's lazy init."""
         if self.context is not None:
-            apply(self.context)
+            self.context.settings.change(name, value)
         else:
-            self.pending_settings[name] = (value, apply)
-
-    def set_after_last_backward(self, name: str,
-                                hook: Optional[Callable[[nn.Module], None]]) -> None:
-        """A model-wide setting (see :meth:`change_model_setting`, named
-        ``name``): ``hook(root_module)`` runs after every last backward,
-        once everything is resharded and published (``None``: nothing)."""
-        def apply(context: ModelContext) -> None:
-            context.after_last_backward = hook
-        self.change_model_setting(name, hook is not None, apply)
+            self.pending_settings[name] = value
 
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
@@ -424,13 +408,14 @@ class FullyShardState(_State):
         reshard what is left and reset every unit (``end_of_backward.py``)."""
         context = self.context
         context.backward_callback_queued = False
-        last = self.unit.settings.is_last_backward
+        settings = context.settings
+        last = settings.is_last_backward
         order = context.prefetch_order
         with profiled("end_of_backward"):
             finish_backward([state.unit for state in context.states], context.collectives,
                             order.forward_order or order.previous_forward_order, last)
-        if last and context.after_last_backward is not None:
-            context.after_last_backward(self.unit.modules[0])  # may raise, on every rank alike
+        if last and settings.after_last_backward is not None:
+            settings.after_last_backward(self.unit.modules[0])  # may raise, on every rank alike
 
 
 # ----------------------------------------------------------------- helpers
@@ -480,7 +465,7 @@ def states_below(modules: tuple[nn.Module, ...]) -> list[FullyShardState]:
 
 
 def _name_units(roots: tuple[nn.Module, ...], states: list[FullyShardState]) -> None:
-    names = {}
+    names: dict[nn.Module, str] = {}
     for top in roots:
         for name, sub in top.named_modules():
             names.setdefault(sub, name)
@@ -504,23 +489,14 @@ def _check_devices(states: list[FullyShardState]) -> None:
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
-def _pending_settings(states: list[FullyShardState]) -> list[ModelSetting]:
-    """The model-wide settings made on any module of the model before its
-    lazy init, to apply to the model, so none is lost. The same setting
-    made with different values on two modules is ambiguous: raise (every
-    rank alike, before any collective) naming both and the root."""
-    chosen: dict[str, tuple[object, ModelSetting, Unit]] = {}
-    for state in states:
-        for name, (value, apply) in state.pending_settings.items():
-            if name in chosen and chosen[name][0] != value:
-                other = chosen[name][2]
-                raise ValueError(
-                    f"{name}() was called with different values on {other.name} "
-                    f"({chosen[name][0]!r}) and {state.unit.name} ({value!r}) before the first "
-                    f"forward; it applies to the whole model. Call it once, on the root module "
-                    f"{states[0].unit.name}.")
-            chosen.setdefault(name, (value, apply, state.unit))
-    return [apply for _, apply, _ in chosen.values()]
+def pending_model_settings(states: list[FullyShardState]) -> ModelSettings:
+    """The settings a model of ``states`` (root first) will start with,
+    before its lazy init: each change as first made in module order (the
+    lazy init raises where two modules made it with different values)."""
+    settings = ModelSettings()
+    for state in reversed(states):
+        settings.change_all(state.pending_settings)
+    return settings
 
 
 def _layout_fingerprint(units: list[Unit]) -> int:

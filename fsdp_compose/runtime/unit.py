@@ -66,9 +66,6 @@ class UnitSettings:
     the end of backward (no backward all-gather) and reduce every trainable
     buffer there on every rank, zero where unused
     (``end_of_backward.reduce_deferred``)."""
-    is_last_backward: bool = True
-    """Read on the root: ``False`` leaves reductions in flight and the
-    gradients unpublished at the end of backward (more backwards follow)."""
     forward_prefetch: Optional[list[Unit]] = None
     """Units to all-gather before this one's forward (None: by recorded order)."""
     backward_prefetch: Optional[list[Unit]] = None
@@ -127,7 +124,7 @@ class Unit:
 
         # The model (set by the root's lazy init)
         self.is_root: bool = False
-        self.prefetch_order: Optional[PrefetchOrder] = None
+        self.prefetch_order: Optional[PrefetchOrder[Unit]] = None
         """The model's prefetch order, set by the root's lazy init (shared by
         every unit of the model); ``None`` before it."""
         self.collectives: Optional[CollectiveQueue] = None
@@ -205,7 +202,7 @@ class Unit:
             by_group.setdefault(id(buffer.group), (buffer.group, []))[1].append(index)
         return list(by_group.values())
 
-    def locate(self, param: nn.Parameter) -> Optional[tuple[FlatBuffer, int]]:
+    def locate(self, param: torch.Tensor) -> Optional[tuple[FlatBuffer, int]]:
         """The buffer holding ``param`` and its index there (``None``: not here)."""
         return self._buffer_of.get(id(param))
 
@@ -345,6 +342,7 @@ class Unit:
         if self._saved_guard is not None:
             self._release_saved_guard()
         if torch.is_grad_enabled():
+            tensors: Sequence[torch.Tensor]
             if type(output) is torch.Tensor:  # the common case, without the walk
                 tensors = (output,) if output.requires_grad else ()
             else:
