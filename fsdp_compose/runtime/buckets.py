@@ -1,44 +1,32 @@
-"""Which units share their collectives: buckets of consecutive small units.
+"""Which units share their collectives: buckets of consecutive small units
+([Note: bucketing] in ``collective_queue.py`` has the collectives).
 
 A :class:`BucketPlan` is rebuilt from the forward order of the step that
 just ended, at the end of its last backward, right after the ranks checked
-that they issued the same collectives (``CollectiveQueue.order_agreed``): the plan
-is the same on every rank, and it is why a bucket's collectives can have a
-fixed size ([Note: bucketing]). Iterations that verify every collective
-across ranks (the first two by default, or all of them with
-``FSDP_COMPOSE_CHECK_ORDER=1``) run unbucketed, and so do models that never
-run backward.
+that they issued the same collectives (``CollectiveQueue.order_agreed``):
+the plan is the same on every rank, which is why a bucket's collectives can
+have a fixed size. Iterations that verify every collective across ranks run
+unbucketed, and so do models that never run backward.
 
-Consecutive units of that order that qualify (below) and share a key
-(process group, compute dtype, communication dtype and wire formats
-(``CommPolicy``), reduce options, gradient sync, whether they reshard
-after forward: units kept unsharded from forward
-to backward, e.g. ``fully_shard_root``'s embeddings and head, never join
-units that reshard) are grouped greedily while the bucket's unsharded bytes
-stay within ``cap_bytes``; a bucket of one unit is no bucket. ``cap_bytes =
-0`` turns bucketing off. The collectives themselves are in
-``collective_queue.py`` ([Note: bucketing]).
-
-A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
-nothing about it needs a collective of its own: not the root, no explicit
-prefetch targets, no ``reshard_after_forward=k`` group, no
+Consecutive qualifying units with the same key (process group, compute
+dtype, communication dtype and wire formats, reduce options, gradient sync,
+whether they reshard after forward) are grouped greedily while the bucket's
+unsharded bytes stay within ``cap_bytes`` (0: no buckets); a bucket of one
+unit is no bucket. A unit qualifies when its unsharded bytes are at most
+``cap_bytes`` and nothing about it needs a collective of its own: not the
+root, no explicit prefetch targets, no ``reshard_after_forward=k`` group, no
 ``reduce_scatter_unused_params``, all-gathers in backward, no CPU offload,
-one process group and one compute dtype over its buffers, none aliased (one
-rank with nothing to gather).
+one process group and compute dtype over its buffers, none aliased.
 
-Backward reaches the last bucket of the forward order first, where the saved
-activations peak: its members are all-gathered one by one there (each its
-own all-gather, prefetched like any lone unit; ``gathered_in_backward`` is
-False), so the packed output of a bucket never sits on top of the whole
-activation peak; its gradients are still reduced as one bucket. Every other
-bucket is gathered as one in backward too.
+Backward reaches the last bucket of the forward order first, where the
+activations peak: its members are gathered one by one there
+(``gathered_in_backward`` False), so its packed output never sits on top of
+that peak; its gradients are still reduced as one.
 
-Memory: a bucket is gathered as one all-gather and counts as one against
-``max_inflight_all_gathers``, so with bucketing on the unsharded bytes in
-flight are at most that limit times ``max(cap_bytes, largest unit)``; units
-above the cap are never bucketed, so a model of large units runs exactly as
-without bucketing. A bucket's gradients are held until its last member's
-backward finished (at most ``cap_bytes`` of flat gradients).
+Memory: a bucket counts as one all-gather against
+``max_inflight_all_gathers``, so the unsharded bytes in flight are at most
+that limit times ``max(cap_bytes, largest unit)``; a bucket's gradients are
+held until its last member's backward (at most ``cap_bytes``).
 """
 
 from __future__ import annotations
@@ -50,13 +38,9 @@ from .training_state import TrainingState
 from .unit_protocols import BucketedUnit
 
 DEFAULT_BUCKET_CAP_MB = 2.0
-"""Buckets the ~0.2 MiB blocks of the many-small benchmark model by up to
-~10 and leaves units of more than 2 MiB unsharded (a 7B model's blocks are
-hundreds of MiB) exactly as without bucketing. ``set_bucket_cap_mb(0)``
-turns it off. Measured on many-small (BENCHMARKS.md): 2 MiB is
-as fast as 4 (the round-trips saved level off) with a peak 5.7 MiB lower
-(a bucket's packed transients scale with the cap), about FSDP2's; 1 MiB
-is lower still but 8-13% slower."""
+"""Units above it (a large model's blocks) run exactly as without
+bucketing; a bucket's packed transients scale with it (BENCHMARKS.md has
+the measurements behind the value). ``set_bucket_cap_mb(0)`` turns it off."""
 
 
 def cap_bytes(cap_mb: float, where: str = "") -> int:

@@ -1,11 +1,9 @@
 """Prefetch order: which units to all-gather ahead, by the order in which
 units ran forward.
 
-One :class:`PrefetchOrder` is shared by every unit of a model: the root's lazy
-init builds it and hands it to every unit. It records the order in which
-units run forward and names the prefetch targets of each unit's
-pre-forward and pre-backward; the collectives themselves (issue, buckets,
-in-flight limits, waits) are ``collective_queue.py``'s.
+One :class:`PrefetchOrder` per model, shared by its units: it records the
+order units run forward in and names the prefetch targets of each
+pre-forward and pre-backward; the collectives are ``collective_queue.py``'s.
 """
 
 from __future__ import annotations
