@@ -1,11 +1,9 @@
 """``ModelSettings``: the settings of a whole model, in one place.
 
-A model-wide setting made through any annotated module (``set_prefetch_policy``,
-``set_bucket_cap_mb``, ``set_is_last_backward``, ``set_check_rank_divergence``,
-``set_check_finite_gradients``, ``set_reduce_scatter_max_input_buffers``) is a
-change of one field of the root's :class:`ModelSettings`. Made before the root's
-lazy init, it waits on the module's state and the root merges every module's
-changes field by field (:func:`merge_changes`).
+A model-wide setter (:data:`SETTERS`) called on any annotated module changes
+one field of the root's :class:`ModelSettings`; called before the root's lazy
+init, the change waits on the module's state and the root merges every
+module's changes field by field (:func:`merge_changes`).
 """
 
 from __future__ import annotations
@@ -38,19 +36,16 @@ with the method that makes it (error messages name it)."""
 @dataclass(slots=True)
 class ModelSettings:
     """The model-wide settings, owned by the root's ``ModelContext`` and
-    shared by reference with the prefetch order, the collective queue, the
-    bucket plan and the collective observer, which read the fields (a field
-    read per use on the hot path). Only :meth:`change` writes them.
+    read by reference by the prefetch order, the collective queue, the
+    bucket plan and the observer. Only :meth:`change` writes them.
 
     Attributes:
         prefetch_policy: forward/backward prefetch and the in-flight limits
             (all-gathers, pending reduce-scatters).
-        bucket_cap_mb: the bucket cap (0: no bucketing); the bucket plan
-            re-buckets at the next root forward when it differs from the cap
-            it planned with.
+        bucket_cap_mb: the bucket cap (0: no bucketing), applied at the
+            next root forward.
         is_last_backward: ``False`` leaves reductions in flight and the
-            gradients unpublished at the end of backward (more backwards of
-            this step follow).
+            gradients unpublished at the end of backward.
         check_rank_divergence: ``True`` verifies every collective across
             ranks in every iteration, ``False`` never (and no forward
             agreement), ``None`` in the default window.
