@@ -42,9 +42,11 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --no-input -q -e '.[test,hf,lightning]' '$(TORCH_PIN)'
 	@touch $@
 
-# The layer contracts first (import-linter, pyproject.toml), then the tests.
+# The layer contracts first (import-linter, pyproject.toml), the type checker over
+# runtime/ and buffers/ (mypy, [tool.mypy] in pyproject.toml), then the tests.
 test: venv
 	$(VENV)/bin/lint-imports
+	$(VPY) -m mypy
 	$(VPY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The tests on the oldest supported torch (TORCH_OLDEST), in $(OLDEST_VENV).
@@ -118,4 +120,5 @@ bench-report:
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf .mypy_cache
 	find . -path './.venv*' -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -16,13 +16,12 @@ import torch
 import torch.nn as nn
 
 from ._torch_private import require_override
-from .checks.divergence import DivergenceMonitor
 from .checks.finite import check_finite_gradients
 from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.comm_methods import ShardedCommMethods
-from .runtime.state import ModelContext, FullyShardState, state_of, states_below
+from .runtime.state import FullyShardState, state_of, states_below
 from .runtime.buckets import cap_bytes
 from .runtime.class_names import USER_CLASS_ATTR
 from .runtime.tensors import swapping_params_on_conversion
@@ -121,12 +120,7 @@ class ShardedModule(ShardedCommMethods):
         whole model, and different values on two modules raise there)."""
         if not isinstance(policy, PrefetchPolicy):
             raise TypeError(f"expected a PrefetchPolicy, got {type(policy).__name__}")
-
-        def apply(context: ModelContext) -> None:
-            context.prefetch_order.policy = policy
-            context.collectives.policy = policy
-
-        _own_state(self).change_model_setting("set_prefetch_policy", policy, apply)
+        _own_state(self).change_model_setting("prefetch_policy", policy)
 
     def set_bucket_cap_mb(self, bucket_cap_mb: float) -> None:
         """Coalesce the collectives of consecutive small units, for the whole
@@ -142,11 +136,7 @@ class ShardedModule(ShardedCommMethods):
         root applies it (like :meth:`set_prefetch_policy`)."""
         cap = float(bucket_cap_mb)
         cap_bytes(cap, where=f"set_bucket_cap_mb on {_own_state(self).unit.name}: ")
-
-        def apply(context: ModelContext) -> None:
-            context.collectives.buckets.set_cap_mb(cap)
-
-        _own_state(self).change_model_setting("set_bucket_cap_mb", cap, apply)
+        _own_state(self).change_model_setting("bucket_cap_mb", cap)
 
     def set_reshard_after_forward(self, reshard_after_forward: Union[bool, int],
                                   recurse: bool = True) -> None:
@@ -174,10 +164,7 @@ class ShardedModule(ShardedCommMethods):
         pipeline schedules). Set ``True`` before the step's last backward.
         A setting of the model (its end of backward reads it): made on any
         of its annotated modules, it applies to the whole model."""
-        def apply(context: ModelContext) -> None:
-            context.root.unit.settings.is_last_backward = is_last_backward
-
-        _own_state(self).change_model_setting("set_is_last_backward", is_last_backward, apply)
+        _own_state(self).change_model_setting("is_last_backward", bool(is_last_backward))
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Reduce gradients as the sum over ranks divided by ``factor``
@@ -238,8 +225,8 @@ class ShardedModule(ShardedCommMethods):
         step; nothing when off (the default). The model is usable after
         the error: zero the gradients and skip the step. See
         :func:`fsdp_compose.check_finite_gradients` to check on demand."""
-        _own_state(self).set_after_last_backward(
-            "set_check_finite_gradients", check_finite_gradients if enabled else None)
+        _own_state(self).change_model_setting(
+            "after_last_backward", check_finite_gradients if enabled else None)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
@@ -278,14 +265,7 @@ class ShardedModule(ShardedCommMethods):
         to the whole model (different values on two modules raise there)."""
         if enable is not None and not isinstance(enable, bool):
             raise TypeError(f"set_check_rank_divergence expects a bool or None, got {enable!r}")
-
-        def apply(context: ModelContext) -> None:
-            observer = context.collectives.observer
-            assert isinstance(observer, DivergenceMonitor), \
-                f"fully_shard installs a DivergenceMonitor, found {type(observer).__name__}"
-            observer.forced = enable
-
-        _own_state(self).change_model_setting("set_check_rank_divergence", enable, apply)
+        _own_state(self).change_model_setting("check_rank_divergence", enable)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter of this module by their

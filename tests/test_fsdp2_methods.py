@@ -238,7 +238,7 @@ def _cpu_only_methods() -> dict:
     seen["factor"] = state_of(model.blocks[0]).unit.settings.reduce_options.divide_factor
     x, y = _batch(0, 1)
     model.loss(x[:1], y[:1]).backward()
-    seen["pending"] = model_context(model).collectives.policy.max_pending_reduces
+    seen["pending"] = model_context(model).settings.prefetch_policy.max_pending_reduces
     with pytest.raises(TypeError, match="allocate"):
         model.set_custom_all_gather(object())
     return seen

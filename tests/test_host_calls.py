@@ -141,7 +141,7 @@ def attributes_outside_slots(mode: str) -> list[str]:
         model.loss(tokens, targets)  # an evaluation forward too
     root = state_of(model)
     context = root.context
-    objects = [context, context.prefetch_order, context.collectives]
+    objects = [context, context.settings, context.prefetch_order, context.collectives]
     for state in context.states:
         objects += [state, state.unit, state.unit.settings]
         for buffer in state.unit.buffers:

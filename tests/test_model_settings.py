@@ -32,10 +32,11 @@ def settings_on_blocks_before_first_forward():
     model.blocks[1].set_check_rank_divergence(False)
     model.blocks[1].set_prefetch_policy(NO_PREFETCH)  # the same value twice is fine
     _step(model)
-    prefetch_order = state_of(model).context.prefetch_order
-    collectives = state_of(model).context.collectives
-    assert collectives.policy is prefetch_order.policy
-    return {"policy": prefetch_order.policy, "forced": collectives.observer.forced,
+    context = state_of(model).context
+    prefetch_order, collectives = context.prefetch_order, context.collectives
+    assert collectives.settings is prefetch_order.settings is context.settings
+    return {"policy": context.settings.prefetch_policy,
+            "forced": context.settings.check_rank_divergence,
             "verified_first_iteration": collectives.observer.verifying,
             "shared": all(state_of(b).unit.prefetch_order is prefetch_order for b in model.blocks)}
 
@@ -50,7 +51,7 @@ def settings_after_init_on_a_block():
     model = shard_blocks_and_root(build_lm(2))
     _step(model)
     model.blocks[1].set_prefetch_policy(NO_PREFETCH)  # initialised: the model's prefetch order
-    return state_of(model).context.prefetch_order.policy == NO_PREFETCH
+    return state_of(model).context.prefetch_order.settings.prefetch_policy == NO_PREFETCH
 
 
 def test_settings_made_on_a_block_after_the_first_forward_apply_to_the_model():
@@ -75,3 +76,43 @@ def test_conflicting_settings_raise_on_every_rank_naming_the_root():
         assert "set_prefetch_policy() was called with different values" in message
         assert "'blocks.0'" in message and "'blocks.1'" in message
         assert "on the root module <root>" in message
+
+
+def merged_fields_and_describe():
+    """A whole policy on one block and one of its fields on another merge
+    field by field (the field applied on top of the policy, whichever module
+    came first); ``describe()`` shows the policy before the first forward."""
+    from fsdp_compose.tools.describe import describe
+
+    model = shard_blocks_and_root(build_lm(2))
+    model.blocks[0].set_reduce_scatter_max_input_buffers(3)
+    model.blocks[1].set_prefetch_policy(NO_PREFETCH)
+    model.blocks[1].set_is_last_backward(True)
+    before = describe(model).prefetch_policy
+    _step(model)
+    settings = state_of(model).context.settings
+    return {"described": before, "policy": settings.prefetch_policy,
+            "last": settings.is_last_backward}
+
+
+def test_a_policy_and_one_of_its_fields_on_two_blocks_merge_field_by_field():
+    import dataclasses
+    expected = dataclasses.replace(NO_PREFETCH, max_pending_reduces=3)
+    for result in run_distributed(2, merged_fields_and_describe, timeout=TIMEOUT):
+        assert result == {"described": expected, "policy": expected, "last": True}
+
+
+def test_merge_changes_names_the_method_both_units_and_the_root():
+    import pytest
+
+    from fsdp_compose.runtime.model_settings import ModelSettings, merge_changes
+
+    merged = merge_changes([("'a'", {"bucket_cap_mb": 1.0}), ("'b'", {"bucket_cap_mb": 1.0,
+                                                                     "is_last_backward": False})],
+                           "<root>")
+    settings = ModelSettings()
+    settings.change_all(merged)
+    assert (settings.bucket_cap_mb, settings.is_last_backward) == (1.0, False)
+    with pytest.raises(ValueError, match=r"set_bucket_cap_mb\(\) was called with different values "
+                                         r"on 'a' \(1.0\) and 'b' \(4.0\).*root module <root>"):
+        merge_changes([("'a'", {"bucket_cap_mb": 1.0}), ("'b'", {"bucket_cap_mb": 4.0})], "<root>")

@@ -62,6 +62,7 @@ from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
 from ..comm.whereabouts import Doing
 from .._torch_private import default_store
 from ..comm.groups import ShardGroup
+from ..runtime.model_settings import ModelSettings
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
 from .flight_log import FlightRecorder
@@ -144,9 +145,10 @@ class DivergenceMonitor(CollectiveObserver):
     """
 
     def __init__(self) -> None:
-        self.forced: Optional[bool] = None
-        """``set_check_rank_divergence``: True verifies every iteration, False
-        never, None while the window is open (or with the env var)."""
+        self._settings: ModelSettings = ModelSettings()
+        """The model's settings (from :meth:`bind`); ``check_rank_divergence``:
+        True verifies every iteration, False never, None while the window is
+        open (or with the env var)."""
         self.verifying: bool = False
         """Whether the collectives issued now run the verification collectives."""
         self.iterations: int = 0
@@ -181,9 +183,10 @@ class DivergenceMonitor(CollectiveObserver):
         """The always-on ring of recent collectives, compared through the
         store when a wait stalls or fails ([Note: flight log])."""
 
-    def bind(self, units: Sequence[ObservedUnit]) -> None:
+    def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
         """Number the units (the root's state list order, the same on every
         rank since the layouts were checked to agree)."""
+        self._settings = settings
         self._units = list(units)
         self._index = {id(unit): u for u, unit in enumerate(units)}
         self._where = {id(b): (u, i) for u, unit in enumerate(units)
@@ -202,7 +205,7 @@ class DivergenceMonitor(CollectiveObserver):
         agree with the other ranks on what this forward is (see [Note:
         forward agreement]), then decide whether this iteration verifies."""
         self.iterations += 1
-        if self._agreement is not None and self.forced is not False:
+        if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
                    self._since_agreement >> 1]
             rows = self._agreement.exchange(row, self._waiting_at_agreement)
@@ -218,8 +221,9 @@ class DivergenceMonitor(CollectiveObserver):
         """Read at the root's pre-forward, and again right after a verified
         agreement (the only points where the default window may close: every
         rank's counters are equal there, see [Note: rank divergence])."""
-        if self.forced is not None:
-            return self.forced
+        forced = self._settings.check_rank_divergence
+        if forced is not None:
+            return forced
         window = self.agreed_backwards < VERIFICATION_ITERATIONS and \
             self.agreed_forwards < VERIFICATION_FORWARD_LIMIT
         return window or os.environ.get(CHECK_ENV, "0") not in ("", "0")
@@ -285,7 +289,7 @@ class DivergenceMonitor(CollectiveObserver):
             self.agreed_forwards += 1
             self.verifying = self._should_verify()
         elif (not verified and torch.is_grad_enabled() and self._agreement is not None
-              and self.forced is not False):
+              and self._settings.check_rank_divergence is not False):
             self._agree_on_forward_order(entries)
 
     def _agree_on_forward_order(self, entries: Sequence[Collective]) -> None:

@@ -1,14 +1,11 @@
 """The modules that hold a given module, found without a root.
 
-A module does not know its parent; messages about a unit (the forgotten
-root, a tied parameter) need names in the user's whole model. The parents
-of a module are found through the objects that refer to it: its parent's
-``_modules`` dict, held by the parent (directly, or through the parent's
-instance ``__dict__``). Only those referrers are looked at, each by its
-exact type (``type(obj)``, never ``isinstance``, which would read
-``__class__`` of arbitrary objects, some of which warn when read). Cost:
-``gc.get_referrers`` scans the heap once per call, a few calls per level:
-used on error paths and once per optimizer, never per step.
+A module does not know its parent, but messages about a unit need names in
+the whole model. A module's parents are found through its referrers (the
+parent's ``_modules`` dict), each tested by exact ``type(obj)``: never
+``isinstance``, which reads ``__class__`` of arbitrary objects (some warn).
+``gc.get_referrers`` scans the heap per call: error paths and once per
+optimizer only, never per step.
 """
 
 from __future__ import annotations

@@ -1,61 +1,46 @@
-"""Which units share their collectives: buckets of consecutive small units.
+"""Which units share their collectives: buckets of consecutive small units
+([Note: bucketing] in ``collective_queue.py`` has the collectives).
 
 A :class:`BucketPlan` is rebuilt from the forward order of the step that
 just ended, at the end of its last backward, right after the ranks checked
-that they issued the same collectives (``CollectiveQueue.order_agreed``): the plan
-is the same on every rank, and it is why a bucket's collectives can have a
-fixed size ([Note: bucketing]). Iterations that verify every collective
-across ranks (the first two by default, or all of them with
-``FSDP_COMPOSE_CHECK_ORDER=1``) run unbucketed, and so do models that never
-run backward.
+that they issued the same collectives (``CollectiveQueue.order_agreed``):
+the plan is the same on every rank, which is why a bucket's collectives can
+have a fixed size. Iterations that verify every collective across ranks run
+unbucketed, and so do models that never run backward.
 
-Consecutive units of that order that qualify (below) and share a key
-(process group, compute dtype, communication dtype and wire formats
-(``CommPolicy``), reduce options, gradient sync, whether they reshard
-after forward: units kept unsharded from forward
-to backward, e.g. ``fully_shard_root``'s embeddings and head, never join
-units that reshard) are grouped greedily while the bucket's unsharded bytes
-stay within ``cap_bytes``; a bucket of one unit is no bucket. ``cap_bytes =
-0`` turns bucketing off. The collectives themselves are in
-``collective_queue.py`` ([Note: bucketing]).
-
-A unit qualifies when its unsharded bytes are at most ``cap_bytes`` and
-nothing about it needs a collective of its own: not the root, no explicit
-prefetch targets, no ``reshard_after_forward=k`` group, no
+Consecutive qualifying units with the same key (process group, compute
+dtype, communication dtype and wire formats, reduce options, gradient sync,
+whether they reshard after forward) are grouped greedily while the bucket's
+unsharded bytes stay within ``cap_bytes`` (0: no buckets); a bucket of one
+unit is no bucket. A unit qualifies when its unsharded bytes are at most
+``cap_bytes`` and nothing about it needs a collective of its own: not the
+root, no explicit prefetch targets, no ``reshard_after_forward=k`` group, no
 ``reduce_scatter_unused_params``, all-gathers in backward, no CPU offload,
-one process group and one compute dtype over its buffers, none aliased (one
-rank with nothing to gather).
+one process group and compute dtype over its buffers, none aliased.
 
-Backward reaches the last bucket of the forward order first, where the saved
-activations peak: its members are all-gathered one by one there (each its
-own all-gather, prefetched like any lone unit; ``gathered_in_backward`` is
-False), so the packed output of a bucket never sits on top of the whole
-activation peak; its gradients are still reduced as one bucket. Every other
-bucket is gathered as one in backward too.
+Backward reaches the last bucket of the forward order first, where the
+activations peak: its members are gathered one by one there
+(``gathered_in_backward`` False), so its packed output never sits on top of
+that peak; its gradients are still reduced as one.
 
-Memory: a bucket is gathered as one all-gather and counts as one against
-``max_inflight_all_gathers``, so with bucketing on the unsharded bytes in
-flight are at most that limit times ``max(cap_bytes, largest unit)``; units
-above the cap are never bucketed, so a model of large units runs exactly as
-without bucketing. A bucket's gradients are held until its last member's
-backward finished (at most ``cap_bytes`` of flat gradients).
+Memory: a bucket counts as one all-gather against
+``max_inflight_all_gathers``, so the unsharded bytes in flight are at most
+that limit times ``max(cap_bytes, largest unit)``; a bucket's gradients are
+held until its last member's backward (at most ``cap_bytes``).
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Container, Hashable, Optional, Protocol, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
 from .training_state import TrainingState
+from .unit_protocols import BucketedUnit
 
 DEFAULT_BUCKET_CAP_MB = 2.0
-"""Buckets the ~0.2 MiB blocks of the many-small benchmark model by up to
-~10 and leaves units of more than 2 MiB unsharded (a 7B model's blocks are
-hundreds of MiB) exactly as without bucketing. ``set_bucket_cap_mb(0)``
-turns it off. Measured on many-small (BENCHMARKS.md): 2 MiB is
-as fast as 4 (the round-trips saved level off) with a peak 5.7 MiB lower
-(a bucket's packed transients scale with the cap), about FSDP2's; 1 MiB
-is lower still but 8-13% slower."""
+"""Units above it (a large model's blocks) run exactly as without
+bucketing; a bucket's packed transients scale with it (BENCHMARKS.md has
+the measurements behind the value). ``set_bucket_cap_mb(0)`` turns it off."""
 
 
 def cap_bytes(cap_mb: float, where: str = "") -> int:
@@ -66,17 +51,25 @@ def cap_bytes(cap_mb: float, where: str = "") -> int:
                          f"got {cap_mb}")
     return int(cap_mb * 2 ** 20)
 
+class HasBucketCap(Protocol):
+    """What the plan reads of the model's settings (``ModelSettings``,
+    whose module imports this one for :data:`DEFAULT_BUCKET_CAP_MB`)."""
+
+    bucket_cap_mb: float
+
+
 class Bucket:
     """Consecutive units (forward order) whose collectives are coalesced."""
 
-    def __init__(self, units: list) -> None:
-        self.units: list = units
+    def __init__(self, units: list[BucketedUnit]) -> None:
+        self.units: list[BucketedUnit] = units
         self.buffers: list[FlatBuffer] = [b for u in units for b in u.buffers]
         self.gathered_in_backward: bool = True
         """False for the first bucket backward reaches: its members are
         gathered one by one there (see the module docstring)."""
 
-    def gather_members(self, unit, issuer_state: TrainingState, ran: set[int]) -> list:
+    def gather_members(self, unit: BucketedUnit, issuer_state: TrainingState,
+                       ran: Container[int]) -> list[BucketedUnit]:
         """The members to all-gather with ``unit`` now: ``unit`` and those
         whose use is still ahead: in forward, those whose forward has not
         run in this pass (``ran``: ids of the units that did); in backward,
@@ -102,32 +95,31 @@ class Bucket:
 class BucketPlan:
     """The buckets of one model for the running iteration."""
 
-    def __init__(self, cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
-        self.cap_bytes: int = 0
+    def __init__(self, settings: HasBucketCap) -> None:
+        self.settings: HasBucketCap = settings
+        """The model's settings (``ModelSettings``)."""
+        self.cap_mb: float = settings.bucket_cap_mb
+        """The cap the plan was built with."""
+        self.cap_bytes: int = cap_bytes(self.cap_mb)
         self.buckets: list[Bucket] = []
         self._of_unit: dict[int, Bucket] = {}
         self._of_buffer: dict[int, Bucket] = {}
-        self._order: list = []
+        self._order: list[BucketedUnit] = []
         """The forward order the plan was built from (the last agreed one)."""
-        self._cap_changed: bool = False
-        self.set_cap_mb(cap_mb)
-
-    def set_cap_mb(self, cap_mb: float) -> None:
-        """Change the cap; the last agreed order is re-bucketed with it at
-        the next root forward (:meth:`refresh`; every rank changes it at
-        the same point: a model setting)."""
-        self.cap_bytes = cap_bytes(cap_mb)
-        self._cap_changed = True
 
     def refresh(self) -> None:
-        """At a root forward (no bucket holds anything): apply a changed cap."""
-        if self._cap_changed:
+        """At a root forward (no bucket holds anything): re-bucket the last
+        agreed order if ``settings.bucket_cap_mb`` changed (every rank
+        changes it at the same point: a model setting)."""
+        if self.settings.bucket_cap_mb != self.cap_mb:
+            self.cap_mb = self.settings.bucket_cap_mb
+            self.cap_bytes = cap_bytes(self.cap_mb)
             self.rebuild(self._order)
 
-    def rebuild(self, order: Sequence) -> None:
+    def rebuild(self, order: Sequence[BucketedUnit]) -> None:
         """Bucket ``order`` (a forward order every rank agreed on)."""
         self.buckets, self._of_unit, self._of_buffer = [], {}, {}
-        self._order, self._cap_changed = list(order), False
+        self._order = list(order)
         if self.cap_bytes <= 0:
             return
         sizes = [_unsharded_bytes(unit) for unit in self._order]
@@ -138,7 +130,7 @@ class BucketPlan:
         if self.buckets:
             self.buckets[-1].gathered_in_backward = False
 
-    def _close(self, units: list) -> None:
+    def _close(self, units: list[BucketedUnit]) -> None:
         if len(units) < 2:
             return
         bucket = Bucket(units)
@@ -148,7 +140,7 @@ class BucketPlan:
         for buffer in bucket.buffers:
             self._of_buffer[id(buffer)] = bucket
 
-    def of_unit(self, unit) -> Optional[Bucket]:
+    def of_unit(self, unit: BucketedUnit) -> Optional[Bucket]:
         return self._of_unit.get(id(unit))
 
     def of_buffer(self, buffer: FlatBuffer) -> Optional[Bucket]:
@@ -179,11 +171,11 @@ def group_consecutive(sizes: Sequence[int], keys: Sequence[Optional[Hashable]],
     return [g for g in groups if len(g) >= 2]
 
 
-def _unsharded_bytes(unit) -> int:
+def _unsharded_bytes(unit: BucketedUnit) -> int:
     return sum(b.layout.padded_numel * b.unsharded.element_size() for b in unit.buffers)
 
 
-def _key(unit) -> Optional[tuple]:
+def _key(unit: BucketedUnit) -> Optional[tuple]:
     """What must agree between the units of one bucket; ``None``: the unit
     needs collectives of its own (see the module docstring)."""
     settings = unit.settings

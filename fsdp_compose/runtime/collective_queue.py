@@ -1,116 +1,74 @@
 """Every data collective of the training step, from its issue to its last
 copy: the one place that all-gathers parameters, reduce-scatters gradients
-and all-reduces them over the replicas (hybrid sharding).
+and all-reduces them over the replicas (hybrid sharding). The buffers
+store, view and fold; they issue nothing.
 
 [Note: the life of a collective]
-1. *Issue.* The observer is told first (the rank-divergence checks,
-   ``observer.py``: called here and nowhere else, so the invariant "right
-   before every collective it names" holds by construction). The members'
-   inputs are packed into one tensor for a bucket of several buffers, or
-   used as they are for a bucket of one (an unbucketed buffer: no copy, the
-   all-gather writes straight into its unsharded buffer, the reduce-scatter
-   reads straight from its flat gradient). The collective goes out
-   asynchronously (``comm/collectives.py``).
-2. *In flight.* One :class:`InFlight` per collective, the only in-flight
-   type. Each member buffer points at it (``FlatBuffer.gathering``,
-   ``FlatGradient.reducing``) so that whoever needs a result first can wait
-   it; this queue lists it to bound how many are in flight
-   (``PrefetchPolicy``: all-gathers bound unsharded memory, reduce-scatters
-   the flat gradients they keep alive).
-3. *Wait.* The first wait (a unit's pre-forward or pre-backward, a reshard,
-   the limit, the end of backward) waits the work through
-   ``comm/watched_wait.wait_watched``, makes the copies and frees the
-   temporaries ([Note: freeing what a collective read]), once; a bucket's
-   all-gather instead copies each member's part out of its packed output
-   when that member is completed and frees the output after the last
-   ([Note: a bucket's copies]). A quantized collective (``CommPolicy``) is the same to
-   the queue: its work object decodes into the members and frees its wire
-   buffers inside that wait (``comm/quantized.py``). Then it completes members: an all-gather completes the
-   member waited for (``FlatBuffer.complete_gather``: the buffer is
-   unsharded), and a bucket's other members when their own unit waits, so
-   until then they count as gathering; a reduce-scatter completes every
-   member at once, each either issuing its replica all-reduce (hybrid
-   sharding: one more :class:`InFlight`, waited in turn) or folding this
-   rank's chunk into the sharded gradient (``FlatGradient.fold``).
-
-The buffers store, view and fold; they issue nothing. Outside the step,
-:func:`gather_values` (blocking) serves initialisation and ``full_params``.
-A gradient goes: autograd -> ``unit.py`` (post-backward) -> here (issue,
-wait; ``comm/collectives.py`` talks to the backend) -> ``buffers/flat_grad.py``
-(fold) -> ``end_of_backward.py`` (publication to ``.grad``).
+1. *Issue.* The observer is told first (called here and in the end of
+   backward only, so "right before every collective it names" holds by
+   construction). A bucket's inputs are packed into one tensor; a lone
+   buffer's are used as they are (the all-gather writes into its unsharded
+   buffer, the reduce-scatter reads its flat gradient).
+2. *In flight.* One :class:`InFlight` per collective. Each member points at
+   it (``FlatBuffer.gathering``, ``FlatGradient.reducing``) so whoever needs
+   the result first waits it; the queue lists it to bound how many are in
+   flight (``PrefetchPolicy``: all-gathers bound unsharded memory,
+   reduce-scatters the flat gradients they keep alive).
+3. *Wait.* The first wait waits the work (``comm/watched_wait``), makes the
+   copies and frees the temporaries, once ([Note: freeing what a collective
+   read]); a quantized work decodes inside that wait. Then it completes
+   members: an all-gather the member waited for (a bucket's others at their
+   own unit's wait, gathering until then); a reduce-scatter every member at
+   once, each issuing its replica all-reduce (one more :class:`InFlight`) or
+   folding its chunk into the sharded gradient (``FlatGradient.fold``).
 
 [Note: bucketing]
-Small units pay more for the round-trip of a collective than for its bytes.
-Consecutive small units (``buckets.py`` decides which) are gathered by one
-all-gather and reduced by one reduce-scatter:
+Consecutive small units (``buckets.py`` decides which) share one all-gather
+and one reduce-scatter. The shards ``s_1 .. s_k`` (``S_i`` elements, one
+dtype and group) are packed into ``T = sum S_i`` elements; the all-gather's
+output is rank-major, so ``out.view(F, T)[:, off_i:off_i+S_i]`` is buffer
+``i``'s ``unsharded.view(F, S_i)``. Gradients are packed the same way, so
+the reduce-scatter's ``T`` elements are this rank's chunks of every buffer.
+Every element is reduced with the same partners in the same order as
+without bucketing and the copies are exact: the numbers are the same bit for
+bit (``tests/test_bucketing.py``).
 
-* all-gather: the shards ``s_1 .. s_k`` (``S_1 .. S_k`` elements, same dtype,
-  same group) are packed into one input of ``T = sum S_i`` elements; the
-  output is ``F * T`` elements, rank-major, so rank ``r``'s piece of buffer
-  ``i`` is ``out[r*T + off_i : r*T + off_i + S_i]`` and one strided copy per
-  buffer (``out.view(F, T)[:, off_i:off_i+S_i]`` into ``unsharded.view(F,
-  S_i)``) puts every buffer's full values in place;
-* reduce-scatter: each flat gradient ``g_i`` (``F * S_i``) is packed the same
-  way (``packed.view(F, T)[:, off_i:off_i+S_i] = g_i.view(F, S_i)``), so the
-  reduce-scatter's output (``T`` elements) is ``[chunk of g_1 .. chunk of
-  g_k]`` for this rank, copied into each buffer's output.
-
-Every element is reduced with the same partners in the same rank order as
-without bucketing, and the copies are exact, so the numbers are the same bit
-for bit (``tests/test_bucketing.py``); the price is the copies (small: only
-small units are bucketed) and the packed temporaries (the bucket's bytes).
-
-Fixed sizes: a bucket's collectives always carry *every* buffer of the
-bucket (``T`` is the bucket's, whatever this rank needs): a member already
-gathered contributes its shard and receives nothing, a member without a
-gradient contributes zeros. The bucket plan is the same on every rank (it
-changes only where the ranks have just agreed, ``buckets.py``), so ranks
-whose control flow differs inside a bucket (a unit skipped on one rank)
-still issue collectives of equal size: they pair instead of making gloo
-abort the process, and the fingerprint at the end of backward names the
-difference on every rank ([Note: rank divergence]). In a run without
-divergence every rank needs the same members, so nothing is padded.
+A bucket's collectives always carry *every* buffer of the bucket: a member
+already gathered contributes its shard and receives nothing, a member
+without a gradient contributes zeros. The plan is the same on every rank
+(it changes only where the ranks agreed), so ranks whose control flow
+differs inside a bucket still issue collectives of equal size; they pair,
+and the end-of-backward fingerprint names the difference on every rank
+([Note: rank divergence]).
 
 [Note: a bucket's copies]
-A bucket's all-gather fills each wanted member when that member is
-completed, i.e. at its own unit's wait: its unsharded storage gets its
-memory then (``FlatBuffer.allocate_unsharded``), its values are copied out
-of the packed output, and the packed output is freed after the last
-member's copy (the packed input, read by the collective only, at the
-wait). Filling every member at issue held the packed output and all the
-members at once, twice the bucket's unsharded bytes, at the start of
-backward, where the activations peak; now it is the packed output and the
-members in use (the many-small GPT's peaks equal FSDP2's). Quantized all-gathers decode into every member inside their
-wait, so their members are filled at issue.
+A bucket's all-gather fills each member when that member is completed (its
+own unit's wait): its unsharded storage is allocated then
+(``FlatBuffer.allocate_unsharded``) and its values copied out of the packed
+output, which is freed after the last member's copy. So at the start of
+backward, where the activations peak, only the packed output and the
+members in use are held, not every member at once. Quantized all-gathers
+decode into every member inside their wait.
 
 [Note: freeing what a collective read]
-Dropping the last Python reference to a tensor a collective read or wrote
-does not free it when the backend still holds one: gloo keeps a finished
-work's tensors until its worker thread lets go of the work, which happens
-when the thread gets to it (sometimes through the whole next step; on the
-many-small benchmark the first bucket's packed input and output, 6 MiB on
-one rank after the step), so the memory the process holds would
-depend on thread scheduling. Once the work is waited and the copies are
-made nothing reads them, so their storage is resized to 0 bytes, which
-frees the memory whoever holds the tensor (and which memory trackers see):
-a bucket's packed tensors on every device; a lone buffer's flat gradient
-(the library's own, taken from ``unsharded.grad`` or cast from it) on the
-CPU only, where no stream orders the free (on CUDA the caching allocator
-and NCCL's stream recording free it in stream order), and not when the
-output is the input itself (one rank). The tiny tensors of the ranks'
-agreements and of the used flags (``comm/agreement.py``,
-``runtime/end_of_backward.py``) go the same way
-(``comm.collectives.release_after_collective``): a few bytes each, but
-one or two per unit in the verified iterations, which a memory tracker
-otherwise saw alive steps later, in a number that varied from run to run.
+A backend may hold a finished work's tensors (gloo until its worker thread
+lets go of the work), so dropping our last reference frees nothing at a
+time we control. Once the work is waited and the copies are made, nothing
+reads them: their storage is resized to 0 bytes, which frees the memory
+whoever holds the tensor. This applies to a bucket's packed tensors on every
+device, and to a lone buffer's flat gradient on the CPU only (on CUDA the
+caching allocator frees in stream order), never where the output is the
+input itself (one rank). The tiny tensors of the ranks' agreements and used
+flags go the same way (``comm.collectives.release_after_collective``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Container, Literal, Optional, Sequence
+from typing import Callable, Container, Literal, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .._torch_private import profiler_active, unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
@@ -120,11 +78,12 @@ from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scat
 from ..comm.custom import UnitComms, allocate, all_gather_custom, reduce_scatter_custom
 from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
 from ..comm.watched_wait import wait_watched
-from ..policies import PrefetchPolicy
 from .profiling import call_profiled, profiled
 from .buckets import Bucket, BucketPlan
+from .model_settings import ModelSettings
 from .observer import CollectiveObserver
 from .training_state import TrainingState
+from .unit_protocols import BucketedUnit
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -132,21 +91,27 @@ _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
 
 
+class Waitable(Protocol):
+    """What an in-flight collective waits: a ``torch.distributed.Work``,
+    ``comm/quantized.QuantizedWork``, or a custom collective's work."""
+
+    def wait(self) -> object: ...
+
+
 class InFlight:
-    """One collective issued and not yet waited, whatever its kind: its
-    work, the copies out of its output, the temporaries to free, and what
-    completing it does to each member. The first :meth:`wait` waits the
-    work, makes the copies that are not a member's and frees the
-    temporaries, once; each member is completed once, when it is waited for
-    (a bucket's members at their own unit's wait, so a member whose unit
-    has not run yet still counts as gathering) or with the rest, its own
-    copy made then (``member_copies``: its storage filled first);
+    """One collective issued and not yet waited, whatever its kind.
+
+    The first :meth:`wait` waits the work, makes the shared copies and frees
+    the temporaries, once. Each member is completed once: when waited for
+    (a bucket's members at their own unit's wait: gathering until then) or
+    with the rest, its own copy made then (``member_copies``);
     ``packed_output``, which those copies read, is freed after the last."""
 
     __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies", "_member_copies",
                  "_packed_output", "_temporaries", "_keep_alive", "_complete", "_settled")
 
-    def __init__(self, kind: CollectiveKind, work: Optional[object], process_group: object,
+    def __init__(self, kind: CollectiveKind, work: Optional[Waitable],
+                 process_group: Optional[dist.ProcessGroup],
                  members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
@@ -155,8 +120,8 @@ class InFlight:
                  packed_output: Optional[torch.Tensor] = None) -> None:
         self.kind: CollectiveKind = kind
         self._pending: list[FlatBuffer] = list(members)  # not completed yet
-        self._work = work  # a torch.distributed.Work; None: nothing to wait (one rank)
-        self._process_group = process_group
+        self._work: Optional[Waitable] = work  # None: nothing to wait (one rank)
+        self._process_group: Optional[dist.ProcessGroup] = process_group
         self._copies = list(copies)  # (destination, source), made after the wait
         self._member_copies: dict[int, tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = {
             id(member): (member, destination, source)
@@ -178,11 +143,10 @@ class InFlight:
     def done(self) -> bool:
         return not self._pending
 
-    def wait(self, member: Optional[FlatBuffer] = None) -> None:
-        """Wait the work (watched: a stall is diagnosed), copy out and free
-        the temporaries (once), then complete ``member`` (default: every
-        member not completed yet). On CUDA the wait only orders the current
-        stream after the collective; the host does not block."""
+    def wait(self, member: Optional[object] = None) -> None:
+        """Wait the work (watched), copy out and free the temporaries
+        (once), then complete ``member`` (default: every member left). On
+        CUDA the wait orders the current stream; the host does not block."""
         if not self._settled:
             if self._work is not None:
                 wait_watched(self._work, self._process_group)
@@ -215,9 +179,8 @@ class InFlight:
             self._complete(todo)
 
     def discard(self) -> None:
-        """Wait the work (it still reads and writes our tensors) and drop
-        its result: no copy, no completion, the members no longer point at
-        it (an iteration that raised)."""
+        """An iteration that raised: wait the work (it still uses our
+        tensors) and drop its result; the members no longer point at it."""
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -245,19 +208,19 @@ class CollectiveQueue:
     [Note: the life of a collective]). Built by the root's lazy init and
     shared by every unit of the model (``unit.collectives``)."""
 
-    __slots__ = ('buckets', 'gathers_nothing', 'observer', 'policy', 'staging',
+    __slots__ = ('buckets', 'gathers_nothing', 'observer', 'settings', 'staging',
                  '_gathers', '_held', '_reduces', '_replicas', '__dict__', '__weakref__')
 
-    def __init__(self, policy: PrefetchPolicy = PrefetchPolicy(),
+    def __init__(self, settings: ModelSettings,
                  observer: Optional[CollectiveObserver] = None) -> None:
-        self.policy: PrefetchPolicy = policy
-        """The in-flight limits and ``retain_staging`` are read here."""
-        self.buckets: BucketPlan = BucketPlan()
+        self.settings: ModelSettings = settings
+        """The model's settings: ``prefetch_policy``'s in-flight limits and
+        ``retain_staging`` are read here."""
+        self.buckets: BucketPlan = BucketPlan(settings)
         """Which units share their collectives in this iteration
         (``buckets.py``; rebuilt where the ranks agree, :meth:`order_agreed`)."""
         self.observer: CollectiveObserver = observer or CollectiveObserver()
-        """Told about every collective issued here, before it is issued (the
-        rank divergence checks, [Note: rank divergence] in ``checks/divergence.py``)."""
+        """Told about every collective before it is issued."""
         self.staging: StagingPool = StagingPool()
         """Memory of released unsharded buffers, reused on the CPU."""
         self._gathers: list[InFlight] = []
@@ -265,17 +228,15 @@ class CollectiveQueue:
         self._reduces: deque[InFlight] = deque()
         """Reduce-scatters in flight, oldest first."""
         self._replicas: deque[list[InFlight]] = deque()
-        """Hybrid sharding: the replica all-reduces issued when one
-        reduce-scatter was waited (one entry per reduce-scatter), oldest first."""
+        """Hybrid sharding: the replica all-reduces of each waited
+        reduce-scatter, oldest first."""
         self.gathers_nothing: bool = False
-        """No buffer of the model all-gathers in this iteration: each is the
-        shard itself and was not resharded after forward (one rank, see
-        ``FlatBuffer.reshard_frees_nothing``). Then nothing is fetched ahead,
-        and a unit still unsharded since its forward has nothing to gather
-        in backward (``Unit.pre_backward``). Set by :meth:`start_iteration`."""
+        """No buffer of the model all-gathers in this iteration (one rank:
+        ``FlatBuffer.reshard_frees_nothing`` everywhere): nothing is fetched
+        ahead. Set by :meth:`start_iteration`."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
-        """Per bucket (by id): its buffers whose gradient is ready, held
-        until the bucket's last one is (:meth:`reduce`)."""
+        """Per bucket id: its buffers whose gradient is ready, held until
+        the last one is (:meth:`reduce`)."""
 
     def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
         """Make ``buffers`` (of a unit joining this model) use the shared
@@ -293,34 +254,27 @@ class CollectiveQueue:
         self.observer.start_iteration()
         self.gathers_nothing = all(b.reshard_frees_nothing for b in buffers)
 
-    def order_agreed(self, order: Sequence) -> None:
-        """Called at the end of the step's last backward, once every rank
-        has checked that its collectives, forward order included, were the
-        same as every other rank's (the fingerprint in ``publish_gradients``,
-        which raises otherwise): rebuild the buckets from that forward
-        ``order``. The plan therefore changes only where the ranks agree on
-        it, so it is the same on every rank. Iterations that verify every
-        collective (the first two by default, [Note: rank divergence]) run
-        unbucketed: their checks then name the unit whose collective
-        differs, and they pay a blocking check per buffer anyway."""
+    def order_agreed(self, order: Sequence[BucketedUnit]) -> None:
+        """End of the step's last backward, once the ranks checked that
+        their collectives, forward order included, were the same (the
+        fingerprint in ``publish_gradients``): rebuild the buckets from that
+        ``order``, so the plan is the same on every rank. Iterations that
+        verify every collective ([Note: rank divergence]) run unbucketed, so
+        their checks name the unit whose collective differs."""
         self.buckets.rebuild([] if self.observer.will_verify() else order)
 
     def end_forward(self) -> None:
-        """The root's forward ended and a backward follows: free what the
-        staging pool holds (unless the policy retains it), so that the
-        step's peak, the loss and the start of backward, does not count
-        memory kept only for the backward's first fills (see [Note: the
-        pool across the end of forward] in ``buffers/staging.py``)."""
-        if not self.policy.retain_staging:
+        """The root's forward ended and a backward follows: free the staging
+        pool unless the policy retains it, so the step's peak does not count
+        it ([Note: the pool across the end of forward] in ``buffers/staging.py``)."""
+        if not self.settings.prefetch_policy.retain_staging:
             self.staging.release()
 
     def end_iteration(self) -> None:
-        """The iteration's last use of unsharded memory is over (end of the
-        last backward, or a forward without backward): forget the finished
-        all-gathers and release the staging pool unless the policy retains
-        it between iterations."""
+        """The iteration's last use of unsharded memory is over: forget the
+        finished all-gathers, release the staging pool unless retained."""
         self.inflight_all_gathers()  # drops the finished ones
-        if self.policy.retain_staging:
+        if self.settings.prefetch_policy.retain_staging:
             self.staging.keep()
         else:
             self.staging.clear()
@@ -336,12 +290,12 @@ class CollectiveQueue:
         self._held = {}
 
     # ------------------------------------------------------------- all-gather
-    def gather(self, unit, prefetch: Sequence, ran: Container[int]) -> None:
+    def gather(self, unit: BucketedUnit, prefetch: Sequence[BucketedUnit],
+               ran: Container[int]) -> None:
         """Unshard ``unit`` for its pre-forward or pre-backward, issuing the
-        all-gathers of ``prefetch`` while its own is in flight (within the
-        limit). A unit in a bucket is gathered with the rest of its bucket
-        (``ran``: ids of the units whose forward ran in this pass, which a
-        bucket's forward gather leaves out)."""
+        all-gathers of ``prefetch`` (within the limit) while its own is in
+        flight; a bucket is gathered as one, without the members in ``ran``
+        (ids of the units whose forward ran in this pass)."""
         if self.gathers_nothing:  # one rank: only the views switch (see _gather_alone)
             for buffer in unit.buffers:
                 if not buffer.is_unsharded:
@@ -363,13 +317,11 @@ class CollectiveQueue:
                 continue
             for buffer in target.buffers:
                 if buffer.aliased:
-                    # One rank: nothing to fetch ahead. Unsharding would only swap the
-                    # module attributes, and a unit that then does not run would keep
-                    # the views (the root drops only prefetches still gathering).
+                    # One rank: nothing to fetch (a unit that did not run would keep the views).
                     continue
                 if not _issues_all_gather(buffer):
                     continue  # already gathered or in flight
-                if self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                if self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
                     break
                 self._gather_alone(buffer, issuer, target.name)
         for buffer in unit.buffers:
@@ -377,18 +329,17 @@ class CollectiveQueue:
                 self.wait_gathers(unit)
                 return
 
-    def start_unshard(self, unit, issuer: TrainingState) -> None:
-        """Issue ``unit``'s all-gathers, each buffer alone, without waiting
-        for them (``ShardedModule.unshard``, which every rank calls):
-        observed like every other and within the in-flight limit (at the
-        limit, the oldest all-gather in flight is waited first)."""
+    def start_unshard(self, unit: BucketedUnit, issuer: TrainingState) -> None:
+        """``ShardedModule.unshard``: issue ``unit``'s all-gathers, each
+        buffer alone, without waiting; at the in-flight limit the oldest is
+        waited first."""
         for buffer in unit.buffers:
             if _issues_all_gather(buffer):
-                while self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+                while self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
                     self._gathers[0].wait()
             self._gather_alone(buffer, issuer, unit.name)
 
-    def wait_gathers(self, unit) -> None:
+    def wait_gathers(self, unit: BucketedUnit) -> None:
         """Wait ``unit``'s all-gathers in flight; its buffers are unsharded
         (or stay sharded where nothing was issued)."""
         for buffer in unit.buffers:
@@ -407,7 +358,7 @@ class CollectiveQueue:
             self._gathers = [g for g in self._gathers if not g.done]
         return len(self._gathers)
 
-    def _gather_bucket(self, unit, issuer: TrainingState, ran: Container[int],
+    def _gather_bucket(self, unit: BucketedUnit, issuer: TrainingState, ran: Container[int],
                        limited: bool = False) -> bool:
         """If ``unit`` is in a bucket gathered as one now: issue one
         all-gather for the members that need one (``limited``: only within
@@ -421,7 +372,7 @@ class CollectiveQueue:
         wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]
         if not wanted:
             return True  # already gathered or in flight
-        if limited and self.inflight_all_gathers() >= self.policy.max_inflight_all_gathers:
+        if limited and self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
             return True
         for buffer in wanted:
             self.observer.before_all_gather(buffer, issuer)
@@ -456,7 +407,8 @@ class CollectiveQueue:
         if custom is not None:  # see [Note: custom collectives] in comm/custom.py
             out = allocate(custom, buffer.unsharded.numel(), shard.dtype, buffer.compute_device)
             work = all_gather_custom(custom, out, shard, group)
-            self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
+            self._track_gather(InFlight("all_gather", work,  # type: ignore[arg-type]
+                                        group.process_group, [buffer],
                                         _gathered({id(buffer): version}),
                                         copies=[(buffer.unsharded.detach().view(-1), out)],
                                         keep_alive=[shard, out]))
@@ -472,11 +424,9 @@ class CollectiveQueue:
 
     def _issue_packed_gather(self, buffers: Sequence[FlatBuffer], wanted: Sequence[FlatBuffer]
                              ) -> None:
-        """One all-gather of the shards of every buffer of ``buffers`` (a
-        bucket's: same shard group and compute dtype, the plan's promise)
-        filling those of ``wanted`` that can join (see [Note: bucketing]).
-        A buffer not wanted, or that cannot join (a kept post-forward
-        piece), contributes its shard and receives nothing."""
+        """One all-gather of the shards of every buffer of a bucket, filling
+        those of ``wanted`` that can join ([Note: bucketing]); the others
+        (including a kept post-forward piece) contribute and receive nothing."""
         wanted_ids = {id(b) for b in wanted}
         inputs: list[torch.Tensor] = []
         joined: list[tuple[FlatBuffer, int, int]] = []  # buffer, version, offset
@@ -495,6 +445,7 @@ class CollectiveQueue:
             return
         first = buffers[0]
         group, world, total = first.group, first.group.world_size, offset
+        work: Optional[Waitable]
         if first.gather_quantizer is not None:  # the bucket's wire format (the plan's promise)
             rows = {id(b): b.unsharded.detach().view(world, -1) for b, _, _ in joined}
             work = all_gather_quantized([rows.get(id(b)) for b in buffers], inputs, group,
@@ -511,7 +462,7 @@ class CollectiveQueue:
             work = all_gather_into(out, packed, group, async_op=True)
         else:  # the comm's memory: never freed here (see [Note: custom collectives])
             out = allocate(custom, world * total, packed.dtype, first.compute_device)
-            work = all_gather_custom(custom, out, packed, group)
+            work = all_gather_custom(custom, out, packed, group)  # type: ignore[assignment]
         grid = out.view(world, total)
         copies = [(b, b.unsharded.detach().view(world, b.layout.shard_numel),
                    grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
@@ -564,12 +515,10 @@ class CollectiveQueue:
 
     def _issue_reduce(self, buffers: list[FlatBuffer], options: ReduceOptions,
                       trigger: Optional[FlatBuffer]) -> None:
-        """One reduce-scatter of the gradients of ``buffers`` (a bucket's
-        trainable buffers, same shard group and communication dtype: the
-        plan's promise; or one buffer): observed, issued, tracked, then the
-        limit kept. Its size depends on ``buffers`` only (see [Note:
-        bucketing]): a buffer without a gradient contributes zeros and
-        receives nothing; nothing is issued when none has one."""
+        """One reduce-scatter of the gradients of ``buffers`` (a bucket's or
+        one): observed, issued, tracked, then the limit kept. Its size
+        depends on ``buffers`` only ([Note: bucketing]); nothing is issued
+        when no buffer has a gradient."""
         for buffer in buffers:
             if buffer.grad.reducing is not None:
                 buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
@@ -593,10 +542,9 @@ class CollectiveQueue:
 
     def _reduced(self, members: list[tuple[FlatBuffer, torch.Tensor]],
                  options: ReduceOptions) -> None:
-        """A reduce-scatter completed (waited for every member at once):
-        per member, issue the all-reduce over the replicas (hybrid sharding;
-        it overlaps what comes next), else fold this rank's chunk into the
-        sharded gradient."""
+        """A reduce-scatter completed: per member, issue the replica
+        all-reduce (hybrid sharding), else fold the chunk into the sharded
+        gradient."""
         replicas = []
         for buffer, output in members:
             buffer.grad.reducing = None
@@ -618,34 +566,29 @@ class CollectiveQueue:
             self._replicas.append(replicas)
 
     def _keep_reduce_limit(self) -> None:
-        """Beyond the limit, the oldest reduce-scatter is waited; under
-        hybrid sharding its all-reduces over the replicas are then issued
-        and waited only when those exceed the limit in turn (or at the end)."""
+        """Beyond the limit, wait the oldest reduce-scatter; its replica
+        all-reduces are waited when those exceed the limit in turn."""
         if self._reduces:
             self._reduces = deque(f for f in self._reduces if not f.done)
-        while len(self._reduces) > self.policy.max_pending_reduces:
+        while len(self._reduces) > self.settings.prefetch_policy.max_pending_reduces:
             with profiled("reduce_scatter_wait"):
                 self._reduces.popleft().wait()
-        while len(self._replicas) > self.policy.max_pending_reduces:
+        while len(self._replicas) > self.settings.prefetch_policy.max_pending_reduces:
             with profiled("all_reduce_replicas_wait"):
                 for flight in self._replicas.popleft():
                     flight.wait()
 
     def make_room_for_reduce(self) -> None:
         """A unit's backward is about to make the flat gradient of its next
-        reduction: wait the oldest reduce-scatters in flight until at most
-        ``max_pending_reduces - 1`` remain, so that their inputs (each a
-        unit's flat gradient) are freed before the new one is allocated, and
-        the new one issued keeps the limit. Each waited reduction overlapped
-        the backward of the unit that is now done (torch FSDP2 waits the
-        previous reduce-scatter at the next reduction the same way).
-        Without it, the flat gradient of the last unit reduced stayed alive
-        while the root's was made: one unit's gradient above FSDP2 at the
-        end of backward, where the step memory peaked."""
+        reduction: wait the oldest reduce-scatters until at most
+        ``max_pending_reduces - 1`` remain, so their inputs (flat gradients)
+        are freed before the new one is allocated (as FSDP2 waits the
+        previous reduce-scatter at the next reduction). Each waited one
+        overlapped the backward of a unit that is done."""
         if not self._reduces:
             return  # nothing in flight (every earlier one waited, or one rank)
         self._reduces = deque(f for f in self._reduces if not f.done)
-        while len(self._reduces) >= self.policy.max_pending_reduces:
+        while len(self._reduces) >= self.settings.prefetch_policy.max_pending_reduces:
             with profiled("reduce_scatter_wait"):
                 self._reduces.popleft().wait()
 
@@ -661,10 +604,9 @@ class CollectiveQueue:
 
 
 def gather_values(buffer: FlatBuffer) -> torch.Tensor:
-    """All-gather ``buffer``'s values in the parameters' own dtype (not the
-    compute dtype) into a new padded flat tensor on the compute device.
-    Blocking; collective on the buffer's group. For initialisation and
-    ``full_params`` between steps, not the training step (not observed)."""
+    """All-gather ``buffer``'s values in the parameters' dtype into a new
+    padded flat tensor on the compute device. Blocking, not observed: for
+    initialisation and ``full_params`` between steps."""
     full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype,
                        device=buffer.compute_device)
     all_gather_into(full, buffer.sharded.to(buffer.compute_device), buffer.group)
@@ -701,11 +643,10 @@ def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
 
 def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
                     comms: UnitComms) -> Optional[InFlight]:
-    """``CollectiveQueue._reduced`` for a buffer whose unit set a hook or
-    ``requires_all_reduce``: under hybrid sharding, keep the chunk for later
-    (``requires_all_reduce`` False; no hook, as FSDP2) or all-reduce it,
-    with what was kept, and hook then fold it when that completes
-    (returned); else hook and fold now."""
+    """``CollectiveQueue._reduced`` for a unit with a hook or
+    ``requires_all_reduce``: under hybrid sharding keep the chunk
+    (``requires_all_reduce`` False, no hook, as FSDP2) or all-reduce it with
+    what was kept, then hook and fold (returned); else hook and fold now."""
     group = buffer.group
     if group.replicate_size > 1 and group.replicate_process_group is not None:
         if not comms.requires_all_reduce:
@@ -725,10 +666,9 @@ def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOpt
 
 def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
                     reduced: Callable[[list, ReduceOptions], None]) -> Optional[InFlight]:
-    """Issue the reduce-scatter of ``buffers``' unreduced gradients (packed
-    rank-major when several, see [Note: bucketing]); ``None`` when no buffer
-    has a gradient, or over one rank, where ``reduced`` ran at once (nothing
-    to communicate). ``reduced(members, options)`` completes it."""
+    """Issue the reduce-scatter of ``buffers``' gradients ([Note:
+    bucketing]), completed by ``reduced(members, options)``; ``None`` when
+    none has a gradient, or over one rank (``reduced`` ran at once)."""
     if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
         grad = buffers[0].grad.take_for_reduce()
         if grad is None:
@@ -806,7 +746,8 @@ def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device)
 
 
 def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,
-                          options: ReduceOptions, segments: Optional[list[int]] = None) -> object:
+                          options: ReduceOptions, segments: Optional[list[int]] = None
+                          ) -> Optional[Waitable]:
     """The asynchronous reduce-scatter of ``flat`` into ``output`` over
     ``buffer``'s group, quantized when its policy says so (a bucket's
     buffers share the wire format, the plan's promise; ``segments``: their
@@ -816,7 +757,8 @@ def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: Flat
     if comms is not None:
         group = comms.reduce_group(group)
         if comms.reduce_scatter is not None:
-            return reduce_scatter_custom(comms.reduce_scatter, output, flat, group, *options)
+            return reduce_scatter_custom(  # type: ignore[return-value]  # typed object in comm/
+                comms.reduce_scatter, output, flat, group, *options)
     if buffer.reduce_quantizer is not None:
         return reduce_scatter_quantized(output, flat, group, buffer.reduce_quantizer,
                                         options.divide_factor, options.force_sum, segments)

@@ -10,7 +10,6 @@ keeps the plain collective path (``FlatBuffer.comms is None``); see
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Callable, Optional
 
@@ -18,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.custom import UnitComms
-from .state import FullyShardState, ModelContext, state_of, states_below
+from .model_settings import MAX_PENDING_REDUCES
+from .state import FullyShardState, state_of, states_below
 
 
 class ShardedCommMethods:
@@ -91,15 +91,7 @@ class ShardedCommMethods:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-
-        def apply(context: ModelContext) -> None:
-            policy = dataclasses.replace(context.collectives.policy,
-                                         max_pending_reduces=max_input_buffers)
-            context.prefetch_order.policy = policy
-            context.collectives.policy = policy
-
-        _own(self).change_model_setting("set_reduce_scatter_max_input_buffers",
-                                        max_input_buffers, apply)
+        _own(self).change_model_setting(MAX_PENDING_REDUCES, max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """With ``True``, reduce-scatters run on a process group of their own

@@ -22,10 +22,7 @@ from .unit import Unit
 
 def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
                     forward_order: Sequence[Unit], is_last_backward: bool) -> None:
-    """The root's end-of-backward callback, for ``units`` (root first):
-    run the deferred reductions, and for the step's last backward wait
-    every reduction and publish the gradients; then reshard what is left
-    and return every unit to IDLE; free the staging pool after the last.
+    """The root's end-of-backward callback, for ``units`` (root first).
 
     Post-condition: every unit IDLE; after the last backward nothing is in
     flight and every reduced gradient is published."""
@@ -43,11 +40,10 @@ def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
 
 
 def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None:
-    """Every unit with ``reduce_scatter_unused_params`` (and gradient sync
-    on) reduces every trainable buffer, in ``units`` order, with a zero
-    gradient where this rank's backward gave it none, so every rank issues
-    the same reductions whatever its backward used. Parameters no rank used
-    keep ``.grad`` unchanged: their used flags stay False on every rank."""
+    """Units with ``reduce_scatter_unused_params`` (and gradient sync)
+    reduce every trainable buffer in ``units`` order, zeros where this
+    rank's backward gave none, so every rank issues the same reductions;
+    parameters no rank used keep ``.grad`` (their used flags stay False)."""
     for unit in units:
         if not (unit.settings.reduce_scatter_unused_params and unit.settings.requires_gradient_sync):
             continue
@@ -60,15 +56,13 @@ def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None
 
 
 def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserver) -> None:
-    """Finish the reductions of ``buffers`` and give their parameters the
-    reduced gradients, with ``.grad is None`` for parameters that no rank
-    used (see [Note: used parameters]); then run the parameters'
-    post-accumulate-grad hooks (e.g. an optimizer step in backward).
+    """Finish the reductions of ``buffers`` and publish the gradients
+    (``.grad is None`` where no rank used the parameter, [Note: used
+    parameters]), then run the post-accumulate-grad hooks.
 
-    Every rank must pass the same buffers in the same order: one all-reduce
-    of the used flags runs per process group. ``observer`` may append bytes
-    to the flags and check them after the all-reduce (the fingerprint of the
-    collective sequence, [Note: rank divergence] in ``checks/divergence.py``).
+    Every rank passes the same buffers in the same order: one all-reduce of
+    the used flags per process group, to which ``observer`` may append bytes
+    ([Note: rank divergence] in ``checks/divergence.py``).
     """
     pending = {id(b) for b in buffers if b.grad.has_unpublished}
     for buffer in buffers:
@@ -91,9 +85,7 @@ def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserve
                 if id(buffer) in pending:
                     fresh += buffer.grad.publish(buffer.grad.used)
             continue
-        # every buffer of the group has its flags (False where nothing is pending), so
-        # the all-reduce has the same size on every rank even if their backwards differed
-        # (replicas take part too, F = 1 replication included)
+        # every buffer has flags (False where nothing is pending): the same size on every rank
         flags = [u for b in group_buffers for u in (
             b.grad.used if id(b) in pending else [False] * len(b.records))]
         extra = observer.payload(group)

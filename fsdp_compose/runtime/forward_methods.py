@@ -1,12 +1,10 @@
 """Methods other than ``forward`` that use the parameters like ``forward``.
 
-``fully_shard`` drives a unit from its module's forward hooks, so only
-``module(...)`` (that is ``__call__``) unshards the parameters. A method such
-as Hugging Face's ``generate`` that reads the module's own parameters without
-going through ``module(...)`` (a PEFT model's ``generate`` calls the wrapped
-model's ``generate``, never ``PeftModel.forward``) would see the 1-D local
-shards. :func:`register_forward_method` makes such a method behave like
-``forward``::
+Only ``module(...)`` runs the forward hooks that unshard a unit, so a method
+such as Hugging Face's ``generate`` that reads the parameters without going
+through ``module(...)`` would see this rank's shards (rows of each parameter
+with the default placement, 1-D pieces with ``placement="flat"``).
+:func:`register_forward_method` makes such a method behave like ``forward``::
 
     for layer in model.layers:
         fully_shard(layer)
@@ -14,11 +12,9 @@ shards. :func:`register_forward_method` makes such a method behave like
     register_forward_method(model, "generate")
     tokens = model.generate(input_ids, max_new_tokens=8, do_sample=False)
 
-The method runs between the unit's forward pre- and post-hook logic: the
-unit is all-gathered once before it and, unless autograd needs the
-parameters, resharded after it. Calls of ``module(...)`` made by the method
-itself (one per generated token) are part of that one pass and do not
-all-gather the unit again.
+The unit is all-gathered once before the method and, unless autograd needs
+the parameters, resharded after it; the method's own ``module(...)`` calls
+are part of that one pass.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.groups import ShardGroup
+from .model_settings import ModelSettings
 from .training_state import TrainingState
 
 
@@ -34,9 +35,10 @@ class CollectiveObserver:
     it names, and never skips one it issues.
     """
 
-    def bind(self, units: Sequence[ObservedUnit]) -> None:
+    def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
         """The root's lazy init: these are the model's units, in the root's
-        state-list order (the same on every rank)."""
+        state-list order (the same on every rank), and its settings (an
+        observer reads ``check_rank_divergence`` there)."""
 
     def start_iteration(self) -> None:
         """The root's pre-forward of a new iteration."""

@@ -29,7 +29,7 @@ class Owner(NamedTuple):
 
     unit: Unit
     buffer: FlatBuffer
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, a name callers use
 
 
 def record_owners(unit: Unit) -> None:

@@ -1,14 +1,10 @@
 """Named ranges in profiler traces: ``fsdp_compose::<moment> <subject>``.
 
-Each hook moment (``pre_forward``, ``post_forward``, ``pre_backward``,
-``post_backward``, ``end_of_backward``, ``lazy_init``) and each collective's
-issue and wait (``all_gather``, ``all_gather_wait``, ``reduce_scatter``,
-``reduce_scatter_wait``) is a ``torch.profiler.record_function`` range while
-a torch profiler records, so a trace shows which unit a copy or a
-collective belongs to (ranges nest: a ``reduce_scatter`` sits inside the
-``post_backward`` of its unit). With no profiler recording, :func:`profiled`
-returns one shared do-nothing context: no string is built and no op is
-dispatched (one C call to ask).
+Each hook moment and each collective's issue and wait is a
+``record_function`` range while a torch profiler records, so a trace shows
+which unit a copy or collective belongs to (ranges nest). With no profiler
+recording, :func:`profiled` returns one shared do-nothing context: no string
+is built, no op dispatched.
 """
 
 from __future__ import annotations

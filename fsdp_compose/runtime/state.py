@@ -1,11 +1,8 @@
-"""``FullyShardState``: routes module and autograd hooks to units, and the shared
-context that the root builds for every unit below it.
+"""``FullyShardState``: routes module and autograd hooks to units; the root's
+lazy init builds the :class:`ModelContext` every unit below it shares.
 
-The state owns no tensors. On the first forward of the outermost annotated
-module (the root) it builds one :class:`ModelContext` for every unit in the
-root's subtree and validates what needs the whole model. After that, each
-hook asks the unit to do its part; the root also queues the end-of-backward
-callback that finishes the iteration.
+The state owns no tensors: each hook asks the unit to do its part, and the
+root queues the end-of-backward callback that finishes the iteration.
 """
 
 from __future__ import annotations
@@ -23,21 +20,16 @@ from .._torch_private import (
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
-from ..policies import PrefetchPolicy
 from .profiling import call_profiled, profiled
 from .compile import run_eagerly
 from .class_names import user_class_name
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
+from .model_settings import ModelSettings, merge_changes
 from .prefetch_order import PrefetchOrder
 from .training_state import TrainingState
 from .unit import Unit
-
-ModelSetting = Callable[["ModelContext"], None]
-"""Applies one model-wide setting (prefetch policy, divergence checking) to
-a model's shared context."""
-
 
 ROOT_LABEL = "<root>"  # how names of units and modules show the root module (FQN "")
 
@@ -49,50 +41,46 @@ class ModelContext:
         root: the root's state (outermost annotated module).
         states: every state in the root's subtree, root first, then in module
             order.
-        prefetch_order: the model's prefetch order.
-        collectives: the model's collective queue (every all-gather and
-            reduction, buckets, in-flight limits, the collective observer).
-        backward_callback_queued: whether the end-of-backward callback is
-            queued for the backward running now (queued once per backward).
-        after_last_backward: runs with the root module after every last
-            backward, once everything is resharded and published
-            (``set_check_finite_gradients``; ``None``: nothing).
+        settings: the model-wide settings (shared with the prefetch order,
+            the collective queue and the observer).
+        prefetch_order: the model's prefetch order (``unit.prefetch_order``).
+        collectives: the model's collective queue (``unit.collectives``).
+        backward_callback_queued: the end-of-backward callback is queued
+            for the running backward (once per backward).
     """
 
-    __slots__ = ('after_last_backward', 'backward_callback_queued', 'buffers',
-                 'collectives', 'gradients', 'prefetch_order', 'root', 'states',
+    __slots__ = ('backward_callback_queued', 'buffers',
+                 'collectives', 'gradients', 'prefetch_order', 'root', 'settings', 'states',
                  'views_for_backward',
                  '__dict__', '__weakref__')
 
     def __init__(self, root: "FullyShardState", states: list["FullyShardState"],
-                 prefetch_order: PrefetchOrder, collectives: CollectiveQueue) -> None:
+                 settings: ModelSettings, prefetch_order: PrefetchOrder[Unit],
+                 collectives: CollectiveQueue) -> None:
         self.root: FullyShardState = root
         self.states: list[FullyShardState] = states
-        self.prefetch_order: PrefetchOrder = prefetch_order
-        """Shared by every unit of the model (``unit.prefetch_order``)."""
+        self.settings: ModelSettings = settings
+        self.prefetch_order: PrefetchOrder[Unit] = prefetch_order
         self.collectives: CollectiveQueue = collectives
-        """Shared by every unit of the model (``unit.collectives``)."""
         self.backward_callback_queued: bool = False
-        self.after_last_backward: Optional[Callable[[nn.Module], None]] = None
         self.views_for_backward: list[Unit] = []
         """Units resharded by hand after a forward that put no pre-backward
-        hook on their outputs (one rank): the next backward's first event
-        puts their views back (:meth:`FullyShardState.reshard`)."""
+        hook on their outputs: the next backward's first event puts their
+        views back (:meth:`FullyShardState.reshard`)."""
         self.buffers: tuple[FlatBuffer, ...] = tuple(
             buffer for state in states for buffer in state.unit.buffers)
         self.gradients: tuple[FlatGradient, ...] = tuple(buffer.grad for buffer in self.buffers)
-        """Every buffer's gradient state (the root's pre-forward gives back
-        the memory of kept gradients nobody holds)."""
+        """The root's pre-forward gives back the memory of kept gradients
+        nobody holds."""
 
 
 class FullyShardState(_State):
-    """The per-``fully_shard``-call state attached to the annotated module(s).
+    """The state of one ``fully_shard`` call, attached to its module(s).
 
-    Created empty by the composable-API ``contract`` and filled by
-    :meth:`bind`; all hooks registered by ``fully_shard`` are its methods.
-    Only this class writes its fields: other modules go through
-    :meth:`bind`, :meth:`change_model_setting`, :meth:`set_after_last_backward`,
-    :meth:`hold_whole` and :meth:`run_forward_method`.
+    Created empty by the composable-API ``contract``, filled by :meth:`bind`;
+    every hook ``fully_shard`` registers is one of its methods. Only this
+    class writes its fields (others call :meth:`bind`,
+    :meth:`change_model_setting`, :meth:`hold_whole`, :meth:`run_forward_method`).
     """
 
     __slots__ = ('annotated_parent', 'context', 'pending_settings', 'unit', 'validated',
@@ -106,31 +94,27 @@ class FullyShardState(_State):
         self.validated: bool = False
         """Whether ranks have been checked to agree on this unit's layout."""
         self._in_forward_method: set[int] = set()
-        """ids of modules running a method given to ``register_forward_method``:
-        their own ``module(...)`` calls inside it are part of that pass."""
+        """ids of modules inside a method given to ``register_forward_method``
+        (their own ``module(...)`` calls there are part of that pass)."""
         self.annotated_parent: Optional[FullyShardState] = None
-        """The state of the nearest module annotated above this one (set
-        when that module is annotated): its root must initialise this one."""
+        """The state of the nearest annotated module above (its root
+        initialises this one)."""
         self._pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
         """Runs at every pre-forward with the root module (see :meth:`bind`)."""
         self._new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
-        """Builds the model's collective observer when this state becomes
-        the root (see :meth:`bind`)."""
-        self.pending_settings: dict[str, tuple[object, ModelSetting]] = {}
+        """Builds the model's observer if this state becomes the root."""
+        self.pending_settings: dict[str, object] = {}
         """Model-wide settings made on this module before the root's lazy
-        init: name -> (value, how to apply it); the root applies them."""
+        init (``ModelSettings.change`` name -> value); the root merges them."""
         self._held_whole: bool = False
 
     def bind(self, unit: Unit, pre_forward_check: Optional[Callable[[nn.Module], None]] = None,
              new_observer: Callable[[], CollectiveObserver] = CollectiveObserver) -> None:
         """Attach ``unit`` and install its forward hooks (once, at annotation).
 
-        ``pre_forward_check`` runs at every pre-forward with the root module
-        (``setup/units.py`` passes the check for parameters registered after
-        annotation); ``new_observer`` builds the model's collective observer
-        if this state becomes the root (``setup/units.py`` passes the
-        rank-divergence checks). Both come from outside ``runtime/``, which
-        never imports the checks."""
+        ``pre_forward_check`` (run at every pre-forward with the root module)
+        and ``new_observer`` come from ``setup/units.py``: ``runtime/`` never
+        imports the checks."""
         self.unit = unit
         unit.backward_started = self._queue_end_of_backward
         me = weakref.ref(self)
@@ -140,11 +124,9 @@ class FullyShardState(_State):
             if state is not None:
                 state._pre_backward()
         self._pre_backward_hook: Callable[[Any], None] = pre_backward_hook
-        """The pre-backward hook every forward puts on the unit's output
-        (made once: a new function per forward is garbage per unit and step).
-        It holds the state weakly: autograd keeps hooks in C++, where a
-        reference back to the model makes a cycle the garbage collector
-        cannot see, and a dropped model stayed in memory
+        """Put on the unit's output by every forward (made once). It holds
+        the state weakly: autograd keeps hooks in C++, where a reference back
+        to the model is a cycle the garbage collector cannot see
         (``tests/test_model_lifetime.py``)."""
         if pre_forward_check is not None:
             self._pre_forward_check = pre_forward_check
@@ -178,9 +160,8 @@ class FullyShardState(_State):
         if self.context is not None:
             return  # already initialised (as root or as a unit below a root)
         if self.annotated_parent is not None:
-            # A submodule's forward or unshard() ran before its root's first
-            # forward: set up the whole model from the root, so this unit is
-            # one of its units (not a root of its own, with its own prefetch order).
+            # A submodule ran before its root's first forward: set up the whole
+            # model from the root, so this unit does not become a root of its own.
             top = self.annotated_parent
             while top.annotated_parent is not None:
                 top = top.annotated_parent
@@ -195,10 +176,12 @@ class FullyShardState(_State):
         """The lazy init of a root: one context for every state below it."""
         states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
         _name_units(self.unit.modules, states)
-        settings = _pending_settings(states)  # may raise: before anything is shared
+        settings = ModelSettings()
+        settings.change_all(merge_changes(  # may raise: before anything is shared
+            [(s.unit.name, s.pending_settings) for s in states], self.unit.name))
         observer = self._new_observer()
-        context = ModelContext(self, states, PrefetchOrder(PrefetchPolicy()),
-                               CollectiveQueue(PrefetchPolicy(), observer))
+        context = ModelContext(self, states, settings, PrefetchOrder(settings),
+                               CollectiveQueue(settings, observer))
         for state in states:
             state.context = context
             state.unit.is_root = state is self
@@ -206,37 +189,25 @@ class FullyShardState(_State):
             state.unit.collectives = context.collectives
             context.collectives.share_staging_pool(state.unit.buffers)
             state.pending_settings = {}
-        for apply in settings:
-            apply(context)
         _check_devices(states)
         _check_ranks_agree([s for s in states if not s.validated])
-        observer.bind([s.unit for s in states])
+        observer.bind([s.unit for s in states], settings)
 
-    def change_model_setting(self, name: str, value: object, apply: ModelSetting) -> None:
-        """A setting of the whole model (``set_prefetch_policy``,
-        ``set_check_rank_divergence``) made through this module: applied to
-        the model's shared context now if the root is initialised, else by
-        the root's lazy init (see :func:`_pending_settings`)."""
+    def change_model_setting(self, name: str, value: object) -> None:
+        """A change of one field of the model's :class:`ModelSettings`
+        (``ModelSettings.change``) made through this module: applied now if
+        the root is initialised, else merged by the root's lazy init."""
         if self.context is not None:
-            apply(self.context)
+            self.context.settings.change(name, value)
         else:
-            self.pending_settings[name] = (value, apply)
-
-    def set_after_last_backward(self, name: str,
-                                hook: Optional[Callable[[nn.Module], None]]) -> None:
-        """A model-wide setting (see :meth:`change_model_setting`, named
-        ``name``): ``hook(root_module)`` runs after every last backward,
-        once everything is resharded and published (``None``: nothing)."""
-        def apply(context: ModelContext) -> None:
-            context.after_last_backward = hook
-        self.change_model_setting(name, hook is not None, apply)
+            self.pending_settings[name] = value
 
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
-        """Run ``call(*args, **kwargs)``, a method of ``module`` given to
+        """Run ``call(*args, **kwargs)``, a method given to
         ``register_forward_method``, as one forward pass of this unit: the
-        pre- and post-forward hooks around it, and ``module(...)`` calls
-        inside it part of the same pass (a method that calls itself, too)."""
+        forward hooks around it; ``module(...)`` calls inside it (and the
+        method calling itself) are part of the same pass."""
         running = self._in_forward_method
         if id(module) in running:
             return call(*args, **kwargs)
@@ -313,10 +284,9 @@ class FullyShardState(_State):
         return output
 
     def _reset_unfinished_iteration(self) -> None:
-        """A forward or backward that raised leaves units mid-iteration
-        (every rank alike when every rank raised); going on would mix the
-        two iterations (and a lost end-of-backward callback would never
-        publish gradients again), so reset as ``reset_iter_state()`` would."""
+        """A forward or backward that raised leaves units mid-iteration;
+        going on would mix two iterations (and a lost end-of-backward
+        callback would never publish again): reset as ``reset_iter_state()``."""
         context = self.context
         busy = [s.unit for s in context.states if s.unit.training_state is not TrainingState.IDLE]
         if busy or context.backward_callback_queued:
@@ -347,19 +317,16 @@ class FullyShardState(_State):
 
     def _finish_incomplete_units(self) -> None:
         """A multi-module unit some of whose modules did not run: its pass
-        ends with the root's forward (the outputs of the modules that ran
-        carry their pre-backward hooks already)."""
+        ends with the root's forward."""
         for state in self.context.states:
             unit = state.unit
             if unit.training_state is TrainingState.FORWARD:
                 unit.complete_forward()
 
     def _drop_unused_prefetches(self) -> None:
-        """Prefetched by last iteration's order, but not run this time (the
-        control flow changed): free them now instead of at end of backward.
-        Also units prefetched again after their forward (by a unit called
-        twice, e.g. c1 in c1, c0, c1) when no backward will use them (a
-        ``no_grad`` forward): nothing else would free them."""
+        """Reshard units prefetched but not run this time (the control flow
+        changed), and units prefetched again after their forward (a unit
+        called twice) that no backward will use: nothing else frees them."""
         ran = self.context.prefetch_order.ran
         for state in self.context.states:
             unit = state.unit
@@ -370,10 +337,9 @@ class FullyShardState(_State):
                     break
 
     def _drop_prefetches_of_outside_call(self, caller: Unit) -> None:
-        """A unit called on its own outside the root's forward (a chunked
-        loss calling ``lm_head``) may have prefetched others by explicit
-        targets; those that no backward will use stay gathered with nothing
-        to free them: reshard them now."""
+        """A unit called outside the root's forward (a chunked loss calling
+        ``lm_head``) may have prefetched others by explicit targets: reshard
+        those no backward will use (nothing else frees them)."""
         for state in self.context.states:
             unit = state.unit
             if unit is not caller and unit.training_state is TrainingState.IDLE and \
@@ -391,11 +357,9 @@ class FullyShardState(_State):
         self.unit.pre_backward()
 
     def _queue_end_of_backward(self) -> None:
-        """Queue the model's end of backward (once per backward): from the
-        first pre-backward hook, or from the first gradient of a unit that
-        has none (``Unit.backward_started``). That first event also puts
-        back the views of units resharded by hand since their forward
-        (:meth:`reshard`)."""
+        """Queue the model's end of backward, once per backward, at its first
+        event (a pre-backward hook, or ``Unit.backward_started``); that event
+        also puts back the views of units resharded by hand (:meth:`reshard`)."""
         context = self.context
         if not context.backward_callback_queued:
             context.backward_callback_queued = True
@@ -407,36 +371,34 @@ class FullyShardState(_State):
 
     def reshard(self) -> None:
         """``ShardedModule.reshard`` of this unit. Where its last forward put
-        no pre-backward hook on its outputs (one rank, see [Note: one rank
-        without pre-backward hooks]) and its backward is still to come, the
-        model's next backward puts the views back at its first event, so that
-        the module attributes in backward are the views, as everywhere else
-        (where the loss bypasses the root's output, that first event may be
-        this unit's own gradient: after its backward)."""
+        no pre-backward hook on its outputs ([Note: one rank without
+        pre-backward hooks]) and its backward is still to come, the next
+        backward's first event puts the views back, so the module attributes
+        in backward are the views, as everywhere else."""
         unit = self.unit
         unit.reshard()
         if self.context is not None and unit.backward_pending_without_hook():
             self.context.views_for_backward.append(unit)
 
     def _finish_backward(self) -> None:
-        """Queued once per backward: publish the reduced gradients (unless
-        more backwards of this step follow, ``set_is_last_backward(False)``),
-        reshard what is left and reset every unit (``end_of_backward.py``)."""
+        """Queued once per backward: publish the gradients (on the last
+        backward), reshard what is left, reset every unit (``end_of_backward.py``)."""
         context = self.context
         context.backward_callback_queued = False
-        last = self.unit.settings.is_last_backward
+        settings = context.settings
+        last = settings.is_last_backward
         order = context.prefetch_order
         with profiled("end_of_backward"):
             finish_backward([state.unit for state in context.states], context.collectives,
                             order.forward_order or order.previous_forward_order, last)
-        if last and context.after_last_backward is not None:
-            context.after_last_backward(self.unit.modules[0])  # may raise, on every rank alike
+        if last and settings.after_last_backward is not None:
+            settings.after_last_backward(self.unit.modules[0])  # may raise, on every rank alike
 
 
 # ----------------------------------------------------------------- helpers
 def link_annotated_below(state: FullyShardState) -> None:
-    """``state``'s module was just annotated: units annotated below it
-    (earlier, bottom-up) learn that a root above them will initialise them."""
+    """``state``'s module was just annotated: the units annotated below it
+    learn that its root will initialise them."""
     for below in states_below(state.unit.modules):
         if below is not state and below.annotated_parent is None:
             below.annotated_parent = state
@@ -448,12 +410,11 @@ def _attach_state(module: Any, unit: Unit, **bind_options: Any) -> Any:
     return module
 
 
-# torch's composable-API registry keys an API by its function's name; other
-# composable APIs (e.g. replicate) look for "fully_shard" there.
+# torch's composable-API registry keys an API by its function's name (replicate looks for it).
 _attach_state.__name__ = "fully_shard"
 attach_state = contract(state_cls=FullyShardState)(_attach_state)
-"""Attach a new ``FullyShardState`` bound to ``unit`` to the module(s) through
-the composable-API ``contract`` (which also checks that no FQN changed)."""
+"""Attach a ``FullyShardState`` bound to ``unit`` through the composable-API
+``contract`` (which also checks that no FQN changed)."""
 
 
 def state_of(module: nn.Module) -> Optional[FullyShardState]:
@@ -468,8 +429,7 @@ def units_below(module: nn.Module) -> list[Unit]:
 
 
 def states_below(modules: tuple[nn.Module, ...]) -> list[FullyShardState]:
-    """Every state attached in the subtrees of ``modules`` (each once), in
-    module order."""
+    """Every state in the subtrees of ``modules``, once each, in module order."""
     seen: dict[int, FullyShardState] = {}
     for top in modules:
         for sub in top.modules():
@@ -480,7 +440,7 @@ def states_below(modules: tuple[nn.Module, ...]) -> list[FullyShardState]:
 
 
 def _name_units(roots: tuple[nn.Module, ...], states: list[FullyShardState]) -> None:
-    names = {}
+    names: dict[nn.Module, str] = {}
     for top in roots:
         for name, sub in top.named_modules():
             names.setdefault(sub, name)
@@ -493,8 +453,7 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[FullyShardState]) -> 
 
 def _check_devices(states: list[FullyShardState]) -> None:
     """Every unit that holds parameters computes on one device (a unit
-    without any, e.g. an activation module, computes nothing of its own:
-    its mesh, the CPU's by default, does not matter)."""
+    without any computes nothing of its own: its mesh does not matter)."""
     holding = [state.unit for state in states if state.unit.buffers]
     for unit in holding[1:]:
         if unit.group.device != holding[0].group.device:
@@ -504,23 +463,14 @@ def _check_devices(states: list[FullyShardState]) -> None:
                 "Pass the same mesh (or none) to every fully_shard call.")
 
 
-def _pending_settings(states: list[FullyShardState]) -> list[ModelSetting]:
-    """The model-wide settings made on any module of the model before its
-    lazy init, to apply to the model, so none is lost. The same setting
-    made with different values on two modules is ambiguous: raise (every
-    rank alike, before any collective) naming both and the root."""
-    chosen: dict[str, tuple[object, ModelSetting, Unit]] = {}
-    for state in states:
-        for name, (value, apply) in state.pending_settings.items():
-            if name in chosen and chosen[name][0] != value:
-                other = chosen[name][2]
-                raise ValueError(
-                    f"{name}() was called with different values on {other.name} "
-                    f"({chosen[name][0]!r}) and {state.unit.name} ({value!r}) before the first "
-                    f"forward; it applies to the whole model. Call it once, on the root module "
-                    f"{states[0].unit.name}.")
-            chosen.setdefault(name, (value, apply, state.unit))
-    return [apply for _, apply, _ in chosen.values()]
+def pending_model_settings(states: list[FullyShardState]) -> ModelSettings:
+    """The settings a model of ``states`` (root first) will start with,
+    before its lazy init: each change as first made in module order (the
+    lazy init raises where two modules made it with different values)."""
+    settings = ModelSettings()
+    for state in reversed(states):
+        settings.change_all(state.pending_settings)
+    return settings
 
 
 def _layout_fingerprint(units: list[Unit]) -> int:
@@ -531,10 +481,8 @@ def _layout_fingerprint(units: list[Unit]) -> int:
 
 def _check_ranks_agree(states: list[FullyShardState]) -> None:
     """One tiny all-gather per process group: every rank raises together if
-    any rank has a different set of parameter names, shapes, dtypes or
-    placements (a
-    mismatch would otherwise hang or silently mix values in the first
-    all-gather)."""
+    any rank has different parameter names, shapes, dtypes or placements
+    (which would otherwise hang or mix values in the first all-gather)."""
     by_group: dict[int, list[FullyShardState]] = {}
     for state in states:
         by_group.setdefault(id(state.unit.group.process_group), []).append(state)

@@ -36,12 +36,11 @@ _is_unsharded = operator.attrgetter("is_unsharded")
 
 @dataclass(slots=True)
 class UnitSettings:
-    """Every setting of one unit, in one place: the policies fixed at
-    annotation (mixed precision, CPU offload) and what ``ShardedModule``'s
-    setters change later. Nothing changes them during an iteration; the
-    unit, the prefetch order, the bucket plan and the end of backward read
-    them, and only ``ShardedModule``'s setters and
-    :meth:`Unit.set_reshard_after_forward` write them."""
+    """Every setting of one unit: the policies fixed at annotation and what
+    ``ShardedModule``'s setters change (model-wide settings are the root's
+    ``ModelSettings``). Only those setters and
+    :meth:`Unit.set_reshard_after_forward` write them, never during an
+    iteration."""
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     """Fixed at annotation."""
@@ -52,9 +51,8 @@ class UnitSettings:
     reshard_after_forward: Optional[bool] = None
     """``None``: reshard after forward unless this is the root."""
     post_forward_group: Optional[ShardGroup] = None
-    """``reshard_after_forward=k`` with ``1 < k < F``: after forward each
-    rank keeps ``F / k`` shards, re-gathered in backward from the ``k``
-    ranks of this group (``None``: reshard to the full shard group)."""
+    """``reshard_after_forward=k``, ``1 < k < F``: the ``k`` ranks backward
+    re-gathers from (``None``: the full shard group)."""
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     unshard_in_backward: bool = True
@@ -62,20 +60,16 @@ class UnitSettings:
     so it does not all-gather them again."""
     reduce_options: ReduceOptions = field(default_factory=ReduceOptions)
     reduce_scatter_unused_params: bool = False
-    """Rank-dependent backward use: keep the unit unsharded from forward to
-    the end of backward (no backward all-gather) and reduce every trainable
-    buffer there on every rank, zero where unused
-    (``end_of_backward.reduce_deferred``)."""
-    is_last_backward: bool = True
-    """Read on the root: ``False`` leaves reductions in flight and the
-    gradients unpublished at the end of backward (more backwards follow)."""
+    """Rank-dependent backward use: unsharded from forward to the end of
+    backward, where every rank reduces every trainable buffer (zeros where
+    unused, ``end_of_backward.reduce_deferred``)."""
     forward_prefetch: Optional[list[Unit]] = None
     """Units to all-gather before this one's forward (None: by recorded order)."""
     backward_prefetch: Optional[list[Unit]] = None
     """Units to all-gather when this one's backward starts (None: by order)."""
     comms: Optional[UnitComms] = None
     """Replaced collectives, a hook, ``requires_all_reduce``
-    (``comm/custom.py``), shared with every buffer (``None``: none)."""
+    (``comm/custom.py``), shared with every buffer."""
 
 
 class Unit:
@@ -102,7 +96,7 @@ class Unit:
         """The annotated module(s) whose forward hooks drive this unit."""
         self.managed_modules: tuple[nn.Module, ...] = tuple(managed_modules)
         """Every module whose parameters this unit took (its subtree minus
-        subtrees of units annotated before it)."""
+        earlier units' subtrees)."""
         self.group: ShardGroup = group
         self.settings: UnitSettings = UnitSettings(mp_policy or MixedPrecisionPolicy(), offload_policy,
                                                    comm_policy or CommPolicy())
@@ -127,41 +121,37 @@ class Unit:
 
         # The model (set by the root's lazy init)
         self.is_root: bool = False
-        self.prefetch_order: Optional[PrefetchOrder] = None
-        """The model's prefetch order, set by the root's lazy init (shared by
-        every unit of the model); ``None`` before it."""
+        self.prefetch_order: Optional[PrefetchOrder[Unit]] = None
+        """The model's, set by the root's lazy init."""
         self.collectives: Optional[CollectiveQueue] = None
-        """The model's collective queue (issues every all-gather and
-        reduction), set by the root's lazy init; ``None`` before it."""
+        """The model's, set by the root's lazy init."""
 
         # Per-iteration state
         self.training_state: TrainingState = TrainingState.IDLE
         """Where the unit is in the iteration; transitions below."""
         self._modules_to_run: set[nn.Module] = set()
-        """Modules of a multi-module unit whose forward has not finished yet
-        in the current pass; the unit reshards when it empties."""
+        """Modules whose forward has not finished in this pass (the pass
+        completes when it empties)."""
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
         self._no_pre_backward_hook: bool = False
         """The last forward that recorded a graph put no pre-backward hook
-        on this unit's outputs (see [Note: one rank without pre-backward
-        hooks])."""
+        on the outputs ([Note: one rank without pre-backward hooks])."""
         self.backward_started: Callable[[], None] = lambda: None
-        """Queues the model's end of backward if no hook did yet in this
-        backward (set by the unit's state when it is bound)."""
+        """Queues the model's end of backward if no hook did yet (set by
+        the unit's state)."""
         self._saved_guard: Optional[saved_tensors_hooks] = None
-        """Active during a forward when ``unshard_in_backward`` is off: refuses
-        to let autograd save the parameters (backward would read freed memory)."""
+        """Installed during a forward when ``unshard_in_backward`` is off
+        (:meth:`_guard_saved_parameters`)."""
         self._frozen_uses: int = 0
         """Forward calls whose frozen-parameter reads are still ahead in
         backward; -1: some call's inputs need no grad, keep until the end."""
 
     def set_reshard_after_forward(self, value: Union[bool, int, None]) -> None:
-        """``None``/``True``/``False``, or an int ``k`` dividing the sharding
-        factor ``F``: the size of the group the parameters stay sharded over
-        between forward and backward (``F``: the same as ``True``; ``1``:
-        every rank keeps them all, the same as ``False``). Collective over
-        the new group's members when ``1 < k < F`` (call it on every rank)."""
+        """``None``/``True``/``False``, or an int ``k`` dividing the shard
+        group size ``F``: the ranks the parameters stay sharded over between
+        forward and backward (``F``: ``True``; ``1``: ``False``). Collective
+        when ``1 < k < F`` (call it on every rank)."""
         if value is None or isinstance(value, bool):
             self.settings.reshard_after_forward, self.settings.post_forward_group = value, None
             return
@@ -197,15 +187,14 @@ class Unit:
 
     # --------------------------------------------------------------- queries
     def buffers_by_group(self) -> list[tuple[ShardGroup, list[int]]]:
-        """The indices of this unit's buffers per shard group they use, in
-        buffer order (one entry unless ``shard_placement_fn`` put some
-        parameters on another mesh): what ranks compare values over."""
+        """The indices of this unit's buffers per shard group, in buffer
+        order (one entry unless ``shard_placement_fn`` used another mesh)."""
         by_group: dict[int, tuple[ShardGroup, list[int]]] = {}
         for index, buffer in enumerate(self.buffers):
             by_group.setdefault(id(buffer.group), (buffer.group, []))[1].append(index)
         return list(by_group.values())
 
-    def locate(self, param: nn.Parameter) -> Optional[tuple[FlatBuffer, int]]:
+    def locate(self, param: torch.Tensor) -> Optional[tuple[FlatBuffer, int]]:
         """The buffer holding ``param`` and its index there (``None``: not here)."""
         return self._buffer_of.get(id(param))
 
@@ -255,7 +244,7 @@ class Unit:
 
     def custom_comms(self) -> UnitComms:
         """This unit's :class:`UnitComms`, made and shared with its buffers
-        at the first setter that needs one (until then the plain path)."""
+        at the first setter that needs one."""
         comms = self.settings.comms
         if comms is None:
             comms = self.settings.comms = UnitComms()
@@ -270,28 +259,21 @@ class Unit:
             buffer.rebuild_after_conversion()
 
     # [Note: one rank without pre-backward hooks]
-    # Where nothing of the model all-gathers (one rank), a unit's pre-backward
-    # has nothing to gather or fetch ahead: its hook on the forward's outputs
-    # would only mark the unit as in backward and queue the end of backward.
-    # Putting that hook on every output of every forward cost about 11 µs per
-    # unit and step on the host-cost proxy (``benchmarks.host_cost.ab
-    # --processes 4``), so over one rank a unit whose buffers all train puts
-    # none (the root keeps its own, as does a unit under a profiler, which
-    # labels the moment): its first gradient queues the end of backward
-    # instead (``backward_started``), and a forward while a backward runs on
-    # this thread is a recomputation (:meth:`_in_backward`), as it is for a
-    # unit whose hook ran. A unit with frozen buffers keeps the hook: their
-    # resharding counts on the unit's backward state. The state then goes
-    # from IDLE to POST_BACKWARD at the unit's post-backward. A unit
-    # resharded by hand between its forward and backward
-    # (``ShardedModule.reshard``) gets its views back at the backward's
-    # first event (``FullyShardState.reshard``), as its pre-backward would
-    # have swapped them in.
+    # Where nothing of the model all-gathers (one rank), a pre-backward hook
+    # would only mark the unit as in backward and queue the end of backward,
+    # at a host cost per output and forward. So there a unit whose buffers all
+    # train puts none (the root keeps its own, as does a unit under a
+    # profiler, which labels the moment): its first gradient queues the end
+    # of backward (``backward_started``), its state goes from IDLE to
+    # POST_BACKWARD at its post-backward, and a forward while a backward runs
+    # on this thread is a recomputation (:meth:`_in_backward`). A unit with
+    # frozen buffers keeps the hook (their resharding reads the backward
+    # state). A unit resharded by hand before its backward gets its views
+    # back at the backward's first event (``FullyShardState.reshard``).
     def _in_backward(self) -> bool:
-        """Backward is running this unit's part now (a forward now is a
-        recomputation, activation checkpointing): its pre-backward hook ran,
-        or, where its outputs carry none (see [Note: one rank without
-        pre-backward hooks]), a backward runs on this thread."""
+        """Backward is running this unit's part (a forward now is a
+        recomputation): its pre-backward hook ran, or, without one, a
+        backward runs on this thread."""
         return self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) \
             or (self._no_pre_backward_hook and current_graph_task_id() != -1)
 
@@ -304,8 +286,7 @@ class Unit:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Unshard for the forward of ``module`` (one of ``self.modules``)."""
         if self._in_backward():
-            # Recomputation inside backward (activation checkpointing): the
-            # buffers are unsharded for backward already; only restore the views.
+            # Recomputation (activation checkpointing): unsharded for backward already.
             self.unshard()
             for buffer in self.buffers:
                 buffer.use_unsharded_views()
@@ -334,17 +315,16 @@ class Unit:
 
     def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[Any], None],
                      pass_ends: bool) -> bool:
-        """Finish the forward of ``module``: the pre-backward hook goes on its
-        output (``pre_backward``: made once, it ignores its one argument,
-        the gradients or the grad outputs its hook kind passes). Returns
-        True when the unit's pass is complete: every module of the unit
-        ran, or ``pass_ends`` (a module called on its own, outside the
-        root's forward, is a pass by itself)."""
+        """Finish the forward of ``module``: ``pre_backward`` (which ignores
+        its one argument) goes on its output. Returns True when the unit's
+        pass is complete: every module of the unit ran, or ``pass_ends`` (a
+        module called outside the root's forward is a pass by itself)."""
         if self._in_backward():
             return False  # recomputation inside backward: stay unsharded
         if self._saved_guard is not None:
             self._release_saved_guard()
         if torch.is_grad_enabled():
+            tensors: Sequence[torch.Tensor]
             if type(output) is torch.Tensor:  # the common case, without the walk
                 tensors = (output,) if output.requires_grad else ()
             else:
@@ -373,17 +353,15 @@ class Unit:
         elif self.resolved_reshard_after_forward:
             keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
             for buffer in self.buffers:
-                # one rank: resharding frees nothing, and backward would only swap the views
-                # back in; they stay until the post-backward reshard, as with False
+                # one rank: resharding frees nothing; the views stay until post-backward
                 if not buffer.reshard_frees_nothing:
                     buffer.reshard(keep_for_backward=keep)
         for buffer in self.buffers:
             buffer.check_params_unmodified()  # may raise (on every rank: forward is the same)
 
     def _guard_saved_parameters(self) -> None:
-        """With ``unshard_in_backward`` off, backward runs on freed parameter
-        memory; fail at forward, on every rank alike, if autograd saves a
-        parameter for backward (only an embedding-like backward is safe)."""
+        """With ``unshard_in_backward`` off, fail at forward (every rank
+        alike) if autograd saves a parameter: backward would read freed memory."""
         self._release_saved_guard()  # left over by a forward that raised
         if self.settings.unshard_in_backward:
             return
@@ -415,9 +393,7 @@ class Unit:
         settings = self.settings
         if settings.unshard_in_backward and not (
                 self.collectives.gathers_nothing and all(map(_is_unsharded, self.buffers))):
-            # (else one rank, unsharded since forward: nothing to gather or fetch ahead)
-            # reduce_scatter_unused_params: this may run on some ranks only, so
-            # it issues no prefetch (it is still unsharded from forward)
+            # reduce_scatter_unused_params: this may run on some ranks only: no prefetch
             order = self.prefetch_order
             targets = () if settings.reduce_scatter_unused_params else order.backward_targets(self)
             self.collectives.gather(self, targets, order.ran)
@@ -433,10 +409,9 @@ class Unit:
             self._reduce_and_reshard(buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
-        """``buffer``'s new flat gradient is about to be made: a reduction
-        will follow, so wait the oldest ones in flight until it fits in the
-        limit, which frees their inputs before the new gradient takes its
-        memory (see ``CollectiveQueue.make_room_for_reduce``)."""
+        """``buffer``'s flat gradient is about to be made and a reduction
+        follows: make room in the limit first, so the inputs freed go before
+        the new gradient takes its memory (``CollectiveQueue.make_room_for_reduce``)."""
         settings = self.settings
         if self.collectives is not None and settings.requires_gradient_sync and \
                 not settings.reduce_scatter_unused_params:
@@ -455,12 +430,10 @@ class Unit:
         self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
-        """Frozen buffers have no gradient hook; they reshard once the
-        gradients of the forward inputs are computed for every forward call
-        of this pass (a module applied twice reads them in both backwards),
-        i.e. once every backward node of this unit that could read them has
-        run. A call whose inputs need no grad keeps them until the end of
-        backward."""
+        """Frozen buffers have no gradient hook: they reshard once the input
+        gradients of every forward call of this pass are computed (every
+        backward node that could read them has run). A call whose inputs
+        need no grad keeps them until the end of backward."""
         if self._frozen_uses < 0:
             return  # already kept until the end of backward
         inputs = tensors_requiring_grad((args, kwargs))
@@ -498,10 +471,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
 
     def reset_iter_state(self) -> None:
-        """Undo what an iteration that raised midway left on this unit:
-        wait its collectives, drop its gradients (see
-        ``FlatGradient.discard_iteration``), put the original parameters
-        back and return to IDLE.
+        """Undo what an iteration that raised midway left on this unit.
 
         Post-condition: IDLE, sharded, nothing in flight, no forward pass or
         frozen-parameter use pending, no saved-tensor guard installed."""
@@ -519,10 +489,9 @@ class Unit:
 
 
 def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
-    """Call ``hook`` (with one argument, ignored) when backward reaches
-    ``tensor``'s gradient: a pre-hook on the node that made it (the moment a
-    tensor hook would run, without the tensor hook's Python-level handle
-    bookkeeping), or a tensor hook on a leaf (no node)."""
+    """Call ``hook`` (one argument, ignored) when backward reaches
+    ``tensor``'s gradient: a pre-hook on its node (a tensor hook's moment
+    without its handle bookkeeping), or a tensor hook on a leaf."""
     node = tensor.grad_fn
     if node is not None:
         node.register_prehook(hook)

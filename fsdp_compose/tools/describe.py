@@ -38,7 +38,7 @@ from ..runtime.owners import owner_of
 from ..runtime.class_names import user_class_name
 from ..runtime.collective_queue import CollectiveQueue
 from ..runtime.prefetch_order import PrefetchOrder
-from ..runtime.state import ROOT_LABEL, state_of, states_below, units_below
+from ..runtime.state import ROOT_LABEL, pending_model_settings, state_of, states_below, units_below
 from ..runtime.unit import Unit
 from ._format import format_bytes, module_paths
 
@@ -265,7 +265,7 @@ def describe(model: nn.Module) -> ModelReport:
         initialized=initialized,
         units=unit_reports,
         execution_order=tuple(labels.get(id(u), u.name) for u in order),
-        prefetch_policy=orders[0].policy if orders else None,
+        prefetch_policy=orders[0].settings.prefetch_policy if orders else None,
         buckets=tuple(named(b) for b in buckets),
         unmanaged=tuple(fqn for fqn, _ in unmanaged),
         totals=_totals(unit_reports, unmanaged),
@@ -332,9 +332,7 @@ def _prefetch_order(unit: Unit) -> PrefetchOrder:
     nothing recorded yet."""
     if unit.prefetch_order is not None:
         return unit.prefetch_order
-    pending = [s.pending_settings["set_prefetch_policy"][0]
-               for s in states_below(unit.modules) if "set_prefetch_policy" in s.pending_settings]
-    return PrefetchOrder(pending[0] if pending else PrefetchPolicy())
+    return PrefetchOrder(pending_model_settings(states_below(unit.modules)))
 
 
 def _prefetch_plan(unit: Unit) -> tuple[list[Unit], list[Unit]]:

@@ -1,0 +1,97 @@
+"""``ModelSettings``: the settings of a whole model, in one place.
+
+A model-wide setter (:data:`SETTERS`) called on any annotated module changes
+one field of the root's :class:`ModelSettings`; called before the root's lazy
+init, the change waits on the module's state and the root merges every
+module's changes field by field (:func:`merge_changes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch.nn as nn
+
+from ..policies import PrefetchPolicy
+from .buckets import DEFAULT_BUCKET_CAP_MB
+
+MAX_PENDING_REDUCES = "max_pending_reduces"
+"""The change ``set_reduce_scatter_max_input_buffers`` makes: one field of
+``prefetch_policy``, applied after a ``prefetch_policy`` change merged with it."""
+
+SETTERS: dict[str, str] = {
+    "prefetch_policy": "set_prefetch_policy",
+    MAX_PENDING_REDUCES: "set_reduce_scatter_max_input_buffers",
+    "bucket_cap_mb": "set_bucket_cap_mb",
+    "is_last_backward": "set_is_last_backward",
+    "check_rank_divergence": "set_check_rank_divergence",
+    "after_last_backward": "set_check_finite_gradients",
+}
+"""Every change a module method can make, in the order a merge applies them,
+with the method that makes it (error messages name it)."""
+
+
+@dataclass(slots=True)
+class ModelSettings:
+    """The model-wide settings, owned by the root's ``ModelContext`` and
+    read by reference by the prefetch order, the collective queue, the
+    bucket plan and the observer. Only :meth:`change` writes them.
+
+    Attributes:
+        prefetch_policy: forward/backward prefetch and the in-flight limits
+            (all-gathers, pending reduce-scatters).
+        bucket_cap_mb: the bucket cap (0: no bucketing), applied at the
+            next root forward.
+        is_last_backward: ``False`` leaves reductions in flight and the
+            gradients unpublished at the end of backward.
+        check_rank_divergence: ``True`` verifies every collective across
+            ranks in every iteration, ``False`` never (and no forward
+            agreement), ``None`` in the default window.
+        after_last_backward: runs with the root module after every last
+            backward, once everything is resharded and published (``None``:
+            nothing).
+    """
+
+    prefetch_policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
+    is_last_backward: bool = True
+    check_rank_divergence: Optional[bool] = None
+    after_last_backward: Optional[Callable[[nn.Module], None]] = None
+
+    def change(self, name: str, value: Any) -> None:
+        """Apply one change named in :data:`SETTERS` (``value`` of the type
+        of that field)."""
+        if name == MAX_PENDING_REDUCES:
+            self.prefetch_policy = dataclasses.replace(self.prefetch_policy,
+                                                       max_pending_reduces=value)
+        else:
+            assert name in SETTERS, f"unknown model setting {name!r}"
+            setattr(self, name, value)
+
+    def change_all(self, changes: Mapping[str, object]) -> None:
+        """Apply ``changes`` in :data:`SETTERS` order (a whole policy before
+        one of its fields)."""
+        for name in SETTERS:
+            if name in changes:
+                self.change(name, changes[name])
+
+
+def merge_changes(made: Iterable[tuple[str, Mapping[str, object]]], root: str) -> dict[str, object]:
+    """The changes made on the modules of one model before its lazy init,
+    ``(unit name, changes)`` in module order, merged field by field. The
+    same change with different values on two modules is ambiguous: raise
+    ``ValueError`` naming both and the ``root`` (every rank alike, before
+    any collective)."""
+    chosen: dict[str, tuple[object, str]] = {}
+    for unit, changes in made:
+        for name, value in changes.items():
+            if name in chosen and chosen[name][0] != value:
+                other, before = chosen[name][1], chosen[name][0]
+                raise ValueError(
+                    f"{SETTERS[name]}() was called with different values on {other} "
+                    f"({before!r}) and {unit} ({value!r}) before the first forward; it applies "
+                    f"to the whole model. Call it once, on the root module {root}.")
+            chosen.setdefault(name, (value, unit))
+    return {name: value for name, (value, _) in chosen.items()}

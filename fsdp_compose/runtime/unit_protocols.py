@@ -1,0 +1,80 @@
+"""What the prefetch order, the collective queue and the bucket plan read of
+a unit, as Protocols: ``unit.Unit`` imports those modules, so they name the
+unit by what they read of it. Every member is read-only here (a property):
+none of them writes a unit.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional, Protocol, Sequence
+
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.flat_grad import ReduceOptions
+from ..comm.groups import ShardGroup
+from .training_state import TrainingState
+
+
+class OrderSettings(Protocol):
+    """The settings of a unit the prefetch order reads (``UnitSettings``)."""
+
+    @property
+    def forward_prefetch(self) -> Optional[Sequence[OrderedUnit]]: ...
+    @property
+    def backward_prefetch(self) -> Optional[Sequence[OrderedUnit]]: ...
+    @property
+    def unshard_in_backward(self) -> bool: ...
+
+
+class OrderedUnit(Protocol):
+    """What the prefetch order reads of a unit: its prefetch settings (it
+    records units by identity)."""
+
+    @property
+    def settings(self) -> OrderSettings: ...
+
+
+class BucketSettings(OrderSettings, Protocol):
+    """The settings of a unit that decide whether and with whom it is
+    bucketed (``buckets._key``)."""
+
+    @property
+    def post_forward_group(self) -> Optional[ShardGroup]: ...
+    @property
+    def reduce_scatter_unused_params(self) -> bool: ...
+    @property
+    def offload_policy(self) -> Optional[object]: ...
+    @property
+    def reduce_options(self) -> ReduceOptions: ...
+    @property
+    def requires_gradient_sync(self) -> bool: ...
+    @property
+    def comms(self) -> Optional[KeyedComms]: ...
+
+
+class KeyedComms(Protocol):
+    """A unit's replaced collectives (``comm/custom.UnitComms``): units
+    share a bucket only with equal keys."""
+
+    def key(self) -> Hashable: ...
+
+
+class BucketedUnit(Protocol):
+    """What the collective queue and the bucket plan read of a unit (the
+    queue hands the units it gathers to the plan)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def buffers(self) -> Sequence[FlatBuffer]: ...
+    @property
+    def training_state(self) -> TrainingState: ...
+    @property
+    def backward_possible(self) -> bool: ...
+    @property
+    def settings(self) -> BucketSettings: ...
+    @property
+    def is_root(self) -> bool: ...
+    @property
+    def trainable_buffers(self) -> Sequence[FlatBuffer]: ...
+    @property
+    def resolved_reshard_after_forward(self) -> bool: ...
