@@ -1,35 +1,32 @@
 """One flat buffer: the storage and views of a group of original parameters
-with the same dtype and the same ``requires_grad`` (its collectives are
-issued by ``runtime/collective_queue.py``).
+with the same dtype and ``requires_grad`` (its collectives are issued by
+``runtime/collective_queue.py``; its gradients live in ``flat_grad.py``; the
+module attributes it swaps, in ``param_slots.py``).
 
 [Note: storage and autograd]
 The unsharded flat buffer is a leaf tensor of ``F * S`` elements that lives
-for the whole life of the unit. Resharding does not drop the tensor; it
-resizes its *storage* to zero bytes, and unsharding resizes it back and
-all-gathers into it. Tensors that autograd saved during forward (views of the
-buffer) therefore stay valid objects that hold no memory while the unit is
-sharded, and read correct values again once the pre-backward hook unshards.
-The all-gather writes through a detached alias and restores the same
-values, so autograd must not see it as an in-place modification of the saved
-views: the version counter is put back after the collective is issued and
-again after it completes (gloo bumps it from its own thread when an
-asynchronous work finishes).
+as long as the unit. Resharding resizes its *storage* to zero bytes rather
+than dropping the tensor; unsharding resizes it back and all-gathers into
+it. Tensors autograd saved in forward (views of the buffer) therefore stay
+valid objects that hold no memory while the unit is sharded, and read
+correct values again once the pre-backward hook unshards. The all-gather
+writes through a detached alias and restores the same values, so autograd
+must not see it as an in-place change of the saved views: the version
+counter is put back after the collective is issued and again after it
+completes (gloo bumps it from its own thread).
 The per-parameter views (one autograd node per buffer, ``param_views.py``)
-route the gradients of all original parameters into one flat gradient,
-which is exactly the reduce-scatter input (the gradient side lives in
-``flat_grad.py``). The node saves no tensors, but it is rebuilt at every
-forward that records a graph: the autograd engine runs ready nodes by
-sequence number, newest first, so views built once at ``fully_shard`` time
-would be the oldest nodes of every graph and would only run (and fire the
-post-backward hook that reduces and reshards) after all of backward,
-keeping every unit unsharded until the end.
+route every parameter's gradient into one flat gradient, the
+reduce-scatter's input. The node is rebuilt at every forward that records a
+graph: the engine runs ready nodes newest first, so a node built once at
+``fully_shard`` time would be the oldest of every graph and would fire the
+post-backward hook (reduce, reshard) only after all of backward, keeping
+every unit unsharded until the end.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
-from collections import deque
 from itertools import starmap
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -42,6 +39,7 @@ from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
+from .param_slots import ParamSlots, consume
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
@@ -61,16 +59,17 @@ class FlatBuffer:
 
     Invariants (``F`` = world size, ``S`` = ``layout.shard_numel``):
 
-    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute device
-      or the CPU when offloaded) is the only persistent storage of the values;
-      between iterations every original parameter's ``.data`` is the view of
-      it this rank owns (:meth:`local_view`: 1-D under ``"flat"``, whole rows
+    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute
+      device or the CPU when offloaded) is the only persistent storage of
+      the values; between iterations every original parameter's ``.data``
+      is its :meth:`local_view` of it (1-D under ``"flat"``, whole rows
       ``(rows_here, *rest)`` under the other placements);
-    * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device) has
-      storage only while ``is_unsharded``, except when ``aliased`` (one rank,
-      same dtype and device: it *is* ``sharded``'s storage and nothing is
-      ever gathered or freed); it requires grad exactly when some of its
-      parameters do (``requires_grad``);
+    * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device)
+      has storage only while ``is_unsharded``, except when ``aliased`` (one
+      rank, same dtype and device: it *is* ``sharded``'s storage, nothing is
+      gathered or freed); it requires grad exactly when some parameter does;
+    * the module attributes hold the original parameters while sharded and
+      the unsharded views while ``is_unsharded`` (``slots``);
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
@@ -78,16 +77,14 @@ class FlatBuffer:
                  'gather_quantizer', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
                  'reduce_dtype', 'reduce_quantizer', 'requires_grad',
-                 'reshard_frees_nothing', 'sharded', 'staging', 'storage_device',
-                 'unsharded', '_alias_versions', '_aliases', '_assembled',
+                 'reshard_frees_nothing', 'sharded', 'slots', 'staging', 'storage_device',
+                 'unsharded', '_alias_versions', '_aliases',
                  '_before_flat_gradient', '_grad_hook_registered', '_grad_receivers',
                  '_has_copies', '_has_tp', '_local_shapes', '_local_split',
-                 '_local_strided', '_moved_dims', '_on_backward', '_originals',
+                 '_local_strided', '_moved_dims', '_on_backward',
                  '_param_requires_grad', '_params', '_post_accumulate_grad',
-                 '_post_forward', '_sharded_views', '_slices', '_slot_dicts',
-                 '_slot_names', '_slot_originals', '_slots', '_unsharded_views',
-                 '_versions_at_unshard', '_view_plan', '_views_by_module', '__dict__',
-                 '__weakref__')
+                 '_post_forward', '_sharded_views', '_slices',
+                 '_versions_at_unshard', '_view_plan', '__dict__', '__weakref__')
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
                  post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None,
@@ -115,36 +112,14 @@ class FlatBuffer:
         into every :meth:`local_view` when all are 1-D runs in order
         (``None``: some are not)."""
         self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in records)
-        self._slots: tuple[tuple[dict, str, int], ...] = tuple(
-            (module._parameters, name, index)
-            for index, record in enumerate(records) for module, name in record.slots)
-        """Every ``(module._parameters, name, parameter index)`` the views
-        and the original parameters are swapped into."""
-        originals: dict[int, tuple[dict, dict]] = {}
-        for parameters, name, index in self._slots:
-            originals.setdefault(id(parameters), (parameters, {}))[1][name] = self._params[index]
-        self._originals: tuple[tuple[dict, dict], ...] = tuple(originals.values())
-        """Per ``_parameters`` dict with a slot, its slots' original
-        parameters: a reshard puts them back with one ``update`` per module."""
-        self._slot_dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
-        self._slot_names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
-        self._slot_originals: tuple[nn.Parameter, ...] = tuple(
-            self._params[index] for _, _, index in self._slots)
-        """``_slots`` as three columns: an unshard checks every slot in one
-        C-level loop (see :meth:`_swap_in_views`)."""
-        self._views_by_module: tuple[tuple[dict, dict], ...] = ()
-        """Per ``_parameters`` dict with a slot, its slots' unsharded views:
-        an unshard puts them in with one ``update`` per module (set with
-        the views, :meth:`_set_unsharded_views`)."""
+        self.slots: ParamSlots = ParamSlots(records)
+        """The module attributes the views and the originals are swapped into."""
         self._view_plan: ViewPlan = ViewPlan(self.layout, self._moved_dims)
         self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
             self.layout.is_contiguous(i) for i in range(len(records)))
         """Some parameter's unsharded view is an assembled copy (``ShardDim``
         pieces that are not contiguous), rebuilt at every unshard."""
-        self._assembled: dict[int, torch.Tensor] = {}
-        """Whole copies of parameters that are not contiguous in ``full``,
-        handed out by :meth:`point_params_at` until :meth:`keep_own_slice`."""
         self._param_requires_grad: tuple[bool, ...] = tuple(
             r.param.requires_grad for r in records)
         """Each parameter's ``requires_grad`` as of the last forward."""
@@ -175,7 +150,6 @@ class FlatBuffer:
         self.unsharded: torch.Tensor
         self.aliased: bool
         self._sharded_views: list[torch.Tensor]
-        self._unsharded_views: list[torch.Tensor]
         self._aliases: Optional[tuple[torch.Tensor, ...]]
         """The outputs of every forward's views node while all parameters
         train: made once per storage (see [Note: parameter aliases made
@@ -214,15 +188,12 @@ class FlatBuffer:
             return shard
         for index, (record, s) in enumerate(zip(self.records, self._slices)):
             if s.length:
-                flat = self._stored(record.param.detach(), index).reshape(-1)
+                d = self._moved_dims[index]  # stored order: dim d first
+                value = record.param.detach()
+                flat = (value.movedim(d, 0) if d else value).reshape(-1)
                 shard[s.shard_start:s.shard_start + s.length].copy_(
                     flat[s.param_start:s.param_start + s.length])
         return shard
-
-    def _stored(self, value: torch.Tensor, index: int) -> torch.Tensor:
-        """A whole parameter's value in the order the buffer stores it."""
-        d = self._moved_dims[index]
-        return value.movedim(d, 0) if d else value
 
     def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s piece of ``flat`` (a tensor laid out like
@@ -319,7 +290,7 @@ class FlatBuffer:
         self._alias_versions = None
         if self._has_copies and not self.is_meta:  # see [Note: assembled copies]
             self._view_plan.make_copies(self.unsharded)
-        self._set_unsharded_views(self._build_unsharded_views())
+        self.slots.set_views(self._build_unsharded_views())
         if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
         self.is_unsharded = False
@@ -431,7 +402,7 @@ class FlatBuffer:
         self.requires_grad = any(flags)
         self.unsharded.requires_grad_(self.requires_grad)
         self._register_grad_hook()
-        self._set_unsharded_views(self._build_unsharded_views())
+        self.slots.set_views(self._build_unsharded_views())
         if self.is_unsharded:  # the module attributes hold the views of the new flags
             self.use_unsharded_views()
 
@@ -486,51 +457,6 @@ class FlatBuffer:
         self.grad.attach(grad, [g is not None for g in grads])
         return True
 
-    # ---------------------------------------------------- deferred initialisation
-    def _stored_to_full(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """A whole parameter (``flat``, in stored order) in its own shape."""
-        d = self._moved_dims[index]
-        view = flat.view(self.layout.stored_shapes[index])
-        return view.movedim(0, d) if d else view
-
-    def _whole_from(self, full: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index`` of ``full`` (a padded unsharded buffer): a view
-        where it is contiguous there, else an assembled copy."""
-        parts = [full.narrow(0, s.start, s.length) for s in self.layout.segments()
-                 if s.param_index == index]
-        return self._stored_to_full(parts[0] if len(parts) == 1 else torch.cat(parts), index)
-
-    def point_params_at(self, full: torch.Tensor) -> None:
-        """Make every original parameter's ``.data`` its view (original
-        shape) of ``full`` (from ``collective_queue.gather_values``), e.g. so that an
-        initialiser sees whole parameters (a contiguous copy for a ``Shard(d)``
-        parameter, written back by :meth:`keep_own_slice`)."""
-        for index, record in enumerate(self.records):
-            whole = self._whole_from(full, index)
-            if not self.layout.is_contiguous(index) or self._moved_dims[index]:
-                # a contiguous copy in the parameter's own dim order: random
-                # initialisers fill memory in order, so a movedim view would draw
-                # the same values into other positions than an eager build
-                whole = whole.contiguous()
-                self._assembled[index] = whole
-            record.param.data = whole
-
-    def keep_own_slice(self, full: torch.Tensor) -> None:
-        """Copy this rank's chunk of ``full`` into the shard and make the
-        parameters their local views of it again."""
-        for index, whole in self._assembled.items():  # copies handed out: write them back
-            flat = self._stored(whole, index).reshape(-1)
-            for s in self.layout.segments():
-                if s.param_index == index:
-                    full.narrow(0, s.start, s.length).copy_(
-                        flat.narrow(0, s.param_start, s.length))
-        self._assembled.clear()
-        start, end = self.layout.shard_range(self.group.rank)
-        with torch.no_grad():
-            self.sharded.copy_(full[start:end])
-        for record, view in zip(self.records, self._sharded_views):
-            record.param.data = view
-
     # -------------------------------------------------------------- unshard
     # The all-gather itself is issued and waited by runtime/collective_queue.py:
     # prepare_unshard before it, complete_gather after it.
@@ -551,7 +477,7 @@ class FlatBuffer:
         if self.aliased:
             if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
                 self.is_unsharded = True
-                self._swap_in_views()
+                self.slots.swap_in_views()
             return None
         if coalescable and self._post_forward is not None:
             return None
@@ -613,47 +539,8 @@ class FlatBuffer:
             self._view_plan.fill_copies(self.unsharded)
             if self._view_plan.copies_only:  # nothing reads the gathered values any more
                 self._release_unsharded_storage()
-            self._set_unsharded_views(self._build_unsharded_views())
-        self._swap_in_views()
-
-    def _swap_in_views(self) -> None:
-        """Sharded -> unsharded: every slot holds its original parameter (the
-        post-condition of :meth:`reshard` and of annotation) and gets its
-        view. A slot holding another ``nn.Parameter`` was written behind the
-        module API, which the late-parameter check does not see (see [Note:
-        the late-parameter fast check] in ``checks/late_parameters.py``):
-        an error, rather than overwriting it and putting the original back
-        at the next reshard."""
-        if not all(map(operator.is_, map(dict.get, self._slot_dicts, self._slot_names),
-                       self._slot_originals)):
-            self._check_not_replaced()
-        _consume(starmap(dict.update, self._views_by_module))
-
-    def _check_not_replaced(self) -> None:
-        """Raise if a slot holds an ``nn.Parameter`` other than its original
-        (anything else, e.g. a view left by an earlier unshard, is replaced)."""
-        for parameters, name, index in self._slots:
-            held = parameters.get(name)
-            if held is not self._params[index] and isinstance(held, nn.Parameter):
-                self._raise_replaced(parameters, name, index)
-
-    def _set_unsharded_views(self, views: list[torch.Tensor]) -> None:
-        """``views`` (by parameter index) are what an unshard puts in the slots."""
-        self._unsharded_views = views
-        by_module: dict[int, tuple[dict, dict]] = {}
-        for parameters, name, index in self._slots:
-            by_module.setdefault(id(parameters), (parameters, {}))[1][name] = views[index]
-        self._views_by_module = tuple(by_module.values())
-
-    def _raise_replaced(self, parameters: dict, name: str, index: int) -> None:
-        record = self.records[index]
-        module = next(m for m, attr in record.slots if m._parameters is parameters and attr == name)
-        raise RuntimeError(
-            f"parameter '{record.fqn}' (attribute '{name}' of {type(module).__name__}) was "
-            "replaced after fully_shard annotated it, by a write into _parameters; fully_shard "
-            "does not manage the new one, and would put the original back over it at the next "
-            "reshard. Register parameters before calling fully_shard; to give a parameter new "
-            "values, load them with model.load_state_dict().")
+            self.slots.set_views(self._build_unsharded_views())
+        self.slots.swap_in_views()
 
     @property
     def is_gathering(self) -> bool:
@@ -677,11 +564,11 @@ class FlatBuffer:
         ``param_views.py``).
 
         Pre-condition: unsharded, grad mode on, ``requires_grad``."""
-        self._set_unsharded_views(self._build_unsharded_views())
+        self.slots.set_views(self._build_unsharded_views())
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        _consume(starmap(dict.update, self._views_by_module))
+        consume(starmap(dict.update, self.slots.views_by_module))
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
@@ -706,7 +593,7 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        _consume(starmap(dict.update, self._originals))
+        consume(starmap(dict.update, self.slots.originals))
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
@@ -737,10 +624,6 @@ class FlatBuffer:
 
 _requires_grad = operator.attrgetter("requires_grad")
 _version_of = operator.attrgetter("_version")
-_consume = deque(maxlen=0).extend
-"""Run an iterator to its end in C (``_consume(starmap(dict.update, pairs))``:
-one ``update`` per module without a Python-level loop)."""
-
 
 def _called_weakly(fn: Callable[[Any], Any],
                    bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
