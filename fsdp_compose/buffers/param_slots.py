@@ -12,14 +12,15 @@ from __future__ import annotations
 import operator
 from collections import deque
 from itertools import starmap
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
 from .records import ParamRecord
 
-consume = deque(maxlen=0).extend
+_SINK: deque[object] = deque(maxlen=0)
+consume: Callable[[Iterable[object]], None] = _SINK.extend
 """Run an iterator to its end in C: ``consume(starmap(dict.update, pairs))``
 is one ``update`` per module without a Python-level loop (the swaps run
 once per unit and step)."""

@@ -165,7 +165,7 @@ def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
     tp_mesh = spmd_mesh[names[others[0]]] if others else None
     if tp_mesh is None:
         checkpoint_mesh = group.mesh
-        checkpoint = (Replicate(),) * (group.mesh.ndim - 1) + (Shard(0),)
+        checkpoint: tuple[Placement, ...] = (Replicate(),) * (group.mesh.ndim - 1) + (Shard(0),)
     else:
         checkpoint_mesh, checkpoint = _checkpoint_layout(fqn, group.mesh, tp_mesh,
                                                          placements[others[0]])
