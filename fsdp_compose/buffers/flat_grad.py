@@ -247,10 +247,9 @@ class FlatGradient:
         self._accumulated = None
 
     def discard_iteration(self) -> None:
-        """Forget what an iteration that raised left here (``reset_iter_state``):
-        wait out its reduce-scatter (the collective still reads and writes
-        our tensors) and drop the result, the unreduced gradient, no-sync
-        accumulation and the used flags. Published ``.grad`` stays.
+        """Forget what an iteration that raised left here: wait out its
+        reduction (it still reads and writes our tensors), drop it, the
+        unreduced gradient and the used flags. Published ``.grad`` stays.
 
         Post-condition: nothing pending, unreduced or unpublished."""
         if self.reducing is not None:
@@ -269,9 +268,8 @@ class FlatGradient:
         return self.reducing is not None
 
     def settle(self) -> None:
-        """Wait the reduction in flight, if any, to its end (under hybrid
-        sharding the replica all-reduce it issues too): its chunk is folded
-        into the unpublished sharded gradient."""
+        """Wait the reduction in flight (and the replica all-reduce it
+        issues) to its end: reducing -> unpublished."""
         while self.reducing is not None:
             flight = self.reducing
             flight.wait()
@@ -279,9 +277,8 @@ class FlatGradient:
                 self.reducing = None
 
     def take_for_reduce(self) -> Optional[torch.Tensor]:
-        """The unreduced flat gradient in the dtype the reduce-scatter moves
-        (``None``: no gradient reached the buffer); nothing unreduced is
-        left here.
+        """Unreduced -> taken: the flat gradient in the dtype the
+        reduce-scatter moves (``None``: no gradient reached the buffer).
 
         Pre-condition: no reduction in flight (:meth:`settle`)."""
         owner = self.owner
@@ -296,10 +293,8 @@ class FlatGradient:
         return flat if flat is None or self._subset is None else self._subset.pack(flat)
 
     def fold_unreduced(self, options: ReduceOptions) -> None:
-        """One rank and no replica: the unreduced flat gradient is the
-        reduced one; fold it in (:meth:`take_for_reduce` then :meth:`fold`,
-        without packing the parameters that train, which only saves bytes
-        on a wire there is none of).
+        """One rank and no replica: unreduced -> unpublished, without packing
+        (:meth:`take_for_reduce` then :meth:`fold`).
 
         Pre-condition: no reduction in flight."""
         self._trained_before_change, self.saw_forward = None, False
@@ -309,15 +304,14 @@ class FlatGradient:
 
     @property
     def reduce_chunk(self) -> int:
-        """Elements per rank of the reduce-scatter that :meth:`take_for_reduce`
-        prepared: the shard, or the packed chunk of the parameters that train
-        (see [Note: reducing a subset of a buffer])."""
+        """Elements per rank of the prepared reduce-scatter ([Note: reducing
+        a subset of a buffer])."""
         return self.owner.layout.shard_numel if self._subset is None else self._subset.chunk
 
     def note_training(self, flags: Sequence[bool]) -> None:
-        """The parameters' ``requires_grad`` changed to ``flags`` (at a
-        forward, before it runs): the next reduction moves the parameters
-        that trained at any forward since the last one."""
+        """The parameters' ``requires_grad`` changed to ``flags`` at a
+        forward: the next reduction moves those that trained at any forward
+        since the last one."""
         if self.saw_forward:
             before = self._trained_before_change or self._current_training
             self._trained_before_change = tuple(
@@ -374,11 +368,9 @@ class FlatGradient:
             self._unpublished = self._adopt(output)
 
     def _adopt(self, output: torch.Tensor) -> torch.Tensor:
-        """A sharded gradient holding ``output``: the kept one (free here,
-        see :meth:`fold`; taking ``output``'s memory where it can, else a
-        copy), else ``output`` itself where it is in the parameters' dtype
-        and device (and, where gradients are kept, its memory exactly),
-        else a copy."""
+        """A sharded gradient holding ``output``: the kept one (free here),
+        else ``output`` itself where dtype, device (and memory, where kept)
+        fit, else a copy."""
         owner = self.owner
         kept = self._kept
         matches = output.dtype == owner.dtype and output.device == owner.storage_device
@@ -396,10 +388,9 @@ class FlatGradient:
         return grad
 
     def reduce_output(self, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-        """The kept gradient, for the reduce-scatter of :meth:`take_for_reduce`
-        to write into (``None``: allocate one): where it is free and is what
-        :meth:`fold` would write the whole chunk into, in the collective's
-        ``dtype`` on its ``device`` (see [Note: the kept sharded gradient])."""
+        """The kept gradient for the reduce-scatter to write into, where it is
+        free and what :meth:`fold` would write the whole chunk into
+        (``None``: allocate one)."""
         kept = self._kept
         owner = self.owner
         if kept is None or self._unpublished is not None or self._subset is not None or \
@@ -408,12 +399,8 @@ class FlatGradient:
         return kept.reclaim()
 
     def release_if_free(self) -> None:
-        """Give back the kept gradient's memory where nobody holds it
-        (``zero_grad(set_to_none=True)`` ran): called by ``zero_grad``
-        (``gradients/torch_zero_grad.py``, ``ShardedModule.zero_grad``) and at the
-        root's pre-forward, so that between steps, and in the step's forward
-        and backward, no more is held than when each reduction made a new
-        gradient."""
+        """Kept -> released where nobody holds it (called by ``zero_grad``
+        and the root's pre-forward)."""
         kept = self._kept
         if kept is None or kept.released or self._unpublished is not None or \
                 self.reducing is not None:
@@ -422,10 +409,8 @@ class FlatGradient:
             kept.release()
 
     def _kept_gradient(self) -> Optional[torch.Tensor]:
-        """What the parameters' ``.grad`` hold now as one sharded gradient (a
-        new reduction adds to it): the published one as the user left it,
-        or a new one holding their tensors; ``None`` where every owned
-        parameter's ``.grad`` was cleared (start anew)."""
+        """What the parameters' ``.grad`` hold now as one sharded gradient
+        for a reduction to add to (``None``: every owned ``.grad`` cleared)."""
         owner = self.owner
         owned = self._owned
         if all(map(operator.is_, map(_grad_of, self._owned_params), repeat(None))):
@@ -457,11 +442,10 @@ class FlatGradient:
         return None if self._published is None else self._published()
 
     def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
-        """Point each parameter's ``.grad`` at its slice of the reduced
-        gradient: those ``used`` on some rank, and those that had a gradient
-        already (accumulation); the others keep ``None``. Returns the
-        parameters used in this reduction (their post-accumulate-grad hooks
-        are due).
+        """Unpublished -> published or kept: each parameter ``used`` on some
+        rank, or with a ``.grad`` already, gets its slice as ``.grad``; the
+        others keep ``None``. Returns the used ones (their
+        post-accumulate-grad hooks are due).
 
         Pre-condition: no reduction in flight (:meth:`settle`).
         """
