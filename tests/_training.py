@@ -175,6 +175,16 @@ def local_batch(step: int, rank: int, world: int, mode: str = "plain"):
     return _local(x, rank, world), _local(y, rank, world)
 
 
+def assert_gradients_consistent(model: nn.Module) -> None:
+    """Every flat gradient of ``model``'s units is in a consistent state
+    ([Note: the states of a flat gradient])."""
+    from fsdp_compose.runtime.state import units_below
+
+    for unit in units_below(model):
+        for buffer in unit.buffers:
+            buffer.grad.assert_consistent()
+
+
 def _local_step(model, x, y, mode, zero_grad_to_none, optim):
     """One optimizer step on this rank's batch, the way ``mode`` says."""
     micro = _micro_count(mode)
@@ -192,12 +202,15 @@ def _local_step(model, x, y, mode, zero_grad_to_none, optim):
                 model.set_reshard_after_backward(last)
             part = model.loss(a, b) / micro
             part.backward()
+            assert_gradients_consistent(model)  # unreduced (no sync) or published
             loss = loss + part.detach()
     else:
         loss = model.loss(x, y)
         loss.backward()
+    assert_gradients_consistent(model)
     optim.step()
     optim.zero_grad(set_to_none=zero_grad_to_none)
+    assert_gradients_consistent(model)  # released, or kept and zeroed in place
     return loss.detach()
 
 

@@ -100,6 +100,8 @@ def _kept_bytes_after_zero_grad(how: str) -> dict:
     for seed in range(WARMUP + STEPS):
         _loss(model, seed).backward()
         optim.step()
+        for grad in _gradients(model):
+            grad.assert_consistent()  # kept (in use)
         published.append(sum(g._kept.storage.nbytes() for g in _gradients(model)
                              if g._kept is not None))
         if how == "holding":
@@ -110,6 +112,8 @@ def _kept_bytes_after_zero_grad(how: str) -> dict:
             optim.zero_grad(set_to_none=how != "set_to_zero")
         after.append(sum(g._kept.storage.nbytes() for g in _gradients(model)
                          if g._kept is not None))
+        for grad in _gradients(model):
+            grad.assert_consistent()  # released, or held by the user
     held = target.grad if how == "set_to_zero" else kept
     return {"after": after, "published": published,
             "target": 0 if held is None else held.untyped_storage().nbytes()}
@@ -204,6 +208,9 @@ def _train_clearing_all_but_one(sharded: bool) -> dict:
         for p in model.parameters():
             if p is not target or seed < WARMUP - 1:
                 p.grad = None
+        if sharded:
+            for grad in _gradients(model):
+                grad.assert_consistent()  # one .grad left viewing the kept gradient
     if sharded:
         return gather_master_params(model)
     return {n: p.detach().clone() for n, p in model.named_parameters()} if dist.get_rank() == 0 \

@@ -173,22 +173,22 @@ def blocks_between_forward_and_backward(steps: int = 3):
     """Per step: whether block 0's ``fc1.weight`` is an ``nn.Parameter``
     between forward and backward and after backward, and how many times
     the module attributes were swapped to the unsharded views."""
-    from fsdp_compose.buffers.flat_buffer import FlatBuffer
+    from fsdp_compose.buffers.param_slots import ParamSlots
     from fsdp_compose.runtime.collective_queue import CollectiveQueue
     swaps = gathers = 0
-    swap_in_views, gather = FlatBuffer._swap_in_views, CollectiveQueue.gather
+    swap_in_views, gather = ParamSlots.swap_in_views, CollectiveQueue.gather
 
-    def counted_swap(buffer):
+    def counted_swap(slots):
         nonlocal swaps
         swaps += 1
-        swap_in_views(buffer)
+        swap_in_views(slots)
 
     def counted_gather(queue, *args):
         nonlocal gathers
         gathers += 1
         gather(queue, *args)
 
-    FlatBuffer._swap_in_views, CollectiveQueue.gather = counted_swap, counted_gather
+    ParamSlots.swap_in_views, CollectiveQueue.gather = counted_swap, counted_gather
     try:
         model, optim = _sharded_lm("sgd")
         seen = []
@@ -203,7 +203,7 @@ def blocks_between_forward_and_backward(steps: int = 3):
             optim.step()
             optim.zero_grad()
     finally:
-        FlatBuffer._swap_in_views, CollectiveQueue.gather = swap_in_views, gather
+        ParamSlots.swap_in_views, CollectiveQueue.gather = swap_in_views, gather
     return {"seen": seen, "params": full_params(model)}
 
 

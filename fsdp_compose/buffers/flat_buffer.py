@@ -1,35 +1,32 @@
 """One flat buffer: the storage and views of a group of original parameters
-with the same dtype and the same ``requires_grad`` (its collectives are
-issued by ``runtime/collective_queue.py``).
+with the same dtype and ``requires_grad`` (its collectives are issued by
+``runtime/collective_queue.py``; its gradients live in ``flat_grad.py``; the
+module attributes it swaps, in ``param_slots.py``).
 
 [Note: storage and autograd]
 The unsharded flat buffer is a leaf tensor of ``F * S`` elements that lives
-for the whole life of the unit. Resharding does not drop the tensor; it
-resizes its *storage* to zero bytes, and unsharding resizes it back and
-all-gathers into it. Tensors that autograd saved during forward (views of the
-buffer) therefore stay valid objects that hold no memory while the unit is
-sharded, and read correct values again once the pre-backward hook unshards.
-The all-gather writes through a detached alias and restores the same
-values, so autograd must not see it as an in-place modification of the saved
-views: the version counter is put back after the collective is issued and
-again after it completes (gloo bumps it from its own thread when an
-asynchronous work finishes).
+as long as the unit. Resharding resizes its *storage* to zero bytes rather
+than dropping the tensor; unsharding resizes it back and all-gathers into
+it. Tensors autograd saved in forward (views of the buffer) therefore stay
+valid objects that hold no memory while the unit is sharded, and read
+correct values again once the pre-backward hook unshards. The all-gather
+writes through a detached alias and restores the same values, so autograd
+must not see it as an in-place change of the saved views: the version
+counter is put back after the collective is issued and again after it
+completes (gloo bumps it from its own thread).
 The per-parameter views (one autograd node per buffer, ``param_views.py``)
-route the gradients of all original parameters into one flat gradient,
-which is exactly the reduce-scatter input (the gradient side lives in
-``flat_grad.py``). The node saves no tensors, but it is rebuilt at every
-forward that records a graph: the autograd engine runs ready nodes by
-sequence number, newest first, so views built once at ``fully_shard`` time
-would be the oldest nodes of every graph and would only run (and fire the
-post-backward hook that reduces and reshards) after all of backward,
-keeping every unit unsharded until the end.
+route every parameter's gradient into one flat gradient, the
+reduce-scatter's input. The node is rebuilt at every forward that records a
+graph: the engine runs ready nodes newest first, so a node built once at
+``fully_shard`` time would be the oldest of every graph and would fire the
+post-backward hook (reduce, reshard) only after all of backward, keeping
+every unit unsharded until the end.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
-from collections import deque
 from itertools import starmap
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -42,6 +39,7 @@ from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
+from .param_slots import ParamSlots, consume
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
@@ -61,16 +59,17 @@ class FlatBuffer:
 
     Invariants (``F`` = world size, ``S`` = ``layout.shard_numel``):
 
-    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute device
-      or the CPU when offloaded) is the only persistent storage of the values;
-      between iterations every original parameter's ``.data`` is the view of
-      it this rank owns (:meth:`local_view`: 1-D under ``"flat"``, whole rows
+    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute
+      device or the CPU when offloaded) is the only persistent storage of
+      the values; between iterations every original parameter's ``.data``
+      is its :meth:`local_view` of it (1-D under ``"flat"``, whole rows
       ``(rows_here, *rest)`` under the other placements);
-    * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device) has
-      storage only while ``is_unsharded``, except when ``aliased`` (one rank,
-      same dtype and device: it *is* ``sharded``'s storage and nothing is
-      ever gathered or freed); it requires grad exactly when some of its
-      parameters do (``requires_grad``);
+    * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device)
+      has storage only while ``is_unsharded``, except when ``aliased`` (one
+      rank, same dtype and device: it *is* ``sharded``'s storage, nothing is
+      gathered or freed); it requires grad exactly when some parameter does;
+    * the module attributes hold the original parameters while sharded and
+      the unsharded views while ``is_unsharded`` (``slots``);
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
@@ -78,16 +77,14 @@ class FlatBuffer:
                  'gather_quantizer', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
                  'reduce_dtype', 'reduce_quantizer', 'requires_grad',
-                 'reshard_frees_nothing', 'sharded', 'staging', 'storage_device',
-                 'unsharded', '_alias_versions', '_aliases', '_assembled',
+                 'reshard_frees_nothing', 'sharded', 'slots', 'staging', 'storage_device',
+                 'unsharded', '_alias_versions', '_aliases',
                  '_before_flat_gradient', '_grad_hook_registered', '_grad_receivers',
                  '_has_copies', '_has_tp', '_local_shapes', '_local_split',
-                 '_local_strided', '_moved_dims', '_on_backward', '_originals',
+                 '_local_strided', '_moved_dims', '_on_backward',
                  '_param_requires_grad', '_params', '_post_accumulate_grad',
-                 '_post_forward', '_sharded_views', '_slices', '_slot_dicts',
-                 '_slot_names', '_slot_originals', '_slots', '_unsharded_views',
-                 '_versions_at_unshard', '_view_plan', '_views_by_module', '__dict__',
-                 '__weakref__')
+                 '_post_forward', '_sharded_views', '_slices',
+                 '_versions_at_unshard', '_view_plan', '__dict__', '__weakref__')
 
     def __init__(self, records: list[ParamRecord], group: ShardGroup,
                  post_accumulate_grad: Optional[Callable[["FlatBuffer"], None]] = None,
@@ -111,49 +108,24 @@ class FlatBuffer:
         """Each parameter's :meth:`local_view` of a contiguous shard-shaped tensor."""
         self._local_split: Optional[tuple[list[int], list[int]]] = split_plan(
             self._local_strided, self.layout.shard_numel)
-        """``(split sizes, index of each parameter's part)`` cutting a shard
-        into every :meth:`local_view` when all are 1-D runs in order
-        (``None``: some are not)."""
+        """``(split sizes, part of each parameter)`` when every local view is
+        a 1-D run in order (``None``: some are not)."""
         self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in records)
-        self._slots: tuple[tuple[dict, str, int], ...] = tuple(
-            (module._parameters, name, index)
-            for index, record in enumerate(records) for module, name in record.slots)
-        """Every ``(module._parameters, name, parameter index)`` the views
-        and the original parameters are swapped into."""
-        originals: dict[int, tuple[dict, dict]] = {}
-        for parameters, name, index in self._slots:
-            originals.setdefault(id(parameters), (parameters, {}))[1][name] = self._params[index]
-        self._originals: tuple[tuple[dict, dict], ...] = tuple(originals.values())
-        """Per ``_parameters`` dict with a slot, its slots' original
-        parameters: a reshard puts them back with one ``update`` per module."""
-        self._slot_dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
-        self._slot_names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
-        self._slot_originals: tuple[nn.Parameter, ...] = tuple(
-            self._params[index] for _, _, index in self._slots)
-        """``_slots`` as three columns: an unshard checks every slot in one
-        C-level loop (see :meth:`_swap_in_views`)."""
-        self._views_by_module: tuple[tuple[dict, dict], ...] = ()
-        """Per ``_parameters`` dict with a slot, its slots' unsharded views:
-        an unshard puts them in with one ``update`` per module (set with
-        the views, :meth:`_set_unsharded_views`)."""
+        self.slots: ParamSlots = ParamSlots(records)
+        """The module attributes the views and the originals are swapped into."""
         self._view_plan: ViewPlan = ViewPlan(self.layout, self._moved_dims)
         self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
             self.layout.is_contiguous(i) for i in range(len(records)))
-        """Some parameter's unsharded view is an assembled copy (``ShardDim``
-        pieces that are not contiguous), rebuilt at every unshard."""
-        self._assembled: dict[int, torch.Tensor] = {}
-        """Whole copies of parameters that are not contiguous in ``full``,
-        handed out by :meth:`point_params_at` until :meth:`keep_own_slice`."""
+        """Some parameter's unsharded view is an assembled copy (``ShardDim``)."""
         self._param_requires_grad: tuple[bool, ...] = tuple(
             r.param.requires_grad for r in records)
         """Each parameter's ``requires_grad`` as of the last forward."""
         self.requires_grad: bool = any(self._param_requires_grad)
         self._post_accumulate_grad = post_accumulate_grad
         self._before_flat_gradient = before_flat_gradient
-        """Called in backward when the views' node has every parameter's
-        gradient of one forward, before it concatenates them into a new flat
-        gradient (the unit makes room among the reductions in flight)."""
+        """Called in backward before the views' node makes a flat gradient
+        (the unit makes room among the reductions in flight)."""
         self.policy: BufferPolicy = policy
 
         # Storage (all set by _install)
@@ -166,8 +138,7 @@ class FlatBuffer:
         self.reduce_quantizer: Optional[BlockQuantizer] = None
         """The gradient reduction's wire format (``None``: exact)."""
         self.comms: Optional[UnitComms] = None
-        """The unit's replaced collectives, shared by its buffers
-        (``comm/custom.py``; ``None``: the library's own, the plain path)."""
+        """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -175,27 +146,21 @@ class FlatBuffer:
         self.unsharded: torch.Tensor
         self.aliased: bool
         self._sharded_views: list[torch.Tensor]
-        self._unsharded_views: list[torch.Tensor]
         self._aliases: Optional[tuple[torch.Tensor, ...]]
-        """The outputs of every forward's views node while all parameters
-        train: made once per storage (see [Note: parameter aliases made
-        once] in ``param_views.py``; ``None``: views made per forward)."""
+        """The views node's outputs while all parameters train, made once per
+        storage ([Note: parameter aliases made once]; ``None``: per forward)."""
         self._alias_versions: Optional[tuple[int, ...]]
-        """The aliases' versions when the running forward's node was made
-        (``None``: no forward with aliases is running)."""
+        """The aliases' versions when the running forward's node was made."""
         self.is_unsharded: bool = False
         self.gathering: Optional[PendingCollective] = None
-        """The all-gather into ``unsharded`` in flight (issued, not waited):
-        set and cleared by ``runtime/collective_queue.py``, which issues it."""
+        """The all-gather into ``unsharded`` issued and not waited (set and
+        cleared by ``runtime/collective_queue.py``)."""
         self.staging: Optional[StagingPool] = None
-        """Where the unsharded storage's memory comes from and goes back to
-        (CPU only; ``None``: the allocator directly)."""
+        """Where the unsharded storage's memory comes from (CPU; ``None``: the allocator)."""
         self._post_forward: Optional[_PostForwardCopy] = None
-        """This rank's piece of the unsharded values, kept by a reshard after
-        forward to a smaller group (``reshard_after_forward=k``)."""
+        """This rank's piece kept by a reshard after forward to ``k`` ranks."""
         self._versions_at_unshard: tuple[int, ...] = ()
-        """The parameters' version counters when the unsharded copy was made:
-        an optimizer step bumps them, which makes the copy stale."""
+        """The parameters' versions at the unshard (a step bumps them: stale)."""
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
@@ -204,9 +169,8 @@ class FlatBuffer:
 
     # ------------------------------------------------------------------ setup
     def _shard_values(self, dtype: torch.dtype) -> torch.Tensor:
-        """Copy this rank's slice of every (full) parameter into a new shard;
-        the full values are not kept."""
-        # deferred init: meta parameters give a meta shard (shapes only)
+        """This rank's slice of every (whole) parameter in a new shard (meta
+        parameters: a meta shard)."""
         device = torch.device("meta") if self.records[0].param.is_meta else self._storage_device()
         shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device,
                             pin_memory=self._pinned(device))
@@ -214,22 +178,18 @@ class FlatBuffer:
             return shard
         for index, (record, s) in enumerate(zip(self.records, self._slices)):
             if s.length:
-                flat = self._stored(record.param.detach(), index).reshape(-1)
+                d = self._moved_dims[index]  # stored order: dim d first
+                value = record.param.detach()
+                flat = (value.movedim(d, 0) if d else value).reshape(-1)
                 shard[s.shard_start:s.shard_start + s.length].copy_(
                     flat[s.param_start:s.param_start + s.length])
         return shard
 
-    def _stored(self, value: torch.Tensor, index: int) -> torch.Tensor:
-        """A whole parameter's value in the order the buffer stores it."""
-        d = self._moved_dims[index]
-        return value.movedim(d, 0) if d else value
-
     def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index``'s piece of ``flat`` (a tensor laid out like
-        this rank's shard: the shard, its gradient, an optimizer state), in
-        the parameter's local shape: 1-D (``"flat"``), ``(rows_here,
-        *rest)``, or for ``ShardDim(d)`` that with dim ``d`` moved back (a
-        non-contiguous view). Shares ``flat``'s memory."""
+        """Parameter ``index``'s piece of ``flat`` (laid out like this rank's
+        shard) in its local shape, sharing ``flat``'s memory: 1-D
+        (``"flat"``), ``(rows_here, *rest)``, or for ``ShardDim(d)`` that
+        with dim ``d`` moved back."""
         if flat.stride(0) == 1:
             size, stride, offset = self._local_strided[index]
             return flat.as_strided(size, stride, flat.storage_offset() + offset)
@@ -240,9 +200,7 @@ class FlatBuffer:
 
     def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """:meth:`local_view` of every parameter (``flat`` contiguous, ``S``
-        elements). Where every piece is 1-D (``"flat"``, the default), one
-        ``split`` makes them all (the end of backward publishes gradients
-        through this once per buffer and step)."""
+        elements); one ``split`` where every piece is a 1-D run."""
         if self._local_split is not None:
             sizes, picks = self._local_split
             parts = flat.split_with_sizes(sizes)
@@ -253,16 +211,13 @@ class FlatBuffer:
 
     @property
     def grad_receivers(self) -> tuple[bool, ...]:
-        """Per parameter, :meth:`grad_where_empty` or a piece held here: whether
-        a published gradient gives it a ``.grad`` on this rank."""
+        """Per parameter: a published gradient gives it a ``.grad`` here."""
         return self._grad_receivers
 
     def grad_where_empty(self, index: int) -> bool:
-        """Whether a rank holding none of parameter ``index`` still gets an
-        (empty) ``.grad``: yes (as FSDP2's empty local shard), so every rank
-        lists the same gradients; no under ``"owned"`` (``None``, so an
-        optimizer skips the parameter and keeps no state for it off its
-        owner: what a matrix optimizer such as Muon needs)."""
+        """Whether a rank holding none of parameter ``index`` gets an empty
+        ``.grad`` (so every rank lists the same gradients): yes except under
+        ``"owned"`` (see [Note: used parameters])."""
         return self.layout.placements[index] != OWNED
 
     def _storage_device(self) -> torch.device:
@@ -274,12 +229,10 @@ class FlatBuffer:
                 and self.compute_device.type != "cpu")
 
     def _install(self, sharded: torch.Tensor) -> None:
-        """Make ``sharded`` the storage of the values and build everything
-        derived from it (dtypes, the unsharded buffer, views).
+        """Make ``sharded`` the values' storage and build what derives from it.
 
         Post-condition: sharded state; every parameter's ``.data`` is its
-        slice of ``sharded``.
-        """
+        slice of ``sharded``."""
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
@@ -290,22 +243,20 @@ class FlatBuffer:
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded
         self.is_meta: bool = sharded.is_meta
-        """The shards are still on the meta device (deferred init): set with
-        ``sharded``, which only :meth:`_install` replaces."""
+        """The shards are on the meta device (deferred init)."""
         self.aliased = is_aliased(self.group.world_size, dtypes,
                                   self.storage_device == self.compute_device)
         self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
-        """A reshard would only swap the module attributes back (no memory
-        is freed: the unsharded buffer is the shard, and no assembled copies
-        exist), so the reshard after forward is skipped (see
-        ``Unit.complete_forward``)."""
+        """A reshard would free no memory (aliased, no assembled copies), so
+        the reshard after forward is skipped (``Unit.complete_forward``)."""
         if self.is_meta:  # nothing to allocate until materialised (rebuild_after_conversion)
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
         elif self.aliased:
             self.unsharded = torch.empty(0, dtype=self.dtype, device=self.compute_device)
             with torch.no_grad():
-                self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,))
+                self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,),
+                                    (1,))
             self.unsharded.requires_grad_(self.requires_grad)
         else:
             self.unsharded = torch.empty(
@@ -319,7 +270,7 @@ class FlatBuffer:
         self._alias_versions = None
         if self._has_copies and not self.is_meta:  # see [Note: assembled copies]
             self._view_plan.make_copies(self.unsharded)
-        self._set_unsharded_views(self._build_unsharded_views())
+        self.slots.set_views(self._build_unsharded_views())
         if not self.aliased and not self.is_meta:
             self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
         self.is_unsharded = False
@@ -329,26 +280,17 @@ class FlatBuffer:
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
                 self._post_accumulate_grad is not None:
-            # Weak: the hook lives in the tensor's C++ hook list, an edge Python's
-            # garbage collector cannot see, so strong references from it back to
-            # this buffer (or its unit) would keep every unit, and the process
-            # group its ShardGroup holds, alive after the model is dropped.
+            # Weak: a C++ hook list is an edge the garbage collector cannot
+            # see; a strong reference would keep units and process groups alive.
             self.unsharded.register_post_accumulate_grad_hook(
                 _called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
-        """Per-parameter views of ``unsharded``, all made by one autograd
-        node (see [Note: one backward node per buffer] in
-        ``param_views.py``): a trainable parameter's view is differentiable,
-        a frozen one's is not; the node's backward tells the gradient which
-        parameters were used (see [Note: used parameters]). A parameter that
-        is not contiguous in the buffer (``ShardDim``, whose rows are dealt
-        as ``torch.chunk`` does) is assembled by a copy, as FSDP2 copies
-        every parameter out of its all-gather output, into a storage of
-        their own that is filled at every unshard (:meth:`complete_gather`)
-        and freed at every reshard, the same tensors every time ([Note:
-        assembled copies] in ``param_views.py``)."""
+        """Per-parameter views of ``unsharded``, made by one autograd node
+        ([Note: one backward node per buffer]): differentiable for trainable
+        parameters; a parameter not contiguous in the buffer (``ShardDim``)
+        is an assembled copy ([Note: assembled copies])."""
         if self.requires_grad:
             if torch.is_grad_enabled():  # every forward that records a graph: no context manager
                 views = self._differentiable_views()
@@ -373,9 +315,8 @@ class FlatBuffer:
         return list(views)
 
     def check_params_unmodified(self) -> None:
-        """Raise if forward changed a parameter in place (see [Note:
-        parameter aliases made once] in ``param_views.py``): called when a
-        forward pass that recorded a graph ends."""
+        """Raise if forward changed a parameter in place ([Note: parameter
+        aliases made once]); called at the end of a recorded forward."""
         recorded, self._alias_versions = self._alias_versions, None
         if recorded is None or tuple(map(_version_of, self._aliases)) == recorded:
             return
@@ -389,17 +330,15 @@ class FlatBuffer:
             "parameter between steps under torch.no_grad().")
 
     def _views_backward(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """The views' node is about to make a flat gradient from
-        ``param_grads`` (see [Note: used parameters] in ``flat_grad.py``)."""
+        """The views' node is about to make a flat gradient ([Note: used parameters])."""
         self.grad.mark_used(param_grads)
         if self._before_flat_gradient is not None:
             self._before_flat_gradient(self)
 
     def start_recorded_forward(self) -> bool:
-        """A forward that records a graph starts on this (unsharded) buffer:
-        :meth:`sync_requires_grad`, then, where some parameter trains,
-        :meth:`refresh_views`, in one call (once per unit and step). Returns
-        ``requires_grad``."""
+        """A recorded forward starts on this unsharded buffer:
+        :meth:`sync_requires_grad`, then :meth:`refresh_views` where some
+        parameter trains, in one call. Returns ``requires_grad``."""
         if tuple(map(_requires_grad, self._params)) == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
@@ -417,10 +356,9 @@ class FlatBuffer:
         return True
 
     def sync_requires_grad(self) -> None:
-        """Follow ``requires_grad`` changes the user made on the original
-        parameters since the last forward (freezing or unfreezing after
-        ``fully_shard``): a frozen parameter's view is detached, and the
-        buffer needs gradient memory only while some parameter trains."""
+        """Follow ``requires_grad`` changes of the original parameters since
+        the last forward: a frozen parameter's view is detached; the buffer
+        requires grad while some parameter trains."""
         flags = tuple(map(_requires_grad, self._params))
         if flags == self._param_requires_grad:
             self.grad.saw_forward = True
@@ -431,19 +369,17 @@ class FlatBuffer:
         self.requires_grad = any(flags)
         self.unsharded.requires_grad_(self.requires_grad)
         self._register_grad_hook()
-        self._set_unsharded_views(self._build_unsharded_views())
+        self.slots.set_views(self._build_unsharded_views())
         if self.is_unsharded:  # the module attributes hold the views of the new flags
             self.use_unsharded_views()
 
     def rebuild_after_conversion(self) -> bool:
-        """After ``module.to(dtype)`` / ``.double()`` / ``_apply``: the
-        parameters now hold converted copies of their slices (no longer views
-        of ``sharded``). Rebuild the storage from them in the new dtype and
-        point them back into it; their ``.grad`` follow. Returns whether
+        """After ``module.to(dtype)`` / ``_apply`` the parameters hold
+        converted copies of their slices: rebuild the storage from them and
+        point them (and their ``.grad``) back into it. Returns whether
         anything changed.
 
-        Pre-condition: sharded state (the caller resharded first).
-        """
+        Pre-condition: sharded state."""
         params = [r.param for r in self.records]
         if all(p.dtype == self.dtype and p.device == self.storage_device
                and (v.numel() == 0 or p.data_ptr() == v.data_ptr())
@@ -469,10 +405,8 @@ class FlatBuffer:
         grad = None
         if any(g is not None for g in grads):
             grad = torch.zeros_like(shard)
-        # Leaving the meta device (to_empty), the parameters hold uninitialised
-        # memory: keep the zeros, so that every replica holds the same values
-        # (materialize compares a unit's checksums across replicas even when
-        # some of its modules are initialised later, after another unit).
+        # Leaving the meta device the parameters hold uninitialised memory:
+        # keep the zeros, so replicas agree (materialize compares checksums).
         leaving_meta = self.is_meta
         for index, (param, g, s) in enumerate(zip(params, grads, self._slices)):
             if s.length and device.type != "meta" and not leaving_meta:
@@ -486,72 +420,22 @@ class FlatBuffer:
         self.grad.attach(grad, [g is not None for g in grads])
         return True
 
-    # ---------------------------------------------------- deferred initialisation
-    def _stored_to_full(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """A whole parameter (``flat``, in stored order) in its own shape."""
-        d = self._moved_dims[index]
-        view = flat.view(self.layout.stored_shapes[index])
-        return view.movedim(0, d) if d else view
-
-    def _whole_from(self, full: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index`` of ``full`` (a padded unsharded buffer): a view
-        where it is contiguous there, else an assembled copy."""
-        parts = [full.narrow(0, s.start, s.length) for s in self.layout.segments()
-                 if s.param_index == index]
-        return self._stored_to_full(parts[0] if len(parts) == 1 else torch.cat(parts), index)
-
-    def point_params_at(self, full: torch.Tensor) -> None:
-        """Make every original parameter's ``.data`` its view (original
-        shape) of ``full`` (from ``collective_queue.gather_values``), e.g. so that an
-        initialiser sees whole parameters (a contiguous copy for a ``Shard(d)``
-        parameter, written back by :meth:`keep_own_slice`)."""
-        for index, record in enumerate(self.records):
-            whole = self._whole_from(full, index)
-            if not self.layout.is_contiguous(index) or self._moved_dims[index]:
-                # a contiguous copy in the parameter's own dim order: random
-                # initialisers fill memory in order, so a movedim view would draw
-                # the same values into other positions than an eager build
-                whole = whole.contiguous()
-                self._assembled[index] = whole
-            record.param.data = whole
-
-    def keep_own_slice(self, full: torch.Tensor) -> None:
-        """Copy this rank's chunk of ``full`` into the shard and make the
-        parameters their local views of it again."""
-        for index, whole in self._assembled.items():  # copies handed out: write them back
-            flat = self._stored(whole, index).reshape(-1)
-            for s in self.layout.segments():
-                if s.param_index == index:
-                    full.narrow(0, s.start, s.length).copy_(
-                        flat.narrow(0, s.param_start, s.length))
-        self._assembled.clear()
-        start, end = self.layout.shard_range(self.group.rank)
-        with torch.no_grad():
-            self.sharded.copy_(full[start:end])
-        for record, view in zip(self.records, self._sharded_views):
-            record.param.data = view
-
     # -------------------------------------------------------------- unshard
-    # The all-gather itself is issued and waited by runtime/collective_queue.py:
-    # prepare_unshard before it, complete_gather after it.
     def prepare_unshard(self, coalescable: bool = False, defer_storage: bool = False
                         ) -> Optional[tuple[torch.Tensor, ShardGroup]]:
-        """Everything an all-gather needs before it is issued: the
-        unsharded storage holds memory again; returns what to all-gather
-        and over which group (``None``: nothing to gather). With
-        ``coalescable``, only a plain gather over the shard group qualifies
-        (a kept post-forward piece does not: ``None`` and nothing done).
-        With ``defer_storage`` the storage stays empty: the caller fills it
-        with :meth:`allocate_unsharded` before copying the values in (a
-        bucket's member, whose values arrive in the bucket's packed output).
-        The caller (``runtime/collective_queue.py``) then issues the
-        collective and, once it completed, calls :meth:`complete_gather`."""
+        """Before an all-gather: the unsharded storage holds memory again;
+        returns what to all-gather and over which group (``None``: nothing
+        to gather). ``coalescable``: only a plain gather over the shard
+        group qualifies (a kept post-forward piece does not). ``defer_storage``:
+        the storage stays empty for the caller to :meth:`allocate_unsharded`
+        (a bucket's member). The queue then issues the collective and calls
+        :meth:`complete_gather`."""
         if self.gathering is not None:
             return None  # already in flight: a prefetch got here first
         if self.aliased:
             if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
                 self.is_unsharded = True
-                self._swap_in_views()
+                self.slots.swap_in_views()
             return None
         if coalescable and self._post_forward is not None:
             return None
@@ -572,8 +456,7 @@ class FlatBuffer:
         return shard, group
 
     def allocate_unsharded(self) -> None:
-        """Give the empty unsharded storage its memory (from the staging
-        pool where there is one); its views stay valid (same storage)."""
+        """Give the unsharded storage its memory; its views stay valid."""
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
         if self.staging is not None:
             self.staging.fill(self.unsharded.untyped_storage(), nbytes)
@@ -590,11 +473,8 @@ class FlatBuffer:
         return ptrs
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's shard as the all-gather moves it: one copy to the
-        compute device and dtype (none without offload or mixed precision),
-        so the collective moves ``compute_dtype`` bytes. Over one rank the
-        "all-gather" is that copy. No side effect on the buffer (a bucket's
-        all-gather packs it for members that gather nothing themselves)."""
+        """This rank's shard in the compute dtype and device (the
+        collective moves ``compute_dtype`` bytes). No side effect."""
         if self.group.world_size == 1:
             return self.sharded
         return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
@@ -609,51 +489,12 @@ class FlatBuffer:
         unsafe_set_version_counter((self.unsharded,), (version,))
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
-        if self._has_copies:  # assembled from the values just gathered (see _build_unsharded_views)
+        if self._has_copies:  # assembled from the values just gathered
             self._view_plan.fill_copies(self.unsharded)
             if self._view_plan.copies_only:  # nothing reads the gathered values any more
                 self._release_unsharded_storage()
-            self._set_unsharded_views(self._build_unsharded_views())
-        self._swap_in_views()
-
-    def _swap_in_views(self) -> None:
-        """Sharded -> unsharded: every slot holds its original parameter (the
-        post-condition of :meth:`reshard` and of annotation) and gets its
-        view. A slot holding another ``nn.Parameter`` was written behind the
-        module API, which the late-parameter check does not see (see [Note:
-        the late-parameter fast check] in ``checks/late_parameters.py``):
-        an error, rather than overwriting it and putting the original back
-        at the next reshard."""
-        if not all(map(operator.is_, map(dict.get, self._slot_dicts, self._slot_names),
-                       self._slot_originals)):
-            self._check_not_replaced()
-        _consume(starmap(dict.update, self._views_by_module))
-
-    def _check_not_replaced(self) -> None:
-        """Raise if a slot holds an ``nn.Parameter`` other than its original
-        (anything else, e.g. a view left by an earlier unshard, is replaced)."""
-        for parameters, name, index in self._slots:
-            held = parameters.get(name)
-            if held is not self._params[index] and isinstance(held, nn.Parameter):
-                self._raise_replaced(parameters, name, index)
-
-    def _set_unsharded_views(self, views: list[torch.Tensor]) -> None:
-        """``views`` (by parameter index) are what an unshard puts in the slots."""
-        self._unsharded_views = views
-        by_module: dict[int, tuple[dict, dict]] = {}
-        for parameters, name, index in self._slots:
-            by_module.setdefault(id(parameters), (parameters, {}))[1][name] = views[index]
-        self._views_by_module = tuple(by_module.values())
-
-    def _raise_replaced(self, parameters: dict, name: str, index: int) -> None:
-        record = self.records[index]
-        module = next(m for m, attr in record.slots if m._parameters is parameters and attr == name)
-        raise RuntimeError(
-            f"parameter '{record.fqn}' (attribute '{name}' of {type(module).__name__}) was "
-            "replaced after fully_shard annotated it, by a write into _parameters; fully_shard "
-            "does not manage the new one, and would put the original back over it at the next "
-            "reshard. Register parameters before calling fully_shard; to give a parameter new "
-            "values, load them with model.load_state_dict().")
+            self.slots.set_views(self._build_unsharded_views())
+        self.slots.swap_in_views()
 
     @property
     def is_gathering(self) -> bool:
@@ -661,8 +502,7 @@ class FlatBuffer:
 
     @property
     def is_stale(self) -> bool:
-        """Whether the sharded values changed (e.g. an optimizer step) since
-        the unsharded copy was gathered."""
+        """The sharded values changed (a step) since the unsharded copy was gathered."""
         return self.is_unsharded and not self.aliased and \
             self._versions_at_unshard != self._param_versions()
 
@@ -670,29 +510,24 @@ class FlatBuffer:
         return tuple(r.param._version for r in self.records)
 
     def refresh_views(self) -> None:
-        """Build new per-parameter views for a forward that records a graph
-        (see the note above) and point the module attributes at them (where
-        the new node hands out the buffer's aliases, :meth:`start_recorded_forward`
-        makes only the node: see [Note: parameter aliases made once] in
-        ``param_views.py``).
+        """New per-parameter views (a new node) for a recorded forward, put
+        in the module attributes.
 
         Pre-condition: unsharded, grad mode on, ``requires_grad``."""
-        self._set_unsharded_views(self._build_unsharded_views())
+        self.slots.set_views(self._build_unsharded_views())
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        _consume(starmap(dict.update, self._views_by_module))
+        consume(starmap(dict.update, self.slots.views_by_module))
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
-        with ``keep_for_backward`` (a group of ``k`` ranks of the shard
-        group), first keep this rank's ``1/k`` of the unsharded values, so
-        that the next unshard gathers from those ``k`` ranks only.
+        with ``keep_for_backward`` (``k`` ranks of the shard group), first
+        keep this rank's ``1/k`` for the next unshard to gather from.
 
         Post-condition: not ``is_unsharded``; ``unsharded`` and the
-        assembled copies hold no storage; every slot holds its original
-        ``nn.Parameter``.
-        """
+        assembled copies hold no storage (unless aliased); every slot holds
+        its original ``nn.Parameter``."""
         if self.gathering is not None:
             self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
@@ -706,7 +541,7 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        _consume(starmap(dict.update, self._originals))
+        consume(starmap(dict.update, self.slots.originals))
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
@@ -715,8 +550,7 @@ class FlatBuffer:
         self._release_unsharded_storage()
 
     def _release_unsharded_storage(self) -> None:
-        """Free the unsharded storage's memory (into the staging pool where
-        there is one); its views stay valid (same storage)."""
+        """Free the unsharded storage's memory; its views stay valid."""
         if self.staging is not None:
             self.staging.drain(self.unsharded.untyped_storage())
         else:
@@ -737,24 +571,18 @@ class FlatBuffer:
 
 _requires_grad = operator.attrgetter("requires_grad")
 _version_of = operator.attrgetter("_version")
-_consume = deque(maxlen=0).extend
-"""Run an iterator to its end in C (``_consume(starmap(dict.update, pairs))``:
-one ``update`` per module without a Python-level loop)."""
 
 
 def _called_weakly(fn: Callable[[Any], Any],
                    bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
-    """``fn`` (a bound method: weakly; anything else as is), called with the
-    same argument while its object lives and while the argument is not
-    ``None``; a no-op after. With ``bound`` (a weak reference), ``fn`` is
-    called with ``bound()`` instead, whatever the call's own argument (a
-    hook's tensor). For hooks that autograd stores in C++, where a strong
-    reference back to a buffer makes a cycle Python cannot collect. (The
-    object's weak reference and the plain function, rather than a
-    ``WeakMethod`` and a wrapper, whose Python-level calls run once per unit
-    and step.)"""
+    """``fn`` (a bound method: held weakly), called with the same argument
+    while its object lives and the argument is not ``None``; with ``bound``
+    (a weak reference), called with ``bound()`` instead. For hooks autograd
+    stores in C++, where a strong reference back makes a cycle Python cannot
+    collect. (A weak reference and the plain function: one Python call per
+    hook, where ``WeakMethod`` adds one.)"""
     owner = getattr(fn, "__self__", None)
-    ref, function = (weakref.ref(owner), fn.__func__) if owner is not None else \
+    ref, function = (weakref.ref(owner), getattr(fn, "__func__")) if owner is not None else \
         ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
 
     def call(arg):

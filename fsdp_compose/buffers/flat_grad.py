@@ -2,58 +2,80 @@
 chunk into the sharded gradient, and handing it to the original parameters
 (the reduce-scatter itself is issued by ``runtime/collective_queue.py``).
 
-A :class:`FlatGradient` belongs to one ``flat_buffer.FlatBuffer``
-(its ``owner``) and owns every tensor that holds that buffer's gradients
-between autograd and the optimizer:
+A :class:`FlatGradient` belongs to one ``flat_buffer.FlatBuffer`` (its
+``owner``) and owns every tensor that holds that buffer's gradients between
+autograd and the optimizer. ``S`` = ``owner.layout.shard_numel``.
 
-* the *unreduced* gradient: what autograd accumulated in ``owner.unsharded.grad``,
-  plus, when accumulating without sync in a lower compute precision, a
-  ``reduce_dtype`` accumulator (so micro-batches are summed in the reduce
-  dtype, not in bf16), cast to ``reduce_comm_dtype`` only for the collective;
-* the reduction in flight (``reducing``: issued, not waited; set and
-  cleared by the collective queue);
-* the *reduced* sharded gradient: full precision, ``S`` elements. Until it
-  is published it is held here; once published, the parameters' ``.grad``
-  view it, and the library keeps it and its views for the next reduction
-  to write into once nobody else holds them (``kept_gradient.py``, [Note:
-  the kept sharded gradient]; its memory is given back by ``zero_grad``,
-  else at the next forward). Where it is not kept (pinned memory, or a torch that cannot
-  count uses), only the ``.grad`` views keep it alive (a weak reference
-  here), so ``zero_grad(set_to_none=True)`` frees it.
+[Note: the states of a flat gradient]
+The first three states are one reduction's, in order; the last three are
+the published gradient's, which lives on beside the next backward's
+unreduced one (so a gradient is in at most one of each group, e.g.
+unreduced and kept). :meth:`FlatGradient.assert_consistent` checks what
+the table says is true.
+
+============= ==================================== ====================================
+state         what is true                         moved by
+============= ==================================== ====================================
+*unreduced*   ``owner.unsharded.grad``             autograd (enters);
+              (``padded_numel`` elements, where    ``stash_unreduced`` moves it into
+              autograd accumulates) and/or         ``_accumulated``;
+              ``_accumulated`` (``reduce_dtype``,  ``take_for_reduce`` takes it (->
+              only where it differs from           reducing); ``fold_unreduced`` (one
+              ``compute_dtype``: micro-batches     rank) -> unpublished;
+              summed there, not in bf16);          ``discard_unreduced`` /
+              ``has_unreduced``                    ``discard_iteration`` drop it
+*reducing*    ``reducing`` is the collective in    the queue sets ``reducing`` after
+              flight (the reduce-scatter, then the ``take_for_reduce``; completion
+              replicas' all-reduce); ``_subset``   clears it and calls ``fold`` (->
+              is its packing                       unpublished) or ``hold_partial``
+                                                   (into ``_partial``); ``settle``
+                                                   waits it
+*unpublished* ``_unpublished``: ``S`` elements in  ``fold`` (enters, adds to it);
+              the parameters' dtype on             ``publish`` -> published or kept;
+              ``storage_device``;                  ``discard_iteration`` and ``attach``
+              ``_kept_unread``: the ``.grad`` are  drop it
+              still to be added ([Note: reading
+              .grad at publication])
+*published*   ``_published`` (weak) is the         ``publish`` where it is not kept
+              gradient the ``.grad`` views point   (pinned memory, or no
+              into; ``_kept is None``: only those  ``CAN_COUNT_USES``); ``attach``
+              views keep it alive
+*kept*        ``_kept.base`` is ``_published()``,  ``publish``; ``reduce_output`` /
+              its ``.grad`` views made once        ``fold`` write into it while free;
+              ([Note: the kept sharded gradient]); ``fold`` leaves it to a user who
+              its storage holds ``_kept.nbytes``   holds it (``_kept = None``)
+*released*    kept and ``_kept.released``: its     ``release_if_free`` (``zero_grad``,
+              storage holds 0 bytes and nothing    the root's pre-forward); ``reclaim``
+              holds it                             / ``take_memory_of`` -> kept
+============= ==================================== ====================================
 
 [Note: used parameters]
 The flat gradient holds zeros for a parameter nobody used, so it cannot say
-which parameters took part in a backward. The backward of the buffer's views
-(one node per buffer per forward, ``param_views.py``) sees which parameters
-received a gradient and marks them *used*. One process gives ``.grad is None`` to a parameter
-that took no part in any backward since the gradients were cleared, and
+which parameters took part in a backward. The backward of the buffer's
+views (``param_views.py``) sees which parameters received a gradient and
+marks them *used*. One process gives ``.grad is None`` to a parameter that
+took no part in any backward since the gradients were cleared, and
 optimizers with weight decay or momentum skip it; so do we. Which
 parameters were used is the union over ranks (one process sees the global
 batch), so publication all-reduces the flags once per backward for the
 whole model (``runtime/end_of_backward.py``). A parameter used somewhere
 gets a ``.grad`` on every rank, an empty one where the rank holds none of
 it (``(0,)`` under ``"flat"``, ``(0, *rest)`` under ``"rows"``), so every
-rank's optimizer holds state for the same parameters and
-``[p.grad for p in params if p.grad is not None]`` agrees across ranks.
-Under ``"owned"`` a non-owner keeps ``.grad is None``: its optimizer skips
-the parameter and holds no state for it, which is what lets a matrix
-optimizer (Muon) run on whole matrices, each on one rank.
+rank's optimizer holds state for the same parameters. Under ``"owned"`` a
+non-owner keeps ``.grad is None``: its optimizer holds no state for it, so
+a matrix optimizer (Muon) runs on whole matrices, each on one rank.
 
 [Note: reading .grad at publication]
 A reduction adds to what the parameters' ``.grad`` hold (accumulation
-across steps without ``zero_grad``), so the first reduction after a
-publication must know whether any owned parameter still has a ``.grad``.
-Where the published sharded gradient is still alive (a ``.grad`` views it,
-or the user holds it), the reduction reads them and adds at once, as the
-gradient arrives: its new chunk is freed right away (the memory FSDP2
-keeps in that case too). Where it died (``zero_grad(set_to_none=True)``
-dropped every view, the common case), the only ``.grad`` left could be
-tensors the user assigned; the reduction then keeps its chunk as it is,
-and publication, which writes every ``.grad`` anyway, reads them first
-and adds them in. Reading every parameter's ``.grad`` at each reduction
-cost more than the rest of it on the host-cost proxy (objects last
-touched by the optimizer, a step ago); at publication they are about to
-be written.
+across steps without ``zero_grad``). Where the published sharded gradient
+is still alive (a ``.grad`` views it, or the user holds it), the reduction
+adds into it as the gradient arrives and frees its new chunk at once.
+Where it died (``zero_grad(set_to_none=True)``, the common case), the only
+``.grad`` left could be tensors the user assigned; the reduction keeps its
+chunk, and publication, which writes every ``.grad`` anyway, reads them
+first and adds them in: reading every parameter's ``.grad`` at each
+reduction touches objects a step old, which costs more host time than the
+rest of the reduction.
 """
 
 from __future__ import annotations
@@ -72,14 +94,13 @@ from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
 from .kept_gradient import KeptGradient
 from .layout import FlatLayout, ShardSlice
-from .reduce_subset import ReduceSubset, plan_subset
+from .reduce_subset import ReduceSubset, SubsetPlans
 from .records import ParamRecord
 
 
 class GradientOwner(Protocol):
-    """What a :class:`FlatGradient` reads of the flat buffer that owns it
-    (``flat_buffer.FlatBuffer``; a protocol, so that the buffer module
-    imports this one and not the other way round)."""
+    """What a :class:`FlatGradient` reads of its ``flat_buffer.FlatBuffer``
+    (a protocol: the buffer module imports this one, not the other way)."""
 
     records: list[ParamRecord]
     group: ShardGroup
@@ -106,9 +127,8 @@ class GradientOwner(Protocol):
 
 
 class PendingCollective(Protocol):
-    """A collective in flight (``runtime/collective_queue.InFlight``), as a
-    buffer sees it: something to wait (completing ``member``, default every
-    member) or to discard."""
+    """A collective in flight (``runtime/collective_queue.InFlight``): to
+    wait (completing ``member``, default every member) or to discard."""
 
     def wait(self, member: Optional[object] = None) -> None: ...
 
@@ -129,7 +149,7 @@ class ReduceOptions(NamedTuple):
 
 
 class FlatGradient:
-    """Gradient state of one flat buffer (see the module docstring)."""
+    """Gradient state of one flat buffer ([Note: the states of a flat gradient])."""
 
     __slots__ = ('owner', 'reducing', 'saw_forward', 'used', '_accumulated',
                  '_current_training', '_every_param_receives', '_keeps', '_kept',
@@ -151,15 +171,13 @@ class FlatGradient:
         under hybrid sharding then its all-reduce over the replicas (set
         and cleared by the collective queue)."""
         self._unpublished: Optional[torch.Tensor] = None
+        """The reduced sharded gradient, not yet given to the parameters."""
         self._partial: Optional[torch.Tensor] = None
         """Hybrid sharding with ``set_requires_all_reduce(False)``: the sum of
-        the reduce-scatter outputs not all-reduced over the replicas yet
-        (the whole shard chunk, in the collective's dtype)."""
-        """The reduced sharded gradient, not yet given to the parameters."""
+        the reduce-scatter outputs not all-reduced over the replicas yet."""
         self._kept_unread: bool = False
-        """``_unpublished`` was started without reading the parameters'
-        ``.grad``: publication adds what they hold then (see [Note: reading
-        .grad at publication])."""
+        """Publication adds the parameters' ``.grad`` to ``_unpublished``
+        ([Note: reading .grad at publication])."""
         self._published: Optional[weakref.ref] = None
         """The sharded gradient the parameters' ``.grad`` views point into."""
         self._keeps: bool = CAN_COUNT_USES
@@ -182,7 +200,7 @@ class FlatGradient:
         self.saw_forward: bool = False
         """A forward that records a graph ran since the last reduction (set by
         the buffer at every such forward)."""
-        self._subsets: dict[tuple[bool, ...], Optional[ReduceSubset]] = {}
+        self._subsets: SubsetPlans = SubsetPlans(owner.layout, owner.group.rank)
         self._subset: Optional[ReduceSubset] = None
         """The packing of the reduction in flight (``None``: the whole shard)."""
 
@@ -229,10 +247,9 @@ class FlatGradient:
         self._accumulated = None
 
     def discard_iteration(self) -> None:
-        """Forget what an iteration that raised left here (``reset_iter_state``):
-        wait out its reduce-scatter (the collective still reads and writes
-        our tensors) and drop the result, the unreduced gradient, no-sync
-        accumulation and the used flags. Published ``.grad`` stays.
+        """Forget what an iteration that raised left here: wait out its
+        reduction (it still reads and writes our tensors), drop it, the
+        unreduced gradient and the used flags. Published ``.grad`` stays.
 
         Post-condition: nothing pending, unreduced or unpublished."""
         if self.reducing is not None:
@@ -251,9 +268,8 @@ class FlatGradient:
         return self.reducing is not None
 
     def settle(self) -> None:
-        """Wait the reduction in flight, if any, to its end (under hybrid
-        sharding the replica all-reduce it issues too): its chunk is folded
-        into the unpublished sharded gradient."""
+        """Wait the reduction in flight (and the replica all-reduce it
+        issues) to its end: reducing -> unpublished."""
         while self.reducing is not None:
             flight = self.reducing
             flight.wait()
@@ -261,9 +277,8 @@ class FlatGradient:
                 self.reducing = None
 
     def take_for_reduce(self) -> Optional[torch.Tensor]:
-        """The unreduced flat gradient in the dtype the reduce-scatter moves
-        (``None``: no gradient reached the buffer); nothing unreduced is
-        left here.
+        """Unreduced -> taken: the flat gradient in the dtype the
+        reduce-scatter moves (``None``: no gradient reached the buffer).
 
         Pre-condition: no reduction in flight (:meth:`settle`)."""
         owner = self.owner
@@ -272,17 +287,14 @@ class FlatGradient:
         if self._trained_before_change is not None:
             training = tuple(a or b for a, b in zip(self._trained_before_change, training))
         self._trained_before_change, self.saw_forward = None, False
-        subset = self._subsets.get(training, _UNPLANNED)  # _subset_for, without its call
-        self._subset = self._subset_for(training) if subset is _UNPLANNED else subset
+        self._subset = self._subsets[training]
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
         flat = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
         return flat if flat is None or self._subset is None else self._subset.pack(flat)
 
     def fold_unreduced(self, options: ReduceOptions) -> None:
-        """One rank and no replica: the unreduced flat gradient is the
-        reduced one; fold it in (:meth:`take_for_reduce` then :meth:`fold`,
-        without packing the parameters that train, which only saves bytes
-        on a wire there is none of).
+        """One rank and no replica: unreduced -> unpublished, without packing
+        (:meth:`take_for_reduce` then :meth:`fold`).
 
         Pre-condition: no reduction in flight."""
         self._trained_before_change, self.saw_forward = None, False
@@ -292,27 +304,19 @@ class FlatGradient:
 
     @property
     def reduce_chunk(self) -> int:
-        """Elements per rank of the reduce-scatter that :meth:`take_for_reduce`
-        prepared: the shard, or the packed chunk of the parameters that train
-        (see [Note: reducing a subset of a buffer])."""
+        """Elements per rank of the prepared reduce-scatter ([Note: reducing
+        a subset of a buffer])."""
         return self.owner.layout.shard_numel if self._subset is None else self._subset.chunk
 
     def note_training(self, flags: Sequence[bool]) -> None:
-        """The parameters' ``requires_grad`` changed to ``flags`` (at a
-        forward, before it runs): the next reduction moves the parameters
-        that trained at any forward since the last one."""
+        """The parameters' ``requires_grad`` changed to ``flags`` at a
+        forward: the next reduction moves those that trained at any forward
+        since the last one."""
         if self.saw_forward:
             before = self._trained_before_change or self._current_training
             self._trained_before_change = tuple(
                 a or b for a, b in zip(before, self._current_training))
         self._current_training = tuple(flags)
-
-    def _subset_for(self, training: tuple[bool, ...]) -> Optional[ReduceSubset]:
-        subset = self._subsets.get(training, _UNPLANNED)
-        if subset is _UNPLANNED:
-            owner = self.owner
-            subset = self._subsets[training] = plan_subset(owner.layout, training, owner.group.rank)
-        return subset
 
     def hold_partial(self, output: torch.Tensor) -> None:
         """Keep a reduce-scatter's ``output`` for a later all-reduce over the
@@ -364,11 +368,9 @@ class FlatGradient:
             self._unpublished = self._adopt(output)
 
     def _adopt(self, output: torch.Tensor) -> torch.Tensor:
-        """A sharded gradient holding ``output``: the kept one (free here,
-        see :meth:`fold`; taking ``output``'s memory where it can, else a
-        copy), else ``output`` itself where it is in the parameters' dtype
-        and device (and, where gradients are kept, its memory exactly),
-        else a copy."""
+        """A sharded gradient holding ``output``: the kept one (free here),
+        else ``output`` itself where dtype, device (and memory, where kept)
+        fit, else a copy."""
         owner = self.owner
         kept = self._kept
         matches = output.dtype == owner.dtype and output.device == owner.storage_device
@@ -386,10 +388,9 @@ class FlatGradient:
         return grad
 
     def reduce_output(self, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-        """The kept gradient, for the reduce-scatter of :meth:`take_for_reduce`
-        to write into (``None``: allocate one): where it is free and is what
-        :meth:`fold` would write the whole chunk into, in the collective's
-        ``dtype`` on its ``device`` (see [Note: the kept sharded gradient])."""
+        """The kept gradient for the reduce-scatter to write into, where it is
+        free and what :meth:`fold` would write the whole chunk into
+        (``None``: allocate one)."""
         kept = self._kept
         owner = self.owner
         if kept is None or self._unpublished is not None or self._subset is not None or \
@@ -398,12 +399,8 @@ class FlatGradient:
         return kept.reclaim()
 
     def release_if_free(self) -> None:
-        """Give back the kept gradient's memory where nobody holds it
-        (``zero_grad(set_to_none=True)`` ran): called by ``zero_grad``
-        (``gradients/torch_zero_grad.py``, ``ShardedModule.zero_grad``) and at the
-        root's pre-forward, so that between steps, and in the step's forward
-        and backward, no more is held than when each reduction made a new
-        gradient."""
+        """Kept -> released where nobody holds it (called by ``zero_grad``
+        and the root's pre-forward)."""
         kept = self._kept
         if kept is None or kept.released or self._unpublished is not None or \
                 self.reducing is not None:
@@ -412,10 +409,8 @@ class FlatGradient:
             kept.release()
 
     def _kept_gradient(self) -> Optional[torch.Tensor]:
-        """What the parameters' ``.grad`` hold now as one sharded gradient (a
-        new reduction adds to it): the published one as the user left it,
-        or a new one holding their tensors; ``None`` where every owned
-        parameter's ``.grad`` was cleared (start anew)."""
+        """What the parameters' ``.grad`` hold now as one sharded gradient
+        for a reduction to add to (``None``: every owned ``.grad`` cleared)."""
         owner = self.owner
         owned = self._owned
         if all(map(operator.is_, map(_grad_of, self._owned_params), repeat(None))):
@@ -447,11 +442,10 @@ class FlatGradient:
         return None if self._published is None else self._published()
 
     def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
-        """Point each parameter's ``.grad`` at its slice of the reduced
-        gradient: those ``used`` on some rank, and those that had a gradient
-        already (accumulation); the others keep ``None``. Returns the
-        parameters used in this reduction (their post-accumulate-grad hooks
-        are due).
+        """Unpublished -> published or kept: each parameter ``used`` on some
+        rank, or with a ``.grad`` already, gets its slice as ``.grad``; the
+        others keep ``None``. Returns the used ones (their
+        post-accumulate-grad hooks are due).
 
         Pre-condition: no reduction in flight (:meth:`settle`).
         """
@@ -467,6 +461,7 @@ class FlatGradient:
         self._published = weakref.ref(grad)
         owner = self.owner
         kept = self._kept
+        views: Sequence[torch.Tensor]
         if kept is not None and grad is kept.base:
             views = kept.views
         elif self._keeps and not owner.pin_memory and _owns_its_memory(grad):
@@ -491,6 +486,47 @@ class FlatGradient:
                 param.grad = view
         return fresh
 
+    def assert_consistent(self) -> None:
+        """Assert what [Note: the states of a flat gradient] says is true of
+        the states the gradient is in now (a broken transition fails here;
+        tests call it between steps)."""
+        owner = self.owner
+        rank = f"rank {owner.group.rank} of {owner.group.world_size}, {owner!r}"
+        shard = owner.layout.shard_numel
+        unreduced = owner.unsharded.grad
+        assert unreduced is None or unreduced.shape == owner.unsharded.shape, (
+            f"{rank}: unreduced gradient of shape {tuple(unreduced.shape)}")
+        accumulated = self._accumulated
+        assert accumulated is None or (
+            accumulated.dtype == owner.reduce_dtype != owner.compute_dtype
+            and accumulated.numel() == owner.layout.padded_numel), (
+            f"{rank}: no-sync accumulator {accumulated.dtype} of {accumulated.numel()} elements")
+        unpublished = self._unpublished
+        assert unpublished is None or (
+            unpublished.numel() == shard and unpublished.dtype == owner.dtype
+            and unpublished.device == owner.storage_device), (
+            f"{rank}: unpublished gradient {unpublished.dtype} of {unpublished.numel()} "
+            f"elements on {unpublished.device}")
+        assert not self._kept_unread or unpublished is not None, (
+            f"{rank}: .grad to add at publication but nothing unpublished")
+        kept = self._kept
+        if kept is not None:
+            assert self._keeps and self._published is not None and \
+                self._published() is kept.base, f"{rank}: kept gradient is not the published one"
+            assert kept.base.numel() == shard and len(kept.views) == len(owner.records), (
+                f"{rank}: kept gradient of {kept.base.numel()} elements, {len(kept.views)} views")
+            nbytes = kept.storage.nbytes()
+            assert nbytes == (0 if kept.released else kept.nbytes), (
+                f"{rank}: kept gradient's storage holds {nbytes} bytes "
+                f"({'released' if kept.released else 'not released'})")
+        published = self.sharded_grad
+        for param, index in self._owned:
+            grad = param.grad
+            assert grad is None or published is None or grad.shape == \
+                owner.local_view(published, index).shape, (
+                f"{rank}: '{owner.records[index].fqn}'.grad has shape {tuple(grad.shape)}")
+        assert len(self.used) == len(owner.records), f"{rank}: {len(self.used)} used flags"
+
     def attach(self, grad: Optional[torch.Tensor], has_grad: Sequence[bool]) -> None:
         """Adopt ``grad`` (``S`` elements, the parameters' dtype and device)
         as the published sharded gradient of the parameters flagged in
@@ -507,7 +543,6 @@ class FlatGradient:
 
 
 _grad_of = operator.attrgetter("grad")
-_UNPLANNED = object()  # a ``_subsets`` key not planned yet (``None`` is a plan: the whole shard)
 
 
 def _owns_its_memory(tensor: torch.Tensor) -> bool:

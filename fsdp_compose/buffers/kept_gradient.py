@@ -3,13 +3,10 @@ views made into it once (see [Note: the kept sharded gradient]).
 
 [Note: the kept sharded gradient]
 Publication points each parameter's ``.grad`` at a view of the reduced
-sharded gradient. Making those views (one ``as_strided`` or ``split`` piece
-per parameter) and a new sharded gradient at every step cost about 15 µs of
-host time per unit and step on the host-cost proxy (``python -m
-benchmarks.host_cost.ab``, paired against the version without it): the largest per-unit cost left
-that the unsharded model does not pay.
-So the library keeps the last sharded gradient and its views, and the next
-reduction writes into it, where nobody else can see it:
+sharded gradient. Making those views and a new sharded gradient at every
+step is host time per unit and step the unsharded model does not pay, so
+the library keeps the last sharded gradient and its views, and the next
+reduction writes into it where nobody else can see it:
 
 * *free*: nothing but the library references the views or the memory under
   them. :class:`KeptGradient` counts every kind of holder: Python references
@@ -17,31 +14,22 @@ reduction writes into it, where nobody else can see it:
   (``Tensor._use_count``: a parameter's ``.grad``, an autograd graph, a
   DLPack capsule) and other tensors on the memory (the storage's use count:
   ``p.grad.detach()``, a slice, a NumPy array of it). Each adds to
-  :meth:`KeptGradient.holders`, which is at its baseline (taken when only
-  the library held the views) exactly when the gradient is free. A holder
-  of the flat base tensor itself (``p.grad._base``, nothing the library
-  hands out) is not counted.
-* *in use*: a ``.grad`` still views it (no ``zero_grad``, or
-  ``zero_grad(set_to_none=False)``), or the user holds a piece of it. The
-  next reduction then adds to it as before (accumulation), or, where every
-  ``.grad`` was cleared but something else holds it, writes into a new
-  gradient and the old one is left to its holders.
-* *released*: free right after ``optimizer.zero_grad()`` or
-  ``model.zero_grad()`` (``gradients/torch_zero_grad.py``, ``ShardedModule.zero_grad``),
-  or at the root's next pre-forward (any other way of clearing ``.grad``),
-  its memory is given back (the storage resized to 0 bytes; the views stay,
-  pointing at nothing). The next reduction resizes it and the reduce-scatter writes
-  every element; over one rank, where nothing is communicated, the storage
-  takes the memory of the flat gradient autograd made instead (a swap of
-  data pointers, :meth:`KeptGradient.take_memory_of`; a copy on torch
-  2.11, which cannot swap).
-  So between steps the memory is what it was when each step made a new
-  gradient (FSDP2's); only ``.grad`` cleared by other means than
-  ``zero_grad`` keeps its memory until the next forward.
+  :meth:`KeptGradient.holders`, which is at its baseline exactly when the
+  gradient is free (a holder of ``p.grad._base`` is not counted).
+* *in use*: a ``.grad`` still views it (``zero_grad(set_to_none=False)``),
+  or the user holds a piece of it. The next reduction adds to it
+  (accumulation), or, where every ``.grad`` was cleared but something else
+  holds it, writes into a new gradient and leaves the old one to its holders.
+* *released*: free right after ``zero_grad`` (``gradients/torch_zero_grad.py``,
+  ``ShardedModule.zero_grad``) or at the root's next pre-forward, its
+  storage is resized to 0 bytes (the views stay). The next reduction
+  resizes it and the reduce-scatter writes every element; over one rank
+  the storage takes the memory of autograd's flat gradient instead
+  (:meth:`KeptGradient.take_memory_of`; a copy where torch cannot swap).
+  So between steps the memory is what a new gradient per step would hold.
 
 Only where torch counts uses (``_torch_private.CAN_COUNT_USES``) and the
-gradient lives in pageable or device memory (not pinned: CPU offload makes
-a new gradient at every step, as before).
+gradient is not in pinned memory (CPU offload makes a new one per step).
 """
 
 from __future__ import annotations

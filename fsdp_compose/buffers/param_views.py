@@ -2,57 +2,47 @@
 
 [Note: one backward node per buffer]
 Forward reads each original parameter through a view of the unsharded flat
-buffer (``flat_buffer.py``). Built from differentiable ``split`` + ``view``
-calls, every parameter costs a ``ViewBackward`` node and the buffer a
-``SplitWithSizesBackward`` node in every backward, plus a dozen Python-level
-view calls per forward: host time per unit per step that the unsharded
-model does not pay (its parameters are leaves). :class:`SplitIntoParams`
-makes the same views in one custom autograd node instead: its forward cuts
-the buffer into the parameters' shapes without recording anything, and its
-backward receives every parameter's gradient at once (``None`` for a view no
-computation used, which is how the buffer learns which parameters were used)
-and concatenates them in the buffer's order into one flat gradient, exactly
-what ``SplitWithSizesBackward`` computed (zeros for padding and unused
-parameters), which autograd then accumulates into the buffer's ``.grad``.
-
-Outputs share the buffer's storage (zero copy), except for a parameter
-that is not one contiguous run of the buffer (``ShardDim``): its output is
-an assembled copy of its pieces (see [Note: assembled copies]). Frozen
-parameters' outputs are non-differentiable.
+buffer (``flat_buffer.py``). Made by differentiable ``split`` + ``view``,
+every parameter would cost a ``ViewBackward`` node and the buffer a
+``SplitWithSizesBackward`` in every backward, host time per unit and step
+the unsharded model (whose parameters are leaves) does not pay.
+:class:`SplitIntoParams` makes the same views in one custom node: its
+forward cuts the buffer into the parameters' shapes without recording
+anything; its backward receives every parameter's gradient at once
+(``None`` for an unused view: how the buffer learns which parameters were
+used) and concatenates them in the buffer's order into one flat gradient
+(zeros for padding and unused parameters), which autograd accumulates into
+the buffer's ``.grad``. Outputs share the buffer's storage, except a
+parameter that is not one run of the buffer (``ShardDim``: an assembled
+copy). Frozen parameters' outputs are non-differentiable.
 
 [Note: assembled copies]
-The buffer's parameters that are not one run of it are copied, at every
-unshard, into one storage of their own (each parameter's pieces in order,
-one parameter after the other), which the buffer resizes to nothing when it
-reshards, as it does the unsharded storage: like FSDP2's unsharded
-parameters. Where every parameter of the buffer is such a copy, the
-gathered buffer's own memory is released as soon as the copies are filled,
-as FSDP2 frees its all-gather output once copied out (a piece kept for
-backward under ``reshard_after_forward=k`` is then read back from the
-copies). Their outputs are made once on that storage (as the aliases
-below), so a copy autograd saved in forward holds no memory between the
-reshard after forward and the all-gather of backward, which fills the
-same storage again before any node of the unit reads it. New copies at
-each unshard would each keep a whole copy of the parameters alive from
-forward to backward. The values are written through a tensor of their own
-(:meth:`ViewPlan.fill_copies`), so the outputs' version counters, which
-autograd checks, do not move.
+A buffer's parameters that are not one run of it are copied, at every
+unshard, into one storage of their own, which the buffer resizes to nothing
+when it reshards, as it does the unsharded storage. Where every parameter
+is such a copy, the gathered buffer's memory is released as soon as the
+copies are filled (a piece kept for backward under
+``reshard_after_forward=k`` is then read back from the copies). Their
+outputs are made once on that storage (as the aliases below), so a copy
+autograd saved in forward holds no memory between the reshard after
+forward and backward's all-gather, which fills the same storage again
+before any node reads it; new copies per unshard would each keep a whole
+copy alive from forward to backward. The values are written through a
+tensor of their own (:meth:`ViewPlan.fill_copies`), so the outputs' version
+counters, which autograd checks, do not move.
 
 [Note: parameter aliases made once]
-Making a dozen views per buffer and forward (``as_strided``, each with
-autograd's view bookkeeping) was the largest single host cost of a unit's
-forward. Where every parameter is one run of the buffer and all of them
-train (the common case), the buffer instead makes its outputs once, at
-installation (:meth:`ViewPlan.aliases`): plain tensors set on the unsharded
-storage, which is the same storage object for the buffer's life (resharding
-resizes it, the staging pool swaps its memory in place), so they read
-whatever it holds. Each forward's node returns those same tensors; autograd
-points their ``grad_fn`` at the new node, and the graphs of earlier forwards
-keep their own edges. They are not views in autograd's sense, so autograd
-would let an in-place change of one pass (where it refuses for a view made
-by a custom function): the buffer checks their version counters at the
-end of each forward pass and raises, naming the parameter
-(``FlatBuffer.check_params_unmodified``).
+Where every parameter is one run of the buffer and all of them train (the
+common case), the buffer makes its outputs once, at installation
+(:meth:`ViewPlan.aliases`): plain tensors set on the unsharded storage,
+which is the same storage object for the buffer's life, so they read
+whatever it holds; a dozen views per buffer and forward would be the
+largest host cost of a unit's forward. Each forward's node returns those
+tensors; autograd points their ``grad_fn`` at the new node, and earlier
+graphs keep their own edges. They are not views in autograd's sense, so
+autograd would let an in-place change of one pass: the buffer checks their
+version counters at the end of each forward and raises, naming the
+parameter (``FlatBuffer.check_params_unmodified``).
 """
 
 from __future__ import annotations

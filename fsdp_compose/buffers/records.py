@@ -159,13 +159,10 @@ def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord
                         world_size: int) -> list[ParamRecord]:
     """The default placement's rule: ``candidates`` (``"rows"`` by default,
     not by the user's choice) stay ``"rows"`` unless their buffer would pad
-    more than :data:`ROWS_EXTRA_PADDING` beyond ``"flat"``. A parameter is
-    one contiguous range of the unsharded buffer, so rank boundaries inside
-    several parameters must fall on the rows of each; with rows of unrelated
-    sizes (``(64, 299)`` next to ``(64, 300)``) or few wide rows
-    (``(1, 197, 768)``) every chunk grows. Then the candidates with the
-    widest rows become ``"flat"``, widest first, until the padding fits.
-    Returns the parameters made ``"flat"``."""
+    more than :data:`ROWS_EXTRA_PADDING` beyond ``"flat"`` (rows of
+    unrelated sizes, or few wide rows, grow every chunk); then the widest
+    become ``"flat"``, widest first, until the padding fits. Returns the
+    parameters made ``"flat"``."""
     wanted = {id(r) for r in candidates}
     flattened: list[ParamRecord] = []
     for group in group_records(records):
@@ -214,23 +211,18 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
                        world_size: int) -> list[ParamRecord]:
     """The default placement's rule on a CPU mesh: where a rank would hold
     a piece of one of ``candidates`` (placed by default, trainable, not
-    tensor-parallel, on the unit's mesh) that exceeds the unit's largest piece under FSDP2's
-    ``Shard(0)`` (:func:`largest_share_bytes`) by more than
+    tensor-parallel, on the unit's mesh) larger than the unit's largest
+    ``Shard(0)`` piece (:func:`largest_share_bytes`) plus
     :data:`HOST_PIECE_SLACK_BYTES`, candidates get a buffer of their own,
-    largest piece first, until no piece exceeds that largest ``Shard(0)``
-    piece (the slack decides which units change, not how far).
+    largest piece first, until no piece exceeds that ``Shard(0)`` piece.
 
-    Why: a buffer's rank boundaries fall wherever its parameters' sizes put
-    them, so a parameter about a rank's share in size (an embedding beside a
-    head of the same size, over two ranks) can sit whole on one rank where
-    FSDP2 holds half of it. torch's optimizers run one parameter at a time
-    on the CPU (no ``foreach``), making temporaries the size of each piece,
-    so their peak follows the largest piece; alone in a buffer, a parameter
-    is cut by rows as FSDP2 cuts it. On CUDA (``foreach``: temporaries the
-    size of the whole shard) the layout does not change the peak, so the
-    rule is not applied there, nor under CPU offload from CUDA (host memory
-    is rarely what runs out there, and each buffer is one more collective
-    on the GPU's critical path).
+    Why: a buffer's rank boundaries fall where its parameters' sizes put
+    them, so a parameter about a rank's share in size can sit whole on one
+    rank where FSDP2 holds half of it; torch's optimizers on the CPU (no
+    ``foreach``) make temporaries the size of each piece, so their peak
+    follows the largest piece. On CUDA (``foreach``: temporaries the size of
+    the shard) the layout does not change the peak: not applied there, nor
+    under CPU offload from CUDA (each buffer is one more collective).
 
     Post-condition: either nothing was split and every candidate's largest
     piece is at most the unit's largest ``Shard(0)`` piece plus

@@ -55,7 +55,7 @@ class ReduceSubset:
     def pack(self, flat: torch.Tensor) -> torch.Tensor:
         """The ``world * chunk`` elements of ``flat`` (padded numel) to
         reduce, in one concatenation."""
-        parts = []
+        parts: list[torch.Tensor] = []
         for runs in self._runs:
             parts.extend(flat.narrow(0, start, n) for start, n in runs)
             padding = self.chunk - sum(n for _, n in runs)
@@ -103,3 +103,20 @@ def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> R
         else:
             runs.append((start, end - start))
     return tuple(runs)
+
+
+class SubsetPlans(dict[tuple[bool, ...], Optional[ReduceSubset]]):
+    """:func:`plan_subset` per tuple of training flags, planned on the first
+    lookup (``plans[flags]``; ``None``: the whole shard). A ``dict``
+    subclass, so a lookup that finds its plan runs no Python call."""
+
+    __slots__ = ("layout", "rank")
+
+    def __init__(self, layout: FlatLayout, rank: int) -> None:
+        super().__init__()
+        self.layout: FlatLayout = layout
+        self.rank: int = rank
+
+    def __missing__(self, training: tuple[bool, ...]) -> Optional[ReduceSubset]:
+        plan = self[training] = plan_subset(self.layout, training, self.rank)
+        return plan

@@ -2,7 +2,7 @@
 sharding over ``mesh["dp"]`` of modules whose parameters torch's
 ``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``).
 
-Usage (4 ranks, 2-way data parallel x 2-way tensor parallel)::
+Usage (2-way data parallel x 2-way tensor parallel)::
 
     mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
     for block in model.blocks:
@@ -14,21 +14,17 @@ Usage (4 ranks, 2-way data parallel x 2-way tensor parallel)::
 What each piece holds (see ``docs/design.md``, "Tensor parallelism"):
 
 * the flat buffers hold the TP-local tensors (``param.to_local()``),
-  sharded over the dp mesh like any other parameter, so the flat layout
-  uses the TP-local shapes;
+  sharded over the dp mesh like any other parameter;
 * between iterations the parameter registered under the original name is
-  a NEW plain ``nn.Parameter`` (a 1-D shard view like every other one): a
+  a new plain ``nn.Parameter`` (its local shard view, as every other): a
   ``DTensor`` parameter cannot become a plain view (``param.data = view``
-  resizes the wrapper but keeps its DTensor spec and local tensor, so
-  every later op still dispatches to the old values). Build the optimizer
-  after ``fully_shard``;
-* inside forward/backward the module sees a ``DTensor`` again, built by
-  ``DTensor.from_local`` on the per-parameter view of the all-gathered
-  buffer with the TP mesh, placements and global shape, so TP's own
-  collectives run as usual; ``from_local``'s backward redistributes the
-  gradient to the forward placements (a ``Partial`` gradient of a
-  ``Replicate`` parameter is all-reduced over tp) and hands autograd the
-  local gradient, which lands in the flat gradient;
+  keeps its DTensor spec and local tensor). Build the optimizer after
+  ``fully_shard``;
+* inside forward/backward the module sees a ``DTensor`` again
+  (``DTensor.from_local`` on the all-gathered view), so TP's collectives
+  run as usual; ``from_local``'s backward redistributes the gradient to the
+  forward placements and hands autograd the local gradient, which lands in
+  the flat gradient;
 * state dicts place TP parameters on the (dp, tp) mesh with torch FSDP2's
   placements (:func:`checkpoint_placements`).
 """
@@ -165,7 +161,7 @@ def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
     tp_mesh = spmd_mesh[names[others[0]]] if others else None
     if tp_mesh is None:
         checkpoint_mesh = group.mesh
-        checkpoint = (Replicate(),) * (group.mesh.ndim - 1) + (Shard(0),)
+        checkpoint: tuple[Placement, ...] = (Replicate(),) * (group.mesh.ndim - 1) + (Shard(0),)
     else:
         checkpoint_mesh, checkpoint = _checkpoint_layout(fqn, group.mesh, tp_mesh,
                                                          placements[others[0]])

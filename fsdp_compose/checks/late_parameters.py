@@ -36,7 +36,7 @@ one per forward. The one write neither sees, an ``nn.Parameter`` put
 straight into ``module._parameters`` under a name a managed parameter
 holds (no hook, no size change), is caught where the unit swaps that slot
 anyway: the unshard finds something other than the original parameter
-there (``FlatBuffer._swap_in_views``).
+there (``ParamSlots.swap_in_views``).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
         return _DoneWork() if async_op else None
-    op = reduce_op_for(group, divide_factor, force_sum)
+    op = reduce_op(group, divide_factor, force_sum)
     if _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE and flat.device.type == "cpu" and \
             dist.get_backend(group.process_group) == "gloo":
         # see [Note: gloo reduce-scatter as an all-reduce]
@@ -78,18 +78,14 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
 
 
 # [Note: gloo reduce-scatter as an all-reduce]
-# Gloo's reduce-scatter copies its whole input into a buffer of its own when
-# the work is created (an extra unsharded-gradient-sized allocation per
-# reduction in flight) and, on 2 CPU ranks, takes 1.3-3x as long as an
-# in-place all-reduce of the same buffer (timed round-robin, 4-64 MiB). On CPU
-# gloo groups the reduce-scatter is therefore an all-reduce of the flat
-# gradient in place, after which this rank's chunk is copied out. The chunk
-# is bit-identical to gloo's reduce-scatter output (both sum in rank order;
-# checked for 2 and 3 ranks, fp32 and bf16, SUM and AVG); the flat gradient
-# is the caller's to discard. It moves twice the bytes, which is cheaper
-# here because nothing is copied; NCCL's reduce-scatter does not copy, so
-# CUDA keeps the real reduce-scatter. Turned off (the portable op, e.g. to
-# count collectives by op) with set_gloo_reduce_scatter_via_all_reduce(False).
+# Gloo's reduce-scatter copies its whole input into a buffer of its own (an
+# extra unsharded-gradient-sized allocation per reduction in flight) and is
+# slower than an in-place all-reduce of the same buffer. On CPU gloo groups
+# the reduce-scatter is therefore an all-reduce of the flat gradient in
+# place, after which this rank's chunk is copied out: bit-identical to
+# gloo's reduce-scatter (both sum in rank order); the flat gradient is the
+# caller's to discard. NCCL's reduce-scatter does not copy, so CUDA keeps
+# it. Turned off with set_gloo_reduce_scatter_via_all_reduce(False).
 _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = True
 
 
@@ -138,7 +134,7 @@ def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
     replicate = group.replicate_process_group
     if replicate is None or group.replicate_size == 1:
         return _DoneWork() if async_op else None
-    return dist.all_reduce(output, op=reduce_op_for(group, divide_factor, force_sum),
+    return dist.all_reduce(output, op=reduce_op(group, divide_factor, force_sum),
                            group=replicate, async_op=async_op)
 
 
@@ -154,8 +150,9 @@ def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optio
             output.div_(factor)
 
 
-def reduce_op_for(group: ShardGroup, divide_factor: Optional[float],
-                  force_sum: bool) -> dist.ReduceOp:
+def reduce_op(group: ShardGroup, divide_factor: Optional[float],
+              force_sum: bool) -> dist.ReduceOp:
+    """``AVG`` where the collective can divide, else ``SUM`` (divided after)."""
     return dist.ReduceOp.SUM if needs_post_division(group, divide_factor, force_sum) \
         else dist.ReduceOp.AVG
 

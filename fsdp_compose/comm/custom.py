@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import reduce_op_for
+from .collectives import reduce_op
 from .groups import ShardGroup
 
 AllReduceHook = Callable[[torch.Tensor], None]
@@ -110,7 +110,7 @@ def reduce_scatter_custom(comm: object, output: torch.Tensor, flat: torch.Tensor
     """Issue ``comm``'s reduce-scatter of ``flat`` into ``output`` with the
     op the library's own would use (``SUM`` or ``AVG``, see
     ``comm/collectives.needs_post_division``); a work to wait."""
-    op = reduce_op_for(group, divide_factor, force_sum)
+    op = reduce_op(group, divide_factor, force_sum)
     work = comm(output, flat, group.process_group, op, async_op=True)  # type: ignore[operator]
     return _Finished() if work is None else work
 

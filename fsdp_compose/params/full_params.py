@@ -45,12 +45,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..buffers.flat_buffer import FlatBuffer
 from ..comm.agreement import disagreement, fingerprint_of
 from ..runtime.collective_queue import gather_values
 from ..runtime.state import state_of, units_below
 from ..runtime.training_state import TrainingState
 from ..runtime.unit import Unit
+from .whole import Assembled, keep_own_slice, point_params_at, point_params_at_shard
 
 __all__ = ["full_params"]
 
@@ -61,6 +61,8 @@ class _Held(NamedTuple):
 
     unit: Unit
     full: list[Optional[torch.Tensor]]
+    assembled: list[Assembled]
+    """Per buffer, the copies :func:`point_params_at` handed out."""
 
 
 @contextlib.contextmanager
@@ -182,20 +184,22 @@ def _hold(unit: Unit, holds_values: bool, offload_to_cpu: bool) -> _Held:
     values (where this rank holds them)."""
     unit.reshard()  # e.g. kept unsharded by set_reshard_after_backward(False)
     fulls: list[Optional[torch.Tensor]] = []
+    assembled: list[Assembled] = []
     for buffer in unit.buffers:
         buffer.drop_post_forward_copy()  # its values may be rewritten: never reuse it
         full = gather_values(buffer)
         if offload_to_cpu:
             full = full.cpu()
         if holds_values:
-            buffer.point_params_at(full)
+            assembled.append(point_params_at(buffer, full))
             fulls.append(full)
         else:
+            assembled.append({})
             fulls.append(None)
     state = state_of(unit.modules[0])
     if state is not None:
         state.hold_whole(True)
-    return _Held(unit, fulls)
+    return _Held(unit, fulls, assembled)
 
 
 def _forward_guards(unit: Unit, holds_values: bool) -> list[RemovableHandle]:
@@ -224,24 +228,17 @@ def _release(held: list[_Held], hooks: list[RemovableHandle], writeback: bool) -
     its shard as it was; parameters are their local shard views again."""
     for hook in hooks:
         hook.remove()
-    for unit, fulls in held:
-        for buffer, full in zip(unit.buffers, fulls):
+    for unit, fulls, assembled in held:
+        for buffer, full, copies in zip(unit.buffers, fulls, assembled):
             if full is None:
                 continue  # rank0_only, another rank: the parameters never left their shard
             if writeback:
-                buffer.keep_own_slice(full)
+                keep_own_slice(buffer, full, copies)
             else:
-                _point_params_at_shard(buffer)
+                point_params_at_shard(buffer)
         state = state_of(unit.modules[0])
         if state is not None:
             state.hold_whole(False)
-
-
-def _point_params_at_shard(buffer: FlatBuffer) -> None:
-    """Each parameter's ``.data`` its local view of the shard again, in its
-    local shape (1-D under ``"flat"``, ``(rows_here, *rest)`` under ``"rows"``)."""
-    for index, record in enumerate(buffer.records):
-        record.param.data = buffer.local_view(buffer.sharded, index)
 
 
 def _fingerprint(full: list[Optional[torch.Tensor]]) -> int:
@@ -252,7 +249,7 @@ def _fingerprint(full: list[Optional[torch.Tensor]]) -> int:
 
 
 def _check_same_values(held: list[_Held]) -> None:
-    for unit, full in held:
+    for unit, full, _ in held:
         if not unit.buffers:
             continue
         differ = next((found for group, indices in unit.buffers_by_group()

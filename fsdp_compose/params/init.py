@@ -50,6 +50,7 @@ from ..runtime.owners import owner_of
 from ..runtime.state import units_below
 from ..runtime.unit import Unit
 from .meta import allocate_meta
+from .whole import Assembled, keep_own_slice, point_params_at
 
 InitFn = Callable[[nn.Module], None]
 
@@ -145,6 +146,8 @@ class _InitWalk:
     def __init__(self) -> None:
         self.unit: Optional[Unit] = None
         self.full: list[torch.Tensor] = []
+        self.assembled: list[Assembled] = []
+        """Per buffer of the open unit, the copies :func:`point_params_at` handed out."""
         self.shown: list[tuple[nn.Module, str, nn.Parameter]] = []
         """Slots showing a tensor-parallel parameter as a ``DTensor`` while
         its unit is whole: (module, name, the parameter to put back)."""
@@ -165,7 +168,7 @@ class _InitWalk:
         if unit is not None:
             self.full = [gather_values(buffer) for buffer in unit.buffers]
             for buffer, full in zip(unit.buffers, self.full):
-                buffer.point_params_at(full)
+                self.assembled.append(point_params_at(buffer, full))
                 self.shown += _show_tensor_parallel(buffer)
 
     def _close(self) -> None:
@@ -173,8 +176,9 @@ class _InitWalk:
         for module, attr, param in self.shown:
             module._parameters[attr] = param
         self.shown = []
-        for buffer, full in zip(unit.buffers, self.full):
-            buffer.keep_own_slice(full)
+        for buffer, full, copies in zip(unit.buffers, self.full, self.assembled):
+            keep_own_slice(buffer, full, copies)
+        self.assembled = []
         _check_same_values(unit, self.full)
         for full in self.full:
             if full.device.type == "cpu":  # see [Note: freeing what a collective read]: gloo's

@@ -1,0 +1,97 @@
+"""The module attributes a flat buffer's parameters are registered under,
+and the swap of what they hold: the original ``nn.Parameter`` while the
+buffer is sharded, its unsharded view while it is unsharded.
+
+Invariant: between a reshard and the next unshard every slot holds its
+original parameter; while unsharded, every slot holds the view last given
+to :meth:`ParamSlots.set_views`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from itertools import starmap
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .records import ParamRecord
+
+_SINK: deque[object] = deque(maxlen=0)
+consume: Callable[[Iterable[object]], None] = _SINK.extend
+"""Run an iterator to its end in C: ``consume(starmap(dict.update, pairs))``
+is one ``update`` per module without a Python-level loop (the swaps run
+once per unit and step)."""
+
+ModuleSlots = tuple[tuple[dict, dict], ...]
+"""Per ``module._parameters`` dict with a slot: ``(that dict, {name: value})``."""
+
+
+class ParamSlots:
+    """Every ``(module._parameters, name)`` a buffer's parameters are
+    registered under (a tied parameter has several).
+
+    Attributes:
+        originals: per module, its slots' original parameters (a reshard
+            puts them back: ``consume(starmap(dict.update, originals))``).
+        views_by_module: per module, its slots' unsharded views (what an
+            unshard puts in; set by :meth:`set_views`).
+    """
+
+    __slots__ = ("records", "originals", "views_by_module", "_slots", "_dicts", "_names",
+                 "_held")
+
+    def __init__(self, records: Sequence[ParamRecord]) -> None:
+        self.records: Sequence[ParamRecord] = records
+        self._slots: tuple[tuple[dict, str, int], ...] = tuple(
+            (module._parameters, name, index)
+            for index, record in enumerate(records) for module, name in record.slots)
+        """``(module._parameters, name, parameter index)`` of every slot."""
+        self.originals: ModuleSlots = self._by_module([r.param for r in records])
+        self.views_by_module: ModuleSlots = ()
+        self._dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
+        self._names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
+        self._held: tuple[nn.Parameter, ...] = tuple(
+            records[index].param for _, _, index in self._slots)
+        """``_slots`` as three columns, so that :meth:`swap_in_views` checks
+        every slot in one C-level loop."""
+
+    def _by_module(self, values: Sequence[object]) -> ModuleSlots:
+        by_module: dict[int, tuple[dict, dict]] = {}
+        for parameters, name, index in self._slots:
+            by_module.setdefault(id(parameters), (parameters, {}))[1][name] = values[index]
+        return tuple(by_module.values())
+
+    def set_views(self, views: Sequence[torch.Tensor]) -> None:
+        """``views`` (by parameter index) are what an unshard puts in the slots."""
+        self.views_by_module = self._by_module(views)
+
+    def swap_in_views(self) -> None:
+        """Sharded -> unsharded: every slot holds its original parameter
+        and gets its view. A slot holding another ``nn.Parameter`` was
+        written behind the module API, which the late-parameter check does
+        not see ([Note: the late-parameter fast check] in
+        ``checks/late_parameters.py``): an error, rather than putting the
+        original back over it at the next reshard."""
+        if not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._held)):
+            self._check_not_replaced()
+        consume(starmap(dict.update, self.views_by_module))
+
+    def _check_not_replaced(self) -> None:
+        """Raise if a slot holds an ``nn.Parameter`` other than its original
+        (anything else, e.g. a view left by an earlier unshard, is replaced)."""
+        for parameters, name, index in self._slots:
+            held = parameters.get(name)
+            record = self.records[index]
+            if held is record.param or not isinstance(held, nn.Parameter):
+                continue
+            module = next(m for m, attr in record.slots
+                          if m._parameters is parameters and attr == name)
+            raise RuntimeError(
+                f"parameter '{record.fqn}' (attribute '{name}' of {type(module).__name__}) was "
+                "replaced after fully_shard annotated it, by a write into _parameters; "
+                "fully_shard does not manage the new one, and would put the original back over "
+                "it at the next reshard. Register parameters before calling fully_shard; to give "
+                "a parameter new values, load them with model.load_state_dict().")
