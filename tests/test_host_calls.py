@@ -29,17 +29,23 @@ from tests.harness import run_distributed
 
 BLOCKS = 8
 UNITS = BLOCKS + 1  # every block, then the root
-CALLS_PER_UNIT = 72
-"""The bound: 68.8 calls per unit and step were counted when it was set
-(this test's model and torch 2.13 and 2.14.1; 67.8 on 2.11; 67.4 on all
-three later), 75.4 at ``b1f5e0e`` and 133.4 at ``2ff6881`` (at both it
-fails). Raise it only with the reason in
-the commit."""
-INSTRUCTIONS_PER_UNIT = 1900
-"""The bound on bytecode instructions: 1817 per unit and step were counted
-when it was set (this test's model, CPython 3.11, torch 2.13 and 2.14.1;
-1803 on 2.11), 1986 at ``090336c`` and 2353 at ``977a44a`` (at both it
-fails). Raise it only with the reason in the commit."""
+HEADROOM = 0.10
+"""The headroom policy: each bound is the count measured at the current code
+plus 10%, so a change made for readability (a helper extracted on a hook
+path, a plain loop for an idiom) may spend a little without a new bound,
+while a new per-unit step of work (a hook, a collective's bookkeeping, a
+lookup per parameter) fails. A change that needs more than the headroom
+shows its cost with the paired host-cost benchmark
+(``python -m benchmarks.host_cost.ab``) in its commit, and the bounds are
+then reset to the new measurement plus 10%."""
+MEASURED_CALLS_PER_UNIT = 67.8
+"""Counted by :func:`count_work_per_unit` (this test's model, torch 2.13,
+CPython 3.11); within 1 of it on torch 2.11 and 2.14.1."""
+MEASURED_INSTRUCTIONS_PER_UNIT = 1807
+"""Counted with :data:`MEASURED_CALLS_PER_UNIT`; 1803-1818 on the other
+supported torch versions."""
+CALLS_PER_UNIT = round(MEASURED_CALLS_PER_UNIT * (1 + HEADROOM))
+INSTRUCTIONS_PER_UNIT = round(MEASURED_INSTRUCTIONS_PER_UNIT * (1 + HEADROOM))
 
 
 def count_work_per_unit() -> tuple[float, float]:
