@@ -120,7 +120,6 @@ class InFlight:
 
     @property
     def members(self) -> list[FlatBuffer]:
-        """The members not completed yet."""
         return self._pending
 
     @property
@@ -200,13 +199,10 @@ class CollectiveQueue:
         self.buckets: BucketPlan = BucketPlan(settings)
         """Rebuilt only where the ranks agree (:meth:`order_agreed`)."""
         self.observer: CollectiveObserver = observer or CollectiveObserver()
-        """Told about every collective before it is issued."""
         self.staging: StagingPool = StagingPool()
         """Released unsharded memory, reused on the CPU."""
         self._gathers: list[InFlight] = []
-        """All-gathers issued here that may still be in flight."""
         self._reduces: deque[InFlight] = deque()
-        """Reduce-scatters in flight, oldest first."""
         self._replicas: deque[list[InFlight]] = deque()
         """The replica all-reduces of each waited reduce-scatter, oldest first."""
         self.gathers_nothing: bool = False
@@ -301,8 +297,8 @@ class CollectiveQueue:
                 return
 
     def start_unshard(self, unit: BucketedUnit, issuer: TrainingState) -> None:
-        """``ShardedModule.unshard``: issue, each buffer alone, no wait; at
-        the in-flight limit the oldest is waited first."""
+        """``ShardedModule.unshard``: issue, no wait (at the limit the
+        oldest is waited first)."""
         for buffer in unit.buffers:
             if _issues_all_gather(buffer):
                 while self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
@@ -310,7 +306,7 @@ class CollectiveQueue:
             self._gather_alone(buffer, issuer, unit.name)
 
     def wait_gathers(self, unit: BucketedUnit) -> None:
-        """Post-condition: ``unit``'s buffers with an all-gather issued are unsharded."""
+        """Post-condition: what was issued for ``unit`` is unsharded."""
         for buffer in unit.buffers:
             if buffer.gathering is not None:
                 break
@@ -552,7 +548,7 @@ class CollectiveQueue:
                 self._reduces.popleft().wait()
 
     def finish_reduces(self) -> None:
-        """Wait every reduction in flight, oldest first."""
+        """Oldest first."""
         with profiled("reduce_scatter_wait", "all in flight"):
             while self._reduces:
                 self._reduces.popleft().wait()  # may add replica all-reduces
@@ -562,9 +558,8 @@ class CollectiveQueue:
 
 
 def gather_values(buffer: FlatBuffer) -> torch.Tensor:
-    """``buffer``'s values, padded and flat, in the parameters' dtype on the
-    compute device. Blocking, not observed: for initialisation and
-    ``full_params`` between steps."""
+    """``buffer``'s padded flat values. Blocking, not observed: for
+    initialisation and ``full_params`` between steps."""
     full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype,
                        device=buffer.compute_device)
     all_gather_into(full, buffer.sharded.to(buffer.compute_device), buffer.group)
@@ -572,7 +567,6 @@ def gather_values(buffer: FlatBuffer) -> torch.Tensor:
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:
-    """Whether ``buffer`` needs an all-gather issued now."""
     return not buffer.aliased and buffer.gathering is None and \
         (not buffer.is_unsharded or buffer.is_stale)
 
@@ -600,10 +594,9 @@ def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
 
 def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
                     comms: UnitComms) -> Optional[InFlight]:
-    """``_reduced`` for a unit with custom comms: under hybrid sharding
-    keep the chunk (``requires_all_reduce`` False: no hook, as FSDP2) or
-    all-reduce it with what was kept, then hook and fold; else hook and
-    fold now."""
+    """``_reduced`` with custom comms: under hybrid sharding keep the
+    chunk (``requires_all_reduce`` False: no hook, as FSDP2) or all-reduce
+    it with what was kept; then hook and fold."""
     group = buffer.group
     if group.replicate_size > 1 and group.replicate_process_group is not None:
         if not comms.requires_all_reduce:
