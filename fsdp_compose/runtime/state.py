@@ -136,8 +136,8 @@ class FullyShardState(_State):
 
     # ------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
-        """Make this state the root of its subtree (once) and validate the
-        model before the first collective."""
+        """Once: become the root of the subtree, validate before the first
+        collective."""
         if self.context is not None:
             return  # already initialised (as root or as a unit below a root)
         if self.annotated_parent is not None:
@@ -183,8 +183,7 @@ class FullyShardState(_State):
 
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
-        """Run a registered forward method as one forward pass of this unit
-        (``forward_methods.py``)."""
+        """One forward pass of this unit (``forward_methods.py``)."""
         running = self._in_forward_method
         if id(module) in running:
             return call(*args, **kwargs)
@@ -277,7 +276,7 @@ class FullyShardState(_State):
             self.reset_iter_state()
 
     def reset_iter_state(self) -> None:
-        """See ``ShardedModule.reset_iter_state``. Runs on the root."""
+        """``ShardedModule.reset_iter_state``, on the root."""
         context = self.context
         if context is not None and context.root is not self:
             raise RuntimeError(

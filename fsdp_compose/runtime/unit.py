@@ -33,10 +33,9 @@ _is_unsharded = operator.attrgetter("is_unsharded")
 
 @dataclass(slots=True)
 class UnitSettings:
-    """One unit's settings (model-wide ones: ``ModelSettings``). Only
+    """Policies are fixed at annotation; the rest only
     ``ShardedModule``'s setters and :meth:`Unit.set_reshard_after_forward`
-    write them, never during an iteration; the policies are fixed at
-    annotation."""
+    write, never during an iteration."""
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: Optional[CPUOffloadPolicy] = None
@@ -99,7 +98,7 @@ class Unit:
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
         self.name: str = user_class_name(self.modules[0])
-        """How messages name the unit (its FQN once a root knows it)."""
+        """Its FQN once a root knows it."""
         self.set_reshard_after_forward(reshard_after_forward)
 
         # The model (set by the root's lazy init)
@@ -110,7 +109,7 @@ class Unit:
         # Per-iteration state
         self.training_state: TrainingState = TrainingState.IDLE
         self._modules_to_run: set[nn.Module] = set()
-        """Modules whose forward is still to finish in this pass."""
+        """Modules yet to finish forward in this pass."""
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
         self._no_pre_backward_hook: bool = False
@@ -150,7 +149,6 @@ class Unit:
             if 1 < value < shard_size else None
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Floating-point inputs in ``param_dtype`` if the policy asks."""
         dtype = self.settings.mp_policy.param_dtype
         if dtype is None or not self.settings.mp_policy.cast_forward_inputs:
             return args, kwargs
@@ -198,7 +196,6 @@ class Unit:
         return [b for b in self.buffers if not b.requires_grad]
 
     def check_materialized(self) -> None:
-        """Raise if the unit's parameters are still on the meta device."""
         for buffer in self.buffers:
             if buffer.is_meta:
                 raise RuntimeError(
@@ -209,7 +206,6 @@ class Unit:
 
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
-        """All-gather and wait, no prefetch."""
         self.collectives.gather(self, (), self.prefetch_order.ran)
 
     def reshard(self) -> None:
@@ -253,7 +249,6 @@ class Unit:
             any(buffer.grad.saw_forward for buffer in self.buffers)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Unshard for the forward of ``module`` (one of ``self.modules``)."""
         if self._in_backward():
             # recomputation (activation checkpointing): unsharded for backward
             self.unshard()
@@ -312,7 +307,6 @@ class Unit:
         return True
 
     def complete_forward(self) -> None:
-        """Reshard if no backward needs the parameters or the policy says so."""
         self._modules_to_run.clear()
         self.training_state = TrainingState.IDLE
         if not self._backward_possible:
@@ -353,7 +347,7 @@ class Unit:
             guard.__exit__(None, None, None)
 
     def pre_backward(self) -> None:
-        """Unshard for backward (at most once per backward)."""
+        """At most once per backward."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.training_state = TrainingState.PRE_BACKWARD
