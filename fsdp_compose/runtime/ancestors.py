@@ -1,11 +1,9 @@
-"""The modules that hold a given module, found without a root.
-
-A module does not know its parent, but messages about a unit need names in
-the whole model. A module's parents are found through its referrers (the
-parent's ``_modules`` dict), each tested by exact ``type(obj)``: never
+"""The modules that hold a given module, found without a root (messages
+name a unit within the whole model). Parents are found through referrers
+(the parent's ``_modules`` dict), tested by exact ``type(obj)``, never
 ``isinstance``, which reads ``__class__`` of arbitrary objects (some warn).
-``gc.get_referrers`` scans the heap per call: error paths and once per
-optimizer only, never per step.
+``gc.get_referrers`` scans the heap: error paths and once per optimizer
+only, never per step.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ import torch.nn as nn
 
 
 def outermost_ancestors(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """The modules that hold one of ``modules`` and are held by no module
-    (each once, in order of discovery; a module held by none is its own)."""
+    """The unheld modules holding one of ``modules`` (each once; an unheld
+    module is its own)."""
     tops: dict[int, nn.Module] = {}
     seen: set[int] = set()
     todo = list(modules)
@@ -35,8 +33,7 @@ def outermost_ancestors(modules: Iterable[nn.Module]) -> list[nn.Module]:
 
 
 def qualified_names(tops: Iterable[nn.Module]) -> dict[int, str]:
-    """The longest fully-qualified name of every parameter under ``tops``,
-    by the parameter's id (the longest: the name in the outermost module)."""
+    """By parameter id, its longest FQN under ``tops`` (the outermost's)."""
     tops = list(tops)
     return _longest(pair for top in tops for pair in top.named_parameters(remove_duplicate=False))
 

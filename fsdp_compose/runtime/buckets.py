@@ -1,32 +1,26 @@
 """Which units share their collectives: buckets of consecutive small units
 ([Note: bucketing] in ``collective_queue.py`` has the collectives).
 
-A :class:`BucketPlan` is rebuilt from the forward order of the step that
-just ended, at the end of its last backward, right after the ranks checked
-that they issued the same collectives (``CollectiveQueue.order_agreed``):
-the plan is the same on every rank, which is why a bucket's collectives can
-have a fixed size. Iterations that verify every collective across ranks run
-unbucketed, and so do models that never run backward.
+The plan is rebuilt from a step's forward order only at the end of its last
+backward, once the ranks checked they issued the same collectives
+(``CollectiveQueue.order_agreed``): it is the same on every rank, so a
+bucket's collectives have a fixed size. Iterations that verify every
+collective run unbucketed, as do models that never run backward.
 
-Consecutive qualifying units with the same key (process group, compute
-dtype, communication dtype and wire formats, reduce options, gradient sync,
-whether they reshard after forward) are grouped greedily while the bucket's
-unsharded bytes stay within ``cap_bytes`` (0: no buckets); a bucket of one
-unit is no bucket. A unit qualifies when its unsharded bytes are at most
-``cap_bytes`` and nothing about it needs a collective of its own: not the
-root, no explicit prefetch targets, no ``reshard_after_forward=k`` group, no
-``reduce_scatter_unused_params``, all-gathers in backward, no CPU offload,
-one process group and compute dtype over its buffers, none aliased.
+Consecutive units with equal :func:`_key` are grouped greedily while the
+bucket's unsharded bytes stay within the cap (0: no buckets); a bucket of
+one is none. A unit qualifies when it fits the cap and needs no collective
+of its own (see :func:`_key`).
 
-Backward reaches the last bucket of the forward order first, where the
-activations peak: its members are gathered one by one there
-(``gathered_in_backward`` False), so its packed output never sits on top of
-that peak; its gradients are still reduced as one.
+Backward reaches the last bucket first, where activations peak: there its
+members are gathered one by one (``gathered_in_backward`` False), so its
+packed output never adds to that peak; its gradients are still reduced as
+one.
 
 Memory: a bucket counts as one all-gather against
 ``max_inflight_all_gathers``, so the unsharded bytes in flight are at most
-that limit times ``max(cap_bytes, largest unit)``; a bucket's gradients are
-held until its last member's backward (at most ``cap_bytes``).
+that limit times ``max(cap, largest unit)``; a bucket's gradients are held
+until its last member's backward (at most the cap).
 """
 
 from __future__ import annotations
@@ -38,22 +32,19 @@ from .training_state import TrainingState
 from .unit_protocols import BucketedUnit
 
 DEFAULT_BUCKET_CAP_MB = 2.0
-"""Units above it (a large model's blocks) run exactly as without
-bucketing; a bucket's packed transients scale with it (BENCHMARKS.md has
-the measurements behind the value). ``set_bucket_cap_mb(0)`` turns it off."""
+"""Units above it (a large model's blocks) run as unbucketed; a bucket's
+packed transients scale with it (BENCHMARKS.md). 0 turns bucketing off."""
 
 
 def cap_bytes(cap_mb: float, where: str = "") -> int:
-    """A bucket cap in MiB as bytes (truncated), checked: ``where`` starts
-    the message of the error a negative cap raises."""
+    """MiB as bytes (truncated); ``where`` starts the error for a negative cap."""
     if cap_mb < 0:
         raise ValueError(f"{where}bucket_cap_mb must be >= 0 MiB (0 turns bucketing off), "
                          f"got {cap_mb}")
     return int(cap_mb * 2 ** 20)
 
 class HasBucketCap(Protocol):
-    """What the plan reads of the model's settings (``ModelSettings``,
-    whose module imports this one for :data:`DEFAULT_BUCKET_CAP_MB`)."""
+    """What the plan reads of ``ModelSettings`` (whose module imports this one)."""
 
     bucket_cap_mb: float
 
@@ -65,15 +56,12 @@ class Bucket:
         self.units: list[BucketedUnit] = units
         self.buffers: list[FlatBuffer] = [b for u in units for b in u.buffers]
         self.gathered_in_backward: bool = True
-        """False for the first bucket backward reaches: its members are
-        gathered one by one there (see the module docstring)."""
+        """False for the first bucket backward reaches (module docstring)."""
 
     def gather_members(self, unit: BucketedUnit, issuer_state: TrainingState,
                        ran: Container[int]) -> list[BucketedUnit]:
-        """The members to all-gather with ``unit`` now: ``unit`` and those
-        whose use is still ahead: in forward, those whose forward has not
-        run in this pass (``ran``: ids of the units that did); in backward,
-        those whose backward has not started and will run."""
+        """``unit`` and the members whose use is still ahead: in forward,
+        not in ``ran``; in backward, not started and going to run."""
         backward = issuer_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
         if backward:
             return [m for m in self.units if m is unit or (
@@ -81,13 +69,11 @@ class Bucket:
         return [m for m in self.units if m is unit or id(m) not in ran]
 
     def reduced_buffers(self) -> list[FlatBuffer]:
-        """What the bucket's reduce-scatter carries, whichever members have
-        a gradient (zeros for the others): the trainable buffers of the
-        members that synchronize gradients, the same on every rank."""
+        """What the reduce-scatter carries, the same on every rank whichever
+        members have a gradient: trainable buffers of syncing members."""
         return [b for u in self.units if u.settings.requires_gradient_sync for b in u.trainable_buffers]
 
     def expected_reduces(self) -> list[FlatBuffer]:
-        """The buffers whose gradients this backward should reduce together."""
         return [b for u in self.units if u.backward_possible and u.settings.requires_gradient_sync
                 for b in u.trainable_buffers]
 
@@ -97,27 +83,25 @@ class BucketPlan:
 
     def __init__(self, settings: HasBucketCap) -> None:
         self.settings: HasBucketCap = settings
-        """The model's settings (``ModelSettings``)."""
         self.cap_mb: float = settings.bucket_cap_mb
-        """The cap the plan was built with."""
         self.cap_bytes: int = cap_bytes(self.cap_mb)
         self.buckets: list[Bucket] = []
         self._of_unit: dict[int, Bucket] = {}
         self._of_buffer: dict[int, Bucket] = {}
         self._order: list[BucketedUnit] = []
-        """The forward order the plan was built from (the last agreed one)."""
+        """The last agreed forward order."""
 
     def refresh(self) -> None:
         """At a root forward (no bucket holds anything): re-bucket the last
-        agreed order if ``settings.bucket_cap_mb`` changed (every rank
-        changes it at the same point: a model setting)."""
+        agreed order if the cap changed (a model setting: every rank
+        changes it at the same point)."""
         if self.settings.bucket_cap_mb != self.cap_mb:
             self.cap_mb = self.settings.bucket_cap_mb
             self.cap_bytes = cap_bytes(self.cap_mb)
             self.rebuild(self._order)
 
     def rebuild(self, order: Sequence[BucketedUnit]) -> None:
-        """Bucket ``order`` (a forward order every rank agreed on)."""
+        """``order``: a forward order every rank agreed on."""
         self.buckets, self._of_unit, self._of_buffer = [], {}, {}
         self._order = list(order)
         if self.cap_bytes <= 0:
@@ -150,11 +134,9 @@ class BucketPlan:
 
 def group_consecutive(sizes: Sequence[int], keys: Sequence[Optional[Hashable]],
                       cap_bytes: int) -> list[list[int]]:
-    """The buckets (index lists) of units with unsharded ``sizes`` (bytes)
-    and ``keys`` in forward order: consecutive units with the same key that
-    is not ``None``, each and all together at most ``cap_bytes``, grouped
-    greedily; only groups of two or more. Pure: the memory planner
-    (``tools/planner``) groups its planned units with it too."""
+    """Index lists of consecutive units with the same key (not ``None``),
+    each and all together at most ``cap_bytes``, grouped greedily; only
+    groups of two or more. Pure: ``tools/planner`` uses it too."""
     groups: list[list[int]] = []
     current: list[int] = []
     current_key: Optional[Hashable] = None
@@ -176,8 +158,10 @@ def _unsharded_bytes(unit: BucketedUnit) -> int:
 
 
 def _key(unit: BucketedUnit) -> Optional[tuple]:
-    """What must agree between the units of one bucket; ``None``: the unit
-    needs collectives of its own (see the module docstring)."""
+    """What must agree within a bucket; ``None``: the unit needs its own
+    collectives (the root, explicit prefetch, a ``reshard_after_forward=k``
+    group, unused-params reduction, no backward all-gather, CPU offload,
+    buffers of mixed groups, dtypes or wire formats, aliased or meta)."""
     settings = unit.settings
     if unit.is_root or not unit.buffers or settings.forward_prefetch is not None or \
             settings.backward_prefetch is not None or settings.post_forward_group is not None or \

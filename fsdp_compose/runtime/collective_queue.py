@@ -1,65 +1,56 @@
-"""Every data collective of the training step, from its issue to its last
-copy: the one place that all-gathers parameters, reduce-scatters gradients
-and all-reduces them over the replicas (hybrid sharding). The buffers
-store, view and fold; they issue nothing.
+"""Every data collective of the training step, from issue to last copy:
+the one place that all-gathers parameters, reduce-scatters gradients and
+all-reduces them over the replicas. The buffers store, view and fold; they
+issue nothing.
 
 [Note: the life of a collective]
-1. *Issue.* The observer is told first (called here and in the end of
-   backward only, so "right before every collective it names" holds by
+1. *Issue.* The observer is told first (here and in the end of backward
+   only, so "right before every collective it names" holds by
    construction). A bucket's inputs are packed into one tensor; a lone
-   buffer's are used as they are (the all-gather writes into its unsharded
-   buffer, the reduce-scatter reads its flat gradient).
-2. *In flight.* One :class:`InFlight` per collective. Each member points at
-   it (``FlatBuffer.gathering``, ``FlatGradient.reducing``) so whoever needs
-   the result first waits it; the queue lists it to bound how many are in
-   flight (``PrefetchPolicy``: all-gathers bound unsharded memory,
-   reduce-scatters the flat gradients they keep alive).
-3. *Wait.* The first wait waits the work (``comm/watched_wait``), makes the
-   copies and frees the temporaries, once ([Note: freeing what a collective
-   read]); a quantized work decodes inside that wait. Then it completes
-   members: an all-gather the member waited for (a bucket's others at their
-   own unit's wait, gathering until then); a reduce-scatter every member at
-   once, each issuing its replica all-reduce (one more :class:`InFlight`) or
-   folding its chunk into the sharded gradient (``FlatGradient.fold``).
+   buffer's are used as they are.
+2. *In flight.* One :class:`InFlight` per collective; each member points at
+   it (``FlatBuffer.gathering``, ``FlatGradient.reducing``), so whoever
+   needs the result first waits it. The queue bounds how many are in
+   flight (``PrefetchPolicy``).
+3. *Wait.* The first wait waits the work, makes the copies and frees the
+   temporaries, once. It then completes members: of an all-gather, the one
+   waited for (a bucket's others at their own unit's wait); of a
+   reduce-scatter, all, each issuing its replica all-reduce or folding its
+   chunk (``FlatGradient.fold``).
 
 [Note: bucketing]
-Consecutive small units (``buckets.py`` decides which) share one all-gather
-and one reduce-scatter. The shards ``s_1 .. s_k`` (``S_i`` elements, one
-dtype and group) are packed into ``T = sum S_i`` elements; the all-gather's
-output is rank-major, so ``out.view(F, T)[:, off_i:off_i+S_i]`` is buffer
-``i``'s ``unsharded.view(F, S_i)``. Gradients are packed the same way, so
-the reduce-scatter's ``T`` elements are this rank's chunks of every buffer.
-Every element is reduced with the same partners in the same order as
-without bucketing and the copies are exact: the numbers are the same bit for
-bit (``tests/test_bucketing.py``).
+Consecutive small units (``buckets.py``) share one all-gather and one
+reduce-scatter. Shards ``s_1 .. s_k`` (``S_i`` elements, one dtype and
+group) are packed into ``T = sum S_i``; the all-gather's output is
+rank-major, so ``out.view(F, T)[:, off_i:off_i+S_i]`` is buffer ``i``'s
+``unsharded.view(F, S_i)``; gradients are packed alike. Every element is
+reduced with the same partners in the same order as unbucketed: the
+results are bit-identical (``tests/test_bucketing.py``).
 
-A bucket's collectives always carry *every* buffer of the bucket: a member
-already gathered contributes its shard and receives nothing, a member
-without a gradient contributes zeros. The plan is the same on every rank
-(it changes only where the ranks agreed), so ranks whose control flow
-differs inside a bucket still issue collectives of equal size; they pair,
-and the end-of-backward fingerprint names the difference on every rank
+A bucket's collectives always carry *every* member: one already gathered
+contributes its shard and receives nothing, one without a gradient
+contributes zeros. The plan is the same on every rank, so ranks whose
+control flow differs inside a bucket still issue collectives of equal
+size; they pair, and the end-of-backward fingerprint names the difference
 ([Note: rank divergence]).
 
 [Note: a bucket's copies]
-A bucket's all-gather fills each member when that member is completed (its
-own unit's wait): its unsharded storage is allocated then
-(``FlatBuffer.allocate_unsharded``) and its values copied out of the packed
-output, which is freed after the last member's copy. So at the start of
-backward, where the activations peak, only the packed output and the
-members in use are held, not every member at once. Quantized all-gathers
-decode into every member inside their wait.
+A bucket's all-gather fills each member when that member is completed:
+its unsharded storage is allocated then and its values copied out of the
+packed output, which is freed after the last copy. So at the start of
+backward, where activations peak, only the packed output and the members
+in use are held. Quantized all-gathers decode into every member at their
+wait.
 
 [Note: freeing what a collective read]
-A backend may hold a finished work's tensors (gloo until its worker thread
-lets go of the work), so dropping our last reference frees nothing at a
-time we control. Once the work is waited and the copies are made, nothing
-reads them: their storage is resized to 0 bytes, which frees the memory
-whoever holds the tensor. This applies to a bucket's packed tensors on every
-device, and to a lone buffer's flat gradient on the CPU only (on CUDA the
-caching allocator frees in stream order), never where the output is the
-input itself (one rank). The tiny tensors of the ranks' agreements and used
-flags go the same way (``comm.collectives.release_after_collective``).
+A backend may hold a finished work's tensors (gloo, until its worker
+thread lets go), so dropping our reference frees nothing at a time we
+control. Once the work is waited and the copies made, their storage is
+resized to 0 bytes: a bucket's packed tensors on every device, a lone
+buffer's flat gradient on the CPU only (CUDA's caching allocator frees in
+stream order), never an output that is its input (one rank). The ranks'
+small agreement tensors go the same way
+(``comm.collectives.release_after_collective``).
 """
 
 from __future__ import annotations
@@ -92,20 +83,14 @@ CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
 
 
 class Waitable(Protocol):
-    """What an in-flight collective waits: a ``torch.distributed.Work``,
-    ``comm/quantized.QuantizedWork``, or a custom collective's work."""
+    """A ``torch.distributed.Work``, a ``QuantizedWork`` or a custom collective's."""
 
     def wait(self) -> object: ...
 
 
 class InFlight:
-    """One collective issued and not yet waited, whatever its kind.
-
-    The first :meth:`wait` waits the work, makes the shared copies and frees
-    the temporaries, once. Each member is completed once: when waited for
-    (a bucket's members at their own unit's wait: gathering until then) or
-    with the rest, its own copy made then (``member_copies``);
-    ``packed_output``, which those copies read, is freed after the last."""
+    """One collective issued and not yet waited ([Note: the life of a
+    collective]); each member is completed once."""
 
     __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies", "_member_copies",
                  "_packed_output", "_temporaries", "_keep_alive", "_complete", "_settled")
@@ -126,8 +111,7 @@ class InFlight:
         self._member_copies: dict[int, tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = {
             id(member): (member, destination, source)
             for member, destination, source in member_copies}
-        """By member id: its unsharded storage is filled and its values
-        copied in when it is completed (see [Note: a bucket's copies])."""
+        """Made at each member's completion ([Note: a bucket's copies])."""
         self._packed_output = packed_output  # what member_copies read: freed after the last
         self._temporaries = list(temporaries)  # freed after the wait's copies
         self._keep_alive = list(keep_alive)  # inputs the backend reads until the wait
@@ -136,7 +120,6 @@ class InFlight:
 
     @property
     def members(self) -> list[FlatBuffer]:
-        """The members not completed yet."""
         return self._pending
 
     @property
@@ -144,9 +127,8 @@ class InFlight:
         return not self._pending
 
     def wait(self, member: Optional[object] = None) -> None:
-        """Wait the work (watched), copy out and free the temporaries
-        (once), then complete ``member`` (default: every member left). On
-        CUDA the wait orders the current stream; the host does not block."""
+        """Complete ``member`` (default: every member left). On CUDA the
+        wait orders the current stream; the host does not block."""
         if not self._settled:
             if self._work is not None:
                 wait_watched(self._work, self._process_group)
@@ -179,8 +161,8 @@ class InFlight:
             self._complete(todo)
 
     def discard(self) -> None:
-        """An iteration that raised: wait the work (it still uses our
-        tensors) and drop its result; the members no longer point at it."""
+        """An iteration raised: wait the work (it still reads our tensors),
+        drop its result, unlink the members."""
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -204,9 +186,8 @@ def _free(tensors: Sequence[torch.Tensor]) -> None:
 
 
 class CollectiveQueue:
-    """The data collectives of one model: issue, bucket, limit, wait (see
-    [Note: the life of a collective]). Built by the root's lazy init and
-    shared by every unit of the model (``unit.collectives``)."""
+    """The data collectives of one model ([Note: the life of a
+    collective]), shared by its units (``unit.collectives``)."""
 
     __slots__ = ('buckets', 'gathers_nothing', 'observer', 'settings', 'staging',
                  '_gathers', '_held', '_reduces', '_replicas', '__dict__', '__weakref__')
@@ -214,33 +195,25 @@ class CollectiveQueue:
     def __init__(self, settings: ModelSettings,
                  observer: Optional[CollectiveObserver] = None) -> None:
         self.settings: ModelSettings = settings
-        """The model's settings: ``prefetch_policy``'s in-flight limits and
-        ``retain_staging`` are read here."""
+        """Read here: ``prefetch_policy``'s limits and ``retain_staging``."""
         self.buckets: BucketPlan = BucketPlan(settings)
-        """Which units share their collectives in this iteration
-        (``buckets.py``; rebuilt where the ranks agree, :meth:`order_agreed`)."""
+        """Rebuilt only where the ranks agree (:meth:`order_agreed`)."""
         self.observer: CollectiveObserver = observer or CollectiveObserver()
-        """Told about every collective before it is issued."""
         self.staging: StagingPool = StagingPool()
-        """Memory of released unsharded buffers, reused on the CPU."""
+        """Released unsharded memory, reused on the CPU."""
         self._gathers: list[InFlight] = []
-        """All-gathers issued here that may still be in flight."""
         self._reduces: deque[InFlight] = deque()
-        """Reduce-scatters in flight, oldest first."""
         self._replicas: deque[list[InFlight]] = deque()
-        """Hybrid sharding: the replica all-reduces of each waited
-        reduce-scatter, oldest first."""
+        """The replica all-reduces of each waited reduce-scatter, oldest first."""
         self.gathers_nothing: bool = False
-        """No buffer of the model all-gathers in this iteration (one rank:
-        ``FlatBuffer.reshard_frees_nothing`` everywhere): nothing is fetched
-        ahead. Set by :meth:`start_iteration`."""
+        """No buffer of the model all-gathers this iteration (one rank):
+        nothing is fetched ahead."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
-        """Per bucket id: its buffers whose gradient is ready, held until
-        the last one is (:meth:`reduce`)."""
+        """Per bucket id: its buffers with a ready gradient, held until
+        the last expected one is."""
 
     def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
-        """Make ``buffers`` (of a unit joining this model) use the shared
-        staging pool; only CPU buffers, see ``buffers/staging.py``."""
+        """CPU ``buffers`` of a unit joining the model use the shared pool."""
         for buffer in buffers:
             if buffer.compute_device.type == "cpu" and not buffer.is_unsharded \
                     and not buffer.aliased:
@@ -248,31 +221,28 @@ class CollectiveQueue:
 
     # -------------------------------------------------------------- iteration
     def start_iteration(self, buffers: Sequence[FlatBuffer]) -> None:
-        """The root's pre-forward: apply a changed bucket cap, tell the
-        observer, and note whether any of the model's ``buffers`` gathers."""
+        """The root's pre-forward."""
         self.buckets.refresh()
         self.observer.start_iteration()
         self.gathers_nothing = all(b.reshard_frees_nothing for b in buffers)
 
     def order_agreed(self, order: Sequence[BucketedUnit]) -> None:
-        """End of the step's last backward, once the ranks checked that
-        their collectives, forward order included, were the same (the
-        fingerprint in ``publish_gradients``): rebuild the buckets from that
-        ``order``, so the plan is the same on every rank. Iterations that
-        verify every collective ([Note: rank divergence]) run unbucketed, so
-        their checks name the unit whose collective differs."""
+        """End of the step's last backward, after the fingerprint in
+        ``publish_gradients`` showed every rank issued the same collectives
+        in the same forward ``order``: rebuild the buckets from it, so the
+        plan is the same on every rank. Iterations that verify every
+        collective ([Note: rank divergence]) run unbucketed, so their
+        checks name the unit whose collective differs."""
         self.buckets.rebuild([] if self.observer.will_verify() else order)
 
     def end_forward(self) -> None:
-        """The root's forward ended and a backward follows: free the staging
-        pool unless the policy retains it, so the step's peak does not count
-        it ([Note: the pool across the end of forward] in ``buffers/staging.py``)."""
+        """A backward follows: free the staging pool unless retained
+        ([Note: the pool across the end of forward] in ``buffers/staging.py``)."""
         if not self.settings.prefetch_policy.retain_staging:
             self.staging.release()
 
     def end_iteration(self) -> None:
-        """The iteration's last use of unsharded memory is over: forget the
-        finished all-gathers, release the staging pool unless retained."""
+        """The iteration's last use of unsharded memory is over."""
         self.inflight_all_gathers()  # drops the finished ones
         if self.settings.prefetch_policy.retain_staging:
             self.staging.keep()
@@ -280,10 +250,8 @@ class CollectiveQueue:
             self.staging.clear()
 
     def discard_iteration(self) -> None:
-        """Forget the collectives an iteration that raised tracked
-        (``reset_iter_state``): the units have waited or discarded them.
-
-        Pre-condition: no buffer is gathering or reducing any more."""
+        """``reset_iter_state``. Pre-condition: no buffer is gathering or
+        reducing (the units waited or discarded their collectives)."""
         self._gathers = []
         self._reduces.clear()
         self._replicas.clear()
@@ -292,10 +260,9 @@ class CollectiveQueue:
     # ------------------------------------------------------------- all-gather
     def gather(self, unit: BucketedUnit, prefetch: Sequence[BucketedUnit],
                ran: Container[int]) -> None:
-        """Unshard ``unit`` for its pre-forward or pre-backward, issuing the
-        all-gathers of ``prefetch`` (within the limit) while its own is in
-        flight; a bucket is gathered as one, without the members in ``ran``
-        (ids of the units whose forward ran in this pass)."""
+        """Unshard ``unit``, issuing ``prefetch``'s all-gathers (within the
+        limit) while its own is in flight; a bucket is gathered as one,
+        without the members in ``ran`` (forward ran in this pass)."""
         if self.gathers_nothing:  # one rank: only the views switch (see _gather_alone)
             for buffer in unit.buffers:
                 if not buffer.is_unsharded:
@@ -317,7 +284,7 @@ class CollectiveQueue:
                 continue
             for buffer in target.buffers:
                 if buffer.aliased:
-                    # One rank: nothing to fetch (a unit that did not run would keep the views).
+                    # one rank: nothing to fetch
                     continue
                 if not _issues_all_gather(buffer):
                     continue  # already gathered or in flight
@@ -330,9 +297,8 @@ class CollectiveQueue:
                 return
 
     def start_unshard(self, unit: BucketedUnit, issuer: TrainingState) -> None:
-        """``ShardedModule.unshard``: issue ``unit``'s all-gathers, each
-        buffer alone, without waiting; at the in-flight limit the oldest is
-        waited first."""
+        """``ShardedModule.unshard``: issue, no wait (at the limit the
+        oldest is waited first)."""
         for buffer in unit.buffers:
             if _issues_all_gather(buffer):
                 while self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
@@ -340,8 +306,7 @@ class CollectiveQueue:
             self._gather_alone(buffer, issuer, unit.name)
 
     def wait_gathers(self, unit: BucketedUnit) -> None:
-        """Wait ``unit``'s all-gathers in flight; its buffers are unsharded
-        (or stay sharded where nothing was issued)."""
+        """Post-condition: what was issued for ``unit`` is unsharded."""
         for buffer in unit.buffers:
             if buffer.gathering is not None:
                 break
@@ -353,16 +318,15 @@ class CollectiveQueue:
                     buffer.gathering.wait(buffer)
 
     def inflight_all_gathers(self) -> int:
-        """All-gathers issued here and not waited on yet (a bucket's is one)."""
+        """All-gathers in flight (a bucket's counts one)."""
         if self._gathers:
             self._gathers = [g for g in self._gathers if not g.done]
         return len(self._gathers)
 
     def _gather_bucket(self, unit: BucketedUnit, issuer: TrainingState, ran: Container[int],
                        limited: bool = False) -> bool:
-        """If ``unit`` is in a bucket gathered as one now: issue one
-        all-gather for the members that need one (``limited``: only within
-        the in-flight limit) and return True; else False (nothing done)."""
+        """If ``unit``'s bucket is gathered as one now, issue its all-gather
+        (``limited``: within the in-flight limit) and return True."""
         bucket = self.buckets.of_unit(unit)
         if bucket is None:
             return False
@@ -384,8 +348,8 @@ class CollectiveQueue:
         return True
 
     def _gather_alone(self, buffer: FlatBuffer, issuer: TrainingState, owner: str) -> None:
-        """Issue ``buffer``'s own all-gather (``owner``: its unit's name) if
-        it needs one; an aliased buffer (one rank) only switches its views."""
+        """Issue ``buffer``'s own all-gather if it needs one; an aliased
+        buffer (one rank) only switches its views."""
         if not _issues_all_gather(buffer):
             if buffer.aliased:
                 buffer.prepare_unshard()
@@ -395,8 +359,8 @@ class CollectiveQueue:
             self._issue_gather(buffer)
 
     def _issue_gather(self, buffer: FlatBuffer) -> None:
-        """A bucket of one: the all-gather writes straight into the buffer's
-        unsharded storage (over the post-forward group when a piece was kept)."""
+        """Into the buffer's unsharded storage, over the post-forward group
+        when a piece was kept."""
         prepared = buffer.prepare_unshard()
         if prepared is None:
             return
@@ -424,9 +388,9 @@ class CollectiveQueue:
 
     def _issue_packed_gather(self, buffers: Sequence[FlatBuffer], wanted: Sequence[FlatBuffer]
                              ) -> None:
-        """One all-gather of the shards of every buffer of a bucket, filling
-        those of ``wanted`` that can join ([Note: bucketing]); the others
-        (including a kept post-forward piece) contribute and receive nothing."""
+        """One all-gather of every bucket member's shard, filling those of
+        ``wanted`` that can join ([Note: bucketing]); the others (a kept
+        post-forward piece too) contribute and receive nothing."""
         wanted_ids = {id(b) for b in wanted}
         inputs: list[torch.Tensor] = []
         joined: list[tuple[FlatBuffer, int, int]] = []  # buffer, version, offset
@@ -479,14 +443,12 @@ class CollectiveQueue:
 
     # --------------------------------------------------------- reduce-scatter
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
-        """Issue ``buffer``'s reduce-scatter; wait the oldest ones beyond the
-        limit. A buffer of a bucket is held until the bucket's last expected
-        gradient is ready; then one reduce-scatter goes for all of them."""
+        """Issue ``buffer``'s reduce-scatter, or hold it until its bucket's
+        last expected gradient; wait the oldest beyond the limit."""
         bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
         if bucket is None and buffer.group.total_size == 1 and buffer.comms is None and \
                 not profiler_active():
-            # one rank, no replica: nothing to communicate, observe (the observers record
-            # only what crosses ranks) or keep in flight
+            # one rank, no replica: nothing crosses ranks, nothing to observe
             buffer.grad.fold_unreduced(options)
             return
         if bucket is not None:
@@ -499,26 +461,23 @@ class CollectiveQueue:
         self._issue_reduce([buffer], options, buffer)
 
     def _reduce_held(self, key: int, trigger: Optional[FlatBuffer] = None) -> None:
-        """One reduce-scatter for the bucket; ``trigger``: the buffer whose
-        gradient completed it, observed first (the rank-divergence checks
-        then name the unit whose backward made a rank reduce the bucket)."""
+        """``trigger``, whose gradient completed the bucket, is observed
+        first, so the divergence checks name the unit that made a rank
+        reduce the bucket."""
         bucket, _, options = self._held.pop(key)
         self._issue_reduce(bucket.reduced_buffers(), options, trigger)
 
     def flush_held_reduces(self) -> None:
-        """End of backward: reduce what buckets still hold (a member whose
-        backward did not run), bucket by bucket in plan order, the same on
-        every rank."""
+        """End of backward: reduce what buckets still hold, in plan order
+        (the same on every rank)."""
         for bucket in self.buckets.buckets:
             if id(bucket) in self._held:
                 self._reduce_held(id(bucket))
 
     def _issue_reduce(self, buffers: list[FlatBuffer], options: ReduceOptions,
                       trigger: Optional[FlatBuffer]) -> None:
-        """One reduce-scatter of the gradients of ``buffers`` (a bucket's or
-        one): observed, issued, tracked, then the limit kept. Its size
-        depends on ``buffers`` only ([Note: bucketing]); nothing is issued
-        when no buffer has a gradient."""
+        """Its size depends on ``buffers`` only ([Note: bucketing]);
+        nothing is issued when none has a gradient."""
         for buffer in buffers:
             if buffer.grad.reducing is not None:
                 buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
@@ -542,9 +501,7 @@ class CollectiveQueue:
 
     def _reduced(self, members: list[tuple[FlatBuffer, torch.Tensor]],
                  options: ReduceOptions) -> None:
-        """A reduce-scatter completed: per member, issue the replica
-        all-reduce (hybrid sharding), else fold the chunk into the sharded
-        gradient."""
+        """Per member: the replica all-reduce, else fold the chunk."""
         replicas = []
         for buffer, output in members:
             buffer.grad.reducing = None
@@ -566,8 +523,8 @@ class CollectiveQueue:
             self._replicas.append(replicas)
 
     def _keep_reduce_limit(self) -> None:
-        """Beyond the limit, wait the oldest reduce-scatter; its replica
-        all-reduces are waited when those exceed the limit in turn."""
+        """Wait the oldest reduce-scatters, then replica all-reduces,
+        beyond the limit."""
         if self._reduces:
             self._reduces = deque(f for f in self._reduces if not f.done)
         while len(self._reduces) > self.settings.prefetch_policy.max_pending_reduces:
@@ -579,12 +536,10 @@ class CollectiveQueue:
                     flight.wait()
 
     def make_room_for_reduce(self) -> None:
-        """A unit's backward is about to make the flat gradient of its next
-        reduction: wait the oldest reduce-scatters until at most
-        ``max_pending_reduces - 1`` remain, so their inputs (flat gradients)
-        are freed before the new one is allocated (as FSDP2 waits the
-        previous reduce-scatter at the next reduction). Each waited one
-        overlapped the backward of a unit that is done."""
+        """A flat gradient is about to be made: wait the oldest
+        reduce-scatters until at most ``max_pending_reduces - 1`` remain, so
+        their inputs are freed before it is allocated (as FSDP2 waits the
+        previous reduce-scatter at the next reduction)."""
         if not self._reduces:
             return  # nothing in flight (every earlier one waited, or one rank)
         self._reduces = deque(f for f in self._reduces if not f.done)
@@ -593,8 +548,7 @@ class CollectiveQueue:
                 self._reduces.popleft().wait()
 
     def finish_reduces(self) -> None:
-        """Wait every reduction in flight, oldest first (the end of the
-        step's last backward)."""
+        """Oldest first."""
         with profiled("reduce_scatter_wait", "all in flight"):
             while self._reduces:
                 self._reduces.popleft().wait()  # may add replica all-reduces
@@ -604,8 +558,7 @@ class CollectiveQueue:
 
 
 def gather_values(buffer: FlatBuffer) -> torch.Tensor:
-    """All-gather ``buffer``'s values in the parameters' dtype into a new
-    padded flat tensor on the compute device. Blocking, not observed: for
+    """``buffer``'s padded flat values. Blocking, not observed: for
     initialisation and ``full_params`` between steps."""
     full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype,
                        device=buffer.compute_device)
@@ -614,14 +567,12 @@ def gather_values(buffer: FlatBuffer) -> torch.Tensor:
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:
-    """Whether ``buffer`` needs an all-gather issued now."""
     return not buffer.aliased and buffer.gathering is None and \
         (not buffer.is_unsharded or buffer.is_stale)
 
 
 def _gathered(versions: dict[int, int]) -> Callable[[list[FlatBuffer]], None]:
-    """Completion of an all-gather: each buffer completed is unsharded
-    (``versions``: by buffer id, its version before the collective)."""
+    """Completion of an all-gather (``versions``: by buffer id, before it)."""
     def complete(buffers: list[FlatBuffer]) -> None:
         for buffer in buffers:
             buffer.gathering = None
@@ -632,7 +583,7 @@ def _gathered(versions: dict[int, int]) -> Callable[[list[FlatBuffer]], None]:
 def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
             hook: Optional[Callable[[torch.Tensor], None]] = None
             ) -> Callable[[list[FlatBuffer]], None]:
-    """Completion of a replica all-reduce: ``hook`` the result, fold the chunk."""
+    """Completion of a replica all-reduce."""
     def complete(_buffers: list[FlatBuffer]) -> None:
         buffer.grad.reducing = None
         if hook is not None:
@@ -643,10 +594,9 @@ def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
 
 def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
                     comms: UnitComms) -> Optional[InFlight]:
-    """``CollectiveQueue._reduced`` for a unit with a hook or
-    ``requires_all_reduce``: under hybrid sharding keep the chunk
-    (``requires_all_reduce`` False, no hook, as FSDP2) or all-reduce it with
-    what was kept, then hook and fold (returned); else hook and fold now."""
+    """``_reduced`` with custom comms: under hybrid sharding keep the
+    chunk (``requires_all_reduce`` False: no hook, as FSDP2) or all-reduce
+    it with what was kept; then hook and fold."""
     group = buffer.group
     if group.replicate_size > 1 and group.replicate_process_group is not None:
         if not comms.requires_all_reduce:
@@ -666,9 +616,8 @@ def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOpt
 
 def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
                     reduced: Callable[[list, ReduceOptions], None]) -> Optional[InFlight]:
-    """Issue the reduce-scatter of ``buffers``' gradients ([Note:
-    bucketing]), completed by ``reduced(members, options)``; ``None`` when
-    none has a gradient, or over one rank (``reduced`` ran at once)."""
+    """``None`` when no buffer has a gradient, or over one rank
+    (``reduced`` ran at once)."""
     if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
         grad = buffers[0].grad.take_for_reduce()
         if grad is None:
@@ -737,8 +686,8 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
 
 
 def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Where ``buffer``'s reduced chunk goes: its kept sharded gradient where
-    free (see [Note: the kept sharded gradient]), else a new tensor."""
+    """The kept sharded gradient where free ([Note: the kept sharded
+    gradient]), else a new tensor."""
     output = buffer.grad.reduce_output(dtype, device)
     if output is None:
         output = torch.empty(buffer.grad.reduce_chunk, dtype=dtype, device=device)
@@ -748,11 +697,9 @@ def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device)
 def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,
                           options: ReduceOptions, segments: Optional[list[int]] = None
                           ) -> Optional[Waitable]:
-    """The asynchronous reduce-scatter of ``flat`` into ``output`` over
-    ``buffer``'s group, quantized when its policy says so (a bucket's
-    buffers share the wire format, the plan's promise; ``segments``: their
-    chunk sizes, each quantized on its own), or through the unit's custom
-    reduce-scatter, on its reduce-scatter group (``comm/custom.py``)."""
+    """Quantized per the policy (a bucket's members share the wire format;
+    ``segments``: their chunk sizes, each quantized alone), or custom
+    (``comm/custom.py``)."""
     group, comms = buffer.group, buffer.comms
     if comms is not None:
         group = comms.reduce_group(group)

@@ -1,11 +1,7 @@
-"""Keeping ``torch.compile`` out of the hooks.
-
-``module.compile()`` (or ``torch.compile(module)``) traces ``Module.__call__``
-including its forward hooks. Ours resize storages, run collectives and swap
-module attributes, which dynamo must not put in a graph: under compilation
-each hook is a graph break and runs eagerly. Outside compilation the hook is
-called directly, so using ``fully_shard`` without ``torch.compile`` never
-imports ``torch._dynamo``.
+"""Keeping ``torch.compile`` out of the hooks: they resize storages, run
+collectives and swap module attributes, which dynamo must not trace, so
+under compilation each is a graph break run eagerly. Outside compilation
+the hook is called directly: no import of ``torch._dynamo``.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ def run_eagerly(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def hook(*args, **kwargs):
-        # dynamo reads True here while it traces (one call to ask, against
-        # is_compiling's two: this runs twice per unit and step)
+        # one call to ask (is_compiling makes two; this runs twice per unit and step)
         if torch.compiler.is_dynamo_compiling():
             return dynamo_disable(fn, recursive=True)(*args, **kwargs)
         return fn(*args, **kwargs)

@@ -1,8 +1,6 @@
-"""The end of backward, model-wide: deferred reductions, waiting the
-reductions in flight, and handing the gradients to the parameters.
-
-Called once per backward by the root (``state.py``), for every unit of the
-model in the root's state-list order, which is the same on every rank.
+"""The end of backward, model-wide: deferred reductions, waiting those in
+flight, publishing the gradients. Called once per backward by the root, for
+every unit in state-list order (the same on every rank).
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ from .unit import Unit
 
 def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
                     forward_order: Sequence[Unit], is_last_backward: bool) -> None:
-    """The root's end-of-backward callback, for ``units`` (root first).
-
-    Post-condition: every unit IDLE; after the last backward nothing is in
-    flight and every reduced gradient is published."""
+    """Post-condition: every unit IDLE; after the last backward nothing is
+    in flight and every reduced gradient is published."""
     collectives.flush_held_reduces()  # buckets some of whose members had no backward
     reduce_deferred(units, collectives)
     if is_last_backward:
@@ -40,10 +36,10 @@ def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
 
 
 def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None:
-    """Units with ``reduce_scatter_unused_params`` (and gradient sync)
-    reduce every trainable buffer in ``units`` order, zeros where this
-    rank's backward gave none, so every rank issues the same reductions;
-    parameters no rank used keep ``.grad`` (their used flags stay False)."""
+    """Units with ``reduce_scatter_unused_params`` reduce every trainable
+    buffer, zeros where this rank's backward gave none, so every rank
+    issues the same reductions; parameters no rank used keep ``.grad``
+    (their used flags stay False)."""
     for unit in units:
         if not (unit.settings.reduce_scatter_unused_params and unit.settings.requires_gradient_sync):
             continue
@@ -56,13 +52,10 @@ def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None
 
 
 def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserver) -> None:
-    """Finish the reductions of ``buffers`` and publish the gradients
-    (``.grad is None`` where no rank used the parameter, [Note: used
-    parameters]), then run the post-accumulate-grad hooks.
-
-    Every rank passes the same buffers in the same order: one all-reduce of
-    the used flags per process group, to which ``observer`` may append bytes
-    ([Note: rank divergence] in ``checks/divergence.py``).
+    """Publish the gradients ([Note: used parameters]), then run the
+    post-accumulate-grad hooks. Every rank passes the same buffers in the
+    same order: one all-reduce of the used flags per process group, to which
+    ``observer`` may append bytes ([Note: rank divergence]).
     """
     pending = {id(b) for b in buffers if b.grad.has_unpublished}
     for buffer in buffers:

@@ -1,10 +1,9 @@
 """Methods other than ``forward`` that use the parameters like ``forward``.
 
-Only ``module(...)`` runs the forward hooks that unshard a unit, so a method
-such as Hugging Face's ``generate`` that reads the parameters without going
-through ``module(...)`` would see this rank's shards (rows of each parameter
-with the default placement, 1-D pieces with ``placement="flat"``).
-:func:`register_forward_method` makes such a method behave like ``forward``::
+Only ``module(...)`` runs the hooks that unshard a unit, so a method such as
+Hugging Face's ``generate`` would see this rank's shards (rows of each
+parameter by default, 1-D pieces with ``placement="flat"``).
+:func:`register_forward_method` makes it behave like ``forward``::
 
     for layer in model.layers:
         fully_shard(layer)
@@ -14,7 +13,7 @@ with the default placement, 1-D pieces with ``placement="flat"``).
 
 The unit is all-gathered once before the method and, unless autograd needs
 the parameters, resharded after it; the method's own ``module(...)`` calls
-are part of that one pass.
+(and calls of itself) are part of that one pass.
 """
 
 from __future__ import annotations
@@ -31,15 +30,13 @@ _WRAPPED = "_fsdp_compose_forward_method"
 
 def register_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` unshard and reshard ``module``'s
-    ``fully_shard`` unit the way ``module(...)`` does.
+    unit as ``module(...)`` does, on this instance only (not the class).
 
     Args:
-        module: a module annotated by :func:`fully_shard` (one module of a
+        module: annotated by :func:`fully_shard` (one module of a
             multi-module unit is fine).
-        method_name: the name of a method of ``module`` other than
-            ``forward`` (e.g. ``"generate"``). Registering it again is a no-op.
-
-    The method is replaced on this instance only (the class is untouched).
+        method_name: a method other than ``forward``; registering it again
+            is a no-op.
 
     Raises:
         ValueError: ``module`` is not annotated, or ``method_name`` is

@@ -1,9 +1,8 @@
 """``ModelSettings``: the settings of a whole model, in one place.
 
-A model-wide setter (:data:`SETTERS`) called on any annotated module changes
-one field of the root's :class:`ModelSettings`; called before the root's lazy
-init, the change waits on the module's state and the root merges every
-module's changes field by field (:func:`merge_changes`).
+A model-wide setter (:data:`SETTERS`) on any annotated module changes one
+field of the root's settings; before the root's lazy init the change waits
+on the module's state and the root merges them (:func:`merge_changes`).
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from ..policies import PrefetchPolicy
 from .buckets import DEFAULT_BUCKET_CAP_MB
 
 MAX_PENDING_REDUCES = "max_pending_reduces"
-"""The change ``set_reduce_scatter_max_input_buffers`` makes: one field of
-``prefetch_policy``, applied after a ``prefetch_policy`` change merged with it."""
+"""One field of ``prefetch_policy``, applied after a whole policy's change."""
 
 SETTERS: dict[str, str] = {
     "prefetch_policy": "set_prefetch_policy",
@@ -29,29 +27,25 @@ SETTERS: dict[str, str] = {
     "check_rank_divergence": "set_check_rank_divergence",
     "after_last_backward": "set_check_finite_gradients",
 }
-"""Every change a module method can make, in the order a merge applies them,
-with the method that makes it (error messages name it)."""
+"""Every change, in the order a merge applies them, with the method that
+makes it (error messages name it)."""
 
 
 @dataclass(slots=True)
 class ModelSettings:
-    """The model-wide settings, owned by the root's ``ModelContext`` and
-    read by reference by the prefetch order, the collective queue, the
-    bucket plan and the observer. Only :meth:`change` writes them.
+    """Owned by the root's ``ModelContext``, read by reference by the
+    prefetch order, the collective queue, the bucket plan and the observer.
+    Only :meth:`change` writes them.
 
     Attributes:
-        prefetch_policy: forward/backward prefetch and the in-flight limits
-            (all-gathers, pending reduce-scatters).
-        bucket_cap_mb: the bucket cap (0: no bucketing), applied at the
-            next root forward.
+        bucket_cap_mb: applied at the next root forward.
         is_last_backward: ``False`` leaves reductions in flight and the
             gradients unpublished at the end of backward.
-        check_rank_divergence: ``True`` verifies every collective across
-            ranks in every iteration, ``False`` never (and no forward
-            agreement), ``None`` in the default window.
-        after_last_backward: runs with the root module after every last
-            backward, once everything is resharded and published (``None``:
-            nothing).
+        check_rank_divergence: ``True`` verifies every collective in every
+            iteration, ``False`` never (no forward agreement either),
+            ``None`` in the default window.
+        after_last_backward: called with the root module after each last
+            backward, once everything is resharded and published.
     """
 
     prefetch_policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
@@ -61,8 +55,7 @@ class ModelSettings:
     after_last_backward: Optional[Callable[[nn.Module], None]] = None
 
     def change(self, name: str, value: Any) -> None:
-        """Apply one change named in :data:`SETTERS` (``value`` of the type
-        of that field)."""
+        """One change named in :data:`SETTERS`."""
         if name == MAX_PENDING_REDUCES:
             self.prefetch_policy = dataclasses.replace(self.prefetch_policy,
                                                        max_pending_reduces=value)
@@ -71,19 +64,16 @@ class ModelSettings:
             setattr(self, name, value)
 
     def change_all(self, changes: Mapping[str, object]) -> None:
-        """Apply ``changes`` in :data:`SETTERS` order (a whole policy before
-        one of its fields)."""
+        """In :data:`SETTERS` order (a whole policy before one of its fields)."""
         for name in SETTERS:
             if name in changes:
                 self.change(name, changes[name])
 
 
 def merge_changes(made: Iterable[tuple[str, Mapping[str, object]]], root: str) -> dict[str, object]:
-    """The changes made on the modules of one model before its lazy init,
-    ``(unit name, changes)`` in module order, merged field by field. The
-    same change with different values on two modules is ambiguous: raise
-    ``ValueError`` naming both and the ``root`` (every rank alike, before
-    any collective)."""
+    """``(unit name, changes)`` in module order, merged field by field. The
+    same change with two values is ambiguous: ``ValueError`` naming both
+    and the ``root`` (every rank alike, before any collective)."""
     chosen: dict[str, tuple[object, str]] = {}
     for unit, changes in made:
         for name, value in changes.items():

@@ -1,10 +1,6 @@
-"""Named ranges in profiler traces: ``fsdp_compose::<moment> <subject>``.
-
-Each hook moment and each collective's issue and wait is a
-``record_function`` range while a torch profiler records, so a trace shows
-which unit a copy or collective belongs to (ranges nest). With no profiler
-recording, :func:`profiled` returns one shared do-nothing context: no string
-is built, no op dispatched.
+"""Profiler ranges ``fsdp_compose::<moment> <subject>`` around each hook and
+each collective's issue and wait, so a trace shows whose copy or collective
+it is. With no profiler recording nothing is built or dispatched.
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ _T = TypeVar("_T")
 
 
 def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> AbstractContextManager:
-    """The range ``fsdp_compose::<moment> <subject>`` while a profiler
-    records, else a shared no-op context. A callable ``subject`` is called
-    only while a profiler records (a name that costs work to build)."""
+    """The range, else a shared no-op context; a callable ``subject`` is
+    called only while a profiler records."""
     if not profiler_active():
         return _NOTHING
     if callable(subject):
@@ -33,9 +28,8 @@ def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> Abstra
 
 
 def call_profiled(moment: str, subject: str, fn: Callable[..., _T], *args: object) -> _T:
-    """``fn(*args)`` inside :func:`profiled` ``(moment, subject)``: the same
-    range, for the hooks that run once per unit and step (no context
-    manager is entered while no profiler records)."""
+    """``fn(*args)`` in the same range, for hooks that run once per unit
+    and step (no context manager without a profiler)."""
     if not profiler_active():
         return fn(*args)
     with record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment):

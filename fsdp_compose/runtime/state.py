@@ -1,8 +1,6 @@
-"""``FullyShardState``: routes module and autograd hooks to units; the root's
-lazy init builds the :class:`ModelContext` every unit below it shares.
-
-The state owns no tensors: each hook asks the unit to do its part, and the
-root queues the end-of-backward callback that finishes the iteration.
+"""``FullyShardState`` routes module and autograd hooks to units and owns no
+tensors; the root's lazy init builds the :class:`ModelContext` every unit
+below it shares, and the root queues the end of backward.
 """
 
 from __future__ import annotations
@@ -38,15 +36,10 @@ class ModelContext:
     """State shared by the root and every unit below it for one model.
 
     Attributes:
-        root: the root's state (outermost annotated module).
-        states: every state in the root's subtree, root first, then in module
-            order.
-        settings: the model-wide settings (shared with the prefetch order,
-            the collective queue and the observer).
-        prefetch_order: the model's prefetch order (``unit.prefetch_order``).
-        collectives: the model's collective queue (``unit.collectives``).
-        backward_callback_queued: the end-of-backward callback is queued
-            for the running backward (once per backward).
+        states: every state in the root's subtree, root first, then in
+            module order (the same on every rank).
+        backward_callback_queued: the end of backward is queued for the
+            running backward (once per backward).
     """
 
     __slots__ = ('backward_callback_queued', 'buffers',
@@ -64,24 +57,18 @@ class ModelContext:
         self.collectives: CollectiveQueue = collectives
         self.backward_callback_queued: bool = False
         self.views_for_backward: list[Unit] = []
-        """Units resharded by hand after a forward that put no pre-backward
-        hook on their outputs: the next backward's first event puts their
-        views back (:meth:`FullyShardState.reshard`)."""
+        """See :meth:`FullyShardState.reshard`."""
         self.buffers: tuple[FlatBuffer, ...] = tuple(
             buffer for state in states for buffer in state.unit.buffers)
         self.gradients: tuple[FlatGradient, ...] = tuple(buffer.grad for buffer in self.buffers)
-        """The root's pre-forward gives back the memory of kept gradients
-        nobody holds."""
+        """The root's pre-forward frees kept gradients nobody holds."""
 
 
 class FullyShardState(_State):
-    """The state of one ``fully_shard`` call, attached to its module(s).
-
-    Created empty by the composable-API ``contract``, filled by :meth:`bind`;
-    every hook ``fully_shard`` registers is one of its methods. Only this
-    class writes its fields (others call :meth:`bind`,
-    :meth:`change_model_setting`, :meth:`hold_whole`, :meth:`run_forward_method`).
-    """
+    """The state of one ``fully_shard`` call, attached to its module(s):
+    created empty by ``contract``, filled by :meth:`bind`; every hook
+    ``fully_shard`` registers is one of its methods. Only this class writes
+    its fields."""
 
     __slots__ = ('annotated_parent', 'context', 'pending_settings', 'unit', 'validated',
                  '_held_whole', '_in_forward_method', '_new_observer',
@@ -92,28 +79,26 @@ class FullyShardState(_State):
         self.unit: Optional[Unit] = None
         self.context: Optional[ModelContext] = None
         self.validated: bool = False
-        """Whether ranks have been checked to agree on this unit's layout."""
+        """The ranks were checked to agree on this unit's layout."""
         self._in_forward_method: set[int] = set()
-        """ids of modules inside a method given to ``register_forward_method``
-        (their own ``module(...)`` calls there are part of that pass)."""
+        """ids of modules inside a registered forward method (their
+        ``module(...)`` calls there are part of that pass)."""
         self.annotated_parent: Optional[FullyShardState] = None
-        """The state of the nearest annotated module above (its root
-        initialises this one)."""
+        """The nearest annotated module's state above."""
         self._pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
-        """Runs at every pre-forward with the root module (see :meth:`bind`)."""
+        """See :meth:`bind`."""
         self._new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
-        """Builds the model's observer if this state becomes the root."""
+        """Used if this state becomes the root."""
         self.pending_settings: dict[str, object] = {}
-        """Model-wide settings made on this module before the root's lazy
-        init (``ModelSettings.change`` name -> value); the root merges them."""
+        """Model-wide changes made here before the root's lazy init; the
+        root merges them."""
         self._held_whole: bool = False
 
     def bind(self, unit: Unit, pre_forward_check: Optional[Callable[[nn.Module], None]] = None,
              new_observer: Callable[[], CollectiveObserver] = CollectiveObserver) -> None:
-        """Attach ``unit`` and install its forward hooks (once, at annotation).
-
-        ``pre_forward_check`` (run at every pre-forward with the root module)
-        and ``new_observer`` come from ``setup/units.py``: ``runtime/`` never
+        """Attach ``unit`` and install its forward hooks (once).
+        ``pre_forward_check`` (every pre-forward, with the root module) and
+        ``new_observer`` come from ``setup/units.py``: ``runtime/`` never
         imports the checks."""
         self.unit = unit
         unit.backward_started = self._queue_end_of_backward
@@ -124,10 +109,9 @@ class FullyShardState(_State):
             if state is not None:
                 state._pre_backward()
         self._pre_backward_hook: Callable[[Any], None] = pre_backward_hook
-        """Put on the unit's output by every forward (made once). It holds
-        the state weakly: autograd keeps hooks in C++, where a reference back
-        to the model is a cycle the garbage collector cannot see
-        (``tests/test_model_lifetime.py``)."""
+        """Holds the state weakly: autograd keeps hooks in C++, where a
+        reference back to the model is a cycle the garbage collector cannot
+        see (``tests/test_model_lifetime.py``)."""
         if pre_forward_check is not None:
             self._pre_forward_check = pre_forward_check
         self._new_observer = new_observer
@@ -144,24 +128,21 @@ class FullyShardState(_State):
 
     @property
     def held_whole(self) -> bool:
-        """``fsdp_compose.params.full_params`` holds this unit's parameters whole:
-        forward reads them as they are (the hooks do nothing)."""
+        """``full_params`` holds the parameters whole: the hooks do nothing."""
         return self._held_whole
 
     def hold_whole(self, held: bool) -> None:
-        """Called by ``full_params`` when it starts (``True``) and stops
-        holding this unit's parameters whole."""
         self._held_whole = held
 
     # ------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
-        """Make this state the root of every state in its subtree (once), and
-        validate the model as a whole before the first collective."""
+        """Once: become the root of the subtree, validate before the first
+        collective."""
         if self.context is not None:
             return  # already initialised (as root or as a unit below a root)
         if self.annotated_parent is not None:
-            # A submodule ran before its root's first forward: set up the whole
-            # model from the root, so this unit does not become a root of its own.
+            # a submodule ran before its root: initialise from the root, so
+            # this unit does not become a root of its own
             top = self.annotated_parent
             while top.annotated_parent is not None:
                 top = top.annotated_parent
@@ -173,7 +154,6 @@ class FullyShardState(_State):
             self._become_root()
 
     def _become_root(self) -> None:
-        """The lazy init of a root: one context for every state below it."""
         states = [self] + [s for s in states_below(self.unit.modules) if s is not self]
         _name_units(self.unit.modules, states)
         settings = ModelSettings()
@@ -194,9 +174,8 @@ class FullyShardState(_State):
         observer.bind([s.unit for s in states], settings)
 
     def change_model_setting(self, name: str, value: object) -> None:
-        """A change of one field of the model's :class:`ModelSettings`
-        (``ModelSettings.change``) made through this module: applied now if
-        the root is initialised, else merged by the root's lazy init."""
+        """``ModelSettings.change``: now if the root is initialised, else
+        at its lazy init."""
         if self.context is not None:
             self.context.settings.change(name, value)
         else:
@@ -204,10 +183,7 @@ class FullyShardState(_State):
 
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
-        """Run ``call(*args, **kwargs)``, a method given to
-        ``register_forward_method``, as one forward pass of this unit: the
-        forward hooks around it; ``module(...)`` calls inside it (and the
-        method calling itself) are part of the same pass."""
+        """One forward pass of this unit (``forward_methods.py``)."""
         running = self._in_forward_method
         if id(module) in running:
             return call(*args, **kwargs)
@@ -285,8 +261,8 @@ class FullyShardState(_State):
 
     def _reset_unfinished_iteration(self) -> None:
         """A forward or backward that raised leaves units mid-iteration;
-        going on would mix two iterations (and a lost end-of-backward
-        callback would never publish again): reset as ``reset_iter_state()``."""
+        going on would mix two iterations (and a lost end of backward would
+        never publish again): reset, with a warning."""
         context = self.context
         busy = [s.unit for s in context.states if s.unit.training_state is not TrainingState.IDLE]
         if busy or context.backward_callback_queued:
@@ -300,7 +276,7 @@ class FullyShardState(_State):
             self.reset_iter_state()
 
     def reset_iter_state(self) -> None:
-        """See ``ShardedModule.reset_iter_state``. Runs on the root."""
+        """``ShardedModule.reset_iter_state``, on the root."""
         context = self.context
         if context is not None and context.root is not self:
             raise RuntimeError(
@@ -316,17 +292,16 @@ class FullyShardState(_State):
             context.views_for_backward.clear()
 
     def _finish_incomplete_units(self) -> None:
-        """A multi-module unit some of whose modules did not run: its pass
-        ends with the root's forward."""
+        """A multi-module unit's pass ends with the root's forward."""
         for state in self.context.states:
             unit = state.unit
             if unit.training_state is TrainingState.FORWARD:
                 unit.complete_forward()
 
     def _drop_unused_prefetches(self) -> None:
-        """Reshard units prefetched but not run this time (the control flow
-        changed), and units prefetched again after their forward (a unit
-        called twice) that no backward will use: nothing else frees them."""
+        """Reshard units prefetched but not run (the control flow changed),
+        or prefetched again after their forward and unused by backward:
+        nothing else frees them."""
         ran = self.context.prefetch_order.ran
         for state in self.context.states:
             unit = state.unit
@@ -338,8 +313,8 @@ class FullyShardState(_State):
 
     def _drop_prefetches_of_outside_call(self, caller: Unit) -> None:
         """A unit called outside the root's forward (a chunked loss calling
-        ``lm_head``) may have prefetched others by explicit targets: reshard
-        those no backward will use (nothing else frees them)."""
+        ``lm_head``) may have prefetched explicit targets: reshard those no
+        backward will use."""
         for state in self.context.states:
             unit = state.unit
             if unit is not caller and unit.training_state is TrainingState.IDLE and \
@@ -357,9 +332,7 @@ class FullyShardState(_State):
         self.unit.pre_backward()
 
     def _queue_end_of_backward(self) -> None:
-        """Queue the model's end of backward, once per backward, at its first
-        event (a pre-backward hook, or ``Unit.backward_started``); that event
-        also puts back the views of units resharded by hand (:meth:`reshard`)."""
+        """At the backward's first event, once per backward."""
         context = self.context
         if not context.backward_callback_queued:
             context.backward_callback_queued = True
@@ -370,19 +343,17 @@ class FullyShardState(_State):
                 context.views_for_backward.clear()
 
     def reshard(self) -> None:
-        """``ShardedModule.reshard`` of this unit. Where its last forward put
-        no pre-backward hook on its outputs ([Note: one rank without
-        pre-backward hooks]) and its backward is still to come, the next
-        backward's first event puts the views back, so the module attributes
-        in backward are the views, as everywhere else."""
+        """``ShardedModule.reshard``. Where the last forward put no
+        pre-backward hook ([Note: one rank without pre-backward hooks]) and
+        its backward is still to come, the next backward's first event puts
+        the views back, so backward sees the views, as everywhere else."""
         unit = self.unit
         unit.reshard()
         if self.context is not None and unit.backward_pending_without_hook():
             self.context.views_for_backward.append(unit)
 
     def _finish_backward(self) -> None:
-        """Queued once per backward: publish the gradients (on the last
-        backward), reshard what is left, reset every unit (``end_of_backward.py``)."""
+        """Queued once per backward (``end_of_backward.py``)."""
         context = self.context
         context.backward_callback_queued = False
         settings = context.settings
@@ -397,8 +368,7 @@ class FullyShardState(_State):
 
 # ----------------------------------------------------------------- helpers
 def link_annotated_below(state: FullyShardState) -> None:
-    """``state``'s module was just annotated: the units annotated below it
-    learn that its root will initialise them."""
+    """``state`` was just annotated: the states below learn their parent."""
     for below in states_below(state.unit.modules):
         if below is not state and below.annotated_parent is None:
             below.annotated_parent = state
@@ -413,23 +383,21 @@ def _attach_state(module: Any, unit: Unit, **bind_options: Any) -> Any:
 # torch's composable-API registry keys an API by its function's name (replicate looks for it).
 _attach_state.__name__ = "fully_shard"
 attach_state = contract(state_cls=FullyShardState)(_attach_state)
-"""Attach a ``FullyShardState`` bound to ``unit`` through the composable-API
-``contract`` (which also checks that no FQN changed)."""
+"""Through ``contract``, which also checks that no FQN changed."""
 
 
 def state_of(module: nn.Module) -> Optional[FullyShardState]:
-    """The ``FullyShardState`` attached to ``module``, if it was annotated."""
     state = attach_state.state(module)
     return state if isinstance(state, FullyShardState) and state.unit is not None else None
 
 
 def units_below(module: nn.Module) -> list[Unit]:
-    """Every unit annotated in ``module``'s subtree, in module order."""
+    """In module order."""
     return [state.unit for state in states_below((module,)) if state.unit is not None]
 
 
 def states_below(modules: tuple[nn.Module, ...]) -> list[FullyShardState]:
-    """Every state in the subtrees of ``modules``, once each, in module order."""
+    """Once each, in module order."""
     seen: dict[int, FullyShardState] = {}
     for top in modules:
         for sub in top.modules():
@@ -452,8 +420,7 @@ def _name_units(roots: tuple[nn.Module, ...], states: list[FullyShardState]) -> 
 
 
 def _check_devices(states: list[FullyShardState]) -> None:
-    """Every unit that holds parameters computes on one device (a unit
-    without any computes nothing of its own: its mesh does not matter)."""
+    """Every unit holding parameters computes on one device."""
     holding = [state.unit for state in states if state.unit.buffers]
     for unit in holding[1:]:
         if unit.group.device != holding[0].group.device:
@@ -464,9 +431,8 @@ def _check_devices(states: list[FullyShardState]) -> None:
 
 
 def pending_model_settings(states: list[FullyShardState]) -> ModelSettings:
-    """The settings a model of ``states`` (root first) will start with,
-    before its lazy init: each change as first made in module order (the
-    lazy init raises where two modules made it with different values)."""
+    """What a model of ``states`` (root first) will start with: each
+    change as first made in module order (conflicts raise at lazy init)."""
     settings = ModelSettings()
     for state in reversed(states):
         settings.change_all(state.pending_settings)
@@ -481,8 +447,8 @@ def _layout_fingerprint(units: list[Unit]) -> int:
 
 def _check_ranks_agree(states: list[FullyShardState]) -> None:
     """One tiny all-gather per process group: every rank raises together if
-    any rank has different parameter names, shapes, dtypes or placements
-    (which would otherwise hang or mix values in the first all-gather)."""
+    any rank's parameters differ (else the first all-gather would hang or
+    mix values)."""
     by_group: dict[int, list[FullyShardState]] = {}
     for state in states:
         by_group.setdefault(id(state.unit.group.process_group), []).append(state)

@@ -13,9 +13,8 @@ from .._torch_private import pytree
 
 
 def iter_tensors(obj: Any):
-    """Yield every tensor in ``obj``: tensors, lists, tuples (named too),
-    dicts, dataclasses and any pytree-registered container (for example
-    Hugging Face ``ModelOutput``)."""
+    """Every tensor in ``obj``: through lists, tuples, dicts, dataclasses and
+    pytree-registered containers (Hugging Face ``ModelOutput``)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -40,10 +39,8 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
 
 
 def map_floating_tensors(obj: Any, fn) -> Any:
-    """Apply ``fn`` to every floating-point tensor in ``obj``: through every
-    pytree-registered container (lists, tuples, dicts, Hugging Face
-    ``ModelOutput``) and through dataclasses, which are copied with the
-    mapped fields (frozen ones too); other objects are kept."""
+    """``fn`` on every floating-point tensor in ``obj``, through pytree
+    containers and dataclasses (copied, frozen ones too); other objects kept."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.is_floating_point() else obj
     if type(obj) in pytree.SUPPORTED_NODES:
@@ -57,12 +54,11 @@ def map_floating_tensors(obj: Any, fn) -> Any:
 
 @contextlib.contextmanager
 def swapping_params_on_conversion(enabled: bool = True) -> Iterator[None]:
-    """Inside, ``module._apply`` (``to``, ``to_empty``, dtype casts) swaps
-    each parameter's contents with ``torch.utils.swap_tensors`` when
-    ``enabled`` (or when the user turned torch's switch on already), so the
-    ``nn.Parameter`` objects keep their identity even where ``param.data =``
-    is impossible (leaving the meta device); torch's setting is restored
-    on exit."""
+    """Inside, ``module._apply`` (``to``, ``to_empty``, casts) swaps each
+    parameter's contents with ``torch.utils.swap_tensors`` when ``enabled``
+    (or torch's switch is on), so ``nn.Parameter`` objects keep their
+    identity even where ``param.data =`` is impossible (leaving meta);
+    torch's setting is restored on exit."""
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(before or enabled)
     try:

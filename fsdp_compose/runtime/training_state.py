@@ -1,8 +1,5 @@
-"""Where a unit is in the iteration: the one enum every layer above reads.
-
-A leaf module (no imports from the package), so the checks, the
-checkpoint conversions and the tools can read a unit's state without
-importing the runtime's machinery.
+"""Where a unit is in the iteration. A leaf module (no package imports),
+so the checks, checkpoints and tools read it without the runtime.
 """
 
 from __future__ import annotations
@@ -11,7 +8,7 @@ from enum import Enum, auto
 
 
 class TrainingState(Enum):
-    """Where a unit is in the iteration (``Unit.training_state``)."""
+    """``Unit.training_state``."""
 
     IDLE = auto()
     """Between iterations: sharded (unless the user called ``unshard()`` or
@@ -19,8 +16,6 @@ class TrainingState(Enum):
     FORWARD = auto()
     """Inside the forward of one of its modules: unsharded."""
     PRE_BACKWARD = auto()
-    """Its outputs' gradients have arrived: unsharded for backward, gradients
-    not yet reduced."""
+    """Its outputs' gradients arrived: unsharded, gradients not reduced yet."""
     POST_BACKWARD = auto()
-    """Its gradients were reduced (or it kept them for accumulation without
-    sync) in this backward."""
+    """Its gradients were reduced (or kept, without sync) in this backward."""

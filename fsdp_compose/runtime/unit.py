@@ -1,9 +1,6 @@
-"""One unit: the flat buffers of one ``fully_shard`` call and what happens to
-them at each moment of an iteration.
-
-A unit owns its buffers and its training state; it never looks at other
-units. Deciding *when* to call these methods (hooks, the root, the end of
-backward) is the job of ``state.py``.
+"""One unit: the flat buffers of one ``fully_shard`` call and their
+transitions in an iteration. A unit owns its buffers and training state and
+never looks at other units; *when* its methods run is ``state.py``'s call.
 """
 
 from __future__ import annotations
@@ -36,48 +33,37 @@ _is_unsharded = operator.attrgetter("is_unsharded")
 
 @dataclass(slots=True)
 class UnitSettings:
-    """Every setting of one unit: the policies fixed at annotation and what
-    ``ShardedModule``'s setters change (model-wide settings are the root's
-    ``ModelSettings``). Only those setters and
-    :meth:`Unit.set_reshard_after_forward` write them, never during an
-    iteration."""
+    """Policies are fixed at annotation; the rest only
+    ``ShardedModule``'s setters and :meth:`Unit.set_reshard_after_forward`
+    write, never during an iteration."""
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
-    """Fixed at annotation."""
     offload_policy: Optional[CPUOffloadPolicy] = None
-    """Fixed at annotation; ``None``: the shard stays on the compute device."""
     comm_policy: CommPolicy = field(default_factory=CommPolicy)
-    """Fixed at annotation: quantized collectives (default: exact)."""
     reshard_after_forward: Optional[bool] = None
     """``None``: reshard after forward unless this is the root."""
     post_forward_group: Optional[ShardGroup] = None
     """``reshard_after_forward=k``, ``1 < k < F``: the ``k`` ranks backward
-    re-gathers from (``None``: the full shard group)."""
+    re-gathers from."""
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     unshard_in_backward: bool = True
-    """``False``: backward needs no parameter values (e.g. an embedding),
-    so it does not all-gather them again."""
+    """``False``: backward reads no parameter values (an embedding): no
+    all-gather in backward."""
     reduce_options: ReduceOptions = field(default_factory=ReduceOptions)
     reduce_scatter_unused_params: bool = False
     """Rank-dependent backward use: unsharded from forward to the end of
-    backward, where every rank reduces every trainable buffer (zeros where
-    unused, ``end_of_backward.reduce_deferred``)."""
+    backward (``end_of_backward.reduce_deferred``)."""
     forward_prefetch: Optional[list[Unit]] = None
-    """Units to all-gather before this one's forward (None: by recorded order)."""
+    """``None``: by the recorded order (as ``backward_prefetch``)."""
     backward_prefetch: Optional[list[Unit]] = None
-    """Units to all-gather when this one's backward starts (None: by order)."""
     comms: Optional[UnitComms] = None
-    """Replaced collectives, a hook, ``requires_all_reduce``
-    (``comm/custom.py``), shared with every buffer."""
+    """``comm/custom.py``; shared with every buffer."""
 
 
 class Unit:
-    """The flat buffers of one ``fully_shard`` call and their transitions.
-
-    Each buffer is unsharded at most once per forward and once per backward:
-    every transition below is idempotent (see the early returns).
-    """
+    """Each buffer is unsharded at most once per forward and once per
+    backward: every transition is idempotent (see the early returns)."""
 
     __slots__ = ('buffers', 'casts_inputs', 'casts_output', 'collectives', 'group', 'is_root',
                  'managed_modules', 'modules', 'name', 'prefetch_order', 'settings',
@@ -93,20 +79,16 @@ class Unit:
                  comm_policy: Optional[CommPolicy] = None) -> None:
         # Structure
         self.modules: tuple[nn.Module, ...] = tuple(modules)
-        """The annotated module(s) whose forward hooks drive this unit."""
+        """The annotated module(s) whose hooks drive the unit."""
         self.managed_modules: tuple[nn.Module, ...] = tuple(managed_modules)
-        """Every module whose parameters this unit took (its subtree minus
-        earlier units' subtrees)."""
+        """Its subtree minus earlier units' subtrees."""
         self.group: ShardGroup = group
         self.settings: UnitSettings = UnitSettings(mp_policy or MixedPrecisionPolicy(), offload_policy,
                                                    comm_policy or CommPolicy())
-        """Every setting of this unit (``ShardedModule``'s setters write them)."""
         mp_policy = self.settings.mp_policy
         self.casts_inputs: bool = mp_policy.param_dtype is not None and \
             mp_policy.cast_forward_inputs
-        """The policy casts forward's floating-point inputs (:meth:`cast_inputs`)."""
         self.casts_output: bool = mp_policy.output_dtype is not None
-        """The policy casts forward's output (:meth:`cast_output`)."""
         policy = buffer_policy(self.settings.mp_policy, offload_policy, torch.cuda.is_available(),
                                self.settings.comm_policy)
         self.buffers: list[FlatBuffer] = [
@@ -116,42 +98,34 @@ class Unit:
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
         self.name: str = user_class_name(self.modules[0])
-        """How messages name the unit; the FQN once a root knows it."""
+        """Its FQN once a root knows it."""
         self.set_reshard_after_forward(reshard_after_forward)
 
         # The model (set by the root's lazy init)
         self.is_root: bool = False
         self.prefetch_order: Optional[PrefetchOrder[Unit]] = None
-        """The model's, set by the root's lazy init."""
         self.collectives: Optional[CollectiveQueue] = None
-        """The model's, set by the root's lazy init."""
 
         # Per-iteration state
         self.training_state: TrainingState = TrainingState.IDLE
-        """Where the unit is in the iteration; transitions below."""
         self._modules_to_run: set[nn.Module] = set()
-        """Modules whose forward has not finished in this pass (the pass
-        completes when it empties)."""
+        """Modules yet to finish forward in this pass."""
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
         self._no_pre_backward_hook: bool = False
-        """The last forward that recorded a graph put no pre-backward hook
-        on the outputs ([Note: one rank without pre-backward hooks])."""
+        """[Note: one rank without pre-backward hooks]"""
         self.backward_started: Callable[[], None] = lambda: None
-        """Queues the model's end of backward if no hook did yet (set by
-        the unit's state)."""
+        """Queues the model's end of backward (set by the unit's state)."""
         self._saved_guard: Optional[saved_tensors_hooks] = None
-        """Installed during a forward when ``unshard_in_backward`` is off
-        (:meth:`_guard_saved_parameters`)."""
         self._frozen_uses: int = 0
         """Forward calls whose frozen-parameter reads are still ahead in
-        backward; -1: some call's inputs need no grad, keep until the end."""
+        backward; -1: keep until the end of backward."""
 
     def set_reshard_after_forward(self, value: Union[bool, int, None]) -> None:
-        """``None``/``True``/``False``, or an int ``k`` dividing the shard
-        group size ``F``: the ranks the parameters stay sharded over between
-        forward and backward (``F``: ``True``; ``1``: ``False``). Collective
-        when ``1 < k < F`` (call it on every rank)."""
+        """``None``, a bool, or an int ``k`` dividing the shard group size
+        ``F``: the ranks the parameters stay sharded over between forward
+        and backward (``F``: ``True``; ``1``: ``False``). Collective when
+        ``1 < k < F`` (call it on every rank)."""
         if value is None or isinstance(value, bool):
             self.settings.reshard_after_forward, self.settings.post_forward_group = value, None
             return
@@ -175,7 +149,6 @@ class Unit:
             if 1 < value < shard_size else None
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Floating-point inputs in ``param_dtype`` if the policy asks."""
         dtype = self.settings.mp_policy.param_dtype
         if dtype is None or not self.settings.mp_policy.cast_forward_inputs:
             return args, kwargs
@@ -187,15 +160,14 @@ class Unit:
 
     # --------------------------------------------------------------- queries
     def buffers_by_group(self) -> list[tuple[ShardGroup, list[int]]]:
-        """The indices of this unit's buffers per shard group, in buffer
-        order (one entry unless ``shard_placement_fn`` used another mesh)."""
+        """Buffer indices per shard group, in buffer order."""
         by_group: dict[int, tuple[ShardGroup, list[int]]] = {}
         for index, buffer in enumerate(self.buffers):
             by_group.setdefault(id(buffer.group), (buffer.group, []))[1].append(index)
         return list(by_group.values())
 
     def locate(self, param: torch.Tensor) -> Optional[tuple[FlatBuffer, int]]:
-        """The buffer holding ``param`` and its index there (``None``: not here)."""
+        """``param``'s buffer and index there, or ``None``."""
         return self._buffer_of.get(id(param))
 
     @property
@@ -212,7 +184,7 @@ class Unit:
 
     @property
     def backward_possible(self) -> bool:
-        """Some output of this unit's current (or last) forward pass requires grad."""
+        """Some output of the current (or last) forward pass requires grad."""
         return self._backward_possible
 
     @property
@@ -224,7 +196,6 @@ class Unit:
         return [b for b in self.buffers if not b.requires_grad]
 
     def check_materialized(self) -> None:
-        """Raise if the unit's parameters are still on the meta device."""
         for buffer in self.buffers:
             if buffer.is_meta:
                 raise RuntimeError(
@@ -235,7 +206,6 @@ class Unit:
 
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
-        """All-gather this unit's buffers (no prefetch) and wait for them."""
         self.collectives.gather(self, (), self.prefetch_order.ran)
 
     def reshard(self) -> None:
@@ -243,8 +213,7 @@ class Unit:
             buffer.reshard()
 
     def custom_comms(self) -> UnitComms:
-        """This unit's :class:`UnitComms`, made and shared with its buffers
-        at the first setter that needs one."""
+        """Made and shared with the buffers at the first setter needing it."""
         comms = self.settings.comms
         if comms is None:
             comms = self.settings.comms = UnitComms()
@@ -253,40 +222,35 @@ class Unit:
         return comms
 
     def rebuild_after_conversion(self) -> None:
-        """After a module conversion (``module.to(dtype)``): rebuild the
-        buffers from the converted parameters (see ``FlatBuffer``)."""
+        """After ``module.to(dtype)``: rebuild from the converted parameters."""
         for buffer in self.buffers:
             buffer.rebuild_after_conversion()
 
     # [Note: one rank without pre-backward hooks]
     # Where nothing of the model all-gathers (one rank), a pre-backward hook
-    # would only mark the unit as in backward and queue the end of backward,
-    # at a host cost per output and forward. So there a unit whose buffers all
-    # train puts none (the root keeps its own, as does a unit under a
-    # profiler, which labels the moment): its first gradient queues the end
+    # would only mark the state and queue the end of backward, at a host cost
+    # per output. So there a unit whose buffers all train puts none (not the
+    # root, nor a unit under a profiler): its first gradient queues the end
     # of backward (``backward_started``), its state goes from IDLE to
-    # POST_BACKWARD at its post-backward, and a forward while a backward runs
-    # on this thread is a recomputation (:meth:`_in_backward`). A unit with
-    # frozen buffers keeps the hook (their resharding reads the backward
-    # state). A unit resharded by hand before its backward gets its views
-    # back at the backward's first event (``FullyShardState.reshard``).
+    # POST_BACKWARD, and a forward while a backward runs on this thread is a
+    # recomputation (:meth:`_in_backward`). Frozen buffers keep the hook
+    # (their resharding reads the backward state). A unit resharded by hand
+    # before its backward gets its views back at the backward's first event
+    # (``FullyShardState.reshard``).
     def _in_backward(self) -> bool:
-        """Backward is running this unit's part (a forward now is a
-        recomputation): its pre-backward hook ran, or, without one, a
-        backward runs on this thread."""
+        """A forward now is a recomputation: the pre-backward hook ran, or,
+        without one, a backward runs on this thread."""
         return self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) \
             or (self._no_pre_backward_hook and current_graph_task_id() != -1)
 
     def backward_pending_without_hook(self) -> bool:
-        """The last forward put no pre-backward hook on this unit's outputs
-        and recorded a graph whose backward has not reached the unit yet."""
+        """Hookless, and a recorded backward has not reached the unit yet."""
         return self._no_pre_backward_hook and self.training_state is TrainingState.IDLE and \
             any(buffer.grad.saw_forward for buffer in self.buffers)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Unshard for the forward of ``module`` (one of ``self.modules``)."""
         if self._in_backward():
-            # Recomputation (activation checkpointing): unsharded for backward already.
+            # recomputation (activation checkpointing): unsharded for backward
             self.unshard()
             for buffer in self.buffers:
                 buffer.use_unsharded_views()
@@ -315,10 +279,9 @@ class Unit:
 
     def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[Any], None],
                      pass_ends: bool) -> bool:
-        """Finish the forward of ``module``: ``pre_backward`` (which ignores
-        its one argument) goes on its output. Returns True when the unit's
-        pass is complete: every module of the unit ran, or ``pass_ends`` (a
-        module called outside the root's forward is a pass by itself)."""
+        """Put ``pre_backward`` (one ignored argument) on the output. True
+        when the unit's pass is complete: all its modules ran, or
+        ``pass_ends`` (a call outside the root's forward is a pass)."""
         if self._in_backward():
             return False  # recomputation inside backward: stay unsharded
         if self._saved_guard is not None:
@@ -344,8 +307,6 @@ class Unit:
         return True
 
     def complete_forward(self) -> None:
-        """End the forward pass: reshard if no backward will need the
-        parameters or the policy says so."""
         self._modules_to_run.clear()
         self.training_state = TrainingState.IDLE
         if not self._backward_possible:
@@ -386,7 +347,7 @@ class Unit:
             guard.__exit__(None, None, None)
 
     def pre_backward(self) -> None:
-        """Unshard for backward (at most once per backward)."""
+        """At most once per backward."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.training_state = TrainingState.PRE_BACKWARD
@@ -399,8 +360,7 @@ class Unit:
             self.collectives.gather(self, targets, order.ran)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
-        """Autograd finished accumulating ``buffer``'s flat gradient: reduce
-        it (or keep it, accumulating without sync) and reshard the buffer."""
+        """``buffer``'s flat gradient is complete: reduce (or keep) it, reshard."""
         if self._no_pre_backward_hook:
             self.backward_started()  # no pre-backward hook ran: queue the end of backward
         if profiler_active():
@@ -409,9 +369,8 @@ class Unit:
             self._reduce_and_reshard(buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
-        """``buffer``'s flat gradient is about to be made and a reduction
-        follows: make room in the limit first, so the inputs freed go before
-        the new gradient takes its memory (``CollectiveQueue.make_room_for_reduce``)."""
+        """``CollectiveQueue.make_room_for_reduce`` before a reduced
+        gradient is allocated."""
         settings = self.settings
         if self.collectives is not None and settings.requires_gradient_sync and \
                 not settings.reduce_scatter_unused_params:
@@ -431,9 +390,9 @@ class Unit:
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
         """Frozen buffers have no gradient hook: they reshard once the input
-        gradients of every forward call of this pass are computed (every
-        backward node that could read them has run). A call whose inputs
-        need no grad keeps them until the end of backward."""
+        gradients of every forward call of this pass are computed (nothing
+        can read them after). A call whose inputs need no grad keeps them
+        until the end of backward."""
         if self._frozen_uses < 0:
             return  # already kept until the end of backward
         inputs = tensors_requiring_grad((args, kwargs))
@@ -459,8 +418,7 @@ class Unit:
                 buffer.reshard()
 
     def finish_backward(self) -> None:
-        """End of backward: reshard what is still unsharded (per policy) and
-        go back to IDLE."""
+        """Reshard per policy; IDLE after."""
         if self.training_state is not TrainingState.FORWARD:
             reshard = self.settings.reshard_after_backward
             for buffer in self.buffers:
@@ -471,10 +429,8 @@ class Unit:
         self.training_state = TrainingState.IDLE
 
     def reset_iter_state(self) -> None:
-        """Undo what an iteration that raised midway left on this unit.
-
-        Post-condition: IDLE, sharded, nothing in flight, no forward pass or
-        frozen-parameter use pending, no saved-tensor guard installed."""
+        """After an iteration raised. Post-condition: IDLE, sharded, nothing
+        in flight or pending, no saved-tensor guard."""
         self._release_saved_guard()
         for buffer in self.buffers:
             buffer.grad.discard_iteration()
@@ -489,9 +445,8 @@ class Unit:
 
 
 def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
-    """Call ``hook`` (one argument, ignored) when backward reaches
-    ``tensor``'s gradient: a pre-hook on its node (a tensor hook's moment
-    without its handle bookkeeping), or a tensor hook on a leaf."""
+    """``hook`` when backward reaches ``tensor``'s gradient: a pre-hook on
+    its node (no handle bookkeeping), a tensor hook on a leaf."""
     node = tensor.grad_fn
     if node is not None:
         node.register_prehook(hook)

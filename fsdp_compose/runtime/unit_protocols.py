@@ -1,7 +1,6 @@
-"""What the prefetch order, the collective queue and the bucket plan read of
-a unit, as Protocols: ``unit.Unit`` imports those modules, so they name the
-unit by what they read of it. Every member is read-only here (a property):
-none of them writes a unit.
+"""What the prefetch order, the collective queue and the bucket plan read
+of a unit (``unit.Unit`` imports them). Every member is a property: none of
+them writes a unit.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from .training_state import TrainingState
 
 
 class OrderSettings(Protocol):
-    """The settings of a unit the prefetch order reads (``UnitSettings``)."""
+    """Of ``UnitSettings``."""
 
     @property
     def forward_prefetch(self) -> Optional[Sequence[OrderedUnit]]: ...
@@ -26,16 +25,14 @@ class OrderSettings(Protocol):
 
 
 class OrderedUnit(Protocol):
-    """What the prefetch order reads of a unit: its prefetch settings (it
-    records units by identity)."""
+    """The prefetch order records units by identity."""
 
     @property
     def settings(self) -> OrderSettings: ...
 
 
 class BucketSettings(OrderSettings, Protocol):
-    """The settings of a unit that decide whether and with whom it is
-    bucketed (``buckets._key``)."""
+    """What ``buckets._key`` reads."""
 
     @property
     def post_forward_group(self) -> Optional[ShardGroup]: ...
@@ -52,15 +49,12 @@ class BucketSettings(OrderSettings, Protocol):
 
 
 class KeyedComms(Protocol):
-    """A unit's replaced collectives (``comm/custom.UnitComms``): units
-    share a bucket only with equal keys."""
+    """``comm/custom.UnitComms``: units share a bucket only with equal keys."""
 
     def key(self) -> Hashable: ...
 
 
 class BucketedUnit(Protocol):
-    """What the collective queue and the bucket plan read of a unit (the
-    queue hands the units it gathers to the plan)."""
 
     @property
     def name(self) -> str: ...
