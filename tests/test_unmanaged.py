@@ -133,3 +133,22 @@ def _no_error(how: str) -> bool:
 @pytest.mark.parametrize("how", ["replicate", "ignored"])
 def test_no_error_where_another_api_or_the_user_reduces(how):
     assert run_distributed(WORLD, _no_error, how, timeout=120) == [True] * WORLD
+
+
+def test_a_dropped_models_marks_are_forgotten():
+    """A mark holds its parameter only while something else does: a dropped
+    model's marked parameters are let go (their ids may be reused by a new
+    model's, which must not inherit the mark), a live one's are kept."""
+    import gc
+
+    from fsdp_compose.checks import unmanaged
+
+    kept, dropped = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    fsdp_compose.mark_reduced_elsewhere(kept)
+    fsdp_compose.mark_reduced_elsewhere(dropped)
+    ids = {id(p) for p in dropped.parameters()}
+    del dropped
+    gc.collect()
+    fsdp_compose.mark_reduced_elsewhere([])  # any mark or look lets go of the dropped
+    assert not ids & set(unmanaged._reduced_elsewhere)
+    assert {id(p) for p in kept.parameters()} <= set(unmanaged._reduced_elsewhere)

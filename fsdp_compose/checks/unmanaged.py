@@ -28,6 +28,7 @@ step with gradients; a walk up from the units to the user's model
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Iterable, Union
 
@@ -45,10 +46,12 @@ from .replicate import is_replicated
 
 _installed: list[object] = []
 _looked_at: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
-_reduced_elsewhere: set[int] = set()
-"""ids of parameters marked by the user (not weak references to them, which
-would stop ``torch.utils.swap_tensors``; the parameters outlive the model's
-training, and an id reused by a later tensor only skips this check)."""
+_reduced_elsewhere: dict[int, torch.Tensor] = {}
+"""The parameters marked by the user, by id, held strongly while anything
+else holds them: a weak reference would stop ``torch.utils.swap_tensors``
+(which keeps a parameter's identity through ``to_empty``), and an id alone
+could be reused by a later model's parameter, which the check would then
+skip. :func:`_forget_dropped` lets go of those only this dict still holds."""
 _SHOWN = 8  # parameters named in the message
 
 
@@ -60,8 +63,17 @@ def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Ten
     them. Call it on every rank, before the first ``optimizer.step()``."""
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
         else module_or_params
+    _forget_dropped()
     for param in params:
-        _reduced_elsewhere.add(id(param))
+        _reduced_elsewhere[id(param)] = param
+
+
+def _forget_dropped() -> None:
+    """Drop the marks of parameters nothing but this module holds any more
+    (a dropped model's), so their ids cannot be taken for a new one's."""
+    for key in list(_reduced_elsewhere):
+        if sys.getrefcount(_reduced_elsewhere[key]) <= 2:  # the dict and this call's argument
+            del _reduced_elsewhere[key]
 
 
 def install_unmanaged_check() -> None:
@@ -81,6 +93,7 @@ def _look_once(optimizer: Optimizer, args: object, kwargs: object) -> None:
     if not any(p.grad is not None for p in params):
         return  # no backward yet (a step with a closure): look at a later step
     _looked_at[optimizer] = True
+    _forget_dropped()
     if not dist.is_initialized() or managed.unit.group.total_size == 1:
         return  # one copy of the model: nothing drifts
     loose = [p for p in params if p.grad is not None and owner_of(p) is None
