@@ -1,37 +1,31 @@
 """Block-wise quantization of what the collectives move (``CommPolicy``):
-the wire format, and the quantized all-gather and reduce-scatter built on it.
+the wire format, and the quantized all-gather and reduce-scatter.
 
 [Note: block-quantized wire format]
 A flat tensor of ``n`` elements is cut into ``nb = ceil(n / B)`` blocks of
-``B`` elements (the last one padded with zeros). Each block gets one fp32
-scale, ``absmax / qmax`` (``qmax``: 127 for int8, 448 for fp8 e4m3), and its
-elements become codes ``x / scale`` rounded to the code dtype (int8:
-round-half-even then clamped to [-127, 127]; fp8: torch's cast, nearest).
-The payload is ``nb * B`` code bytes followed by ``nb`` fp32 scales, so its
-size, :meth:`BlockQuantizer.payload_bytes`, depends on ``n`` and ``B``
-only (the same on every rank) and is a multiple of 4 (``B`` is), so a
-payload placed at a multiple of 4 bytes views its scales as fp32 in place.
+``B`` elements (the last zero-padded). Each block gets one fp32 scale,
+``absmax / qmax`` (127 for int8, 448 for fp8 e4m3); its elements become
+codes ``x / scale`` (int8: round-half-even; fp8: torch's cast after a clamp).
+The payload is ``nb * B`` code bytes then ``nb`` fp32 scales: its size
+depends on ``n`` and ``B`` only (equal on every rank) and is a multiple of 4
+(``B`` is), so a payload at a 4-byte offset views its scales as fp32 in place.
 
-Decoding is ``code * scale``. The error per element is at most half a code
-step: ``absmax / 254`` for int8; for fp8 e4m3 at most ``|x| / 16`` (3
-mantissa bits) and ``absmax / 448 * 2**-10`` near zero (half the smallest
-subnormal step), so at most ``absmax / 16`` (:meth:`error_bound`). A block
-of zeros decodes to zeros exactly; a block holding an inf or NaN decodes to
-non-finite values (its scale is non-finite), so overflow still shows after
-a quantized reduction (a grad scaler still sees it).
-
-Every rank decodes the same payload to the same values, own chunk included,
-so the ranks compute with identical parameters; the sharded master copy
-itself is never quantized.
+Decoding is ``code * scale``, with error at most half a code step
+(:meth:`BlockQuantizer.error_bound`: ``absmax / 254`` for int8, ``absmax /
+16`` for fp8 e4m3's 3 mantissa bits). A zero block decodes to zeros
+exactly; a block holding inf or NaN has a non-finite scale and decodes to
+non-finite values, so overflow still reaches a grad scaler. Every rank
+decodes the same payload to the same values, own chunk included, so all
+compute with identical parameters; the sharded master copy is never
+quantized.
 
 [Note: quantized reduce-scatter]
-A reduce-scatter cannot sum codes with different scales, so the quantized
-gradient reduction is an all-to-all (as ZeRO++'s qgZ): rank ``r`` encodes
-its flat gradient's chunk for each rank ``j`` (each chunk with its own
-blocks) and sends it to ``j``; each rank decodes the ``F`` chunks it
-received to fp32 and sums them in rank order. The error of the sum is at
-most the sum of the ``F`` contributions' errors; every rank moves ``F``
-payloads out and in, like a reduce-scatter.
+Codes with different scales cannot be summed in a reduce-scatter, so the
+quantized reduction is an all-to-all (as ZeRO++'s qgZ): each rank encodes
+its chunk for each rank ``j`` with its own blocks and sends it to ``j``;
+each rank decodes the ``F`` chunks it received to fp32 and sums them in
+rank order. The sum's error is at most the sum of the ``F`` errors; each
+rank moves ``F`` payloads each way, like a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -62,9 +56,9 @@ def code_dtypes() -> tuple[torch.dtype, ...]:
 
 @dataclass(frozen=True)
 class BlockQuantizer:
-    """The wire format of one collective (see [Note: block-quantized wire
-    format]): ``code_dtype`` (``torch.int8`` or ``torch.float8_e4m3fn``)
-    and ``block`` elements per scale (a positive multiple of 4)."""
+    """One collective's wire format ([Note: block-quantized wire format]):
+    ``code_dtype`` (int8 or fp8 e4m3) and ``block`` elements per scale (a
+    positive multiple of 4; ``ValueError`` otherwise)."""
 
     code_dtype: torch.dtype
     block: int
@@ -91,15 +85,14 @@ class BlockQuantizer:
         return blocks * self.block + 4 * blocks
 
     def error_bound(self, block_absmax: torch.Tensor) -> torch.Tensor:
-        """The largest decoding error of an element of a block whose largest
-        magnitude is ``block_absmax`` (see the note)."""
+        """Largest decoding error in a block of largest magnitude ``block_absmax``."""
         if self.code_dtype == torch.int8:
             return block_absmax / (2 * self.qmax)
         return block_absmax / 16
 
     def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        """Write the payload of the flat tensor ``values`` (any floating
-        dtype) into ``payload`` (``payload_bytes(values.numel())`` uint8)."""
+        """Encode ``values`` (any floating dtype) into ``payload``
+        (``payload_bytes(values.numel())`` uint8)."""
         numel, block = values.numel(), self.block
         blocks = self.blocks(numel)
         grid = values.reshape(-1).float()
@@ -120,9 +113,8 @@ class BlockQuantizer:
             codes.copy_(scaled.clamp_(-self.qmax, self.qmax))
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the values of ``payload`` (a 1-D uint8 view, stride 1,
-        4-byte aligned) into the flat tensor ``out`` (any floating dtype;
-        its numel is the encoded one)."""
+        """Decode ``payload`` (contiguous uint8, 4-byte aligned) into ``out``
+        (any floating dtype, the encoded numel)."""
         numel, block = out.numel(), self.block
         blocks = self.blocks(numel)
         codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
@@ -136,9 +128,9 @@ class BlockQuantizer:
 
 
 class QuantizedWork:
-    """The work of a quantized collective: waiting on it waits the
-    transfer, then decodes (once) and frees the wire buffers (see [Note:
-    freeing what a collective read] in ``runtime/collective_queue.py``)."""
+    """A quantized collective's work: ``wait`` waits the transfer, then
+    decodes once and frees the wire buffers ([Note: freeing what a
+    collective read] in ``runtime/collective_queue.py``)."""
 
     def __init__(self, work: Optional[dist.Work], finish: Callable[[], None],
                  wire: Sequence[torch.Tensor]) -> None:
@@ -167,12 +159,9 @@ def all_gather_quantized(destinations: Sequence[Optional[torch.Tensor]],
                          shards: Sequence[torch.Tensor], group: ShardGroup,
                          quantizer: BlockQuantizer) -> QuantizedWork:
     """One asynchronous all-gather of the quantized ``shards`` (one per
-    buffer, each ``S_i`` elements, the same on every rank) into
-    ``destinations`` (each a ``(F, S_i)`` view: rank ``r``'s decoded shard
-    lands in row ``r``; any floating dtype; ``None``: this rank does not
-    need that buffer, which still travels). The payloads of all shards are
-    packed into one collective; decoding happens at the wait.
-
+    buffer, ``S_i`` elements on every rank), packed into one collective,
+    into ``destinations`` (``(F, S_i)`` views, rank ``r``'s shard in row
+    ``r``; ``None``: not needed here, still sent). Decodes at the wait.
     Pre-condition: ``group.world_size > 1``."""
     sizes = [quantizer.payload_bytes(s.numel()) for s in shards]
     total, world = sum(sizes), group.world_size
@@ -203,17 +192,12 @@ def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: Sh
                              quantizer: BlockQuantizer, divide_factor: Optional[float] = None,
                              force_sum: bool = False,
                              segments: Optional[Sequence[int]] = None) -> QuantizedWork:
-    """The quantized counterpart of ``collectives.reduce_scatter_scaled``
-    (same result contract: this rank's chunk of the sum, or of the mean
-    over the shard group when the unquantized path would average in the
-    collective; :func:`collectives.finish_scaling` completes it), as an
-    asynchronous all-to-all of quantized chunks (see [Note: quantized
-    reduce-scatter]). ``flat`` is ``F`` chunks of ``output``'s size; it is
-    encoded now, so the caller may free it at once. ``segments``: the
-    sizes of the buffers packed in each chunk (a bucket's), each encoded
-    with blocks of its own so that the numbers do not depend on the
-    packing; default: one.
-
+    """``collectives.reduce_scatter_scaled`` with the same result contract,
+    as an asynchronous all-to-all of quantized chunks ([Note: quantized
+    reduce-scatter]). ``flat`` (``F`` chunks of ``output``'s size) is
+    encoded now, so the caller may free it at once. ``segments``: sizes of
+    the buffers packed in a chunk, each encoded with its own blocks so the
+    numbers do not depend on bucketing (default: one).
     Pre-condition: ``group.world_size > 1``."""
     world, chunk = group.world_size, output.numel()
     segments = list(segments) if segments is not None else [chunk]

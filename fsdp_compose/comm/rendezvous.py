@@ -1,35 +1,21 @@
 """Collective calls made on some ranks only end in a message, not a hang.
 
 [Note: call rendezvous]
-A collective entry point that users call (``state_dict()`` through our
-hooks, ``clip_grad_norm_``, ``unshard()``, ``materialize``, checkpoint
-saves) and that one rank skips (``if rank == 0: model.state_dict()``) would
-leave the ranks that made it waiting in the backend until the process
-group's timeout (30 minutes by default), then fail with a backend error
-that names no call. :func:`arrive` runs before the call's first collective:
-every rank writes one key to the rendezvous store (torch.distributed's
-default store: no collective, nothing the backend can pair with another
-collective) and waits for the keys of every member of the group. A member
-that waits at another meeting of the library (another call, a forward
-agreement) will never come: the call raises at once, on every rank that
-waits, naming where each rank is ([Note: where each rank waits]). A member
-at no meeting is asked what it does ([Note: blocked is not late] in
-``comm/whereabouts.py``): one blocked in a collective that waits for this
-rank (``dist.barrier()`` under ``if rank == 0:``) will never come either,
-and the call raises within seconds naming that collective and its
-``file:line``. Any other is late (a long evaluation on one rank) and is
-waited for up to :func:`call_timeout` (``DEFAULT_CALL_TIMEOUT``, 1800 s,
-torch's collective timeout, by default), with a line every
-``LATE_NOTICE_SECONDS`` that says what it is doing; then the call raises
-naming it.
-Keys are named by the group and numbered by the group's collective
-sequence number and the calls since, so a group's calls pair by order,
-like its collectives, and a call made on some ranks only does not shift
-the pairing of later calls once the group ran a collective.
-
-Cost: four round trips to the store (set, check, multi-get, and the
-deletion of this rank's key of the group's previous call) when the ranks
-arrive together, so every call checks, per-step ones included.
+A user-facing collective call (``state_dict()``, ``clip_grad_norm_``,
+``unshard()``, ``materialize``, checkpoint saves) that one rank skips would
+leave the others waiting until the process group's timeout, then fail with
+a backend error that names no call. :func:`arrive` runs before the call's
+first collective: every rank writes one key to the default store (no
+collective the backend could mis-pair) and waits for the keys of every
+member. A member waiting at another meeting will never come: raise at once
+on every waiting rank ([Note: where each rank waits]). A member blocked in a
+collective that waits for this rank ([Note: blocked is not late]) will never
+come either: raise naming that collective. Any other is late and is waited
+for up to :func:`call_timeout`, with a line every ``LATE_NOTICE_SECONDS``.
+Keys are numbered by the group's collective sequence number and the calls
+since, so calls pair by order like collectives, and a call made on some
+ranks only does not shift the pairing of later calls once the group runs a
+collective. Four store round trips when the ranks arrive together.
 """
 
 from __future__ import annotations
@@ -60,18 +46,16 @@ class CallMismatchError(RuntimeError):
 
 
 def call_timeout() -> float:
-    """Seconds :func:`arrive` waits (``FSDP_COMPOSE_CALL_TIMEOUT``, read at
-    every call so a test or a debugging session may change it)."""
+    """Seconds :func:`arrive` waits (``FSDP_COMPOSE_CALL_TIMEOUT``, read at every call)."""
     value = os.environ.get(CALL_TIMEOUT_ENV, "")
     return float(value) if value else DEFAULT_CALL_TIMEOUT
 
 
 def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> None:
-    """Meet every rank of ``process_group`` (the default group if ``None``)
-    at ``call`` before its first collective, or raise
-    :class:`CallMismatchError` naming the ranks that did not come (see
-    [Note: call rendezvous]). ``fix`` ends the message. A no-op over one
-    rank or without a default store."""
+    """Meet every rank of ``process_group`` (default group if ``None``) at
+    ``call``, or raise :class:`CallMismatchError` naming the ranks that did
+    not come ([Note: call rendezvous]); ``fix`` ends the message. A no-op
+    over one rank or without a default store."""
     if not dist.is_initialized():
         return
     group = process_group if process_group is not None else dist.group.WORLD
@@ -113,28 +97,23 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
 
 
 # [Note: where each rank waits]
-# A rank that waits at a meeting (a collective call, a forward agreement)
-# writes what it waits at under ``fsdp_compose/where/<rank>`` and empties it
-# when it leaves. The others, waiting at their own meeting, read it for the
-# ranks they miss: a rank that waits at *another* meeting will never come
-# (a mismatch: raise at once, naming where it is); a rank at no meeting is
-# late (still computing, evaluating, loading) or gone, and is waited for up
-# to the call's timeout, with a line every ``LATE_NOTICE_SECONDS``, unless
-# its watcher says it is blocked ([Note: blocked is not late]). Polling
-# ``check`` (not the store's blocking ``wait``, whose time-outs log socket
-# warnings and raise ``DistStoreError``) keeps the error the first thing a
-# user reads.
+# A rank waiting at a meeting (a collective call, a forward agreement) writes
+# what it waits at under ``fsdp_compose/where/<rank>`` and empties it when it
+# leaves. Others read it for the ranks they miss: one waiting at *another*
+# meeting will never come (raise at once); one at no meeting is late and
+# waited for, unless its watcher says it is blocked ([Note: blocked is not
+# late]). We poll ``check`` rather than the store's blocking ``wait``, whose
+# time-outs log socket warnings first, so our error is what a user reads.
 _WHERE = "fsdp_compose/where"
 POLL_ENV = "FSDP_COMPOSE_POLL_SECONDS"
-"""Seconds between two looks of a waiting rank at where the ranks it misses
-are, and two questions to their watchers (default 1)."""
+"""Seconds between two looks of a waiting rank at the ranks it misses (default 1)."""
 DEFAULT_POLL_SECONDS = 1.0
 LATE_NOTICE_SECONDS = 30.0
 """How often a rank waiting for late ranks says so."""
 _MAX_SLEEP = 0.002
 _PUBLISH_AFTER = 0.05
-"""Seconds of waiting before a rank says where it waits (ranks a few
-milliseconds apart meet without it: two store round trips saved)."""
+"""Seconds of waiting before a rank says where it waits (ranks that arrive
+together skip two store round trips)."""
 
 
 def poll_seconds() -> float:
@@ -152,15 +131,12 @@ def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
          waiting: Waiting,
          previous: Optional[str] = None) -> list[str]:
     """Every rank's ``value``, in the order of ``ranks``, exchanged through
-    the default store under ``prefix/<rank>`` (see [Note: where each rank
-    waits]). While some are missing, calls ``waiting(seconds waited,
-    {missing rank: what it waits at, "" if nothing}, {missing rank at no
-    meeting: its watcher's latest answer, kind ``"blocked"`` once it is
-    blocked})`` about every :func:`poll_seconds` (it may raise). A rank that raised while waiting
-    elsewhere leaves ``LEFT + <what it waited at>`` as its value here.
-    Deletes ``previous`` (this rank's key of its previous meeting in the
-    same series: every rank read it once all keys of this one exist).
-    Four store round trips when the ranks arrive together."""
+    the default store under ``prefix/<rank>`` ([Note: where each rank
+    waits]). While some are missing, calls ``waiting`` (see :data:`Waiting`;
+    it may raise) about every :func:`poll_seconds`. A rank that raised while
+    waiting elsewhere leaves ``LEFT + <what it waited at>`` here. Deletes
+    ``previous``, this rank's key of its previous meeting in the series
+    (every rank has read it once all keys of this one exist)."""
     store = default_store()
     start_watcher()
     if not _exit_marked:
@@ -177,8 +153,8 @@ def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
 
 
 LEFT = "!left "
-"""Starts the value a rank leaves at another rank's meeting when it raised
-while waiting at its own (the rest names where it waited)."""
+"""Prefix of the value a rank leaves at another's meeting when it raised
+waiting at its own (followed by where it waited)."""
 
 
 def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int, what: str,
@@ -214,8 +190,8 @@ def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int,
 
 
 class _Asking:
-    """The questions one waiting rank puts to the watchers of the ranks it
-    misses, one a look ([Note: blocked is not late])."""
+    """Questions a waiting rank puts to the watchers of the ranks it misses
+    ([Note: blocked is not late])."""
 
     def __init__(self, me: int) -> None:
         self.me: int = me
@@ -225,9 +201,9 @@ class _Asking:
         """rank -> its latest answer."""
 
     def look(self, ranks: list[int]) -> dict[int, Doing]:
-        """Read the answers of ``ranks`` (at no meeting), ask them again;
-        {rank: latest answer}, kind ``"blocked"`` where two answers in a row
-        name the same collective that waits for this rank."""
+        """Read the answers of ``ranks``, ask again; {rank: latest answer},
+        kind ``"blocked"`` where two answers in a row name the same
+        collective that waits for this rank."""
         for rank in ranks:
             number = self.asked.get(rank)
             if number is not None:
@@ -248,8 +224,7 @@ _EXITED = "exited"
 
 
 def _mark_exit(store: dist.Store, me: int) -> None:
-    """At interpreter exit (after an exception or Ctrl-C too): tell ranks
-    still waiting for this one that it will never come."""
+    """At interpreter exit: tell ranks still waiting for this one that it will never come."""
     try:
         store.set(f"{_WHERE}/{me}", f"the end of its process (it exited)\n{_EXITED}")
     except Exception:  # noqa: BLE001 - the store may be gone already; nothing to tell then
@@ -257,8 +232,7 @@ def _mark_exit(store: dist.Store, me: int) -> None:
 
 
 def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
-    """(what ``rank`` waits at, the prefix of that meeting), or ("", "")
-    if it waits at none."""
+    """(what ``rank`` waits at, that meeting's prefix), or ("", "")."""
     key = f"{_WHERE}/{rank}"
     if not store.check([key]):
         return "", ""
@@ -267,10 +241,9 @@ def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
 
 
 def _next_number(group: dist.ProcessGroup) -> str:
-    """``<collectives issued on group so far>.<calls since then>``: the
-    same on every rank that made the same collectives and calls, and
-    back in step after a call made on some ranks only as soon as the group
-    runs its next collective (a local count alone would stay apart)."""
+    """``<collectives issued on group>.<calls since>``: equal on ranks that
+    made the same collectives and calls, and back in step after a one-sided
+    call once the group runs its next collective."""
     try:
         issued = sequence_number(group)
     except (RuntimeError, AttributeError):
