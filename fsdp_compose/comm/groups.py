@@ -1,9 +1,5 @@
-"""The process groups a unit shards over: meshes, shard and replicate groups.
-
-Everything here is set up once, at ``fully_shard`` time (or lazily for the
-default mesh); the per-step collectives over these groups are in
-``collectives.py``.
-"""
+"""The process groups a unit shards over: meshes, shard and replicate
+groups, set up at ``fully_shard`` time (the default mesh lazily)."""
 
 from __future__ import annotations
 
@@ -22,25 +18,23 @@ from .._torch_private import forget_mesh_groups
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """The ranks one unit shards over (and, for hybrid sharding, the ranks
-    it is replicated over), and where it computes.
+    """The ranks one unit shards over (and, for hybrid sharding, is
+    replicated over), and where it computes.
 
     A 1-D mesh shards over all its ranks. A 2-D mesh is ``(replicate,
-    shard)`` (torch FSDP2's convention for HSDP): the parameters are sharded
-    within the shard dim and replicated across the replicate dim; gradients
-    are reduce-scattered within the shard group, then all-reduced across
-    the replicate group. ``(world, 1)`` is pure replication (DDP-like).
+    shard)`` (FSDP2's HSDP convention): gradients are reduce-scattered in
+    the shard group, then all-reduced across the replicate group; ``(world,
+    1)`` is pure replication.
 
     Attributes:
-        mesh: the mesh ``fully_shard`` got (1-D, or 2-D ``(replicate, shard)``).
-        process_group: the shard group (all-gather, reduce-scatter), held
-            weakly: ``torch.distributed`` owns it, and a model that outlives
-            ``destroy_process_group()`` (torch's state-dict helpers cache
-            models) must not keep its threads running into interpreter exit.
-        rank: this process's rank inside the shard group.
-        world_size: the sharding factor ``F`` (size of the shard group).
+        mesh: the mesh ``fully_shard`` got.
+        process_group: the shard group, held weakly: ``torch.distributed``
+            owns it, and a model that outlives ``destroy_process_group()``
+            must not keep its threads alive into interpreter exit.
+        rank: this process's rank in the shard group.
+        world_size: the sharding factor ``F``.
         device: the compute device (CUDA for NCCL meshes, CPU otherwise).
-        replicate_process_group: the replicate group (``None``: 1-D mesh).
+        replicate_process_group: ``None`` for a 1-D mesh.
         replicate_size: the number of replicas ``R`` (1 for a 1-D mesh).
     """
 
@@ -62,8 +56,7 @@ class ShardGroup:
 
     @property
     def total_size(self) -> int:
-        """Every rank that holds a copy of the unit: ``R * F`` (the
-        denominator of the mean gradient)."""
+        """``R * F``: the denominator of the mean gradient."""
         return self.world_size * self.replicate_size
 
     @property
@@ -82,11 +75,10 @@ def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
 
 
 def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
-    """A 1-D mesh over all ranks of the default process group. It computes
-    where the parameters are when they are on CUDA (gloo runs CUDA tensors
-    too: ranks may share one GPU), else on CUDA when the backend is NCCL,
-    else on the CPU. ``param_device``: the device of the unit's parameters
-    (meta or None: not known yet)."""
+    """A 1-D mesh over the default process group, on CUDA when
+    ``param_device`` (the unit's parameters' device; meta or None: unknown)
+    is CUDA or the backend is NCCL, else on the CPU. Raises if
+    torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed to be initialised: call "
@@ -103,8 +95,8 @@ def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
 
 
 def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where tensors for collectives over ``group`` (default: the default
-    group) must live: the current CUDA device for NCCL, else the CPU."""
+    """Where collective tensors over ``group`` (default group if ``None``)
+    live: the current CUDA device for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -119,24 +111,15 @@ _EXIT_HOOK: list = []  # non-empty once the exit hook is registered
 
 
 # [Note: process groups at exit]
-# A DeviceMesh keeps its ProcessGroup objects (torch caches them on the mesh),
-# and a model's units keep their meshes; so after a script's
-# ``destroy_process_group()`` the destroyed gloo groups, and their worker
-# threads, lived on until interpreter finalization, where tearing them down
-# now and then aborted the process ("terminate called without an active
-# exception": gloo's threads still holding a finished collective's tensors
-# while the interpreter goes away). At exit, while the interpreter is still
-# whole, the meshes of fsdp_compose's units drop those cached groups when the
-# default group was destroyed, so gloo's threads are joined then. First, the
-# garbage collector runs once: a model is a reference cycle (its units and
-# their shared context), so one the script dropped (a model built and trained
-# in a function) lives until a collection, and where none ran before exit it
-# was freed during finalization, the last references to its groups and
-# buffers with it, which aborted the process now and then as well (the
-# Lightning example of docs/integrations.md, ending with
-# ``destroy_process_group()``: 3 runs in 11; none in 16 with the collection,
-# 6 of them beside a CPU hog). A job that never called
-# ``destroy_process_group()`` is left as torch leaves it.
+# A DeviceMesh caches its ProcessGroups and a model's units keep their meshes,
+# so destroyed gloo groups and their threads would live until interpreter
+# finalization, where tearing them down can abort the process ("terminate
+# called without an active exception"). At exit, while the interpreter is
+# whole, if the default group was destroyed, our meshes drop their cached
+# groups so gloo's threads are joined then. A garbage collection runs first:
+# a model is a reference cycle (units and their shared context), and one
+# dropped without a collection would be freed during finalization, with the
+# same abort. A job that never destroyed its group is left as torch leaves it.
 def _release_destroyed_groups() -> None:
     if not dist.is_available() or dist.is_initialized():
         return  # not destroyed: nothing of ours to let go of
@@ -148,8 +131,7 @@ def _release_destroyed_groups() -> None:
 
 
 def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
-    """Validate ``mesh`` (1-D, or 2-D ``(replicate, shard)``) and describe it
-    as a :class:`ShardGroup`."""
+    """Validate ``mesh`` (1-D, or 2-D ``(replicate, shard)``) as a :class:`ShardGroup`."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
@@ -176,10 +158,10 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
 
 
 def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
-    """FSDP2's ``dp_mesh_dims`` on the whole SPMD ``mesh``: the 1-D (shard)
-    or 2-D (replicate, shard) mesh of the data-parallel dims it names
-    (torch's ``DataParallelMeshDims``, or anything with ``shard`` and
-    ``replicate`` names). Raises naming what is wrong."""
+    """The 1-D (shard) or 2-D (replicate, shard) sub-mesh of the SPMD
+    ``mesh`` that ``dp_mesh_dims`` names (anything with ``shard`` and
+    ``replicate``, as FSDP2's ``DataParallelMeshDims``). Raises naming what
+    is wrong."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("dp_mesh_dims needs mesh= (the whole SPMD DeviceMesh), got "
                         f"{type(mesh).__name__}")
@@ -207,14 +189,10 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
 
 
 def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
-    """The group of ``size`` consecutive ranks of ``group``'s shard group
-    that this rank belongs to: where a unit with ``reshard_after_forward=size``
-    keeps its parameters between forward and backward (each rank holds
-    ``F / size`` of the ``F`` shards, re-gathered from ``size`` ranks).
-
-    Collective over the members of the new group only (every member must
-    call it); groups are cached, so units share them.
-    """
+    """This rank's group of ``size`` consecutive ranks of the shard group:
+    where a unit with ``reshard_after_forward=size`` keeps its parameters
+    between forward and backward. Collective over its members only; cached,
+    so units share them."""
     if size < 1 or group.world_size % size:
         raise AssertionError(f"post-forward group size {size} must divide {group.world_size}")
     ranks = dist.get_process_group_ranks(group.process_group)

@@ -2,29 +2,24 @@
 wait for it at a meeting of the library.
 
 [Note: blocked is not late]
-A rank waiting at a collective call of the library ([Note: call
-rendezvous]) for a rank that has not come cannot tell from the store alone
-whether that rank is late (an evaluation, a data loader: it will come) or
-blocked in a collective that waits for the waiting rank (FSDP2's habit
-``if rank == 0: torch.save(model.state_dict(), f)`` then ``dist.barrier()``:
-rank 1 sits in the barrier, and will never come). So every rank runs a
-watcher: a daemon thread that sleeps in a blocking wait of the store (its
-own client, :meth:`Store.clone`: a store client serves one operation at a
-time) on the key of the next question to it. A waiting rank asks
-(:func:`ask`: a counter ``add`` and a ``set``); the watcher wakes, reads
-where its main thread is (``sys._current_frames()``), answers with a
-:class:`Doing` under a key numbered like the question, and sleeps again.
-Nobody waits: nothing runs (the thread sleeps in the store's server, or in
-the file store's poll). Keys are numbered per rank by the counter, the
-question is deleted when read and the answer when read, so no later
-meeting can read a stale one.
+A rank waiting at a collective call ([Note: call rendezvous]) cannot tell
+from the store alone whether a missing rank is late (it will come) or
+blocked in a collective that waits for the waiting rank (``if rank == 0:
+torch.save(model.state_dict(), f)`` then ``dist.barrier()``: it will never
+come). So every rank runs a watcher: a daemon thread asleep in a blocking
+store wait (its own :meth:`Store.clone`: a client serves one operation at a
+time) on the key of its next question. A waiting rank asks (:func:`ask`);
+the watcher wakes, reads where its main thread is
+(``sys._current_frames()``), answers with a :class:`Doing` under a key
+numbered like the question, and sleeps again. Questions and answers are
+numbered per rank and deleted when read, so no later meeting reads a stale
+one.
 
 A rank is *blocked* when its main thread is inside a ``torch.distributed``
-collective (or a wait of the library's own, ``wait_watched``) whose members
-include the waiting rank, the group has issued more collectives there than
-on the waiting rank (nothing of the waiting rank can pair with it), and two
-answers a poll apart name the same call in progress. Anything else (user
-code, a collective among other ranks) is *late*.
+collective (or the library's ``wait_watched``) whose members include the
+waiting rank, its group has issued more collectives there than on the
+waiting rank (nothing here can pair with it), and two answers a poll apart
+name the same call in progress. Anything else is *late*.
 """
 
 from __future__ import annotations
@@ -55,11 +50,10 @@ class Doing(NamedTuple):
     """Where one rank's main thread was when asked.
 
     Attributes:
-        kind: ``"collective"`` (inside a collective), ``"meeting"`` (at a
-            meeting of the library: told through the store already) or
-            ``"code"`` (running anything else).
-        what: the call it is in, as the user wrote it
-            (``torch.distributed.barrier()``), or the function it runs.
+        kind: ``"collective"``, ``"meeting"`` (at a meeting of the
+            library) or ``"code"`` (anything else).
+        what: the call it is in (``torch.distributed.barrier()``), or the
+            function it runs.
         where: ``file:line`` of the user's code that made that call.
         group: the collective's process group name ("" if none).
         members: global ranks the collective waits for.
@@ -80,8 +74,7 @@ class Doing(NamedTuple):
         return f"{self.what} at {self.where}" if self.where else self.what
 
     def waits_for(self, me: int) -> bool:
-        """Inside a collective that cannot finish without ``me`` (a member
-        that issued fewer collectives on its group, see the note)."""
+        """Inside a collective that cannot finish without ``me`` (see the note)."""
         if self.kind != "collective" or me not in self.members:
             return False
         if self.issued < 0 or not self.group:
@@ -94,8 +87,7 @@ class Doing(NamedTuple):
 
 
 def ask(rank: int) -> int:
-    """Ask ``rank``'s watcher where its main thread is; returns the number
-    to read the answer with (:func:`answer`)."""
+    """Ask ``rank``'s watcher where its main thread is; the number for :func:`answer`."""
     store = default_store()
     number = store.add(f"{_PREFIX}/{rank}/asked", 1)
     store.set(f"{_PREFIX}/{rank}/ask/{number}", str(dist.get_rank()))
@@ -103,8 +95,7 @@ def ask(rank: int) -> int:
 
 
 def answer(rank: int, number: int) -> Optional[Doing]:
-    """``rank``'s answer to question ``number``, or ``None`` if not there yet
-    (read once: the key is deleted)."""
+    """``rank``'s answer to question ``number`` (read once), or ``None`` if not there yet."""
     store = default_store()
     key = f"{_PREFIX}/{rank}/said/{number}"
     if not store.check([key]):
@@ -154,8 +145,7 @@ _watcher: list[_Watcher] = []
 
 
 def start_watcher() -> None:
-    """Start this rank's watcher once (a no-op without a default process
-    group of several ranks, or when it runs already)."""
+    """Start this rank's watcher once (a no-op without a default group of several ranks)."""
     if _watcher or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     try:
@@ -205,8 +195,8 @@ def main_thread_doing() -> Doing:
 
 
 def _entry(inner: list[FrameType]) -> str:
-    """The call the user made: the outermost frame of torch or the library
-    (torch's logging wrappers skipped), as ``module.function()``."""
+    """The user's call: the outermost frame of torch or the library (logging
+    wrappers skipped), as ``module.function()``."""
     for frame in reversed(inner):
         module = frame.f_globals.get("__name__", "?")
         if module != "torch.distributed.c10d_logger":
@@ -216,8 +206,8 @@ def _entry(inner: list[FrameType]) -> str:
 
 
 def _members(frame: FrameType) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
-    """The process group of the collective ``frame`` runs, and the global
-    ranks it waits for (the peer alone for point-to-point calls)."""
+    """The group of the collective ``frame`` runs and the global ranks it
+    waits for (the peer alone for point-to-point)."""
     local = frame.f_locals
     group = local.get("group", local.get("process_group")) or dist.group.WORLD
     if frame.f_code.co_name in _POINT_TO_POINT:
