@@ -1,9 +1,7 @@
-"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints.
-
-Used before the first data collective of a model (its layout), after
-materialisation (the initialised values) and by the rank-divergence checks:
-every rank sees the same gathered values, so every rank raises the same
-error together instead of one rank raising while the others hang.
+"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints (of a
+model's layout before its first data collective, of initialised values,
+of the divergence checks). Every rank sees the same gathered values, so
+all raise the same error together instead of one raising while others hang.
 """
 
 from __future__ import annotations
@@ -31,9 +29,9 @@ class Disagreement(NamedTuple):
 
 
 def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
-    """Gather every rank's ``fingerprint`` over ``group`` (shard group, then
-    replicas); ``None`` when all are equal, else the global ranks that differ
-    from the first. Collective: every rank of ``group`` must call it."""
+    """``None`` when every rank of ``group`` (shard group, then replicas)
+    holds the same ``fingerprint``, else the global ranks that differ from
+    the first. Collective."""
     every = all_gather_fingerprints(fingerprint, group)
     if len(set(every)) == 1:
         return None
@@ -44,9 +42,8 @@ def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
 
 def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
                             include_replicas: bool = True) -> list[int]:
-    """Every rank's 63-bit ``fingerprint``: the shard group's in rank order,
-    then (hybrid sharding, unless ``include_replicas`` is off) those of this
-    rank's replicas (one or two tiny all-gathers)."""
+    """Every rank's ``fingerprint``: the shard group's in rank order, then
+    (hybrid, if ``include_replicas``) this rank's replicas'. Collective."""
     every = _gather_int(fingerprint, group.process_group, group.world_size, group.device)
     replicate = group.replicate_process_group
     if include_replicas and replicate is not None and group.replicate_size > 1:
@@ -55,9 +52,7 @@ def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
 
 
 def agreed_max(value: int, group: ShardGroup) -> int:
-    """The largest ``value`` over every rank of ``group``'s mesh (the shard
-    group's maximum, then the maximum of those over the replicas): the same
-    on every rank. Collective (one or two tiny all-gathers)."""
+    """The largest ``value`` over ``group``'s mesh, equal on every rank. Collective."""
     largest = max(_gather_int(value, group.process_group, group.world_size, group.device))
     replicate = group.replicate_process_group
     if replicate is not None and group.replicate_size > 1:
@@ -66,8 +61,7 @@ def agreed_max(value: int, group: ShardGroup) -> int:
 
 
 def fingerprint_ranks(group: ShardGroup, include_replicas: bool = True) -> list[int]:
-    """The global rank behind each position of :func:`all_gather_fingerprints`'s
-    result (for messages)."""
+    """The global rank behind each entry of :func:`all_gather_fingerprints`."""
     ranks = dist.get_process_group_ranks(group.process_group)
     replicate = group.replicate_process_group
     if include_replicas and replicate is not None and group.replicate_size > 1:
@@ -89,23 +83,18 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
 
 
 # [Note: forward agreement]
-# Collectives pair by issue order, and gloo aborts a process that receives a
-# message of another size than it posted (SIGABRT, nothing to catch). A rank
-# that runs one more forward than the others (an evaluation on rank 0 only)
-# issues collectives that the others pair with their backward's; after the
-# verified iterations nothing would notice before gloo aborts. So every root
-# forward of a model over several ranks starts with an agreement through
-# the rendezvous store (not a collective: it can never pair with a data
-# collective, and no backend can abort on it): each rank writes a small
-# row (what it is about to do, what it did since the last agreement) under
-# a key numbered by the forward, waits for the other ranks' rows and
-# compares (``rendezvous.meet``). A rank that waits at a collective call of
-# the library instead is named at once ([Note: where each rank waits]); a
-# rank stuck in a data collective makes the others wait here, and the
-# stall is reported through the flight log. On CUDA no device is touched.
-# A training forward (gradients on) also ends with such an agreement, on the
-# units it ran, in order: a unit skipped or reordered on some ranks would
-# pair the backward's reduce-scatters of units of different sizes (forward
-# prefetch often pairs the forward's all-gathers anyway), so the ranks
-# compare before the backward communicates.
+# Collectives pair by issue order, and gloo aborts (SIGABRT) a process that
+# receives a message of another size than it posted. A rank running one more
+# forward (an evaluation on rank 0 only) would have its collectives paired
+# with the others' backward. So every root forward over several ranks starts
+# with an agreement through the rendezvous store (no collective: it cannot
+# mis-pair, no backend can abort on it): each rank writes a small row (what
+# it is about to do, what it did since the last agreement) under a key
+# numbered by the forward and compares the others' (``rendezvous.meet``). A
+# rank waiting at a collective call instead is named at once ([Note: where
+# each rank waits]); one stuck in a data collective is reported through the
+# flight log. No device is touched. A training forward also ends with an
+# agreement on the units it ran, in order, so that a unit skipped or
+# reordered on some ranks is caught before the backward's reduce-scatters
+# pair units of different sizes.
 

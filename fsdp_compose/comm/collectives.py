@@ -1,13 +1,9 @@
-"""Collectives of the training step over a unit's :class:`ShardGroup`.
+"""Collectives of the training step's data path over a unit's
+:class:`ShardGroup`, the same on CPU/gloo and CUDA/NCCL.
 
-Everything that talks to ``torch.distributed`` for the data path lives in
-this package, so the rest of the library never names a backend. The same
-functions run on CPU/gloo and CUDA/NCCL.
-
-The collectives never copy their inputs: the all-gather writes straight into
-the caller's unsharded buffer, and the reduce-scatter reads straight from the
-caller's flat gradient (on gloo it reduces it in place, see [Note: gloo
-reduce-scatter as an all-reduce]).
+They never copy their inputs: the all-gather writes into the caller's
+unsharded buffer, the reduce-scatter reads the caller's flat gradient (on
+gloo it reduces it in place: [Note: gloo reduce-scatter as an all-reduce]).
 """
 
 from __future__ import annotations
@@ -35,9 +31,9 @@ class _DoneWork:
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup,
                     async_op: bool = False) -> Optional[dist.Work]:
-    """All-gather ``shard`` from every rank into ``output`` (``F`` times its
-    size, rank-major). Returns the work handle when ``async_op``. Over one
-    rank it is a local copy (none at all when ``output`` is ``shard``)."""
+    """All-gather ``shard`` into ``output`` (``F`` times its size,
+    rank-major); the work handle when ``async_op``. Over one rank a local
+    copy (none when ``output`` is ``shard``)."""
     if group.world_size == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
@@ -48,16 +44,12 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup
 def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                           divide_factor: Optional[float] = None, force_sum: bool = False,
                           async_op: bool = False) -> Optional[dist.Work]:
-    """Reduce-scatter ``flat`` (``F`` times ``output``'s size) over the shard
-    group: this rank's chunk of the sum (or, for the mean, of the average)
-    lands in ``output``.
-
-    The gradient is complete after :func:`all_reduce_replicas` (hybrid
-    sharding) and :func:`finish_scaling`: the mean over all ``R * F`` ranks
-    when ``divide_factor`` is ``None`` (one ``AVG`` collective per group
-    unless ``force_sum``), else the sum divided by ``divide_factor``. Over
-    one rank nothing is communicated.
-    """
+    """Reduce-scatter ``flat`` (``F`` times ``output``'s size) over the
+    shard group into ``output``. Complete after :func:`all_reduce_replicas`
+    and :func:`finish_scaling`: the mean over all ``R * F`` ranks when
+    ``divide_factor`` is ``None`` (``AVG`` in the collective unless
+    ``force_sum``), else the sum divided by ``divide_factor``. Over one rank
+    nothing is communicated."""
     if group.world_size == 1:
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
@@ -78,23 +70,20 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
 
 
 # [Note: gloo reduce-scatter as an all-reduce]
-# Gloo's reduce-scatter copies its whole input into a buffer of its own (an
-# extra unsharded-gradient-sized allocation per reduction in flight) and is
-# slower than an in-place all-reduce of the same buffer. On CPU gloo groups
-# the reduce-scatter is therefore an all-reduce of the flat gradient in
-# place, after which this rank's chunk is copied out: bit-identical to
-# gloo's reduce-scatter (both sum in rank order); the flat gradient is the
-# caller's to discard. NCCL's reduce-scatter does not copy, so CUDA keeps
-# it. Turned off with set_gloo_reduce_scatter_via_all_reduce(False).
+# Gloo's reduce-scatter copies its whole input into a buffer of its own (one
+# more unsharded gradient per reduction in flight) and is slower than an
+# in-place all-reduce. On CPU gloo groups we all-reduce the flat gradient in
+# place and copy this rank's chunk out: bit-identical (both sum in rank
+# order); the flat gradient is the caller's to discard. NCCL does not copy,
+# so CUDA keeps its reduce-scatter.
 _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = True
 
 
 def set_gloo_reduce_scatter_via_all_reduce(enabled: bool) -> bool:
-    """Whether gradient reductions over CPU/gloo groups all-reduce the flat
-    gradient in place and keep this rank's chunk (default ``True``, same
-    values, faster and without gloo's copy of the input) instead of calling
-    gloo's reduce-scatter. Process-wide; affects reductions issued after
-    the call. Returns the previous setting."""
+    """Whether reductions over CPU/gloo groups use an in-place all-reduce
+    ([Note: gloo reduce-scatter as an all-reduce]; default ``True``).
+    Process-wide, for reductions issued after the call; returns the
+    previous setting."""
     global _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
     previous, _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE, bool(enabled)
     return previous
@@ -106,8 +95,7 @@ def gloo_reduce_scatter_via_all_reduce() -> bool:
 
 
 class _ChunkAfterAllReduce:
-    """The work of a reduce-scatter done as an all-reduce: waiting on it
-    waits the all-reduce, then copies this rank's chunk into the output."""
+    """A reduce-scatter done as an all-reduce: ``wait`` then copies this rank's chunk out."""
 
     def __init__(self, work: dist.Work, output: torch.Tensor, chunk: torch.Tensor) -> None:
         self._work: Optional[dist.Work] = work
@@ -129,8 +117,8 @@ class _ChunkAfterAllReduce:
 def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
                         divide_factor: Optional[float] = None, force_sum: bool = False,
                         async_op: bool = False) -> Optional[dist.Work]:
-    """Hybrid sharding: all-reduce a reduce-scattered chunk across the
-    replicas (same op as the reduce-scatter). A no-op without replicas."""
+    """Hybrid sharding: all-reduce a reduced chunk across the replicas (same
+    op as the reduce-scatter). A no-op without replicas."""
     replicate = group.replicate_process_group
     if replicate is None or group.replicate_size == 1:
         return _DoneWork() if async_op else None
@@ -140,8 +128,7 @@ def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
 
 def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
                    force_sum: bool) -> None:
-    """The local division that completes the reduction (a no-op when the
-    collectives averaged already)."""
+    """The local division that completes the reduction (none after ``AVG``)."""
     if divide_factor is None and not force_sum:
         return  # the mean, taken by the collective (needs_post_division, without its calls)
     if needs_post_division(group, divide_factor, force_sum):
@@ -159,8 +146,8 @@ def reduce_op(group: ShardGroup, divide_factor: Optional[float],
 
 def needs_post_division(group: ShardGroup, divide_factor: Optional[float],
                         force_sum: bool) -> bool:
-    """Whether the reduction sums (and :func:`finish_scaling` divides
-    afterwards) rather than averaging over the group in the collective."""
+    """Whether the reduction sums (then :func:`finish_scaling` divides)
+    rather than averaging in the collective."""
     mean = divide_factor is None or divide_factor == group.total_size
     return force_sum or not mean
 
@@ -178,12 +165,10 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
 
 
 def release_after_collective(*tensors: torch.Tensor) -> None:
-    """Free the memory of CPU tensors that a finished collective read or
-    wrote and that nothing reads any more: gloo's worker thread may hold
-    them long after the collective, into later steps ([Note: freeing what
-    a collective read] in ``runtime/collective_queue.py``), so the memory
-    the process holds would depend on thread scheduling. On an accelerator
-    the caching allocator frees them in stream order."""
+    """Free CPU tensors a finished collective used that nothing reads any
+    more: gloo's worker thread may hold them into later steps ([Note:
+    freeing what a collective read] in ``runtime/collective_queue.py``).
+    Accelerator tensors are freed in stream order by the allocator."""
     for tensor in tensors:
         if tensor.device.type == "cpu":
             tensor.untyped_storage().resize_(0)
@@ -191,10 +176,9 @@ def release_after_collective(*tensors: torch.Tensor) -> None:
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                input_counts: list[int], group: ShardGroup) -> None:
-    """Rank ``r`` sends ``input_counts[j]`` consecutive elements of ``input``
-    to each rank ``j`` (in rank order) and receives ``output_counts[r]`` into
-    ``output``, rank-major. Over one rank it is a copy. Used by checkpoint
-    conversions, not by the training step."""
+    """Send ``input_counts[j]`` consecutive elements of ``input`` to each
+    rank ``j`` in order, receive ``output_counts[j]`` from each into
+    ``output``, rank-major. Over one rank a copy. For checkpoint conversions."""
     if group.world_size == 1:
         output.copy_(input)
         return
