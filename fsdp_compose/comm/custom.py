@@ -1,31 +1,23 @@
-"""What a unit's data collectives may replace (FSDP2's module setters
+"""What a unit's data collectives may replace (FSDP2's setters
 ``set_custom_all_gather``, ``set_custom_reduce_scatter``,
 ``set_all_reduce_hook``, ``set_requires_all_reduce``,
 ``set_separate_reduce_scatter_group``): one :class:`UnitComms` per unit that
-changed any of them, shared by every flat buffer of the unit
-(``FlatBuffer.comms``; ``None``, the default, is the plain path of
-``runtime/collective_queue.py`` and costs nothing).
+set any, shared by its flat buffers (``FlatBuffer.comms``; ``None`` is the
+plain path and costs nothing).
 
 [Note: custom collectives]
-A custom all-gather or reduce-scatter is an object with torch FSDP2's
-``Comm`` protocol (``torch.distributed.fsdp``'s ``AllGather`` and
-``ReduceScatter``):
+A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol:
 
-* ``allocate(size, *, dtype, device) -> Tensor``: the memory the
-  collective reads and writes; the queue asks it for the all-gather's
-  output and for the reduce-scatter's input and output, never frees what
-  it returned (the object may keep and reuse it), and copies out of it
-  after the wait, so nothing it allocated outlives the wait as a
-  parameter or a gradient.
-* ``__call__(output_tensor, input_tensor, group, [op,] async_op)``: issue
-  it on the process group; returns a work (waited later) or ``None``
-  (finished already).
+* ``allocate(size, *, dtype, device) -> Tensor``: the memory it reads and
+  writes (the all-gather's output, the reduce-scatter's input and output).
+  We never free it (the object may reuse it) and copy out of it after the
+  wait, so none of it outlives the wait as a parameter or gradient.
+* ``__call__(output_tensor, input_tensor, group, [op,] async_op)``: a work
+  to wait, or ``None`` (finished).
 
-Every all-gather and reduce-scatter of the unit goes through it, a
-bucket's included (the bucket plan only joins units whose ``UnitComms``
-have the same :meth:`UnitComms.key`). It costs one copy per collective
-(the all-gather cannot write straight into the unsharded buffer, the
-reduce-scatter cannot read straight from the flat gradient).
+Every all-gather and reduce-scatter of the unit uses it, buckets included
+(a bucket only joins units with equal :meth:`UnitComms.key`), at one copy
+per collective.
 """
 
 from __future__ import annotations
@@ -49,19 +41,17 @@ class UnitComms:
     Attributes:
         all_gather: a custom all-gather (``None``: the library's).
         reduce_scatter: a custom reduce-scatter (``None``: the library's).
-        all_reduce_hook: called with each reduction's output before it is
-            folded into the sharded gradient: the reduce-scatter's under
-            FSDP, the replica all-reduce's under hybrid sharding; it may
-            change it in place. It sees the sum where the reduction divides
-            locally afterwards (``set_gradient_divide_factor``,
-            ``force_sum``), the mean where the collective averaged.
-        requires_all_reduce: hybrid sharding only: ``False`` keeps the
-            reduce-scatter's output (summed over the backwards) instead of
-            all-reducing it over the replicas; the next reduction with
-            ``True`` all-reduces the sum.
-        reduce_scatter_group: a second process group over the same ranks as
-            the shard group, for the reduce-scatters (``None``: the shard
-            group's).
+        all_reduce_hook: called with each reduction's output (the
+            reduce-scatter's, or under hybrid sharding the replica
+            all-reduce's) before it is folded into the sharded gradient;
+            may change it in place. Sees the sum where the division is
+            local (``set_gradient_divide_factor``, ``force_sum``), else
+            the mean.
+        requires_all_reduce: hybrid only: ``False`` sums the
+            reduce-scatter's outputs over backwards without the replica
+            all-reduce; the next reduction with ``True`` all-reduces the sum.
+        reduce_scatter_group: a process group over the shard group's ranks
+            for the reduce-scatters (``None``: the shard group).
     """
 
     __slots__ = ("all_gather", "reduce_scatter", "all_reduce_hook", "requires_all_reduce",
@@ -108,8 +98,7 @@ def reduce_scatter_custom(comm: object, output: torch.Tensor, flat: torch.Tensor
                           group: ShardGroup, divide_factor: Optional[float],
                           force_sum: bool) -> object:
     """Issue ``comm``'s reduce-scatter of ``flat`` into ``output`` with the
-    op the library's own would use (``SUM`` or ``AVG``, see
-    ``comm/collectives.needs_post_division``); a work to wait."""
+    library's op (``collectives.reduce_op``); a work to wait."""
     op = reduce_op(group, divide_factor, force_sum)
     work = comm(output, flat, group.process_group, op, async_op=True)  # type: ignore[operator]
     return _Finished() if work is None else work

@@ -1,20 +1,17 @@
-"""Waiting on the training step's collectives, with a watcher that is told
-when one stalls or fails.
+"""Waiting on the training step's collectives, telling a watcher when one
+stalls or fails.
 
 [Note: flight log]
-Rank divergence after the verified iterations (a unit skipped on one rank at
-step 100) pairs collectives of different units; the backend then times out
-or fails, naming no unit. Every wait of a data collective goes through
-:func:`wait_watched`: the fast path is one ``work.wait(timeout)`` (as cheap
-as ``wait()``); a wait that has not finished after :func:`stall_seconds`,
-or that raises, is reported to the watcher of its process group (the
-model's ``DivergenceMonitor``, injected through :func:`watch`), which
-publishes its recent collective log to the rendezvous store, reads the
-other ranks' logs, and raises a diagnosis where they disagree (see
-``checks/divergence.py``). When the wait finishes after all, the watcher
-is told to withdraw what it published. Gloo aborts the process of a rank
-that receives a collective of another size than it posted (no exception
-to catch); such a rank publishes nothing, and the others name it as gone.
+Ranks that diverge late (a unit skipped on one rank) pair collectives of
+different units; the backend then times out or fails, naming no unit. Every
+wait of a data collective goes through :func:`wait_watched`: one
+``work.wait(timeout)`` on the fast path; a wait still running after
+:func:`stall_seconds`, or that raises, is reported to its group's watcher
+(the model's ``DivergenceMonitor``, set by :func:`watch`), which publishes
+its recent collective log to the rendezvous store, reads the others' and
+raises a diagnosis where they disagree (``checks/divergence.py``). A wait
+that finishes after all tells the watcher to withdraw what it published. A
+rank that gloo aborted publishes nothing; the others name it as gone.
 """
 
 from __future__ import annotations
@@ -37,8 +34,8 @@ class Watcher(Protocol):
     def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
                 waited: float) -> None:
         """A wait on ``process_group`` has lasted ``waited`` seconds (``error``
-        None: it goes on waiting afterwards) or raised ``error`` (re-raised
-        afterwards). May raise a diagnosis instead."""
+        None: it goes on waiting) or raised ``error`` (re-raised after). May
+        raise a diagnosis instead."""
 
     def recovered(self, process_group: dist.ProcessGroup) -> None:
         """A wait it was told about finished after all."""
@@ -49,9 +46,9 @@ _watchers: "dict[str, weakref.ref[Watcher]]" = {}
 
 
 def watch(process_group: dist.ProcessGroup, watcher: Watcher) -> None:
-    """Make ``watcher`` the one told about ``process_group``'s stalls (held
-    weakly: a dropped model stops watching). Gloo groups only: elsewhere a
-    wait with a timeout would block the host (NCCL's ``wait()`` does not)."""
+    """Make ``watcher`` (held weakly) the one told about ``process_group``'s
+    stalls. Gloo groups only: elsewhere a timed wait would block the host
+    (NCCL's ``wait()`` does not)."""
     if dist.get_backend(process_group) == "gloo":
         _watchers[process_group.group_name] = weakref.ref(watcher)
 
@@ -63,8 +60,8 @@ def stall_seconds() -> float:
 
 
 def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
-    """``work.wait()``, telling ``process_group``'s watcher (if any) when it
-    stalls or fails (see [Note: flight log])."""
+    """``work.wait()``, telling ``process_group``'s watcher of stalls and
+    failures ([Note: flight log])."""
     ref = _watchers.get(process_group.group_name) if process_group is not None else None
     watcher = ref() if ref is not None else None
     if watcher is None:
@@ -88,6 +85,5 @@ def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
 
 
 def _is_timeout(error: RuntimeError) -> bool:
-    """Our own short wait ran out (gloo: "Operation timed out!"), not the
-    backend's collective timeout or a failure."""
+    """Our short wait ran out (gloo: "Operation timed out!"), not the backend's timeout."""
     return "Operation timed out!" in str(error) and "Timed out waiting" not in str(error)
