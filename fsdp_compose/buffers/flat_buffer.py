@@ -1,26 +1,23 @@
 """One flat buffer: the storage and views of a group of original parameters
-with the same dtype and ``requires_grad`` (its collectives are issued by
-``runtime/collective_queue.py``; its gradients live in ``flat_grad.py``; the
-module attributes it swaps, in ``param_slots.py``).
+(grouped by ``records.group_records``; collectives issued by
+``runtime/collective_queue.py``; gradients in ``flat_grad.py``; module
+attributes swapped by ``param_slots.py``).
 
 [Note: storage and autograd]
 The unsharded flat buffer is a leaf tensor of ``F * S`` elements that lives
-as long as the unit. Resharding resizes its *storage* to zero bytes rather
-than dropping the tensor; unsharding resizes it back and all-gathers into
-it. Tensors autograd saved in forward (views of the buffer) therefore stay
-valid objects that hold no memory while the unit is sharded, and read
+as long as the unit. Resharding resizes its *storage* to zero bytes;
+unsharding resizes it back and all-gathers into it. So the views autograd
+saved in forward stay valid objects, hold no memory while sharded, and read
 correct values again once the pre-backward hook unshards. The all-gather
-writes through a detached alias and restores the same values, so autograd
-must not see it as an in-place change of the saved views: the version
-counter is put back after the collective is issued and again after it
-completes (gloo bumps it from its own thread).
-The per-parameter views (one autograd node per buffer, ``param_views.py``)
-route every parameter's gradient into one flat gradient, the
-reduce-scatter's input. The node is rebuilt at every forward that records a
-graph: the engine runs ready nodes newest first, so a node built once at
-``fully_shard`` time would be the oldest of every graph and would fire the
-post-backward hook (reduce, reshard) only after all of backward, keeping
-every unit unsharded until the end.
+writes through a detached alias and restores the same values, so the
+version counter is put back after the collective is issued and again after
+it completes (gloo bumps it from its own thread): autograd must not see an
+in-place change of the saved views.
+One autograd node per buffer (``param_views.py``) routes every parameter's
+gradient into one flat gradient, the reduce-scatter's input. It is rebuilt
+at every forward that records a graph: the engine runs ready nodes newest
+first, so a node built once would fire the post-backward hook (reduce,
+reshard) only at the end of backward, keeping every unit unsharded.
 """
 
 from __future__ import annotations
@@ -59,15 +56,15 @@ class FlatBuffer:
 
     Invariants (``F`` = world size, ``S`` = ``layout.shard_numel``):
 
-    * ``sharded`` (``S`` elements, the parameters' dtype, on the compute
-      device or the CPU when offloaded) is the only persistent storage of
-      the values; between iterations every original parameter's ``.data``
-      is its :meth:`local_view` of it (1-D under ``"flat"``, whole rows
-      ``(rows_here, *rest)`` under the other placements);
+    * ``sharded`` (``S`` elements, the parameters' dtype, compute device or
+      CPU when offloaded) is the only persistent storage of the values;
+      between iterations each original parameter's ``.data`` is its
+      :meth:`local_view` of it (1-D under ``"flat"``, rows ``(rows_here,
+      *rest)`` under the other placements);
     * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device)
-      has storage only while ``is_unsharded``, except when ``aliased`` (one
-      rank, same dtype and device: it *is* ``sharded``'s storage, nothing is
-      gathered or freed); it requires grad exactly when some parameter does;
+      has storage only while ``is_unsharded``, unless ``aliased``
+      (:func:`records.is_aliased`); it requires grad exactly when some
+      parameter does;
     * the module attributes hold the original parameters while sharded and
       the unsharded views while ``is_unsharded`` (``slots``);
     * the gradients live in ``grad`` (:class:`FlatGradient`).

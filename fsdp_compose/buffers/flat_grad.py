@@ -1,17 +1,14 @@
 """The gradient side of one flat buffer: accumulation, folding the reduced
-chunk into the sharded gradient, and handing it to the original parameters
-(the reduce-scatter itself is issued by ``runtime/collective_queue.py``).
-
-A :class:`FlatGradient` belongs to one ``flat_buffer.FlatBuffer`` (its
-``owner``) and owns every tensor that holds that buffer's gradients between
-autograd and the optimizer. ``S`` = ``owner.layout.shard_numel``.
+chunk into the sharded gradient, and publishing it to the original
+parameters. A :class:`FlatGradient` belongs to one ``FlatBuffer`` (its
+``owner``) and owns every tensor holding its gradients between autograd and
+the optimizer. ``S`` = ``owner.layout.shard_numel``.
 
 [Note: the states of a flat gradient]
-The first three states are one reduction's, in order; the last three are
-the published gradient's, which lives on beside the next backward's
-unreduced one (so a gradient is in at most one of each group, e.g.
-unreduced and kept). :meth:`FlatGradient.assert_consistent` checks what
-the table says is true.
+The first three states are one reduction's, in order; the last three the
+published gradient's, which lives beside the next backward's unreduced one
+(a gradient is in at most one state of each group).
+:meth:`FlatGradient.assert_consistent` checks the table.
 
 ============= ==================================== ====================================
 state         what is true                         moved by
@@ -50,32 +47,28 @@ state         what is true                         moved by
 ============= ==================================== ====================================
 
 [Note: used parameters]
-The flat gradient holds zeros for a parameter nobody used, so it cannot say
-which parameters took part in a backward. The backward of the buffer's
-views (``param_views.py``) sees which parameters received a gradient and
-marks them *used*. One process gives ``.grad is None`` to a parameter that
-took no part in any backward since the gradients were cleared, and
-optimizers with weight decay or momentum skip it; so do we. Which
-parameters were used is the union over ranks (one process sees the global
-batch), so publication all-reduces the flags once per backward for the
-whole model (``runtime/end_of_backward.py``). A parameter used somewhere
-gets a ``.grad`` on every rank, an empty one where the rank holds none of
-it (``(0,)`` under ``"flat"``, ``(0, *rest)`` under ``"rows"``), so every
-rank's optimizer holds state for the same parameters. Under ``"owned"`` a
-non-owner keeps ``.grad is None``: its optimizer holds no state for it, so
-a matrix optimizer (Muon) runs on whole matrices, each on one rank.
+A flat gradient holds zeros for unused parameters, so the views' backward
+(``param_views.py``) marks the parameters that received a gradient *used*.
+As in one process, a parameter unused since the gradients were cleared
+keeps ``.grad is None`` (optimizers with weight decay or momentum skip it).
+Used is the union over ranks (one process sees the global batch):
+publication all-reduces the flags once per backward for the whole model
+(``runtime/end_of_backward.py``). A parameter used anywhere gets a ``.grad``
+on every rank, empty where the rank holds none of it (``(0,)`` under
+``"flat"``, ``(0, *rest)`` under ``"rows"``), so every rank's optimizer
+holds state for the same parameters. Under ``"owned"`` a non-owner keeps
+``.grad is None``, so a matrix optimizer (Muon) runs on whole matrices,
+each on one rank.
 
 [Note: reading .grad at publication]
 A reduction adds to what the parameters' ``.grad`` hold (accumulation
-across steps without ``zero_grad``). Where the published sharded gradient
-is still alive (a ``.grad`` views it, or the user holds it), the reduction
-adds into it as the gradient arrives and frees its new chunk at once.
-Where it died (``zero_grad(set_to_none=True)``, the common case), the only
-``.grad`` left could be tensors the user assigned; the reduction keeps its
-chunk, and publication, which writes every ``.grad`` anyway, reads them
-first and adds them in: reading every parameter's ``.grad`` at each
-reduction touches objects a step old, which costs more host time than the
-rest of the reduction.
+without ``zero_grad``). Where the published sharded gradient is alive (a
+``.grad`` views it, or the user holds it), the reduction adds into it and
+frees its chunk at once. Where it died (``zero_grad(set_to_none=True)``),
+the only ``.grad`` left are tensors the user assigned: the reduction keeps
+its chunk and publication, which writes every ``.grad`` anyway, adds them
+in. Reading every ``.grad`` at each reduction would cost more host time
+than the rest of the reduction.
 """
 
 from __future__ import annotations
@@ -553,7 +546,5 @@ def _owns_its_memory(tensor: torch.Tensor) -> bool:
 
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)`` without the call where it is a no-op (the
-    common case, once per unit and step: ``to``'s argument parsing costs
-    about a microsecond)."""
+    """``tensor.to(dtype)``, skipping the call (and its argument parsing) where it is a no-op."""
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
