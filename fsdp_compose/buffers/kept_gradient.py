@@ -2,34 +2,31 @@
 views made into it once (see [Note: the kept sharded gradient]).
 
 [Note: the kept sharded gradient]
-Publication points each parameter's ``.grad`` at a view of the reduced
-sharded gradient. Making those views and a new sharded gradient at every
-step is host time per unit and step the unsharded model does not pay, so
-the library keeps the last sharded gradient and its views, and the next
-reduction writes into it where nobody else can see it:
+Making the ``.grad`` views and a new sharded gradient at every step is host
+time the unsharded model does not pay, so the last sharded gradient and its
+views are kept, and the next reduction writes into it where nobody else can
+see it:
 
-* *free*: nothing but the library references the views or the memory under
-  them. :class:`KeptGradient` counts every kind of holder: Python references
-  to a view (``sys.getrefcount``: ``g = p.grad``), C++ references to a view
-  (``Tensor._use_count``: a parameter's ``.grad``, an autograd graph, a
-  DLPack capsule) and other tensors on the memory (the storage's use count:
-  ``p.grad.detach()``, a slice, a NumPy array of it). Each adds to
-  :meth:`KeptGradient.holders`, which is at its baseline exactly when the
-  gradient is free (a holder of ``p.grad._base`` is not counted).
-* *in use*: a ``.grad`` still views it (``zero_grad(set_to_none=False)``),
-  or the user holds a piece of it. The next reduction adds to it
-  (accumulation), or, where every ``.grad`` was cleared but something else
-  holds it, writes into a new gradient and leaves the old one to its holders.
-* *released*: free right after ``zero_grad`` (``gradients/torch_zero_grad.py``,
-  ``ShardedModule.zero_grad``) or at the root's next pre-forward, its
-  storage is resized to 0 bytes (the views stay). The next reduction
-  resizes it and the reduce-scatter writes every element; over one rank
-  the storage takes the memory of autograd's flat gradient instead
+* *free*: nothing but the library holds the views or their memory.
+  :meth:`KeptGradient.holders` counts Python references to a view
+  (``sys.getrefcount``), C++ references (``Tensor._use_count``: a
+  ``.grad``, an autograd graph, a DLPack capsule) and other tensors on the
+  memory (the storage's use count: ``p.grad.detach()``, a slice, a NumPy
+  array); it is at its baseline exactly when the gradient is free (a
+  holder of ``p.grad._base`` is not counted).
+* *in use*: a ``.grad`` still views it (``zero_grad(set_to_none=False)``)
+  or the user holds a piece. The next reduction adds to it, or, where every
+  ``.grad`` was cleared, writes into a new gradient and leaves the old one
+  to its holders.
+* *released*: free after ``zero_grad`` or at the root's next pre-forward,
+  its storage is resized to 0 bytes (the views stay). The next reduction
+  resizes it and the reduce-scatter writes every element; over one rank it
+  takes the memory of autograd's flat gradient instead
   (:meth:`KeptGradient.take_memory_of`; a copy where torch cannot swap).
-  So between steps the memory is what a new gradient per step would hold.
+  So between steps it holds what a new gradient per step would.
 
-Only where torch counts uses (``_torch_private.CAN_COUNT_USES``) and the
-gradient is not in pinned memory (CPU offload makes a new one per step).
+Only where torch counts uses (``_torch_private.CAN_COUNT_USES``) and not in
+pinned memory (CPU offload makes a new gradient per step).
 """
 
 from __future__ import annotations

@@ -1,48 +1,42 @@
 """The per-parameter views of an unsharded flat buffer, as one autograd node.
 
 [Note: one backward node per buffer]
-Forward reads each original parameter through a view of the unsharded flat
-buffer (``flat_buffer.py``). Made by differentiable ``split`` + ``view``,
-every parameter would cost a ``ViewBackward`` node and the buffer a
-``SplitWithSizesBackward`` in every backward, host time per unit and step
-the unsharded model (whose parameters are leaves) does not pay.
-:class:`SplitIntoParams` makes the same views in one custom node: its
-forward cuts the buffer into the parameters' shapes without recording
-anything; its backward receives every parameter's gradient at once
-(``None`` for an unused view: how the buffer learns which parameters were
-used) and concatenates them in the buffer's order into one flat gradient
-(zeros for padding and unused parameters), which autograd accumulates into
-the buffer's ``.grad``. Outputs share the buffer's storage, except a
-parameter that is not one run of the buffer (``ShardDim``: an assembled
-copy). Frozen parameters' outputs are non-differentiable.
+Differentiable ``split`` + ``view`` would cost a ``ViewBackward`` per
+parameter and a ``SplitWithSizesBackward`` per buffer in every backward,
+host time the unsharded model (whose parameters are leaves) does not pay.
+:class:`SplitIntoParams` makes the same views in one custom node: forward
+cuts the buffer into the parameters' shapes without recording anything;
+backward receives every parameter's gradient at once (``None`` for an
+unused view: how the buffer learns which were used) and concatenates them
+in buffer order into one flat gradient (zeros for padding and unused
+parameters), which autograd accumulates into the buffer's ``.grad``.
+Outputs share the buffer's storage, except assembled copies (``ShardDim``).
+Frozen parameters' outputs are non-differentiable.
 
 [Note: assembled copies]
-A buffer's parameters that are not one run of it are copied, at every
-unshard, into one storage of their own, which the buffer resizes to nothing
-when it reshards, as it does the unsharded storage. Where every parameter
-is such a copy, the gathered buffer's memory is released as soon as the
-copies are filled (a piece kept for backward under
-``reshard_after_forward=k`` is then read back from the copies). Their
-outputs are made once on that storage (as the aliases below), so a copy
-autograd saved in forward holds no memory between the reshard after
-forward and backward's all-gather, which fills the same storage again
-before any node reads it; new copies per unshard would each keep a whole
-copy alive from forward to backward. The values are written through a
-tensor of their own (:meth:`ViewPlan.fill_copies`), so the outputs' version
-counters, which autograd checks, do not move.
+Parameters that are not one run of the buffer are copied, at every unshard,
+into one storage of their own, resized to nothing at reshard like the
+unsharded storage. Where every parameter is such a copy, the gathered
+buffer's memory is released once the copies are filled (a piece kept under
+``reshard_after_forward=k`` is read back from the copies). Their outputs
+are made once on that storage (as the aliases below), so a copy autograd
+saved holds no memory between the reshard after forward and backward's
+all-gather, which refills the same storage before any node reads it. The
+values are written through a tensor of their own
+(:meth:`ViewPlan.fill_copies`), so the outputs' version counters, which
+autograd checks, do not move.
 
 [Note: parameter aliases made once]
-Where every parameter is one run of the buffer and all of them train (the
-common case), the buffer makes its outputs once, at installation
-(:meth:`ViewPlan.aliases`): plain tensors set on the unsharded storage,
-which is the same storage object for the buffer's life, so they read
-whatever it holds; a dozen views per buffer and forward would be the
-largest host cost of a unit's forward. Each forward's node returns those
-tensors; autograd points their ``grad_fn`` at the new node, and earlier
-graphs keep their own edges. They are not views in autograd's sense, so
-autograd would let an in-place change of one pass: the buffer checks their
-version counters at the end of each forward and raises, naming the
-parameter (``FlatBuffer.check_params_unmodified``).
+Where every parameter is one run of the buffer and all train, the outputs
+are made once, at installation (:meth:`ViewPlan.aliases`): plain tensors
+set on the unsharded storage (the same storage object for the buffer's
+life), so they read whatever it holds; making views per forward would be
+the largest host cost of a unit's forward. Each forward's node returns
+them; autograd points their ``grad_fn`` at the new node, earlier graphs
+keep their edges. Not being views in autograd's sense, an in-place change
+would pass unnoticed: the buffer checks their version counters at the end
+of each forward and raises naming the parameter
+(``FlatBuffer.check_params_unmodified``).
 """
 
 from __future__ import annotations
