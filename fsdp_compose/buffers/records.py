@@ -216,12 +216,11 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     :data:`HOST_PIECE_SLACK_BYTES`, candidates get a buffer of their own,
     largest piece first, until no piece exceeds that ``Shard(0)`` piece.
 
-    Why: a buffer's rank boundaries fall where its parameters' sizes put
-    them, so a parameter about a rank's share in size can sit whole on one
-    rank where FSDP2 holds half of it; torch's optimizers on the CPU (no
-    ``foreach``) make temporaries the size of each piece, so their peak
-    follows the largest piece. On CUDA (``foreach``: temporaries the size of
-    the shard) the layout does not change the peak: not applied there, nor
+    Why: rank boundaries fall where parameter sizes put them, so a
+    parameter about a rank's share in size can sit whole on one rank; torch's
+    CPU optimizers (no ``foreach``) make temporaries the size of each piece,
+    so their peak follows the largest piece. On CUDA (``foreach``) the
+    layout does not change the peak, so the rule is not applied there nor
     under CPU offload from CUDA (each buffer is one more collective).
 
     Post-condition: either nothing was split and every candidate's largest

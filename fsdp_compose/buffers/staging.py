@@ -1,55 +1,44 @@
 """Reusing the memory of unsharded buffers on the CPU.
 
 Freeing a large unsharded buffer and allocating it again for the next unit
-makes the CPU allocator return the pages to the kernel and fault them in
+makes the CPU allocator return its pages to the kernel and fault them in
 again, every unit and step. A :class:`StagingPool` keeps released memory by
-size and lends it again: the unsharded buffer's storage object stays the
-same (autograd's saved views point at it); only its data pointer is
-swapped with a pooled one. CPU only: CUDA's caching allocator reuses memory
-already and knows which stream still reads it.
-
-Lifetime: the pool is emptied at the end of each iteration
-(``CollectiveQueue.end_iteration``) unless ``PrefetchPolicy(retain_staging=True)``;
-within one it holds at most the unsharded working set it has seen.
+size and lends it again: the unsharded storage object stays the same
+(autograd's saved views point at it); only its data pointer is swapped. CPU
+only: CUDA's caching allocator reuses memory and knows which stream reads it.
+The pool is emptied at the end of each iteration
+(``CollectiveQueue.end_iteration``) unless ``PrefetchPolicy(retain_staging=True)``.
 
 [Note: releasing what no fill will take]
 Memory released after the iteration's last fill of its size would only wait
-in the pool, through the step's peak. The pool counts the fills of each size
-per iteration (between two :meth:`StagingPool.clear`) and expects the next
-iteration to fill each size as often as the most of its recent iterations
-(:data:`HISTORY`: train and eval steps may alternate); once an iteration
-made that many fills of a size, its pooled memory of that size is freed and
-later releases of it go straight back to the allocator. A wrong guess costs
-speed, never values (an extra fill allocates). The first iteration has no
-history and pools nothing, so its peak is never above what freeing gives.
-Under ``retain_staging`` everything is pooled from the second iteration on.
+in the pool through the step's peak. The pool counts each size's fills per
+iteration and expects the next to fill each size as often as the most of
+the last :data:`HISTORY` iterations (train and eval steps may alternate);
+once an iteration made that many fills of a size, its pooled memory is
+freed and later releases go straight to the allocator. A wrong guess costs
+speed, never values. The first iteration has no history and pools nothing;
+under ``retain_staging`` everything is pooled from the second on.
 
 [Note: the pool across the end of forward]
 The end of the root's forward, where activations peak, frees the pool
-(``CollectiveQueue.end_forward``; not under ``retain_staging``): memory
-held there for backward's first fills would count at the peak. Backward's
-first fills fault their pages in again, once per step.
+(``CollectiveQueue.end_forward``; not under ``retain_staging``) so that
+memory held for backward's first fills does not count at the peak.
 
 [Note: staging and memory trackers]
 Swapping data pointers is invisible to tools that follow storage sizes
-through dispatched ops and ``UntypedStorage.resize_`` (torch's
-``MemTracker``). Two things keep their count equal to the allocator's:
-
-* a drain ends with ``resize_(0)`` on the storage it emptied, which such
-  tools see (else a drained storage keeps the size it was last seen with);
-* pooled memory is kept in a ``uint8`` tensor made by dispatched ops
-  (``empty`` + ``set_``), so such tools see it appear and disappear with
-  its size (a bare storage would be missed at the peak).
-
-A fill is seen by the next op that writes the storage (the all-gather).
+through dispatched ops and ``resize_`` (torch's ``MemTracker``). To keep
+their count equal to the allocator's, a drain ends with ``resize_(0)`` on
+the storage it emptied, and pooled memory is held in a ``uint8`` tensor
+made by dispatched ops (``empty`` + ``set_``), so they see it appear and
+disappear. A fill is seen by the next op that writes the storage (the
+all-gather).
 
 [Note: torch without _swap_data_ptr_]
-Lending memory to a storage object views already point at needs
-``UntypedStorage._swap_data_ptr_`` (``_torch_private.py``); ``resize_``
-allocates anew, ``Tensor.set_`` changes the tensor, not the storage saved
-views hold. Where it is missing the pool is off (``StagingPool.enabled``
-false): a fill is ``resize_(nbytes)`` and a drain ``resize_(0)``, as off the
-CPU; only the page faults come back.
+Lending memory to a storage object that views point at needs
+``UntypedStorage._swap_data_ptr_`` (``resize_`` allocates anew,
+``Tensor.set_`` changes the tensor, not the storage). Without it the pool
+is off (``StagingPool.enabled`` false): a fill is ``resize_(nbytes)``, a
+drain ``resize_(0)``.
 """
 
 from __future__ import annotations
