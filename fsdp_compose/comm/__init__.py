@@ -1,2 +1,2 @@
-"""Process groups, meshes and collectives: everything that talks to
-``torch.distributed`` on the data path (see ``docs/design.md``, layers)."""
+"""Process groups, meshes, the training step's collectives and the
+rendezvous that keeps collective calls paired (``docs/design.md``, layers)."""
