@@ -1,14 +1,13 @@
 """Flat layout math: where each original parameter lives in a flat buffer,
 where padding goes, and which piece of each parameter each rank owns.
 
-Pure functions over (shapes, placements, sharding factor, alignment, rank);
-nothing here touches ``torch.distributed`` or allocates tensors, so it is
-property-tested alone (``tests/test_layout.py``, ``tests/test_placements.py``).
+Pure functions of (shapes, placements, sharding factor, alignment, rank),
+without ``torch.distributed`` or tensors, property-tested alone
+(``tests/test_layout.py``, ``tests/test_placements.py``).
 
-Placements (docs/placements.md) decide only where each parameter sits in the
-buffer and where padding goes; the buffer stays one tensor of ``F * S``
-elements cut into ``F`` equal chunks, so there is still one all-gather and
-one reduce-scatter per buffer:
+Placements (docs/placements.md) decide only where each parameter and the
+padding sit; the buffer stays ``F`` equal chunks of ``S`` elements, one
+all-gather and one reduce-scatter:
 
 * ``"flat"``: element granularity, parameters back to back, padding at the end;
 * ``"rows"`` / :class:`Blocks` ``(n)``: a rank boundary only falls at a row
@@ -19,11 +18,10 @@ one reduce-scatter per buffer:
   parameter on dim ``d``; it is *stored* with ``d`` moved to the front, rank
   ``r``'s chunk of rows lives in rank ``r``'s chunk of the buffer.
 
-The first three kinds place a parameter in one contiguous range of the
-unsharded buffer (``offsets[i]``, ``numels[i]``): a *stream* layout. Owned and
-``ShardDim`` parameters are *fixed* to ranks; a ``ShardDim`` parameter's
-pieces are not contiguous in general (its segments are separated by other
-data). One layout holds one kind (``records.group_records`` splits them).
+The first three place a parameter in one contiguous range (``offsets[i]``,
+``numels[i]``): a *stream* layout. Owned and ``ShardDim`` parameters are
+*fixed* to ranks; a ``ShardDim`` parameter is in general not contiguous.
+One layout holds one kind (``records.group_records`` splits them).
 
 Invariants of a :class:`FlatLayout` with sharding factor ``F`` and alignment
 ``A`` (elements; ``16 // itemsize`` makes every chunk start 16-byte aligned):
