@@ -1,22 +1,17 @@
 """Reducing only the parameters that train, when a buffer also holds frozen ones.
 
 [Note: reducing a subset of a buffer]
-A flat buffer groups parameters by ``requires_grad`` *at annotation*. A
-parameter frozen later (progressive unfreezing, a LoRA recipe that freezes
-after ``fully_shard``) stays in its trainable buffer, whose flat gradient
-holds zeros at its positions; reduce-scattering the whole flat gradient
-would move those zeros (a unit of frozen weights and trainable biases moved
-its 4,176 elements for 80 trainable ones). So when some parameters of a
-trainable buffer do not train, the reduce-scatter moves a *packed* gradient
-instead: for each rank ``r``, the positions of its shard ``[r*S, (r+1)*S)``
-that belong to a parameter that trains, in order, padded with zeros to the
-longest rank's count ``T``. The collective is then ``world * T`` elements; each rank
-spreads its reduced ``T`` back over its shard (zeros where nothing trains).
-Sizes depend only on the layout and the flags, which are the same on every
-rank, so every rank issues the same collective. A parameter counts as
-training if it trained at any forward since the last reduction (a flag
-changed between micro-batches of one accumulation window keeps its
-gradient).
+Buffers group parameters by ``requires_grad`` *at annotation*; a parameter
+frozen later (progressive unfreezing, LoRA after ``fully_shard``) stays in
+its trainable buffer, and reducing the whole flat gradient would move its
+zeros. So when some parameters of a trainable buffer do not train, the
+reduce-scatter moves a *packed* gradient: for each rank ``r``, the positions
+of its shard ``[r*S, (r+1)*S)`` that belong to a training parameter, in
+order, zero-padded to the longest rank's count ``T``; each rank spreads its
+reduced ``T`` back over its shard (zeros elsewhere). Sizes depend only on
+the layout and the flags, equal on every rank, so all issue the same
+collective. A parameter trains if it trained at any forward since the last
+reduction (a flag changed within an accumulation window keeps its gradient).
 """
 
 from __future__ import annotations

@@ -15,16 +15,12 @@ What each piece holds (see ``docs/design.md``, "Tensor parallelism"):
 
 * the flat buffers hold the TP-local tensors (``param.to_local()``),
   sharded over the dp mesh like any other parameter;
-* between iterations the parameter registered under the original name is
-  a new plain ``nn.Parameter`` (its local shard view, as every other): a
-  ``DTensor`` parameter cannot become a plain view (``param.data = view``
-  keeps its DTensor spec and local tensor). Build the optimizer after
-  ``fully_shard``;
-* inside forward/backward the module sees a ``DTensor`` again
+* between iterations the original name registers a new plain
+  ``nn.Parameter`` (its local shard view): a ``DTensor`` parameter cannot
+  become a plain view. Build the optimizer after ``fully_shard``;
+* in forward/backward the module sees a ``DTensor`` again
   (``DTensor.from_local`` on the all-gathered view), so TP's collectives
-  run as usual; ``from_local``'s backward redistributes the gradient to the
-  forward placements and hands autograd the local gradient, which lands in
-  the flat gradient;
+  run as usual, and the local gradient lands in the flat gradient;
 * state dicts place TP parameters on the (dp, tp) mesh with torch FSDP2's
   placements (:func:`checkpoint_placements`).
 """
