@@ -420,6 +420,14 @@ class FlatGradient:
             return None if kept.is_free else kept.base
         return None if self._published is None else self._published()
 
+    def kept_views(self) -> Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """The kept sharded gradient and each parameter's ``.grad`` view of
+        it, by parameter index (``None``: none kept). A parameter whose
+        ``.grad`` *is* its view here has its gradient at its own place in
+        the base (the flat optimizer step reads the base directly)."""
+        kept = self._kept
+        return None if kept is None or kept.released else (kept.base, kept.views)
+
     def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
         """Point each parameter's ``.grad`` at its slice of the reduced
         gradient: those ``used`` on some rank, and those that had a gradient
