@@ -11,7 +11,8 @@ every step the parameters and the optimizer state must be bitwise equal.
 2. A parameter without a gradient is not touched (no state, same value);
    frozen parameters stay as they are.
 3. ``state_dict()`` round trip: the flat optimizer's state loads into a
-   per-parameter optimizer and into a flat one, and both go on bitwise.
+   per-parameter optimizer and into a flat one, and both go on bitwise; so
+   does ``get/set_optimizer_state_dict`` into a fresh flat optimizer.
 4. The flat path steps few tensors (the functional op's lists are counted).
 5. What is not supported goes to torch's own step, with a warning.
 """
@@ -208,6 +209,36 @@ def _round_trip_work(config: str) -> list[str]:
 @pytest.mark.parametrize("config", ["adamw-loop-amsgrad-maximize", "sgd-foreach-nesterov"])
 def test_state_dict_round_trip_into_either_optimizer(config):
     for rank, differences in enumerate(run_distributed(WORLD, _round_trip_work, config)):
+        assert not differences, f"rank {rank}: {differences}"
+
+
+def _dcp_round_trip_work(config: str) -> list[str]:
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from fsdp_compose import flat_step
+    model_a, model_b = _model(), _model()
+    optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
+    flat_step(optim_b)
+    for step in range(2):
+        _train_step(model_a, optim_a, step)
+        _train_step(model_b, optim_b, step)
+    model_c = _model()
+    optim_c = _optimizer(model_c, config)
+    flat_step(optim_c)  # never stepped: torch's state initialisation runs first
+    set_model_state_dict(model_c, get_model_state_dict(model_b))
+    set_optimizer_state_dict(model_c, optim_c,
+                             copy.deepcopy(get_optimizer_state_dict(model_b, optim_b)))
+    for step in range(2, 2 + STEPS):
+        _train_step(model_a, optim_a, step)
+        _train_step(model_c, optim_c, step)
+    return _differences(model_a, optim_a, model_c, optim_c)
+
+
+@pytest.mark.parametrize("config", ["adamw-foreach-groups", "sgd-loop-dampening-maximize"])
+def test_get_and_set_optimizer_state_dict_into_a_fresh_flat_optimizer(config):
+    for rank, differences in enumerate(run_distributed(WORLD, _dcp_round_trip_work, config)):
         assert not differences, f"rank {rank}: {differences}"
 
 

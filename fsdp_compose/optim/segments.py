@@ -148,9 +148,9 @@ class Segment:
             return None
         base = view_base(first)
         base = first if base is None else base
-        if base.dim() != 1 or base.stride(0) != 1 or base.dtype != self.sharded.dtype or \
-                base.device != self.sharded.device:
-            return None
+        if base.dim() != 1 or base.stride(0) != 1 or base.numel() != self.sharded.numel() or \
+                base.dtype != self.sharded.dtype or base.device != self.sharded.device:
+            return None  # not a flat gradient laid out like the shard
         shift = base.storage_offset() - self.sharded.storage_offset()
         ok = []
         for g, p, n in zip(grads, self.params, self.lengths):
