@@ -242,6 +242,27 @@ def test_get_and_set_optimizer_state_dict_into_a_fresh_flat_optimizer(config):
         assert not differences, f"rank {rank}: {differences}"
 
 
+def _remove_work() -> list[str]:
+    from fsdp_compose import flat_step
+    model_a, model_b = _model(), _model()
+    optim_a = _optimizer(model_a, "adamw-foreach-groups")
+    optim_b = _optimizer(model_b, "adamw-foreach-groups")
+    handle = flat_step(optim_b)
+    out = []
+    for step in range(2 * STEPS):
+        if step == STEPS:
+            handle.remove()  # torch's own step from here, on the same state
+            out += ["step still replaced"] if "step" in optim_b.__dict__ else []
+        _train_step(model_a, optim_a, step)
+        _train_step(model_b, optim_b, step)
+    return out + _differences(model_a, optim_a, model_b, optim_b)
+
+
+def test_remove_returns_to_torchs_step_on_the_same_state():
+    for rank, differences in enumerate(run_distributed(WORLD, _remove_work)):
+        assert not differences, f"rank {rank}: {differences}"
+
+
 # --------------------------------------------------------- 4. few tensors
 def _count_work(flat: bool) -> dict:
     from fsdp_compose import flat_step

@@ -78,7 +78,8 @@ class FlatStep:
         self.active: bool = why_not is None
         self.last: Optional[StepReport] = None
         """What the last step did (``None``: no step yet)."""
-        self._torch_step: Callable[..., Any] = type(optimizer).step.__wrapped__
+        step = type(optimizer).step
+        self._torch_step: Callable[..., Any] = getattr(step, "__wrapped__", step)
         """torch's step without the hook wrapper (the wrapper around the flat step runs the hooks)."""
         self._signature: Optional[tuple] = None
         self._segments: list[list[Segment]] = []
@@ -199,7 +200,7 @@ class FlatStep:
             self._warned.add(reason)
             warnings.warn(f"fsdp_compose.flat_step: {reason} is not supported by the flat "
                           "optimizer step; that group is stepped by torch's own step "
-                          "(the same numbers, one tensor per parameter).", stacklevel=4)
+                          "(the same numbers, one tensor per parameter).", stacklevel=5)
 
 
 def _flat_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
