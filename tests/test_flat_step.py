@@ -136,6 +136,54 @@ def test_bitwise_equal_to_torchs_per_parameter_step(config):
         assert not differences, f"rank {rank}: {differences}"
 
 
+def _capped_work(config: str) -> dict:
+    from fsdp_compose.optim import segments
+    segments.CPU_RUN_CAP = 16  # runs of at most 16 elements unless one parameter is larger
+    try:
+        from fsdp_compose import flat_step
+        model_a, model_b = _model(), _model()
+        optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
+        handle = flat_step(optim_b)
+        out = {"differences": [], "tensors": []}
+        for step in range(STEPS):
+            _train_step(model_a, optim_a, step)
+            _train_step(model_b, optim_b, step)
+            out["tensors"].append(handle.last.flat_tensors)
+        out["differences"] = _differences(model_a, optim_a, model_b, optim_b)
+        return out
+    finally:
+        segments.CPU_RUN_CAP = 1 << 18
+
+
+@pytest.mark.parametrize("config", ["adamw-foreach-amsgrad", "sgd-loop-dampening-maximize"])
+def test_runs_cut_at_the_cpu_cap_stay_bitwise(config):
+    results = run_distributed(WORLD, _capped_work, config)
+    for rank, out in enumerate(results):
+        assert not out["differences"], f"rank {rank}: {out['differences']}"
+    # one group: one run per buffer (4) without the cap (rank 0 holds one
+    # parameter of each buffer, the others several)
+    assert max(min(out["tensors"]) for out in results) > 4, [out["tensors"] for out in results]
+
+
+def _momentum_switch_work() -> list[str]:
+    from fsdp_compose import flat_step
+    model_a, model_b = _model(), _model()
+    optim_a, optim_b = _optimizer(model_a, "sgd-plain"), _optimizer(model_b, "sgd-plain")
+    flat_step(optim_b)
+    for step in range(2 * STEPS):
+        if step == STEPS:  # stateless until now: the first momentum step clones the gradient
+            for optim in (optim_a, optim_b):
+                optim.param_groups[0].update(momentum=0.9, dampening=0.5)
+        _train_step(model_a, optim_a, step)
+        _train_step(model_b, optim_b, step)
+    return _differences(model_a, optim_a, model_b, optim_b)
+
+
+def test_momentum_switched_on_later_starts_as_torchs():
+    for rank, differences in enumerate(run_distributed(WORLD, _momentum_switch_work)):
+        assert not differences, f"rank {rank}: {differences}"
+
+
 # ------------------------------------------------- 2. parameters without a gradient
 def _no_grad_work(config: str) -> dict:
     from fsdp_compose import flat_step

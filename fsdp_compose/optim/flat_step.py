@@ -160,6 +160,8 @@ class FlatStep:
                     new = {names[0]: back} if run.age < 0 and back is not None else None
                     run.segment.finish(run, new, names, rule, state, later_steps)
                     stepped.extend(run.segment.params[run.first:run.last + 1])
+                for segment in {id(run.segment): run.segment for run, _ in work}.values():
+                    segment.settle(names, rule)
                 tensors_passed += len(work)
                 handled.append(member_ids(r for r, _ in work))
             if later_steps:
