@@ -18,6 +18,7 @@ from .gradients.grad_scaler import ShardedGradScaler
 from .params.init import materialize, sync_module_states
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, PrefetchPolicy
 from .gradients.torch_norms import route_torch_grad_norms
+from .optim import flat_step
 from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, propose_units
 from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, share_comm_ctx
 
@@ -27,7 +28,7 @@ __all__ = [
     "clip_grad_norm_", "param_norms", "ShardedGradScaler", "register_forward_method",
     "materialize", "sync_module_states", "describe", "fully_shard_by", "fully_shard_root", "estimate_memory",
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
-    "full_params", "route_torch_grad_norms", "mark_reduced_elsewhere",
+    "full_params", "route_torch_grad_norms", "mark_reduced_elsewhere", "flat_step",
     "FSDPModule", "OffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx",
 ]
 __version__ = "0.1.0"

@@ -403,6 +403,46 @@ def dynamo_disable(fn: Callable[..., Any], recursive: bool = True) -> Callable[.
     return disable(fn, recursive=recursive)
 
 
+# --------------------------------------------------------------- optimizers
+# optim/: the flat optimizer step decides foreach as torch's optimizers do,
+# makes ``step`` counters of torch's dtype, and bumps many counters at once.
+default_to_fused_or_foreach: Callable[..., tuple[bool, bool]] = _lookup(
+    "torch.optim.optimizer", "_default_to_fused_or_foreach",
+    "choosing foreach or for-loop as torch's optimizers do (fsdp_compose.flat_step)")
+optimizer_scalar_dtype: Callable[..., torch.dtype] = _lookup(
+    "torch.optim.optimizer", "_get_scalar_dtype",
+    "the dtype of an optimizer's 'step' counter (fsdp_compose.flat_step)")
+foreach_add_: Callable[..., None] = _method(
+    torch, "_foreach_add_", "adding one to many 'step' counters in one call")
+
+
+
+def init_optimizer_group(optimizer: Any, group: dict, lists: int) -> None:
+    """``optimizer._init_group(group, [], ...)`` (``lists`` empty lists):
+    torch's own state creation for the group's parameters that have a
+    ``.grad``, as its first step makes it (checkpoint/_init_state.py)."""
+    _method(type(optimizer), "_init_group",
+            "making optimizer state without a step")(optimizer, group, *[[] for _ in range(lists)])
+
+
+def replace_dcp_init_optim_state(replacement: Callable[[Any], None]) -> Optional[Callable[[Any], None]]:
+    """Make ``torch.distributed.checkpoint.state_dict`` call ``replacement``
+    where it calls ``_init_optim_state`` (the zero step that gives a fresh
+    optimizer its state); returns the function it replaced (``None``: this
+    torch has none, nothing replaced)."""
+    module = importlib.import_module("torch.distributed.checkpoint.state_dict")
+    original = getattr(module, "_init_optim_state", None)
+    if original is not None:
+        module._init_optim_state = replacement
+    return original
+
+
+def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``tensor`` is a view of (``Tensor._base``; ``None``: not a
+    view): which flat gradient a parameter's ``.grad`` is a piece of."""
+    return tensor._base
+
+
 # --------------------------------------------------------------- overrides
 def require_override(owner: type, name: str, purpose: str) -> None:
     """Check that ``owner`` still has the non-public method ``name`` that a

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .setup.units import PlacementFn, check_unit_placement, setup_unit
 from .checkpoint import UnitStateDictHooks
 from .checkpoint import install_optimizer_layout_hooks
+from .checkpoint._init_state import install as install_direct_optimizer_state
 from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard
@@ -236,7 +237,11 @@ def _install_process_wide_changes() -> None:
     * ``torch.optim.Optimizer.zero_grad`` also gives back the memory of the
       kept sharded gradients it cleared (``torch_zero_grad``; nothing else
       changes, and nothing at all for an optimizer over no annotated
-      parameter).
+      parameter);
+    * ``torch.distributed.checkpoint.state_dict``'s state initialisation of a
+      fresh optimizer makes AdamW's, Adam's and SGD's state directly instead
+      of taking a zero step (``checkpoint/_init_state.py``; torch's own
+      function for any other optimizer, or one over no annotated parameter).
     """
     torch_norms.install()
     torch_zero_grad.install()
@@ -244,6 +249,7 @@ def _install_process_wide_changes() -> None:
     install_step_guard()
     install_unmanaged_check()
     install_empty_group_check()
+    install_direct_optimizer_state()
 
 
 def _params_device(modules: list[nn.Module]) -> Optional[torch.device]:

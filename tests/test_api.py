@@ -201,10 +201,13 @@ import sys, tempfile, torch, torch.distributed as dist
 from torch.optim.optimizer import _global_optimizer_pre_hooks as step_hooks
 before = len(step_hooks)
 zero_grad = torch.optim.Optimizer.zero_grad
+import torch.distributed.checkpoint.state_dict as dcp_state_dict
+init_optim_state = dcp_state_dict._init_optim_state
 import fsdp_compose, fsdp_compose.checkpoint, fsdp_compose.tools
 from fsdp_compose.gradients.torch_norms import is_routed
 assert len(step_hooks) == before and not is_routed(), "importing the package changed the process"
 assert torch.optim.Optimizer.zero_grad is zero_grad, "importing the package changed zero_grad"
+assert dcp_state_dict._init_optim_state is init_optim_state, "importing changed _init_optim_state"
 compiler = {"torch._dynamo", "torch._inductor"}
 assert not compiler & set(sys.modules), "importing the package imported torch.compile's machinery"
 dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rdzv", rank=0,
@@ -216,6 +219,8 @@ assert installed is not zero_grad and installed.__wrapped__.__wrapped__ is zero_
 model = fsdp_compose.fully_shard(torch.nn.Linear(2, 2))
 assert len(step_hooks) == before + 4, "installed twice"
 assert torch.optim.Optimizer.zero_grad is installed, "zero_grad replaced twice"
+direct = dcp_state_dict._init_optim_state
+assert direct is not init_optim_state and direct.__module__ == "fsdp_compose.checkpoint._init_state"
 model(torch.randn(3, 2)).sum().backward()
 assert not compiler & set(sys.modules), "a step without torch.compile imported torch._dynamo"
 dist.destroy_process_group()
@@ -225,7 +230,8 @@ print("ok")
 
 def test_importing_changes_nothing_and_the_first_fully_shard_installs_each_hook_once():
     """Process-wide changes (norm routing, four optimizer step pre-hooks,
-    ``Optimizer.zero_grad`` giving back kept gradient memory)
+    ``Optimizer.zero_grad`` giving back kept gradient memory, a fresh
+    optimizer's state for torch's state-dict functions made without a step)
     come with the first ``fully_shard``, not with ``import fsdp_compose``
     (a fresh interpreter: this one has annotated models already); neither
     imports torch.compile's machinery (``torch._dynamo``, half a second), nor

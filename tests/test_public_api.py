@@ -15,7 +15,7 @@ PUBLIC = {
         "OffloadPolicy", "OnMesh", "PrefetchPolicy",
         "ShardedGradScaler", "ShardedModule", "ShardedParamInfo", "UnshardHandle",
         "check_finite_gradients", "clip_grad_norm_", "describe", "estimate_memory",
-        "full_params", "fully_shard", "fully_shard_by", "fully_shard_root",
+        "flat_step", "full_params", "fully_shard", "fully_shard_by", "fully_shard_root",
         "mark_reduced_elsewhere", "materialize", "param_info", "param_norms", "propose_units",
         "register_forward_method", "register_fsdp_forward_method", "route_torch_grad_norms",
         "set_gloo_reduce_scatter_via_all_reduce", "share_comm_ctx", "sync_module_states",
@@ -27,6 +27,9 @@ PUBLIC = {
     ],
     "fsdp_compose.checkpoint.store": [
         "CheckpointError", "CheckpointStore",
+    ],
+    "fsdp_compose.optim": [
+        "FlatStep", "StepReport", "flat_step",
     ],
     "fsdp_compose.gradients.clip": [
         "clip_grad_norm_", "param_norms",

@@ -434,6 +434,14 @@ class FlatGradient:
             return None if kept.is_free else kept.base
         return None if self._published is None else self._published()
 
+    def kept_views(self) -> Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """The kept sharded gradient and each parameter's ``.grad`` view of
+        it, by parameter index (``None``: none kept). A parameter whose
+        ``.grad`` *is* its view here has its gradient at its own place in
+        the base (the flat optimizer step reads the base directly)."""
+        kept = self._kept
+        return None if kept is None or kept.released else (kept.base, kept.views)
+
     def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
         """Unpublished -> published or kept: each parameter ``used`` on some
         rank, or with a ``.grad`` already, gets its slice as ``.grad``; the

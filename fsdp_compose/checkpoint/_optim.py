@@ -75,6 +75,14 @@ def _on_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         _ZERO_STEPPED.discard(optimizer)
 
 
+def note_zero_initialisation(optimizer: Optimizer) -> None:
+    """What :func:`_on_step` does at torch's state initialisation, for
+    state made without that step (``_init_state.py``)."""
+    register_optimizer(optimizer)
+    if optimizer in _ATTACHED:
+        _ZERO_STEPPED.add(optimizer)
+
+
 def _is_zero_initialisation(optimizer: Optimizer) -> bool:
     """The step torch's ``get_state_dict`` takes on an optimizer without
     state: ``lr`` 0 in every group, a zero gradient on every parameter that

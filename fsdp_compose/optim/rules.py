@@ -1,0 +1,146 @@
+"""What the flat optimizer step knows of each torch optimizer it runs: which
+groups it can take, the per-element state it keeps, and the call into
+torch's own functional implementation (``torch.optim.adam.adam``,
+``torch.optim.sgd.sgd``) with one tensor per run instead of one per
+parameter.
+
+Every element of these optimizers is updated from the same element of the
+parameter, the gradient and the state, with scalars that depend only on the
+group and the ``step`` count; so the functional call on a run (a stretch of
+a shard holding several parameters back to back) writes the same bits as
+the same call on each parameter, provided the run's parameters share the
+group and the ``step`` count (``segments.py`` makes runs that do).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from .._torch_private import default_to_fused_or_foreach
+
+# The modules, not their functions: the functional step is looked up at each
+# call, as torch's Adam.step and SGD.step look it up (``torch.optim`` does not
+# keep its submodules as attributes, hence import_module).
+_ADAM = importlib.import_module("torch.optim.adam")
+_SGD = importlib.import_module("torch.optim.sgd")
+
+
+class RunTensors(NamedTuple):
+    """One run's tensors, each covering the same elements: the parameters'
+    values, their gradients, and each per-element state (by name; ``None``
+    for a state torch creates from the gradient on the first step: SGD's
+    ``momentum_buffer``)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: dict[str, Optional[torch.Tensor]]
+    step: Optional[torch.Tensor]  # the run's 'step' counter (one member's), or None
+
+
+class Rule:
+    """One optimizer class. Subclasses say what the group needs, which
+    state it keeps and how to call torch's functional step."""
+
+    counts_steps: bool = False
+    """Whether state has a per-parameter ``step`` counter (Adam) or not (SGD)."""
+
+    def unsupported(self, optimizer: Optimizer, group: dict[str, Any]) -> Optional[str]:
+        """Why this group must be stepped by torch (``None``: it can run flat)."""
+        for key in ("differentiable", "capturable", "fused"):
+            if group.get(key):
+                return f"{key}=True"
+        if isinstance(group.get("lr"), torch.Tensor):
+            return "a tensor lr"
+        if getattr(optimizer, "grad_scale", None) is not None or \
+                getattr(optimizer, "found_inf", None) is not None:
+            return "a GradScaler's fused unscale (grad_scale/found_inf)"
+        return None
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The per-element state this group keeps, in torch's order."""
+        raise NotImplementedError
+
+    def fresh_state_from_grad(self) -> bool:
+        """Whether a first step takes the state from the gradient (``None``
+        passed in, the new tensor handed back) rather than from zeros."""
+        return False
+
+    def step(self, group: dict[str, Any], runs: Sequence[RunTensors], foreach: bool) -> list:
+        """One functional call over every run of the group; returns, per
+        run, the new state tensors torch handed back (``fresh_state_from_grad``)."""
+        raise NotImplementedError
+
+
+def choose_foreach(group: dict[str, Any], params: Sequence[torch.Tensor]) -> bool:
+    """foreach or for-loop, as torch decides it for these parameters (the
+    two are not bitwise equal to each other, so the flat step must take
+    the same one)."""
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    return default_to_fused_or_foreach(list(params), False, use_fused=False)[1]
+
+
+class AdamRule(Rule):
+    """``torch.optim.Adam`` and ``AdamW`` (``decoupled_weight_decay``)."""
+
+    counts_steps = True
+
+    def __init__(self, decoupled: bool) -> None:
+        self.decoupled: bool = decoupled
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        extra = ("max_exp_avg_sq",) if group["amsgrad"] else ()
+        return ("exp_avg", "exp_avg_sq") + extra
+
+    def step(self, group: dict[str, Any], runs: Sequence[RunTensors], foreach: bool) -> list:
+        beta1, beta2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        _ADAM.adam(
+            [r.param for r in runs], [r.grad for r in runs],
+            [r.states["exp_avg"] for r in runs], [r.states["exp_avg_sq"] for r in runs],
+            [r.states["max_exp_avg_sq"] for r in runs] if amsgrad else [],
+            [r.step for r in runs],
+            foreach=foreach, capturable=False, differentiable=False, fused=None,
+            grad_scale=None, found_inf=None, has_complex=False,
+            decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled),
+            amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        return [None] * len(runs)
+
+
+class SGDRule(Rule):
+    """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize)."""
+
+    def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def fresh_state_from_grad(self) -> bool:
+        return True
+
+    def step(self, group: dict[str, Any], runs: Sequence[RunTensors], foreach: bool) -> list:
+        momentum = group["momentum"]
+        buffers = [r.states.get("momentum_buffer") for r in runs]
+        _SGD.sgd(
+            [r.param for r in runs], [r.grad for r in runs], buffers,
+            weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+            dampening=group["dampening"], nesterov=group["nesterov"],
+            maximize=group["maximize"], has_sparse_grad=False, foreach=foreach, fused=None,
+            grad_scale=None, found_inf=None)
+        return buffers  # a first step's buffers: torch's clone of the gradient
+
+
+def rule_for(optimizer: Optimizer) -> Optional[Rule]:
+    """The rule for this optimizer's exact class (``None``: not supported;
+    a subclass may step differently, so only the classes themselves)."""
+    cls = type(optimizer)
+    if cls is torch.optim.AdamW:
+        return AdamRule(decoupled=True)
+    if cls is torch.optim.Adam:
+        return AdamRule(decoupled=False)
+    if cls is torch.optim.SGD:
+        return SGDRule()
+    return None
