@@ -115,23 +115,18 @@ class FlatBuffer:
         into every :meth:`local_view` when all are 1-D runs in order
         (``None``: some are not)."""
         self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in records)
-        self._slots: tuple[tuple[dict, str, int], ...] = tuple(
-            (module._parameters, name, index)
-            for index, record in enumerate(records) for module, name in record.slots)
+        self._slots: tuple[tuple[dict, str, int], ...]
         """Every ``(module._parameters, name, parameter index)`` the views
         and the original parameters are swapped into."""
-        originals: dict[int, tuple[dict, dict]] = {}
-        for parameters, name, index in self._slots:
-            originals.setdefault(id(parameters), (parameters, {}))[1][name] = self._params[index]
-        self._originals: tuple[tuple[dict, dict], ...] = tuple(originals.values())
+        self._originals: tuple[tuple[dict, dict], ...]
         """Per ``_parameters`` dict with a slot, its slots' original
         parameters: a reshard puts them back with one ``update`` per module."""
-        self._slot_dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
-        self._slot_names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
-        self._slot_originals: tuple[nn.Parameter, ...] = tuple(
-            self._params[index] for _, _, index in self._slots)
+        self._slot_dicts: tuple[dict, ...]
+        self._slot_names: tuple[str, ...]
+        self._slot_originals: tuple[nn.Parameter, ...]
         """``_slots`` as three columns: an unshard checks every slot in one
         C-level loop (see :meth:`_swap_in_views`)."""
+        self._index_slots()
         self._views_by_module: tuple[tuple[dict, dict], ...] = ()
         """Per ``_parameters`` dict with a slot, its slots' unsharded views:
         an unshard puts them in with one ``update`` per module (set with
@@ -325,6 +320,34 @@ class FlatBuffer:
         self.is_unsharded = False
         for record, view in zip(self.records, self._sharded_views):
             record.param.data = view
+
+    def _index_slots(self) -> None:
+        """Build the slot tables (``_slots`` and its columns, ``_originals``)
+        from the records' slots."""
+        self._slots = tuple((module._parameters, name, index)
+                            for index, record in enumerate(self.records)
+                            for module, name in record.slots)
+        originals: dict[int, tuple[dict, dict]] = {}
+        for parameters, name, index in self._slots:
+            originals.setdefault(id(parameters), (parameters, {}))[1][name] = self._params[index]
+        self._originals = tuple(originals.values())
+        self._slot_dicts = tuple(parameters for parameters, _, _ in self._slots)
+        self._slot_names = tuple(name for _, name, _ in self._slots)
+        self._slot_originals = tuple(self._params[index] for _, _, index in self._slots)
+
+    def add_slot(self, index: int, module: nn.Module, name: str) -> None:
+        """Register parameter ``index`` also as ``module.<name>`` (a module of
+        another unit that shares it: a tied weight, ``runtime/tied.py``):
+        from now on every unshard puts its view there too and every reshard
+        the original parameter back.
+
+        Pre-condition: sharded, and the slot holds the original parameter."""
+        if self.is_unsharded or module._parameters.get(name) is not self._params[index]:
+            raise AssertionError(f"[rank {self.group.rank}] add_slot needs a sharded buffer "
+                                 f"and the original parameter in '{name}'")
+        self.records[index].slots.append((module, name))
+        self._index_slots()
+        self._set_unsharded_views(self._unsharded_views)
 
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
