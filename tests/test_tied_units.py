@@ -29,7 +29,11 @@ from tests.harness import run_distributed
 WORLD = 3
 VOCAB = 257  # 257 rows over 3 ranks: 86, 86, 85 under "rows"; padding under "flat"
 STEPS = 4
-ATOL = 1e-5
+ATOL = {"sgd": 1e-5, "adamw": 2e-5}
+"""AdamW: the same model with the tie inside the root differs from one process
+by 1.09e-5 (a layer's q_proj: Adam with eps 1e-8 turns the rounding of
+tiny gradients into that), identically with the tie across units."""
+TIED_ATOL = 1e-5  # the tied weight itself, under both optimizers
 OPTIMIZERS = ("adamw", "sgd")  # SGD with momentum: Adam's scale invariance hides a lost factor
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")
@@ -100,7 +104,9 @@ def test_tied_llama_trains_like_one_process_on_every_rank(head_unit, placement, 
             got, want = res[optim_name], _reference(optim_name)
             assert got["tied_after_annotation"] and got["tied_after_steps"], (rank, optim_name)
             # every rank's full values, gathered from every rank's shard
-            assert _hf.max_diff(got, want) <= ATOL, (rank, optim_name)
+            assert _hf.max_diff(got, want) <= ATOL[optim_name], (rank, optim_name)
+            tied = "model.embed_tokens.weight"
+            assert (got["params"][tied] - want["params"][tied]).abs().max() <= TIED_ATOL
             assert "lm_head.weight" not in got["params"]  # one Parameter, listed once
         assert res["dcp_tied"] and res["dcp_max_diff"] == 0.0, rank
         text = res["describe"]
