@@ -43,15 +43,20 @@ def _build():
     return _hf.build_llama(True, False, vocab_size=VOCAB)
 
 
-def _annotate(model, head_unit: bool, placement):
-    """Bottom-up: the embedding first (it owns the tied weight), the layers,
-    the head if ``head_unit`` (it borrows), the root last."""
+UNITS = ("embedding", "embedding+head", "head+embedding")
+"""The units besides the layers and the root, in annotation order: the first
+holds the tied weight, the second borrows it (the root borrows it for the
+head in ``"embedding"``). In ``"head+embedding"`` the borrower's forward (the
+embedding) runs before the owner's."""
+
+
+def _annotate(model, units: str, placement):
     kw = {} if placement is None else {"placement": placement}
-    fully_shard(model.model.embed_tokens, **kw)
+    modules = {"embedding": model.model.embed_tokens, "head": model.lm_head}
+    for name in units.split("+"):
+        fully_shard(modules[name], **kw)
     for layer in _hf.decoder_layers(model):
         fully_shard(layer, **kw)
-    if head_unit:
-        fully_shard(model.lm_head, **kw)
     fully_shard(model, **kw)
 
 
@@ -59,10 +64,10 @@ def _tied(model) -> bool:
     return model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def _train_and_round_trip(head_unit: bool, placement, path: str) -> dict:
+def _train_and_round_trip(units: str, placement, path: str) -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)
     out: dict = {}
-    annotate = functools.partial(_annotate, head_unit=head_unit, placement=placement)
+    annotate = functools.partial(_annotate, units=units, placement=placement)
     for optim_name in OPTIMIZERS:
         tied_after_annotation = []
 
@@ -95,9 +100,9 @@ def _reference(optim_name: str) -> dict:
 
 
 @pytest.mark.parametrize("placement", [None, "flat"], ids=["rows", "flat"])
-@pytest.mark.parametrize("head_unit", [False, True], ids=["head-in-root", "head-unit"])
-def test_tied_llama_trains_like_one_process_on_every_rank(head_unit, placement, tmp_path):
-    results = run_distributed(WORLD, _train_and_round_trip, head_unit, placement,
+@pytest.mark.parametrize("units", UNITS)
+def test_tied_llama_trains_like_one_process_on_every_rank(units, placement, tmp_path):
+    results = run_distributed(WORLD, _train_and_round_trip, units, placement,
                               str(tmp_path / "ckpt"), timeout=600)
     for rank, res in enumerate(results):
         for optim_name in OPTIMIZERS:
@@ -110,9 +115,11 @@ def test_tied_llama_trains_like_one_process_on_every_rank(head_unit, placement, 
             assert "lm_head.weight" not in got["params"]  # one Parameter, listed once
         assert res["dcp_tied"] and res["dcp_max_diff"] == 0.0, rank
         text = res["describe"]
-        assert "model.embed_tokens.weight (= lm_head.weight)" in text, text
-        assert "tied: 'lm_head.weight' is 'model.embed_tokens.weight' of unit " \
-               "model.embed_tokens" in text, text
+        held, borrowed = ("lm_head", "model.embed_tokens") if units.startswith("head") else \
+            ("model.embed_tokens", "lm_head")
+        assert f"{held}.weight (= {borrowed}.weight)" in text, text  # the owner's table
+        assert f"tied: '{borrowed}.weight' is '{held}.weight' of unit {held}" in text, text
+        assert f"tied: '{held}.weight' is also '{borrowed}.weight' of unit " in text, text
 
 
 def _every_rank_shard_updated() -> list[float]:
@@ -120,7 +127,7 @@ def _every_rank_shard_updated() -> list[float]:
     (the bug class where the last rank's piece of a tied embedding was never
     updated)."""
     model = _build()
-    _annotate(model, head_unit=True, placement=None)
+    _annotate(model, units="embedding+head", placement=None)
     weight = model.model.embed_tokens.weight
     before = weight.detach().clone()
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -156,3 +163,46 @@ def test_tied_across_meshes_is_refused_naming_both_fqns():
         assert message.startswith("parameter 'head.weight' is the same tensor as "
                                   "'tok_emb.weight'"), message
         assert "different meshes" in message and "common ancestor" in message, message
+
+
+# ------------------------------------------------------ what it all-gathers
+def _collective_bytes(mode: str) -> dict:
+    """All-gather and reduce-scatter bytes of one training step (the second),
+    the tie in the root (``"root"``) or the embedding a unit of its own
+    (``"unit"``; ``"unit-kept"``: with ``reshard_after_forward=False``)."""
+    from fsdp_compose.runtime.state import state_of
+    from tests._comm_counter import CollectiveCounter
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    model = _build()
+    if mode != "root":
+        fully_shard(model.model.embed_tokens, reshard_after_forward=mode != "unit-kept")
+    for layer in _hf.decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    ids = _hf.local(_hf.batch(0, WORLD), dist.get_rank(), WORLD)
+    _hf.lm_loss(model, ids).backward()
+    with CollectiveCounter() as counter:
+        _hf.lm_loss(model, ids).backward()
+    out = {"gather": sum(b for op, b in counter.bytes.items() if "allgather" in str(op)),
+           "reduce": sum(b for op, b in counter.bytes.items() if "reduce_scatter" in str(op))}
+    if mode != "root":
+        buffer = state_of(model.model.embed_tokens).unit.buffers[0]
+        out["tied_unsharded"] = buffer.layout.padded_numel * buffer.compute_dtype.itemsize
+        out["tied_shard"] = buffer.layout.shard_numel * buffer.dtype.itemsize
+    return out
+
+
+def test_the_tied_buffer_is_gathered_once_per_use_that_needs_it_and_reduced_once():
+    """With the embedding a unit of its own, its buffer is gathered for the
+    embedding and again for the head (resharded in between, as the unit's
+    reshard_after_forward says), never again in backward (the head's
+    gathering serves its backward, the embedding's backward reads none);
+    kept from forward to backward, it is gathered once, as in the root.
+    Its gradient is reduce-scattered once."""
+    root, unit, kept = (run_distributed(WORLD, _collective_bytes, mode)[0]
+                        for mode in ("root", "unit", "unit-kept"))
+    slack = unit["tied_unsharded"] // 4  # the buffers' padding differs between the layouts
+    assert abs(unit["gather"] - root["gather"] - unit["tied_unsharded"]) < slack, (root, unit)
+    assert abs(kept["gather"] - root["gather"]) < slack, (root, kept)
+    for bytes_ in (unit, kept):  # one reduce-scatter of it
+        assert abs(bytes_["reduce"] - root["reduce"]) < bytes_["tied_shard"], (root, bytes_)
