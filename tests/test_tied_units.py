@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import describe, fully_shard
+from fsdp_compose.runtime.state import units_below
+from fsdp_compose.runtime.training_state import TrainingState
 from fsdp_compose.testing import GPT, GPTConfig
 from tests import _hf
 from tests.harness import run_distributed
@@ -78,6 +80,9 @@ def _train_and_round_trip(units: str, placement, path: str) -> dict:
         model = result.pop("model")
         result["tied_after_annotation"] = tied_after_annotation[0]
         result["tied_after_steps"] = _tied(model)
+        result["left_unsharded"] = [  # every unit IDLE, sharded, unheld after a step
+            unit.name for unit in units_below(model) if unit.is_unsharded or unit.tied_holds
+            or unit.training_state is not TrainingState.IDLE]
         out[optim_name] = result
     # DCP: save the trained (AdamW) model's sharded state, load it into a fresh one
     trained = out[OPTIMIZERS[-1]]["params"]
@@ -108,6 +113,7 @@ def test_tied_llama_trains_like_one_process_on_every_rank(units, placement, tmp_
         for optim_name in OPTIMIZERS:
             got, want = res[optim_name], _reference(optim_name)
             assert got["tied_after_annotation"] and got["tied_after_steps"], (rank, optim_name)
+            assert not got["left_unsharded"], (rank, got["left_unsharded"])
             # every rank's full values, gathered from every rank's shard
             assert _hf.max_diff(got, want) <= ATOL[optim_name], (rank, optim_name)
             tied = "model.embed_tokens.weight"

@@ -27,10 +27,13 @@ hook that unshards the owner again where its forward resharded it.
 
 When the borrowing module's forward ends, the owner's buffer is resharded
 as the end of the owner's forward would (``Unit.release_after_tied_use``),
-except while the owner's forward or backward runs, or where the
-borrower's output will be differentiated and the borrower keeps its own
-parameters for backward (the root): the borrower's backward, next, would
-gather it again (one all-gather serves the head's forward and backward).
+except while the owner's forward or backward runs, where the owner keeps
+its parameters for backward (``reshard_after_forward=False``, the root: then
+one all-gather serves every use of the step), or where the borrower's
+output will be differentiated and the borrower keeps its own parameters for
+backward (the root): the borrower's backward, next, would gather it again
+(one all-gather serves the head's forward and backward). The all-gather a
+borrowing module issues is not prefetched.
 """
 
 from __future__ import annotations
