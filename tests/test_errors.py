@@ -38,9 +38,14 @@ def child_after_parent():
 
 
 def tied_weights_in_two_units():
+    """Units on different meshes cannot share a tied weight (units on one
+    mesh can: tests/test_tied_units.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
     model = GPT(GPTConfig(tie_embeddings=True))
     fully_shard(model.tok_emb)
-    return _raises(lambda: fully_shard(model), "head.weight", "tok_emb.weight", "common ancestor")
+    other = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("r", "s"))
+    return _raises(lambda: fully_shard(model, mesh=other), "head.weight", "tok_emb.weight",
+                   "different meshes", "common ancestor")
 
 
 def tied_weights_in_common_ancestor_train():
@@ -101,11 +106,16 @@ def wrong_policy_type():
 
 
 def late_registered_parameter_is_still_detected():
-    """A parameter annotated by one unit cannot be claimed by another later."""
+    """A parameter of one unit registered in a module of another unit on
+    another mesh is refused under both names, also when registered after
+    the first unit's annotation."""
+    from torch.distributed.device_mesh import init_device_mesh
     model = GPT()
     fully_shard(model.blocks[0])
     model.blocks[1].stolen = model.blocks[0].ln1.weight
-    return _raises(lambda: fully_shard(model), "blocks.1.stolen", "blocks.0.ln1.weight")
+    other = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("r", "s"))
+    return _raises(lambda: fully_shard(model, mesh=other), "blocks.1.stolen",
+                   "blocks.0.ln1.weight")
 
 
 def deepcopy_of_an_annotated_model():

@@ -95,22 +95,8 @@ def test_tied_embeddings_live_in_the_root_unit():
                                    reference["model"](input_ids=ids).logits, atol=ATOL, rtol=0)
 
 
-def _tied_module_annotated_alone(which):
-    model = _hf.build_llama(tie=True)
-    fully_shard(model.get_input_embeddings() if which == "embedding" else model.lm_head)
-    try:
-        fully_shard(model)
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.parametrize("which", ["embedding", "lm_head"])
-def test_tied_module_annotated_alone_names_both_fqns(which):
-    for message in run_distributed(2, _tied_module_annotated_alone, which):
-        assert message is not None, "no error"
-        assert "'lm_head.weight'" in message and "'model.embed_tokens.weight'" in message
-        assert "common ancestor" in message
+# The embedding or the head a unit of its own (the tie across units):
+# tests/test_tied_units.py.
 
 
 # ------------------------------------------------------------ 3. PEFT LoRA

@@ -274,6 +274,18 @@ class FlatBuffer:
         for record, view in zip(self.records, self._sharded_views):
             record.param.data = view
 
+    def add_slot(self, index: int, module: nn.Module, name: str) -> None:
+        """Register parameter ``index`` also as ``module.<name>`` (a module of
+        another unit that shares it: a tied weight, ``runtime/tied.py``):
+        from now on every unshard puts its view there too and every reshard
+        the original parameter back.
+
+        Pre-condition: sharded, and the slot holds the original parameter."""
+        if self.is_unsharded or module._parameters.get(name) is not self.records[index].param:
+            raise AssertionError(f"[rank {self.group.rank}] add_slot needs a sharded buffer "
+                                 f"and the original parameter in '{name}'")
+        self.slots.add(index, module, name)
+
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
                 self._post_accumulate_grad is not None:

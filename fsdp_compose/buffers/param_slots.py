@@ -41,22 +41,38 @@ class ParamSlots:
     """
 
     __slots__ = ("records", "originals", "views_by_module", "_slots", "_dicts", "_names",
-                 "_held")
+                 "_held", "_views")
 
     def __init__(self, records: Sequence[ParamRecord]) -> None:
         self.records: Sequence[ParamRecord] = records
+        self.views_by_module: ModuleSlots = ()
+        self._views: Sequence[torch.Tensor] = ()
+        """What :meth:`set_views` was last given (by parameter index)."""
+        self._index()
+
+    def _index(self) -> None:
+        """The slot tables, from the records' slots."""
+        records = self.records
         self._slots: tuple[tuple[dict, str, int], ...] = tuple(
             (module._parameters, name, index)
             for index, record in enumerate(records) for module, name in record.slots)
         """``(module._parameters, name, parameter index)`` of every slot."""
         self.originals: ModuleSlots = self._by_module([r.param for r in records])
-        self.views_by_module: ModuleSlots = ()
         self._dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
         self._names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
         self._held: tuple[nn.Parameter, ...] = tuple(
             records[index].param for _, _, index in self._slots)
         """``_slots`` as three columns, so that :meth:`swap_in_views` checks
         every slot in one C-level loop."""
+        if self._views:
+            self.views_by_module = self._by_module(self._views)
+
+    def add(self, index: int, module: nn.Module, name: str) -> None:
+        """Parameter ``index`` is registered as ``module.<name>`` too (a tied
+        weight used by another unit's module): unshards and reshards swap
+        that slot from now on."""
+        self.records[index].slots.append((module, name))
+        self._index()
 
     def _by_module(self, values: Sequence[object]) -> ModuleSlots:
         by_module: dict[int, tuple[dict, dict]] = {}
@@ -66,6 +82,7 @@ class ParamSlots:
 
     def set_views(self, views: Sequence[torch.Tensor]) -> None:
         """``views`` (by parameter index) are what an unshard puts in the slots."""
+        self._views = views
         self.views_by_module = self._by_module(views)
 
     def swap_in_views(self) -> None:

@@ -57,22 +57,33 @@ class _Stash(NamedTuple):
 
 
 class UnitStateDictHooks:
-    """The state-dict hooks of one unit, installed on its managed modules."""
+    """The state-dict hooks of one unit, installed on its managed modules,
+    and one more set per module of another unit that borrows one of its
+    parameters (a tied weight, ``runtime/tied.py``): that module's
+    ``state_dict()`` / ``load_state_dict()`` convert the borrowed value from
+    and into this unit's buffer, under the borrowing name."""
 
-    def __init__(self, unit: Unit) -> None:
+    def __init__(self, unit: Unit, borrowed_at: Optional[tuple[nn.Module, str]] = None) -> None:
         self.unit: Unit = unit
         self._record_at: dict[tuple[int, str], ParamRecord] = {
             (id(module), name): record
             for buffer in unit.buffers for record in buffer.records
-            for module, name in record.slots}
-        """(id(module), attribute) -> the record of the parameter held there."""
+            for module, name in record.slots
+            if borrowed_at is None or (module is borrowed_at[0] and name == borrowed_at[1])}
+        """(id(module), attribute) -> the record of the parameter held there
+        (with ``borrowed_at``: that one slot)."""
         self._stash: Optional[_Stash] = None
         """Converted values of the ``state_dict()`` call in progress."""
-        for module in unit.managed_modules:
+        modules = unit.managed_modules if borrowed_at is None else (borrowed_at[0],)
+        for module in modules:
             # partial, not bound methods: torch tags public hooks with an attribute
             module.register_state_dict_pre_hook(partial(UnitStateDictHooks._before_state_dict, self))
             module.register_state_dict_post_hook(partial(UnitStateDictHooks._after_state_dict, self))
             module.register_load_state_dict_pre_hook(partial(UnitStateDictHooks._before_load, self))
+        if borrowed_at is None:
+            for tie in unit.ties:
+                if tie.borrower is unit:
+                    UnitStateDictHooks(tie.owner, (tie.module, tie.attr))
 
     # ----------------------------------------------------------------- save
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:

@@ -170,6 +170,7 @@ class FullyShardState(_State):
             context.collectives.share_staging_pool(state.unit.buffers)
             state.pending_settings = {}
         _check_devices(states)
+        _check_ties_inside(states)
         _check_ranks_agree([s for s in states if not s.validated])
         observer.bind([s.unit for s in states], settings)
 
@@ -428,6 +429,23 @@ def _check_devices(states: list[FullyShardState]) -> None:
                 f"fully_shard units of one model must compute on one device: {holding[0].name} "
                 f"uses {holding[0].group.device} but {unit.name} uses {unit.group.device}. "
                 "Pass the same mesh (or none) to every fully_shard call.")
+
+
+def _check_ties_inside(states: list[FullyShardState]) -> None:
+    """Both units of every tied parameter belong to this model (one root
+    above both): the borrower unshards the owner through the model's
+    collective queue ([Note: tied parameters across units] in ``tied.py``)."""
+    units = {id(state.unit) for state in states}
+    for state in states:
+        for tie in state.unit.ties:
+            if id(tie.owner) not in units or id(tie.borrower) not in units:
+                outside = tie.borrower if id(tie.owner) in units else tie.owner
+                raise ValueError(
+                    f"parameter '{tie.fqn}' is the same tensor as '{tie.owner_fqn}' (tied "
+                    f"weights), but the units holding them are not in one model: "
+                    f"{outside.name} is outside the model whose root is {states[0].unit.name}. "
+                    "A tied parameter can be shared by units of one model only: annotate a common "
+                    "ancestor of both modules last (e.g. fully_shard(model)), so it is their root.")
 
 
 def pending_model_settings(states: list[FullyShardState]) -> ModelSettings:

@@ -67,7 +67,8 @@ class Unit:
 
     __slots__ = ('buffers', 'casts_inputs', 'casts_output', 'collectives', 'group', 'is_root',
                  'managed_modules', 'modules', 'name', 'prefetch_order', 'settings',
-                 'training_state', 'backward_started', '_backward_possible', '_buffer_of',
+                 'training_state', 'backward_started', 'ties', 'tied_holds',
+                 '_backward_possible', '_buffer_of',
                  '_frozen_uses', '_modules_to_run', '_no_pre_backward_hook', '_saved_guard',
                  '__dict__', '__weakref__')
 
@@ -99,6 +100,10 @@ class Unit:
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}
         self.name: str = user_class_name(self.modules[0])
         """Its FQN once a root knows it."""
+        self.ties: list[Any] = []
+        """The tied parameters this unit lends (holds in its buffers, used
+        by modules of another unit too) or borrows (``runtime/tied.py``'s
+        ``TiedParameter``); both units must belong to one model."""
         self.set_reshard_after_forward(reshard_after_forward)
 
         # The model (set by the root's lazy init)
@@ -120,6 +125,10 @@ class Unit:
         self._frozen_uses: int = 0
         """Forward calls whose frozen-parameter reads are still ahead in
         backward; -1: keep until the end of backward."""
+        self.tied_holds: int = 0
+        """Forwards of modules of other units running now that read a
+        parameter of this unit (tied weights, ``runtime/tied.py``): while
+        any runs, the end of this unit's forward does not reshard."""
 
     def set_reshard_after_forward(self, value: Union[bool, int, None]) -> None:
         """``None``, a bool, or an int ``k`` dividing the shard group size
@@ -309,7 +318,9 @@ class Unit:
     def complete_forward(self) -> None:
         self._modules_to_run.clear()
         self.training_state = TrainingState.IDLE
-        if not self._backward_possible:
+        if self.tied_holds:
+            pass  # a borrowing module's forward still reads them: it reshards (runtime/tied.py)
+        elif not self._backward_possible:
             self.reshard()
         elif self.resolved_reshard_after_forward:
             keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
@@ -319,6 +330,20 @@ class Unit:
                     buffer.reshard(keep_for_backward=keep)
         for buffer in self.buffers:
             buffer.check_params_unmodified()  # may raise (on every rank: forward is the same)
+
+    def release_after_tied_use(self, keep: bool) -> None:
+        """A module of another unit that reads a parameter of this unit (a
+        tied weight, ``runtime/tied.py``) finished its forward, and no other
+        such forward runs: reshard as the end of this unit's own forward
+        would, unless this unit's forward is running (its own end decides),
+        backward runs, or ``keep`` (the borrower's backward reads them next)."""
+        if self.tied_holds or keep or self.training_state is not TrainingState.IDLE:
+            return
+        if self._backward_possible and not self.resolved_reshard_after_forward:
+            return  # kept for backward by this unit's own policy (e.g. the root)
+        for buffer in self.buffers:
+            if not buffer.reshard_frees_nothing:  # one rank: the views stay, as after forward
+                buffer.reshard()
 
     def _guard_saved_parameters(self) -> None:
         """With ``unshard_in_backward`` off, fail at forward (every rank
@@ -439,6 +464,7 @@ class Unit:
         self._modules_to_run.clear()
         self._backward_possible = False
         self._frozen_uses = 0
+        self.tied_holds = 0
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, buffers={self.buffers})"

@@ -38,6 +38,7 @@ from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from ..runtime.ancestors import module_qualified_names, outermost_ancestors
 from ..runtime.owners import Owner, owner_of, record_owners
 from ..runtime.state import attach_state, link_annotated_below, state_of
+from ..runtime.tied import borrow
 from ..runtime.unit import Unit
 
 PlacementFn = Callable[[nn.Parameter], Optional[object]]
@@ -79,9 +80,11 @@ def _assign_groups(records: list[ParamRecord], choices: list[object], group: Sha
             by_mesh[id(mesh)] = shard_group_from_mesh(mesh)
         record.group = by_mesh[id(mesh)]
 
-OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], None]
+OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], Optional[bool]]
 """Raises if a parameter (with its FQN here, the module holding it and the
-unit's module names) already belongs to another unit."""
+unit's module names) already belongs to another unit that cannot share it;
+returns ``False`` where the unit borrows it instead (a tied parameter,
+``runtime/tied.py``: no record here)."""
 
 
 class BufferPlan(NamedTuple):
@@ -134,7 +137,7 @@ def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
     """One record per distinct parameter of ``managed`` (a parameter
     registered twice inside the unit gets two slots), in module order,
     skipping ``ignored`` ids; ``check_owner`` rejects parameters of other
-    units."""
+    units, or skips them (returns ``False``: borrowed)."""
     names = module_names(modules)
     records: dict[int, ParamRecord] = {}
     for m in managed:
@@ -145,7 +148,8 @@ def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
             if id(param) in records:
                 records[id(param)].slots.append((m, attr))
                 continue
-            check_owner(param, fqn, m, names)
+            if check_owner(param, fqn, m, names) is False:
+                continue
             records[id(param)] = ParamRecord(param=param, slots=[(m, attr)], fqn=fqn,
                                              shape=param.shape)
     return list(records.values())
@@ -179,7 +183,9 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     units annotated earlier below ``modules`` know a root above them will
     initialise them."""
     managed = managed_modules(modules, taken)
-    records = collect_records(modules, managed, ignored, _check_not_owned)
+    tied: list[_Tie] = []
+    records = collect_records(modules, managed, ignored,
+                              functools.partial(_check_not_owned, group=group, tied=tied))
     choices = placement_choices(records, shard_placement_fn)
     _assign_groups(records, choices, group)
     _localize_tensor_parallel(records, group, spmd_mesh)
@@ -193,6 +199,8 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     if mp_policy is not None and mp_policy.buffer_dtype is not None:
         _cast_buffers(managed, mp_policy.buffer_dtype)
     record_owners(unit)
+    for tie in tied:
+        _borrow(unit, tie)
     attach_state(module, unit, new_observer=DivergenceMonitor,
                  pre_forward_check=functools.partial(check_no_late_parameters,
                                                      snapshot_modules(unit.managed_modules)))
@@ -279,35 +287,82 @@ def taken(module: nn.Module) -> bool:
     return state_of(module) is not None or is_replicated(module)
 
 
+class _Tie(NamedTuple):
+    """A parameter of another unit the new unit borrows (``runtime/tied.py``)."""
+
+    owner: Owner
+    module: nn.Module
+    attr: str
+    fqn: str  # both names in the model that holds the two modules
+    owner_fqn: str
+
+
 def _check_not_owned(param: nn.Parameter, fqn: str, module: nn.Module,
-                     names: dict[int, str]) -> None:
+                     names: dict[int, str], *, group: ShardGroup,
+                     tied: list[_Tie]) -> Optional[bool]:
+    """Raise if ``param`` belongs to a unit annotated earlier that cannot
+    lend it; where it can, add it to ``tied`` and return ``False``."""
     owner = owner_of(param)
-    if owner is not None:
-        _raise_already_owned(fqn, owner, module, names)
-
-
-def _raise_already_owned(fqn: str, owner: Owner, module: nn.Module,
-                         names: dict[int, str]) -> None:
-    record = owner.buffer.records[owner.index]
+    if owner is None:
+        return None
+    fqn, other = _both_names(fqn, owner, module, names)
     if any(module is m for m in owner.unit.managed_modules):
+        record = owner.buffer.records[owner.index]
         raise ValueError(
             f"parameter '{record.fqn}' (here '{fqn}') is already managed by an earlier "
             f"fully_shard call on an ancestor, {owner.unit.name}. Annotate bottom-up: call "
             "fully_shard on children before their parents.")
+    reason = _cannot_lend(owner, group)
+    if reason is not None:
+        raise ValueError(
+            f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
+            f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head), "
+            f"and it cannot be shared across these units: {reason}. Annotate the common ancestor "
+            "of both modules instead of the module that holds it, or pass it in ignored_params.")
+    tied.append(_Tie(owner, module, fqn.rpartition(".")[2], fqn, other))
+    return False
+
+
+def _cannot_lend(owner: Owner, group: ShardGroup) -> Optional[str]:
+    """Why the parameter of ``owner`` cannot be borrowed by a unit over
+    ``group`` (``None``: it can; see [Note: tied parameters across units])."""
+    if owner.buffer.group.process_group is not group.process_group or \
+            owner.buffer.group.replicate_process_group is not group.replicate_process_group:
+        return (f"the two units are sharded over different meshes ({owner.unit.name} over "
+                f"{owner.buffer.group.mesh}, the new one over {group.mesh})")
+    if owner.buffer.records[owner.index].tp is not None:
+        return "it is tensor-parallel (a DTensor)"
+    return None
+
+
+def _both_names(fqn: str, owner: Owner, module: nn.Module,
+                names: dict[int, str]) -> tuple[str, str]:
+    """The parameter's name here and the owner's, both in the model that
+    holds the two modules where one does (each unit knows only its own)."""
+    record = owner.buffer.records[owner.index]
     owner_module, owner_attr = record.slots[0]
     other = join_fqn(names[id(owner_module)], owner_attr) if id(owner_module) in names \
         else record.fqn
-    # both names in the model that holds the two modules (each unit knows only its own)
     in_model = module_qualified_names(outermost_ancestors([module, owner_module]))
     if id(module) in in_model and id(owner_module) in in_model:
         fqn = join_fqn(in_model[id(module)], fqn.rpartition(".")[2])
         other = join_fqn(in_model[id(owner_module)], owner_attr)
-    raise ValueError(
-        f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
-        f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head). A "
-        "shared parameter must live in one unit that is unsharded wherever it is used: annotate "
-        "the common ancestor of both modules instead of the module that holds it, or pass it "
-        "in ignored_params.")
+    return fqn, other
+
+
+def _borrow(unit: Unit, tie: _Tie) -> None:
+    """``unit`` borrows ``tie``'s parameter from its owner (see [Note: tied
+    parameters across units] in ``runtime/tied.py``)."""
+    owner = tie.owner
+
+    def is_held_whole() -> bool:
+        state = state_of(owner.unit.modules[0])
+        return state is not None and state.held_whole
+
+    def lazy_init() -> None:
+        state_of(unit.modules[0]).lazy_init()
+    borrow(owner.unit, unit, owner.buffer, owner.index, tie.module, tie.attr, tie.fqn,
+           tie.owner_fqn, is_held_whole, lazy_init)
 
 
 def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup,

@@ -14,11 +14,14 @@ annotates them children before parents, as ``fully_shard`` requires.
 
 [Note: shared parameters in fully_shard_by]
 A parameter registered both inside a matched module and outside it (tied
-input embedding and output head) must live in one unit that is unsharded
-wherever it is used; annotating the module alone is an error in
-``fully_shard``. Rather than fail, ``fully_shard_by`` skips such a module
-with a ``UserWarning`` naming both FQNs, so its parameters go to the nearest
-annotated ancestor (at the latest the model itself, which sees every use).
+input embedding and output head) lives in one buffer that is unsharded
+wherever it is used. ``fully_shard`` accepts the module alone (the other
+use borrows it, [Note: tied parameters across units] in
+``runtime/tied.py``), but its buffer is then freed between the two uses and
+gathered again; ``fully_shard_by`` instead skips such a module with a
+``UserWarning`` naming both FQNs, so its parameters go to the nearest
+annotated ancestor (at the latest the model itself, which sees every use
+and gathers them once).
 ``warnings.simplefilter("error")`` turns the skip into an error. Every rank
 takes the same decision: it depends only on the module structure.
 """

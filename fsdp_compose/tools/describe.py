@@ -39,6 +39,7 @@ from ..runtime.class_names import user_class_name
 from ..runtime.collective_queue import CollectiveQueue
 from ..runtime.prefetch_order import PrefetchOrder
 from ..runtime.state import ROOT_LABEL, pending_model_settings, state_of, states_below, units_below
+from ..runtime.tied import TiedParameter
 from ..runtime.unit import Unit
 from ._format import format_bytes, module_paths
 
@@ -149,6 +150,10 @@ class UnitReport:
             order under the prefetch policy; empty before a forward).
         backward_prefetch: the same when this unit's backward starts.
         unsharded_bytes / shard_bytes: sums over the buffers.
+        tied: the parameters this unit shares with another unit (tied
+            weights), one line each: ``"'lm_head.weight' is
+            'model.embed_tokens.weight' of <owner unit>"``; the owner's
+            buffer holds it (its table lists the borrowing name as an alias).
     """
 
     fqns: tuple[str, ...]
@@ -165,6 +170,7 @@ class UnitReport:
     backward_prefetch: tuple[str, ...]
     unsharded_bytes: int
     shard_bytes: int
+    tied: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -365,7 +371,18 @@ def _unit_report(unit: Unit, paths: dict[int, list[str]], labels: dict[int, str]
         backward_prefetch=tuple(labels.get(id(u), u.name) for u in backward),
         unsharded_bytes=sum(b.unsharded_bytes for b in buffers),
         shard_bytes=sum(b.shard_bytes for b in buffers),
+        tied=tuple(_tied_line(tie, unit, labels) for tie in unit.ties),
     )
+
+
+def _tied_line(tie: TiedParameter, unit: Unit, labels: dict[int, str]) -> str:
+    """One tie as the unit sees it: borrowed (lives in the owner) or lent."""
+    if tie.borrower is unit:
+        owner = labels.get(id(tie.owner), tie.owner.name)
+        return f"'{tie.fqn}' is '{tie.owner_fqn}' of unit {owner} (its buffer holds it)"
+    borrower = labels.get(id(tie.borrower), tie.borrower.name)
+    return f"'{tie.owner_fqn}' is also '{tie.fqn}' of unit {borrower} (held here)"
+
 
 
 def _buffer_report(buffer: FlatBuffer, paths: dict[int, list[str]]) -> BufferReport:
@@ -508,6 +525,8 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
              f"per rank {_sized(unit.shard_bytes, [b.dtype for b in unit.buffers])}"]
     if not unit.buffers:
         lines.append("  no parameters of its own (units below took them all)")
+    for tie in unit.tied:
+        lines.append(f"  tied: {tie}")
     for b_index, buffer in enumerate(unit.buffers):
         kind = "trainable" if buffer.trainable else "frozen"
         dtypes = f"{_dtype(buffer.dtype)}"
