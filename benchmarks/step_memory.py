@@ -1,5 +1,5 @@
 """Memory of every step, phase by phase, on the CPU: fsdp_compose against
-torch FSDP2 on two gloo ranks (``benchmarks/gpu.py`` is the
+torch FSDP2 on two gloo ranks (``benchmarks/gpu/step.py`` is the
 GPU's counterpart).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.step_memory                  # default GPT

@@ -20,7 +20,7 @@ from tests import _hf  # first: it keeps transformers off the hub
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from fsdp_compose import fully_shard, param_info, register_forward_method  # noqa: E402
+from fsdp_compose import param_info, register_forward_method  # noqa: E402
 from fsdp_compose.checks.divergence import VERIFICATION_FORWARD_LIMIT  # noqa: E402
 from tests._owners import buffer_of  # noqa: E402
 from fsdp_compose.runtime.state import state_of  # noqa: E402

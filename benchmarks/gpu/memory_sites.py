@@ -2,8 +2,8 @@
 made them, after each phase (forward, backward, optimizer) of one step, for
 fsdp_compose and torch FSDP2 side by side (world size 1, NCCL, bf16 compute).
 
-    python -m benchmarks.gpu_memory_sites                     # many-small, step 3
-    python -m benchmarks.gpu_memory_sites --config gpt-782m --step 1
+    python -m benchmarks.gpu.memory_sites                     # many-small, step 3
+    python -m benchmarks.gpu.memory_sites --config gpt-782m --step 1
 
 Uses ``torch.cuda.memory._record_memory_history`` (a stack per allocation)
 and ``torch.cuda.memory._snapshot``; each block is charged to the innermost
@@ -23,7 +23,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from benchmarks.gpu import CONFIGS, _build
+from benchmarks.gpu.step import CONFIGS, _build
 from fsdp_compose.testing import synthetic_tokens
 
 MiB = 2 ** 20

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What a lent GPU machine runs, in one call (about 6 minutes on one H100/H200):
-# the suite's CUDA mode (make test-gpu), benchmarks/gpu.py, and the host-cost
+# the suite's CUDA mode (make test-gpu), benchmarks/gpu/step.py, and the host-cost
 # proxy on the GPU and on that machine's CPU. Every part has its own time
 # limit and log, so one that fails or hangs leaves the others their time.
-#   OUT=/some/dir PY=python3 bash benchmarks/gpu_session.sh
+#   OUT=/some/dir PY=python3 bash benchmarks/gpu/session.sh
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 PY=${PY:-python3}

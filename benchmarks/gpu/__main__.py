@@ -1,0 +1,3 @@
+from benchmarks.gpu.step import main
+
+main()
