@@ -217,15 +217,23 @@ def test_a_parameter_without_gradient_is_not_touched(config):
 
 
 # ---------------------------------------------------------- 3. state dict
-def _round_trip_work(config: str) -> list[str]:
+def _two_steps_both_ways(config: str) -> tuple:
+    """Two steps of the same model with torch's per-parameter step (a) and
+    with ``flat_step`` (b)."""
     from fsdp_compose import flat_step
-    from fsdp_compose.checkpoint import register_optimizer
     model_a, model_b = _model(), _model()
     optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
     flat_step(optim_b)
     for step in range(2):
         _train_step(model_a, optim_a, step)
         _train_step(model_b, optim_b, step)
+    return model_a, optim_a, model_b, optim_b
+
+
+def _round_trip_work(config: str) -> list[str]:
+    from fsdp_compose import flat_step
+    from fsdp_compose.checkpoint import register_optimizer
+    model_a, optim_a, model_b, optim_b = _two_steps_both_ways(config)
     out = []
     saved_a, saved_b = optim_a.state_dict(), optim_b.state_dict()
     for key, values in saved_a["state"].items():
@@ -266,12 +274,7 @@ def _dcp_round_trip_work(config: str) -> list[str]:
                                                          set_model_state_dict,
                                                          set_optimizer_state_dict)
     from fsdp_compose import flat_step
-    model_a, model_b = _model(), _model()
-    optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
-    flat_step(optim_b)
-    for step in range(2):
-        _train_step(model_a, optim_a, step)
-        _train_step(model_b, optim_b, step)
+    model_a, optim_a, model_b, optim_b = _two_steps_both_ways(config)
     model_c = _model()
     optim_c = _optimizer(model_c, config)
     flat_step(optim_c)  # never stepped: torch's state initialisation runs first
