@@ -20,8 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .setup.units import PlacementFn, check_unit_placement, setup_unit
 from .checkpoint import UnitStateDictHooks
-from .checkpoint import install_optimizer_layout_hooks
-from .checkpoint._init_state import install as install_direct_optimizer_state
+from .checkpoint import install_direct_optimizer_state, install_optimizer_layout_hooks
 from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard

@@ -19,13 +19,16 @@ Also here: :class:`CheckpointStore` (crash-safe, rotating DCP directories),
 into shards without a whole copy per rank; docs/large-models.md), and
 :func:`register_optimizer` (for ``optimizer.load_state_dict`` before the
 optimizer's first step). ``UnitStateDictHooks`` is installed by
-``fully_shard`` itself, and so is the global optimizer hook of
-``install_optimizer_layout_hooks`` (for the package, not in ``__all__``).
+``fully_shard`` itself, and so are the global optimizer hook of
+``install_optimizer_layout_hooks`` and the direct optimizer-state
+initialisation of ``install_direct_optimizer_state`` (for the package, not
+in ``__all__``).
 """
 
 from ._full import load_safetensors, scatter_full_state_dict
 from .flat import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
 from ._model import UnitStateDictHooks
+from ._init_state import install as install_direct_optimizer_state  # noqa: F401 (for the package)
 from ._optim import install_optimizer_layout_hooks, register_optimizer  # noqa: F401 (the first for the package)
 from .store import CheckpointError, CheckpointStore
 
