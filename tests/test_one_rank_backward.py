@@ -1,6 +1,6 @@
 """Over one rank a unit whose buffers all train puts no pre-backward hook
-on its outputs ([Note: one rank without pre-backward hooks] in
-``fsdp_compose/runtime/unit.py``): its first gradient queues the end of
+on its outputs ([Note: the local path] in
+``fsdp_compose/runtime/unit_paths.py``): its first gradient queues the end of
 backward, and a forward during a backward is a recomputation. These tests
 hold that to what the hooks gave: the same numbers as one process without
 fully_shard under activation checkpointing (both implementations), the

@@ -244,35 +244,42 @@ class FlatBuffer:
         self.aliased = is_aliased(self.group.world_size, dtypes,
                                   self.storage_device == self.compute_device)
         self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
-        """A reshard would free no memory (aliased, no assembled copies), so
-        the reshard after forward is skipped (``Unit.complete_forward``)."""
+        """A reshard would free no memory (aliased, no assembled copies): a
+        model all of whose buffers say so takes the local path
+        (``runtime/unit_paths.py``)."""
         if self.is_meta:  # nothing to allocate until materialised (rebuild_after_conversion)
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
-        elif self.aliased:
+            self._derive_views(sharded)
+        elif self.aliased:  # the shard's own storage, never allocated or freed
             self.unsharded = torch.empty(0, dtype=self.dtype, device=self.compute_device)
             with torch.no_grad():
                 self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,),
                                     (1,))
             self.unsharded.requires_grad_(self.requires_grad)
+            self._derive_views(sharded)
         else:
             self.unsharded = torch.empty(
                 self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
                 requires_grad=self.requires_grad)
+            self._derive_views(sharded)
+            self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
+        self.is_unsharded = False
+        for record, view in zip(self.records, self._sharded_views):
+            record.param.data = view
+
+    def _derive_views(self, sharded: torch.Tensor) -> None:
+        """The gradient hook, the sharded views and the unsharded views of
+        a new ``unsharded``, built while its storage is whole."""
         self._grad_hook_registered = False
         self._register_grad_hook()
         self._sharded_views = [self.local_view(sharded, i) for i in range(len(self.records))]
-        # see [Note: parameter aliases made once] (the storage is whole only now)
+        # see [Note: parameter aliases made once]
         self._aliases = None if self.is_meta else self._view_plan.aliases(self.unsharded)
         self._alias_versions = None
         if self._has_copies and not self.is_meta:  # see [Note: assembled copies]
             self._view_plan.make_copies(self.unsharded)
         self.slots.set_views(self._build_unsharded_views())
-        if not self.aliased and not self.is_meta:
-            self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
-        self.is_unsharded = False
-        for record, view in zip(self.records, self._sharded_views):
-            record.param.data = view
 
     def add_slot(self, index: int, module: nn.Module, name: str) -> None:
         """Register parameter ``index`` also as ``module.<name>`` (a module of
@@ -438,14 +445,10 @@ class FlatBuffer:
         group qualifies (a kept post-forward piece does not). ``defer_storage``:
         the storage stays empty for the caller to :meth:`allocate_unsharded`
         (a bucket's member). The queue then issues the collective and calls
-        :meth:`complete_gather`."""
+        :meth:`complete_gather`. Pre-condition: not ``aliased``
+        (:meth:`unshard_in_place`)."""
         if self.gathering is not None:
             return None  # already in flight: a prefetch got here first
-        if self.aliased:
-            if not self.is_unsharded:  # one rank: the shard is the full buffer, nothing to gather
-                self.is_unsharded = True
-                self.slots.swap_in_views()
-            return None
         if coalescable and self._post_forward is not None:
             return None
         if self.is_unsharded:
@@ -463,6 +466,14 @@ class FlatBuffer:
         else:
             shard, group = self.gather_input(), self.group
         return shard, group
+
+    def unshard_in_place(self) -> None:
+        """The unshard of an aliased buffer: its shard is the unsharded
+        buffer, so only the views switch (no collective, no memory).
+
+        Pre-condition: ``aliased`` and not ``is_unsharded``."""
+        self.is_unsharded = True
+        self.slots.swap_in_views()
 
     def allocate_unsharded(self) -> None:
         """Give the unsharded storage its memory; its views stay valid."""
@@ -484,8 +495,6 @@ class FlatBuffer:
     def gather_input(self) -> torch.Tensor:
         """This rank's shard in the compute dtype and device (the
         collective moves ``compute_dtype`` bytes). No side effect."""
-        if self.group.world_size == 1:
-            return self.sharded
         return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
 
     def complete_gather(self, version: int) -> None:
@@ -541,7 +550,7 @@ class FlatBuffer:
             self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
             return  # already sharded: nothing to free
-        if keep_for_backward is not None and not self.aliased:
+        if keep_for_backward is not None:  # k > 1 ranks: never aliased
             if self.unsharded.untyped_storage().nbytes() == 0:  # released: read the copies back
                 self.allocate_unsharded()
                 self._view_plan.unfill_copies(self.unsharded)

@@ -168,7 +168,7 @@ def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord
     for group in group_records(records):
         movable = sorted((r for r in group if id(r) in wanted and r.placement == ROWS),
                          key=lambda r: -math.prod(r.shape[1:]))
-        if not movable or world_size == 1:
+        if not movable:
             continue
         align = alignment(group[0].param.dtype.itemsize, 2)
         shapes = [r.shape for r in group]
@@ -229,8 +229,6 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     at most that ``Shard(0)`` piece or what it would be alone in a buffer
     (chunks are whole alignment units: two elements stay on one rank).
     Returns the parameters given a buffer of their own."""
-    if world_size == 1:
-        return []
     trainable = [r for r in records if r.param.requires_grad and r.group is None]
     movable = [r for r in candidates if r.param.requires_grad and r.group is None
                and r.tp is None and r.shape and not is_fixed(r.placement)]

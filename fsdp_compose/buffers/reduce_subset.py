@@ -71,9 +71,9 @@ class ReduceSubset:
 
 def plan_subset(layout: FlatLayout, training: Sequence[bool], rank: int) -> Optional[ReduceSubset]:
     """The packed reduction for these flags, or ``None`` where the whole
-    flat gradient should be reduced (every parameter trains, one rank, or
-    packing would save too little)."""
-    if all(training) or layout.world_size == 1:
+    flat gradient should be reduced (every parameter trains, or packing
+    would save too little)."""
+    if all(training):
         return None
     runs = [_training_runs(layout, training, r) for r in range(layout.world_size)]
     chunk = max(sum(n for _, n in r) for r in runs)

@@ -189,7 +189,7 @@ class CollectiveQueue:
     """The data collectives of one model ([Note: the life of a
     collective]), shared by its units (``unit.collectives``)."""
 
-    __slots__ = ('buckets', 'gathers_nothing', 'observer', 'settings', 'staging',
+    __slots__ = ('buckets', 'observer', 'settings', 'staging',
                  '_gathers', '_held', '_reduces', '_replicas', '__dict__', '__weakref__')
 
     def __init__(self, settings: ModelSettings,
@@ -205,9 +205,6 @@ class CollectiveQueue:
         self._reduces: deque[InFlight] = deque()
         self._replicas: deque[list[InFlight]] = deque()
         """The replica all-reduces of each waited reduce-scatter, oldest first."""
-        self.gathers_nothing: bool = False
-        """No buffer of the model all-gathers this iteration (one rank):
-        nothing is fetched ahead."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
         """Per bucket id: its buffers with a ready gradient, held until
         the last expected one is."""
@@ -215,16 +212,14 @@ class CollectiveQueue:
     def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
         """CPU ``buffers`` of a unit joining the model use the shared pool."""
         for buffer in buffers:
-            if buffer.compute_device.type == "cpu" and not buffer.is_unsharded \
-                    and not buffer.aliased:
+            if buffer.compute_device.type == "cpu" and not buffer.is_unsharded:
                 buffer.staging = self.staging
 
     # -------------------------------------------------------------- iteration
-    def start_iteration(self, buffers: Sequence[FlatBuffer]) -> None:
+    def start_iteration(self) -> None:
         """The root's pre-forward."""
         self.buckets.refresh()
         self.observer.start_iteration()
-        self.gathers_nothing = all(b.reshard_frees_nothing for b in buffers)
 
     def order_agreed(self, order: Sequence[BucketedUnit]) -> None:
         """End of the step's last backward, after the fingerprint in
@@ -263,29 +258,17 @@ class CollectiveQueue:
         """Unshard ``unit``, issuing ``prefetch``'s all-gathers (within the
         limit) while its own is in flight; a bucket is gathered as one,
         without the members in ``ran`` (forward ran in this pass)."""
-        if self.gathers_nothing:  # one rank: only the views switch (see _gather_alone)
-            for buffer in unit.buffers:
-                if not buffer.is_unsharded:
-                    buffer.prepare_unshard()
-            return
         if self._gathers:
             self.inflight_all_gathers()  # forget finished gathers before counting
         issuer = unit.training_state
         bucketed = bool(self.buckets.buckets)  # else no unit is in a bucket: no lookups
         if not (bucketed and self._gather_bucket(unit, issuer, ran)):
             for buffer in unit.buffers:
-                if buffer.aliased:  # one rank: only the views switch (see _gather_alone)
-                    if not buffer.is_unsharded:
-                        buffer.prepare_unshard()
-                else:
-                    self._gather_alone(buffer, issuer, unit.name)
+                self._gather_alone(buffer, issuer, unit.name)
         for target in prefetch:
             if bucketed and self._gather_bucket(target, issuer, ran, limited=True):
                 continue
             for buffer in target.buffers:
-                if buffer.aliased:
-                    # one rank: nothing to fetch
-                    continue
                 if not _issues_all_gather(buffer):
                     continue  # already gathered or in flight
                 if self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
@@ -349,10 +332,12 @@ class CollectiveQueue:
 
     def _gather_alone(self, buffer: FlatBuffer, issuer: TrainingState, owner: str) -> None:
         """Issue ``buffer``'s own all-gather if it needs one; an aliased
-        buffer (one rank) only switches its views."""
+        buffer (its shard is the unsharded buffer) only switches its views."""
+        if buffer.aliased:
+            if not buffer.is_unsharded:
+                buffer.unshard_in_place()
+            return
         if not _issues_all_gather(buffer):
-            if buffer.aliased:
-                buffer.prepare_unshard()
             return
         self.observer.before_all_gather(buffer, issuer)
         with profiled("all_gather", owner):
@@ -446,11 +431,6 @@ class CollectiveQueue:
         """Issue ``buffer``'s reduce-scatter, or hold it until its bucket's
         last expected gradient; wait the oldest beyond the limit."""
         bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
-        if bucket is None and buffer.group.total_size == 1 and buffer.comms is None and \
-                not profiler_active():
-            # one rank, no replica: nothing crosses ranks, nothing to observe
-            buffer.grad.fold_unreduced(options)
-            return
         if bucket is not None:
             _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
             if not any(b is buffer for b in ready):
@@ -616,8 +596,7 @@ def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOpt
 
 def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
                     reduced: Callable[[list, ReduceOptions], None]) -> Optional[InFlight]:
-    """``None`` when no buffer has a gradient, or over one rank
-    (``reduced`` ran at once)."""
+    """``None`` when no buffer has a gradient."""
     if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
         grad = buffers[0].grad.take_for_reduce()
         if grad is None:
@@ -631,9 +610,6 @@ def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
     first = buffers[0]
     group, world = first.group, first.group.world_size
     device = first.compute_device
-    if world == 1:  # nothing to communicate: each gradient is its own chunk, complete now
-        reduced(members, options)
-        return None
     comms = first.comms
     custom = comms.reduce_scatter if comms is not None else None
     wire = group if comms is None else comms.reduce_group(group)  # the reduce-scatter's group

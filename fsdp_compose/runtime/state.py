@@ -28,6 +28,7 @@ from .model_settings import ModelSettings, merge_changes
 from .prefetch_order import PrefetchOrder
 from .training_state import TrainingState
 from .unit import Unit
+from .unit_paths import CollectivePath, choose_path
 
 ROOT_LABEL = "<root>"  # how names of units and modules show the root module (FQN "")
 
@@ -43,8 +44,8 @@ class ModelContext:
     """
 
     __slots__ = ('backward_callback_queued', 'buffers',
-                 'collectives', 'gradients', 'prefetch_order', 'root', 'settings', 'states',
-                 'views_for_backward',
+                 'collectives', 'gradients', 'path', 'prefetch_order', 'root', 'settings',
+                 'states', 'views_for_backward',
                  '__dict__', '__weakref__')
 
     def __init__(self, root: "FullyShardState", states: list["FullyShardState"],
@@ -62,6 +63,15 @@ class ModelContext:
             buffer for state in states for buffer in state.unit.buffers)
         self.gradients: tuple[FlatGradient, ...] = tuple(buffer.grad for buffer in self.buffers)
         """The root's pre-forward frees kept gradients nobody holds."""
+        self.path: CollectivePath = CollectivePath(collectives)
+        self.choose_path()
+
+    def choose_path(self) -> None:
+        """Give every unit the model's path (``unit_paths.choose_path``):
+        at the root's lazy init and whenever a unit's layout changed."""
+        self.path = choose_path(self.collectives, self.buffers)
+        for state in self.states:
+            state.unit.path = self.path
 
 
 class FullyShardState(_State):
@@ -103,6 +113,12 @@ class FullyShardState(_State):
         self.unit = unit
         unit.backward_started = self._queue_end_of_backward
         me = weakref.ref(self)
+
+        def layout_changed() -> None:
+            state = me()
+            if state is not None and state.context is not None:
+                state.context.choose_path()
+        unit.layout_changed = layout_changed
 
         def pre_backward_hook(_grads: Any) -> None:
             state = me()
@@ -221,7 +237,7 @@ class FullyShardState(_State):
                 self._reset_unfinished_iteration()  # not a recomputation in backward
             if unit.training_state is TrainingState.IDLE:
                 context.prefetch_order.start_iteration()  # not a recomputation inside backward
-                context.collectives.start_iteration(context.buffers)
+                context.collectives.start_iteration()
                 for gradient in context.gradients:  # see [Note: the kept sharded gradient]
                     gradient.release_if_free()
         if unit.casts_inputs:
@@ -345,7 +361,7 @@ class FullyShardState(_State):
 
     def reshard(self) -> None:
         """``ShardedModule.reshard``. Where the last forward put no
-        pre-backward hook ([Note: one rank without pre-backward hooks]) and
+        pre-backward hook ([Note: the local path] in ``unit_paths.py``) and
         its backward is still to come, the next backward's first event puts
         the views back, so backward sees the views, as everywhere else."""
         unit = self.unit

@@ -5,7 +5,6 @@ never looks at other units; *when* its methods run is ``state.py``'s call.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -14,7 +13,6 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
-from .._torch_private import current_graph_task_id, profiler_active
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
@@ -27,8 +25,7 @@ from .class_names import user_class_name
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
-
-_is_unsharded = operator.attrgetter("is_unsharded")
+from .unit_paths import CollectivePath
 
 
 @dataclass(slots=True)
@@ -65,12 +62,11 @@ class Unit:
     """Each buffer is unsharded at most once per forward and once per
     backward: every transition is idempotent (see the early returns)."""
 
-    __slots__ = ('buffers', 'casts_inputs', 'casts_output', 'collectives', 'group', 'is_root',
-                 'managed_modules', 'modules', 'name', 'prefetch_order', 'settings',
-                 'training_state', 'backward_started', 'ties', 'tied_holds',
-                 '_backward_possible', '_buffer_of',
-                 '_frozen_uses', '_modules_to_run', '_no_pre_backward_hook', '_saved_guard',
-                 '__dict__', '__weakref__')
+    __slots__ = ('backward_without_hook', 'buffers', 'casts_inputs', 'casts_output',
+                 'collectives', 'group', 'is_root', 'layout_changed', 'managed_modules', 'modules',
+                 'name', 'path', 'prefetch_order', 'settings', 'training_state',
+                 'backward_started', 'ties', 'tied_holds', '_backward_possible', '_buffer_of',
+                 '_frozen_uses', '_modules_to_run', '_saved_guard', '__dict__', '__weakref__')
 
     def __init__(self, modules: Sequence[nn.Module], managed_modules: Sequence[nn.Module],
                  records_by_group: Sequence[list[ParamRecord]], group: ShardGroup,
@@ -110,6 +106,11 @@ class Unit:
         self.is_root: bool = False
         self.prefetch_order: Optional[PrefetchOrder[Unit]] = None
         self.collectives: Optional[CollectiveQueue] = None
+        self.path: Optional[CollectivePath] = None
+        """How the transitions happen (``unit_paths.py``), chosen per model."""
+        self.layout_changed: Callable[[], None] = lambda: None
+        """A buffer was rebuilt or the collectives replaced: the model
+        chooses its path again (set by the unit's state)."""
 
         # Per-iteration state
         self.training_state: TrainingState = TrainingState.IDLE
@@ -117,8 +118,9 @@ class Unit:
         """Modules yet to finish forward in this pass."""
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
-        self._no_pre_backward_hook: bool = False
-        """[Note: one rank without pre-backward hooks]"""
+        self.backward_without_hook: bool = False
+        """This forward put no pre-backward hook on the outputs (read and
+        written by the path only: [Note: the local path])."""
         self.backward_started: Callable[[], None] = lambda: None
         """Queues the model's end of backward (set by the unit's state)."""
         self._saved_guard: Optional[saved_tensors_hooks] = None
@@ -215,7 +217,7 @@ class Unit:
 
     # ----------------------------------------------------------- transitions
     def unshard(self) -> None:
-        self.collectives.gather(self, (), self.prefetch_order.ran)
+        self.path.unshard(self)
 
     def reshard(self) -> None:
         for buffer in self.buffers:
@@ -228,34 +230,23 @@ class Unit:
             comms = self.settings.comms = UnitComms()
             for buffer in self.buffers:
                 buffer.comms = comms
+            self.layout_changed()
         return comms
 
     def rebuild_after_conversion(self) -> None:
         """After ``module.to(dtype)``: rebuild from the converted parameters."""
         for buffer in self.buffers:
             buffer.rebuild_after_conversion()
+        self.layout_changed()
 
-    # [Note: one rank without pre-backward hooks]
-    # Where nothing of the model all-gathers (one rank), a pre-backward hook
-    # would only mark the state and queue the end of backward, at a host cost
-    # per output. So there a unit whose buffers all train puts none (not the
-    # root, nor a unit under a profiler): its first gradient queues the end
-    # of backward (``backward_started``), its state goes from IDLE to
-    # POST_BACKWARD, and a forward while a backward runs on this thread is a
-    # recomputation (:meth:`_in_backward`). Frozen buffers keep the hook
-    # (their resharding reads the backward state). A unit resharded by hand
-    # before its backward gets its views back at the backward's first event
-    # (``FullyShardState.reshard``).
     def _in_backward(self) -> bool:
-        """A forward now is a recomputation: the pre-backward hook ran, or,
-        without one, a backward runs on this thread."""
-        return self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD) \
-            or (self._no_pre_backward_hook and current_graph_task_id() != -1)
+        """A forward now is a recomputation (activation checkpointing)."""
+        return self.path.in_backward(self)
 
     def backward_pending_without_hook(self) -> bool:
-        """Hookless, and a recorded backward has not reached the unit yet."""
-        return self._no_pre_backward_hook and self.training_state is TrainingState.IDLE and \
-            any(buffer.grad.saw_forward for buffer in self.buffers)
+        """The last forward put no pre-backward hook, and its backward has
+        not reached the unit yet."""
+        return self.path.backward_pending_without_hook(self)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._in_backward():
@@ -268,10 +259,7 @@ class Unit:
             self._modules_to_run.update(self.modules)
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
-        order, collectives = self.prefetch_order, self.collectives
-        # one rank (nothing of the model all-gathers): nothing to fetch ahead
-        collectives.gather(self, order.record_forward(self, not collectives.gathers_nothing),
-                           order.ran)
+        self.path.gather_for_forward(self)
         if torch.is_grad_enabled():
             if self._saved_guard is not None or not self.settings.unshard_in_backward:
                 self._guard_saved_parameters()
@@ -281,10 +269,7 @@ class Unit:
                     frozen = True
             if frozen:
                 self._register_frozen_post_backward(args, kwargs)
-            # see [Note: one rank without pre-backward hooks]
-            self._no_pre_backward_hook = collectives.gathers_nothing and not frozen and \
-                not self.is_root and not self.settings.reduce_scatter_unused_params and \
-                not profiler_active()
+            self.path.start_forward(self, frozen)
 
     def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[Any], None],
                      pass_ends: bool) -> bool:
@@ -303,12 +288,7 @@ class Unit:
                 tensors = tensors_requiring_grad(output)
             if tensors:
                 self._backward_possible = True
-                if self._no_pre_backward_hook:
-                    pass  # see [Note: one rank without pre-backward hooks]
-                elif len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
-                    _on_gradient(tensors[0], pre_backward)
-                else:
-                    register_multi_grad_hook(tensors, pre_backward, mode="any")
+                self.path.hook_outputs(self, tensors, pre_backward)
         self._modules_to_run.discard(module)
         if self._modules_to_run and not pass_ends:
             return False  # a sibling module of this unit has yet to run
@@ -324,10 +304,7 @@ class Unit:
             self.reshard()
         elif self.resolved_reshard_after_forward:
             keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
-            for buffer in self.buffers:
-                # one rank: resharding frees nothing; the views stay until post-backward
-                if not buffer.reshard_frees_nothing:
-                    buffer.reshard(keep_for_backward=keep)
+            self.path.reshard_after_forward(self, keep)
         for buffer in self.buffers:
             buffer.check_params_unmodified()  # may raise (on every rank: forward is the same)
 
@@ -341,9 +318,7 @@ class Unit:
             return
         if self._backward_possible and not self.resolved_reshard_after_forward:
             return  # kept for backward by this unit's own policy (e.g. the root)
-        for buffer in self.buffers:
-            if not buffer.reshard_frees_nothing:  # one rank: the views stay, as after forward
-                buffer.reshard()
+        self.path.reshard_after_forward(self, None)
 
     def _guard_saved_parameters(self) -> None:
         """With ``unshard_in_backward`` off, fail at forward (every rank
@@ -376,22 +351,13 @@ class Unit:
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return  # an earlier output of this unit already triggered it
         self.training_state = TrainingState.PRE_BACKWARD
-        settings = self.settings
-        if settings.unshard_in_backward and not (
-                self.collectives.gathers_nothing and all(map(_is_unsharded, self.buffers))):
-            # reduce_scatter_unused_params: this may run on some ranks only: no prefetch
-            order = self.prefetch_order
-            targets = () if settings.reduce_scatter_unused_params else order.backward_targets(self)
-            self.collectives.gather(self, targets, order.ran)
+        if self.settings.unshard_in_backward:
+            self.path.gather_for_backward(self)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """``buffer``'s flat gradient is complete: reduce (or keep) it, reshard."""
-        if self._no_pre_backward_hook:
-            self.backward_started()  # no pre-backward hook ran: queue the end of backward
-        if profiler_active():
-            call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
-        else:
-            self._reduce_and_reshard(buffer)
+        self.path.gradient_ready(self)
+        call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
         """``CollectiveQueue.make_room_for_reduce`` before a reduced
@@ -406,7 +372,7 @@ class Unit:
         if settings.requires_gradient_sync and settings.reduce_scatter_unused_params:
             pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
         elif settings.requires_gradient_sync:
-            self.collectives.reduce(buffer, settings.reduce_options)
+            self.path.reduce(buffer, settings.reduce_options)
         else:
             buffer.grad.stash_unreduced()
         if settings.reshard_after_backward:
@@ -469,12 +435,3 @@ class Unit:
     def __repr__(self) -> str:
         return f"Unit({self.name}, buffers={self.buffers})"
 
-
-def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
-    """``hook`` when backward reaches ``tensor``'s gradient: a pre-hook on
-    its node (no handle bookkeeping), a tensor hook on a leaf."""
-    node = tensor.grad_fn
-    if node is not None:
-        node.register_prehook(hook)
-    else:
-        tensor.register_hook(hook)

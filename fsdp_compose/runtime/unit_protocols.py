@@ -1,11 +1,11 @@
-"""What the prefetch order, the collective queue and the bucket plan read
-of a unit (``unit.Unit`` imports them). Every member is a property: none of
-them writes a unit.
+"""What the prefetch order, the collective queue, the bucket plan and the
+unit paths read of a unit (``unit.Unit`` imports them). Every member is a
+property but ``PathUnit.backward_without_hook``, which only the path writes.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
@@ -72,3 +72,39 @@ class BucketedUnit(Protocol):
     def trainable_buffers(self) -> Sequence[FlatBuffer]: ...
     @property
     def resolved_reshard_after_forward(self) -> bool: ...
+
+
+class PathSettings(Protocol):
+    @property
+    def reduce_scatter_unused_params(self) -> bool: ...
+
+
+class PathOrder(Protocol):
+    """Of ``prefetch_order.PrefetchOrder``."""
+
+    @property
+    def ran(self) -> dict[int, int]: ...
+    def record_forward(self, unit: Any, fetch_ahead: bool = True) -> Sequence[Any]: ...
+    def backward_targets(self, unit: Any) -> Sequence[Any]: ...
+
+
+class PathUnit(Protocol):
+    """What ``unit_paths.py`` reads of a unit; it writes only
+    ``backward_without_hook``."""
+
+    backward_without_hook: bool
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def buffers(self) -> Sequence[FlatBuffer]: ...
+    @property
+    def training_state(self) -> TrainingState: ...
+    @property
+    def settings(self) -> PathSettings: ...
+    @property
+    def is_root(self) -> bool: ...
+    @property
+    def prefetch_order(self) -> PathOrder: ...
+    @property
+    def backward_started(self) -> Callable[[], None]: ...

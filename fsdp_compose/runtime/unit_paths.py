@@ -1,0 +1,178 @@
+"""How a unit's transitions happen: through the collective queue, or in
+place where nothing of the model crosses ranks. The model's path is chosen
+once (:func:`choose_path`) and every unit delegates to it, so ``Unit`` and
+``CollectiveQueue`` do not ask how many ranks there are.
+
+[Note: the local path]
+A model whose every buffer is aliased (one rank, the shard's storage is the
+unsharded buffer: ``records.is_aliased``) with no assembled copies, no
+replica and no custom collectives communicates nothing and frees nothing
+by resharding. :class:`LocalPath` runs its transitions in place:
+
+=========================  ==========================================  =================================
+moment                     the local path                              test
+=========================  ==========================================  =================================
+unshard (forward,          swap in the unsharded views; nothing         ``test_one_rank.py``
+backward, by hand)         fetched ahead (``unshard_in_place``)
+end of forward             nothing: the views stay (a reshard would     ``test_one_rank.py``
+                           free nothing), until post-backward
+pre-backward hook          none on a unit other than the root whose     ``test_one_rank_backward.py``
+                           buffers all train and which does not
+                           defer its reduction; its first gradient
+                           queues the end of backward, a forward while
+                           a backward runs on the thread is a
+                           recomputation, a manual ``reshard()``
+                           before backward has the backward's first
+                           event swap the views back
+                           (``FullyShardState.reshard``)
+reduction                  fold the flat gradient into the sharded      ``test_one_rank.py``
+                           gradient at once (``fold``)
+=========================  ==========================================  =================================
+
+Every other model takes :class:`CollectivePath`: the queue, which also
+handles single aliased buffers (a one-rank shard group under hybrid
+sharding still all-reduces over its replicas). The path is chosen again
+when a buffer is rebuilt (``module.to()``, ``materialize``) or a unit's
+collectives are replaced; a profiler changes only the ranges recorded
+(``fsdp_compose::unshard_in_place`` and ``fsdp_compose::fold`` here), not the path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+
+from .._torch_private import current_graph_task_id
+from ..buffers.flat_buffer import FlatBuffer
+from ..buffers.flat_grad import ReduceOptions
+from .collective_queue import CollectiveQueue
+from .profiling import call_profiled
+from .training_state import TrainingState
+from .unit_protocols import PathUnit
+
+_BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+
+
+class CollectivePath:
+    """Every transition through the model's collective queue."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self, queue: CollectiveQueue) -> None:
+        self.queue: CollectiveQueue = queue
+
+    def unshard(self, unit: PathUnit) -> None:
+        self.queue.gather(unit, (), unit.prefetch_order.ran)
+
+    def gather_for_forward(self, unit: PathUnit) -> None:
+        order = unit.prefetch_order
+        self.queue.gather(unit, order.record_forward(unit), order.ran)
+
+    def gather_for_backward(self, unit: PathUnit) -> None:
+        """Its targets too, unless its backward may run on some ranks only
+        (``reduce_scatter_unused_params``)."""
+        order = unit.prefetch_order
+        targets = () if unit.settings.reduce_scatter_unused_params else order.backward_targets(unit)
+        self.queue.gather(unit, targets, order.ran)
+
+    def start_forward(self, unit: PathUnit, frozen: bool) -> None:
+        unit.backward_without_hook = False
+
+    def hook_outputs(self, unit: PathUnit, tensors: Sequence[torch.Tensor],
+                     pre_backward: Callable[[Any], None]) -> None:
+        """``pre_backward`` when backward reaches any of ``tensors``."""
+        if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
+            _on_gradient(tensors[0], pre_backward)
+        else:
+            register_multi_grad_hook(tensors, pre_backward, mode="any")
+
+    def reshard_after_forward(self, unit: PathUnit, keep: Any) -> None:
+        for buffer in unit.buffers:
+            buffer.reshard(keep_for_backward=keep)
+
+    def gradient_ready(self, unit: PathUnit) -> None:
+        """A buffer's flat gradient is complete (the pre-backward hook ran)."""
+
+    def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
+        self.queue.reduce(buffer, options)
+
+    def in_backward(self, unit: PathUnit) -> bool:
+        """A forward now is a recomputation."""
+        return unit.training_state in _BACKWARD
+
+    def backward_pending_without_hook(self, unit: PathUnit) -> bool:
+        return False
+
+
+class LocalPath(CollectivePath):
+    """[Note: the local path]. Stateless but for the queue, which the
+    moments that are not transitions (``ShardedModule.unshard``, the end of
+    backward) still use."""
+
+    __slots__ = ()
+
+    def unshard(self, unit: PathUnit) -> None:
+        call_profiled("unshard_in_place", unit.name, _swap_in_views, unit.buffers)
+
+    def gather_for_forward(self, unit: PathUnit) -> None:
+        unit.prefetch_order.record_forward(unit, fetch_ahead=False)
+        call_profiled("unshard_in_place", unit.name, _swap_in_views, unit.buffers)
+
+    def gather_for_backward(self, unit: PathUnit) -> None:
+        call_profiled("unshard_in_place", unit.name, _swap_in_views, unit.buffers)
+
+    def start_forward(self, unit: PathUnit, frozen: bool) -> None:
+        """Frozen buffers keep the hook: their resharding reads the backward state."""
+        unit.backward_without_hook = not frozen and not unit.is_root and \
+            not unit.settings.reduce_scatter_unused_params
+
+    def hook_outputs(self, unit: PathUnit, tensors: Sequence[torch.Tensor],
+                     pre_backward: Callable[[Any], None]) -> None:
+        if not unit.backward_without_hook:
+            super().hook_outputs(unit, tensors, pre_backward)
+
+    def reshard_after_forward(self, unit: PathUnit, keep: Any) -> None:
+        """Nothing: a reshard frees nothing; the views stay until post-backward."""
+
+    def gradient_ready(self, unit: PathUnit) -> None:
+        if unit.backward_without_hook:
+            unit.backward_started()  # no pre-backward hook ran: queue the end of backward
+
+    def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
+        call_profiled("fold", "", buffer.grad.fold_unreduced, options)
+
+    def in_backward(self, unit: PathUnit) -> bool:
+        """Without a pre-backward hook, a backward running on this thread."""
+        return unit.training_state in _BACKWARD or \
+            (unit.backward_without_hook and current_graph_task_id() != -1)
+
+    def backward_pending_without_hook(self, unit: PathUnit) -> bool:
+        """A recorded backward has not reached the hookless unit yet."""
+        return unit.backward_without_hook and unit.training_state is TrainingState.IDLE and \
+            any(buffer.grad.saw_forward for buffer in unit.buffers)
+
+
+def choose_path(queue: CollectiveQueue, buffers: Sequence[FlatBuffer]) -> CollectivePath:
+    """:class:`LocalPath` where nothing of the model crosses ranks or is
+    freed by a reshard ([Note: the local path]), else :class:`CollectivePath`."""
+    local = bool(buffers) and all(
+        b.reshard_frees_nothing and b.group.total_size == 1 and b.comms is None for b in buffers)
+    return LocalPath(queue) if local else CollectivePath(queue)
+
+
+def _swap_in_views(buffers: Sequence[FlatBuffer]) -> None:
+    for buffer in buffers:
+        if not buffer.is_unsharded:
+            buffer.unshard_in_place()
+
+
+def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
+    """``hook`` when backward reaches ``tensor``'s gradient: a pre-hook on
+    its node (no handle bookkeeping), a tensor hook on a leaf."""
+    node = tensor.grad_fn
+    if node is not None:
+        node.register_prehook(hook)
+    else:
+        tensor.register_hook(hook)
