@@ -118,6 +118,5 @@ def test_a_profiler_adds_ranges_and_changes_no_path():
     off, on = result["hookless"]
     assert off == on and len(off) == 3  # the three blocks; the root keeps its hook
     labels = result["labels"]
-    assert f"fsdp_compose::unshard_in_place {result['block']}" in labels, sorted(labels)
-    assert "fsdp_compose::fold" in labels
-    assert f"fsdp_compose::post_backward {result['block']}" in labels
+    for moment in ("pre_forward", "post_forward", "post_backward"):  # no pre-backward hook
+        assert f"fsdp_compose::{moment} {result['block']}" in labels, (moment, sorted(labels))

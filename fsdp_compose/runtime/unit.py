@@ -239,17 +239,13 @@ class Unit:
             buffer.rebuild_after_conversion()
         self.layout_changed()
 
-    def _in_backward(self) -> bool:
-        """A forward now is a recomputation (activation checkpointing)."""
-        return self.path.in_backward(self)
-
     def backward_pending_without_hook(self) -> bool:
         """The last forward put no pre-backward hook, and its backward has
         not reached the unit yet."""
         return self.path.backward_pending_without_hook(self)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._in_backward():
+        if self.path.in_backward(self):
             # recomputation (activation checkpointing): unsharded for backward
             self.unshard()
             for buffer in self.buffers:
@@ -276,7 +272,7 @@ class Unit:
         """Put ``pre_backward`` (one ignored argument) on the output. True
         when the unit's pass is complete: all its modules ran, or
         ``pass_ends`` (a call outside the root's forward is a pass)."""
-        if self._in_backward():
+        if self.path.in_backward(self):
             return False  # recomputation inside backward: stay unsharded
         if self._saved_guard is not None:
             self._release_saved_guard()

@@ -12,9 +12,9 @@ by resharding. :class:`LocalPath` runs its transitions in place:
 =========================  ==========================================  =================================
 moment                     the local path                              test
 =========================  ==========================================  =================================
-unshard (forward,          swap in the unsharded views; nothing         ``test_one_rank.py``
+unshard (forward,          swap in the unsharded views; nothing         ``test_unit_paths.py``
 backward, by hand)         fetched ahead (``unshard_in_place``)
-end of forward             nothing: the views stay (a reshard would     ``test_one_rank.py``
+end of forward             nothing: the views stay (a reshard would     ``test_unit_paths.py``
                            free nothing), until post-backward
 pre-backward hook          none on a unit other than the root whose     ``test_one_rank_backward.py``
                            buffers all train and which does not
@@ -25,16 +25,17 @@ pre-backward hook          none on a unit other than the root whose     ``test_o
                            before backward has the backward's first
                            event swap the views back
                            (``FullyShardState.reshard``)
-reduction                  fold the flat gradient into the sharded      ``test_one_rank.py``
-                           gradient at once (``fold``)
+reduction                  fold the flat gradient into the sharded      ``test_unit_paths.py``
+                           gradient at once (``fold_unreduced``)
 =========================  ==========================================  =================================
 
 Every other model takes :class:`CollectivePath`: the queue, which also
 handles single aliased buffers (a one-rank shard group under hybrid
 sharding still all-reduces over its replicas). The path is chosen again
 when a buffer is rebuilt (``module.to()``, ``materialize``) or a unit's
-collectives are replaced; a profiler changes only the ranges recorded
-(``fsdp_compose::unshard_in_place`` and ``fsdp_compose::fold`` here), not the path.
+collectives are replaced. A profiler changes no path: the moments of
+both are the hook ranges (``fsdp_compose::pre_forward <unit>``, ...), and
+the local path's unshard and fold run inside them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from .collective_queue import CollectiveQueue
-from .profiling import call_profiled
 from .training_state import TrainingState
 from .unit_protocols import PathUnit
 
@@ -114,14 +114,16 @@ class LocalPath(CollectivePath):
     __slots__ = ()
 
     def unshard(self, unit: PathUnit) -> None:
-        call_profiled("unshard_in_place", unit.name, _swap_in_views, unit.buffers)
+        for buffer in unit.buffers:
+            if not buffer.is_unsharded:
+                buffer.unshard_in_place()
 
     def gather_for_forward(self, unit: PathUnit) -> None:
         unit.prefetch_order.record_forward(unit, fetch_ahead=False)
-        call_profiled("unshard_in_place", unit.name, _swap_in_views, unit.buffers)
+        self.unshard(unit)
 
     def gather_for_backward(self, unit: PathUnit) -> None:
-        call_profiled("unshard_in_place", unit.name, _swap_in_views, unit.buffers)
+        self.unshard(unit)
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
         """Frozen buffers keep the hook: their resharding reads the backward state."""
@@ -141,7 +143,7 @@ class LocalPath(CollectivePath):
             unit.backward_started()  # no pre-backward hook ran: queue the end of backward
 
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
-        call_profiled("fold", "", buffer.grad.fold_unreduced, options)
+        buffer.grad.fold_unreduced(options)
 
     def in_backward(self, unit: PathUnit) -> bool:
         """Without a pre-backward hook, a backward running on this thread."""
@@ -160,12 +162,6 @@ def choose_path(queue: CollectiveQueue, buffers: Sequence[FlatBuffer]) -> Collec
     local = bool(buffers) and all(
         b.reshard_frees_nothing and b.group.total_size == 1 and b.comms is None for b in buffers)
     return LocalPath(queue) if local else CollectivePath(queue)
-
-
-def _swap_in_views(buffers: Sequence[FlatBuffer]) -> None:
-    for buffer in buffers:
-        if not buffer.is_unsharded:
-            buffer.unshard_in_place()
 
 
 def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
