@@ -57,7 +57,8 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
                        placement: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
                        split_root: bool = False, check_divergence: Optional[bool] = None,
                        quantize: Optional[str] = None,
-                       shard_placement_fn: Optional[Callable] = None) -> nn.Module:
+                       shard_placement_fn: Optional[Callable] = None,
+                       separate_reduce_scatter_group: bool = False) -> nn.Module:
     """This project: ``fsdp_compose.fully_shard`` on every block, then on the
     root. The keyword arguments make the A/B variants below (defaults: the
     library's defaults)."""
@@ -82,11 +83,20 @@ def build_fsdp_compose(model: GPT, gloo_all_reduce: bool = True,
         model.set_prefetch_policy(PrefetchPolicy(retain_staging=True))
     if check_divergence is not None:
         model.set_check_rank_divergence(check_divergence)
+    if separate_reduce_scatter_group:
+        model.set_separate_reduce_scatter_group()
     # the gloo setting is process-wide: each variant sets its own at its forward
     def set_gloo_path(*_) -> None:
         set_gloo_reduce_scatter_via_all_reduce(gloo_all_reduce)
 
     model.register_forward_pre_hook(set_gloo_path)
+    return model
+
+
+def build_compute_alone(model: GPT) -> nn.Module:
+    """The model as it is, every rank stepping on its own batch with no
+    collective: the compute floor of any data-parallel step here (its loss
+    differs from the reference, by design)."""
     return model
 
 
@@ -141,6 +151,9 @@ VARIANTS: dict[str, Callable[[GPT], nn.Module]] = {
     "fsdp_compose_fp8": functools.partial(build_fsdp_compose, quantize="fp8"),
     "fsdp_compose_shard0": functools.partial(build_fsdp_compose, placement=None,
                                              shard_placement_fn=shard_large_params),
+    "fsdp_compose_rsgroup": functools.partial(build_fsdp_compose,
+                                              separate_reduce_scatter_group=True),
+    "compute_alone": build_compute_alone,
 }
 """A/B variants of fsdp_compose, only run when named in ``--impls``: gloo's
 own reduce-scatter (``set_gloo_reduce_scatter_via_all_reduce(False)``), and
@@ -155,8 +168,11 @@ or 4 MiB cap (4: the earlier default), the root's embeddings and its
 final norm + head annotated as units of their own (``fully_shard_root``: gathered and reduced where they are used, the
 head's reduction overlaps the rest of backward), and quantized collectives
 (``CommPolicy``: int8 all-gather; int8 all-gather and reduction; fp8 both),
-and ``Shard(0)`` for the parameters of 1 MiB or more (``shard_large_params``:
-each read through an assembled copy, ``docs/placements.md``)."""
+``Shard(0)`` for the parameters of 1 MiB or more (``shard_large_params``:
+each read through an assembled copy, ``docs/placements.md``), the
+reduce-scatters on a process group of their own
+(``set_separate_reduce_scatter_group()``: gloo runs one collective at a
+time per group), and the compute floor (``compute_alone``: no collective)."""
 
 
 def units_of(model: GPT) -> list[list[nn.Parameter]]:

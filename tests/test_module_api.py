@@ -171,8 +171,9 @@ def test_world_size_one_runs_no_collectives():
 
 def blocks_between_forward_and_backward(steps: int = 3):
     """Per step: whether block 0's ``fc1.weight`` is an ``nn.Parameter``
-    between forward and backward and after backward, and how many times
-    the module attributes were swapped to the unsharded views."""
+    between forward and backward and after backward, how many times the
+    module attributes were swapped to the unsharded views, and how many
+    times the collective queue was asked to gather."""
     from fsdp_compose.buffers.param_slots import ParamSlots
     from fsdp_compose.runtime.collective_queue import CollectiveQueue
     swaps = gathers = 0
@@ -211,15 +212,15 @@ def test_one_rank_keeps_the_views_from_forward_to_backward():
     """Over one rank the unsharded buffer is the shard: resharding after
     forward would free nothing and backward would only swap the views back
     in. So a block keeps its views until its post-backward reshard (one
-    swap per unit and step) and its pre-backward gathers nothing (one
-    gather call per unit and step, in forward), while over two ranks it is
-    resharded after forward and gathered and swapped again in backward.
-    Parity in both."""
+    swap per unit and step) and the collective queue is never asked to
+    gather (the local path, [Note: the local path]), while over two ranks
+    it is resharded after forward and gathered and swapped again in
+    backward. Parity in both."""
     n = N_BLOCKS + 1
     [one] = run_distributed(1, blocks_between_forward_and_backward, timeout=TIMEOUT)
-    assert one["seen"] == [(False, True, n, n)] * 3, (
+    assert one["seen"] == [(False, True, n, 0)] * 3, (
         "over one rank, expected block 0 unsharded (a view) from forward to backward, its "
-        f"Parameter back after backward, {n} swaps and {n} gathers per step; got (between, "
+        f"Parameter back after backward, {n} swaps and no gather per step; got (between, "
         f"after, swaps, gathers) per step = {one['seen']}")
     assert_parity([one], reference_lm(1, 3, SEED_11))
     two = run_distributed(2, blocks_between_forward_and_backward, timeout=TIMEOUT)

@@ -31,10 +31,16 @@ from tests.harness import run_distributed
 WORLD = 3
 VOCAB = 257  # 257 rows over 3 ranks: 86, 86, 85 under "rows"; padding under "flat"
 STEPS = 4
-ATOL = {"sgd": 1e-5, "adamw": 2e-5}
-"""AdamW: the same model with the tie inside the root differs from one process
-by 1.09e-5 (a layer's q_proj: Adam with eps 1e-8 turns the rounding of
-tiny gradients into that), identically with the tie across units."""
+ATOL = {"sgd": 1e-5, "adamw": 1e-4}
+"""Bounds on the difference from one process. Under AdamW the same model
+with the tie inside the root differs from one process by about 1e-5 (a
+layer's q_proj: Adam with eps 1e-8 turns the rounding of tiny gradients
+into that; 1.09e-5 or 2.02e-5 depending on the transformers release), so
+the tie across units is held to that difference measured in the same run
+(:data:`AS_CLOSE_AS_ROOT`), and to this bound."""
+AS_CLOSE_AS_ROOT = 1e-6
+"""How much farther from one process than the tie in the root the tie
+across units may be."""
 TIED_ATOL = 1e-5  # the tied weight itself, under both optimizers
 OPTIMIZERS = ("adamw", "sgd")  # SGD with momentum: Adam's scale invariance hides a lost factor
 
@@ -55,7 +61,7 @@ embedding) runs before the owner's."""
 def _annotate(model, units: str, placement):
     kw = {} if placement is None else {"placement": placement}
     modules = {"embedding": model.model.embed_tokens, "head": model.lm_head}
-    for name in units.split("+"):
+    for name in filter(None, units.split("+")):  # "": the tie in the root
         fully_shard(modules[name], **kw)
     for layer in _hf.decoder_layers(model):
         fully_shard(layer, **kw)
@@ -84,6 +90,10 @@ def _train_and_round_trip(units: str, placement, path: str) -> dict:
             unit.name for unit in units_below(model) if unit.is_unsharded or unit.tied_holds
             or unit.training_state is not TrainingState.IDLE]
         out[optim_name] = result
+        root = _hf.train_sharded(_build, functools.partial(_annotate, units="", placement=placement),
+                                 optim_name, steps=STEPS)
+        root.pop("model")
+        out["tie in root", optim_name] = root
     # DCP: save the trained (AdamW) model's sharded state, load it into a fresh one
     trained = out[OPTIMIZERS[-1]]["params"]
     dcp.save(get_model_state_dict(model), checkpoint_id=path)
@@ -115,7 +125,9 @@ def test_tied_llama_trains_like_one_process_on_every_rank(units, placement, tmp_
             assert got["tied_after_annotation"] and got["tied_after_steps"], (rank, optim_name)
             assert not got["left_unsharded"], (rank, got["left_unsharded"])
             # every rank's full values, gathered from every rank's shard
-            assert _hf.max_diff(got, want) <= ATOL[optim_name], (rank, optim_name)
+            diff, root_diff = _hf.max_diff(got, want), _hf.max_diff(res["tie in root", optim_name], want)
+            assert diff <= min(ATOL[optim_name], root_diff + AS_CLOSE_AS_ROOT), \
+                (rank, optim_name, diff, root_diff)
             tied = "model.embed_tokens.weight"
             assert (got["params"][tied] - want["params"][tied]).abs().max() <= TIED_ATOL
             assert "lm_head.weight" not in got["params"]  # one Parameter, listed once

@@ -550,7 +550,7 @@ class FlatBuffer:
             self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
         if not self.is_unsharded:
             return  # already sharded: nothing to free
-        if keep_for_backward is not None:  # k > 1 ranks: never aliased
+        if keep_for_backward is not None:  # k > 1 ranks: the shard is never the whole buffer
             if self.unsharded.untyped_storage().nbytes() == 0:  # released: read the copies back
                 self.allocate_unsharded()
                 self._view_plan.unfill_copies(self.unsharded)

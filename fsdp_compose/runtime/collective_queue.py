@@ -331,7 +331,7 @@ class CollectiveQueue:
         return True
 
     def _gather_alone(self, buffer: FlatBuffer, issuer: TrainingState, owner: str) -> None:
-        """Issue ``buffer``'s own all-gather if it needs one; an aliased
+        """Issue ``buffer``'s own all-gather where it needs one; an aliased
         buffer (its shard is the unsharded buffer) only switches its views."""
         if buffer.aliased:
             if not buffer.is_unsharded:
