@@ -22,9 +22,7 @@ reshard) only at the end of backward, keeping every unit unsharded.
 
 from __future__ import annotations
 
-import operator
 import weakref
-from itertools import starmap
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -36,7 +34,8 @@ from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
-from .param_slots import ParamSlots, consume
+from .loops_in_c import attributes, update_each
+from .param_slots import ParamSlots
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
@@ -327,14 +326,14 @@ class FlatBuffer:
         aliases = self._aliases if all(flags) else None
         views = split_into_params(self.unsharded, self._view_plan, flags, self._on_backward, aliases)
         if aliases is not None:
-            self._alias_versions = tuple(map(_version_of, aliases))
+            self._alias_versions = attributes(aliases, "_version")
         return list(views)
 
     def check_params_unmodified(self) -> None:
         """Raise if forward changed a parameter in place ([Note: parameter
         aliases made once]); called at the end of a recorded forward."""
         recorded, self._alias_versions = self._alias_versions, None
-        if recorded is None or tuple(map(_version_of, self._aliases)) == recorded:
+        if recorded is None or attributes(self._aliases, "_version") == recorded:
             return
         index = next(i for i, (alias, version) in enumerate(zip(self._aliases, recorded))
                      if alias._version != version)
@@ -355,7 +354,7 @@ class FlatBuffer:
         """A recorded forward starts on this unsharded buffer:
         :meth:`sync_requires_grad`, then :meth:`refresh_views` where some
         parameter trains, in one call. Returns ``requires_grad``."""
-        if tuple(map(_requires_grad, self._params)) == self._param_requires_grad:
+        if attributes(self._params, "requires_grad") == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
             self.sync_requires_grad()
@@ -366,7 +365,7 @@ class FlatBuffer:
             # the module attributes hold the aliases already: only the node is new
             split_into_params(self.unsharded, self._view_plan, self._param_requires_grad,
                               self._on_backward, aliases)
-            self._alias_versions = tuple(map(_version_of, aliases))
+            self._alias_versions = attributes(aliases, "_version")
         else:
             self.refresh_views()
         return True
@@ -375,7 +374,7 @@ class FlatBuffer:
         """Follow ``requires_grad`` changes of the original parameters since
         the last forward: a frozen parameter's view is detached; the buffer
         requires grad while some parameter trains."""
-        flags = tuple(map(_requires_grad, self._params))
+        flags = attributes(self._params, "requires_grad")
         if flags == self._param_requires_grad:
             self.grad.saw_forward = True
             return
@@ -536,7 +535,7 @@ class FlatBuffer:
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        consume(starmap(dict.update, self.slots.views_by_module))
+        update_each(self.slots.views_by_module)
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
@@ -559,7 +558,7 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        consume(starmap(dict.update, self.slots.originals))
+        update_each(self.slots.originals)
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
@@ -587,8 +586,6 @@ class FlatBuffer:
         return f"FlatBuffer({kind}, {self.dtype}, {len(self.records)} params, {self.layout})"
 
 
-_requires_grad = operator.attrgetter("requires_grad")
-_version_of = operator.attrgetter("_version")
 
 
 def _called_weakly(fn: Callable[[Any], Any],
