@@ -23,7 +23,7 @@ reshard) only at the end of backward, keeping every unit unsharded.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,7 @@ from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
 from .loops_in_c import attributes, update_each
 from .param_slots import ParamSlots
+from .weak_hooks import called_weakly
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
@@ -160,7 +161,7 @@ class FlatBuffer:
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
-        self._on_backward = _called_weakly(self._views_backward)
+        self._on_backward = called_weakly(self._views_backward)
         self._install(self._shard_values(records[0].param.dtype))
 
     # ------------------------------------------------------------------ setup
@@ -298,7 +299,7 @@ class FlatBuffer:
             # Weak: a C++ hook list is an edge the garbage collector cannot
             # see; a strong reference would keep units and process groups alive.
             self.unsharded.register_post_accumulate_grad_hook(
-                _called_weakly(self._post_accumulate_grad, weakref.ref(self)))
+                called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
@@ -584,31 +585,3 @@ class FlatBuffer:
     def __repr__(self) -> str:
         kind = "trainable" if self.requires_grad else "frozen"
         return f"FlatBuffer({kind}, {self.dtype}, {len(self.records)} params, {self.layout})"
-
-
-
-
-def _called_weakly(fn: Callable[[Any], Any],
-                   bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
-    """``fn`` (a bound method: held weakly), called with the same argument
-    while its object lives and the argument is not ``None``; with ``bound``
-    (a weak reference), called with ``bound()`` instead. For hooks autograd
-    stores in C++, where a strong reference back makes a cycle Python cannot
-    collect. (A weak reference and the plain function: one Python call per
-    hook, where ``WeakMethod`` adds one.)"""
-    owner = getattr(fn, "__self__", None)
-    ref, function = (weakref.ref(owner), getattr(fn, "__func__")) if owner is not None else \
-        ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
-
-    def call(arg):
-        target = ref()
-        if bound is not None:
-            arg = bound()
-        if target is None or arg is None:
-            return None
-        return function(target, arg)
-
-    return call
-
-
-_NO_OWNER = object()  # what a plain function's (strong) "owner" reference returns
