@@ -22,10 +22,8 @@ reshard) only at the end of backward, keeping every unit unsharded.
 
 from __future__ import annotations
 
-import operator
 import weakref
-from itertools import starmap
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -36,7 +34,9 @@ from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
-from .param_slots import ParamSlots, consume
+from .loops_in_c import attributes, update_each
+from .param_slots import ParamSlots
+from .weak_hooks import called_weakly
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
@@ -161,7 +161,7 @@ class FlatBuffer:
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
-        self._on_backward = _called_weakly(self._views_backward)
+        self._on_backward = called_weakly(self._views_backward)
         self._install(self._shard_values(records[0].param.dtype))
 
     # ------------------------------------------------------------------ setup
@@ -299,7 +299,7 @@ class FlatBuffer:
             # Weak: a C++ hook list is an edge the garbage collector cannot
             # see; a strong reference would keep units and process groups alive.
             self.unsharded.register_post_accumulate_grad_hook(
-                _called_weakly(self._post_accumulate_grad, weakref.ref(self)))
+                called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
@@ -327,14 +327,14 @@ class FlatBuffer:
         aliases = self._aliases if all(flags) else None
         views = split_into_params(self.unsharded, self._view_plan, flags, self._on_backward, aliases)
         if aliases is not None:
-            self._alias_versions = tuple(map(_version_of, aliases))
+            self._alias_versions = attributes(aliases, "_version")
         return list(views)
 
     def check_params_unmodified(self) -> None:
         """Raise if forward changed a parameter in place ([Note: parameter
         aliases made once]); called at the end of a recorded forward."""
         recorded, self._alias_versions = self._alias_versions, None
-        if recorded is None or tuple(map(_version_of, self._aliases)) == recorded:
+        if recorded is None or attributes(self._aliases, "_version") == recorded:
             return
         index = next(i for i, (alias, version) in enumerate(zip(self._aliases, recorded))
                      if alias._version != version)
@@ -355,7 +355,7 @@ class FlatBuffer:
         """A recorded forward starts on this unsharded buffer:
         :meth:`sync_requires_grad`, then :meth:`refresh_views` where some
         parameter trains, in one call. Returns ``requires_grad``."""
-        if tuple(map(_requires_grad, self._params)) == self._param_requires_grad:
+        if attributes(self._params, "requires_grad") == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
             self.sync_requires_grad()
@@ -366,7 +366,7 @@ class FlatBuffer:
             # the module attributes hold the aliases already: only the node is new
             split_into_params(self.unsharded, self._view_plan, self._param_requires_grad,
                               self._on_backward, aliases)
-            self._alias_versions = tuple(map(_version_of, aliases))
+            self._alias_versions = attributes(aliases, "_version")
         else:
             self.refresh_views()
         return True
@@ -375,7 +375,7 @@ class FlatBuffer:
         """Follow ``requires_grad`` changes of the original parameters since
         the last forward: a frozen parameter's view is detached; the buffer
         requires grad while some parameter trains."""
-        flags = tuple(map(_requires_grad, self._params))
+        flags = attributes(self._params, "requires_grad")
         if flags == self._param_requires_grad:
             self.grad.saw_forward = True
             return
@@ -536,7 +536,7 @@ class FlatBuffer:
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        consume(starmap(dict.update, self.slots.views_by_module))
+        update_each(self.slots.views_by_module)
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
@@ -559,7 +559,7 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        consume(starmap(dict.update, self.slots.originals))
+        update_each(self.slots.originals)
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
@@ -585,33 +585,3 @@ class FlatBuffer:
     def __repr__(self) -> str:
         kind = "trainable" if self.requires_grad else "frozen"
         return f"FlatBuffer({kind}, {self.dtype}, {len(self.records)} params, {self.layout})"
-
-
-_requires_grad = operator.attrgetter("requires_grad")
-_version_of = operator.attrgetter("_version")
-
-
-def _called_weakly(fn: Callable[[Any], Any],
-                   bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
-    """``fn`` (a bound method: held weakly), called with the same argument
-    while its object lives and the argument is not ``None``; with ``bound``
-    (a weak reference), called with ``bound()`` instead. For hooks autograd
-    stores in C++, where a strong reference back makes a cycle Python cannot
-    collect. (A weak reference and the plain function: one Python call per
-    hook, where ``WeakMethod`` adds one.)"""
-    owner = getattr(fn, "__self__", None)
-    ref, function = (weakref.ref(owner), getattr(fn, "__func__")) if owner is not None else \
-        ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
-
-    def call(arg):
-        target = ref()
-        if bound is not None:
-            arg = bound()
-        if target is None or arg is None:
-            return None
-        return function(target, arg)
-
-    return call
-
-
-_NO_OWNER = object()  # what a plain function's (strong) "owner" reference returns

@@ -73,10 +73,7 @@ than the rest of the reduction.
 
 from __future__ import annotations
 
-import operator
 import weakref
-from collections import deque
-from itertools import repeat
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
@@ -87,6 +84,7 @@ from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
 from .kept_gradient import KeptGradient
 from .layout import FlatLayout, ShardSlice
+from .loops_in_c import all_none, attributes, or_not_none, set_each
 from .reduce_subset import ReduceSubset, SubsetPlans
 from .records import ParamRecord
 
@@ -200,8 +198,7 @@ class FlatGradient:
     def mark_used(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Called by the backward of the buffer's views with each
         parameter's gradient: one that is ``None`` was not used."""
-        self.used = list(map(operator.or_, self.used, map(operator.is_not, param_grads,
-                                                          repeat(None))))
+        self.used = or_not_none(self.used, param_grads)
 
     # ------------------------------------------------------------ unreduced
     @property
@@ -406,7 +403,7 @@ class FlatGradient:
         for a reduction to add to (``None``: every owned ``.grad`` cleared)."""
         owner = self.owner
         owned = self._owned
-        if all(map(operator.is_, map(_grad_of, self._owned_params), repeat(None))):
+        if all_none(attributes(self._owned_params, "grad")):
             return None
         base = self.sharded_grad
         if base is None:  # the user's .grad tensors are not ours (e.g. after module.to())
@@ -471,8 +468,8 @@ class FlatGradient:
         else:
             self._kept = None
             views = owner.local_views(grad)
-        if self._every_param_receives and all(used):  # the common case, one C-level loop
-            deque(map(setattr, self._params, repeat("grad"), views), maxlen=0)
+        if self._every_param_receives and all(used):  # the common case
+            set_each(self._params, "grad", views)
             return list(self._params)
         fresh = []
         for record, view, receives, was_used in zip(owner.records, views, owner.grad_receivers,
@@ -541,9 +538,6 @@ class FlatGradient:
         for index, (record, flag) in enumerate(zip(self.owner.records, has_grad)):
             if flag:
                 record.param.grad = self.owner.local_view(grad, index)
-
-
-_grad_of = operator.attrgetter("grad")
 
 
 def _owns_its_memory(tensor: torch.Tensor) -> bool:

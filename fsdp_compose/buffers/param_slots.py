@@ -9,21 +9,13 @@ to :meth:`ParamSlots.set_views`.
 
 from __future__ import annotations
 
-import operator
-from collections import deque
-from itertools import starmap
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
+from .loops_in_c import all_hold, update_each
 from .records import ParamRecord
-
-_SINK: deque[object] = deque(maxlen=0)
-consume: Callable[[Iterable[object]], None] = _SINK.extend
-"""Run an iterator to its end in C: ``consume(starmap(dict.update, pairs))``
-is one ``update`` per module without a Python-level loop (the swaps run
-once per unit and step)."""
 
 ModuleSlots = tuple[tuple[dict, dict], ...]
 """Per ``module._parameters`` dict with a slot: ``(that dict, {name: value})``."""
@@ -35,7 +27,7 @@ class ParamSlots:
 
     Attributes:
         originals: per module, its slots' original parameters (a reshard
-            puts them back: ``consume(starmap(dict.update, originals))``).
+            puts them back: ``update_each(originals)``).
         views_by_module: per module, its slots' unsharded views (what an
             unshard puts in; set by :meth:`set_views`).
     """
@@ -62,8 +54,7 @@ class ParamSlots:
         self._names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
         self._held: tuple[nn.Parameter, ...] = tuple(
             records[index].param for _, _, index in self._slots)
-        """``_slots`` as three columns, so that :meth:`swap_in_views` checks
-        every slot in one C-level loop."""
+        """``_slots`` as three columns, for :meth:`swap_in_views`'s ``all_hold``."""
         if self._views:
             self.views_by_module = self._by_module(self._views)
 
@@ -92,9 +83,9 @@ class ParamSlots:
         not see ([Note: the late-parameter fast check] in
         ``checks/late_parameters.py``): an error, rather than putting the
         original back over it at the next reshard."""
-        if not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._held)):
+        if not all_hold(self._dicts, self._names, self._held):
             self._check_not_replaced()
-        consume(starmap(dict.update, self.views_by_module))
+        update_each(self.views_by_module)
 
     def _check_not_replaced(self) -> None:
         """Raise if a slot holds an ``nn.Parameter`` other than its original

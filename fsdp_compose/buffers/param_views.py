@@ -41,14 +41,13 @@ of each forward and raises naming the parameter
 
 from __future__ import annotations
 
-import operator
-from itertools import repeat
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from .._torch_private import flatten_dense_tensors, functorch_transforms_active
 from .layout import FlatLayout
+from .loops_in_c import none_is_none
 
 class Strided(NamedTuple):
     """A view as ``as_strided`` makes it (``offset`` from the base's start)."""
@@ -273,7 +272,7 @@ class ViewPlan:
         from each parameter's gradient in its own shape (``None``: zeros).
         One concatenation (flattening each part on the way); the padding's
         zeros are looked up only where the layout pads."""
-        if self._direct_parts is not None and not any(map(operator.is_, grads, repeat(None))):
+        if self._direct_parts is not None and none_is_none(grads):
             if self._grads_in_order:  # no padding, parameters in order: the gradients as given
                 return flatten_dense_tensors(grads)
             padding = _padding(self.max_padding, dtype, device)

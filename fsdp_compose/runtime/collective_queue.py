@@ -61,7 +61,7 @@ from typing import Callable, Container, Literal, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .._torch_private import profiler_active, unsafe_preserve_version_counter
+from .._torch_private import unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
@@ -466,12 +466,9 @@ class CollectiveQueue:
         for buffer in observed:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
-        if profiler_active():
-            subject = "" if len(buffers) == 1 else f"bucket of {len(buffers)} buffers"
-            flight = call_profiled("reduce_scatter", subject, _reduce_scatter, buffers, options,
-                                   self._reduced)
-        else:
-            flight = _reduce_scatter(buffers, options, self._reduced)
+        subject = "" if len(buffers) == 1 else f"bucket of {len(buffers)} buffers"
+        flight = call_profiled("reduce_scatter", subject, _reduce_scatter, buffers, options,
+                               self._reduced)
         if flight is not None:
             for buffer in flight.members:
                 buffer.grad.reducing = flight

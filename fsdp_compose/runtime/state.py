@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .._torch_private import (
-    ComposableState as _State, contract, current_graph_task_id, profiler_active,
+    ComposableState as _State, contract, current_graph_task_id,
     queue_autograd_callback)
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
@@ -220,10 +220,8 @@ class FullyShardState(_State):
             return args, kwargs  # inside a registered forward method: already unsharded
         if self._held_whole:
             return args, kwargs  # inside full_params: the parameters are whole already
-        if profiler_active():
-            return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
-                                 module, args, kwargs)
-        return self._unshard_for_forward(module, args, kwargs)
+        return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
+                             module, args, kwargs)
 
     def _unshard_for_forward(self, module: nn.Module, args: tuple,
                              kwargs: dict) -> tuple[tuple, dict]:
@@ -250,10 +248,8 @@ class FullyShardState(_State):
             return output  # the registered method's own post-forward follows
         if self._held_whole:
             return output  # inside full_params: nothing was gathered
-        if profiler_active():
-            return call_profiled("post_forward", self.unit.name, self._finish_forward, module,
-                                 output)
-        return self._finish_forward(module, output)
+        return call_profiled("post_forward", self.unit.name, self._finish_forward, module,
+                             output)
 
     def _finish_forward(self, module: nn.Module, output: Any) -> Any:
         unit, root = self.unit, self.context.root
@@ -322,11 +318,9 @@ class FullyShardState(_State):
         ran = self.context.prefetch_order.ran
         for state in self.context.states:
             unit = state.unit
-            for buffer in unit.buffers:
-                if buffer.gathering is not None:  # is_gathering, without a call per unit
-                    if id(unit) not in ran or not unit.backward_possible:
-                        unit.reshard()
-                    break
+            if any(buffer.is_gathering for buffer in unit.buffers) and \
+                    (id(unit) not in ran or not unit.backward_possible):
+                unit.reshard()
 
     def _drop_prefetches_of_outside_call(self, caller: Unit) -> None:
         """A unit called outside the root's forward (a chunked loss calling
@@ -339,10 +333,7 @@ class FullyShardState(_State):
                 unit.reshard()
 
     def _pre_backward(self) -> None:
-        if profiler_active():
-            call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
-        else:
-            self._unshard_for_backward()
+        call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
 
     def _unshard_for_backward(self) -> None:
         self._queue_end_of_backward()
