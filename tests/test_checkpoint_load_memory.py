@@ -1,7 +1,8 @@
 """What loading a checkpoint allocates, in tensor bytes: torch's recipe
-(``get_state_dict`` + ``dcp.load`` + ``set_state_dict``) into a fresh model
-and a fresh AdamW allocates the optimizer state and nothing else, less than
-torch FSDP2 allocates for the same load.
+(``get_state_dict`` + ``dcp.load`` + ``set_state_dict``) and the flat path
+(``flat_state_dict`` + ``FlatLoadPlanner``) into a fresh model and a fresh
+AdamW allocate the optimizer state and nothing else, less than torch FSDP2
+allocates for the same load.
 
 The bytes are those of the new storages that tensor operations return
 (counted by a ``TorchDispatchMode``), per phase: not the process's resident
