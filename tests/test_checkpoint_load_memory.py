@@ -21,6 +21,7 @@ Run: PYTHONPATH=$PWD python -m pytest -q tests/test_checkpoint_load_memory.py
 from __future__ import annotations
 
 from collections import Counter
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
