@@ -34,7 +34,6 @@ from ..comm.groups import ShardGroup
 from ..comm.quantized import BlockQuantizer
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
-from .loops_in_c import attributes, update_each
 from .param_slots import ParamSlots
 from .weak_hooks import called_weakly
 from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
@@ -327,14 +326,14 @@ class FlatBuffer:
         aliases = self._aliases if all(flags) else None
         views = split_into_params(self.unsharded, self._view_plan, flags, self._on_backward, aliases)
         if aliases is not None:
-            self._alias_versions = attributes(aliases, "_version")
+            self._alias_versions = tuple(alias._version for alias in aliases)
         return list(views)
 
     def check_params_unmodified(self) -> None:
         """Raise if forward changed a parameter in place ([Note: parameter
         aliases made once]); called at the end of a recorded forward."""
         recorded, self._alias_versions = self._alias_versions, None
-        if recorded is None or attributes(self._aliases, "_version") == recorded:
+        if recorded is None or tuple(alias._version for alias in self._aliases) == recorded:
             return
         index = next(i for i, (alias, version) in enumerate(zip(self._aliases, recorded))
                      if alias._version != version)
@@ -355,7 +354,7 @@ class FlatBuffer:
         """A recorded forward starts on this unsharded buffer:
         :meth:`sync_requires_grad`, then :meth:`refresh_views` where some
         parameter trains, in one call. Returns ``requires_grad``."""
-        if attributes(self._params, "requires_grad") == self._param_requires_grad:
+        if tuple(param.requires_grad for param in self._params) == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
             self.sync_requires_grad()
@@ -366,7 +365,7 @@ class FlatBuffer:
             # the module attributes hold the aliases already: only the node is new
             split_into_params(self.unsharded, self._view_plan, self._param_requires_grad,
                               self._on_backward, aliases)
-            self._alias_versions = attributes(aliases, "_version")
+            self._alias_versions = tuple(alias._version for alias in aliases)
         else:
             self.refresh_views()
         return True
@@ -375,7 +374,7 @@ class FlatBuffer:
         """Follow ``requires_grad`` changes of the original parameters since
         the last forward: a frozen parameter's view is detached; the buffer
         requires grad while some parameter trains."""
-        flags = attributes(self._params, "requires_grad")
+        flags = tuple(param.requires_grad for param in self._params)
         if flags == self._param_requires_grad:
             self.grad.saw_forward = True
             return
@@ -536,7 +535,7 @@ class FlatBuffer:
         self.use_unsharded_views()
 
     def use_unsharded_views(self) -> None:
-        update_each(self.slots.views_by_module)
+        self.slots.put_views()
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
         """Restore the original parameters and free the unsharded storage;
@@ -559,7 +558,7 @@ class FlatBuffer:
                 0, keep_for_backward.rank * size, size).clone()
             self._post_forward = _PostForwardCopy(keep_for_backward, piece,
                                                   self._versions_at_unshard)
-        update_each(self.slots.originals)
+        self.slots.put_originals()
         self.is_unsharded = False
         if self._has_copies:
             self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py

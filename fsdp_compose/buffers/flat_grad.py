@@ -84,7 +84,6 @@ from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
 from .kept_gradient import KeptGradient
 from .layout import FlatLayout, ShardSlice
-from .loops_in_c import all_none, attributes, or_not_none, set_each
 from .reduce_subset import ReduceSubset, SubsetPlans
 from .records import ParamRecord
 
@@ -198,7 +197,8 @@ class FlatGradient:
     def mark_used(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Called by the backward of the buffer's views with each
         parameter's gradient: one that is ``None`` was not used."""
-        self.used = or_not_none(self.used, param_grads)
+        self.used = [was_used or grad is not None
+                     for was_used, grad in zip(self.used, param_grads)]
 
     # ------------------------------------------------------------ unreduced
     @property
@@ -403,7 +403,7 @@ class FlatGradient:
         for a reduction to add to (``None``: every owned ``.grad`` cleared)."""
         owner = self.owner
         owned = self._owned
-        if all_none(attributes(self._owned_params, "grad")):
+        if all(param.grad is None for param in self._owned_params):
             return None
         base = self.sharded_grad
         if base is None:  # the user's .grad tensors are not ours (e.g. after module.to())
@@ -469,7 +469,8 @@ class FlatGradient:
             self._kept = None
             views = owner.local_views(grad)
         if self._every_param_receives and all(used):  # the common case
-            set_each(self._params, "grad", views)
+            for param, view in zip(self._params, views):
+                param.grad = view
             return list(self._params)
         fresh = []
         for record, view, receives, was_used in zip(owner.records, views, owner.grad_receivers,

@@ -14,7 +14,6 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .loops_in_c import all_hold, update_each
 from .records import ParamRecord
 
 ModuleSlots = tuple[tuple[dict, dict], ...]
@@ -27,7 +26,7 @@ class ParamSlots:
 
     Attributes:
         originals: per module, its slots' original parameters (a reshard
-            puts them back: ``update_each(originals)``).
+            puts them back: :meth:`put_originals`).
         views_by_module: per module, its slots' unsharded views (what an
             unshard puts in; set by :meth:`set_views`).
     """
@@ -54,7 +53,7 @@ class ParamSlots:
         self._names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
         self._held: tuple[nn.Parameter, ...] = tuple(
             records[index].param for _, _, index in self._slots)
-        """``_slots`` as three columns, for :meth:`swap_in_views`'s ``all_hold``."""
+        """The original parameter of each slot, as ``_dicts`` and ``_names``."""
         if self._views:
             self.views_by_module = self._by_module(self._views)
 
@@ -83,9 +82,21 @@ class ParamSlots:
         not see ([Note: the late-parameter fast check] in
         ``checks/late_parameters.py``): an error, rather than putting the
         original back over it at the next reshard."""
-        if not all_hold(self._dicts, self._names, self._held):
-            self._check_not_replaced()
-        update_each(self.views_by_module)
+        for parameters, name, original in zip(self._dicts, self._names, self._held):
+            if parameters.get(name) is not original:
+                self._check_not_replaced()
+                break
+        self.put_views()
+
+    def put_views(self) -> None:
+        """Every slot gets its unsharded view (one ``update`` per module)."""
+        for parameters, views in self.views_by_module:
+            parameters.update(views)
+
+    def put_originals(self) -> None:
+        """Every slot gets its original parameter back."""
+        for parameters, originals in self.originals:
+            parameters.update(originals)
 
     def _check_not_replaced(self) -> None:
         """Raise if a slot holds an ``nn.Parameter`` other than its original

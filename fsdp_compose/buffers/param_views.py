@@ -47,7 +47,6 @@ import torch
 
 from .._torch_private import flatten_dense_tensors, functorch_transforms_active
 from .layout import FlatLayout
-from .loops_in_c import none_is_none
 
 class Strided(NamedTuple):
     """A view as ``as_strided`` makes it (``offset`` from the base's start)."""
@@ -272,7 +271,7 @@ class ViewPlan:
         from each parameter's gradient in its own shape (``None``: zeros).
         One concatenation (flattening each part on the way); the padding's
         zeros are looked up only where the layout pads."""
-        if self._direct_parts is not None and none_is_none(grads):
+        if self._direct_parts is not None and all(grad is not None for grad in grads):
             if self._grads_in_order:  # no padding, parameters in order: the gradients as given
                 return flatten_dense_tensors(grads)
             padding = _padding(self.max_padding, dtype, device)
