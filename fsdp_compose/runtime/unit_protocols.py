@@ -74,11 +74,6 @@ class BucketedUnit(Protocol):
     def resolved_reshard_after_forward(self) -> bool: ...
 
 
-class PathSettings(Protocol):
-    @property
-    def reduce_scatter_unused_params(self) -> bool: ...
-
-
 class PathOrder(Protocol):
     """Of ``prefetch_order.PrefetchOrder``."""
 
@@ -88,22 +83,12 @@ class PathOrder(Protocol):
     def backward_targets(self, unit: Any) -> Sequence[Any]: ...
 
 
-class PathUnit(Protocol):
-    """What ``unit_paths.py`` reads of a unit; it writes only
-    ``backward_without_hook``."""
+class PathUnit(BucketedUnit, Protocol):
+    """What ``unit_paths.py`` reads of a unit besides what the queue does;
+    it writes only ``backward_without_hook``."""
 
     backward_without_hook: bool
 
-    @property
-    def name(self) -> str: ...
-    @property
-    def buffers(self) -> Sequence[FlatBuffer]: ...
-    @property
-    def training_state(self) -> TrainingState: ...
-    @property
-    def settings(self) -> PathSettings: ...
-    @property
-    def is_root(self) -> bool: ...
     @property
     def prefetch_order(self) -> PathOrder: ...
     @property
