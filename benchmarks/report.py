@@ -47,7 +47,9 @@ LABELS = {"fsdp_compose": "fsdp_compose", "fsdp2": "FSDP2", "fsdp1": "FSDP1", "d
           "fsdp_compose_int8w": "fsdp_compose int8 all-gather",
           "fsdp_compose_int8": "fsdp_compose int8 both",
           "fsdp_compose_fp8": "fsdp_compose fp8 both",
-          "fsdp_compose_split": "fsdp_compose (split root)"}
+          "fsdp_compose_split": "fsdp_compose (split root)",
+          "fsdp_compose_rsgroup": "fsdp_compose (reduce-scatters on their own group)",
+          "compute_alone": "compute alone (no collective)"}
 
 
 # -------------------------------------------------------------- environment
@@ -332,11 +334,11 @@ def record(summary: dict[str, Any], argv: list[str]) -> None:
         machine=(f"{env['nproc']}-core {env['cpu_model']}, torch {env['torch']}, CPython "
                  f"{env['python']}, {env['ranks']} gloo ranks; load average "
                  f"{env['loadavg_1min_before_after'][0]} at the start"),
-        columns=["impl", "step ms (median)", "rounds (min..max)", "x FSDP2", "peak MiB per rank",
-                 "max loss diff"],
+        columns=["impl", "step ms (median)", "rounds (min..max)", "x DDP", "x FSDP2",
+                 "peak MiB per rank", "max loss diff"],
         rows=[[LABELS.get(name, name), f"{r['step_ms']:.1f}",
                f"{min(r['step_ms_rounds']):.1f}..{max(r['step_ms_rounds']):.1f}",
-               _ratio(r, "fsdp2"), " / ".join(f"{v:.1f}" for v in r["peak_mib_per_rank"]),
+               _ratio(r, "ddp"), _ratio(r, "fsdp2"), " / ".join(f"{v:.1f}" for v in r["peak_mib_per_rank"]),
                f"{r['max_loss_diff_vs_reference']:.1e}"] for name, r in res.items()])
 
 
