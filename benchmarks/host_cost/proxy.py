@@ -300,6 +300,15 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+RECORD_LABELS = {"floor": "floor (the design's torch work only)",
+                 "floor_checked": "floor_checked (the floor + fsdp_compose's per-forward checks)",
+                 "fsdp2": "FSDP2"}
+RECORD_NOTE = ("One process's best round moves by about 0.1 from process to process: compare "
+               "changes with `python -m benchmarks.host_cost.ab --baseline REV --processes 4` "
+               "(paired, build order alternated) or count instructions "
+               "(`python -m benchmarks.host_cost.instructions`).")
+
+
 def _across_processes(count: int, argv: list[str], record: bool = False) -> None:
     """Run this benchmark ``count`` times, each in a fresh process (its
     table printed as it comes; process ``i`` builds the ``i``-th variant's
@@ -309,6 +318,7 @@ def _across_processes(count: int, argv: list[str], record: bool = False) -> None
     child = [a for i, a in enumerate(argv) if a != "--record"
              and not a.startswith("--processes") and not (i and argv[i - 1] == "--processes")]
     results: list[dict[str, list[float]]] = []
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory() as folder:
         for index in range(count):
             path = os.path.join(folder, f"{index}.json")
@@ -327,16 +337,19 @@ def _across_processes(count: int, argv: list[str], record: bool = False) -> None
         each = ", ".join(f"{b:.2f}/{m:.2f}" for b, m in zip(best, median))
         overall = f"{statistics.median(best):.2f} / {statistics.median(median):.2f}"
         print(f"| {name} | {each} | {overall} |")
-        rows.append([name, overall])
+        rows.append([RECORD_LABELS.get(name, name), overall])
     if record:
         from benchmarks.record import write_record
         write_record("host-cost", order=4,
-                     question="Host cost per unit: the CPU proxy of a launch-bound step (one rank)",
+                     question="Host cost per unit: the CPU proxy of a launch-bound step "
+                              "(48 tiny blocks, one rank)",
                      command="PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost " + " ".join(argv),
                      calibration="DDP is not run by the proxy; its calibration is the unsharded "
                                  "model's step, to which every ratio is taken",
                      columns=["variant", f"x unsharded (best round / median of rounds, median "
-                                         f"over {count} processes)"], rows=rows[1:])
+                                         f"over {count} processes)"], rows=rows[1:],
+                     notes=([] if load is None else [f"Load average {load:.2f} at the start."])
+                     + [RECORD_NOTE])
 
 
 if __name__ == "__main__":
