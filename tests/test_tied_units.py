@@ -183,6 +183,32 @@ def test_tied_across_meshes_is_refused_naming_both_fqns():
         assert "different meshes" in message and "common ancestor" in message, message
 
 
+def _tensor_parallel_tie() -> str:
+    """A tensor-parallel (DTensor) weight tied across two units: the first
+    unit replaces it by a plain parameter of its TP-local values, the
+    second module still holds the DTensor. Refused, not silently untied."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    model = GPT(GPTConfig(tie_embeddings=True))
+    weight = torch.nn.Parameter(distribute_tensor(model.tok_emb.weight.detach(), mesh["tp"],
+                                                  [Shard(0)]))
+    model.tok_emb.weight = model.head.weight = weight
+    fully_shard(model.tok_emb, mesh=mesh["dp"])
+    try:
+        fully_shard(model.head, mesh=mesh["dp"])
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_tensor_parallel_tie_across_units_is_refused_naming_both_fqns():
+    for message in run_distributed(WORLD, _tensor_parallel_tie):
+        assert message.startswith("parameter 'head.weight' is the same tensor as "
+                                  "'tok_emb.weight'"), message
+        assert "tensor-parallel" in message and "common ancestor" in message, message
+
+
 # ------------------------------------------------------ what it all-gathers
 def _collective_bytes(mode: str) -> dict:
     """All-gather and reduce-scatter bytes of one training step (the second),

@@ -33,6 +33,25 @@ def record_owners(unit: Unit) -> None:
             _OWNERS[id(record.param)] = unit
 
 
+# id(original) -> (the original, weakly; its plain replacement): a
+# tensor-parallel parameter is replaced at annotation by a plain one
+# (``setup/units.py``), and a module of another unit may still hold the
+# original (a tied weight). The weak reference tells a reused id apart.
+_REPLACED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def record_replacement(original: torch.Tensor, replacement: torch.Tensor) -> None:
+    _REPLACED[id(original)] = (weakref.ref(original), replacement)
+    weakref.finalize(original, _REPLACED.pop, id(original), None)
+
+
+def replacement_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The plain parameter that replaced ``param`` (a tensor-parallel
+    parameter a unit took), or ``None``."""
+    entry = _REPLACED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
 def owner_of(param: torch.Tensor) -> Optional[Owner]:
     unit = _OWNERS.get(id(param))
     located = None if unit is None else unit.locate(param)

@@ -36,7 +36,7 @@ from ..comm.whereabouts import start_watcher
 from ..placements import Blocks, OnMesh
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from ..runtime.ancestors import module_qualified_names, outermost_ancestors
-from ..runtime.owners import Owner, owner_of, record_owners
+from ..runtime.owners import Owner, owner_of, record_owners, record_replacement, replacement_of
 from ..runtime.state import attach_state, link_annotated_below, state_of
 from ..runtime.tied import borrow
 from ..runtime.unit import Unit
@@ -302,7 +302,8 @@ def _check_not_owned(param: nn.Parameter, fqn: str, module: nn.Module,
                      tied: list[_Tie]) -> Optional[bool]:
     """Raise if ``param`` belongs to a unit annotated earlier that cannot
     lend it; where it can, add it to ``tied`` and return ``False``."""
-    owner = owner_of(param)
+    replacement = replacement_of(param)  # a tensor-parallel parameter another unit took
+    owner = owner_of(param if replacement is None else replacement)
     if owner is None:
         return None
     fqn, other = _both_names(fqn, owner, module, names)
@@ -381,8 +382,10 @@ def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup,
                 "(distribute_module / distribute_tensor over it, Replicate() on the data-"
                 "parallel dims).")
     for r in (r for r in records if isinstance(r.param, DTensor)):
+        original = r.param
         r.param, r.tp = tensor_parallel.localize(r.param, r.fqn, r.group or group,
                                                  None if r.group else spmd_mesh)
+        record_replacement(original, r.param)
         r.shape = r.param.shape
         for module, attr in r.slots:
             module._parameters[attr] = r.param
