@@ -164,49 +164,40 @@ def test_every_rank_updates_its_piece_of_the_tied_weight():
 
 
 # ------------------------------------------------------------------ refused
-def _on_two_meshes() -> str:
-    """The head's unit on another mesh than the embedding's: refused."""
-    model = GPT(GPTConfig(tie_embeddings=True))
-    fully_shard(model.tok_emb, mesh=init_device_mesh("cpu", (WORLD,)))
-    other = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
-    try:
-        fully_shard(model, mesh=other)
-    except ValueError as error:
-        return str(error)
-    return ""
-
-
-def test_tied_across_meshes_is_refused_naming_both_fqns():
-    for message in run_distributed(WORLD, _on_two_meshes):
-        assert message.startswith("parameter 'head.weight' is the same tensor as "
-                                  "'tok_emb.weight'"), message
-        assert "different meshes" in message and "common ancestor" in message, message
-
-
-def _tensor_parallel_tie() -> str:
-    """A tensor-parallel (DTensor) weight tied across two units: the first
-    unit replaces it by a plain parameter of its TP-local values, the
-    second module still holds the DTensor. Refused, not silently untied."""
+def _refusal(case: str) -> str:
+    """The message of the second ``fully_shard`` of a tie that cannot be
+    shared ("" if it did not raise): ``"meshes"``, the head's unit on
+    another mesh than the embedding's; ``"tensor-parallel"``, a DTensor
+    weight, which the first unit replaces by a plain parameter of its
+    TP-local values while the head still holds the DTensor (refused, not
+    silently untied)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
     model = GPT(GPTConfig(tie_embeddings=True))
-    weight = torch.nn.Parameter(distribute_tensor(model.tok_emb.weight.detach(), mesh["tp"],
-                                                  [Shard(0)]))
-    model.tok_emb.weight = model.head.weight = weight
-    fully_shard(model.tok_emb, mesh=mesh["dp"])
+    if case == "meshes":
+        fully_shard(model.tok_emb, mesh=init_device_mesh("cpu", (WORLD,)))
+        second = functools.partial(fully_shard, model, mesh=init_device_mesh(
+            "cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")))
+    else:
+        mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+        model.tok_emb.weight = model.head.weight = torch.nn.Parameter(distribute_tensor(
+            model.tok_emb.weight.detach(), mesh["tp"], [Shard(0)]))
+        fully_shard(model.tok_emb, mesh=mesh["dp"])
+        second = functools.partial(fully_shard, model.head, mesh=mesh["dp"])
     try:
-        fully_shard(model.head, mesh=mesh["dp"])
+        second()
     except ValueError as error:
         return str(error)
     return ""
 
 
-def test_tensor_parallel_tie_across_units_is_refused_naming_both_fqns():
-    for message in run_distributed(WORLD, _tensor_parallel_tie):
+@pytest.mark.parametrize("case, reason", [("meshes", "different meshes"),
+                                          ("tensor-parallel", "tensor-parallel")])
+def test_a_tie_that_cannot_be_shared_is_refused_naming_both_fqns(case, reason):
+    for message in run_distributed(WORLD, _refusal, case):
         assert message.startswith("parameter 'head.weight' is the same tensor as "
                                   "'tok_emb.weight'"), message
-        assert "tensor-parallel" in message and "common ancestor" in message, message
+        assert reason in message and "common ancestor" in message, message
 
 
 # ------------------------------------------------------ what it all-gathers
