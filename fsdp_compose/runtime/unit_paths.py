@@ -14,7 +14,7 @@ moment                     the local path                              test
 =========================  ==========================================  =================================
 unshard (forward,          swap in the unsharded views; nothing         ``test_unit_paths.py``
 backward, by hand)         fetched ahead (``unshard_in_place``)
-end of forward             nothing: the views stay (a reshard would     ``test_unit_paths.py``
+end of forward             nothing: the views stay (a reshard would     ``test_module_api.py``
                            free nothing), until post-backward
 pre-backward hook          none on a unit other than the root whose     ``test_one_rank_backward.py``
                            buffers all train and which does not
@@ -40,7 +40,7 @@ the local path's unshard and fold run inside them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -48,6 +48,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
+from ..comm.groups import ShardGroup
 from .collective_queue import CollectiveQueue
 from .training_state import TrainingState
 from .unit_protocols import PathUnit
@@ -88,7 +89,7 @@ class CollectivePath:
         else:
             register_multi_grad_hook(tensors, pre_backward, mode="any")
 
-    def reshard_after_forward(self, unit: PathUnit, keep: Any) -> None:
+    def reshard_after_forward(self, unit: PathUnit, keep: Optional[ShardGroup]) -> None:
         for buffer in unit.buffers:
             buffer.reshard(keep_for_backward=keep)
 
@@ -135,7 +136,7 @@ class LocalPath(CollectivePath):
         if not unit.backward_without_hook:
             super().hook_outputs(unit, tensors, pre_backward)
 
-    def reshard_after_forward(self, unit: PathUnit, keep: Any) -> None:
+    def reshard_after_forward(self, unit: PathUnit, keep: Optional[ShardGroup]) -> None:
         """Nothing: a reshard frees nothing; the views stay until post-backward."""
 
     def gradient_ready(self, unit: PathUnit) -> None:
