@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTE = re.compile(r"\[Note: ([^\]\n]+)\]")
+NOTE = re.compile(r"\[Note:\s+([^\]]+)\]")  # a citation may run across line breaks
+LINE_BREAK = re.compile(r"\s*\n\s*(?:#\s*)?")  # a break, its indent and a comment's ``#``
 NOTE_DEFINITION = re.compile(r"^\s*(?:#\s*)?\[Note: ([^\]\n]+)\]\s*$", re.M)
 BACKTICKED = re.compile(r"`([^`\s]+)`")
 DOTTED = re.compile(r"\bfsdp_compose(?:\.\w+)+")
@@ -32,6 +33,16 @@ def _tracked(*suffixes: str) -> list[Path]:
     return [ROOT / n for n in names if n.endswith(suffixes)]
 
 
+def cited_notes(text: str) -> list[str]:
+    """The name of every ``[Note: X]`` cited in ``text``, one line or several."""
+    return [LINE_BREAK.sub(" ", match.group(1)).strip() for match in NOTE.finditer(text)]
+
+
+def test_a_citation_across_a_line_break_is_read_whole():
+    text = "x = 1  # see [Note: the life of a\n    # collective], and\n    [Note: one\n    line]"
+    assert cited_notes(text) == ["the life of a collective", "one line"]
+
+
 def test_every_cited_note_has_exactly_one_definition():
     definitions: dict[str, list[str]] = {}
     cited: dict[str, str] = {}
@@ -42,8 +53,8 @@ def test_every_cited_note_has_exactly_one_definition():
         for match in NOTE_DEFINITION.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
             definitions.setdefault(match.group(1), []).append(f"{path.relative_to(ROOT)}:{line}")
-        for match in NOTE.finditer(text):
-            cited.setdefault(match.group(1), str(path.relative_to(ROOT)))
+        for name in cited_notes(text):
+            cited.setdefault(name, str(path.relative_to(ROOT)))
     undefined = {name: where for name, where in cited.items() if name not in definitions}
     twice = {name: places for name, places in definitions.items() if len(places) > 1}
     assert not undefined, f"notes cited but never defined (name: first citing file): {undefined}"

@@ -245,8 +245,8 @@ def _train_and_measure(name: str, kind: str = "blocks", steps: int = 4,
     result["sharded_params"] = series[bisect.bisect_right(times, setup_end) - 1][1]
     # Every steady-state step (after the first, with the last step's buckets)
     # is measured and checked: the library frees what gloo's worker thread
-    # may still hold ([Note: freeing what a collective read], [Note: freeing the
-    # packed temporaries]), so each step's memory is what the library
+    # may still hold ([Note: freeing what a collective read], [Note: a bucket's
+    # copies]), so each step's memory is what the library
     # allocates, whatever the thread scheduling.
     measured = []
     result["buckets"] = active[-1]
