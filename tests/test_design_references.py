@@ -122,3 +122,12 @@ def test_every_package_name_the_design_names_imports(doc):
     assert names, "the design page names no fsdp_compose.<name> at all: the check would be vacuous"
     unresolved = [name for name in names if not _resolves(name)]
     assert not unresolved, f"docs/{doc} names what cannot be imported: {unresolved}"
+
+
+def test_the_readme_layout_names_every_package_folder():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Repository layout"):]
+    folders = sorted(p.name for p in (ROOT / "fsdp_compose").iterdir()
+                     if p.is_dir() and (p / "__init__.py").exists())
+    missing = [f for f in folders if f"`{f}/`" not in layout and f"`fsdp_compose/{f}/`" not in layout]
+    assert not missing, f"README.md's repository layout omits package folders: {missing}"

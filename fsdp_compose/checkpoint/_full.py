@@ -3,7 +3,7 @@ copy on every rank: from one rank's state dict (scatter) or from
 ``safetensors`` files (each rank reads only the rows it owns).
 
 torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` works too,
-but since managed parameters are plain 1-D shards to torch, it keeps every
+but since managed parameters are plain local pieces to torch, it keeps every
 broadcast tensor whole on every rank until the final ``load_state_dict``:
 a whole model per rank. Here each rank only ever receives its shards.
 """

@@ -1,8 +1,9 @@
 """``state_dict()`` / ``load_state_dict()`` of annotated modules in torch
 FSDP2's checkpoint layout.
 
-Between iterations each managed parameter is a 1-D slice of a flat shard,
-which is meaningless outside this process. At the ``state_dict`` boundary
+Between iterations each managed parameter is this rank's piece of a flat
+shard (its rows by default, 1-D under ``"flat"``), which is meaningless
+outside this process. At the ``state_dict`` boundary
 every managed parameter becomes a ``DTensor`` of its original shape placed
 ``Shard(0)`` on the unit's mesh (exactly what torch FSDP2 returns, so DCP
 checkpoints of the two are interchangeable); at the ``load_state_dict``

@@ -1,12 +1,12 @@
 """Optimizer state of managed parameters in torch FSDP2's checkpoint layout.
 
 An optimizer over sharded parameters keeps per-element state (``exp_avg``,
-``exp_avg_sq``, ``momentum_buffer``) as 1-D slices shaped like the
-parameters. Its ``state_dict()`` gets a post-hook that turns each such
+``exp_avg_sq``, ``momentum_buffer``) shaped like the parameters' local
+pieces. Its ``state_dict()`` gets a post-hook that turns each such
 tensor into a ``DTensor`` of the parameter's original shape placed
 ``Shard(0)`` (the same conversion as the parameter's own), and its
 ``load_state_dict()`` a pre-hook that turns such values (or full tensors)
-back into slices. Other state (``step``) and the param groups pass through.
+back into local pieces. Other state (``step``) and the param groups pass through.
 torch's ``torch.distributed.checkpoint.state_dict`` functions then work
 unchanged: they map indices to FQNs around these hooks.
 

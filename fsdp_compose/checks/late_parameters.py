@@ -13,7 +13,7 @@ Buffers are not looked at: registering or changing buffers stays fine.
 Comparing the ids of every managed module's parameters and children with
 the annotation's, at every forward of every unit, was the costliest of the
 per-forward checks on the host-cost proxy. A forward compares two cheaper
-things instead (about 9 µs per unit and step less there), and runs that
+things instead, and runs that
 full comparison only when one of them changed:
 
 * the number of registrations through ``nn.Module``'s API since the last

@@ -1,7 +1,7 @@
 """Gradient norms over sharded parameters: clipping and per-parameter norms.
 
-After ``fully_shard`` every original parameter is a 1-D view of the part of
-it this rank owns (possibly empty), and its ``.grad`` the matching part of
+After ``fully_shard`` every original parameter is a view of the part of it
+this rank owns (its rows by default, 1-D under ``"flat"``, possibly empty), and its ``.grad`` the matching part of
 the averaged gradient. Each element of a sharded parameter is owned by
 exactly one rank, so a p-norm over the whole model is
 

@@ -2,8 +2,8 @@
 
 Training loops and frameworks call ``torch.nn.utils.clip_grad_norm_(
 model.parameters(), max_norm)`` and ``torch.nn.utils.get_total_norm(grads)``.
-Over a model annotated by ``fully_shard`` each rank holds only 1-D shards of
-the gradients, so torch's own code would return this rank's local norm and
+Over a model annotated by ``fully_shard`` each rank holds only its shard of
+the gradients (its rows, or a 1-D piece under ``"flat"``), so torch's own code would return this rank's local norm and
 clip every rank by a different factor. Once the first ``fully_shard`` runs
 (:func:`install`), both functions recognise managed parameters and gradients
 and compute what :func:`fsdp_compose.clip_grad_norm_` computes: the norm

@@ -158,7 +158,7 @@ def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
 def plan_buffers(records: list[ParamRecord], world_size: int,
                  policy: BufferPolicy) -> list[BufferPlan]:
     """The flat buffers of a unit with ``records`` sharded over
-    ``world_size`` ranks: one per ``(dtype, requires_grad)``."""
+    ``world_size`` ranks: one per group of ``group_records``."""
     return [BufferPlan(group, buffer_layout(group, world_size, policy),
                        resolve_dtypes(group[0].param.dtype, policy),
                        group[0].param.requires_grad)

@@ -17,7 +17,7 @@ Usage::
 ``fully_shard`` needs a process group, so the annotation is given as
 ``units``: what would be passed to ``fully_shard``, in call order. Each unit
 takes the parameters of its subtrees that no earlier unit took and groups
-them by (dtype, requires_grad) into flat buffers: the same functions
+them into flat buffers as ``group_records`` does: the same functions
 ``fully_shard`` runs (``fsdp_compose/setup/units.py``); the estimate then replays
 one training step of the library's schedule.
 ``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
