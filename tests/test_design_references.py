@@ -131,3 +131,38 @@ def test_the_readme_layout_names_every_package_folder():
                      if p.is_dir() and (p / "__init__.py").exists())
     missing = [f for f in folders if f"`{f}/`" not in layout and f"`fsdp_compose/{f}/`" not in layout]
     assert not missing, f"README.md's repository layout omits package folders: {missing}"
+
+
+BUFFER_KEY = re.compile(r"\(dtype, requires_grad[^)]*\)")
+ONE_D_CLAIM = re.compile(r"(?:each|every) (?:managed|original) parameter is an? 1-D", re.I)
+
+
+def _prose_files() -> list[Path]:
+    return [p for p in _tracked(".py", ".md") if p.name != "CHANGELOG.md"
+            and p.parts[len(ROOT.parts)] in ("fsdp_compose", "docs", "README.md")]
+
+
+def test_every_stated_buffer_key_is_the_code_s():
+    """A page or docstring that spells out what a flat buffer is keyed by
+    names as many parts as ``group_records`` keys on."""
+    import ast
+    import inspect
+
+    from fsdp_compose.buffers import records
+
+    tree = ast.parse(inspect.getsource(records.group_records))
+    key = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and getattr(node.targets[0], "id", "") == "key")
+    parts = len(key.elts)
+    wrong = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in _prose_files()
+             for m in BUFFER_KEY.finditer(path.read_text())
+             if m.group(0).count(",") + 1 != parts]
+    assert not wrong, f"buffer keys stated with other than {parts} parts:\n" + "\n".join(wrong)
+
+
+def test_no_docstring_calls_every_parameter_1d():
+    """The default placement keeps rows; 1-D pieces are ``"flat"``'s."""
+    wrong = [f"{path.relative_to(ROOT)}: {m.group(0)}" for path in _prose_files()
+             for m in ONE_D_CLAIM.finditer(re.sub(r"\s+", " ", path.read_text()))]
+    assert not wrong, "claims that every parameter is 1-D:\n" + "\n".join(wrong)
+    assert ONE_D_CLAIM.search("After fully_shard every original parameter is a 1-D view")

@@ -135,12 +135,12 @@ def is_aliased(world_size: int, dtypes: BufferDtypes, stored_where_computed: boo
 
 def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
     """One group (one flat buffer) per ``(dtype, requires_grad, fixed,
-    shard group)``, in order of first appearance, so frozen parameters never
-    cost gradient memory or reduce-scatter volume; parameters pinned to
-    ranks (``"owned"``, ``ShardDim``) and the others (a stream of
-    flat/rows/blocks) never share a layout (``layout.py``); parameters on
-    another mesh than their unit's, and those marked ``own_buffer``, have
-    buffers of their own."""
+    shard group, own buffer)``, in order of first appearance, so frozen
+    parameters never cost gradient memory or reduce-scatter volume;
+    parameters pinned to ranks (``"owned"``, ``ShardDim``) and the others (a
+    stream of flat/rows/blocks) never share a layout (``layout.py``);
+    parameters on another mesh than their unit's, and those marked
+    ``own_buffer``, have buffers of their own."""
     groups: dict[tuple[torch.dtype, bool, bool, int, int], list[ParamRecord]] = {}
     for r in records:
         key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement), id(r.group),
