@@ -11,7 +11,7 @@ Usage (2-way data parallel x 2-way tensor parallel)::
     fully_shard(model, mesh=mesh["dp"])
     optim = torch.optim.AdamW(model.parameters())   # after fully_shard (see below)
 
-What each piece holds (see ``docs/design.md``, "Tensor parallelism"):
+What each piece holds (see ``docs/decisions.md``, "Tensor parallelism"):
 
 * the flat buffers hold the TP-local tensors (``param.to_local()``),
   sharded over the dp mesh like any other parameter;
