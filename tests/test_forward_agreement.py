@@ -148,8 +148,9 @@ def test_the_fix_model_train_on_every_rank_trains_on():
 
 def test_a_unit_in_eval_mode_on_one_rank_is_named_with_its_module():
     results = run_distributed(2, train_with_odd_rank, 6, 3, "unit-eval", timeout=90)
-    assert_diverged_on_every_rank(results, 3, "modules 'blocks.1' are in eval mode on some ranks "
-                                  "only (in eval mode: rank 0: blocks.1; rank 1: none)",
+    assert_diverged_on_every_rank(results, 3, "modules 'blocks.1' (Linear) are in eval mode on "
+                                  "some ranks only (in eval mode: rank 0: 'blocks.1' (Linear); "
+                                  "rank 1: none)",
                                   "Call model.train() on every rank")
 
 

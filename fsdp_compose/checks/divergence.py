@@ -372,8 +372,11 @@ class DivergenceMonitor(CollectiveObserver):
         moment = self._agreement.moment
         if other:
             _raise_waiting_elsewhere(self._agreement.forwards, other, moment)
-        blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked"}
-        if blocked:  # in a collective that waits for this rank: it will never come either
+        # blocked in a collective of the user's (a barrier): it will never come either;
+        # one blocked in a data collective of ours is left to the flight logs below,
+        # which name what each rank issued
+        blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked" and not d.ours}
+        if blocked:
             _raise_blocked(self._agreement.forwards, blocked, moment)
         if waited >= call_timeout():
             _raise_waiting_elsewhere(self._agreement.forwards, {
@@ -586,7 +589,7 @@ def _raise_training_modes(ranks: Sequence[int], rows: Sequence[Sequence[int]],
     if all(m & 1 == modes[0] & 1 for m in modes):  # the root agrees, some unit does not
         differing = [u for u in range(min(len(units), MODE_BITS))
                      if len({(m >> u) & 1 for m in modes}) > 1]
-        what = "modules " + ", ".join(f"'{units[u].name}'" for u in differing)
+        what = "modules " + ", ".join(units[u].name for u in differing)
         by_rank = "; ".join(
             f"rank {r}: {', '.join(units[u].name for u in differing if not (m >> u) & 1) or 'none'}"
             for r, m in zip(ranks, modes))
