@@ -66,9 +66,10 @@ class ShardedCommMethods:
         ``ValueError`` on a unit with quantized collectives.
 
         torch keeps the class private: ``from torch.distributed.fsdp import
-        AllGather`` is an ``ImportError``; in torch 2.13 (and its later
-        sources) it is ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``. Subclassing it is optional: any
-        object with the two methods works."""
+        AllGather`` is an ``ImportError``; in torch 2.13 to 2.15 it is
+        ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``, a
+        private module. Subclassing it is optional: any object with the two
+        methods works."""
         comms = _custom_slot(self, comm, "set_custom_all_gather")
         comms.all_gather = comm
 
@@ -76,8 +77,8 @@ class ShardedCommMethods:
         """The same for gradient reduce-scatters, with the protocol of torch's
         ``ReduceScatter`` (``__call__(output_tensor, input_tensor, group, op,
         async_op)``, op ``SUM`` or ``AVG`` as the library's own reduction
-        would use); private in torch as ``AllGather`` is: in torch 2.13 (and
-        its later sources) ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``."""
+        would use); private in torch as ``AllGather`` is: in torch 2.13 to
+        2.15 ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``."""
         comms = _custom_slot(self, comm, "set_custom_reduce_scatter")
         comms.reduce_scatter = comm
 
