@@ -27,14 +27,7 @@ RECIPES = ("dcp", "flat", "async_store", "store", "register_then_dcp")
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-    "adamw-flat-step": lambda ps: _flat(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
 }
-
-
-def _flat(optim):
-    from fsdp_compose import flat_step
-    flat_step(optim)
-    return optim
 
 
 def _build(optimizer: str):
