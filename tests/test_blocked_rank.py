@@ -130,6 +130,73 @@ def test_a_late_rank_gets_no_false_alarm_and_the_notice_says_what_it_does(distri
         printed[1], printed[1]
 
 
+# ------------------------------------------------------- the forward agreement
+def _forward_while_blocked(blocked_in: str):
+    """Rank 1 enters a torch collective (``blocked_in``) while rank 0 starts
+    a forward; rank 0 catches the error, then joins that collective (it
+    issued nothing else: the pool lives on). Returns (seconds, message) on rank 0."""
+    os.environ[POLL_ENV] = POLL
+    model = _model()
+    result = None
+    try:
+        if dist.get_rank() == 0:
+            start = time.perf_counter()
+            try:
+                model(torch.randn(4, 7)).sum().backward()
+            except RuntimeError as error:
+                result = (time.perf_counter() - start, str(error))
+    finally:
+        del os.environ[POLL_ENV]
+    if blocked_in == "barrier":
+        dist.barrier()  # FORWARD BARRIER: rank 1 is blocked here
+    else:
+        dist.all_reduce(torch.ones(3))  # FORWARD ALL-REDUCE: rank 1 is blocked here
+    return result
+
+
+def _line_ending(text: str) -> int:
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if line.endswith(text))
+
+
+@pytest.mark.parametrize("blocked_in, call", [
+    ("barrier", "torch.distributed.barrier()"), ("all_reduce", "torch.distributed.all_reduce()")])
+def test_a_forward_names_a_rank_blocked_in_a_torch_collective(distributed, blocked_in, call):
+    results = distributed.run(2, _forward_while_blocked, blocked_in, timeout=120)
+    assert results[1] is None
+    assert results[0] is not None, "rank 0 did not raise"
+    seconds, message = results[0]
+    print(f"{blocked_in}: rank 0 raised {seconds:.1f} s after starting its forward")
+    assert seconds < NAMED_WITHIN, message
+    line = _line_ending("# FORWARD BARRIER: rank 1 is blocked here" if blocked_in == "barrier"
+                        else "# FORWARD ALL-REDUCE: rank 1 is blocked here")
+    assert message.startswith("[rank 0] fully_shard ranks diverged: this rank starts root "
+                              "forward #2 while other ranks are blocked"), message
+    assert f"rank 1 is blocked in {call} at tests/test_blocked_rank.py:{line}, which waits " \
+           "for this rank" in message, message
+    assert "on every rank" in message, message
+
+
+def _late_forward(seconds: float):
+    """Rank 1 evaluates for ``seconds`` (user code) while rank 0 starts a
+    forward; then rank 1 runs it too. Returns the loss on every rank."""
+    os.environ[POLL_ENV] = POLL
+    try:
+        model = _model()
+        if dist.get_rank() == 1:
+            _evaluate(seconds)
+        loss = model(torch.randn(4, 7)).sum()
+        loss.backward()
+    finally:
+        del os.environ[POLL_ENV]
+    return loss.item()
+
+
+def test_a_forward_waits_for_a_late_rank_without_a_false_alarm(distributed):
+    losses = distributed.run(2, _late_forward, 5.0, timeout=120)
+    assert all(isinstance(loss, float) for loss in losses), losses
+
+
 # ------------------------------------------------------------------ torchrun
 def _torchrun(tmp_path: Path, case: str) -> tuple[subprocess.CompletedProcess, float]:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -246,3 +246,28 @@ def test_every_fix_errors_md_proposes_names_the_test_that_runs_it():
 def test_every_test_errors_md_names_exists():
     bad = [f"errors.md:{n}: {ref}" for n, _, _, test in _rows(ERRORS) for ref in _unresolved(test)]
     assert not bad, "\n".join(bad)
+
+
+# ----------------------------- where torch keeps the custom collectives' classes
+TORCH_COMM_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_api"
+
+
+def test_the_custom_comm_classes_are_where_the_docs_say_and_private_there():
+    """docs/migrating-from-fsdp2.md and set_custom_all_gather /
+    set_custom_reduce_scatter name the module of torch's ``AllGather`` and
+    ``ReduceScatter``; it holds them in the installed torch, and the public
+    ``torch.distributed.fsdp`` does not export them (the docs say so)."""
+    import importlib
+
+    import torch.distributed.fsdp as fsdp
+
+    from fsdp_compose.runtime.comm_methods import ShardedCommMethods
+    module = importlib.import_module(TORCH_COMM_MODULE)
+    assert isinstance(module.AllGather, type) and isinstance(module.ReduceScatter, type)
+    assert not hasattr(fsdp, "AllGather") and not hasattr(fsdp, "ReduceScatter")
+    page = (ROOT / "docs" / "migrating-from-fsdp2.md").read_text()
+    assert f"`{TORCH_COMM_MODULE}.AllGather`" in page and "private" in page
+    for name, cls in (("set_custom_all_gather", "AllGather"),
+                      ("set_custom_reduce_scatter", "ReduceScatter")):
+        doc = " ".join(getattr(ShardedCommMethods, name).__doc__.split())
+        assert f"{TORCH_COMM_MODULE}.{cls}" in doc and "private" in doc, (name, doc)

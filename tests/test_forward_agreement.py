@@ -50,7 +50,10 @@ def train_with_odd_rank(steps: int, at_step: int, what: str, bucket_cap_mb: floa
     """Every rank trains ``steps`` steps; at ``at_step`` rank 0 first runs
     an evaluation forward (``eval``: under ``no_grad``; ``eval-grad``: a
     forward with gradients and no backward), sleeps (``slow``), or skips
-    ``blocks[0]`` in its training forward (``skip``). Returns
+    ``blocks[0]`` in its training forward (``skip``), or puts ``blocks[1]``
+    in eval mode (``unit-eval``); with ``train-one`` / ``train-all`` every
+    rank evaluates in eval mode, then rank 0 / every rank calls
+    ``model.train()``. Returns
     (step, seconds into the step, message) of the error, or None."""
     os.environ[STALL_ENV] = str(STALL)
     rank = dist.get_rank()
@@ -70,6 +73,14 @@ def train_with_odd_rank(steps: int, at_step: int, what: str, bucket_cap_mb: floa
                         model(torch.randn(4, 8))
                     elif what == "slow":
                         time.sleep(2 * STALL + 1)
+                    elif what == "unit-eval":
+                        model.blocks[1].eval()
+                if step == at_step and what in ("train-one", "train-all"):
+                    model.eval()  # an evaluation on every rank
+                    with torch.no_grad():
+                        model(torch.randn(4, 8))
+                    if rank == 0 or what == "train-all":
+                        model.train()  # "train-one": rank 1 forgets it
                 skip = 0 if what == "skip" and rank == 0 and step == at_step else -1
                 model(torch.randn(4, 8), skip).sum().backward()
             except RuntimeError as error:
@@ -118,6 +129,29 @@ def test_a_unit_skipped_on_one_rank_at_step_5_is_named_on_every_rank(bucket_cap_
                                   "rank 0 ran [<root> (Unequal), 'blocks.1'",
                                   "rank 1 ran [<root> (Unequal), 'blocks.0'",
                                   "before the backward communicated anything")
+
+
+def test_a_model_left_in_eval_mode_on_one_rank_is_named_on_every_rank():
+    """Every rank evaluates (model.eval(), no_grad), only rank 0 calls
+    model.train(): the next training forward raises on both ranks, before
+    it computes anything, naming the rank in eval mode and the fix."""
+    results = run_distributed(2, train_with_odd_rank, 6, 3, "train-one", timeout=90)
+    assert_diverged_on_every_rank(results, 3, "at root forward #5, ranks [1] have the model in "
+                                  "eval mode (model.eval()", "where ranks [0] have it in training "
+                                  "mode", "nothing was computed yet",
+                                  "Call model.train() on every rank")
+
+
+def test_the_fix_model_train_on_every_rank_trains_on():
+    assert run_distributed(2, train_with_odd_rank, 6, 3, "train-all", timeout=90) == [None, None]
+
+
+def test_a_unit_in_eval_mode_on_one_rank_is_named_with_its_module():
+    results = run_distributed(2, train_with_odd_rank, 6, 3, "unit-eval", timeout=90)
+    assert_diverged_on_every_rank(results, 3, "modules 'blocks.1' (Linear) are in eval mode on "
+                                  "some ranks only (in eval mode: rank 0: 'blocks.1' (Linear); "
+                                  "rank 1: none)",
+                                  "Call model.train() on every rank")
 
 
 def test_a_slow_rank_at_the_agreement_is_not_divergence():

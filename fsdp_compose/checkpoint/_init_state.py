@@ -26,21 +26,20 @@ parameters ``fully_shard`` manages, makes the same state without the step:
 Anything else (other optimizer classes, complex parameters, an optimizer
 over no managed parameter, state or gradients present) goes to torch's own
 function, unchanged.
+
+The state is made by ``_fresh_state.make_state``, which also makes it
+without counting a step for a registered optimizer's ``state_dict()``.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from torch.optim import Optimizer
 
-from .._torch_private import init_optimizer_group, replace_dcp_init_optim_state
-from ..runtime.owners import owner_of
+from .._torch_private import replace_dcp_init_optim_state
+from ._fresh_state import make_state, makes_state_directly
 from ._optim import note_zero_initialisation
-
-_LISTS = {torch.optim.AdamW: 6, torch.optim.Adam: 6, torch.optim.SGD: 3}
-"""The lists each class's ``_init_group`` fills, after the group."""
 
 _original: list[Optional[Callable[[Optimizer], None]]] = []
 """torch's ``_init_optim_state`` once replaced (``[None]``: this torch has none)."""
@@ -57,33 +56,10 @@ def init_optim_state(optim: Optimizer) -> None:
     params = [p for group in optim.param_groups for p in group["params"]]
     if optim.state or any(p.grad is not None for p in params):
         return  # torch's function returns here too: initialised already
-    lists = _LISTS.get(type(optim))
-    if lists is None or any(p.is_complex() for p in params) or \
-            not any(owner_of(p) is not None for p in params):
+    if not makes_state_directly(optim, params):
         original = _original[0] if _original else None
         if original is not None:
             original(optim)
         return
-    trained = [p for p in params if p.requires_grad]
-    zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    try:
-        for p in trained:
-            zero = zeros.setdefault((p.dtype, p.device), torch.zeros((), dtype=p.dtype,
-                                                                       device=p.device))
-            p.grad = zero.expand_as(p)
-        with torch.no_grad():
-            for group in optim.param_groups:
-                init_optimizer_group(optim, group, lists)
-                if type(optim) is torch.optim.SGD and group["momentum"] != 0:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            optim.state[p]["momentum_buffer"] = torch.zeros_like(
-                                p, memory_format=torch.preserve_format)
-            for p in trained:
-                step = optim.state.get(p, {}).get("step")
-                if step is not None:
-                    step.add_(1)  # what the zero step counts
-    finally:
-        for p in trained:
-            p.grad = None
+    make_state(optim, zero_step=True)
     note_zero_initialisation(optim)

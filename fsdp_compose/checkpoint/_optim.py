@@ -39,6 +39,7 @@ from ..runtime.owners import owner_of
 from ._exchange import (Reader, checkpoint_shape, chunks_to_flat, flat_to_chunks, loadable,
                         record_value, shard_dim, shard_dim_local, shard_dim_value)
 from ._chunks import chunk_shape
+from ._fresh_state import make_first_step_state
 from ._exchange import checkpoint_placements
 from ._lazy import in_place, is_lazy, lazy_value
 from ._pieces import ShardPieces, flat_values_requested, has_pieces
@@ -55,10 +56,19 @@ yet, every ``lr`` 0, every gradient zeros), not a training step."""
 def register_optimizer(optimizer: Optimizer) -> None:
     """Make ``optimizer.state_dict()`` / ``load_state_dict()`` speak the
     checkpoint layout for the parameters ``fully_shard`` manages.
-    Idempotent; a no-op for an optimizer with none of them."""
+    Idempotent; a no-op for an optimizer with none of them.
+
+    For AdamW, Adam and SGD (momentum without dampening) that never
+    stepped, ``state_dict()`` first gives the optimizer the state its first
+    step would start from (zero moments, ``step`` 0: stepping from it is
+    stepping a fresh optimizer), so that a checkpoint loaded into the state
+    dict fills it and ``load_state_dict`` restores it: the start-up recipe
+    ``sd = optim.state_dict()``, load into ``sd``, ``optim.load_state_dict(sd)``
+    resumes exactly in a fresh job."""
     _SEEN.add(optimizer)
     if optimizer in _ATTACHED or not any(owner_of(p) is not None for p in _params(optimizer)):
         return
+    optimizer.register_state_dict_pre_hook(make_first_step_state)
     optimizer.register_state_dict_post_hook(_to_checkpoint_layout)
     optimizer.register_load_state_dict_pre_hook(_from_checkpoint_layout)
     _ATTACHED.add(optimizer)

@@ -90,10 +90,17 @@ class FlatSavePlanner(DefaultSavePlanner):
 class FlatLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that also reads into :class:`ShardPieces`
     (values of :func:`flat_state_dict`): into the flat shards and optimizer
-    state tensors themselves."""
+    state tensors themselves.
+
+    It refuses (``ValueError``, which DCP raises on every rank) an
+    optimizer state dict without state for parameters whose state the
+    checkpoint holds: the state dict of a never-stepped optimizer, which
+    would leave the optimizer fresh, silently (:func:`_refuse_stateless_optimizers`)."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
                        is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            _refuse_stateless_optimizers(state_dict, metadata)
         # DCP's set-up replaces values it does not know by None (``_init_state_dict``,
         # which materialises meta tensors): keep ours aside and put them back.
         ours = _take_pieces(state_dict)
@@ -125,3 +132,50 @@ def _take_pieces(tree: Any) -> list[tuple[Any, Any, ShardPieces]]:
         else:
             found += _take_pieces(value)
     return found
+
+
+STATELESS_OPTIMIZER_FIX = (
+    "Give it state to load into: call fsdp_compose.checkpoint.register_optimizer(optim) before "
+    "optim.state_dict() (AdamW, Adam, SGD over annotated parameters: a fresh optimizer's state "
+    "dict then holds the state its first step starts from), or take the state dict with "
+    "torch's get_state_dict(model, optim) and apply it with set_state_dict (they give a fresh "
+    "optimizer its state).")
+"""The fix for loading into a never-stepped optimizer's state dict
+(``tests/test_fresh_job_resume.py`` runs both)."""
+
+
+def _refuse_stateless_optimizers(state_dict: dict[str, Any], metadata: Metadata) -> None:
+    """Raise where ``state_dict`` holds an optimizer state dict (a dict with
+    ``state`` and ``param_groups``) without any state while the checkpoint
+    holds state of its parameters: loading would fill nothing there. (A
+    stepped optimizer lacking state for some parameters, e.g. experts that
+    got no gradient yet, loads what it has, as DCP does.)"""
+    saved = metadata.state_dict_metadata
+    for path, optim_sd in _optimizer_state_dicts(state_dict, ""):
+        if optim_sd["state"]:
+            continue
+        ids = [i for group in optim_sd["param_groups"] if isinstance(group, dict)
+               for i in group.get("params", ())]
+        missing = ids
+        prefixes = {i: f"{path}state.{i}." for i in missing}
+        held = [i for i in missing if any(key.startswith(prefixes[i]) for key in saved)]
+        if held:
+            example = next(key for key in saved if key.startswith(prefixes[held[0]]))
+            where = "".join(f"[{part!r}]" for part in path.rstrip(".").split(".") if part)
+            raise ValueError(
+                f"the optimizer state dict at state{where} has no state for {len(held)} of its "
+                f"{len(ids)} parameters whose state the checkpoint holds (e.g. '{example}'): "
+                "it comes from an optimizer that never stepped (optimizer.state_dict() holds "
+                "state only after the first step), so loading would leave the optimizer "
+                f"fresh, silently. {STATELESS_OPTIMIZER_FIX}")
+
+
+def _optimizer_state_dicts(tree: Any, path: str) -> Iterable[tuple[str, dict[str, Any]]]:
+    """(dotted path with a trailing dot, value) of each optimizer state dict in ``tree``."""
+    if not isinstance(tree, dict):
+        return
+    if isinstance(tree.get("state"), dict) and isinstance(tree.get("param_groups"), list):
+        yield path, tree
+        return
+    for key, value in tree.items():
+        yield from _optimizer_state_dicts(value, f"{path}{key}.")

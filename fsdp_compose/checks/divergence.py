@@ -71,6 +71,9 @@ CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 """Set to ``1`` to verify the collective order in every iteration."""
 VERIFICATION_ITERATIONS = 2
 """Training iterations (last backwards the ranks agreed on) verified by default."""
+MODE_BITS = 62
+"""Units whose training mode (``module.training``) the forward agreement
+compares, from the root on (an int64 row entry holds their flags)."""
 VERIFICATION_FORWARD_LIMIT = 8
 """Root forwards without gradients verified by default (a model that only
 evaluates never ends a backward; forwards with gradients, e.g. gradient
@@ -207,12 +210,21 @@ class DivergenceMonitor(CollectiveObserver):
         self.iterations += 1
         if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
-                   self._since_agreement >> 1]
+                   self._since_agreement >> 1, self._training_modes()]
             rows = self._agreement.exchange(row, self._waiting_at_agreement)
             self._since_agreement = _FNV_OFFSET
             if any(other != rows[0] for other in rows):
-                _raise_forward_disagreement(self._agreement.ranks, rows)
+                _raise_forward_disagreement(self._agreement.ranks, rows, self._units)
         self.verifying = self._should_verify()
+
+    def _training_modes(self) -> int:
+        """Bit ``u``: unit ``u``'s module is in training mode (``module.training``;
+        unit 0 is the root), for the first :data:`MODE_BITS` units."""
+        modes = 0
+        for u, unit in enumerate(self._units[:MODE_BITS]):
+            if unit.modules[0].training:
+                modes |= 1 << u
+        return modes
 
     def will_verify(self) -> bool:
         return self._should_verify()
@@ -360,6 +372,12 @@ class DivergenceMonitor(CollectiveObserver):
         moment = self._agreement.moment
         if other:
             _raise_waiting_elsewhere(self._agreement.forwards, other, moment)
+        # blocked in a collective of the user's (a barrier): it will never come either;
+        # one blocked in a data collective of ours is left to the flight logs below,
+        # which name what each rank issued
+        blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked" and not d.ours}
+        if blocked:
+            _raise_blocked(self._agreement.forwards, blocked, moment)
         if waited >= call_timeout():
             _raise_waiting_elsewhere(self._agreement.forwards, {
                 rank: f"no collective call of fsdp_compose for {waited:.0f} s "
@@ -515,12 +533,30 @@ def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = 
         "...) must be made on every rank, at the same point of training.")
 
 
-def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
+def _raise_blocked(forward: int, blocked: dict[int, Doing], moment: str) -> None:
+    """Other ranks are blocked in a torch collective that waits for this rank
+    ([Note: blocked is not late]) while this rank ``moment`` root forward #``forward``."""
+    lines = "\n".join(f"  rank {rank} is blocked in {d.says()}, which waits for this rank"
+                      for rank, d in sorted(blocked.items()))
+    raise RuntimeError(
+        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
+        f"#{forward} while other ranks are blocked in a collective of torch.distributed:\n"
+        f"{lines}\nNeither can go on (this rank raises at once, before the forward "
+        "communicated anything; the blocked collective fails when this process exits). Make "
+        "that collective (a barrier, an all-reduce, a torch.distributed.checkpoint call, ...) "
+        "on every rank at the same point, or run the forward on every rank before it.")
+
+
+def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]],
+                                units: Sequence[ObservedUnit]) -> None:
     """The forward agreement found ranks about to run different forwards
-    (each row: grad mode, root forwards, last backwards, collectives digest)."""
+    (each row: grad mode, root forwards, last backwards, collectives digest,
+    training modes)."""
     me = dist.get_rank()
     grad = [row[0] for row in rows]
-    if len(set(grad)) > 1 and all(row[1:] == rows[0][1:] for row in rows):
+    if len(set(grad)) == 1 and all(row[:4] == rows[0][:4] for row in rows):
+        _raise_training_modes(ranks, rows, units)
+    if len(set(grad)) > 1 and all(row[1:4] == rows[0][1:4] for row in rows):
         without = [r for r, g in zip(ranks, grad) if not g]
         with_grad = [r for r, g in zip(ranks, grad) if g]
         raise RuntimeError(
@@ -532,7 +568,8 @@ def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[in
             "evaluation on every rank (each on its part of the data, then reduce the metric), "
             "or on a separate, unsharded copy of the model.")
     lines = [f"  rank {r}: root forward #{row[1]} "
-             f"{'with' if row[0] else 'without'} gradients after {row[2]} finished backwards, "
+             f"{'with' if row[0] else 'without'} gradients, root in "
+             f"{'training' if row[4] & 1 else 'eval'} mode, after {row[2]} finished backwards, "
              f"collectives since the last forward {row[3]:#x}" for r, row in zip(ranks, rows)]
     raise RuntimeError(
         f"[rank {me}] fully_shard ranks diverged before a forward of the root (detected "
@@ -542,6 +579,32 @@ def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[in
         "skipped backward on some ranks only). Set "
         f"{CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the root) to find the "
         "first collective that differs.")
+
+
+def _raise_training_modes(ranks: Sequence[int], rows: Sequence[Sequence[int]],
+                          units: Sequence[ObservedUnit]) -> None:
+    """The ranks start the same forward, some with modules in eval mode
+    where others train (row[4]: the units' training flags, the root's in bit 0)."""
+    modes = [row[4] for row in rows]
+    if all(m & 1 == modes[0] & 1 for m in modes):  # the root agrees, some unit does not
+        differing = [u for u in range(min(len(units), MODE_BITS))
+                     if len({(m >> u) & 1 for m in modes}) > 1]
+        what = "modules " + ", ".join(units[u].name for u in differing)
+        by_rank = "; ".join(
+            f"rank {r}: {', '.join(units[u].name for u in differing if not (m >> u) & 1) or 'none'}"
+            for r, m in zip(ranks, modes))
+        detail = f"{what} are in eval mode on some ranks only (in eval mode: {by_rank})"
+    else:
+        evaluating = [r for r, m in zip(ranks, modes) if not m & 1]
+        training = [r for r, m in zip(ranks, modes) if m & 1]
+        detail = (f"ranks {evaluating} have the model in eval mode (model.eval(), e.g. left "
+                  f"from an evaluation) where ranks {training} have it in training mode")
+    raise RuntimeError(
+        f"[rank {dist.get_rank()}] fully_shard ranks diverged: at root forward #{rows[0][1]}, "
+        f"{detail}, so the ranks would compute different functions (dropout, batch norm: "
+        "nothing was computed yet). Call model.train() on every rank before training (after an "
+        "evaluation on some ranks), or model.eval() on every rank for an evaluation on all of "
+        "them.")
 
 
 def _raise_forward_orders(ranks: Sequence[int], rows: Sequence[Sequence[int]],

@@ -92,7 +92,10 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
 # it is about to do, what it did since the last agreement) under a key
 # numbered by the forward and compares the others' (``rendezvous.meet``). A
 # rank waiting at a collective call instead is named at once ([Note: where
-# each rank waits]); one stuck in a data collective is reported through the
+# each rank waits]), and one blocked in a torch collective that waits for
+# this rank (a user's barrier) within two polls, by the same watcher and
+# rule as the collective calls ([Note: blocked is not late]); a late one is
+# waited for. One stuck in a data collective is reported through the
 # flight log. No device is touched. A training forward also ends with an
 # agreement on the units it ran, in order, so that a unit skipped or
 # reordered on some ranks is caught before the backward's reduce-scatters

@@ -6,7 +6,10 @@ set any, shared by its flat buffers (``FlatBuffer.comms``; ``None`` is the
 plain path and costs nothing).
 
 [Note: custom collectives]
-A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol:
+A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol
+(in torch 2.13 to 2.15 the private classes
+``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` and
+``ReduceScatter``; ``torch.distributed.fsdp`` exports neither):
 
 * ``allocate(size, *, dtype, device) -> Tensor``: the memory it reads and
   writes (the all-gather's output, the reduce-scatter's input and output).

@@ -59,6 +59,8 @@ class Doing(NamedTuple):
         members: global ranks the collective waits for.
         issued: collectives the group had issued on that rank (-1 unknown).
         token: the same while the same call is in progress.
+        ours: the collective was issued by the library (a data collective
+            of a forward or backward), not by the user's code or torch's.
     """
 
     kind: str
@@ -68,6 +70,7 @@ class Doing(NamedTuple):
     members: tuple[int, ...] = ()
     issued: int = -1
     token: str = ""
+    ours: bool = False
 
     def says(self) -> str:
         """One phrase for messages: ``torch.distributed.barrier() at train.py:42``."""
@@ -191,7 +194,8 @@ def main_thread_doing() -> Doing:
     except (RuntimeError, AttributeError):
         issued = -1
     token = f"{id(collective)}:{collective.f_lineno}:{issued}"
-    return Doing("collective", entry, where, group.group_name, members, issued, token)
+    ours = any(f.f_code.co_filename.startswith(_OUR_DIR) for f in inner)
+    return Doing("collective", entry, where, group.group_name, members, issued, token, ours)
 
 
 def _entry(inner: list[FrameType]) -> str:

@@ -59,19 +59,26 @@ class ShardedCommMethods:
 
     def set_custom_all_gather(self, comm: object) -> None:
         """Route every all-gather of this unit (a bucket's too) through
-        ``comm``, with torch's ``torch.distributed.fsdp.AllGather`` protocol
+        ``comm``, with the protocol of torch's ``AllGather``
         (``allocate(size, *, dtype, device)``, ``__call__(output_tensor,
         input_tensor, group, async_op)``); see [Note: custom collectives] in
         ``comm/custom.py``. ``TypeError`` without that protocol,
-        ``ValueError`` on a unit with quantized collectives."""
+        ``ValueError`` on a unit with quantized collectives.
+
+        torch keeps the class private: ``from torch.distributed.fsdp import
+        AllGather`` is an ``ImportError``; in torch 2.13 to 2.15 it is
+        ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``, a
+        private module. Subclassing it is optional: any object with the two
+        methods works."""
         comms = _custom_slot(self, comm, "set_custom_all_gather")
         comms.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: object) -> None:
-        """The same for gradient reduce-scatters, with torch's
-        ``ReduceScatter`` protocol (``__call__(output_tensor, input_tensor,
-        group, op, async_op)``, op ``SUM`` or ``AVG`` as the library's own
-        reduction would use)."""
+        """The same for gradient reduce-scatters, with the protocol of torch's
+        ``ReduceScatter`` (``__call__(output_tensor, input_tensor, group, op,
+        async_op)``, op ``SUM`` or ``AVG`` as the library's own reduction
+        would use); private in torch as ``AllGather`` is: in torch 2.13 to
+        2.15 ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``."""
         comms = _custom_slot(self, comm, "set_custom_reduce_scatter")
         comms.reduce_scatter = comm
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+import torch.nn as nn
+
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.groups import ShardGroup
 from .model_settings import ModelSettings
@@ -19,6 +21,7 @@ class ObservedUnit(Protocol):
     name: str
     group: ShardGroup
     buffers: list[FlatBuffer]
+    modules: tuple[nn.Module, ...]
 
 
 class CollectiveObserver:
