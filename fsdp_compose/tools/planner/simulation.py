@@ -65,7 +65,7 @@ import torch.nn as nn
 from ...setup.units import plan_buffers
 from ...buffers.layout import FlatLayout
 from ...buffers.param_views import ViewPlan
-from ...buffers.records import buffer_policy, is_aliased
+from ...buffers.records import apply_dtype_overrides, buffer_policy, is_aliased
 from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
 from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ...runtime.state import ROOT_LABEL
@@ -123,6 +123,7 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
     ``fully_shard``'s own ``setup/units.plan_buffers``."""
     policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
     buffers, train, compute, reduce_comm = [], [], [], []
+    apply_dtype_overrides(spec.records, mp)  # as fully_shard: per parameter, before grouping
     for plan in plan_buffers(spec.records, world, policy):
         dtypes = plan.dtypes
         compute.append(dtypes.compute)
