@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
 from .end_of_backward import end_step, finish_reductions
 from .state import FullyShardState, ModelContext
@@ -92,7 +93,7 @@ def check_root_between_backwards(state: FullyShardState, method: str) -> Optiona
             f"module, {context.root.unit.name}.")
     busy = [s.unit for s in context.states if s.unit.training_state in
             (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)]
-    if context.backward_callback_queued or busy:
+    if context.backward_callback_queued or busy or current_graph_task_id() != -1:
         raise RuntimeError(
             f"{method} was called on {unit.name} during backward"
             + (f" ({busy[0].name} is in {busy[0].training_state.name})" if busy else "")
