@@ -25,8 +25,9 @@ NEWEST_VENV  := .venv-torch-$(TORCH_NEWEST)
 # pool, version counters, the views' autograd node, composable state, DTensor/DCP checkpoints, TP's
 # _StridedShard, MemTracker, the planner's fake tensors, pipelining, fp8/int8 wire codecs, DeviceMesh's
 # process-group cache at exit, the optimizers' functional forms and state initialisation of
-# flat_step, the blocked-rank watcher's view of torch's frames, FSDP2's comm protocols) plus
-# parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
+# flat_step, the blocked-rank watcher's view of torch's frames, FSDP2's comm protocols, FSDP2's
+# method set and policy fields, what torch's MixedPrecisionPolicy means on that torch, manual
+# finalization) plus parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
 OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_param_views.py \
 	tests/test_parity.py \
 	tests/test_collectives_and_memory.py tests/test_bucketing.py tests/test_checkpoint_model.py \
@@ -34,7 +35,8 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
 	tests/test_module_api.py tests/test_errors.py tests/test_moe.py tests/test_spmd_mesh.py \
 	tests/test_quantized_wire.py tests/test_quantized_collectives.py tests/test_exit.py \
-	tests/test_flat_step.py tests/test_optimizer_state_init.py tests/test_blocked_rank.py tests/test_fsdp2_methods.py
+	tests/test_flat_step.py tests/test_optimizer_state_init.py tests/test_blocked_rank.py tests/test_fsdp2_methods.py \
+	tests/test_fsdp2_compat.py tests/test_torch_mixed_precision.py tests/test_manual_finalization.py
 
 .PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench bench-report clean
 

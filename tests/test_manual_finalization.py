@@ -124,6 +124,13 @@ def _trainable_buffers(module):
     return state_of(module).unit.trainable_buffers
 
 
+def _atol(optim_name: str) -> float:
+    """AdamW's normalised update turns the rounding of a sum over three
+    micro-batches instead of one batch into ~2e-5 on tiny gradient
+    elements; a missing or doubled gradient moves parameters by ~1e-2."""
+    return 1e-4 if optim_name == "adamw" else 1e-5
+
+
 def _assert_params(results, reference, atol=1e-5):
     for rank, res in enumerate(results):
         for name, want in reference.items():
@@ -140,7 +147,7 @@ def test_manual_finalization_trains_like_one_process(mode, optim_name):
     results = run_distributed(3, _train_manual, (3,), mode, optim_name, timeout=240)
     for res in results:
         assert res["unpublished_before_finalize"]
-    _assert_params(results, _reference(3, optim_name))
+    _assert_params(results, _reference(3, optim_name), _atol(optim_name))
 
 
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
@@ -152,10 +159,11 @@ def test_hsdp_replica_all_reduce_deferred_to_async_finalization(optim_name):
     results = run_distributed(4, _train_manual, (2, 2), "hsdp-deferred", optim_name, timeout=300)
     for res in results:
         assert res["replica_all_reduce_in_backward"] == 0
-        assert res["replica_all_reduce"] == res["trainable_buffers"] > 0
+        # one per trainable buffer, plus the publication's all-reduce of the used flags
+        assert res["replica_all_reduce"] == res["trainable_buffers"] + 1 > 1
         assert res["reduce_scatter"] == MICRO * res["trainable_buffers"]
         assert res["unpublished_before_finalize"]
-    _assert_params(results, _reference(4, optim_name))
+    _assert_params(results, _reference(4, optim_name), _atol(optim_name))
 
 
 # ----------------------------------------------------------------- misuse
@@ -317,6 +325,8 @@ def _kept_storage(keep: bool) -> dict:
         optim.step()
         optim.zero_grad()
     out = {"ptr_sets": len(set(ptrs)),
+           "held_between_steps": sum(b.unsharded.untyped_storage().nbytes()
+                                     for s in states_below((model,)) for b in s.unit.buffers),
            "sharded_between_steps": all(p.numel() < full for p, full in _sizes(model)),
            "kept_bytes": describe(model).totals.kept_unsharded_bytes}
     model.unshard(recurse=True)
@@ -336,15 +346,15 @@ def _sizes(model):
 
 def test_kept_unsharded_storage_keeps_its_data_pointers_and_trains_the_same():
     """3 ranks: with kept storage every unsharded buffer has the same data
-    pointer in every micro-batch of every step (not so without), the
-    parameters are shards between steps, ``describe`` counts the kept
-    bytes, and training matches one process."""
+    pointer in every micro-batch of every step, its memory is held between
+    steps (exactly what ``describe`` counts; none without) while the
+    parameters are shards, and training matches one process."""
     kept = run_distributed(3, _kept_storage, True, timeout=240)
     freed = run_distributed(3, _kept_storage, False, timeout=240)
     reference = _reference(3, "sgd")
     for k, f in zip(kept, freed):
         assert k["ptr_sets"] == 1
-        assert f["ptr_sets"] > 1
+        assert k["held_between_steps"] == k["kept_bytes"] > 0 == f["held_between_steps"]
         assert k["sharded_between_steps"] and f["sharded_between_steps"]
-        assert k["kept_bytes"] > 0 == f["kept_bytes"]
+        assert f["kept_bytes"] == 0
     _assert_params(kept, reference)

@@ -147,12 +147,19 @@ def synchronize_gradients(context: ModelContext) -> None:
     them to ``.grad``, whatever the units' sync settings."""
     units = [state.unit for state in context.states]
     collectives = context.collectives
-    for unit in units:
-        options = unit.settings.reduce_options
-        for buffer in unit.trainable_buffers:
-            if buffer.grad.has_unreduced:
-                collectives.reduce(buffer, options)
-    collectives.flush_held_reduces()
+    previous = [unit.settings.requires_gradient_sync for unit in units]
+    for unit in units:  # a bucket carries the buffers of syncing units only
+        unit.settings.requires_gradient_sync = True
+    try:
+        for unit in units:
+            options = unit.settings.reduce_options
+            for buffer in unit.trainable_buffers:
+                if buffer.grad.has_unreduced:
+                    collectives.reduce(buffer, options)
+        collectives.flush_held_reduces()
+    finally:
+        for unit, sync in zip(units, previous):
+            unit.settings.requires_gradient_sync = sync
     collectives.finish_reduces()
     for unit in units:
         for buffer in unit.trainable_buffers:
