@@ -15,6 +15,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import GradientReductionHandle, describe, estimate_memory, fully_shard, param_info
@@ -366,3 +367,48 @@ def test_kept_unsharded_storage_keeps_its_data_pointers_and_trains_the_same():
         assert f["kept_bytes"] == f["planned_bytes"] == 0
         assert k["planned_bytes"] == k["kept_bytes"]
     _assert_params(kept, reference)
+
+
+# ------------------------------------------------- torch FSDP2 (2.15 on)
+TORCH_HAS_MANUAL = hasattr(torch_fsdp.FSDPModule, "finalize_backward")
+
+
+def _train_torch_manual(optim_name: str) -> dict:
+    """``_train_manual(..., "no-sync", ...)`` with torch's own
+    ``fully_shard`` and its manual finalization (asynchronous)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model()
+    for block in model.blocks:
+        torch_fsdp.fully_shard(block, mesh=mesh)
+    torch_fsdp.fully_shard(model, mesh=mesh)
+    before = (model.finalize_backward(), type(model.finalize_backward(async_op=True)).__name__)
+    model.set_manual_backward_finalization(True)
+    optim = _optim(model.parameters(), optim_name)
+    unpublished = True
+    for step in range(STEPS):
+        for i, (a, b) in enumerate(_micro_batches(step)):
+            model.set_requires_gradient_sync(i == MICRO - 1)
+            (model.loss(a, b) / MICRO).backward()
+        unpublished &= all(p.grad is None for p in model.parameters())
+        model.finalize_backward(async_op=True).wait()
+        optim.step()
+        optim.zero_grad()
+    return {"before_forward": before, "unpublished_before_finalize": unpublished,
+            "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.skipif(not TORCH_HAS_MANUAL, reason="torch FSDP2 has manual finalization from "
+                    "torch 2.15 (make test-newest runs this)")
+@pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
+def test_manual_finalization_matches_torch_fsdp2(optim_name):
+    """torch 2.15's FSDP2 and fsdp_compose, manual finalization on the
+    same micro-batches (3 ranks): the same parameters, nothing published
+    before finalization by either, the same no-op before the first forward."""
+    ours = run_distributed(3, _train_manual, (3,), "no-sync", optim_name, timeout=240)
+    theirs = run_distributed(3, _train_torch_manual, optim_name, timeout=240)
+    for mine, fsdp2 in zip(ours, theirs):
+        assert fsdp2["before_forward"][0] is None
+        assert fsdp2["unpublished_before_finalize"] == mine["unpublished_before_finalize"] is True
+        for name, want in fsdp2["params"].items():
+            diff = (mine["params"][name] - want).abs().max().item()
+            assert diff <= _atol(optim_name), f"{name} differs from FSDP2's by {diff}"
