@@ -402,13 +402,14 @@ def _train_torch_manual(optim_name: str) -> dict:
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
 def test_manual_finalization_matches_torch_fsdp2(optim_name):
     """torch 2.15's FSDP2 and fsdp_compose, manual finalization on the
-    same micro-batches (3 ranks): the same parameters, nothing published
-    before finalization by either, the same no-op before the first forward."""
+    same micro-batches (3 ranks): the same parameters and the same no-op
+    before the first forward. (FSDP2 may set ``.grad`` before finalization,
+    its documentation says to read them after; fsdp_compose publishes none.)"""
     ours = run_distributed(3, _train_manual, (3,), "no-sync", optim_name, timeout=240)
     theirs = run_distributed(3, _train_torch_manual, optim_name, timeout=240)
     for mine, fsdp2 in zip(ours, theirs):
         assert fsdp2["before_forward"][0] is None
-        assert fsdp2["unpublished_before_finalize"] == mine["unpublished_before_finalize"] is True
+        assert mine["unpublished_before_finalize"]  # FSDP2 may show .grad early: "read after"
         for name, want in fsdp2["params"].items():
             diff = (mine["params"][name] - want).abs().max().item()
             assert diff <= _atol(optim_name), f"{name} differs from FSDP2's by {diff}"
