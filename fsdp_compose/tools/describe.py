@@ -480,6 +480,8 @@ def _jsonable(value: Any) -> Any:
         return str(value).removeprefix("torch.")
     if isinstance(value, torch.device):
         return str(value)
+    if callable(value):  # MixedPrecisionPolicy.param_dtype_override_fn
+        return getattr(value, "__qualname__", repr(value))
     return value
 
 
@@ -606,6 +608,10 @@ def _precision(policy: MixedPrecisionPolicy) -> str:
     parts = [f"{name} {_dtype(getattr(policy, name))}"
              for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
              if getattr(policy, name) is not None]
+    if policy.reduce_dtype is None and policy.reduce_follows_grad_dtype:
+        parts.append("reduce in the parameters' dtype")
+    if policy.param_dtype_override_fn is not None:
+        parts.append("per-parameter param_dtype_override_fn")
     return "mixed precision (" + ", ".join(parts) + ")"
 
 
