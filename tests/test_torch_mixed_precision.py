@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.torch_version import TorchVersion
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
+from fsdp_compose.buffers.records import buffer_policy, resolve_dtypes
 from fsdp_compose.runtime.state import states_below
 from tests._comm_counter import REDUCE_SCATTER, CollectiveCounter
 from tests.harness import run_distributed
@@ -111,7 +112,6 @@ def test_own_policy_keeps_its_meaning_on_every_torch():
     for res in ours:
         assert res["reduce_dtypes"] == ["torch.bfloat16"]
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_follows_grad_dtype=True)
-    from fsdp_compose.buffers.records import buffer_policy, resolve_dtypes
     dtypes = resolve_dtypes(FP32, buffer_policy(policy, None, False))
     assert (dtypes.compute, dtypes.reduce) == (BF16, FP32)
 
