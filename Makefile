@@ -14,17 +14,20 @@ TORCH_PIN := torch==2.13.0
 # cached by pip after the first build; the CPU tests never load a GPU.
 TORCH_OLDEST := 2.11.0
 OLDEST_VENV  := .venv-oldest
-# The newest torch pip installs here (pip is capped at 2.14.1 on these
-# machines; a CUDA build too, run on the CPU), tested by `make test-newest`
-# on the same tests as test-oldest.
-TORCH_NEWEST := 2.14.1
+# The newest torch release, tested by `make test-newest` on the same tests as
+# test-oldest (a CUDA build from PyPI too, ~540 MB plus its nvidia-* wheels, run
+# on the CPU). The pip configuration of these machines caps torch below it with a
+# constraint file: that venv installs through .ci/pip-uncapped, which passes every
+# other pip setting as a PIP_* variable and reads no configuration file.
+TORCH_NEWEST := 2.15.0
 NEWEST_VENV  := .venv-torch-$(TORCH_NEWEST)
 # What `make test-oldest` runs: the guard and the torch-sensitive paths (staging
 # pool, version counters, the views' autograd node, composable state, DTensor/DCP checkpoints, TP's
 # _StridedShard, MemTracker, the planner's fake tensors, pipelining, fp8/int8 wire codecs, DeviceMesh's
 # process-group cache at exit, the optimizers' functional forms and state initialisation of
-# flat_step, the blocked-rank watcher's view of torch's frames, FSDP2's comm protocols) plus
-# parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
+# flat_step, the blocked-rank watcher's view of torch's frames, FSDP2's comm protocols, FSDP2's
+# method set and policy fields, what torch's MixedPrecisionPolicy means on that torch, manual
+# finalization) plus parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
 OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_param_views.py \
 	tests/test_parity.py \
 	tests/test_collectives_and_memory.py tests/test_bucketing.py tests/test_checkpoint_model.py \
@@ -32,7 +35,8 @@ OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/tes
 	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
 	tests/test_module_api.py tests/test_errors.py tests/test_moe.py tests/test_spmd_mesh.py \
 	tests/test_quantized_wire.py tests/test_quantized_collectives.py tests/test_exit.py \
-	tests/test_flat_step.py tests/test_optimizer_state_init.py tests/test_blocked_rank.py tests/test_fsdp2_methods.py
+	tests/test_flat_step.py tests/test_optimizer_state_init.py tests/test_blocked_rank.py tests/test_fsdp2_methods.py \
+	tests/test_fsdp2_compat.py tests/test_torch_mixed_precision.py tests/test_manual_finalization.py
 
 .PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench bench-report clean
 
@@ -59,18 +63,20 @@ test-oldest:
 # The same tests on the newest torch pip installs (TORCH_NEWEST), in $(NEWEST_VENV).
 test-newest:
 	$(MAKE) test-torch TORCH_VERSION=$(TORCH_NEWEST) TORCH_VENV=$(NEWEST_VENV) \
-		PYTEST_ARGS="$(OLDEST_TESTS) $(PYTEST_ARGS)"
+		TORCH_PIP=".ci/pip-uncapped $(NEWEST_VENV)/bin/pip" PYTEST_ARGS="$(OLDEST_TESTS) $(PYTEST_ARGS)"
 
 # The tests on any torch pip installs: make test-torch TORCH_VERSION=2.14.1
-# (venv .venv-torch-2.14.1; PYTEST_ARGS picks tests, default all).
+# (venv .venv-torch-2.14.1; PYTEST_ARGS picks tests, default all; TORCH_PIP the pip
+# that installs into it).
 TORCH_VENV ?= .venv-torch-$(TORCH_VERSION)
+TORCH_PIP  ?= $(TORCH_VENV)/bin/pip
 test-torch:
 	@test -n "$(TORCH_VERSION)" || { echo "usage: make test-torch TORCH_VERSION=2.x.y"; exit 2; }
 	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	@$(TORCH_VENV)/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" \
-		2>/dev/null || $(TORCH_VENV)/bin/pip install --no-input -q 'torch==$(TORCH_VERSION)'
+		2>/dev/null || $(TORCH_PIP) install --no-input -q 'torch==$(TORCH_VERSION)'
 	@test -f $(TORCH_VENV)/.stamp -a $(TORCH_VENV)/.stamp -nt pyproject.toml || { \
-		$(TORCH_VENV)/bin/pip install --no-input -q -e '.[test,hf]' 'torch==$(TORCH_VERSION)' && \
+		$(TORCH_PIP) install --no-input -q -e '.[test,hf]' 'torch==$(TORCH_VERSION)' && \
 		touch $(TORCH_VENV)/.stamp; }
 	$(TORCH_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(TORCH_VENV)/bin/lint-imports

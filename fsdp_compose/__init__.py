@@ -21,6 +21,7 @@ from .gradients.torch_norms import route_torch_grad_norms
 from .optim import flat_step
 from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, propose_units
 from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, share_comm_ctx
+from .runtime.manual_finalization import GradientReductionHandle
 
 __all__ = [
     "fully_shard", "Blocks", "OnMesh", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",
@@ -30,5 +31,6 @@ __all__ = [
     "propose_units", "check_finite_gradients", "set_gloo_reduce_scatter_via_all_reduce",
     "full_params", "route_torch_grad_norms", "mark_reduced_elsewhere", "flat_step",
     "FSDPModule", "OffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx",
+    "GradientReductionHandle",
 ]
 __version__ = "0.1.0"

@@ -8,9 +8,10 @@ Frozen dataclasses, so one policy object can be shared by many units.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,15 @@ class MixedPrecisionPolicy:
             Applies to floating-point parameters only.
         reduce_dtype: dtype gradients are reduced and accumulated in: the
             reduce-scatter and the sum of micro-batches accumulated without
-            sync. ``None``: the gradient's own dtype (``param_dtype`` when
-            set). The reduced shard is accumulated into the full-precision
-            sharded gradient.
+            sync. ``None``: ``param_dtype`` when set (the dtype backward
+            computes the gradient in), else the parameter's dtype; with
+            ``reduce_follows_grad_dtype=True``, the parameter's dtype. The
+            reduced shard is accumulated into the full-precision sharded
+            gradient. (torch's own ``MixedPrecisionPolicy`` given to
+            ``fully_shard`` means what it means under that torch's
+            ``fully_shard``: on torch >= 2.15 ``reduce_dtype=None`` follows
+            the parameter's dtype, e.g. fp32 for fp32 parameters with
+            ``param_dtype=torch.bfloat16``; before 2.15, ``param_dtype``.)
         output_dtype: cast floating-point outputs of the unit's forward to
             this dtype. ``None``: no cast.
         cast_forward_inputs: cast floating-point tensor inputs of the unit's
@@ -53,6 +60,18 @@ class MixedPrecisionPolicy:
         buffer_dtype: (keyword-only) dtype that the unit's floating-point
             module buffers are converted to, in place, when the unit is
             created. ``None``: keep.
+        param_dtype_override_fn: (keyword-only, torch 2.15's field) called
+            once per parameter at ``fully_shard``: returning the
+            parameter's own dtype keeps it in that dtype (all-gathered and
+            computed in it, e.g. norms in fp32 while the rest computes in
+            bf16); ``None`` or ``param_dtype``: ``param_dtype``. Any other
+            dtype raises ``ValueError`` (as torch). Must return the same on
+            every rank. Inputs are still cast to ``param_dtype``.
+        reduce_follows_grad_dtype: (keyword-only) with ``reduce_dtype=None``,
+            reduce in the parameter's dtype instead of ``param_dtype``
+            (torch 2.15's meaning of ``reduce_dtype=None``; what a torch
+            >= 2.15 policy converts to). Default ``False``: fsdp_compose's
+            meaning, torch <= 2.14's.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -62,6 +81,8 @@ class MixedPrecisionPolicy:
     _: KW_ONLY  # fsdp_compose's own fields: keyword-only, after FSDP2's four
     reduce_comm_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
+    param_dtype_override_fn: Optional[Callable[[nn.Parameter], Optional[torch.dtype]]] = None
+    reduce_follows_grad_dtype: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "reduce_comm_dtype", "output_dtype",

@@ -21,6 +21,8 @@ from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
 from .policies import PrefetchPolicy
 from .runtime.comm_methods import ShardedCommMethods
+from .runtime.finalization_methods import ShardedFinalizationMethods
+from .runtime.manual_finalization import drop_pending_gradients
 from .runtime.state import FullyShardState, state_of, states_below
 from .runtime.buckets import cap_bytes
 from .runtime.class_names import USER_CLASS_ATTR
@@ -41,10 +43,12 @@ class UnshardHandle:
         self._units = []
 
 
-class ShardedModule(ShardedCommMethods):
+class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
     """Methods mixed into every module annotated by :func:`fully_shard`
     (the module's class becomes a subclass of its own class and this one);
-    those that change the collectives are in ``runtime/comm_methods.py``.
+    those that change the collectives are in ``runtime/comm_methods.py``,
+    those that finalize backward by hand or keep unsharded storage in
+    ``runtime/finalization_methods.py``.
     ``fsdp_compose.FSDPModule`` is this class."""
 
     def unshard(self, async_op: bool = False, *, recurse: bool = False) -> Optional[UnshardHandle]:
@@ -278,8 +282,11 @@ class ShardedModule(ShardedCommMethods):
         """``nn.Module.zero_grad``; with ``set_to_none`` (the default) the
         memory of the sharded gradients it cleared is given back at once,
         where nothing else holds them, rather than at the next forward (as
-        ``optimizer.zero_grad()`` does, see ``fsdp_compose/gradients/torch_zero_grad.py``)."""
+        ``optimizer.zero_grad()`` does, see ``fsdp_compose/gradients/torch_zero_grad.py``).
+        The gradients not yet reduced (``get_pending_gradients``) are dropped
+        too, as one process drops what it accumulated."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
+        drop_pending_gradients([state.unit for state in states_below((self,))])
         if set_to_none:
             for state in states_below((self,)):
                 for buffer in state.unit.buffers:

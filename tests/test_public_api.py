@@ -11,7 +11,8 @@ import pytest
 
 PUBLIC = {
     "fsdp_compose": [
-        "Blocks", "CPUOffloadPolicy", "CommPolicy", "FSDPModule", "MixedPrecisionPolicy",
+        "Blocks", "CPUOffloadPolicy", "CommPolicy", "FSDPModule", "GradientReductionHandle",
+        "MixedPrecisionPolicy",
         "OffloadPolicy", "OnMesh", "PrefetchPolicy",
         "ShardedGradScaler", "ShardedModule", "ShardedParamInfo", "UnshardHandle",
         "check_finite_gradients", "clip_grad_norm_", "describe", "estimate_memory",

@@ -62,8 +62,8 @@ class FlatBuffer:
       *rest)`` under the other placements);
     * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device)
       has storage only while ``is_unsharded``, unless ``aliased``
-      (:func:`records.is_aliased`); it requires grad exactly when some
-      parameter does;
+      (:func:`records.is_aliased`) or ``keeps_unsharded_storage``; it
+      requires grad exactly when some parameter does;
     * the module attributes hold the original parameters while sharded and
       the unsharded views while ``is_unsharded`` (``slots``);
     * the gradients live in ``grad`` (:class:`FlatGradient`).
@@ -153,6 +153,10 @@ class FlatBuffer:
         cleared by ``runtime/collective_queue.py``)."""
         self.staging: Optional[StagingPool] = None
         """Where the unsharded storage's memory comes from (CPU; ``None``: the allocator)."""
+        self.keeps_unsharded_storage: bool = False
+        """Reshard leaves the unsharded storage its memory, and unshard
+        reuses it: the same data pointers in every iteration
+        (``set_keep_unsharded_storage``)."""
         self._post_forward: Optional[_PostForwardCopy] = None
         """This rank's piece kept by a reshard after forward to ``k`` ranks."""
         self._versions_at_unshard: tuple[int, ...] = ()
@@ -474,9 +478,22 @@ class FlatBuffer:
         self.is_unsharded = True
         self.slots.swap_in_views()
 
+    def keep_unsharded_storage(self, keep: bool) -> None:
+        """See ``keeps_unsharded_storage``; ``False`` frees the memory now
+        where the buffer is sharded."""
+        self.keeps_unsharded_storage = keep
+        if not keep and not self.is_unsharded and not self.aliased and self.gathering is None \
+                and self.unsharded.untyped_storage().nbytes():
+            self._release_unsharded_storage()
+
     def allocate_unsharded(self) -> None:
         """Give the unsharded storage its memory; its views stay valid."""
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
+        storage = self.unsharded.untyped_storage()
+        if self.keeps_unsharded_storage:
+            if storage.nbytes() != nbytes:  # the first unshard since it was kept
+                storage.resize_(nbytes)
+            return
         if self.staging is not None:
             self.staging.fill(self.unsharded.untyped_storage(), nbytes)
         else:
@@ -568,6 +585,8 @@ class FlatBuffer:
 
     def _release_unsharded_storage(self) -> None:
         """Free the unsharded storage's memory; its views stay valid."""
+        if self.keeps_unsharded_storage:
+            return  # kept: the next unshard writes the same memory
         if self.staging is not None:
             self.staging.drain(self.unsharded.untyped_storage())
         else:
@@ -578,6 +597,12 @@ class FlatBuffer:
         self._post_forward = None
 
     # ----------------------------------------------------------- inspection
+    def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter of the padded flat ``flat`` in its original shape
+        (views where contiguous, see ``param_views.ViewPlan.views``)."""
+        with torch.no_grad():
+            return self._view_plan.views(flat)
+
     def local_slices(self) -> tuple[ShardSlice, ...]:
         return self._slices
 

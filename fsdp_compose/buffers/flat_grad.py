@@ -329,6 +329,33 @@ class FlatGradient:
             output, self._subset = self._subset.spread(output), None
         return output.add_(partial)
 
+    def take_partial(self) -> Optional[torch.Tensor]:
+        """What :meth:`hold_partial` kept (cleared here), for its replica
+        all-reduce at finalization; ``None``: nothing kept."""
+        partial, self._partial = self._partial, None
+        return partial
+
+    def pending_unreduced(self) -> Optional[torch.Tensor]:
+        """The unreduced flat gradient as the next reduction reads it
+        (``padded_numel`` elements), without moving it; ``None``: none."""
+        grad = self.owner.unsharded.grad
+        if self._accumulated is None:
+            return grad
+        if grad is not None:  # inside a backward without sync: not summed yet
+            self.stash_unreduced()
+        return self._accumulated
+
+    def pending_partial(self) -> Optional[torch.Tensor]:
+        """What :meth:`hold_partial` kept (``S`` elements), not moved."""
+        return self._partial
+
+    def drop_pending(self) -> None:
+        """Forget the unreduced and the partly reduced gradient (``zero_grad``).
+
+        Pre-condition: no reduction in flight."""
+        self.discard_unreduced()
+        self._partial = None
+
     def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
         """The reduced chunk (every rank of the mesh summed or averaged)
         scaled and added into the unpublished sharded gradient."""

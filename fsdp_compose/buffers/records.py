@@ -45,6 +45,8 @@ class ParamRecord:
         own_buffer: it has a flat buffer of its own
             (:func:`split_whole_pieces`, the default placement's rule on a
             CPU mesh).
+        keeps_dtype: it is computed in its own dtype, not the policy's
+            ``param_dtype`` (:func:`apply_dtype_overrides`).
     """
 
     param: nn.Parameter
@@ -55,6 +57,7 @@ class ParamRecord:
     placement: Placement = FLAT
     group: Optional[ShardGroup] = None
     own_buffer: bool = False
+    keeps_dtype: bool = False
 
 
 class BufferPolicy(NamedTuple):
@@ -82,6 +85,9 @@ class BufferPolicy(NamedTuple):
     reduce_comm_dtype: Optional[torch.dtype] = None
     gather_quantizer: Optional[BlockQuantizer] = None
     reduce_quantizer: Optional[BlockQuantizer] = None
+    reduce_follows_param: bool = False
+    """``reduce_dtype=None`` reduces in the parameters' dtype, not the
+    compute dtype (``MixedPrecisionPolicy.reduce_follows_grad_dtype``)."""
 
 
 class BufferDtypes(NamedTuple):
@@ -110,7 +116,41 @@ def buffer_policy(mp_policy: MixedPrecisionPolicy, offload_policy: Optional[CPUO
         reduce_comm_dtype=mp_policy.reduce_comm_dtype, offload_to_cpu=offload_policy is not None,
         pin_memory=offload_policy is not None and offload_policy.pin_memory and cuda_available,
         gather_quantizer=_quantizer(comm.all_gather, comm.block_size),
-        reduce_quantizer=_quantizer(comm.reduce_scatter, comm.block_size))
+        reduce_quantizer=_quantizer(comm.reduce_scatter, comm.block_size),
+        reduce_follows_param=mp_policy.reduce_follows_grad_dtype)
+
+
+def policy_for(records: list[ParamRecord], policy: BufferPolicy) -> BufferPolicy:
+    """The policy of the buffer of ``records`` (one group of
+    :func:`group_records`): parameters that keep their dtype are gathered
+    and computed in it."""
+    return policy._replace(compute_dtype=None) if records[0].keeps_dtype else policy
+
+
+def apply_dtype_overrides(records: list[ParamRecord], mp_policy: Optional[MixedPrecisionPolicy]
+                          ) -> None:
+    """Call ``mp_policy.param_dtype_override_fn`` once per floating-point
+    parameter and mark those it keeps in their own dtype (``keeps_dtype``).
+    ``ValueError`` naming the parameter for any dtype but ``None``,
+    ``param_dtype`` and the parameter's own (as torch's ``fully_shard``)."""
+    override = mp_policy.param_dtype_override_fn if mp_policy is not None else None
+    if override is None or mp_policy is None:
+        return
+    param_dtype = mp_policy.param_dtype
+    for record in records:
+        dtype = override(record.param)
+        if dtype is None:
+            continue
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"param_dtype_override_fn must return a torch.dtype or None, got "
+                             f"{type(dtype).__name__} for parameter '{record.fqn}'")
+        if dtype not in (param_dtype, record.param.dtype):
+            raise ValueError(
+                f"param_dtype_override_fn returned {dtype} for parameter '{record.fqn}' "
+                f"({record.param.dtype}); it may return None, param_dtype ({param_dtype}) or "
+                "the parameter's own dtype (to keep it in that dtype).")
+        record.keeps_dtype = param_dtype is not None and dtype == record.param.dtype != param_dtype \
+            and record.param.dtype.is_floating_point
 
 
 def _quantizer(code_dtype: Optional[torch.dtype], block: int) -> Optional[BlockQuantizer]:
@@ -122,7 +162,8 @@ def resolve_dtypes(dtype: torch.dtype, policy: BufferPolicy) -> BufferDtypes:
     mixed precision applies to floating-point buffers only."""
     floating = dtype.is_floating_point
     compute = (policy.compute_dtype if floating else None) or dtype
-    reduce = (policy.reduce_dtype if floating else None) or compute
+    fallback = dtype if policy.reduce_follows_param else compute
+    reduce = (policy.reduce_dtype if floating else None) or fallback
     reduce_comm = (policy.reduce_comm_dtype if floating else None) or reduce
     return BufferDtypes(dtype, compute, reduce, reduce_comm)
 
@@ -135,16 +176,17 @@ def is_aliased(world_size: int, dtypes: BufferDtypes, stored_where_computed: boo
 
 def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
     """One group (one flat buffer) per ``(dtype, requires_grad, fixed,
-    shard group, own buffer)``, in order of first appearance, so frozen
-    parameters never cost gradient memory or reduce-scatter volume;
-    parameters pinned to ranks (``"owned"``, ``ShardDim``) and the others (a
-    stream of flat/rows/blocks) never share a layout (``layout.py``);
-    parameters on another mesh than their unit's, and those marked
-    ``own_buffer``, have buffers of their own."""
-    groups: dict[tuple[torch.dtype, bool, bool, int, int], list[ParamRecord]] = {}
+    shard group, own buffer, keeps its dtype)``, in order of first
+    appearance, so frozen parameters never cost gradient memory or
+    reduce-scatter volume; parameters pinned to ranks (``"owned"``,
+    ``ShardDim``) and the others (a stream of flat/rows/blocks) never share
+    a layout (``layout.py``); parameters on another mesh than their unit's,
+    those marked ``own_buffer`` and those ``param_dtype_override_fn`` keeps
+    in their own dtype have buffers of their own."""
+    groups: dict[tuple[torch.dtype, bool, bool, int, int, bool], list[ParamRecord]] = {}
     for r in records:
         key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement), id(r.group),
-               id(r) if r.own_buffer else 0)
+               id(r) if r.own_buffer else 0, r.keeps_dtype)
         groups.setdefault(key, []).append(r)
     return list(groups.values())
 
@@ -271,7 +313,7 @@ def buffer_layout(records: list[ParamRecord], world_size: int, policy: BufferPol
     """The layout of one group's flat buffer: its placements, with chunks
     16-byte aligned in the shard's, the gathered and the reduced dtype (and
     in 2-byte dtypes, so that ``module.to(torch.bfloat16)`` keeps them so)."""
-    dtypes = resolve_dtypes(records[0].param.dtype, policy)
+    dtypes = resolve_dtypes(records[0].param.dtype, policy_for(records, policy))
     align = alignment(dtypes.param.itemsize, dtypes.compute.itemsize,
                       dtypes.reduce_comm.itemsize, 2)
     return FlatLayout([r.shape for r in records], world_size,

@@ -524,6 +524,23 @@ class CollectiveQueue:
             with profiled("reduce_scatter_wait"):
                 self._reduces.popleft().wait()
 
+    def all_reduce_held(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
+        """Issue the replica all-reduce of what ``set_requires_all_reduce(False)``
+        kept for ``buffer`` (``runtime/manual_finalization.py``); its
+        completion folds it. Nothing kept: nothing issued."""
+        group = buffer.group
+        if group.replicate_size == 1 or group.replicate_process_group is None:
+            return  # no replicas: nothing is ever kept partial
+        partial = buffer.grad.take_partial()
+        if partial is None:
+            return
+        hook = buffer.comms.all_reduce_hook if buffer.comms is not None else None
+        work = all_reduce_replicas(partial, group, *options, async_op=True)
+        flight = InFlight("all_reduce_replicas", work, group.replicate_process_group, [buffer],
+                          _folded(buffer, partial, options, hook))
+        buffer.grad.reducing = flight
+        self._replicas.append([flight])
+
     def finish_reduces(self) -> None:
         """Oldest first."""
         with profiled("reduce_scatter_wait", "all in flight"):

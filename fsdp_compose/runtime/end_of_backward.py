@@ -25,14 +25,26 @@ def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
     collectives.flush_held_reduces()  # buckets some of whose members had no backward
     reduce_deferred(units, collectives)
     if is_last_backward:
-        collectives.finish_reduces()
-        collectives.observer.before_publish()
-        publish_gradients([b for unit in units for b in unit.buffers], collectives.observer)
+        finish_reductions(units, collectives)
     for unit in units:
         unit.finish_backward()
     if is_last_backward:
-        collectives.end_iteration()  # everything is resharded: free the staging pool
-        collectives.order_agreed(forward_order)  # the fingerprint check above passed on every rank
+        end_step(collectives, forward_order)
+
+
+def finish_reductions(units: Sequence[Unit], collectives: CollectiveQueue) -> None:
+    """Wait every reduction in flight and publish the gradients. Every rank
+    calls it at the same point (the publication all-reduces the used flags)."""
+    collectives.finish_reduces()
+    collectives.observer.before_publish()
+    publish_gradients([b for unit in units for b in unit.buffers], collectives.observer)
+
+
+def end_step(collectives: CollectiveQueue, forward_order: Sequence[Unit]) -> None:
+    """After :func:`finish_reductions`, every unit resharded: the step's
+    collectives are over."""
+    collectives.end_iteration()  # everything is resharded: free the staging pool
+    collectives.order_agreed(forward_order)  # the fingerprint check above passed on every rank
 
 
 def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None:

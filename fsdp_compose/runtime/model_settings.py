@@ -24,6 +24,7 @@ SETTERS: dict[str, str] = {
     MAX_PENDING_REDUCES: "set_reduce_scatter_max_input_buffers",
     "bucket_cap_mb": "set_bucket_cap_mb",
     "is_last_backward": "set_is_last_backward",
+    "manual_finalization": "set_manual_backward_finalization",
     "check_rank_divergence": "set_check_rank_divergence",
     "after_last_backward": "set_check_finite_gradients",
 }
@@ -46,6 +47,8 @@ class ModelSettings:
             ``None`` in the default window.
         after_last_backward: called with the root module after each last
             backward, once everything is resharded and published.
+        manual_finalization: no backward is the last; ``finalize_backward``
+            ends the step ([Note: manual finalization]).
     """
 
     prefetch_policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
@@ -53,6 +56,7 @@ class ModelSettings:
     is_last_backward: bool = True
     check_rank_divergence: Optional[bool] = None
     after_last_backward: Optional[Callable[[nn.Module], None]] = None
+    manual_finalization: bool = False
 
     def change(self, name: str, value: Any) -> None:
         """One change named in :data:`SETTERS`."""

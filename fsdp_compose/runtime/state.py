@@ -43,7 +43,7 @@ class ModelContext:
             running backward (once per backward).
     """
 
-    __slots__ = ('backward_callback_queued', 'buffers',
+    __slots__ = ('backward_callback_queued', 'buffers', 'finalization_pending', 'pending_reduction',
                  'collectives', 'gradients', 'path', 'prefetch_order', 'root', 'settings',
                  'states', 'views_for_backward',
                  '__dict__', '__weakref__')
@@ -57,6 +57,12 @@ class ModelContext:
         self.prefetch_order: PrefetchOrder[Unit] = prefetch_order
         self.collectives: CollectiveQueue = collectives
         self.backward_callback_queued: bool = False
+        self.pending_reduction: Optional[object] = None
+        """The ``GradientReductionHandle`` of a ``finalize_backward(async_op=True)``
+        not waited yet; ``reset_iter_state`` drops it (its ``wait()`` then raises)."""
+        self.finalization_pending: bool = False
+        """Under manual finalization, a backward ended since the last
+        ``finalize_backward`` ([Note: manual finalization])."""
         self.views_for_backward: list[Unit] = []
         """See :meth:`FullyShardState.reshard`."""
         self.buffers: tuple[FlatBuffer, ...] = tuple(
@@ -302,6 +308,8 @@ class FullyShardState(_State):
             context.prefetch_order.discard_iteration()
             context.collectives.discard_iteration()
             context.backward_callback_queued = False
+            context.finalization_pending = False
+            context.pending_reduction = None
             context.views_for_backward.clear()
 
     def _finish_incomplete_units(self) -> None:
@@ -365,7 +373,8 @@ class FullyShardState(_State):
         context = self.context
         context.backward_callback_queued = False
         settings = context.settings
-        last = settings.is_last_backward
+        last = settings.is_last_backward and not settings.manual_finalization
+        context.finalization_pending = settings.manual_finalization
         order = context.prefetch_order
         with profiled("end_of_backward"):
             finish_backward([state.unit for state in context.states], context.collectives,

@@ -15,7 +15,7 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
-from ..buffers.records import ParamRecord, buffer_policy
+from ..buffers.records import ParamRecord, buffer_policy, policy_for
 from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
@@ -90,7 +90,8 @@ class Unit:
                                self.settings.comm_policy)
         self.buffers: list[FlatBuffer] = [
             FlatBuffer(records, records[0].group or group, post_accumulate_grad=self._post_backward,
-                       policy=policy, before_flat_gradient=self._before_flat_gradient)
+                       policy=policy_for(records, policy),
+                       before_flat_gradient=self._before_flat_gradient)
             for records in records_by_group]
         self._buffer_of: dict[int, tuple[FlatBuffer, int]] = {
             id(r.param): (b, i) for b in self.buffers for i, r in enumerate(b.records)}

@@ -10,8 +10,11 @@ field (``fully_shard`` calls them on its arguments)::
     fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 Invariants:
-    * a converted policy behaves as the torch policy does under torch's
-      ``fully_shard`` (same field names and meanings);
+    * a converted policy behaves as the torch policy does under the
+      installed torch's ``fully_shard`` (same field names and meanings;
+      ``reduce_dtype=None`` follows the gradient's dtype from torch 2.15 on,
+      ``param_dtype`` before: :data:`REDUCE_FOLLOWS_GRAD_DTYPE`;
+      ``param_dtype_override_fn`` as torch 2.15 evaluates it);
     * torch's "no policy" objects (``MixedPrecisionPolicy()`` with every
       field at its default, the ``OffloadPolicy()`` base class) become
       ``None``, as if no policy were passed;
@@ -25,6 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+import torch
+from torch.torch_version import TorchVersion
 
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -46,7 +52,13 @@ def as_mp_policy(policy: object, caller: str = "fully_shard") -> Optional[MixedP
     if all(values[name] == field.default for name, field in _fields(MixedPrecisionPolicy).items()
            if name in values):
         return None  # torch's default policy: no mixed precision
-    return MixedPrecisionPolicy(**values)
+    return MixedPrecisionPolicy(**values, reduce_follows_grad_dtype=REDUCE_FOLLOWS_GRAD_DTYPE)
+
+
+REDUCE_FOLLOWS_GRAD_DTYPE: bool = TorchVersion(torch.__version__) >= (2, 15)
+"""What torch's ``MixedPrecisionPolicy(reduce_dtype=None)`` means under the
+installed torch's ``fully_shard``: from 2.15 the gradient's dtype (the
+parameter's), before 2.15 ``param_dtype``."""
 
 
 def as_offload_policy(policy: object, caller: str = "fully_shard") -> Optional[CPUOffloadPolicy]:

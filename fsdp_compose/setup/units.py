@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor, Shard
 from ..buffers import tensor_parallel
 from ..buffers.layout import (DEFAULT_PLACEMENT, FLAT, FlatLayout, Placement, ShardDim,
                              check_placement)
-from ..buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, buffer_layout,
-                              flatten_costly_rows, group_records, resolve_dtypes,
-                              split_whole_pieces)
+from ..buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, apply_dtype_overrides,
+                              buffer_layout, flatten_costly_rows, group_records, policy_for,
+                              resolve_dtypes, split_whole_pieces)
 from ..checks.divergence import DivergenceMonitor
 from ..checks.late_parameters import check_no_late_parameters, snapshot_modules
 from ..checks.replicate import is_replicated
@@ -160,7 +160,7 @@ def plan_buffers(records: list[ParamRecord], world_size: int,
     """The flat buffers of a unit with ``records`` sharded over
     ``world_size`` ranks: one per group of ``group_records``."""
     return [BufferPlan(group, buffer_layout(group, world_size, policy),
-                       resolve_dtypes(group[0].param.dtype, policy),
+                       resolve_dtypes(group[0].param.dtype, policy_for(group, policy)),
                        group[0].param.requires_grad)
             for group in group_records(records)]
 
@@ -194,6 +194,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     if flattened and group.rank == 0:
         _warn_flattened(flattened)
     _check_params(records, group.device)
+    apply_dtype_overrides(records, mp_policy)
     unit = Unit(modules, managed, group_records(records), group, reshard_after_forward,
                 mp_policy, offload_policy, comm_policy)
     if mp_policy is not None and mp_policy.buffer_dtype is not None:

@@ -111,6 +111,9 @@ class BufferReport:
         own_buffer: the default placement put its one parameter alone in it
             (on a CPU mesh, so that no rank holds much more of it than
             FSDP2's ``Shard(0)``: ``records.split_whole_pieces``).
+        kept_unsharded: its unsharded storage is kept between uses
+            (``set_keep_unsharded_storage``): ``unsharded_bytes`` held for
+            the whole run, sharded or not.
     """
 
     trainable: bool
@@ -129,6 +132,7 @@ class BufferReport:
     imbalance: float = 0.0
     ranks: tuple[int, ...] = ()
     own_buffer: bool = False
+    kept_unsharded: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,9 @@ class Totals:
             there is no unit); roughly the peak parameter memory is the root
             plus two such units during forward.
         largest_unit_unsharded_bytes: its unsharded size.
+        kept_unsharded_bytes: unsharded bytes held for the whole run by
+            buffers that keep their unsharded storage
+            (``set_keep_unsharded_storage``), on top of the shards.
     """
 
     parameters: int
@@ -201,6 +208,7 @@ class Totals:
     padding: int
     largest_unit: str
     largest_unit_unsharded_bytes: int
+    kept_unsharded_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -408,7 +416,8 @@ def _buffer_report(buffer: FlatBuffer, paths: dict[int, list[str]]) -> BufferRep
         shard_numel=layout.shard_numel, shard_bytes=layout.shard_numel * buffer.dtype.itemsize,
         rank_numels=loads, imbalance=_imbalance(loads),
         ranks=tuple(dist.get_process_group_ranks(buffer.group.process_group)),
-        own_buffer=buffer.records[0].own_buffer)
+        own_buffer=buffer.records[0].own_buffer,
+        kept_unsharded=buffer.keeps_unsharded_storage and not buffer.aliased)
 
 
 def placement_name(placement: object) -> str:
@@ -457,6 +466,8 @@ def _totals(units: tuple[UnitReport, ...],
         padding=sum(b.padding for u in units for b in u.buffers),
         largest_unit=largest.label if largest is not None else "",
         largest_unit_unsharded_bytes=largest.unsharded_bytes if largest is not None else 0,
+        kept_unsharded_bytes=sum(b.unsharded_bytes for u in units for b in u.buffers
+                                 if b.kept_unsharded),
     )
 
 
@@ -469,6 +480,8 @@ def _jsonable(value: Any) -> Any:
         return str(value).removeprefix("torch.")
     if isinstance(value, torch.device):
         return str(value)
+    if callable(value):  # MixedPrecisionPolicy.param_dtype_override_fn
+        return getattr(value, "__qualname__", repr(value))
     return value
 
 
@@ -512,6 +525,9 @@ def _render(report: ModelReport) -> str:
     if totals.largest_unit:
         lines.append(f"largest unit unsharded: {totals.largest_unit}, "
                      f"{format_bytes(totals.largest_unit_unsharded_bytes)}")
+    if totals.kept_unsharded_bytes:
+        lines.append(f"unsharded storage kept between uses (set_keep_unsharded_storage): "
+                     f"{format_bytes(totals.kept_unsharded_bytes)} per rank, held always")
     return "\n".join(lines)
 
 
@@ -536,7 +552,8 @@ def _render_unit(unit: UnitReport, index: int, count: int) -> list[str]:
         lines.append(
             f"  buffer {b_index}: {kind} {dtypes} on {buffer.storage_device}: "
             f"{buffer.numel:,} + {buffer.padding} padding = {buffer.unsharded_numel:,} elements "
-            f"({_sized(buffer.unsharded_bytes, [buffer.compute_dtype])}); {buffer.shard_numel:,} "
+            f"({_sized(buffer.unsharded_bytes, [buffer.compute_dtype])}"
+            f"{', kept' if buffer.kept_unsharded else ''}); {buffer.shard_numel:,} "
             f"per rank ({_sized(buffer.shard_bytes, [buffer.dtype])})")
         if len(buffer.ranks) != unit.world_size:
             lines.append(f"    sharded over ranks {list(buffer.ranks)} (another mesh than the unit's)")
@@ -591,6 +608,10 @@ def _precision(policy: MixedPrecisionPolicy) -> str:
     parts = [f"{name} {_dtype(getattr(policy, name))}"
              for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype")
              if getattr(policy, name) is not None]
+    if policy.reduce_dtype is None and policy.reduce_follows_grad_dtype:
+        parts.append("reduce in the parameters' dtype")
+    if policy.param_dtype_override_fn is not None:
+        parts.append("per-parameter param_dtype_override_fn")
     return "mixed precision (" + ", ".join(parts) + ")"
 
 

@@ -42,7 +42,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                     backend: Optional[str] = None, placement: object = None,
                     shard_placement_fn: Optional[PlacementFn] = None,
                     bucket_cap_mb: Optional[float] = None,
-                    split_root: bool = False) -> MemoryEstimate:
+                    split_root: bool = False,
+                    keep_unsharded_storage: bool = False) -> MemoryEstimate:
     """Estimate one rank's memory for training ``model`` annotated by ``units``.
 
     Args:
@@ -84,6 +85,9 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
             left to the root before its first unit (embeddings) and after
             its last (final norm and head) become a unit each, kept
             unsharded from forward to backward (``split.py`` here).
+        keep_unsharded_storage: plan ``set_keep_unsharded_storage(True)`` on
+            every unit: every unsharded buffer is held at every moment
+            (``MemoryEstimate.kept_unsharded``; the CPU pool does not apply).
 
     Raises:
         ValueError: an unknown option, units that do not end with ``model``,
@@ -133,7 +137,8 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
                 reshard_after_forward,
                 buckets=group_consecutive([sum(p.unsharded) for p in forward], keys, cap),
                 kept=kept, pooling=CAN_SWAP_STORAGE_DATA, root_late_grads=0 if split_root else
-                _late_root_grads(model, units, specs[-1], mp_policy))
+                _late_root_grads(model, units, specs[-1], mp_policy),
+                keep_unsharded=keep_unsharded_storage)
     return step.estimate(world_size, backend,
                          None if batch_fn is None else sum(unit_acts) + sum(root_acts),
                          backend_assumed, cap_mb)

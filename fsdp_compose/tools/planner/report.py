@@ -64,6 +64,9 @@ class MemoryEstimate:
             (``set_bucket_cap_mb``; 0: bucketing off).
         buckets: the units that share their collectives, one tuple of unit
             names per bucket (forward order); ``()``: none is bucketed.
+        kept_unsharded: unsharded bytes held at every moment because every
+            unit keeps its unsharded storage (``keep_unsharded_storage=True``,
+            ``set_keep_unsharded_storage``); 0 otherwise.
     """
 
     world_size: int
@@ -86,6 +89,7 @@ class MemoryEstimate:
     backend_assumed: bool = False
     bucket_cap_mb: float = 0.0
     buckets: tuple[tuple[str, ...], ...] = ()
+    kept_unsharded: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "peak_parts": self.peak_parts._asdict()}

@@ -65,7 +65,7 @@ import torch.nn as nn
 from ...setup.units import plan_buffers
 from ...buffers.layout import FlatLayout
 from ...buffers.param_views import ViewPlan
-from ...buffers.records import buffer_policy, is_aliased
+from ...buffers.records import apply_dtype_overrides, buffer_policy, is_aliased
 from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
 from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ...runtime.state import ROOT_LABEL
@@ -123,6 +123,7 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
     ``fully_shard``'s own ``setup/units.plan_buffers``."""
     policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
     buffers, train, compute, reduce_comm = [], [], [], []
+    apply_dtype_overrides(spec.records, mp)  # as fully_shard: per parameter, before grouping
     for plan in plan_buffers(spec.records, world, policy):
         dtypes = plan.dtypes
         compute.append(dtypes.compute)
@@ -188,6 +189,7 @@ class Step:
     kept: frozenset = frozenset()  # plan indices kept from forward to backward (split root)
     pooling: bool = True  # pool on: this torch can lend storages memory (CAN_SWAP_STORAGE_DATA)
     root_late_grads: int = 0  # root parameter gradients that arrive at its own backward only
+    keep_unsharded: bool = False  # set_keep_unsharded_storage: every unsharded buffer held always
 
     def estimate(self, world: int, backend: str, activations: Optional[int],
                  backend_assumed: bool = False, bucket_cap_mb: float = 0.0) -> MemoryEstimate:
@@ -200,9 +202,12 @@ class Step:
         moments = list(self._moments())
         pooled = self._pooled(moments) if self.pool and self.pooling else None
         parts = []
+        kept = sum(sum(p.unsharded) for p in plans) if self.keep_unsharded else 0  # aliased: 0
         for index, m in enumerate(moments):
             unsharded = pooled[index] if pooled is not None else \
                 sum(sum(plans[i].unsharded) for i in m.live)
+            if self.keep_unsharded:  # held at every moment, in use or not (no pool)
+                unsharded = kept
             unsharded += sum(plans[i].copies for i in m.live)  # not pooled: resized in place
             shard_grads = 0 if self.offload else sum(plans[i].grads for i in m.reduced)
             parts.append(PeakParts(fixed, shard_grads, unsharded + m.transient, m.comm, m.acts))
@@ -218,7 +223,8 @@ class Step:
             cpu_bytes=sharded + grads + state if self.offload else 0,
             largest_unit=largest.name, largest_unit_bytes=sum(largest.unsharded),
             backend_assumed=backend_assumed, bucket_cap_mb=bucket_cap_mb,
-            buckets=tuple(tuple(plans[i].name for i in b) for b in self.buckets))
+            buckets=tuple(tuple(plans[i].name for i in b) for b in self.buckets),
+            kept_unsharded=kept)
 
     def _groups(self, backward: bool = False) -> list[list[int]]:
         """Per plan index, the units gathered and reduced with it: its

@@ -1,0 +1,209 @@
+"""The caller ends the step's gradient reduction: FSDP2 2.15's manual
+backward finalization, the replica all-reduce that hybrid sharding
+deferred, and the pending gradients read between micro-batches.
+
+[Note: manual finalization]
+With ``set_manual_backward_finalization(True)`` on the root, the end of
+every backward does what it does under ``set_is_last_backward(False)``:
+the units reshard, their reductions stay in flight and nothing is
+published to ``.grad``. ``finalize_backward()`` then, on every rank at the
+same point:
+
+1. waits the reduce-scatters still in flight;
+2. issues, per buffer, the one replica all-reduce of what
+   ``set_requires_all_reduce(False)`` kept over the step (hybrid sharding;
+   FSDP2 2.15 refuses this case);
+3. returns, with ``async_op=True``, a :class:`GradientReductionHandle`
+   whose ``wait()`` (4) waits those all-reduces, publishes the gradients
+   and ends the step (the same end as a last backward's); without
+   ``async_op`` it does (4) at once.
+
+Between (3) and (4) the gradients are not readable; computation that does
+not touch them overlaps the all-reduces. Before the first forward, and
+when no backward ran since the last finalization, it does nothing and
+returns ``None``.
+
+[Note: pending gradients]
+Between the backwards of a step the gradients not yet reduced are
+readable and writable where they lie, without communication
+(:func:`pending_gradients`): a gradient kept unreduced by
+``set_requires_gradient_sync(False)`` is this rank's sum over its
+micro-batches, full shape; one kept by ``set_requires_all_reduce(False)``
+is this rank's piece of the sum over its replica's ranks (reduce-scattered,
+not all-reduced over the replicas). ``synchronize_gradients`` reduces both
+and publishes them; ``zero_grad`` drops both, as one process drops the
+gradients it accumulated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .._torch_private import current_graph_task_id
+from ..buffers.flat_buffer import FlatBuffer
+from .end_of_backward import end_step, finish_reductions
+from .state import FullyShardState, ModelContext
+from .training_state import TrainingState
+from .unit import Unit
+
+
+class GradientReductionHandle:
+    """Returned by ``finalize_backward(async_op=True)``: the step's
+    reductions are in flight. ``wait()`` completes them: every gradient is
+    reduced and published to ``.grad``, every unit resharded. Call it on
+    every rank before reading the gradients or stepping the optimizer; a
+    second ``wait()`` does nothing. ``RuntimeError`` if
+    ``reset_iter_state()`` dropped the reductions since (as FSDP2)."""
+
+    def __init__(self, context: Optional[ModelContext] = None,
+                 complete: Optional[Callable[[], None]] = None) -> None:
+        self._context: Optional[ModelContext] = context
+        self._complete: Optional[Callable[[], None]] = complete
+        """``None``: nothing to do (waited, or nothing was pending)."""
+
+    def wait(self) -> None:
+        context, complete = self._context, self._complete
+        if context is None or complete is None:
+            return  # waited already, or nothing was in flight
+        if context.pending_reduction is not self:
+            raise RuntimeError("This gradient reduction handle was invalidated: "
+                               "reset_iter_state() dropped its reductions")
+        self._context = self._complete = None
+        context.pending_reduction = None
+        complete()
+
+
+def check_root_between_backwards(state: FullyShardState, method: str) -> Optional[ModelContext]:
+    """``state``'s model, checked to be called on its root and outside
+    backward (``None``: no forward ran yet). Raises on every rank alike:
+    the checks read only what every rank shares."""
+    unit, context = state.unit, state.context
+    if context is None:
+        if state.annotated_parent is not None:
+            raise RuntimeError(
+                f"{method} was called on {unit.name}, which is not the root module (an "
+                "annotated module above it is): call it on the root module, the one annotated "
+                "last.")
+        return None
+    if context.root is not state:
+        raise RuntimeError(
+            f"{method} was called on {unit.name}, which is not the root; call it on the root "
+            f"module, {context.root.unit.name}.")
+    busy = [s.unit for s in context.states if s.unit.training_state in
+            (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)]
+    if context.backward_callback_queued or busy or current_graph_task_id() != -1:
+        raise RuntimeError(
+            f"{method} was called on {unit.name} during backward"
+            + (f" ({busy[0].name} is in {busy[0].training_state.name})" if busy else "")
+            + ": call it between backward passes, after the step's last backward returned.")
+    return context
+
+
+def finalize_backward(context: ModelContext, async_op: bool) -> Optional[GradientReductionHandle]:
+    """[Note: manual finalization]. A handle with ``async_op`` (one that
+    does nothing when no backward ran since the last finalization), else
+    ``None`` once done."""
+    if not context.settings.manual_finalization:
+        raise RuntimeError(
+            f"finalize_backward on {context.root.unit.name} requires manual backward "
+            "finalization: call set_manual_backward_finalization(True) on it before forward.")
+    if context.pending_reduction is not None:
+        raise RuntimeError(
+            f"finalize_backward on {context.root.unit.name}: the previous gradient reduction "
+            "must be waited on before finalizing backward again (call wait() on the handle "
+            "the last finalize_backward(async_op=True) returned).")
+    if not context.finalization_pending:
+        return GradientReductionHandle() if async_op else None  # no backward since the last
+    context.finalization_pending = False
+    units = [state.unit for state in context.states]
+    collectives = context.collectives
+    collectives.finish_reduces()
+    for unit in units:
+        for buffer in unit.trainable_buffers:
+            collectives.all_reduce_held(buffer, unit.settings.reduce_options)
+    order = context.prefetch_order
+    forward_order = order.forward_order or order.previous_forward_order
+
+    def complete() -> None:
+        finish_reductions(units, collectives)
+        end_step(collectives, forward_order)
+        after = context.settings.after_last_backward
+        if after is not None:
+            after(context.root.unit.modules[0])
+
+    handle = GradientReductionHandle(context, complete)
+    context.pending_reduction = handle
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def synchronize_gradients(context: ModelContext) -> None:
+    """Reduce every pending gradient now (the reduce-scatter of those kept
+    unreduced, the replica all-reduce of those kept partial) and publish
+    them to ``.grad``, whatever the units' sync settings."""
+    units = [state.unit for state in context.states]
+    collectives = context.collectives
+    previous = [unit.settings.requires_gradient_sync for unit in units]
+    for unit in units:  # a bucket carries the buffers of syncing units only
+        unit.settings.requires_gradient_sync = True
+    try:
+        for unit in units:
+            options = unit.settings.reduce_options
+            for buffer in unit.trainable_buffers:
+                if buffer.grad.has_unreduced:
+                    collectives.reduce(buffer, options)
+        collectives.flush_held_reduces()
+    finally:
+        for unit, sync in zip(units, previous):
+            unit.settings.requires_gradient_sync = sync
+    collectives.finish_reduces()
+    for unit in units:
+        for buffer in unit.trainable_buffers:
+            collectives.all_reduce_held(buffer, unit.settings.reduce_options)
+    finish_reductions(units, collectives)
+    context.finalization_pending = False
+
+
+def pending_gradients(units: list[Unit]) -> dict[str, torch.Tensor]:
+    """[Note: pending gradients]: by FQN, each parameter's gradient not yet
+    reduced (full shape) or not yet all-reduced over the replicas (this
+    rank's piece); parameters with neither are left out. The tensors are
+    views of what the next reduction reads: changes count (a parameter
+    placed with ``ShardDim(d)``, ``d > 0``, gets a copy when unreduced)."""
+    out: dict[str, torch.Tensor] = {}
+    for unit in units:
+        for buffer in unit.trainable_buffers:
+            unreduced, partial = buffer.grad.pending_unreduced(), buffer.grad.pending_partial()
+            if unreduced is not None and partial is not None:
+                raise RuntimeError(
+                    f"get_pending_gradients on {unit.name}: the gradients of "
+                    f"{buffer.records[0].fqn} (and the rest of its buffer) are both unreduced "
+                    "(set_requires_gradient_sync(False)) and partly reduced "
+                    "(set_requires_all_reduce(False)); read them after a backward with "
+                    "gradient sync, or call synchronize_gradients() first.")
+            views = _views(buffer, unreduced, partial)
+            for record, view in zip(buffer.records, views):
+                if view is not None:
+                    out[record.fqn] = view
+    return out
+
+
+def _views(buffer: FlatBuffer, unreduced: Optional[torch.Tensor],
+           partial: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    if unreduced is not None:
+        return list(buffer.full_views(unreduced))
+    if partial is not None:
+        return list(buffer.local_views(partial))
+    return [None] * len(buffer.records)
+
+
+def drop_pending_gradients(units: list[Unit]) -> None:
+    """``zero_grad``: forget the gradients not yet reduced, as one process
+    forgets what it accumulated."""
+    for unit in units:
+        for buffer in unit.trainable_buffers:
+            buffer.grad.drop_pending()
