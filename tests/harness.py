@@ -29,8 +29,13 @@ test-gpu``): then each worker computes on GPU ``rank % device_count`` and gloo c
 tensors, so several ranks share one GPU. ``run_nccl(world_size, fn, ...)`` runs ``fn`` over NCCL
 (one GPU per rank; skip the test where fewer GPUs are visible).
 
-Workers: one pool of ``world_size`` processes per world size and backend (``spawn`` context), started lazily,
-kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit).  Each
+Workers: one pool of ``world_size`` processes per world size and backend, started lazily,
+kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit).
+Workers are forked from multiprocessing's fork server, which imports torch, this module and
+``fsdp_compose`` once (``_PRELOAD``): a new or replaced pool costs a fork per rank instead of
+a fresh interpreter importing torch (seconds of CPU per rank). The server never computes, so
+no thread, CUDA context or process group is inherited; each worker takes the parent's
+``sys.path`` and environment as they are when the pool starts, as a spawned process would.  Each
 pool rendezvouses through its own temp file, never a TCP port.  Before every call each worker
 runs ``gc.collect()`` (then ``gc.freeze()``: what survived is never scanned again), reseeds
 ``random``/``torch`` with 0, sets one thread, enables grad and resets the default dtype, so
@@ -52,7 +57,9 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import gc
+import importlib.util
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -121,14 +128,17 @@ class WorkerDiedError(DistributedTestError):
 
 def _worker_main(
     rank: int, world_size: int, backend: str, init_file: str, log_file: str, conn: Connection,
-    sys_path: list[str],
+    sys_path: list[str], environ: dict[str, str], origins: dict[str, str | None],
 ) -> None:
     sys.path[:] = sys_path
+    os.environ.clear()  # the fork server's environment is the parent's at its start, not now
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     log = open(log_file, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.enable(file=log, all_threads=True)  # crash dumps
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)  # "where are you stuck?"
     try:
+        _check_preloaded(origins)
         torch.set_num_threads(1)
         try:
             torch.set_num_interop_threads(1)
@@ -251,13 +261,52 @@ def _exit_description(code: int | None) -> str:
     return f"exit code {code}"
 
 
+# What the fork server imports once, before it forks any worker (what every worker imports).
+_PRELOAD = ["torch", "torch.distributed", "fsdp_compose"]
+
+
+def _context() -> mp.context.BaseContext:
+    """The fork server's context, the server started with this process's ``sys.path``.
+
+    Python 3.11's server ignores the ``sys_path`` it is given: without ``PYTHONPATH`` it
+    would preload an installed ``fsdp_compose`` where this process imports another
+    checkout's (``_check_preloaded`` refuses such a worker)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        mp.forkserver.ensure_running()  # type: ignore[attr-defined]
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
+def _origins() -> dict[str, str | None]:
+    """Where this process imports each preloaded module from."""
+    return {name: getattr(importlib.util.find_spec(name), "origin", None) for name in _PRELOAD}
+
+
+def _check_preloaded(origins: dict[str, str | None]) -> None:
+    for name, origin in origins.items():
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None) != origin:
+            raise ImportError(f"the fork server preloaded {name} from {module.__file__}, the "
+                              f"tests import it from {origin}: start pytest with PYTHONPATH set "
+                              f"to the checkout under test")
+
+
 class _Pool:
-    """``world_size`` spawned workers sharing one process group (gloo or NCCL)."""
+    """``world_size`` forked workers sharing one process group (gloo or NCCL)."""
 
     def __init__(self, world_size: int, backend: str = "gloo") -> None:
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"dist-harness-ws{world_size}-")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
+        origins = _origins()
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
@@ -268,7 +317,7 @@ class _Pool:
             proc = ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, backend, init_file, self.logs[rank], child_conn,
-                      list(sys.path)),
+                      list(sys.path), dict(os.environ), origins),
                 name=f"dist-ws{world_size}-rank{rank}",
             )
             proc.start()
