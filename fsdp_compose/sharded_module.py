@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ._torch_private import require_override
+from .checks.ddp_wrapper import ddp_around_annotated
 from .checks.finite import check_finite_gradients
 from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
@@ -46,6 +47,11 @@ class ShardedModule(ShardedCommMethods):
     (the module's class becomes a subclass of its own class and this one);
     those that change the collectives are in ``runtime/comm_methods.py``.
     ``fsdp_compose.FSDPModule`` is this class."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # the first attribute DistributedDataParallel's constructor reads (checks/ddp_wrapper.py)
+        raise ddp_around_annotated(self)
 
     def unshard(self, async_op: bool = False, *, recurse: bool = False) -> Optional[UnshardHandle]:
         """All-gather this unit's parameters (and every unit below it with
