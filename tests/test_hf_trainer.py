@@ -243,3 +243,45 @@ def test_trainer_on_a_gpu_matches_accelerate_fsdp2(accumulate):
     torch.testing.assert_close(ours["eval"], fsdp2["eval"], **tol)
     assert [step for step, _ in ours["eval"]] == [SAVE_EVERY, STEPS]
     assert ours["reduce_scatters"] == 2 * STEPS  # once per step and LoRA unit
+
+
+def _annotated_from_config():
+    """What each ``fsdp_config`` key does to the units (no trainer)."""
+    from types import SimpleNamespace
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+    from fsdp_compose import CPUOffloadPolicy
+    from fsdp_compose.integrations.hf import _annotate, _precision
+    from fsdp_compose.runtime.state import state_of
+    args = SimpleNamespace(fsdp_config={"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                        "reshard_after_forward": "false", "cpu_offload": True,
+                                        "activation_checkpointing": True, "version": 2})
+    model = build_llama(lora=True)
+    names = _annotate.annotate(model, _annotate.fsdp_config(args), _precision.policy_for(torch.bfloat16))
+    units = [m for m in model.modules() if isinstance(m, ShardedModule)]
+    settings = [state_of(m).unit.settings for m in units]
+    fallback = build_llama()  # no fsdp_config: the model's _no_split_modules
+    fallback_names = _annotate.annotate(fallback, {}, None)
+    try:
+        _annotate.fsdp_config(SimpleNamespace(fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP"}))
+        unknown = None
+    except ValueError as e:
+        unknown = str(e)
+    return {"names": names, "fallback_names": fallback_names, "units": len(units),
+            "root_annotated": units[0] is model,
+            "reshard": {s.reshard_after_forward for s in settings},
+            "offload": {type(s.offload_policy) is CPUOffloadPolicy for s in settings},
+            "param_dtypes": {s.mp_policy.param_dtype for s in settings},
+            "reduce_dtypes": {s.mp_policy.reduce_dtype for s in settings},
+            "checkpointed": sum(checkpoint.state(layer) is not None for layer in decoder_layers(model)),
+            "fallback_units": sum(isinstance(m, ShardedModule) for m in fallback.modules()),
+            "unknown": unknown}
+
+
+def test_fsdp_config_keys_become_unit_settings():
+    got = run_distributed(2, _annotated_from_config)[0]
+    assert got["names"] == ["LlamaDecoderLayer"] and got["fallback_names"] == ["LlamaDecoderLayer"]
+    assert got["units"] == got["fallback_units"] == 3 and got["root_annotated"]
+    assert got["reshard"] == {False} and got["offload"] == {True}
+    assert got["param_dtypes"] == {torch.bfloat16} and got["reduce_dtypes"] == {torch.float32}
+    assert got["checkpointed"] == 2
+    assert "'auto_wrap_policy'" in got["unknown"] and "transformer_layer_cls_to_wrap" in got["unknown"]

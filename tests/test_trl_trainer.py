@@ -40,7 +40,7 @@ def _config(output_dir, steps, **overrides):
     from trl import SFTConfig
     return SFTConfig(output_dir=output_dir, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, max_steps=steps, learning_rate=5e-3,
-                     max_grad_norm=0.25, logging_steps=1, save_steps=SAVE_AT, report_to=[],
+                     max_grad_norm=0.2, logging_steps=1, save_steps=SAVE_AT, report_to=[],
                      use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo",
                      dataloader_num_workers=0, **overrides)
 
@@ -107,12 +107,12 @@ def test_sft_trainer_usual_form_matches_ddp_and_resumes_exactly():
     assert ours["steps"] == ddp["steps"] == list(range(1, STEPS + 1))
     _close(ours["losses"], ddp["losses"])
     _close(ours["norms"], ddp["norms"])
-    assert min(ddp["norms"]) < 0.25 < max(ddp["norms"])  # some steps clipped, some not
+    assert min(ddp["norms"]) < 0.2 < max(ddp["norms"])  # some steps clipped, some not
     assert ours["total_flos"] == ddp["total_flos"] > 0
     assert ours["our_warnings"] == []  # the Trainer's empty no-decay group of a LoRA model
-    assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
-    assert resumed["losses"] == ours["losses"][SAVE_AT:]
-    assert resumed["norms"] == ours["norms"][SAVE_AT:]
+    # the resumed log: steps 1-6 from the checkpoint's trainer state, 7-12 run again
+    assert resumed["steps"] == ours["steps"]
+    assert resumed["losses"] == ours["losses"] and resumed["norms"] == ours["norms"]
 
 
 def test_sft_trainer_default_bf16_trains_close_to_ddp():

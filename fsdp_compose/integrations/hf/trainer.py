@@ -96,6 +96,10 @@ class ShardedTrainerMixin:
                                "(pip install 'fsdp_compose[hf]').")
         # checked before the trainer's constructor, which applies PEFT and fixes accelerate's
         # process-wide state
+        if kwargs.get("model_init") is not None:
+            raise ValueError(f"{name} does not take model_init=: the Trainer calls it again inside "
+                             "train() for a fresh model, which would not be annotated. Build the "
+                             "model and pass model=.")
         model = kwargs.get("model", args[0] if args else None)
         given_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         annotated = _check_annotation(name, model)
