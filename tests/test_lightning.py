@@ -159,8 +159,8 @@ def test_lightning_stock_strategy_trains_but_finds_no_model_to_save():
     the steps (FSDP2's losses), and its checkpoints find no model (it looks
     for DTensor parameters)."""
     with tempfile.TemporaryDirectory() as tmp:
-        fsdp2 = run_distributed(2, _train, "fsdp2")[0]
-        stock = run_distributed(2, _stock, os.path.join(tmp, "ckpt"))[0]
+        fsdp2 = run_distributed(2, _train, "fsdp2", timeout=300)[0]  # generous: the first imports
+        stock = run_distributed(2, _stock, os.path.join(tmp, "ckpt"), timeout=300)[0]
     torch.testing.assert_close(stock["losses"], fsdp2["losses"], atol=1e-6, rtol=0)
     assert "Could not find a distributed model" in stock["save_error"]
 
