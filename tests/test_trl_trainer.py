@@ -115,16 +115,18 @@ def test_sft_trainer_usual_form_matches_ddp_and_resumes_exactly():
     assert resumed["losses"] == ours["losses"] and resumed["norms"] == ours["norms"]
 
 
-def test_sft_trainer_default_bf16_trains_close_to_ddp():
-    """SFTConfig's default ``bf16=True``: bf16 compute, fp32 shards and
-    reductions here; autocast under DDP. Not bitwise the same computation:
-    finite losses close to DDP's."""
+@pytest.mark.parametrize("flags", [{}, {"bf16": False, "fp16": True}], ids=["default_bf16", "fp16"])
+def test_sft_trainer_low_precision_trains_close_to_ddp(flags):
+    """SFTConfig's default ``bf16=True`` (and ``fp16=True``, with a gradient
+    scaler): low-precision compute, fp32 shards and reductions here;
+    autocast under DDP. Not bitwise the same computation: finite losses
+    close to DDP's."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_llama_dir(os.path.join(tmp, "model"))
         ddp = run_distributed(2, _sft, False, model_dir, os.path.join(tmp, "ddp"), steps=4,
-                              timeout=300)[0]
+                              timeout=300, **flags)[0]
         ours = run_distributed(2, _sft, True, model_dir, os.path.join(tmp, "ours"), steps=4,
-                               timeout=300)[0]
+                               timeout=300, **flags)[0]
     assert ours["steps"] == ddp["steps"] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(ours["losses"])))
     torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=2e-2, atol=0)

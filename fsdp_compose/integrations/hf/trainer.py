@@ -137,9 +137,12 @@ class ShardedTrainerMixin:
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer; its decay / no-decay groups are chosen by
         parameter name, so one left empty (a LoRA model's no-decay group) is
-        the rule's intent, not a shard's shape misleading it."""
+        the rule's intent, not a shard's shape misleading it. An optimizer
+        passed in (``optimizers=``) keeps the check."""
+        builds = self.optimizer is None
         optimizer = super().create_optimizer(model)  # type: ignore[misc]
-        groups_chosen_by_name(_unwrapped(optimizer))
+        if builds:
+            groups_chosen_by_name(_unwrapped(optimizer))
         return optimizer
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
