@@ -31,6 +31,7 @@ from tests._hf import (SEQ, VOCAB, build_llama, reset_trainer_env, save_llama_di
 from tests.harness import TEST_DEVICE, run_distributed  # noqa: E402
 
 STEPS, SAVE_AT = 12, 6
+TIMEOUT = 600  # s, generous: the first call imports transformers, datasets and trl in every worker
 pytestmark = [pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="accelerate runs DDP on CPUs only"),
               pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
                                          "ignore::FutureWarning")]
@@ -94,13 +95,13 @@ def test_sft_trainer_usual_form_matches_ddp_and_resumes_exactly():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_llama_dir(os.path.join(tmp, "model"))
         ddp = run_distributed(2, _sft, False, model_dir, os.path.join(tmp, "ddp"), bf16=False,
-                              timeout=300)[0]
+                              timeout=TIMEOUT)[0]
         ours_dir = os.path.join(tmp, "ours")
-        ours = run_distributed(2, _sft, True, model_dir, ours_dir, bf16=False, timeout=300)[0]
+        ours = run_distributed(2, _sft, True, model_dir, ours_dir, bf16=False, timeout=TIMEOUT)[0]
         saved = trained_adapter(ours_dir)
         _close(saved, trained_adapter(os.path.join(tmp, "ddp")))
         assert len(saved) == 8  # A and B of q_proj and v_proj in both layers
-        resumed = run_distributed(2, _sft, True, model_dir, ours_dir, bf16=False, timeout=300,
+        resumed = run_distributed(2, _sft, True, model_dir, ours_dir, bf16=False, timeout=TIMEOUT,
                                   resume=os.path.join(ours_dir, f"checkpoint-{SAVE_AT}"))[0]
         _close(trained_adapter(ours_dir), saved)
     assert ddp["wrapped"] == "DistributedDataParallel" and ours["wrapped"] == "ShardedPeftModel"
@@ -124,9 +125,9 @@ def test_sft_trainer_low_precision_trains_close_to_ddp(flags):
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_llama_dir(os.path.join(tmp, "model"))
         ddp = run_distributed(2, _sft, False, model_dir, os.path.join(tmp, "ddp"), steps=4,
-                              timeout=300, **flags)[0]
+                              timeout=TIMEOUT, **flags)[0]
         ours = run_distributed(2, _sft, True, model_dir, os.path.join(tmp, "ours"), steps=4,
-                               timeout=300, **flags)[0]
+                               timeout=TIMEOUT, **flags)[0]
     assert ours["steps"] == ddp["steps"] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor(ours["losses"])))
     torch.testing.assert_close(ours["losses"], ddp["losses"], rtol=2e-2, atol=0)
@@ -164,7 +165,7 @@ def test_sft_trainer_refusals_name_the_fix_on_every_rank():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_llama_dir(os.path.join(tmp, "model"))
         for found in run_distributed(2, _refusals, model_dir, os.path.join(tmp, "out"),
-                                     timeout=300):
+                                     timeout=TIMEOUT):
             assert "peft_config" in found["peft_config"]
             assert "get_peft_model" in found["peft_config"]
             assert "ShardedTrainerMixin" in found["plain"]
