@@ -45,7 +45,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	@$(VPY) -c "import torch" 2>/dev/null || $(VENV)/bin/pip install --no-input $(TORCH_PIN)
-	$(VENV)/bin/pip install --no-input -q -e '.[test,hf,lightning]' '$(TORCH_PIN)'
+	$(VENV)/bin/pip install --no-input -q -e '.[test,hf,lightning,trl]' '$(TORCH_PIN)'
 	@touch $@
 
 # The layer contracts first (import-linter, pyproject.toml), the type checker over

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ._torch_private import require_override
+from .checks.ddp_wrapper import ddp_around_annotated
 from .checks.finite import check_finite_gradients
 from .gradients.clip import clip_grad_norm_
 from .comm.rendezvous import arrive
@@ -50,6 +51,11 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
     those that finalize backward by hand or keep unsharded storage in
     ``runtime/finalization_methods.py``.
     ``fsdp_compose.FSDPModule`` is this class."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # the first attribute DistributedDataParallel's constructor reads (checks/ddp_wrapper.py)
+        raise ddp_around_annotated(self)
 
     def unshard(self, async_op: bool = False, *, recurse: bool = False) -> Optional[UnshardHandle]:
         """All-gather this unit's parameters (and every unit below it with

@@ -184,3 +184,42 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def save_llama_dir(directory: str, tie: bool = False) -> str:
+    """``build_llama``'s model and a word-level tokenizer over its
+    vocabulary (``<pad>``, ``<s>``, ``</s>``, ``t3`` ... ``t100``), written
+    with ``save_pretrained`` into ``directory``: a model path that
+    ``from_pretrained`` / ``AutoTokenizer`` read offline. Returns it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<pad>")
+    build_llama(tie).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def reset_trainer_env(cuda: bool = False) -> None:
+    """In a worker process, before building a Hugging Face trainer: the
+    environment torchrun would set, accelerate's process-wide state and
+    variables from an earlier trainer in the same process cleared."""
+    from accelerate.state import AcceleratorState
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK="0" if cuda else str(rank), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS=str(torch.get_num_threads()),
+                      HF_HUB_OFFLINE="1")
+    for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "FSDP_"))]:
+        del os.environ[name]  # what an FSDP2 run before (same worker process) left set
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def trained_adapter(directory: str) -> dict[str, torch.Tensor]:
+    """The LoRA weights ``PeftModel.from_pretrained`` reads from
+    ``directory`` into a fresh ``build_llama()``, in this (one) process."""
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(build_llama(), directory)
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}

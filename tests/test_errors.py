@@ -25,6 +25,18 @@ def _raises(fn, *fragments):
     raise AssertionError("no exception raised")
 
 
+def ddp_around_an_annotated_model():
+    """DDP's constructor refuses it on every rank, before its shape check
+    (a collective): the message names the trainer mixin; DDP around an
+    unannotated model is untouched."""
+    from torch.nn.parallel import DistributedDataParallel
+    model = shard_blocks_and_root(GPT())
+    message = _raises(lambda: DistributedDataParallel(model), "TypeError", "annotated by fully_shard",
+                      "ShardedTrainerMixin", "ModelParallelStrategy")
+    DistributedDataParallel(nn.Linear(3, 2))
+    return message
+
+
 def annotate_twice():
     model = GPT()
     fully_shard(model.blocks[0])
@@ -359,6 +371,7 @@ def test_misuse_during_training(case):
     annotate_twice, child_after_parent, tied_weights_in_two_units, sparse_parameter,
     non_contiguous_parameter, mixed_devices, meta_parameters, wrong_policy_type,
     late_registered_parameter_is_still_detected, deepcopy_of_an_annotated_model,
+    ddp_around_an_annotated_model,
 ])
 def test_misuse_raises_clear_error(case):
     messages = run_distributed(2, case)

@@ -46,7 +46,7 @@ def _fabric(impl, sharded_checkpoint, bf16=False, lora=False, data_parallel_size
     """A Fabric over the harness's process group (Lightning sees processes
     started externally and a process group already initialised)."""
     from lightning.fabric import Fabric
-    if impl == "fsdp2":
+    if impl in ("fsdp2", "stock"):  # stock: fsdp_compose's fully_shard under Lightning's strategy
         from lightning.fabric.strategies import ModelParallelStrategy
     else:
         from fsdp_compose.integrations.lightning.fabric import ModelParallelStrategy
@@ -139,6 +139,30 @@ def test_fabric_matches_fsdp2_and_resumes_exactly(sharded_checkpoint):
     # FSDP2's checkpoint (written by Lightning's own strategy) resumes under fsdp_compose
     torch.testing.assert_close(from_fsdp2["losses"], fsdp2["losses"][SAVE_AFTER:],
                                atol=1e-6, rtol=0)
+
+
+def _stock(save_to):
+    """fsdp_compose's ``fully_shard`` under Lightning's own strategy: the
+    steps, then what ``fabric.save`` says."""
+    result = _train("stock")
+    fabric = _fabric("stock", sharded_checkpoint=True)
+    model = fabric.setup_module(GPT(CFG))
+    try:
+        fabric.save(save_to, {"model": model})
+    except ValueError as e:
+        result["save_error"] = str(e)
+    return result
+
+
+def test_lightning_stock_strategy_trains_but_finds_no_model_to_save():
+    """What docs/integrations.md says of Lightning's own strategy: it runs
+    the steps (FSDP2's losses), and its checkpoints find no model (it looks
+    for DTensor parameters)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fsdp2 = run_distributed(2, _train, "fsdp2", timeout=300)[0]  # generous: the first imports
+        stock = run_distributed(2, _stock, os.path.join(tmp, "ckpt"), timeout=300)[0]
+    torch.testing.assert_close(stock["losses"], fsdp2["losses"], atol=1e-6, rtol=0)
+    assert "Could not find a distributed model" in stock["save_error"]
 
 
 def test_fabric_lora_llama_matches_fsdp2_and_resumes_exactly():

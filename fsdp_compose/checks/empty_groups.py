@@ -13,7 +13,10 @@ For an optimizer that holds parameters of ``fully_shard`` units, a step
 pre-hook (installed once per process by ``fully_shard``):
 
 * warns once, on rank 0, at the first step, naming each empty group by its
-  index and hyperparameters;
+  index and hyperparameters, unless the groups were filled by a rule on
+  parameter names (:func:`groups_chosen_by_name`: a name is the same
+  whatever the placement, so an empty group there is the rule's intent,
+  e.g. Hugging Face's no-decay group for a LoRA model);
 * before every step, gives an empty group that lacks a hyperparameter the
   optimizer's ``defaults`` (a group of no parameter changes no number; this
   only lets ``step()`` run).
@@ -35,6 +38,14 @@ from ..runtime.owners import owner_of
 _installed: list[object] = []
 _seen: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
 """Optimizer -> whether it holds managed parameters (looked at once)."""
+_chosen_by_name: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+
+
+def groups_chosen_by_name(optimizer: Optimizer) -> None:
+    """Tell the check that ``optimizer``'s groups were filled by a rule on
+    parameter names, which sharding cannot mislead: an empty group is not
+    warned about (its hyperparameters are still filled before each step)."""
+    _chosen_by_name.add(optimizer)
 
 
 def install_empty_group_check() -> None:
@@ -49,7 +60,7 @@ def _before_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
         managed = _seen[optimizer] = any(owner_of(p) is not None
                                          for group in optimizer.param_groups
                                          for p in group["params"])
-        if managed:
+        if managed and optimizer not in _chosen_by_name:
             _warn_empty(optimizer)
     if managed:
         _fill_empty_groups(optimizer)

@@ -1,0 +1,104 @@
+"""The model the trainer got, annotated as accelerate's FSDP2 plugin would
+shard it, from the keys its users already write in ``fsdp_config``.
+
+Read (the rest of ``fsdp_config`` is accelerate's and refused here, except
+``version`` and ``state_dict_type``, which have nothing to choose under
+fsdp_compose: the model is always saved as full tensors, the optimizer as
+a DCP directory):
+
+* ``transformer_layer_cls_to_wrap``: the layer classes (names) to annotate,
+  each module of them a unit; without it the model's ``_no_split_modules``
+  (what accelerate falls back to); then the root;
+* ``reshard_after_forward``: passed to every ``fully_shard`` call;
+* ``cpu_offload``: ``CPUOffloadPolicy()`` on every unit;
+* ``activation_checkpointing``: torch's composable ``checkpoint`` on each
+  layer (no FQN change; its hooks nest inside the unit's).
+
+The mixed-precision policy comes from the trainer's ``bf16`` / ``fp16``
+flags (``_precision.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from ...api import fully_shard
+from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
+
+LAYER_KEY = "transformer_layer_cls_to_wrap"
+_USED = (LAYER_KEY, "reshard_after_forward", "cpu_offload", "activation_checkpointing")
+_NOTHING_TO_CHOOSE = ("version", "state_dict_type")
+_DEFAULT_WRAP = "TRANSFORMER_BASED_WRAP"
+
+
+def fsdp_config(args: Any) -> dict[str, Any]:
+    """``args.fsdp_config`` as a dict with accelerate's spellings (a JSON
+    file read, ``fsdp_`` prefixes dropped, one layer name made a list);
+    raises ``ValueError`` naming a key that has a meaning fsdp_compose does
+    not give it."""
+    raw = getattr(args, "fsdp_config", None) or {}
+    if isinstance(raw, str):
+        with open(raw, encoding="utf-8") as f:
+            raw = json.load(f)
+    config = {key[len("fsdp_"):] if key.startswith("fsdp_") else key: value
+              for key, value in raw.items()}
+    if isinstance(config.get(LAYER_KEY), str):
+        config[LAYER_KEY] = [config[LAYER_KEY]]
+    # what TrainingArguments fills in itself (or a user copies from accelerate) with no effect
+    defaults = {"auto_wrap_policy": _DEFAULT_WRAP, "min_num_params": 0, "xla": False,
+                "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
+    unknown = sorted(key for key in config if key not in _USED + _NOTHING_TO_CHOOSE
+                     and not (key in defaults and config[key] == defaults[key]))
+    if unknown:
+        raise ValueError(
+            f"fsdp_config has {', '.join(repr(k) for k in unknown)}, which fsdp_compose does not "
+            f"apply. It reads {', '.join(_USED)}; remove the others (for another layout, annotate "
+            "the model with fsdp_compose.fully_shard yourself and pass it annotated).")
+    return config
+
+
+def annotate(model: nn.Module, config: dict[str, Any],
+             mp_policy: Optional[MixedPrecisionPolicy]) -> list[str]:
+    """``fully_shard`` each module of the layer classes, then the root, in
+    place. Returns the class names used. Raises ``ValueError`` when no layer
+    class is known or a named class is not in the model."""
+    names = list(config.get(LAYER_KEY) or _no_split_modules(model))
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} names no layer class to shard (no _no_split_modules): pass "
+            f"fsdp_config={{'{LAYER_KEY}': ['MyDecoderLayer']}} in the training arguments.")
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise ValueError(f"fsdp_config['{LAYER_KEY}'] names {missing}, which {type(model).__name__} "
+                         f"does not contain; its module classes include {sorted(present)[:12]}.")
+    wanted = set(names)
+    layers = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+    if _true(config.get("activation_checkpointing")):
+        from torch.distributed._composable import checkpoint
+        for layer in layers:
+            checkpoint(layer)
+    kwargs: dict[str, Any] = {"mp_policy": mp_policy}
+    if "reshard_after_forward" in config:
+        kwargs["reshard_after_forward"] = _true(config["reshard_after_forward"])
+    if _true(config.get("cpu_offload")):
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return names
+
+
+def _no_split_modules(model: nn.Module) -> list[str]:
+    """The layer classes transformers keeps whole on one device (a PEFT
+    model's from its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return sorted(getattr(base, "_no_split_modules", None) or [])
+
+
+def _true(value: Any) -> bool:
+    """accelerate's reading of a config value: a bool, or a string such as "true"."""
+    return str(value).lower() in ("true", "1", "yes")
