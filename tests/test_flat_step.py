@@ -563,3 +563,29 @@ def _added_group_work() -> list[str]:
 def test_a_param_group_added_later_steps_flat_with_the_others():
     for rank, differences in enumerate(run_distributed(WORLD, _added_group_work)):
         assert not differences, f"rank {rank}: {differences}"
+
+
+def _dropped_work() -> dict:
+    import gc
+    import weakref
+    out = {}
+    for name, scheduled in (("plain", False), ("scheduled", True)):
+        model = _model()
+        optim = _optimizer(model, "adamw-nanogpt-groups")
+        sched = torch.optim.lr_scheduler.StepLR(optim, 1) if scheduled else None
+        for step in range(2):
+            _train_step(model, optim, step)
+        out[f"{name} replaced"] = "step" in optim.__dict__
+        ref = weakref.ref(optim)
+        gc.disable()  # freed by reference counting: the flat step makes no cycle through it
+        try:
+            del optim, sched
+            out[f"{name} freed"] = ref() is None
+        finally:
+            gc.enable()
+    return out
+
+
+def test_an_optimizer_on_the_flat_step_is_freed_when_dropped():
+    for rank, out in enumerate(run_distributed(WORLD, _dropped_work)):
+        assert all(out.values()), f"rank {rank}: {out}"

@@ -44,7 +44,6 @@ does not touch it.
 
 from __future__ import annotations
 
-import types
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
@@ -112,14 +111,18 @@ class FlatStep:
         self._where: dict[int, tuple[Segment, int]] = {}
         """id(parameter) -> (segment, member) of every parameter in a segment."""
         self._warned: set[str] = set()
+        self.installed: Optional[Callable[..., Any]] = None
+        """The step put on the optimizer's instance (``None``: none)."""
+        self.after_scheduler: bool = False
+        """Whether it replaced an LR scheduler's wrapper of torch's step."""
 
     def remove(self) -> None:
         """Step with torch's own step from now on (state stays valid: views)."""
         self.active = False
         optimizer = self._optimizer()
-        if optimizer is not None:
-            _HANDLES.pop(optimizer, None)
-            _uninstall(optimizer)
+        if optimizer is not None and _HANDLES.get(optimizer) is self:
+            del _HANDLES[optimizer]
+            _uninstall(optimizer, self)
 
     # ------------------------------------------------------------ plan
     def _foreach_of(self, group: dict, index: int) -> bool:
@@ -290,25 +293,27 @@ def _why_not(optimizer: Optimizer) -> Optional[str]:
 
 
 def _install(optimizer: Optimizer) -> FlatStep:
-    """Make the optimizer's handle and put the flat step on the instance
-    (around an LR scheduler's wrapper's place, if one is there)."""
+    """Make the optimizer's handle and put the flat step on the instance, in
+    the form of an LR scheduler's wrapper (which it replaces, if one is
+    there): it holds the optimizer weakly (a bound method would make a
+    reference cycle, and an optimizer dropped would wait for the garbage
+    collector), and a scheduler made later sees it as its own."""
     handle = FlatStep(optimizer, rule_for(optimizer), None)
     _HANDLES[optimizer] = handle
-    if "step" in optimizer.__dict__:  # an LR scheduler's wrapper (_why_not said so)
-        optimizer.step = lr_scheduler_step(optimizer, _hooked_flat_step)
-    else:
-        optimizer.step = types.MethodType(_hooked_flat_step, optimizer)
+    handle.after_scheduler = "step" in optimizer.__dict__  # a scheduler's wrapper (_why_not)
+    optimizer.step = handle.installed = lr_scheduler_step(optimizer, _hooked_flat_step)
     return handle
 
 
-def _uninstall(optimizer: Optimizer) -> None:
+def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
     """Put the optimizer's step back to torch's (an LR scheduler's wrapper
-    of the flat step becomes its wrapper of torch's)."""
-    replaced = optimizer.__dict__.get("step")
-    if getattr(replaced, "__func__", None) is _hooked_flat_step:
-        del optimizer.__dict__["step"]
-    elif is_lr_scheduler_step(replaced):
+    made before the flat step becomes its wrapper of torch's)."""
+    if optimizer.__dict__.get("step") is not handle.installed:
+        return  # other code replaced it since: leave theirs (it reaches torch's step, see _flat_step)
+    if handle.after_scheduler:
         optimizer.step = lr_scheduler_step(optimizer, type(optimizer).step)
+    else:
+        del optimizer.__dict__["step"]
 
 
 def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
