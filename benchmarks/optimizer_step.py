@@ -273,7 +273,8 @@ def _record(args, results, columns, rows, notes) -> None:
     write_record(
         "optimizer-step" + ("-nanogpt-groups" if args.groups == "nanogpt" else ""), order=8,
         question="The optimizer step alone: torch's per-parameter step and flat_step vs FSDP2 "
-                 "and DDP",
+                 "and DDP" + (", nanoGPT's weight-decay groups" if args.groups == "nanogpt"
+                              else ""),
         command="python -m benchmarks.optimizer_step " + " ".join(sys.argv[1:]),
         calibration="DDP's AdamW foreach step in the same rounds: " + ", ".join(
             f"{s} {ms:.1f} ms" for s, ms in zip(results, ddp)),
