@@ -286,8 +286,8 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
     The one difference allowed is state a rank cannot have: for parameters
     of which it holds nothing under a placement other than "flat" (their
     ``.grad`` stays ``None`` there, so its optimizer made none). Any other
-    difference raises on every rank (an all-reduce of one integer agrees on
-    it; who differs is gathered only then).
+    difference raises on every rank (where the ranks' plans differ, an
+    all-reduce of one integer agrees on it; who differs is gathered only then).
     Returns the plan and, for parameters this rank has no state for, the
     other state (``step``) a holder has, so every rank saves the same keys."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -324,9 +324,13 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
             entries = [(keys[(fqn, i)][0], i) for i in sorted(indices)]
             merged.append((buffer, name, entries, getattr(torch, dtype.split(".")[-1]),
                            buffer.storage_device))
-    agreed = torch.tensor([int(consistent)], device=backend_device())
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # one integer; who differs only on error
-    if bool(agreed.item()):
+    if all(other == summary for other in every):
+        agreed = consistent  # the same plan on every rank: each decides alike, no agreement needed
+    else:
+        flag = torch.tensor([int(consistent)], device=backend_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one integer; who differs only on error
+        agreed = bool(flag.item())
+    if agreed:
         missing = {}
         for _, _, entries, _, _ in merged:
             for key, i in entries:
