@@ -5,6 +5,15 @@ blocks the training loop.
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint            # default model
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint --rounds 2 --layers 2
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint --same-model --rounds 3
+
+``--same-model``: the saves of a training job instead: each implementation
+is built once (the 36M-parameter GPT: 6 blocks of width 512, vocabulary
+16,384) and trained one AdamW step, then each round times
+``get_state_dict`` + ``dcp.save`` to a fresh directory, the implementations
+alternating (the order turning each round); median over rounds and ranks,
+with the ``get_state_dict`` part apart and each part's CPU time (the
+process's, which machine load moves less than the wall clock).
 
 After one unrecorded warm-up round (no implementation loads onto a cold
 heap), each round builds each implementation afresh (interleaved, order
@@ -167,10 +176,82 @@ def async_round(cfg: GPTConfig, root: Path, stores: tuple[CheckpointStore, Check
             "async_wait_s": wait_s}
 
 
+def same_model_saves(cfg: GPTConfig, root: Path, rounds: int) -> dict[str, list[dict[str, float]]]:
+    """``--same-model``: per implementation, per round, the save's wall and
+    CPU seconds and its ``get_state_dict`` part (see the module note)."""
+    names = ("fsdp_compose", "fsdp2")
+    built = {}
+    for name in names:
+        model, optim = build(cfg, name, seed=1)
+        train_one_step(cfg, model, optim)
+        built[name] = (model, optim)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            model, optim = built[name]
+            path = root / f"same-{name}-{r}"
+            gc.collect()
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            msd, osd = get_state_dict(model, optim)
+            got_wall, got_cpu = time.perf_counter(), time.process_time()
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+            dist.barrier()
+            runs[name].append({"save_s": time.perf_counter() - wall,
+                               "save_cpu_s": time.process_time() - cpu,
+                               "get_state_dict_s": got_wall - wall,
+                               "get_state_dict_cpu_s": got_cpu - cpu})
+            del msd, osd
+    return runs
+
+
+def _same_model_main(args: argparse.Namespace, cfg: GPTConfig, root: Path) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = same_model_saves(cfg, root, args.rounds)
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, runs)
+    if rank != 0:
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    keys = ("save_s", "save_cpu_s", "get_state_dict_s", "get_state_dict_cpu_s")
+    summary = {name: {key[:-2] + "_ms": statistics.median(
+        run[key] for runs in per_rank for run in runs[name]) * 1e3 for key in keys}
+        for name in per_rank[0]}
+    base = summary["fsdp2"]
+    load = os.getloadavg()[0]
+    print(f"checkpoint save of the same model each round, GPT {cfg.n_layers} layers "
+          f"d{cfg.d_model} vocab {cfg.vocab_size}, {world} ranks, {args.rounds} rounds "
+          f"(1-minute load average at the end: {load:.1f} on {os.cpu_count()} cores)")
+    columns = ["", "save", "save: CPU", "of which get_state_dict", "get_state_dict: CPU"]
+    rows = [[name, f"{m['save_ms']:.0f} ms ({m['save_ms'] / base['save_ms']:.2f}x)",
+             f"{m['save_cpu_ms']:.0f} ms ({m['save_cpu_ms'] / base['save_cpu_ms']:.2f}x)",
+             f"{m['get_state_dict_ms']:.0f} ms", f"{m['get_state_dict_cpu_ms']:.0f} ms"]
+            for name, m in summary.items()]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    if args.record:
+        from benchmarks.record import write_record
+        write_record(
+            "checkpoint-same-model", order=5,
+            question="Checkpoint save of one trained model, round after round (the 36M GPT)",
+            command="torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint "
+                    + " ".join(sys.argv[1:]),
+            calibration="not measured with this run; the ratios are to FSDP2 in the same rounds",
+            columns=columns, rows=rows,
+            notes=["Median over rounds and ranks; CPU: the process's CPU time. "
+                   f"1-minute load average at the end of the run: {load:.1f} on "
+                   f"{os.cpu_count()} cores."])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--same-model", action="store_true",
+                   help="build each implementation once and time its saves round after round "
+                        "(get_state_dict + dcp.save to a fresh directory; no load)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--record", action="store_true",
                    help="also write the table of record, benchmarks/results/record/checkpoint.json")
@@ -180,6 +261,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=16384, seq_len=128, d_model=512, n_heads=8, n_layers=args.layers)
     root = Path(tempfile.gettempdir()) / f"fsdp_compose_ckpt_bench_{os.getppid()}"
+    if args.same_model:
+        _same_model_main(args, cfg, root)
+        dist.destroy_process_group()
+        return
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in IMPLS + ("async",)}
     stores = (CheckpointStore(root / "sync", keep=1),
               CheckpointStore(root / "async", keep=1, async_save=True))

@@ -5,6 +5,7 @@ model and on many small units, and Muon on whole-matrix shards.
     .venv/bin/python -m benchmarks.optimizer_step                    # both models, ~10 min on 2 cores
     .venv/bin/python -m benchmarks.optimizer_step --quick            # smoke run, ~1 min
     .venv/bin/python -m benchmarks.optimizer_step --scenario many-small --rounds 5
+    .venv/bin/python -m benchmarks.optimizer_step --groups nanogpt   # decay / no-decay groups
     .venv/bin/python -m benchmarks.optimizer_step --muon             # Muon + AdamW: "owned" vs DDP
     .venv/bin/python -m benchmarks.optimizer_step --record           # the table of record (quiet machine)
 
@@ -24,6 +25,7 @@ matrix), and AdamW alone on the default shards.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -81,12 +83,28 @@ def _model(cfg: GPTConfig, impl: str):
     return model
 
 
-def _make(spec: dict, params, flat: bool) -> torch.optim.Optimizer:
+def _groups(params, nanogpt: bool) -> list:
+    """One group, or nanoGPT's two: weight decay 0.1 on the parameters of
+    two or more dimensions (the original shape's), none on the rest."""
+    params = list(params)
+    if not nanogpt:
+        return params
+    from fsdp_compose import param_info
+
+    def dims(p) -> int:
+        info = param_info(p)
+        return len(info.shape) if info is not None else p.dim()  # DDP's, FSDP2's: whole shapes
+    return [{"params": [p for p in params if dims(p) >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if dims(p) < 2], "weight_decay": 0.0}]
+
+
+def _make(spec: dict, params, flat: bool, nanogpt: bool = False) -> torch.optim.Optimizer:
+    """``flat``: the flat step from the first step; otherwise torch's own
+    step (the flat step, fsdp_compose's default, turned off)."""
+    from fsdp_compose import flat_step
     kwargs = {k: v for k, v in spec.items() if k != "cls"}
-    optim = spec["cls"](params, lr=LR, **kwargs)
-    if flat:
-        from fsdp_compose import flat_step
-        flat_step(optim)
+    optim = spec["cls"](_groups(params, nanogpt), lr=LR, **kwargs)
+    flat_step(optim, enabled=flat)
     return optim
 
 
@@ -116,7 +134,8 @@ def _backward(model, cfg: GPTConfig, step: int, rank: int, world: int) -> None:
     F.cross_entropy(logits.flatten(0, 1), y[rows].flatten()).backward()
 
 
-def _setups(cfg: GPTConfig, muon: bool) -> list[tuple[str, object, dict[str, list]]]:
+def _setups(cfg: GPTConfig, muon: bool, nanogpt: bool = False
+            ) -> list[tuple[str, object, dict[str, list]]]:
     """(model name, model, {row name: optimizers stepped together})."""
     specs = _optimizers(torch.device("cpu"))
     if muon:
@@ -135,9 +154,10 @@ def _setups(cfg: GPTConfig, muon: bool) -> list[tuple[str, object, dict[str, lis
         model = _model(cfg, impl)
         rows = {}
         for name, spec in specs.items():
-            rows[(impl, name)] = [_make(spec, model.parameters(), False)]
+            rows[(impl, name)] = [_make(spec, model.parameters(), False, nanogpt)]
             if impl == "fsdp_compose":
-                rows[("fsdp_compose flat", name)] = [_make(spec, model.parameters(), True)]
+                rows[("fsdp_compose flat", name)] = [_make(spec, model.parameters(), True,
+                                                           nanogpt)]
         setups.append((impl, model, rows))
     return setups
 
@@ -150,7 +170,7 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
         cfg = SCENARIOS[scenario]
         if args.quick:
             cfg = GPTConfig(**{**cfg.__dict__, **QUICK[scenario]})
-        setups = _setups(cfg, args.muon)
+        setups = _setups(cfg, args.muon, args.groups == "nanogpt")
         optim_ms: dict = {row: [] for _, _, rows in setups for row in rows}
         backward_ms: dict = {impl: [] for impl, _, _ in setups}
         for round_ in range(args.warmup + args.rounds):
@@ -203,6 +223,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="smaller models, 2 rounds (a smoke run)")
+    p.add_argument("--groups", choices=["one", "nanogpt"], default="one",
+                   help="one param group, or nanoGPT's two (weight decay 0.1 on the parameters "
+                        "of >= 2 dimensions, none on the rest); every implementation alike")
     p.add_argument("--muon", action="store_true",
                    help="Muon + AdamW with placement 'owned' vs DDP (default model)")
     p.add_argument("--record", action="store_true",
@@ -220,7 +243,7 @@ def main() -> None:
     args = parse_args()
     results = run_two_ranks(_worker, args, timeout=3600)
     print(f"optimizer step alone, 2 gloo ranks, {args.rounds} interleaved rounds "
-          "(medians, max over ranks)")
+          f"(medians, max over ranks), param groups: {args.groups}")
     if args.muon:
         for scenario, result in results.items():
             print(f"| {scenario} | optimizer step ms | forward+backward ms |")
@@ -248,15 +271,18 @@ def _record(args, results, columns, rows, notes) -> None:
     from benchmarks.record import write_record
     ddp = [r["optim_ms"][("ddp", "AdamW foreach")] for r in results.values()]
     write_record(
-        "optimizer-step", order=8,
+        "optimizer-step" + ("-nanogpt-groups" if args.groups == "nanogpt" else ""), order=8,
         question="The optimizer step alone: torch's per-parameter step and flat_step vs FSDP2 "
-                 "and DDP",
+                 "and DDP" + (", nanoGPT's weight-decay groups" if args.groups == "nanogpt"
+                              else ""),
         command="python -m benchmarks.optimizer_step " + " ".join(sys.argv[1:]),
         calibration="DDP's AdamW foreach step in the same rounds: " + ", ".join(
             f"{s} {ms:.1f} ms" for s, ms in zip(results, ddp)),
         columns=columns, rows=rows,
         notes=[*notes, "AdamW fused: fsdp_compose flat leaves fused groups to torch's own step "
-                       "(the row repeats torch's per-parameter fused step)."])
+                       "(the row repeats torch's per-parameter fused step).",
+               f"Param groups: {args.groups}. Machine load at the end of the run: 1-minute "
+               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores."])
 
 
 if __name__ == "__main__":

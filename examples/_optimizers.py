@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from fsdp_compose import param_info
+from fsdp_compose import flat_step, param_info
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -63,6 +63,19 @@ class Optimizers:
             optim.zero_grad()
 
 
+def flat_summary(optims: Optimizers) -> str:
+    """``"AdamW step: 8 flat tensors for 41 parameters"``: what the flat
+    optimizer step (fsdp_compose's default) passed to torch's functional
+    AdamW at the last step, on this rank."""
+    adamw = [o for o in optims.optimizers if type(o) is torch.optim.AdamW]
+    reports = [flat_step(o).last for o in adamw]  # the handle the default made at step 1
+    if not reports or any(r is None for r in reports):
+        return "AdamW step: torch's (no flat step yet)"
+    tensors = sum(r.flat_tensors for r in reports if r is not None)
+    params = sum(r.flat_params for r in reports if r is not None)
+    return f"AdamW step: {tensors} flat tensors for {params} parameters"
+
+
 class Schedulers:
     """One LR schedule per optimizer of :class:`Optimizers`, stepped together."""
 
@@ -93,8 +106,10 @@ def build_optimizer(args: argparse.Namespace, model: nn.Module) -> tuple[Optimiz
     optims = [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)]
     if matrices:
-        optims.append(torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.1,
-                                       adjust_lr_fn="match_rms_adamw"))
+        muon = torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.1,
+                                adjust_lr_fn="match_rms_adamw")
+        flat_step(muon, enabled=False)  # no flat step for Muon: torch's, without the notice
+        optims.append(muon)
     schedule = lr_lambda(args.warmup, args.decay_steps or args.steps, args.min_lr_ratio)
     return Optimizers(*optims), Schedulers([torch.optim.lr_scheduler.LambdaLR(o, schedule)
                                             for o in optims])

@@ -88,7 +88,7 @@ from fsdp_compose.testing import GPT, GPTConfig, init_from_torchrun, synthetic_t
 
 # the example's own modules, next to this file
 from _memory import cuda_mib, per_rank, reset_peak_memory, rss_mib
-from _optimizers import Optimizers, Schedulers, _owned_matrices, build_optimizer
+from _optimizers import Optimizers, Schedulers, _owned_matrices, build_optimizer, flat_summary
 from _progress import Progress, say
 from _report import RunStats, plural, report, summary_header
 
@@ -405,6 +405,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     header = summary_header(args, world, f"{device.type} ({dist.get_backend()})", total, options,
                             first_step)
     runs = [train(args, "fsdp_compose", model, optim, sched, device, first_step, after_step)]
+    if runs[0].losses:
+        header += f", {flat_summary(optim)}"
     if store is not None and args.async_save:
         store.wait()  # the last checkpoint is committed before the job ends
         if rank == 0 and store.latest_step() is not None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import importlib
 import operator
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -414,6 +415,8 @@ optimizer_scalar_dtype: Callable[..., torch.dtype] = _lookup(
     "the dtype of an optimizer's 'step' counter (fsdp_compose.flat_step)")
 foreach_add_: Callable[..., None] = _method(
     torch, "_foreach_add_", "adding one to many 'step' counters in one call")
+foreach_mul_: Callable[..., None] = _method(
+    torch, "_foreach_mul_", "AdamW's weight decay on many tensors, as its foreach step applies it")
 
 
 
@@ -435,6 +438,31 @@ def replace_dcp_init_optim_state(replacement: Callable[[Any], None]) -> Optional
     if original is not None:
         module._init_optim_state = replacement
     return original
+
+
+def is_lr_scheduler_step(step: Any) -> bool:
+    """Whether ``step`` (an optimizer's instance attribute) is the wrapper
+    an ``LRScheduler`` puts around ``optimizer.step`` when it is made
+    (``_wrapped_by_lr_sched``)."""
+    return bool(getattr(step, "_wrapped_by_lr_sched", False))
+
+
+def lr_scheduler_step(optimizer: Any, step: Callable[..., Any]) -> Callable[..., Any]:
+    """What an ``LRScheduler`` puts on ``optimizer.step``, around
+    ``step(optimizer, ...)`` instead of the class's step: it marks the
+    optimizer stepped (``_opt_called``, which the scheduler's first
+    ``step()`` checks) and carries the scheduler's mark, so a scheduler
+    made later does not wrap it again. Holds the optimizer weakly, as the
+    scheduler's wrapper does."""
+    ref = weakref.ref(optimizer)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:

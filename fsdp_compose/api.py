@@ -25,6 +25,7 @@ from .checks.empty_groups import install_empty_group_check
 from .checks.replicate import check_not_replicated
 from .checks.step_guard import install_step_guard
 from .checks.unmanaged import install_unmanaged_check, mark_reduced_elsewhere
+from .optim import install_default_flat_step
 from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
@@ -226,13 +227,16 @@ def _install_process_wide_changes() -> None:
       sharded parameters and gradients and reduce over the ranks
       (``torch_norms``; ``fsdp_compose.route_torch_grad_norms(False)`` opts
       out);
-    * four global optimizer step pre-hooks
+    * five global optimizer step pre-hooks
       (``torch.optim.optimizer.register_optimizer_step_pre_hook``): the
       checkpoint layout hooks attached at each optimizer's first step
       (``checkpoint/_optim.py``), the step guard (``checks/step_guard.py``),
-      the forgotten-root check (``checks/unmanaged.py``) and the empty
-      param-group check (``checks/empty_groups.py``). Each returns at once
-      for an optimizer that holds no annotated parameter;
+      the forgotten-root check (``checks/unmanaged.py``), the empty
+      param-group check (``checks/empty_groups.py``) and, last, the flat
+      optimizer step put on each optimizer at its first step
+      (``optim/flat_step.py``; ``fsdp_compose.flat_step(optimizer,
+      enabled=False)`` opts out). Each returns at once for an optimizer
+      that holds no annotated parameter;
     * ``torch.optim.Optimizer.zero_grad`` also gives back the memory of the
       kept sharded gradients it cleared (``torch_zero_grad``; nothing else
       changes, and nothing at all for an optimizer over no annotated
@@ -249,6 +253,7 @@ def _install_process_wide_changes() -> None:
     install_unmanaged_check()
     install_empty_group_check()
     install_direct_optimizer_state()
+    install_default_flat_step()
 
 
 def _params_device(modules: list[nn.Module]) -> Optional[torch.device]:

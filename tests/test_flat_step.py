@@ -1,20 +1,27 @@
-"""``fsdp_compose.flat_step``: the optimizer steps each buffer's shard as a
-few flat tensors, bitwise equal to torch's own per-parameter step.
+"""The flat optimizer step: the optimizer steps each buffer's shard as a
+few flat tensors, bitwise equal to torch's own per-parameter step; the
+default for an optimizer over annotated parameters, with no call.
 
 Every rank trains two copies of the same sharded model on the same batches
 (world size 3, uneven shapes: padding, and ranks holding none of a small
-parameter), one optimizer stepped by torch, one with ``flat_step``; after
+parameter), one optimizer stepped by torch (``flat_step(optim,
+enabled=False)``), one left to the default or given ``flat_step``; after
 every step the parameters and the optimizer state must be bitwise equal.
 
 1. AdamW/Adam/SGD, foreach and for-loop, weight decay, per-group
-   hyperparameters, ``maximize``, ``amsgrad``, momentum, dampening, nesterov.
+   hyperparameters, ``maximize``, ``amsgrad``, momentum, dampening, nesterov;
+   nanoGPT's and the HF Trainer's weight-decay groups, stepped as one call
+   with one tensor per buffer; an LR scheduler made before the first step;
+   a param group added later.
 2. A parameter without a gradient is not touched (no state, same value);
    frozen parameters stay as they are.
 3. ``state_dict()`` round trip: the flat optimizer's state loads into a
    per-parameter optimizer and into a flat one, and both go on bitwise; so
    does ``get/set_optimizer_state_dict`` into a fresh flat optimizer.
 4. The flat path steps few tensors (the functional op's lists are counted).
-5. What is not supported goes to torch's own step, with a warning.
+5. What is not supported goes to torch's own step, with a warning; the
+   default says so once, and ``enabled=False`` silences it.
+6. Weight-decay groups in one call; LR schedulers; a group added later.
 """
 
 from __future__ import annotations
@@ -44,7 +51,29 @@ CONFIGS = {
     "sgd-loop-dampening-maximize": ("SGD", dict(foreach=False, momentum=0.8, dampening=0.3,
                                                 maximize=True), [dict(lr=0.05)]),
     "sgd-plain": ("SGD", dict(lr=0.1), [dict()]),
+    "adamw-nanogpt-groups": ("AdamW", dict(foreach=False), [
+        dict(weight_decay=0.1), dict(weight_decay=0.0)]),
+    "adamw-hf-groups": ("AdamW", dict(foreach=True, betas=(0.9, 0.999)), [
+        dict(weight_decay=0.05), dict(weight_decay=0.0)]),
 }
+"""Groups: by position (every other parameter) unless the name says whose rule."""
+
+
+def _split(model, config: str) -> list[list]:
+    """The parameters of each group: nanoGPT's (decay for >= 2-D, none for
+    1-D), the HF Trainer's (none for biases and norm weights), or by
+    position (every other parameter: runs of one group are cut by the
+    other's, in every buffer)."""
+    from fsdp_compose import param_info
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if "nanogpt" in config:
+        decay = [len(param_info(p).shape) >= 2 for _, p in named]
+    elif "hf-groups" in config:
+        decay = [not (n.endswith("bias") or "norm" in n) for n, _ in named]
+    else:
+        count = len(CONFIGS[config][2])
+        return [[p for _, p in named][i::count] for i in range(count)]
+    return [[p for (_, p), d in zip(named, decay) if d], [p for (_, p), d in zip(named, decay) if not d]]
 
 
 # ------------------------------------------------------------------ helpers
@@ -53,18 +82,22 @@ def _model() -> TinyLM:
     return shard_blocks_and_root(TinyLM(n_blocks=3))
 
 
-def _optimizer(model, config: str) -> torch.optim.Optimizer:
-    """Groups by position (every other parameter): runs of one group are
-    cut by the other's parameters, in every buffer."""
+def _optimizer(model, config: str, torch_step: bool = False) -> torch.optim.Optimizer:
+    """The optimizer of ``config`` (groups by :func:`_split`); ``torch_step``:
+    turned off, torch's own per-parameter step (the reference)."""
+    from fsdp_compose import flat_step
     cls, common, groups = CONFIGS[config]
-    params = [p for p in model.parameters() if p.requires_grad]
-    split = [dict(group, params=params[i::len(groups)]) for i, group in enumerate(groups)]
+    split = [dict(group, params=params) for group, params in zip(groups, _split(model, config))]
     kwargs = dict(common)
     kwargs.setdefault("lr", 1e-2)
-    return getattr(torch.optim, cls)(split, **kwargs)
+    optim = getattr(torch.optim, cls)(split, **kwargs)
+    if torch_step:
+        flat_step(optim, enabled=False)
+    return optim
 
 
-def _train_step(model, optim, step: int, skip_head: bool = False) -> None:
+def _train_step(model, optim, step: int, skip_head: bool = False,
+                set_to_none: bool = True) -> None:
     import torch.distributed as dist
     tokens, targets = token_batch(step, 6)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,7 +108,7 @@ def _train_step(model, optim, step: int, skip_head: bool = False) -> None:
         loss = model.loss(tokens, targets)
     loss.backward()
     optim.step()
-    optim.zero_grad()
+    optim.zero_grad(set_to_none=set_to_none)
 
 
 def _differences(model_a, optim_a, model_b, optim_b) -> list[str]:
@@ -98,17 +131,23 @@ def _differences(model_a, optim_a, model_b, optim_b) -> list[str]:
 
 # ------------------------------------------------------------ 1. bitwise
 def _bitwise_work(config: str) -> list[str]:
+    """The default (no call): the first step is torch's, every later one flat."""
     from fsdp_compose import flat_step
     model_a, model_b = _model(), _model()
-    optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
-    handle = flat_step(optim_b)
+    optim_a, optim_b = _optimizer(model_a, config, torch_step=True), _optimizer(model_b, config)
     out = []
+    handle = None
     for step in range(STEPS):
-        _train_step(model_a, optim_a, step)
-        _train_step(model_b, optim_b, step)
+        _train_step(model_a, optim_a, step, set_to_none=step % 2 == 0)
+        _train_step(model_b, optim_b, step, set_to_none=step % 2 == 0)
         out += [f"step {step}: {d}" for d in _differences(model_a, optim_a, model_b, optim_b)]
-        if handle.last.torch_params or handle.last.reasons:
+        if handle is not None and (handle.last.torch_params or handle.last.reasons
+                                   or not handle.last.flat_params):
             out.append(f"step {step}: left to torch: {handle.last}")
+        if step == 0:  # the default took it at its first step, without a call
+            if "step" not in optim_b.__dict__ or "step" in optim_a.__dict__:
+                out.append("the default did not replace the step (or replaced the reference's)")
+            handle = flat_step(optim_b)  # idempotent: the handle the default made
     return out + _nonzero_padding(model_b)
 
 
@@ -142,7 +181,7 @@ def _capped_work(config: str) -> dict:
     try:
         from fsdp_compose import flat_step
         model_a, model_b = _model(), _model()
-        optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
+        optim_a, optim_b = _optimizer(model_a, config, torch_step=True), _optimizer(model_b, config)
         handle = flat_step(optim_b)
         out = {"differences": [], "tensors": []}
         for step in range(STEPS):
@@ -168,7 +207,8 @@ def test_runs_cut_at_the_cpu_cap_stay_bitwise(config):
 def _momentum_switch_work() -> list[str]:
     from fsdp_compose import flat_step
     model_a, model_b = _model(), _model()
-    optim_a, optim_b = _optimizer(model_a, "sgd-plain"), _optimizer(model_b, "sgd-plain")
+    optim_a = _optimizer(model_a, "sgd-plain", torch_step=True)
+    optim_b = _optimizer(model_b, "sgd-plain")
     flat_step(optim_b)
     for step in range(2 * STEPS):
         if step == STEPS:  # stateless until now: the first momentum step clones the gradient
@@ -190,7 +230,7 @@ def _no_grad_work(config: str) -> dict:
     model_a, model_b = _model(), _model()
     model_a.blocks[1].fc2.weight.requires_grad_(False)  # frozen, not in the optimizers
     model_b.blocks[1].fc2.weight.requires_grad_(False)
-    optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
+    optim_a, optim_b = _optimizer(model_a, config, torch_step=True), _optimizer(model_b, config)
     flat_step(optim_b)
     head_before = model_b.lm_head.weight.detach().clone()
     frozen_before = model_b.blocks[1].fc2.weight.detach().clone()
@@ -222,7 +262,7 @@ def _two_steps_both_ways(config: str) -> tuple:
     with ``flat_step`` (b)."""
     from fsdp_compose import flat_step
     model_a, model_b = _model(), _model()
-    optim_a, optim_b = _optimizer(model_a, config), _optimizer(model_b, config)
+    optim_a, optim_b = _optimizer(model_a, config, torch_step=True), _optimizer(model_b, config)
     flat_step(optim_b)
     for step in range(2):
         _train_step(model_a, optim_a, step)
@@ -247,7 +287,7 @@ def _round_trip_work(config: str) -> list[str]:
     for flat in (False, True):
         model = _model()
         model.load_state_dict(model_b.state_dict())
-        optim = _optimizer(model, config)
+        optim = _optimizer(model, config, torch_step=not flat)
         if flat:
             flat_step(optim)
         register_optimizer(optim)
@@ -273,11 +313,9 @@ def _dcp_round_trip_work(config: str) -> list[str]:
                                                          get_optimizer_state_dict,
                                                          set_model_state_dict,
                                                          set_optimizer_state_dict)
-    from fsdp_compose import flat_step
     model_a, optim_a, model_b, optim_b = _two_steps_both_ways(config)
     model_c = _model()
-    optim_c = _optimizer(model_c, config)
-    flat_step(optim_c)  # never stepped: torch's state initialisation runs first
+    optim_c = _optimizer(model_c, config)  # the default: flat from its second step
     set_model_state_dict(model_c, get_model_state_dict(model_b))
     set_optimizer_state_dict(model_c, optim_c,
                              copy.deepcopy(get_optimizer_state_dict(model_b, optim_b)))
@@ -296,7 +334,7 @@ def test_get_and_set_optimizer_state_dict_into_a_fresh_flat_optimizer(config):
 def _remove_work() -> list[str]:
     from fsdp_compose import flat_step
     model_a, model_b = _model(), _model()
-    optim_a = _optimizer(model_a, "adamw-foreach-groups")
+    optim_a = _optimizer(model_a, "adamw-foreach-groups", torch_step=True)
     optim_b = _optimizer(model_b, "adamw-foreach-groups")
     handle = flat_step(optim_b)
     out = []
@@ -319,7 +357,7 @@ def _count_work(flat: bool) -> dict:
     from fsdp_compose import flat_step
     adam_module = importlib.import_module("torch.optim.adam")
     model = _model()
-    optim = _optimizer(model, "adamw-foreach-groups")
+    optim = _optimizer(model, "adamw-foreach-groups", torch_step=not flat)
     if flat:
         flat_step(optim)
     lengths = []
@@ -377,6 +415,7 @@ def _fallback_work() -> dict:
     model_a, model_b = _model(), _model()
     optim_a = torch.optim.AdamW(model_a.parameters(), lr=1e-2, foreach=False)
     optim_b = torch.optim.AdamW(model_b.parameters(), lr=1e-2, foreach=False)
+    flat_step(optim_a, enabled=False)
     handle = flat_step(optim_b)
     optim_b.param_groups[0]["differentiable"] = True
     optim_a.param_groups[0]["differentiable"] = True
@@ -401,9 +440,152 @@ def test_what_is_not_supported_is_stepped_by_torch_and_said():
         assert "RMSprop" in out["class"] and out["class_warned"], out
 
 
-def test_an_lr_scheduler_made_first_is_refused_with_the_fix():
+def _default_fallback_work() -> dict:
     from fsdp_compose import flat_step
-    optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    torch.optim.lr_scheduler.StepLR(optim, 1)
-    with pytest.raises(ValueError, match="before the LR scheduler"):
-        flat_step(optim)
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    out = {}
+    for name, make in (("RMSprop", torch.optim.RMSprop), ("MyAdamW", MyAdamW)):
+        for silenced in (False, True):
+            model = _model()
+            optim = make(model.parameters(), lr=1e-3)
+            if silenced:
+                flat_step(optim, enabled=False)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _train_step(model, optim, 0)
+                _train_step(model, optim, 1)
+            out[(name, silenced)] = [str(w.message) for w in caught
+                                     if "fsdp_compose" in str(w.message)]
+            out[(name, silenced, "replaced")] = "step" in optim.__dict__
+    return out
+
+
+def test_the_default_leaves_other_optimizers_to_torch_saying_why_once():
+    for rank, out in enumerate(run_distributed(WORLD, _default_fallback_work)):
+        for name in ("RMSprop", "MyAdamW"):
+            said = out[(name, False)]
+            assert len(said) == 1 and name in said[0] and "enabled=False" in said[0], (rank, said)
+            assert out[(name, True)] == [], (rank, out[(name, True)])  # the fix it proposes
+            assert not out[(name, False, "replaced")] and not out[(name, True, "replaced")]
+
+
+# ---------------------------------------------- 6. groups, schedulers, later groups
+def _one_call_work(config: str) -> list[list[int]]:
+    """Per step, the lengths of the functional calls' parameter lists."""
+    adam_module = importlib.import_module("torch.optim.adam")
+    model = _model()
+    optim = _optimizer(model, config)
+    calls: list[list[int]] = []
+    original = adam_module.adam
+    adam_module.adam = lambda params, *a, **k: (calls[-1].append(len(params)),
+                                                original(params, *a, **k))[1]
+    try:
+        for step in range(3):
+            calls.append([])
+            _train_step(model, optim, step)
+    finally:
+        adam_module.adam = original
+    return calls
+
+
+@pytest.mark.parametrize("config", ["adamw-nanogpt-groups", "adamw-hf-groups"])
+def test_weight_decay_groups_step_in_one_call_of_one_tensor_per_buffer(config):
+    for rank, calls in enumerate(run_distributed(WORLD, _one_call_work, config)):
+        # the first step is torch's (two groups, one tensor per parameter);
+        # then one call, one run per buffer (3 blocks and the root)
+        assert len(calls[0]) == 2 and sum(calls[0]) > 8, (rank, calls)
+        assert calls[1:] == [[4], [4]], f"rank {rank}: {calls}"
+
+
+def _scheduler_work(explicit: bool) -> dict:
+    from fsdp_compose import flat_step
+    config = "adamw-nanogpt-groups"
+    model_a, model_b = _model(), _model()
+    optim_a, optim_b = _optimizer(model_a, config, torch_step=True), _optimizer(model_b, config)
+    lambdas = [lambda done: 1.0 / (1 + done), lambda done: 0.5 ** done]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambdas) for o in (optim_a, optim_b)]
+    if explicit:  # after the scheduler: its wrapper is made again around the flat step
+        flat_step(optim_b)
+    out: dict = {"differences": [], "reports": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            for model, optim, sched in ((model_a, optim_a, scheds[0]),
+                                        (model_b, optim_b, scheds[1])):
+                _train_step(model, optim, step)
+                sched.step()
+            out["differences"] += [f"step {step}: {d}" for d in
+                                   _differences(model_a, optim_a, model_b, optim_b)]
+            out["reports"].append(flat_step(optim_b).last if step else None)
+    out["lrs"] = [[g["lr"] for g in o.param_groups] for o in (optim_a, optim_b)]
+    out["warned"] = [str(w.message) for w in caught]
+    return out
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_an_lr_scheduler_made_first_keeps_working_on_the_flat_step(explicit):
+    for rank, out in enumerate(run_distributed(WORLD, _scheduler_work, explicit)):
+        assert not out["differences"], f"rank {rank}: {out['differences']}"
+        assert out["warned"] == [], f"rank {rank}: {out['warned']}"
+        assert out["lrs"][0] == out["lrs"][1] and out["lrs"][0][0] != out["lrs"][0][1], out["lrs"]
+        for report in out["reports"][1:]:  # one call for the two groups until their lr differ
+            assert report.flat_params and not report.torch_params, (rank, report)
+
+
+def _added_group_work() -> list[str]:
+    from fsdp_compose import flat_step
+    model_a, model_b = _model(), _model()
+    optims = []
+    for model, torch_step in ((model_a, True), (model_b, False)):
+        params = list(model.parameters())
+        optim = torch.optim.AdamW(params[: len(params) // 2], lr=1e-2, weight_decay=0.1)
+        if torch_step:
+            flat_step(optim, enabled=False)
+        optims.append(optim)
+    out = []
+    for step in range(2 * STEPS):
+        if step == STEPS:
+            for model, optim in zip((model_a, model_b), optims):
+                params = list(model.parameters())
+                optim.add_param_group({"params": params[len(params) // 2:], "weight_decay": 0.0})
+        _train_step(model_a, optims[0], step)
+        _train_step(model_b, optims[1], step)
+        out += [f"step {step}: {d}" for d in _differences(model_a, optims[0], model_b, optims[1])]
+    report = flat_step(optims[1]).last
+    if report.torch_params or report.flat_params != len(list(model_b.parameters())):
+        out.append(f"last step: {report}")
+    return out
+
+
+def test_a_param_group_added_later_steps_flat_with_the_others():
+    for rank, differences in enumerate(run_distributed(WORLD, _added_group_work)):
+        assert not differences, f"rank {rank}: {differences}"
+
+
+def _dropped_work() -> dict:
+    import gc
+    import weakref
+    out = {}
+    for name, scheduled in (("plain", False), ("scheduled", True)):
+        model = _model()
+        optim = _optimizer(model, "adamw-nanogpt-groups")
+        sched = torch.optim.lr_scheduler.StepLR(optim, 1) if scheduled else None
+        for step in range(2):
+            _train_step(model, optim, step)
+        out[f"{name} replaced"] = "step" in optim.__dict__
+        ref = weakref.ref(optim)
+        gc.disable()  # freed by reference counting: the flat step makes no cycle through it
+        try:
+            del optim, sched
+            out[f"{name} freed"] = ref() is None
+        finally:
+            gc.enable()
+    return out
+
+
+def test_an_optimizer_on_the_flat_step_is_freed_when_dropped():
+    for rank, out in enumerate(run_distributed(WORLD, _dropped_work)):
+        assert all(out.values()), f"rank {rank}: {out}"

@@ -32,6 +32,7 @@ order. A use on some ranks only raises ``CallMismatchError`` naming
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -155,12 +156,32 @@ def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPie
                placements: tuple, what: str, device: torch.device) -> DTensor:
     """A ``DTensor`` of global ``shape`` on the unit's mesh over a
     :class:`LazyChunk` (``convert()`` computes its values when first used)."""
-    _, offsets = compute_local_shape_and_global_offset(shape, group.mesh, placements)
+    offsets, spec = _placed(group.mesh, torch.Size(shape), pieces.dtype, tuple(placements))
     local = LazyChunk(chunk_shape, pieces.dtype, device, pieces, source, convert, group, what,
-                      tuple(offsets))
-    stride = tuple(torch.empty(shape, device="meta").stride())
-    spec = DTensorSpec(group.mesh, placements, tensor_meta=TensorMeta(shape, stride, pieces.dtype))
+                      offsets)
     return DTensor(local, spec, requires_grad=False)
+
+
+_PLACED: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple[int, ...], Any]]]" = \
+    weakref.WeakKeyDictionary()
+"""Per mesh, per (shape, dtype, placements): this rank's chunk offsets and
+the ``DTensorSpec``, made once: every ``state_dict()`` makes a value per
+parameter and per optimizer state, and these do not change (DTensors share
+specs as torch's sharding propagation does; a spec is never modified)."""
+
+
+def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
+            ) -> tuple[tuple[int, ...], Any]:
+    known = _PLACED.setdefault(mesh, {})
+    key = (shape, dtype, placements)
+    found = known.get(key)
+    if found is not None and found[1].mesh is mesh:  # not an equal mesh's
+        return found
+    _, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
+    found = known[key] = (tuple(offsets), spec)
+    return found
 
 
 def is_lazy(buffer: FlatBuffer, index: int) -> bool:

@@ -52,6 +52,25 @@ _STATE_DICT_FIX = (
     "load_state_dict() on every rank. " + SAVE_ADVICE)
 
 
+_MET: list[tuple["UnitStateDictHooks", nn.Module, Any]] = []
+"""The ``state_dict()`` call in progress whose first unit met the other
+ranks ([Note: call rendezvous]): that unit's hooks, the module the call was
+made on, and the process group. The units it reaches after converting over
+the same group do not meet again (a meeting per call, not per unit: the
+values of the flat layouts are lazy, so nothing else synchronises the
+ranks here)."""
+
+
+def _met_in_this_call(group: Any) -> bool:
+    if not _MET:
+        return False
+    hooks, module, met_group = _MET[0]
+    if hooks._stash is None or hooks._stash.owner is not module:
+        _MET.clear()  # left by a call that raised before its end
+        return False
+    return met_group is group
+
+
 class _Stash(NamedTuple):
     owner: nn.Module  # the module whose state_dict() call converted the values
     values: dict[int, torch.Tensor]  # id(parameter) -> its checkpoint value
@@ -90,8 +109,10 @@ class UnitStateDictHooks:
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._stash is not None and self._stash.owner is not module:
             return  # an enclosing module's state_dict() converted this unit already
-        arrive(self.unit.group.process_group, f"state_dict() (converting unit {self.unit.name})",
-               _STATE_DICT_FIX)
+        group = self.unit.group.process_group
+        if not _met_in_this_call(group):
+            arrive(group, f"state_dict() (converting unit {self.unit.name})", _STATE_DICT_FIX)
+            _MET[:] = [(self, module, group)]
         below = self._records_below(module)
         skip_frozen = _torch_drops_frozen_params()
         flat = flat_values_requested()
@@ -146,6 +167,8 @@ class UnitStateDictHooks:
             # else: a frozen parameter torch's get_model_state_dict drops right after
         if stash.owner is module:
             self._stash = None
+        if _MET and _MET[0][0] is self and _MET[0][1] is module:
+            _MET.clear()  # the call that met ends
 
     def _records_below(self, module: nn.Module) -> set[int]:
         """ids of this unit's parameters held by ``module`` or its descendants."""

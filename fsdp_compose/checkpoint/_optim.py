@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import weakref
 from itertools import chain
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -296,7 +296,8 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
     The one difference allowed is state a rank cannot have: for parameters
     of which it holds nothing under a placement other than "flat" (their
     ``.grad`` stays ``None`` there, so its optimizer made none). Any other
-    difference raises on every rank (a second tiny all-gather agrees on it).
+    difference raises on every rank (where the ranks' plans differ, an
+    all-reduce of one integer agrees on it; who differs is gathered only then).
     Returns the plan and, for parameters this rank has no state for, the
     other state (``step``) a holder has, so every rank saves the same keys."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -308,7 +309,7 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
             keys[(owner.buffer.records[0].fqn, owner.index)] = (key, owner.buffer)
     summary = [(buffer.records[0].fqn, name, [i for _, i in entries], str(dtype))
                for buffer, name, entries, dtype, _ in plan]
-    others = {(b.records[0].fqn, i): {n: v for n, v in state[key].items()
+    others = {(b.records[0].fqn, i): {n: _Scalar.of(v) for n, v in state[key].items()
                                      if not _is_per_element(v, params[key])}
               for b, _, entries, _, _ in plan for key, i in entries}
     every: list[Optional[list]] = [None] * dist.get_world_size()
@@ -333,22 +334,51 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
             entries = [(keys[(fqn, i)][0], i) for i in sorted(indices)]
             merged.append((buffer, name, entries, getattr(torch, dtype.split(".")[-1]),
                            buffer.storage_device))
-    flags: list[Optional[bool]] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, consistent)
-    if all(flags):
+    if all(other == summary for other in every):
+        agreed = consistent  # the same plan on every rank: each decides alike, no agreement needed
+    else:
+        flag = torch.tensor([int(consistent)], device=backend_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one integer; who differs only on error
+        agreed = bool(flag.item())
+    if agreed:
         missing = {}
         for _, _, entries, _, _ in merged:
             for key, i in entries:
                 if key not in state:
                     fqn = next(f for (f, j), (k, _) in keys.items() if k == key)
-                    missing[key] = next(h[(fqn, i)] for h in held if (fqn, i) in h)
+                    missing[key] = {n: _Scalar.value(v) for n, v in
+                                    next(h[(fqn, i)] for h in held if (fqn, i) in h).items()}
         return merged, missing
+    flags: list[Optional[bool]] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, consistent)
     differing = next(r for r, f in enumerate(flags) if not f)
     raise RuntimeError(
         "optimizer.state_dict(): ranks hold per-element optimizer state for different "
         f"parameters (this rank: {_describe(summary)}; rank {differing}: "
         f"{_describe(every[differing])}). Step the optimizer on every rank (e.g. with "
         "gradients of zero) before saving, so that every rank has the same state.")
+
+
+class _Scalar(NamedTuple):
+    """A 0-dim CPU tensor (``step``) as the object all-gather carries it: a
+    number and a dtype (pickling the tensor costs a ``torch.save`` per
+    parameter, on every rank)."""
+
+    number: Union[int, float, bool]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and \
+                value.dim() == 0 and value.device.type == "cpu" and not value.requires_grad:
+            return _Scalar(value.item(), value.dtype)
+        return value
+
+    @staticmethod
+    def value(carried: Any) -> Any:
+        if isinstance(carried, _Scalar):
+            return torch.tensor(carried.number, dtype=carried.dtype)
+        return carried
 
 
 def _describe(summary: Optional[list]) -> str:

@@ -149,8 +149,10 @@ class ShardPieces:
             for box, t in self.boxes])
 
     def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
-        """The view of the box starting at ``offsets`` (shares ``local``'s memory)."""
-        return self._at[tuple(offsets)]
+        """The view of the box starting at ``offsets`` (shares ``local``'s
+        memory), as a tensor of its own storage where it lies on the CPU
+        (:func:`exact_storage`)."""
+        return exact_storage(self._at[tuple(offsets)])
 
     def __reduce__(self):
         raise TypeError(
@@ -163,3 +165,21 @@ class ShardPieces:
     def __repr__(self) -> str:
         return (f"ShardPieces(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"boxes={[(b.offsets, b.sizes) for b, _ in self.boxes]})")
+
+
+def exact_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (contiguous, on the CPU) as a tensor over the same memory
+    whose storage is exactly its bytes, through DLPack (which keeps
+    ``view``'s storage alive). DCP's file writer copies every CPU tensor
+    whose storage is larger than the tensor before writing it (a
+    per-parameter ``clone()`` of each piece of a flat shard, a whole
+    checkpoint's bytes per save); this one it writes as it lies, and a load
+    reads straight into it. Anything else is returned as it is."""
+    if view.device.type != "cpu" or not view.is_contiguous() or \
+            view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    try:
+        return torch.from_dlpack(view.detach())
+    except (RuntimeError, BufferError, TypeError):  # a dtype DLPack cannot carry
+        return view
+

@@ -1,13 +1,22 @@
-"""``flat_step(optimizer)``: the optimizer steps each flat buffer's shard as
+"""The flat optimizer step: the optimizer steps each flat buffer's shard as
 a few tensors instead of one per parameter, with the same numbers.
+
+It is the default: at the first step of an optimizer over parameters
+``fully_shard`` manages (a global step pre-hook, installed by the first
+``fully_shard``), that optimizer's later steps become flat steps; the
+first one is torch's own, whose state the second copies in (*adopts*).
+``flat_step(optimizer)`` does it at once (and returns the handle, made or
+already there); ``flat_step(optimizer, enabled=False)`` keeps torch's own
+step for that optimizer, before or after its first step.
 
 Between iterations a managed parameter's values are its view of its flat
 buffer's shard, and after backward its ``.grad`` is its view of one flat
 sharded gradient (``buffers/flat_grad.py``). So the parameters of one param
 group that lie back to back in a shard can be stepped as one tensor: one
 call into torch's own functional optimizer (``torch.optim.adam.adam``,
-``torch.optim.sgd.sgd``) per param group, with one tensor per run
-(``segments.py``) where torch's step passes one per parameter. Every
+``torch.optim.sgd.sgd``) per family of param groups (groups differing only
+in AdamW's weight decay are one family, ``rules.py``), with one tensor per
+run (``segments.py``) where torch's step passes one per parameter. Every
 element gets the same arithmetic (the same kernels, foreach or for-loop as
 torch would choose), so the values are bitwise those of torch's own step;
 what is saved is the per-tensor cost (kernel launches, Python, foreach
@@ -26,13 +35,15 @@ parameter's piece of the flat gradient (set by hand), state that does not
 look like this optimizer's, and whole groups with ``fused``,
 ``capturable``, ``differentiable``, a tensor ``lr``, or a GradScaler's
 fused unscale (each said once in a warning); other optimizer classes
-(subclasses too) entirely. A parameter whose ``.grad`` is ``None`` is not
-touched, as torch does not touch it.
+(subclasses too), and an optimizer whose ``step`` other code replaced on
+the instance, entirely (said in one warning line). An LR scheduler made
+before is kept: its wrapper of ``step`` is made again around the flat
+step. A parameter whose ``.grad`` is ``None`` is not touched, as torch
+does not touch it.
 """
 
 from __future__ import annotations
 
-import types
 import warnings
 import weakref
 from typing import Any, Callable, NamedTuple, Optional
@@ -40,13 +51,19 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch.autograd.graph import increment_version
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .._torch_private import foreach_add_
+from .._torch_private import foreach_add_, is_lr_scheduler_step, lr_scheduler_step
 from ..runtime.owners import owner_of
 from .rules import Rule, choose_foreach, rule_for
-from .segments import Segment, build_segments, is_flat_view, member_ids
+from .segments import Member, Segment, build_segments, is_flat_view, member_ids
 
 _HANDLES: "weakref.WeakKeyDictionary[Optimizer, FlatStep]" = weakref.WeakKeyDictionary()
+_OFF: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+"""Optimizers turned off with ``flat_step(optimizer, enabled=False)``."""
+_SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+"""Optimizers the default's step pre-hook has decided on."""
+_installed: list[object] = []  # the default's global step pre-hook, once installed
 
 
 class StepReport(NamedTuple):
@@ -81,43 +98,67 @@ class FlatStep:
         step = type(optimizer).step
         self._torch_step: Callable[..., Any] = getattr(step, "__wrapped__", step)
         """torch's step without the hook wrapper (the wrapper around the flat step runs the hooks)."""
+        self._params_signature: Optional[tuple] = None
+        """Per param group, its params list's identity and length (the plan's input)."""
         self._signature: Optional[tuple] = None
+        """The params signature and the families the segments were made for."""
+        self._families: tuple[tuple[int, ...], ...] = ()
+        """Param groups stepped together (indices), see ``rules.py``."""
         self._segments: list[list[Segment]] = []
-        """Per param group, its segments."""
+        """Per family, its segments."""
         self._foreach: list[bool] = []
         """Per param group, torch's foreach choice for ``foreach=None``."""
         self._where: dict[int, tuple[Segment, int]] = {}
         """id(parameter) -> (segment, member) of every parameter in a segment."""
         self._warned: set[str] = set()
+        self.installed: Optional[Callable[..., Any]] = None
+        """The step put on the optimizer's instance (``None``: none)."""
+        self.after_scheduler: bool = False
+        """Whether it replaced an LR scheduler's wrapper of torch's step."""
 
     def remove(self) -> None:
         """Step with torch's own step from now on (state stays valid: views)."""
         self.active = False
         optimizer = self._optimizer()
-        if optimizer is not None:
-            _HANDLES.pop(optimizer, None)
-            if getattr(optimizer.__dict__.get("step"), "__func__", None) is _hooked_flat_step:
-                del optimizer.__dict__["step"]
+        if optimizer is not None and _HANDLES.get(optimizer) is self:
+            del _HANDLES[optimizer]
+            _uninstall(optimizer, self)
 
     # ------------------------------------------------------------ plan
-    def _plan(self, optimizer: Optimizer) -> None:
-        groups = optimizer.param_groups
-        signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    def _foreach_of(self, group: dict, index: int) -> bool:
+        return choose_foreach(group, ()) if group.get("foreach") is not None \
+            else self._foreach[index]
+
+    def _plan(self, optimizer: Optimizer, supported: list[int]) -> None:
+        """Families of the supported groups and their segments (made again
+        when the groups' params or families change, or a buffer's shard)."""
+        groups, rule = optimizer.param_groups, self.rule
+        params_signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if params_signature != self._params_signature:
+            self._params_signature = params_signature
+            self._foreach = [choose_foreach({"foreach": None}, g["params"]) for g in groups]
+        families: dict[tuple, list[int]] = {}
+        for index in supported:
+            group = groups[index]
+            families.setdefault(rule.family_key(group, self._foreach_of(group, index)),
+                                []).append(index)
+        signature = (params_signature, tuple(map(tuple, families.values())))
         if signature == self._signature and all(
                 seg.sharded is seg.buffer.sharded for segs in self._segments for seg in segs):
             return
-        self._signature, self._segments, self._foreach, self._where = signature, [], [], {}
-        for group in groups:
-            by_buffer: dict[int, tuple[Any, list]] = {}
-            for param in group["params"]:
-                owner = owner_of(param)
-                if owner is not None and is_flat_view(owner.buffer, owner.index, param):
-                    by_buffer.setdefault(id(owner.buffer), (owner.buffer, []))[1].append(
-                        (owner.index, param))
+        self._signature, self._families = signature, signature[1]
+        self._segments, self._where = [], {}
+        for family in self._families:
+            by_buffer: dict[int, tuple[Any, list[Member]]] = {}
+            for index in family:
+                for param in groups[index]["params"]:
+                    owner = owner_of(param)
+                    if owner is not None and is_flat_view(owner.buffer, owner.index, param):
+                        by_buffer.setdefault(id(owner.buffer), (owner.buffer, []))[1].append(
+                            Member(owner.index, param, index))
             segments = [seg for buffer, members in by_buffer.values()
                         for seg in build_segments(buffer, members)]
             self._segments.append(segments)
-            self._foreach.append(choose_foreach({"foreach": None}, group["params"]))
             for seg in segments:
                 for member, param in enumerate(seg.params):
                     self._where[id(param)] = (seg, member)
@@ -130,32 +171,34 @@ class FlatStep:
         if closure is not None:  # as torch's step: gradients first
             with torch.enable_grad():
                 loss = closure()
-        self._plan(optimizer)
-        rule, state = self.rule, optimizer.state
-        handled: list[Optional[set[int]]] = []
+        rule, state, groups = self.rule, optimizer.state, optimizer.param_groups
+        reasons: list[str] = []
+        supported: list[int] = []
+        for index, group in enumerate(groups):
+            reason = rule.unsupported(optimizer, group)
+            if reason is None:
+                supported.append(index)
+            else:
+                reasons.append(f"param group {index}: {reason}")
+        self._plan(optimizer, supported)
+        handled: dict[int, set[int]] = {}
         later_steps: list[torch.Tensor] = []
         stepped: list[torch.Tensor] = []
-        reasons: list[str] = []
         tensors_passed = 0
         with torch.no_grad():
-            for index, group in enumerate(optimizer.param_groups):
-                reason = rule.unsupported(optimizer, group)
-                if reason is not None:
-                    reasons.append(f"param group {index}: {reason}")
-                    handled.append(None)
-                    continue
+            for family, segments in zip(self._families, self._segments):
+                group = groups[family[0]]
                 names = rule.state_names(group)
                 work = []
-                for segment in self._segments[index]:
+                for segment in segments:
                     base, runs = segment.collect(rule, names, state)
                     work.extend((run, base) for run in runs)
                 if not work:
-                    handled.append(None)
                     continue
                 runs_tensors = [run.segment.tensors(run, base, rule, names) for run, base in work]
-                foreach = choose_foreach(group, ()) if group.get("foreach") is not None \
-                    else self._foreach[index]
-                handed_back = rule.step(group, runs_tensors, foreach)
+                foreach = self._foreach_of(group, family[0])
+                handed_back = rule.step(self._decayed(groups, family, work, foreach),
+                                        runs_tensors, foreach)
                 for (run, _), back in zip(work, handed_back):
                     new = {names[0]: back} if run.age < 0 and back is not None else None
                     run.segment.finish(run, new, names, rule, state, later_steps)
@@ -163,16 +206,34 @@ class FlatStep:
                 for segment in {id(run.segment): run.segment for run, _ in work}.values():
                     segment.settle(names, rule)
                 tensors_passed += len(work)
-                handled.append(member_ids(r for r, _ in work))
+                ids = member_ids(r for r, _ in work)
+                handled.update((index, ids) for index in family)
             if later_steps:
                 foreach_add_(later_steps, 1.0)
             if stepped:  # the values changed behind the parameters' backs: say so to autograd
                 increment_version(stepped)
-        left = self._torch_rest(optimizer, handled)
+        left = self._torch_rest(optimizer, [handled.get(i) for i in range(len(groups))])
         self.last = StepReport(tensors_passed, len(stepped), left, tuple(reasons))
         for reason in reasons:
             self._warn_once(reason)
         return loss
+
+    def _decayed(self, groups: list[dict], family: tuple[int, ...], work: list,
+                 foreach: bool) -> dict:
+        """The hyperparameters of the family's one call. Where its groups
+        differ in a weight decay the rule applies itself, apply each
+        group's to its pieces of the runs first and step with none."""
+        group = groups[family[0]]
+        if len(family) == 1 or not self.rule.separate_decay(group) or \
+                all(groups[i]["weight_decay"] == group["weight_decay"] for i in family):
+            return group
+        pieces: dict[int, list[torch.Tensor]] = {}
+        for run, _ in work:
+            for index, values in run.segment.values_by_group(run):
+                pieces.setdefault(index, []).append(values)
+        for index, values in pieces.items():
+            self.rule.decay(groups[index], values, foreach)
+        return dict(group, weight_decay=0.0)
 
     def _torch_rest(self, optimizer: Optimizer, handled: list[Optional[set[int]]]) -> int:
         """torch's own step on every parameter the flat path did not take;
@@ -217,37 +278,96 @@ _hooked_flat_step = Optimizer.profile_hook_step(_flat_step)
 and per optimizer, run around it as around torch's own step."""
 
 
-def flat_step(optimizer: Optimizer) -> FlatStep:
+def _why_not(optimizer: Optimizer) -> Optional[str]:
+    """Why ``optimizer`` cannot step flat at all (``None``: it can)."""
+    name = type(optimizer).__name__
+    if rule_for(optimizer) is None:
+        return f"{name} (flat steps exist for AdamW, Adam and SGD; not their subclasses)"
+    step = type(optimizer).step
+    if not (getattr(step, "hooked", False) and hasattr(step, "__wrapped__")):
+        return f"{name}.step is not torch's hooked step"
+    replaced = optimizer.__dict__.get("step")
+    if replaced is not None and not is_lr_scheduler_step(replaced):
+        return f"this {name}'s step was replaced on the instance by other code"
+    return None
+
+
+def _install(optimizer: Optimizer) -> FlatStep:
+    """Make the optimizer's handle and put the flat step on the instance, in
+    the form of an LR scheduler's wrapper (which it replaces, if one is
+    there): it holds the optimizer weakly (a bound method would make a
+    reference cycle, and an optimizer dropped would wait for the garbage
+    collector), and a scheduler made later sees it as its own."""
+    handle = FlatStep(optimizer, rule_for(optimizer), None)
+    _HANDLES[optimizer] = handle
+    handle.after_scheduler = "step" in optimizer.__dict__  # a scheduler's wrapper (_why_not)
+    optimizer.step = handle.installed = lr_scheduler_step(optimizer, _hooked_flat_step)
+    return handle
+
+
+def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
+    """Put the optimizer's step back to torch's (an LR scheduler's wrapper
+    made before the flat step becomes its wrapper of torch's)."""
+    if optimizer.__dict__.get("step") is not handle.installed:
+        return  # other code replaced it since: leave theirs (it reaches torch's step, see _flat_step)
+    if handle.after_scheduler:
+        optimizer.step = lr_scheduler_step(optimizer, type(optimizer).step)
+    else:
+        del optimizer.__dict__["step"]
+
+
+def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
     """Step ``optimizer``'s managed parameters as a few flat tensors per
     buffer (see the module note): bitwise the numbers of torch's own step.
+    The default already does this from an optimizer's second step on;
+    calling it makes the first step flat too and returns the handle
+    (``FlatStep.last`` reports each step).
 
     Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (foreach or
     for-loop; weight decay, ``maximize``, ``amsgrad``, momentum, dampening,
     nesterov, per-group hyperparameters). Anything else falls back to
     torch's step with a warning (``FlatStep.unsupported`` says why).
-    Idempotent. Call it right after making the optimizer: it replaces
-    ``optimizer.step`` (keeping its hooks), so it must come before anything
-    that wraps the step (an LR scheduler)."""
+    Idempotent; an LR scheduler made before keeps working.
+
+    ``enabled=False``: this optimizer keeps torch's own step, the default
+    does not take it, and a flat step already installed is removed (its
+    state stays valid: per-parameter views)."""
+    if not enabled:
+        _OFF.add(optimizer)
+        handle = _HANDLES.get(optimizer)
+        if handle is not None:
+            handle.remove()
+        return FlatStep(optimizer, None, "turned off with flat_step(optimizer, enabled=False)")
+    _OFF.discard(optimizer)
     if optimizer in _HANDLES:
         return _HANDLES[optimizer]
-    rule = rule_for(optimizer)
-    step = type(optimizer).step
-    why_not = None
-    if rule is None:
-        why_not = f"{type(optimizer).__name__} (flat steps exist for AdamW, Adam and SGD)"
-    elif not (getattr(step, "hooked", False) and hasattr(step, "__wrapped__")):
-        why_not = f"{type(optimizer).__name__}.step is not torch's hooked step"
+    why_not = _why_not(optimizer)
     if why_not is not None:
         warnings.warn(f"fsdp_compose.flat_step: {why_not}; the optimizer keeps torch's own "
                       "step.", stacklevel=2)
         return FlatStep(optimizer, None, why_not)
-    if "step" in optimizer.__dict__:
-        raise ValueError(
-            f"fsdp_compose.flat_step: this {type(optimizer).__name__}'s step was already "
-            "replaced on the instance (an LR scheduler wraps it when it is made). Call "
-            "fsdp_compose.flat_step(optimizer) right after making the optimizer, before the "
-            "LR scheduler.")
-    handle = FlatStep(optimizer, rule, None)
-    _HANDLES[optimizer] = handle
-    optimizer.step = types.MethodType(_hooked_flat_step, optimizer)
-    return handle
+    return _install(optimizer)
+
+
+def install_default_flat_step() -> None:
+    """Register (once per process) the global step pre-hook that gives
+    every optimizer over managed parameters the flat step at its first step."""
+    if not _installed:
+        _installed.append(register_optimizer_step_pre_hook(_take_by_default))
+
+
+def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None:
+    if optimizer in _SEEN:  # one set lookup per step after the first
+        return
+    _SEEN.add(optimizer)
+    if optimizer in _OFF or optimizer in _HANDLES:
+        return  # the user decided
+    if not any(owner_of(p) is not None for g in optimizer.param_groups for p in g["params"]):
+        return  # not the optimizer of a fully_shard model
+    why_not = _why_not(optimizer)
+    if why_not is not None:
+        warnings.warn(f"fsdp_compose: {why_not}: the optimizer keeps torch's own step, one "
+                      "tensor per parameter (fsdp_compose.flat_step(optimizer, enabled=False) "
+                      "before its first step silences this).", stacklevel=4)
+        return
+    _install(optimizer)  # from the next step on: this one is torch's, already under way

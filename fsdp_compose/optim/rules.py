@@ -9,7 +9,18 @@ parameter, the gradient and the state, with scalars that depend only on the
 group and the ``step`` count; so the functional call on a run (a stretch of
 a shard holding several parameters back to back) writes the same bits as
 the same call on each parameter, provided the run's parameters share the
-group and the ``step`` count (``segments.py`` makes runs that do).
+hyperparameters and the ``step`` count (``segments.py`` makes runs that do).
+
+Param groups whose hyperparameters differ only where the rule can apply
+the difference itself step as one *family*, in one call: AdamW's
+decoupled weight decay is a multiplication of the parameter before
+anything else, ``param.mul_(1 - lr * weight_decay)`` (torch's own
+expression, one foreach multiplication where torch would use foreach), so
+nanoGPT's groups (decay on the matrices, none on the rest) and the HF
+Trainer's (none on biases and norm weights) are decayed per group and then
+stepped together with ``weight_decay=0``. Adam's L2 decay and SGD's add to
+the gradient torch hands on, so for them ``weight_decay`` is part of the
+family.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 from torch.optim import Optimizer
 
-from .._torch_private import default_to_fused_or_foreach
+from .._torch_private import default_to_fused_or_foreach, foreach_mul_
 
 # The modules, not their functions: the functional step is looked up at each
 # call, as torch's Adam.step and SGD.step look it up (``torch.optim`` does not
@@ -47,6 +58,24 @@ class Rule:
 
     counts_steps: bool = False
     """Whether state has a per-parameter ``step`` counter (Adam) or not (SGD)."""
+    hyperparameters: tuple[str, ...] = ()
+    """The group entries the functional step reads (``weight_decay`` apart)."""
+
+    def separate_decay(self, group: dict[str, Any]) -> bool:
+        """Whether the group's weight decay is applied by :meth:`decay`
+        (then groups differing only in it share a family)."""
+        return False
+
+    def family_key(self, group: dict[str, Any], foreach: bool) -> tuple:
+        """Groups with equal keys step in one call (see the module note)."""
+        names = self.hyperparameters if self.separate_decay(group) \
+            else self.hyperparameters + ("weight_decay",)
+        return (foreach, self.separate_decay(group)) + tuple(_comparable(group.get(k)) for k in names)
+
+    def decay(self, group: dict[str, Any], params: Sequence[torch.Tensor], foreach: bool) -> None:
+        """Apply the group's weight decay to ``params`` as torch's
+        functional step does first (only where :meth:`separate_decay`)."""
+        raise NotImplementedError
 
     def unsupported(self, optimizer: Optimizer, group: dict[str, Any]) -> Optional[str]:
         """Why this group must be stepped by torch (``None``: it can run flat)."""
@@ -75,6 +104,15 @@ class Rule:
         raise NotImplementedError
 
 
+def _comparable(value: Any) -> Any:
+    """A group entry as a key: tensors by identity (``==`` on them is elementwise)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(map(_comparable, value))
+    return value
+
+
 def choose_foreach(group: dict[str, Any], params: Sequence[torch.Tensor]) -> bool:
     """foreach or for-loop, as torch decides it for these parameters (the
     two are not bitwise equal to each other, so the flat step must take
@@ -88,9 +126,23 @@ class AdamRule(Rule):
     """``torch.optim.Adam`` and ``AdamW`` (``decoupled_weight_decay``)."""
 
     counts_steps = True
+    hyperparameters = ("lr", "betas", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
 
     def __init__(self, decoupled: bool) -> None:
         self.decoupled: bool = decoupled
+
+    def separate_decay(self, group: dict[str, Any]) -> bool:
+        return bool(group.get("decoupled_weight_decay", self.decoupled))
+
+    def decay(self, group: dict[str, Any], params: Sequence[torch.Tensor], foreach: bool) -> None:
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        if weight_decay == 0:
+            return  # torch skips it too
+        if foreach:
+            foreach_mul_(list(params), 1 - lr * weight_decay)
+        else:
+            for param in params:
+                param.mul_(1 - lr * weight_decay)
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         extra = ("max_exp_avg_sq",) if group["amsgrad"] else ()
@@ -114,6 +166,8 @@ class AdamRule(Rule):
 
 class SGDRule(Rule):
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize)."""
+
+    hyperparameters = ("lr", "momentum", "dampening", "nesterov", "maximize")
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()

@@ -1,8 +1,9 @@
 """Stretches of a shard that the flat optimizer step updates as one tensor.
 
 A *segment* is a stretch of one flat buffer's shard holding parameters of
-one optimizer param group back to back (in shard order; an empty piece, a
-parameter of which this rank holds nothing, joins wherever it falls). Its
+one family of optimizer param groups (groups stepped in one call,
+``rules.py``) back to back (in shard order; an empty piece, a parameter of
+which this rank holds nothing, joins wherever it falls). Its
 per-element optimizer state lives in one flat tensor per state name, and
 each parameter's state in ``optimizer.state`` is a view of it, shaped like
 the parameter: the state dict stays per parameter (ordinary tensors to
@@ -66,17 +67,29 @@ class Run(NamedTuple):
     age: int
 
 
-class Segment:
-    """Parameters ``params`` of one param group, back to back in ``buffer``'s
-    shard from ``shard_start`` (``numel`` elements); see the module note."""
+class Member(NamedTuple):
+    """A parameter of a segment: its index in the buffer, itself, and the
+    index of its param group in the optimizer."""
 
-    def __init__(self, buffer: FlatBuffer, members: Sequence[tuple[int, nn.Parameter]]) -> None:
+    index: int
+    param: nn.Parameter
+    group: int
+
+
+class Segment:
+    """Parameters ``params`` of one family of param groups, back to back in
+    ``buffer``'s shard from ``shard_start`` (``numel`` elements); see the
+    module note."""
+
+    def __init__(self, buffer: FlatBuffer, members: Sequence[Member]) -> None:
         slices = buffer.local_slices()
         self.buffer: FlatBuffer = buffer
         self.sharded: torch.Tensor = buffer.sharded
         """The shard the parameters view (a new one after a dtype conversion: rebuild)."""
-        self.indices: tuple[int, ...] = tuple(i for i, _ in members)
-        self.params: tuple[nn.Parameter, ...] = tuple(p for _, p in members)
+        self.indices: tuple[int, ...] = tuple(m.index for m in members)
+        self.params: tuple[nn.Parameter, ...] = tuple(m.param for m in members)
+        self.groups: tuple[int, ...] = tuple(m.group for m in members)
+        """Each member's param group (runs may span groups of one family)."""
         held = [slices[i] for i in self.indices if slices[i].length]
         self.shard_start: int = held[0].shard_start if held else 0
         self.numel: int = held[-1].shard_start + held[-1].length - self.shard_start if held else 0
@@ -97,6 +110,8 @@ class Segment:
         """The most elements a run of several parameters takes (see :data:`CPU_RUN_CAP`)."""
         self._whole: Optional[list[Run]] = None
         """The runs of the fast path (every member stepped), made once."""
+        self._by_group: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
+        """Per run (first, last member), its values cut by param group, made once."""
 
     # ------------------------------------------------------------ state
     def state_view(self, name: str, member: int) -> torch.Tensor:
@@ -263,6 +278,28 @@ class Segment:
         return RunTensors(self.sharded.narrow(0, at, run.numel), base.narrow(0, at, run.numel),
                           states, step)
 
+    def values_by_group(self, run: Run) -> list[tuple[int, torch.Tensor]]:
+        """The run's parameter values as ``(param group, values)`` pieces:
+        maximal stretches of one group's members (for a per-group weight
+        decay; padding inside a stretch is zero and stays zero)."""
+        key = (run.first, run.last)
+        pieces = self._by_group.get(key)
+        if pieces is None:
+            pieces, current = [], None  # current: [group, start, end]
+            for i in range(run.first, run.last + 1):
+                if not self.lengths[i]:
+                    continue
+                start, end = self.offsets[i], self.offsets[i] + self.lengths[i]
+                if current is not None and current[0] == self.groups[i]:
+                    current[2] = end
+                    continue
+                current = [self.groups[i], start, end]
+                pieces.append(current)
+            pieces = [(group, self.sharded.narrow(0, self.shard_start + start, end - start))
+                      for group, start, end in pieces]
+            self._by_group[key] = pieces
+        return pieces
+
     def _install(self, member: int, names: tuple[str, ...], step: Optional[torch.Tensor]) -> None:
         new = {} if step is None else {"step": step}
         for name in names:
@@ -299,18 +336,17 @@ class Segment:
             self.uniform = None
 
 
-def build_segments(buffer: FlatBuffer, members: Sequence[tuple[int, nn.Parameter]]
-                   ) -> list[Segment]:
-    """Cut ``members`` (``(index in buffer, parameter)`` of one param group)
-    into segments: in shard order, a new one wherever a piece of another
-    parameter lies between two of them (padding between them is stepped
-    with them: its gradient is zero, so its values and state stay zero).
-    Empty pieces join the last segment."""
+def build_segments(buffer: FlatBuffer, members: Sequence[Member]) -> list[Segment]:
+    """Cut ``members`` (of one family of param groups) into segments: in
+    shard order, a new one wherever a piece of another parameter lies
+    between two of them (padding between them is stepped with them: its
+    gradient is zero, so its values and state stay zero). Empty pieces join
+    the last segment."""
     slices = buffer.local_slices()
-    mine = dict(members)
+    mine = {m.index: m for m in members}
     held = sorted((i for i in range(len(slices)) if slices[i].length),
                   key=lambda i: slices[i].shard_start)
-    segments: list[list[tuple[int, nn.Parameter]]] = []
+    segments: list[list[Member]] = []
     current: Optional[list] = None
     for index in held:
         if index not in mine:
@@ -319,8 +355,8 @@ def build_segments(buffer: FlatBuffer, members: Sequence[tuple[int, nn.Parameter
         if current is None:
             current = []
             segments.append(current)
-        current.append((index, mine[index]))
-    empty = [(i, p) for i, p in members if not slices[i].length]
+        current.append(mine[index])
+    empty = [m for m in members if not slices[m.index].length]
     if empty:
         (segments[-1] if segments else segments.append([]) or segments[-1]).extend(empty)
     return [Segment(buffer, seg) for seg in segments]
