@@ -31,7 +31,7 @@ import torch.nn as nn
 from .._torch_private import unsafe_set_version_counter
 from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup
-from ..comm.quantized import BlockQuantizer
+from ..comm.wire import EXACT, Wire, policy_wire
 from .flat_grad import FlatGradient, PendingCollective
 from .layout import OWNED, FlatLayout, ShardSlice
 from .param_slots import ParamSlots
@@ -69,12 +69,11 @@ class FlatBuffer:
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
-    __slots__ = ('aliased', 'comms', 'compute_device', 'compute_dtype', 'dtype',
-                 'gather_quantizer', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
+    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
-                 'reduce_dtype', 'reduce_quantizer', 'requires_grad',
+                 'reduce_dtype', 'requires_grad',
                  'reshard_frees_nothing', 'sharded', 'slots', 'staging', 'storage_device',
-                 'unsharded', '_alias_versions', '_aliases',
+                 'unsharded', 'wire', '_alias_versions', '_aliases',
                  '_before_flat_gradient', '_grad_hook_registered', '_grad_receivers',
                  '_has_copies', '_has_tp', '_local_shapes', '_local_split',
                  '_local_strided', '_moved_dims', '_on_backward',
@@ -129,12 +128,9 @@ class FlatBuffer:
         self.compute_dtype: torch.dtype
         self.reduce_dtype: torch.dtype
         self.reduce_comm_dtype: torch.dtype
-        self.gather_quantizer: Optional[BlockQuantizer] = None
-        """The all-gather's wire format (``CommPolicy``; ``None``: exact)."""
-        self.reduce_quantizer: Optional[BlockQuantizer] = None
-        """The gradient reduction's wire format (``None``: exact)."""
-        self.comms: Optional[UnitComms] = None
-        """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
+        self.wire: Wire = EXACT
+        """How the collectives go on the wire (``comm/wire.py``): set from
+        the policy by :meth:`_install`, wrapped by the custom comm setters."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -232,9 +228,10 @@ class FlatBuffer:
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
-        if dtypes.param.is_floating_point and self.group.world_size > 1:  # else nothing moves
-            self.gather_quantizer = self.policy.gather_quantizer
-            self.reduce_quantizer = self.policy.reduce_quantizer
+        moves_floats = dtypes.param.is_floating_point and self.group.world_size > 1
+        self.wire = self.wire.on_policy(  # quantized only where floats move
+            policy_wire(self.policy.gather_quantizer, self.policy.reduce_quantizer)
+            if moves_floats else EXACT)
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded
@@ -512,6 +509,11 @@ class FlatBuffer:
                 self._release_unsharded_storage()
             self.slots.set_views(self._build_unsharded_views())
         self.slots.swap_in_views()
+
+    @property
+    def comms(self) -> Optional[UnitComms]:
+        """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
+        return self.wire.comms
 
     @property
     def is_gathering(self) -> bool:

@@ -17,6 +17,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy
 from ..comm.custom import UnitComms
+from ..comm.wire import CustomWire
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .profiling import call_profiled
@@ -229,7 +230,7 @@ class Unit:
         if comms is None:
             comms = self.settings.comms = UnitComms()
             for buffer in self.buffers:
-                buffer.comms = comms
+                buffer.wire = CustomWire(comms, buffer.wire)
             self.layout_changed()
         return comms
 
