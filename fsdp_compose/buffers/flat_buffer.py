@@ -32,7 +32,7 @@ from .._torch_private import unsafe_set_version_counter
 from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup
 from ..comm.wire import EXACT, Wire, policy_wire
-from .flat_grad import FlatGradient, PendingCollective
+from .flat_grad import FlatGradient
 from .layout import OWNED, FlatLayout, ShardSlice
 from .param_slots import ParamSlots
 from .weak_hooks import called_weakly
@@ -69,7 +69,7 @@ class FlatBuffer:
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
-    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
+    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'is_gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
                  'reduce_dtype', 'requires_grad',
                  'reshard_frees_nothing', 'sharded', 'slots', 'staging', 'storage_device',
@@ -144,9 +144,10 @@ class FlatBuffer:
         self._alias_versions: Optional[tuple[int, ...]]
         """The aliases' versions when the running forward's node was made."""
         self.is_unsharded: bool = False
-        self.gathering: Optional[PendingCollective] = None
-        """The all-gather into ``unsharded`` issued and not waited (set and
-        cleared by ``runtime/collective_queue.py``)."""
+        self.is_gathering: bool = False
+        """An all-gather into ``unsharded`` is in flight: from
+        :meth:`prepare_unshard` to :meth:`complete_gather` (the collective
+        queue keeps it and waits it)."""
         self.staging: Optional[StagingPool] = None
         """Where the unsharded storage's memory comes from (CPU; ``None``: the allocator)."""
         self._post_forward: Optional[_PostForwardCopy] = None
@@ -443,7 +444,7 @@ class FlatBuffer:
         (a bucket's member). The queue then issues the collective and calls
         :meth:`complete_gather`. Pre-condition: not ``aliased``
         (:meth:`unshard_in_place`)."""
-        if self.gathering is not None:
+        if self.is_gathering:
             return None  # already in flight: a prefetch got here first
         if coalescable and self._post_forward is not None:
             return None
@@ -461,6 +462,7 @@ class FlatBuffer:
             shard, group = kept.piece, kept.group
         else:
             shard, group = self.gather_input(), self.group
+        self.is_gathering = True
         return shard, group
 
     def unshard_in_place(self) -> None:
@@ -501,6 +503,7 @@ class FlatBuffer:
         ``unsharded`` with the original shape."""
         # see [Note: storage and autograd]
         unsafe_set_version_counter((self.unsharded,), (version,))
+        self.is_gathering = False
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:  # assembled from the values just gathered
@@ -514,10 +517,6 @@ class FlatBuffer:
     def comms(self) -> Optional[UnitComms]:
         """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
         return self.wire.comms
-
-    @property
-    def is_gathering(self) -> bool:
-        return self.gathering is not None
 
     @property
     def is_stale(self) -> bool:
@@ -546,9 +545,13 @@ class FlatBuffer:
 
         Post-condition: not ``is_unsharded``; ``unsharded`` and the
         assembled copies hold no storage (unless aliased); every slot holds
-        its original ``nn.Parameter``."""
-        if self.gathering is not None:
-            self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
+        its original ``nn.Parameter``.
+
+        Pre-condition: no all-gather in flight (the unit has the queue wait
+        it first: ``CollectiveQueue.wait_gather``)."""
+        if self.is_gathering:
+            raise AssertionError(f"[rank {self.group.rank}] resharding a buffer of "
+                                 f"'{self.records[0].fqn}' while its all-gather is in flight")
         if not self.is_unsharded:
             return  # already sharded: nothing to free
         if keep_for_backward is not None:  # k > 1 ranks: the shard is never the whole buffer

@@ -47,8 +47,6 @@ class Waitable(Protocol):
 class PartialSums(Protocol):
     """What keeps a reduction's partial sum across backwards (``FlatGradient``)."""
 
-    def hold_partial(self, output: torch.Tensor) -> None: ...
-
     def merge_partial(self, output: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -199,7 +197,8 @@ class Wire:
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
         """Hybrid sharding: what to all-reduce over the replicas after the
-        reduce-scatter wrote ``output`` (``None``: kept for a later one)."""
+        reduce-scatter wrote ``output`` (``None``: keep ``output`` as a
+        partial sum for a later one)."""
         return output
 
     def before_fold(self, output: torch.Tensor) -> None:
@@ -370,7 +369,6 @@ class CustomWire(Wire):
         """``set_requires_all_reduce(False)`` keeps the sum (no hook, as
         FSDP2); the next all-reduce adds it."""
         if not self.comms.requires_all_reduce:
-            partials.hold_partial(output)
             return None
         return partials.merge_partial(output)
 

@@ -10,9 +10,11 @@ calls it the same way whichever it is.
    only, so "right before every collective it names" holds by
    construction). The wire issues: a bucket's inputs packed into one
    tensor, a lone buffer's used as they are.
-2. *In flight.* One :class:`InFlight` per collective; each member points at
-   it (``FlatBuffer.gathering``, ``FlatGradient.reducing``), so whoever
-   needs the result first waits it. The queue bounds how many are in
+2. *In flight.* One :class:`InFlight` per collective, kept by the queue
+   under each member it carries; the members know only that they are in
+   flight (``FlatBuffer.is_gathering``, ``FlatGradient.is_reducing``) and
+   never wait: whoever needs the result first asks the queue
+   (``wait_gathers``, ``wait_gather`` before a reshard, ``settle``). The queue bounds how many are in
    flight (``PrefetchPolicy``).
 3. *Wait.* The first wait waits the work, makes the copies and frees the
    temporaries, once. It then completes members: of an all-gather, the one
@@ -179,7 +181,7 @@ class InFlight:
 
     def discard(self) -> None:
         """An iteration raised: wait the work (it still reads our tensors),
-        drop its result, unlink the members."""
+        drop its result and the members."""
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -188,11 +190,6 @@ class InFlight:
         self._copies, self._temporaries, self._keep_alive = [], [], []
         self._member_copies, self._packed_output = {}, None
         self._settled = True
-        for buffer in self._pending:
-            if buffer.gathering is self:
-                buffer.gathering = None
-            if buffer.grad.reducing is self:
-                buffer.grad.reducing = None
         self._pending = []
 
 
@@ -207,8 +204,8 @@ class CollectiveQueue:
     collective]), shared by its units (``unit.collectives``)."""
 
     __slots__ = ('buckets', 'events', 'observer', 'settings', 'staging',
-                 '_gathered', '_gathers', '_held', '_reduced', '_reduces', '_replica_reduced',
-                 '_replicas', '__dict__', '__weakref__')
+                 '_gathered', '_gathering', '_gathers', '_held', '_reduced', '_reduces',
+                 '_reducing', '_replica_reduced', '_replicas', '__dict__', '__weakref__')
 
     def __init__(self, settings: ModelSettings,
                  observer: Optional[CollectiveObserver] = None) -> None:
@@ -220,7 +217,12 @@ class CollectiveQueue:
         self.staging: StagingPool = StagingPool()
         """Released unsharded memory, reused on the CPU."""
         self._gathers: list[InFlight] = []
+        self._gathering: dict[int, InFlight] = {}
+        """By buffer id: the all-gather into it in flight."""
         self._reduces: deque[InFlight] = deque()
+        self._reducing: dict[int, InFlight] = {}
+        """By buffer id: its gradient's reduction in flight (the
+        reduce-scatter, then under hybrid sharding the replica all-reduce)."""
         self._replicas: deque[list[InFlight]] = deque()
         """The replica all-reduces of each waited reduce-scatter, oldest first."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
@@ -282,12 +284,24 @@ class CollectiveQueue:
             self.staging.clear()
 
     def discard_iteration(self) -> None:
-        """``reset_iter_state``. Pre-condition: no buffer is gathering or
-        reducing (the units waited or discarded their collectives)."""
+        """``reset_iter_state``, after every unit's :meth:`discard_buffer`."""
         self._gathers = []
+        self._gathering.clear()
+        self._reducing.clear()
         self._reduces.clear()
         self._replicas.clear()
         self._held = {}
+
+    def discard_buffer(self, buffer: FlatBuffer) -> None:
+        """An iteration raised: complete ``buffer``'s all-gather in flight
+        (the unit reshards next), drop its reduction in flight (its
+        gradient is discarded next)."""
+        self.wait_gather(buffer)
+        flight = self._reducing.pop(id(buffer), None)
+        if flight is not None:
+            flight.discard()
+            for member in flight.members:
+                self._reducing.pop(id(member), None)
 
     # ------------------------------------------------------------- all-gather
     def gather(self, unit: BucketedUnit, prefetch: Sequence[BucketedUnit],
@@ -312,7 +326,7 @@ class CollectiveQueue:
                     break
                 self._gather_alone(buffer, issuer, target.name)
         for buffer in unit.buffers:
-            if buffer.gathering is not None:
+            if buffer.is_gathering:
                 self.wait_gathers(unit)
                 return
 
@@ -328,14 +342,22 @@ class CollectiveQueue:
     def wait_gathers(self, unit: BucketedUnit) -> None:
         """Post-condition: what was issued for ``unit`` is unsharded."""
         for buffer in unit.buffers:
-            if buffer.gathering is not None:
+            if buffer.is_gathering:
                 break
         else:
             return  # nothing in flight (the steady state over one rank, or waited already)
         with profiled("all_gather_wait", unit.name):
             for buffer in unit.buffers:
-                if buffer.gathering is not None:  # a bucket's wait completes its other members
-                    buffer.gathering.wait(buffer)
+                flight = self._gathering.get(id(buffer))
+                if flight is not None:  # a bucket's wait completes its other members
+                    flight.wait(buffer)
+
+    def wait_gather(self, buffer: FlatBuffer) -> None:
+        """Before a reshard: complete an all-gather into ``buffer`` still
+        in flight (a prefetch nobody used: the storage is being written)."""
+        flight = self._gathering.get(id(buffer))
+        if flight is not None:
+            flight.wait(buffer)
 
     def inflight_all_gathers(self) -> int:
         """All-gathers in flight (a bucket's counts one)."""
@@ -363,7 +385,7 @@ class CollectiveQueue:
         with profiled("all_gather", lambda: "bucket of " + ", ".join(m.name for m in members)):
             self._issue_packed_gather(bucket.buffers, wanted)
         for buffer in wanted:
-            if buffer.gathering is None and not buffer.is_unsharded:
+            if not buffer.is_gathering and not buffer.is_unsharded:
                 self._issue_gather(buffer)  # could not join (kept post-forward piece); observed above
         return True
 
@@ -434,7 +456,7 @@ class CollectiveQueue:
 
     def _track_gather(self, flight: InFlight) -> None:
         for buffer in flight.members:
-            buffer.gathering = flight
+            self._gathering[id(buffer)] = flight
         self._gathers.append(flight)
         self._log("issue", flight)
 
@@ -471,8 +493,8 @@ class CollectiveQueue:
         """Its size depends on ``buffers`` only ([Note: bucketing]);
         nothing is issued when none has a gradient."""
         for buffer in buffers:
-            if buffer.grad.reducing is not None:
-                buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
+            if buffer.grad.is_reducing:
+                self.settle(buffer)  # an earlier backward's reduction (set_is_last_backward(False))
         observed = buffers if trigger is None or trigger is buffers[0] else \
             [trigger] + [b for b in buffers if b is not trigger]
         for buffer in observed:
@@ -486,7 +508,7 @@ class CollectiveQueue:
                                    self._reduce_scatter_bucket, buffers, options)
         if flight is not None:
             for buffer in flight.members:
-                buffer.grad.reducing = flight
+                self._reducing[id(buffer)] = flight
             self._reduces.append(flight)
             self._log("issue", flight)
         if self._reduces or self._replicas:
@@ -526,7 +548,7 @@ class CollectiveQueue:
         """Completion of an all-gather (``flight.results``: each buffer's
         version before it)."""
         for buffer in buffers:
-            buffer.gathering = None
+            del self._gathering[id(buffer)]
             buffer.complete_gather(flight.results[id(buffer)])  # type: ignore[arg-type]
         if flight.done:
             self._log("complete", flight)
@@ -537,23 +559,24 @@ class CollectiveQueue:
         replicas = []
         options = flight.options
         for buffer in buffers:
-            buffer.grad.reducing = None
-            output: Optional[torch.Tensor] = flight.results[id(buffer)]  # type: ignore[assignment]
+            del self._reducing[id(buffer)]
+            output: torch.Tensor = flight.results[id(buffer)]  # type: ignore[assignment]
             group = buffer.group
             if group.replicate_size > 1 and group.replicate_process_group is not None:
-                output = buffer.wire.replica_input(buffer.grad, output)
-                if output is None:
-                    continue  # kept for a later reduction's all-reduce
-                work = all_reduce_replicas(output, group, *options, async_op=True)
+                summed = buffer.wire.replica_input(buffer.grad, output)
+                if summed is None:  # kept for a later reduction's all-reduce
+                    buffer.grad.take_back(output, options, partial=True)
+                    continue
+                work = all_reduce_replicas(summed, group, *options, async_op=True)
                 replica = InFlight("all_reduce_replicas", work, group.replicate_process_group,
                                    [buffer], self._replica_reduced,
-                                   results={id(buffer): output}, options=options)
-                buffer.grad.reducing = replica
+                                   results={id(buffer): summed}, options=options)
+                self._reducing[id(buffer)] = replica
                 replicas.append(replica)
                 self._log("issue", replica)
             else:
                 buffer.wire.before_fold(output)
-                buffer.grad.fold(output, options)
+                buffer.grad.take_back(output, options)
         if flight.done:
             self._log("complete", flight)
         if replicas:
@@ -562,10 +585,10 @@ class CollectiveQueue:
     def _replica_done(self, flight: InFlight, buffers: list[FlatBuffer]) -> None:
         """Completion of a replica all-reduce."""
         for buffer in buffers:
-            buffer.grad.reducing = None
+            del self._reducing[id(buffer)]
             output: torch.Tensor = flight.results[id(buffer)]  # type: ignore[assignment]
             buffer.wire.before_fold(output)
-            buffer.grad.fold(output, flight.options)
+            buffer.grad.take_back(output, flight.options)
         if flight.done:
             self._log("complete", flight)
 
@@ -581,6 +604,16 @@ class CollectiveQueue:
             with profiled("all_reduce_replicas_wait"):
                 for flight in self._replicas.popleft():
                     flight.wait()
+
+    def settle(self, buffer: FlatBuffer) -> None:
+        """Wait ``buffer``'s reduction in flight (and the replica
+        all-reduce it issues) to its end: its gradient is unpublished."""
+        flight = self._reducing.get(id(buffer))
+        while flight is not None:
+            flight.wait()
+            if self._reducing.get(id(buffer)) is flight:  # completion always moves on; never spin
+                del self._reducing[id(buffer)]
+            flight = self._reducing.get(id(buffer))
 
     def make_room_for_reduce(self) -> None:
         """A flat gradient is about to be made: wait the oldest
@@ -614,7 +647,7 @@ def gather_values(buffer: FlatBuffer) -> torch.Tensor:
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:
-    return not buffer.aliased and buffer.gathering is None and \
+    return not buffer.aliased and not buffer.is_gathering and \
         (not buffer.is_unsharded or buffer.is_stale)
 
 

@@ -222,7 +222,14 @@ class Unit:
 
     def reshard(self) -> None:
         for buffer in self.buffers:
-            buffer.reshard()
+            self.reshard_buffer(buffer)
+
+    def reshard_buffer(self, buffer: FlatBuffer, keep: Optional[ShardGroup] = None) -> None:
+        """``buffer.reshard(keep)``, after the queue completed an all-gather
+        into it still in flight (a prefetch nobody used)."""
+        if buffer.is_gathering:
+            self.collectives.wait_gather(buffer)
+        buffer.reshard(keep)
 
     def custom_comms(self) -> UnitComms:
         """Made and shared with the buffers at the first setter needing it."""
@@ -373,7 +380,7 @@ class Unit:
         else:
             buffer.grad.stash_unreduced()
         if settings.reshard_after_backward:
-            buffer.reshard()
+            self.reshard_buffer(buffer)
         self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
@@ -403,15 +410,15 @@ class Unit:
         if self._frozen_uses == 0 and self.training_state is not TrainingState.IDLE \
                 and self.settings.reshard_after_backward:
             for buffer in self.frozen_buffers:
-                buffer.reshard()
+                self.reshard_buffer(buffer)
 
     def finish_backward(self) -> None:
         """Reshard per policy; IDLE after."""
         if self.training_state is not TrainingState.FORWARD:
             reshard = self.settings.reshard_after_backward
             for buffer in self.buffers:
-                if reshard and (buffer.is_unsharded or buffer.gathering is not None):
-                    buffer.reshard()
+                if reshard and (buffer.is_unsharded or buffer.is_gathering):
+                    self.reshard_buffer(buffer)
                 buffer.drop_post_forward_copy()  # this backward did not need it
             self._frozen_uses = 0
         self.training_state = TrainingState.IDLE
@@ -421,8 +428,10 @@ class Unit:
         in flight or pending, no saved-tensor guard."""
         self._release_saved_guard()
         for buffer in self.buffers:
+            if self.collectives is not None:
+                self.collectives.discard_buffer(buffer)  # waits its all-gather, drops its reduction
             buffer.grad.discard_iteration()
-            buffer.reshard()  # waits an all-gather still in flight
+            buffer.reshard()
         self.training_state = TrainingState.IDLE
         self._modules_to_run.clear()
         self._backward_possible = False

@@ -91,7 +91,7 @@ class CollectivePath:
 
     def reshard_after_forward(self, unit: PathUnit, keep: Optional[ShardGroup]) -> None:
         for buffer in unit.buffers:
-            buffer.reshard(keep_for_backward=keep)
+            unit.reshard_buffer(buffer, keep)
 
     def gradient_ready(self, unit: PathUnit) -> None:
         """A buffer's flat gradient is complete (the pre-backward hook ran)."""
