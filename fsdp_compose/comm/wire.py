@@ -153,10 +153,10 @@ class Wire:
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                        divide_factor: Optional[float], force_sum: bool) -> Issued:
         """Reduce-scatter one buffer's ``flat`` gradient into ``output``
-        (``collectives.reduce_scatter_scaled``'s result contract)."""
-        group = self.reduce_group(group)
-        work = self._reduce_scatter_flat(output, flat, group, divide_factor, force_sum, None)
-        return Issued(work, group.process_group, keep_alive=(flat,))
+        (``collectives.reduce_scatter_scaled``'s result contract) over
+        ``group`` (its :meth:`reduce_group` already)."""
+        work = reduce_scatter_scaled(output, flat, group, divide_factor, force_sum, async_op=True)
+        return Issued(work, group.process_group, keep_alive=(flat,))  # type: ignore[arg-type]
 
     def reduce_scatter_packed(self, grads: Sequence[Optional[torch.Tensor]],
                               chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
@@ -164,8 +164,8 @@ class Wire:
                               force_sum: bool) -> Issued:
         """One reduce-scatter of a bucket's flat gradients (``F * chunks[i]``
         elements each; ``None``: zeros) into ``outputs`` (``chunks[i]``
-        elements; ``None``: not wanted). Each segment is reduced as alone."""
-        group = self.reduce_group(group)
+        elements; ``None``: not wanted) over ``group`` (its
+        :meth:`reduce_group` already). Each segment is reduced as alone."""
         world, total = group.world_size, sum(chunks)
         dtype = next(g.dtype for g in grads if g is not None)
         packed, ours = self.reduce_memory(world * total, dtype, group.device)
@@ -248,6 +248,14 @@ class QuantizedWire(Wire):
             return super().all_gather_packed(rows, shards, group)
         work = all_gather_quantized(rows, shards, group, self.gather_quantizer)
         return Issued(work, group.process_group, keep_alive=shards)
+
+    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                       divide_factor: Optional[float], force_sum: bool) -> Issued:
+        if self.reduce_quantizer is None:
+            return super().reduce_scatter(output, flat, group, divide_factor, force_sum)
+        work = reduce_scatter_quantized(output, flat, group, self.reduce_quantizer,
+                                        divide_factor, force_sum)
+        return Issued(work, group.process_group, keep_alive=(flat,))
 
     def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                              divide_factor: Optional[float], force_sum: bool,
@@ -336,7 +344,6 @@ class CustomWire(Wire):
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                        divide_factor: Optional[float], force_sum: bool) -> Issued:
         comm = self.comms.reduce_scatter
-        group = self.reduce_group(group)
         if comm is None:
             return self.base.reduce_scatter(output, flat, group, divide_factor, force_sum)
         comm_input = allocate(comm, flat.numel(), flat.dtype, flat.device)
@@ -352,8 +359,7 @@ class CustomWire(Wire):
                               group: ShardGroup, divide_factor: Optional[float],
                               force_sum: bool) -> Issued:
         if self.comms.reduce_scatter is None:
-            return self.base.reduce_scatter_packed(grads, chunks, outputs,
-                                                   self.reduce_group(group), divide_factor,
+            return self.base.reduce_scatter_packed(grads, chunks, outputs, group, divide_factor,
                                                    force_sum)
         return super().reduce_scatter_packed(grads, chunks, outputs, group, divide_factor,
                                              force_sum)

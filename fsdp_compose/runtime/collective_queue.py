@@ -245,8 +245,8 @@ class CollectiveQueue:
         return events
 
     def _log(self, what: Literal["issue", "complete"], flight: InFlight) -> None:
-        if self.events is not None:
-            self.events.append(CollectiveEvent(what, flight.kind, len(flight.results)))
+        """Pre-condition: recording (callers check, so nothing is called while off)."""
+        self.events.append(CollectiveEvent(what, flight.kind, len(flight.results)))
 
     def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
         """CPU ``buffers`` of a unit joining the model use the shared pool."""
@@ -458,7 +458,8 @@ class CollectiveQueue:
         for buffer in flight.members:
             self._gathering[id(buffer)] = flight
         self._gathers.append(flight)
-        self._log("issue", flight)
+        if self.events is not None:
+            self._log("issue", flight)
 
     # --------------------------------------------------------- reduce-scatter
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
@@ -510,7 +511,8 @@ class CollectiveQueue:
             for buffer in flight.members:
                 self._reducing[id(buffer)] = flight
             self._reduces.append(flight)
-            self._log("issue", flight)
+            if self.events is not None:
+                self._log("issue", flight)
         if self._reduces or self._replicas:
             self._keep_reduce_limit()
 
@@ -521,7 +523,8 @@ class CollectiveQueue:
         if flat is None:
             return None
         output = _reduce_output(buffer, flat.dtype)
-        issued = buffer.wire.reduce_scatter(output, flat, buffer.group, *options)
+        wire = buffer.wire
+        issued = wire.reduce_scatter(output, flat, wire.reduce_group(buffer.group), *options)
         freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
         return InFlight("reduce_scatter", issued.work, issued.process_group, [buffer],
                         self._reduced, issued.copies, freed, issued.keep_alive,
@@ -537,8 +540,9 @@ class CollectiveQueue:
             return None
         dtype = next(g.dtype for g in grads if g is not None)
         outputs = [None if g is None else _reduce_output(b, dtype) for b, g in zip(buffers, grads)]
-        issued = buffers[0].wire.reduce_scatter_packed(
-            grads, [b.grad.reduce_chunk for b in buffers], outputs, buffers[0].group, *options)
+        wire = buffers[0].wire
+        issued = wire.reduce_scatter_packed(grads, [b.grad.reduce_chunk for b in buffers], outputs,
+                                            wire.reduce_group(buffers[0].group), *options)
         return InFlight("reduce_scatter", issued.work, issued.process_group, members,
                         self._reduced, issued.copies, issued.temporaries, issued.keep_alive,
                         results={id(b): o for b, o in zip(buffers, outputs) if o is not None},
@@ -550,7 +554,7 @@ class CollectiveQueue:
         for buffer in buffers:
             del self._gathering[id(buffer)]
             buffer.complete_gather(flight.results[id(buffer)])  # type: ignore[arg-type]
-        if flight.done:
+        if self.events is not None and flight.done:
             self._log("complete", flight)
 
     def _reduce_done(self, flight: InFlight, buffers: list[FlatBuffer]) -> None:
@@ -573,11 +577,12 @@ class CollectiveQueue:
                                    results={id(buffer): summed}, options=options)
                 self._reducing[id(buffer)] = replica
                 replicas.append(replica)
-                self._log("issue", replica)
+                if self.events is not None:
+                    self._log("issue", replica)
             else:
                 buffer.wire.before_fold(output)
                 buffer.grad.take_back(output, options)
-        if flight.done:
+        if self.events is not None and flight.done:
             self._log("complete", flight)
         if replicas:
             self._replicas.append(replicas)
@@ -589,7 +594,7 @@ class CollectiveQueue:
             output: torch.Tensor = flight.results[id(buffer)]  # type: ignore[assignment]
             buffer.wire.before_fold(output)
             buffer.grad.take_back(output, flight.options)
-        if flight.done:
+        if self.events is not None and flight.done:
             self._log("complete", flight)
 
     def _keep_reduce_limit(self) -> None:

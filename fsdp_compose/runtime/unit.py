@@ -380,7 +380,9 @@ class Unit:
         else:
             buffer.grad.stash_unreduced()
         if settings.reshard_after_backward:
-            self.reshard_buffer(buffer)
+            if buffer.is_gathering:
+                self.collectives.wait_gather(buffer)
+            buffer.reshard()
         self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:

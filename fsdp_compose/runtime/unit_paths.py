@@ -91,7 +91,9 @@ class CollectivePath:
 
     def reshard_after_forward(self, unit: PathUnit, keep: Optional[ShardGroup]) -> None:
         for buffer in unit.buffers:
-            unit.reshard_buffer(buffer, keep)
+            if buffer.is_gathering:
+                self.queue.wait_gather(buffer)
+            buffer.reshard(keep_for_backward=keep)
 
     def gradient_ready(self, unit: PathUnit) -> None:
         """A buffer's flat gradient is complete (the pre-backward hook ran)."""
