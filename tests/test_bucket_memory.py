@@ -1,6 +1,6 @@
 """A bucket's packed temporaries hold no memory once its collective is done
 ([Note: freeing what a collective read] in
-``runtime/collective_queue.py``).
+``runtime/collective_queue.py``; the packing is the wire's, ``comm/wire.py``).
 
 gloo keeps a finished collective's input and output tensors alive for a
 while, sometimes through the next step (6 MiB held after the step on one
@@ -11,7 +11,7 @@ anyway after the step."""
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.runtime import collective_queue as coalesced
+from fsdp_compose.comm import wire as coalesced
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._training import local_batch, make_optimizer, shard_blocks_and_root

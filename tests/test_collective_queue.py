@@ -1,6 +1,6 @@
 """The collective queue is the one home of the step's collectives:
 every all-gather and reduce-scatter the backend runs was issued as one
-``InFlight`` and told to the observer first, bucketed, prefetched or
+``InFlight`` (an ``issue`` in the queue's event log) and told to the observer first, bucketed, prefetched or
 called by hand (``module.unshard()``)."""
 
 from collections import Counter
@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from fsdp_compose import PrefetchPolicy
 from fsdp_compose.checks.divergence import DivergenceMonitor
-from fsdp_compose.runtime.collective_queue import InFlight
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter
@@ -37,8 +36,7 @@ def _count_a_bucketed_step_and_a_manual_unshard():
     observed: Counter = Counter()
     flights: Counter = Counter()
     members: Counter = Counter()
-    originals = (DivergenceMonitor.before_all_gather, DivergenceMonitor.before_reduce_scatter,
-                 InFlight.__init__)
+    originals = (DivergenceMonitor.before_all_gather, DivergenceMonitor.before_reduce_scatter)
 
     def before_all_gather(self, buffer, issuer_state):
         observed["all_gather"] += 1
@@ -48,14 +46,10 @@ def _count_a_bucketed_step_and_a_manual_unshard():
         observed["reduce_scatter"] += 1
         return originals[1](self, buffer)
 
-    def init(self, kind, work, process_group, flight_members, *args, **kwargs):
-        flights[kind] += 1
-        members[kind] += len(flight_members)
-        return originals[2](self, kind, work, process_group, flight_members, *args, **kwargs)
-
     DivergenceMonitor.before_all_gather = before_all_gather
     DivergenceMonitor.before_reduce_scatter = before_reduce_scatter
-    InFlight.__init__ = init
+    queue = state_of(model).context.collectives
+    events = queue.record_events()
     try:
         with CollectiveCounter() as counter:
             step(3)
@@ -65,8 +59,12 @@ def _count_a_bucketed_step_and_a_manual_unshard():
             manual = observed["all_gather"] - before
             model.blocks[0].reshard()
     finally:
-        (DivergenceMonitor.before_all_gather, DivergenceMonitor.before_reduce_scatter,
-         InFlight.__init__) = originals
+        DivergenceMonitor.before_all_gather, DivergenceMonitor.before_reduce_scatter = originals
+        queue.record_events(False)
+    for event in events:
+        if event.what == "issue":
+            flights[event.kind] += 1
+            members[event.kind] += event.buffers
     buckets = [len(b.units) for b in state_of(model).context.collectives.buckets.buckets]
     return {"c10d_all_gathers": counter.counts[ALL_GATHER],
             "c10d_reduce_scatters": counter.counts[REDUCE_SCATTER],

@@ -18,8 +18,11 @@ def _train_watching_replicas(optim_name):
     def probe(module, _grad_output):
         state = state_of(module)
         if state is not None and state.context is not None:
-            buffers = [b for s in state.context.states for b in s.unit.buffers]
-            in_flight.append(sum((b.grad.reducing is not None and b.grad.reducing.kind == "all_reduce_replicas") for b in buffers))
+            events = state.context.collectives.events
+            if events is None:
+                events = state.context.collectives.record_events()
+            replicas = [e.what for e in events if e.kind == "all_reduce_replicas"]
+            in_flight.append(replicas.count("issue") - replicas.count("complete"))
     handle = register_module_full_backward_pre_hook(probe)
     try:
         result = _train((2, 2), optim_name)

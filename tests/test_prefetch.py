@@ -7,42 +7,23 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_compose import PrefetchPolicy, fully_shard
-from fsdp_compose.runtime.collective_queue import CollectiveQueue, InFlight
 from fsdp_compose.buffers.param_views import ViewPlan
 from fsdp_compose.runtime.prefetch_order import PrefetchOrder
-from fsdp_compose.runtime.state import units_below
+from fsdp_compose.runtime.state import state_of, units_below
 from tests._owners import buffer_of
 from tests._training import build_model, global_batch, make_optimizer, shard_blocks_and_root
 from tests.harness import TEST_DEVICE, run_distributed
 
 
-class _InFlight:
-    """Patches the collective queue to record the most all-gathers in flight
-    at once (a bucket's is one): issued when the queue tracks it, finished
-    when it is waited."""
-
-    def __init__(self):
-        self.now, self.peak = 0, 0
-        self._track, self._wait = CollectiveQueue._track_gather, InFlight.wait
-
-    def __enter__(self):
-        tracker = self
-
-        def track(queue, flight):
-            tracker._track(queue, flight)
-            tracker.now += 1
-            tracker.peak = max(tracker.peak, tracker.now)
-
-        def wait(flight, *member):
-            was = flight.done
-            tracker._wait(flight, *member)
-            if flight.kind == "all_gather" and flight.done and not was:
-                tracker.now -= 1
-        CollectiveQueue._track_gather, InFlight.wait = track, wait
-        return self
-
-    def __exit__(self, *exc):
-        CollectiveQueue._track_gather, InFlight.wait = self._track, self._wait
+def peak_all_gathers_in_flight(events) -> int:
+    """The most all-gathers in flight at once (a bucket's is one) in the
+    queue's event log: issued, not yet completed."""
+    now = peak = 0
+    for event in events:
+        if event.kind == "all_gather":
+            now += 1 if event.what == "issue" else -1
+            peak = max(peak, now)
+    return peak
 
 
 def train_with_policy(forward, backward, limit, steps=3):
@@ -53,17 +34,19 @@ def train_with_policy(forward, backward, limit, steps=3):
                                              max_inflight_all_gathers=limit))
     optim = make_optimizer(model, "adamw")
     losses = []
-    with _InFlight() as inflight:
-        for step in range(steps):
-            x, y = global_batch(step, world, "plain")
-            per = x.shape[0] // world
-            loss = model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.item())
+    events = []
+    for step in range(steps):
+        if step == 1:  # the queue exists from the first forward on
+            events = state_of(model).context.collectives.record_events()
+        x, y = global_batch(step, world, "plain")
+        per = x.shape[0] // world
+        loss = model.loss(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
     params = [p.detach().clone() for p in model.parameters()]
-    return {"losses": losses, "params": params, "peak_inflight": inflight.peak}
+    return {"losses": losses, "params": params, "peak_inflight": peak_all_gathers_in_flight(events)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -94,7 +77,7 @@ def reductions_in_flight_at_each_gradient(limit, steps=2):
     original = ViewPlan.flat_gradient
 
     def flat_gradient(plan, grads, dtype, device):
-        seen.append(sum(b.grad.reducing is not None for b in buffers))
+        seen.append(sum(b.grad.is_reducing for b in buffers))
         return original(plan, grads, dtype, device)
 
     ViewPlan.flat_gradient = flat_gradient

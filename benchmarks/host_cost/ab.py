@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.ab --baseline HEAD
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.ab --baseline 81cf3cb --pairs 600
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost.ab --baseline HEAD --world 2
 
 ``benchmarks/host_cost/proxy.py`` compares fsdp_compose with the unsharded model,
 the floor and FSDP2 on the host-cost proxy (one rank, a GPT of 48 tiny
@@ -25,6 +26,10 @@ readings, and half their difference (what the order alone does) is
 printed with it. The paired medians of each variant's ratio to the
 unsharded model are printed per process too (their difference is the
 change; their level depends on three models sharing the caches).
+
+``--world 2``: each measuring process is two gloo ranks, every unit sharded
+over both (the collective path; one rank takes the local path); both ranks
+run the same turns, rank 0 times them.
 """
 
 from __future__ import annotations
@@ -95,26 +100,25 @@ def _measure(options: argparse.Namespace, folder: str, tree_first: bool) -> dict
     device = torch.device("cpu")
     torch.set_num_threads(1)
     sys.path.insert(0, folder)
-    with tempfile.NamedTemporaryFile() as f:
-        dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=120))
-        x, y = synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size)
-        builders = {"baseline": lambda: _baseline_model(cfg),
-                    "this tree": lambda: _build("fsdp_compose", cfg, device)}
-        order = ["this tree", "baseline"] if tree_first else ["baseline", "this tree"]
-        models = {name: builders[name]() for name in order}
-        models["unsharded"] = _build("unsharded", cfg, device)
-        steps = {name: _stepper(model, x, y, device, time.thread_time)
-                 for name, model in models.items()}
-        for step in steps.values():
-            for _ in range(5):
-                step()  # lazy initialisation, the verified iterations, optimizer state
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        orders = list(itertools.permutations(steps))  # no variant always first or after another
-        for turn in range(options.pairs):
-            for name in orders[turn % len(orders)]:
-                times[name].append(steps[name]())
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{options.init}", rank=options.rank,
+                            world_size=options.world, timeout=datetime.timedelta(seconds=300))
+    x, y = synthetic_tokens(options.rank, 2, cfg.seq_len, cfg.vocab_size)
+    builders = {"baseline": lambda: _baseline_model(cfg),
+                "this tree": lambda: _build("fsdp_compose", cfg, device)}
+    order = ["this tree", "baseline"] if tree_first else ["baseline", "this tree"]
+    models = {name: builders[name]() for name in order}
+    models["unsharded"] = _build("unsharded", cfg, device)
+    steps = {name: _stepper(model, x, y, device, time.thread_time)
+             for name, model in models.items()}
+    for step in steps.values():
+        for _ in range(5):
+            step()  # lazy initialisation, the verified iterations, optimizer state
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    orders = list(itertools.permutations(steps))  # no variant always first or after another
+    for turn in range(options.pairs):
+        for name in orders[turn % len(orders)]:
+            times[name].append(steps[name]())
+    dist.destroy_process_group()
     saved = [(new - old) * 1e6 / units for new, old in zip(times["this tree"], times["baseline"])]
     ratio = {name: statistics.median(a / b for a, b in zip(times[name], times["unsharded"]))
              for name in ("baseline", "this tree")}
@@ -129,6 +133,10 @@ def main() -> None:
                         help="processes, one after the other, alternating which model is built "
                              "first (even: as many each way)")
     parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--world", type=int, default=1,
+                        help="gloo ranks per measuring process (2: the collective path)")
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--init", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("baseline", "tree"), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -140,15 +148,21 @@ def main() -> None:
         export_baseline(options.baseline, folder)
         for index in range(options.processes):
             first = "baseline" if index % 2 == 0 else "tree"
-            proc = subprocess.run(
+            init = os.path.join(folder, f"rendezvous-{index}")
+            ranks = [subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.host_cost.ab", "--pairs", str(options.pairs),
-                 "--layers", str(options.layers), "--child", first, "--folder", folder],
-                capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                sys.exit(f"a measuring process failed:\n{proc.stderr[-3000:]}")
-            runs.append((first, json.loads(proc.stdout.strip().splitlines()[-1])))
+                 "--layers", str(options.layers), "--child", first, "--folder", folder,
+                 "--world", str(options.world), "--rank", str(rank), "--init", init],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for rank in range(options.world)]
+            outputs = [rank.communicate() for rank in ranks]
+            if any(rank.returncode != 0 for rank in ranks):
+                sys.exit("a measuring process failed:\n" +
+                         "\n".join(err[-3000:] for _, err in outputs))
+            runs.append((first, json.loads(outputs[0][0].strip().splitlines()[-1])))
     units = options.layers + 1
-    print(f"host-cost proxy, {units} units, {options.processes} processes x {options.pairs} "
+    print(f"host-cost proxy, {units} units, {options.world} rank(s), {options.processes} "
+          f"processes x {options.pairs} "
           f"turns of one step each (thread CPU clock); torch {torch.__version__}; load average "
           f"(1 min) {os.getloadavg()[0]:.2f}")
     medians = {"baseline": [], "tree": []}

@@ -5,6 +5,7 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --moments 20    # + each hook moment, timed
     PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --processes 5   # ratios across 5 processes
     python -m benchmarks.host_cost --device cuda                          # the same on a GPU
+    PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost --world 2       # two ranks
 
 One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
 thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
@@ -22,6 +23,14 @@ median in the same round (variants adjacent in time: robust to a machine
 whose speed drifts).
 The target for fsdp_compose: at most 1.2x the unsharded model (about
 130 µs per unit per step), on a quiet machine.
+
+``--world 2``: two gloo ranks (this process and one it starts), every
+unit sharded over both: the collective path every sharded job takes (the
+queue, the wire, the observer, prefetching), where one rank takes the
+local path. The variants are the unsharded model, fsdp_compose and FSDP2
+(the floor is one rank's); rank 0's table is printed. Each rank trains on
+its own batch; the arithmetic is still next to nothing, so the step is the
+host's work plus the collectives' latency on gloo.
 
 ``--clock cpu``: time steps by this thread's CPU time instead of the wall
 clock (the CPU proxy on a VM whose wall clock other tenants steal from).
@@ -176,7 +185,7 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (1,))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -237,11 +246,15 @@ def main() -> None:
     parser.add_argument("--record", action="store_true",
                         help="with --processes: also write the table of record, "
                              "benchmarks/results/record/host-cost.json")
+    parser.add_argument("--world", type=int, default=1, metavar="N",
+                        help="N gloo ranks (this process is rank 0; CPU only)")
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--init", help=argparse.SUPPRESS)  # the ranks' rendezvous file
     parser.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)  # a child's ratios
     parser.add_argument("--build-first", type=int, default=0, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.processes > 1:
-        _across_processes(options.processes, sys.argv[1:], options.record)
+        _across_processes(options.processes, sys.argv[1:], options.record, options.world)
         return
     if options.record:
         parser.error("--record needs --processes N (the record is the median over processes)")
@@ -249,14 +262,25 @@ def main() -> None:
     if options.clock == "cpu" and device.type != "cpu":
         parser.error("--clock cpu measures the host thread alone: use it with --device cpu")
     clock = time.thread_time if options.clock == "cpu" else time.perf_counter
+    if options.world > 1 and device.type != "cpu":
+        parser.error("--world N runs gloo ranks on the CPU")
+    if options.world > 1 and (options.profile or options.moments):
+        parser.error("--profile and --moments time one rank's extra steps: use --world 1")
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=options.layers)
     torch.set_num_threads(1)
-    names = ["unsharded", "floor", "floor_checked", "fsdp_compose", "fsdp2"]
-    with tempfile.NamedTemporaryFile() as f:
+    names = ["unsharded", "floor", "floor_checked", "fsdp_compose", "fsdp2"] \
+        if options.world == 1 else ["unsharded", "fsdp_compose", "fsdp2"]
+    with tempfile.TemporaryDirectory() as folder:
+        init = options.init or os.path.join(folder, "rendezvous")
+        helpers = [] if options.rank else [
+            subprocess.Popen([sys.executable, "-m", "benchmarks.host_cost", *sys.argv[1:],
+                              "--rank", str(rank), "--init", init], stdout=subprocess.DEVNULL)
+            for rank in range(1, options.world)]
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"file://{f.name}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=120))
-        x, y = (t.to(device) for t in synthetic_tokens(0, 2, cfg.seq_len, cfg.vocab_size))
+                                init_method=f"file://{init}", rank=options.rank,
+                                world_size=options.world, timeout=datetime.timedelta(seconds=300))
+        x, y = (t.to(device) for t in synthetic_tokens(options.rank, 2, cfg.seq_len,
+                                                        cfg.vocab_size))
         # built from the --build-first'th variant on (--processes rotates it: which model a
         # process builds first changes its speed by itself, see host_cost/ab.py)
         first = options.build_first % len(names)
@@ -272,8 +296,11 @@ def main() -> None:
                 gc.collect()
                 rounds[name].append(statistics.median(steppers[name]() for _ in range(options.steps)))
         units = options.layers + 1
+        if options.rank:
+            dist.destroy_process_group()
+            return  # rank 0 reports
         print(f"GPT {options.layers} blocks d={cfg.d_model} seq {cfg.seq_len} batch 2 on "
-              f"{device.type}, {units} units; {options.rounds} interleaved rounds x "
+              f"{device.type} x {options.world} rank(s), {units} units; {options.rounds} interleaved rounds x "
               f"{options.steps} steps, best round's median ({options.clock} clock); "
               f"torch {torch.__version__}; "
               f"load average (1 min) {os.getloadavg()[0]:.2f}")
@@ -298,6 +325,8 @@ def main() -> None:
             excess = (min(rounds["fsdp_compose"]) - min(rounds["unsharded"])) * 1e6 / units
             _time_moments(cfg, device, x, y, options.moments, excess)
         dist.destroy_process_group()
+        for helper in helpers:
+            helper.wait()
 
 
 RECORD_LABELS = {"floor": "floor (the design's torch work only)",
@@ -309,7 +338,8 @@ RECORD_NOTE = ("One process's best round moves by about 0.1 from process to proc
                "(`python -m benchmarks.host_cost.instructions`).")
 
 
-def _across_processes(count: int, argv: list[str], record: bool = False) -> None:
+def _across_processes(count: int, argv: list[str], record: bool = False,
+                      world: int = 1) -> None:
     """Run this benchmark ``count`` times, each in a fresh process (its
     table printed as it comes; process ``i`` builds the ``i``-th variant's
     model first, and the others in order after it), then each variant's
@@ -340,9 +370,10 @@ def _across_processes(count: int, argv: list[str], record: bool = False) -> None
         rows.append([RECORD_LABELS.get(name, name), overall])
     if record:
         from benchmarks.record import write_record
-        write_record("host-cost", order=4,
+        ranks = "one rank" if world == 1 else f"{world} ranks: the collective path"
+        write_record("host-cost" if world == 1 else f"host-cost-{world}-ranks", order=4,
                      question="Host cost per unit: the CPU proxy of a launch-bound step "
-                              "(48 tiny blocks, one rank)",
+                              f"(48 tiny blocks, {ranks})",
                      command="PYTHONPATH=. .venv/bin/python -m benchmarks.host_cost " + " ".join(argv),
                      calibration="DDP is not run by the proxy; its calibration is the unsharded "
                                  "model's step, to which every ratio is taken",

@@ -31,8 +31,8 @@ import torch.nn as nn
 from .._torch_private import unsafe_set_version_counter
 from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup
-from ..comm.quantized import BlockQuantizer
-from .flat_grad import FlatGradient, PendingCollective
+from ..comm.wire import EXACT, Wire, policy_wire
+from .flat_grad import FlatGradient
 from .layout import OWNED, FlatLayout, ShardSlice
 from .param_slots import ParamSlots
 from .weak_hooks import called_weakly
@@ -69,12 +69,11 @@ class FlatBuffer:
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
-    __slots__ = ('aliased', 'comms', 'compute_device', 'compute_dtype', 'dtype',
-                 'gather_quantizer', 'gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
+    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'is_gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
-                 'reduce_dtype', 'reduce_quantizer', 'requires_grad',
+                 'reduce_dtype', 'requires_grad',
                  'reshard_frees_nothing', 'sharded', 'slots', 'staging', 'storage_device',
-                 'unsharded', '_alias_versions', '_aliases',
+                 'unsharded', 'wire', '_alias_versions', '_aliases',
                  '_before_flat_gradient', '_grad_hook_registered', '_grad_receivers',
                  '_has_copies', '_has_tp', '_local_shapes', '_local_split',
                  '_local_strided', '_moved_dims', '_on_backward',
@@ -129,12 +128,9 @@ class FlatBuffer:
         self.compute_dtype: torch.dtype
         self.reduce_dtype: torch.dtype
         self.reduce_comm_dtype: torch.dtype
-        self.gather_quantizer: Optional[BlockQuantizer] = None
-        """The all-gather's wire format (``CommPolicy``; ``None``: exact)."""
-        self.reduce_quantizer: Optional[BlockQuantizer] = None
-        """The gradient reduction's wire format (``None``: exact)."""
-        self.comms: Optional[UnitComms] = None
-        """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
+        self.wire: Wire = EXACT
+        """How the collectives go on the wire (``comm/wire.py``): set from
+        the policy by :meth:`_install`, wrapped by the custom comm setters."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -148,9 +144,10 @@ class FlatBuffer:
         self._alias_versions: Optional[tuple[int, ...]]
         """The aliases' versions when the running forward's node was made."""
         self.is_unsharded: bool = False
-        self.gathering: Optional[PendingCollective] = None
-        """The all-gather into ``unsharded`` issued and not waited (set and
-        cleared by ``runtime/collective_queue.py``)."""
+        self.is_gathering: bool = False
+        """An all-gather into ``unsharded`` is in flight: from
+        :meth:`prepare_unshard` to :meth:`complete_gather` (the collective
+        queue keeps it and waits it)."""
         self.staging: Optional[StagingPool] = None
         """Where the unsharded storage's memory comes from (CPU; ``None``: the allocator)."""
         self.keeps_unsharded_storage: bool = False
@@ -236,9 +233,10 @@ class FlatBuffer:
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
-        if dtypes.param.is_floating_point and self.group.world_size > 1:  # else nothing moves
-            self.gather_quantizer = self.policy.gather_quantizer
-            self.reduce_quantizer = self.policy.reduce_quantizer
+        moves_floats = dtypes.param.is_floating_point and self.group.world_size > 1
+        self.wire = self.wire.on_policy(  # quantized only where floats move
+            policy_wire(self.policy.gather_quantizer, self.policy.reduce_quantizer)
+            if moves_floats else EXACT)
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded
@@ -450,7 +448,7 @@ class FlatBuffer:
         (a bucket's member). The queue then issues the collective and calls
         :meth:`complete_gather`. Pre-condition: not ``aliased``
         (:meth:`unshard_in_place`)."""
-        if self.gathering is not None:
+        if self.is_gathering:
             return None  # already in flight: a prefetch got here first
         if coalescable and self._post_forward is not None:
             return None
@@ -468,6 +466,7 @@ class FlatBuffer:
             shard, group = kept.piece, kept.group
         else:
             shard, group = self.gather_input(), self.group
+        self.is_gathering = True
         return shard, group
 
     def unshard_in_place(self) -> None:
@@ -482,7 +481,7 @@ class FlatBuffer:
         """See ``keeps_unsharded_storage``; ``False`` frees the memory now
         where the buffer is sharded."""
         self.keeps_unsharded_storage = keep
-        if not keep and not self.is_unsharded and not self.aliased and self.gathering is None \
+        if not keep and not self.is_unsharded and not self.aliased and not self.is_gathering \
                 and self.unsharded.untyped_storage().nbytes():
             self._release_unsharded_storage()
 
@@ -521,6 +520,7 @@ class FlatBuffer:
         ``unsharded`` with the original shape."""
         # see [Note: storage and autograd]
         unsafe_set_version_counter((self.unsharded,), (version,))
+        self.is_gathering = False
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:  # assembled from the values just gathered
@@ -531,8 +531,9 @@ class FlatBuffer:
         self.slots.swap_in_views()
 
     @property
-    def is_gathering(self) -> bool:
-        return self.gathering is not None
+    def comms(self) -> Optional[UnitComms]:
+        """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
+        return self.wire.comms
 
     @property
     def is_stale(self) -> bool:
@@ -561,9 +562,13 @@ class FlatBuffer:
 
         Post-condition: not ``is_unsharded``; ``unsharded`` and the
         assembled copies hold no storage (unless aliased); every slot holds
-        its original ``nn.Parameter``."""
-        if self.gathering is not None:
-            self.gathering.wait(self)  # a prefetch nobody used: the storage is being written
+        its original ``nn.Parameter``.
+
+        Pre-condition: no all-gather in flight (the unit has the queue wait
+        it first: ``CollectiveQueue.wait_gather``)."""
+        if self.is_gathering:
+            raise AssertionError(f"[rank {self.group.rank}] resharding a buffer of "
+                                 f"'{self.records[0].fqn}' while its all-gather is in flight")
         if not self.is_unsharded:
             return  # already sharded: nothing to free
         if keep_for_backward is not None:  # k > 1 ranks: the shard is never the whole buffer

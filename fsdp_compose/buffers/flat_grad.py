@@ -21,12 +21,11 @@ state         what is true                         moved by
               ``compute_dtype``: micro-batches     rank) -> unpublished;
               summed there, not in bf16);          ``discard_unreduced`` /
               ``has_unreduced``                    ``discard_iteration`` drop it
-*reducing*    ``reducing`` is the collective in    the queue sets ``reducing`` after
-              flight (the reduce-scatter, then the ``take_for_reduce``; completion
-              replicas' all-reduce); ``_subset``   clears it and calls ``fold`` (->
-              is its packing                       unpublished) or ``hold_partial``
-                                                   (into ``_partial``); ``settle``
-                                                   waits it
+*reducing*    ``is_reducing``: handed to the       ``take_for_reduce`` (enters);
+              queue, which keeps the collective    ``take_back`` -> unpublished
+              in flight (the reduce-scatter, then  (``fold``) or into ``_partial``
+              the replicas' all-reduce);           (``hold_partial``); the queue's
+              ``_subset`` is its packing           ``settle`` waits it
 *unpublished* ``_unpublished``: ``S`` elements in  ``fold`` (enters, adds to it);
               the parameters' dtype on             ``publish`` -> published or kept;
               ``storage_device``;                  ``discard_iteration`` and ``attach``
@@ -116,15 +115,6 @@ class GradientOwner(Protocol):
     def grad_where_empty(self, index: int) -> bool: ...
 
 
-class PendingCollective(Protocol):
-    """A collective in flight (``runtime/collective_queue.InFlight``): to
-    wait (completing ``member``, default every member) or to discard."""
-
-    def wait(self, member: Optional[object] = None) -> None: ...
-
-    def discard(self) -> None: ...
-
-
 class ReduceOptions(NamedTuple):
     """How a unit's gradients are reduced across ranks.
 
@@ -141,7 +131,7 @@ class ReduceOptions(NamedTuple):
 class FlatGradient:
     """Gradient state of one flat buffer ([Note: the states of a flat gradient])."""
 
-    __slots__ = ('owner', 'reducing', 'saw_forward', 'used', '_accumulated',
+    __slots__ = ('owner', 'is_reducing', 'saw_forward', 'used', '_accumulated',
                  '_current_training', '_every_param_receives', '_keeps', '_kept',
                  '_kept_unread', '_owned', '_owned_params', '_params', '_partial', '_published',
                  '_subset', '_subsets', '_trained_before_change', '_unpublished',
@@ -156,10 +146,11 @@ class FlatGradient:
         self._accumulated: Optional[torch.Tensor] = None
         """Unreduced flat gradient summed in ``reduce_dtype`` over backwards
         without sync (only when it differs from the compute dtype)."""
-        self.reducing: Optional[PendingCollective] = None
-        """The reduction of this gradient in flight: its reduce-scatter, or
-        under hybrid sharding then its all-reduce over the replicas (set
-        and cleared by the collective queue)."""
+        self.is_reducing: bool = False
+        """A reduction of this gradient is in flight, from
+        :meth:`take_for_reduce` to :meth:`take_back` (its reduce-scatter,
+        then under hybrid sharding its all-reduce over the replicas; the
+        collective queue keeps it and waits it)."""
         self._unpublished: Optional[torch.Tensor] = None
         """The reduced sharded gradient, not yet given to the parameters."""
         self._partial: Optional[torch.Tensor] = None
@@ -242,9 +233,7 @@ class FlatGradient:
         unreduced gradient and the used flags. Published ``.grad`` stays.
 
         Post-condition: nothing pending, unreduced or unpublished."""
-        if self.reducing is not None:
-            self.reducing.discard()
-        self.reducing = None
+        self.is_reducing = False  # the queue discarded the collective first
         self._unpublished = None
         self._partial = None
         self._kept_unread = False
@@ -253,24 +242,13 @@ class FlatGradient:
         self.used = [False] * len(self.used)
 
     # --------------------------------------------------------------- reduce
-    @property
-    def is_reducing(self) -> bool:
-        return self.reducing is not None
-
-    def settle(self) -> None:
-        """Wait the reduction in flight (and the replica all-reduce it
-        issues) to its end: reducing -> unpublished."""
-        while self.reducing is not None:
-            flight = self.reducing
-            flight.wait()
-            if self.reducing is flight:  # completion always moves on; never spin
-                self.reducing = None
-
     def take_for_reduce(self) -> Optional[torch.Tensor]:
         """Unreduced -> taken: the flat gradient in the dtype the
         reduce-scatter moves (``None``: no gradient reached the buffer).
 
-        Pre-condition: no reduction in flight (:meth:`settle`)."""
+        Pre-condition: no reduction in flight (``CollectiveQueue.settle``).
+        Post-condition: ``is_reducing`` when a gradient was handed over,
+        until :meth:`take_back` returns its result."""
         owner = self.owner
         single = owner.group.world_size == 1
         training = self._current_training
@@ -280,7 +258,22 @@ class FlatGradient:
         self._subset = self._subsets[training]
         # reduce_comm_dtype: the collective moves the narrower dtype (one rank: no cast)
         flat = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
-        return flat if flat is None or self._subset is None else self._subset.pack(flat)
+        if flat is None:
+            return None
+        self.is_reducing = True
+        return flat if self._subset is None else self._subset.pack(flat)
+
+    def take_back(self, output: torch.Tensor, options: ReduceOptions,
+                  partial: bool = False) -> None:
+        """The reduction handed over by :meth:`take_for_reduce` is done:
+        reducing -> unpublished (:meth:`fold` ``output``), or with
+        ``partial`` (``set_requires_all_reduce(False)``) its sum is kept
+        for the next one (:meth:`hold_partial`)."""
+        self.is_reducing = False
+        if partial:
+            self.hold_partial(output)
+        else:
+            self.fold(output, options)
 
     def fold_unreduced(self, options: ReduceOptions) -> None:
         """One rank and no replica: unreduced -> unpublished, without packing
@@ -330,9 +323,12 @@ class FlatGradient:
         return output.add_(partial)
 
     def take_partial(self) -> Optional[torch.Tensor]:
-        """What :meth:`hold_partial` kept (cleared here), for its replica
-        all-reduce at finalization; ``None``: nothing kept."""
+        """Partly reduced -> reducing: what :meth:`hold_partial` kept, handed
+        over for its replica all-reduce at finalization (``None``: nothing
+        kept); :meth:`take_back` returns the result."""
         partial, self._partial = self._partial, None
+        if partial is not None:
+            self.is_reducing = True
         return partial
 
     def pending_unreduced(self) -> Optional[torch.Tensor]:
@@ -420,7 +416,7 @@ class FlatGradient:
         and the root's pre-forward)."""
         kept = self._kept
         if kept is None or kept.released or self._unpublished is not None or \
-                self.reducing is not None:
+                self.is_reducing:
             return
         if kept.holders() == kept.baseline:  # is_free, without the property's call
             kept.release()
@@ -447,7 +443,7 @@ class FlatGradient:
     # -------------------------------------------------------------- publish
     @property
     def has_unpublished(self) -> bool:
-        return self._unpublished is not None or self.reducing is not None
+        return self._unpublished is not None or self.is_reducing
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:

@@ -173,11 +173,10 @@ def _key(unit: BucketedUnit) -> Optional[tuple]:
         return None
     groups = {id(b.group.process_group) for b in buffers}
     dtypes = {b.compute_dtype for b in buffers}
-    comm = {(b.reduce_comm_dtype, b.reduce_quantizer) for b in buffers if b.requires_grad}
-    wires = {b.gather_quantizer for b in buffers}
+    comm = {b.reduce_comm_dtype for b in buffers if b.requires_grad}
+    wires = {b.wire.key() for b in buffers}
     if len(groups) != 1 or len(dtypes) != 1 or len(comm) > 1 or len(wires) != 1:
         return None
     return (groups.pop(), id(buffers[0].group.replicate_process_group), dtypes.pop(),
             next(iter(comm), None), wires.pop(), settings.reduce_options,
-            settings.requires_gradient_sync, unit.resolved_reshard_after_forward,
-            None if settings.comms is None else settings.comms.key())
+            settings.requires_gradient_sync, unit.resolved_reshard_after_forward)

@@ -1,22 +1,29 @@
 """Every data collective of the training step, from issue to last copy:
 the one place that all-gathers parameters, reduce-scatters gradients and
 all-reduces them over the replicas. The buffers store, view and fold; they
-issue nothing.
+issue nothing. How each collective goes on the wire (exact, quantized, a
+user's) is the buffer's :class:`~fsdp_compose.comm.wire.Wire`; the queue
+calls it the same way whichever it is.
 
 [Note: the life of a collective]
 1. *Issue.* The observer is told first (here and in the end of backward
    only, so "right before every collective it names" holds by
-   construction). A bucket's inputs are packed into one tensor; a lone
-   buffer's are used as they are.
-2. *In flight.* One :class:`InFlight` per collective; each member points at
-   it (``FlatBuffer.gathering``, ``FlatGradient.reducing``), so whoever
-   needs the result first waits it. The queue bounds how many are in
+   construction). The wire issues: a bucket's inputs packed into one
+   tensor, a lone buffer's used as they are.
+2. *In flight.* One :class:`InFlight` per collective, kept by the queue
+   under each member it carries; the members know only that they are in
+   flight (``FlatBuffer.is_gathering``, ``FlatGradient.is_reducing``) and
+   never wait: whoever needs the result first asks the queue
+   (``wait_gathers``, ``wait_gather`` before a reshard, ``settle``). The queue bounds how many are in
    flight (``PrefetchPolicy``).
 3. *Wait.* The first wait waits the work, makes the copies and frees the
    temporaries, once. It then completes members: of an all-gather, the one
    waited for (a bucket's others at their own unit's wait); of a
-   reduce-scatter, all, each issuing its replica all-reduce or folding its
-   chunk (``FlatGradient.fold``).
+   reduce-scatter, all, each issuing its replica all-reduce (of what the
+   wire's ``replica_input`` gives: a kept partial sum is added, or the
+   output kept) or folding its chunk (the wire's ``before_fold``, then
+   ``FlatGradient.fold``). Completions are queue methods bound once; a
+   flight carries their data (``InFlight.results``).
 
 [Note: bucketing]
 Consecutive small units (``buckets.py``) share one all-gather and one
@@ -39,8 +46,9 @@ A bucket's all-gather fills each member when that member is completed:
 its unsharded storage is allocated then and its values copied out of the
 packed output, which is freed after the last copy. So at the start of
 backward, where activations peak, only the packed output and the members
-in use are held. Quantized all-gathers decode into every member at their
-wait.
+in use are held. A wire that writes the members itself
+(``Wire.fills_members_at_completion`` false: quantized) fills every member
+at the wait.
 
 [Note: freeing what a collective read]
 A backend may hold a finished work's tensors (gloo, until its worker
@@ -56,7 +64,7 @@ small agreement tensors go the same way
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Container, Literal, Optional, Protocol, Sequence
+from typing import Callable, Container, Literal, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,9 +73,8 @@ from .._torch_private import unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
-from ..comm.collectives import all_gather_into, all_reduce_replicas, reduce_scatter_scaled
-from ..comm.custom import UnitComms, allocate, all_gather_custom, reduce_scatter_custom
-from ..comm.quantized import all_gather_quantized, reduce_scatter_quantized
+from ..comm.collectives import all_gather_into, all_reduce_replicas
+from ..comm.wire import Waitable
 from ..comm.watched_wait import wait_watched
 from .profiling import call_profiled, profiled
 from .buckets import Bucket, BucketPlan
@@ -80,30 +87,42 @@ _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
+Completion = Callable[["InFlight", list[FlatBuffer]], None]
 
 
-class Waitable(Protocol):
-    """A ``torch.distributed.Work``, a ``QuantizedWork`` or a custom collective's."""
+class CollectiveEvent(NamedTuple):
+    """One entry of :attr:`CollectiveQueue.events`: a collective of
+    ``kind`` carrying ``buffers`` flat buffers was issued, or completed (its
+    last member)."""
 
-    def wait(self) -> object: ...
+    what: Literal["issue", "complete"]
+    kind: CollectiveKind
+    buffers: int
 
 
 class InFlight:
     """One collective issued and not yet waited ([Note: the life of a
-    collective]); each member is completed once."""
+    collective]); each member is completed once, by ``complete`` (a
+    method of the queue bound once) with the flight and the members done."""
 
-    __slots__ = ("kind", "_pending", "_work", "_process_group", "_copies", "_member_copies",
-                 "_packed_output", "_temporaries", "_keep_alive", "_complete", "_settled")
+    __slots__ = ("kind", "options", "results", "_pending", "_work", "_process_group", "_copies",
+                 "_member_copies", "_packed_output", "_temporaries", "_keep_alive", "_complete",
+                 "_settled")
 
     def __init__(self, kind: CollectiveKind, work: Optional[Waitable],
                  process_group: Optional[dist.ProcessGroup],
-                 members: list[FlatBuffer], complete: Callable[[list[FlatBuffer]], None],
+                 members: list[FlatBuffer], complete: Completion,
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  temporaries: Sequence[torch.Tensor] = (),
                  keep_alive: Sequence[torch.Tensor] = (),
                  member_copies: Sequence[tuple[FlatBuffer, torch.Tensor, torch.Tensor]] = (),
-                 packed_output: Optional[torch.Tensor] = None) -> None:
+                 packed_output: Optional[torch.Tensor] = None,
+                 results: Optional[dict[int, object]] = None,
+                 options: ReduceOptions = ReduceOptions()) -> None:
         self.kind: CollectiveKind = kind
+        self.results: dict[int, object] = results or {}
+        """Per member id: an all-gather's version before it, a reduction's output."""
+        self.options: ReduceOptions = options  # a reduction's
         self._pending: list[FlatBuffer] = list(members)  # not completed yet
         self._work: Optional[Waitable] = work  # None: nothing to wait (one rank)
         self._process_group: Optional[dist.ProcessGroup] = process_group
@@ -158,11 +177,11 @@ class InFlight:
             _free([self._packed_output])
             self._packed_output = None
         if todo:
-            self._complete(todo)
+            self._complete(self, todo)
 
     def discard(self) -> None:
         """An iteration raised: wait the work (it still reads our tensors),
-        drop its result, unlink the members."""
+        drop its result and the members."""
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -171,11 +190,6 @@ class InFlight:
         self._copies, self._temporaries, self._keep_alive = [], [], []
         self._member_copies, self._packed_output = {}, None
         self._settled = True
-        for buffer in self._pending:
-            if buffer.gathering is self:
-                buffer.gathering = None
-            if buffer.grad.reducing is self:
-                buffer.grad.reducing = None
         self._pending = []
 
 
@@ -189,8 +203,9 @@ class CollectiveQueue:
     """The data collectives of one model ([Note: the life of a
     collective]), shared by its units (``unit.collectives``)."""
 
-    __slots__ = ('buckets', 'observer', 'settings', 'staging',
-                 '_gathers', '_held', '_reduces', '_replicas', '__dict__', '__weakref__')
+    __slots__ = ('buckets', 'events', 'observer', 'settings', 'staging',
+                 '_gathered', '_gathering', '_gathers', '_held', '_reduced', '_reduces',
+                 '_reducing', '_replica_reduced', '_replicas', '__dict__', '__weakref__')
 
     def __init__(self, settings: ModelSettings,
                  observer: Optional[CollectiveObserver] = None) -> None:
@@ -202,12 +217,36 @@ class CollectiveQueue:
         self.staging: StagingPool = StagingPool()
         """Released unsharded memory, reused on the CPU."""
         self._gathers: list[InFlight] = []
+        self._gathering: dict[int, InFlight] = {}
+        """By buffer id: the all-gather into it in flight."""
         self._reduces: deque[InFlight] = deque()
+        self._reducing: dict[int, InFlight] = {}
+        """By buffer id: its gradient's reduction in flight (the
+        reduce-scatter, then under hybrid sharding the replica all-reduce)."""
         self._replicas: deque[list[InFlight]] = deque()
         """The replica all-reduces of each waited reduce-scatter, oldest first."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
         """Per bucket id: its buffers with a ready gradient, held until
         the last expected one is."""
+        self.events: Optional[list[CollectiveEvent]] = None
+        """What was issued and completed, in order, while recording
+        (:meth:`record_events`; ``None``: off, the default)."""
+        self._gathered: Completion = self._gather_done  # bound once: no closure per collective
+        self._reduced: Completion = self._reduce_done
+        self._replica_reduced: Completion = self._replica_done
+
+    def record_events(self, on: bool = True) -> list[CollectiveEvent]:
+        """Start (or with ``on=False`` stop) recording :attr:`events`;
+        returns the log, new when starting."""
+        if on:
+            self.events = []
+            return self.events
+        events, self.events = self.events or [], None
+        return events
+
+    def _log(self, what: Literal["issue", "complete"], flight: InFlight) -> None:
+        """Pre-condition: recording (callers check, so nothing is called while off)."""
+        self.events.append(CollectiveEvent(what, flight.kind, len(flight.results)))
 
     def share_staging_pool(self, buffers: list[FlatBuffer]) -> None:
         """CPU ``buffers`` of a unit joining the model use the shared pool."""
@@ -245,12 +284,24 @@ class CollectiveQueue:
             self.staging.clear()
 
     def discard_iteration(self) -> None:
-        """``reset_iter_state``. Pre-condition: no buffer is gathering or
-        reducing (the units waited or discarded their collectives)."""
+        """``reset_iter_state``, after every unit's :meth:`discard_buffer`."""
         self._gathers = []
+        self._gathering.clear()
+        self._reducing.clear()
         self._reduces.clear()
         self._replicas.clear()
         self._held = {}
+
+    def discard_buffer(self, buffer: FlatBuffer) -> None:
+        """An iteration raised: complete ``buffer``'s all-gather in flight
+        (the unit reshards next), drop its reduction in flight (its
+        gradient is discarded next)."""
+        self.wait_gather(buffer)
+        flight = self._reducing.pop(id(buffer), None)
+        if flight is not None:
+            flight.discard()
+            for member in flight.members:
+                self._reducing.pop(id(member), None)
 
     # ------------------------------------------------------------- all-gather
     def gather(self, unit: BucketedUnit, prefetch: Sequence[BucketedUnit],
@@ -275,7 +326,7 @@ class CollectiveQueue:
                     break
                 self._gather_alone(buffer, issuer, target.name)
         for buffer in unit.buffers:
-            if buffer.gathering is not None:
+            if buffer.is_gathering:
                 self.wait_gathers(unit)
                 return
 
@@ -291,14 +342,22 @@ class CollectiveQueue:
     def wait_gathers(self, unit: BucketedUnit) -> None:
         """Post-condition: what was issued for ``unit`` is unsharded."""
         for buffer in unit.buffers:
-            if buffer.gathering is not None:
+            if buffer.is_gathering:
                 break
         else:
             return  # nothing in flight (the steady state over one rank, or waited already)
         with profiled("all_gather_wait", unit.name):
             for buffer in unit.buffers:
-                if buffer.gathering is not None:  # a bucket's wait completes its other members
-                    buffer.gathering.wait(buffer)
+                flight = self._gathering.get(id(buffer))
+                if flight is not None:  # a bucket's wait completes its other members
+                    flight.wait(buffer)
+
+    def wait_gather(self, buffer: FlatBuffer) -> None:
+        """Before a reshard: complete an all-gather into ``buffer`` still
+        in flight (a prefetch nobody used: the storage is being written)."""
+        flight = self._gathering.get(id(buffer))
+        if flight is not None:
+            flight.wait(buffer)
 
     def inflight_all_gathers(self) -> int:
         """All-gathers in flight (a bucket's counts one)."""
@@ -326,7 +385,7 @@ class CollectiveQueue:
         with profiled("all_gather", lambda: "bucket of " + ", ".join(m.name for m in members)):
             self._issue_packed_gather(bucket.buffers, wanted)
         for buffer in wanted:
-            if buffer.gathering is None and not buffer.is_unsharded:
+            if not buffer.is_gathering and not buffer.is_unsharded:
                 self._issue_gather(buffer)  # could not join (kept post-forward piece); observed above
         return True
 
@@ -351,25 +410,12 @@ class CollectiveQueue:
             return
         shard, group = prepared
         version = buffer.unsharded._version
-        quantizer = buffer.gather_quantizer if group is buffer.group else None
-        custom = buffer.comms.all_gather if buffer.comms is not None else None
-        if custom is not None:  # see [Note: custom collectives] in comm/custom.py
-            out = allocate(custom, buffer.unsharded.numel(), shard.dtype, buffer.compute_device)
-            work = all_gather_custom(custom, out, shard, group)
-            self._track_gather(InFlight("all_gather", work,  # type: ignore[arg-type]
-                                        group.process_group, [buffer],
-                                        _gathered({id(buffer): version}),
-                                        copies=[(buffer.unsharded.detach().view(-1), out)],
-                                        keep_alive=[shard, out]))
-            return
+        wire = buffer.wire if group is buffer.group else buffer.wire.subgroup_gather()
         with unsafe_preserve_version_counter(buffer.unsharded):
-            if quantizer is not None:  # decoded into the buffer at the wait
-                rows = buffer.unsharded.detach().view(group.world_size, -1)
-                work = all_gather_quantized([rows], [shard], group, quantizer)
-            else:
-                work = all_gather_into(buffer.unsharded.detach(), shard, group, async_op=True)
-        self._track_gather(InFlight("all_gather", work, group.process_group, [buffer],
-                                    _gathered({id(buffer): version}), keep_alive=[shard]))
+            issued = wire.all_gather(buffer.unsharded.detach(), shard, group)
+        self._track_gather(InFlight(
+            "all_gather", issued.work, issued.process_group, [buffer], self._gathered,
+            issued.copies, keep_alive=issued.keep_alive, results={id(buffer): version}))
 
     def _issue_packed_gather(self, buffers: Sequence[FlatBuffer], wanted: Sequence[FlatBuffer]
                              ) -> None:
@@ -377,54 +423,43 @@ class CollectiveQueue:
         ``wanted`` that can join ([Note: bucketing]); the others (a kept
         post-forward piece too) contribute and receive nothing."""
         wanted_ids = {id(b) for b in wanted}
+        wire = buffers[0].wire  # the bucket's (the plan's promise)
+        deferred = wire.fills_members_at_completion  # see [Note: a bucket's copies]
         inputs: list[torch.Tensor] = []
+        rows: list[Optional[torch.Tensor]] = []
         joined: list[tuple[FlatBuffer, int, int]] = []  # buffer, version, offset
         offset = 0
-        deferred = buffers[0].gather_quantizer is None  # see [Note: a bucket's copies]
+        world = buffers[0].group.world_size
         for buffer in buffers:
             prepared = buffer.prepare_unshard(coalescable=True, defer_storage=deferred) \
                 if id(buffer) in wanted_ids else None
             if prepared is not None:
                 joined.append((buffer, buffer.unsharded._version, offset))
                 inputs.append(prepared[0])
+                rows.append(buffer.unsharded.detach().view(world, -1))
             else:
                 inputs.append(buffer.gather_input())
+                rows.append(None)
             offset += buffer.layout.shard_numel
         if not joined:
             return
-        first = buffers[0]
-        group, world, total = first.group, first.group.world_size, offset
-        work: Optional[Waitable]
-        if first.gather_quantizer is not None:  # the bucket's wire format (the plan's promise)
-            rows = {id(b): b.unsharded.detach().view(world, -1) for b, _, _ in joined}
-            work = all_gather_quantized([rows.get(id(b)) for b in buffers], inputs, group,
-                                        first.gather_quantizer)
-            self._track_gather(InFlight(
-                "all_gather", work, group.process_group, [b for b, _, _ in joined],
-                _gathered({id(b): version for b, version, _ in joined}), keep_alive=inputs))
-            return
-        packed = torch.cat([shard.reshape(-1) for shard in inputs]) if len(inputs) > 1 else inputs[0]
-        temporaries = [packed] if len(inputs) > 1 else []  # one input: a shard, not ours
-        custom = first.comms.all_gather if first.comms is not None else None
-        if custom is None:
-            out = torch.empty(world * total, dtype=packed.dtype, device=first.compute_device)
-            work = all_gather_into(out, packed, group, async_op=True)
-        else:  # the comm's memory: never freed here (see [Note: custom collectives])
-            out = allocate(custom, world * total, packed.dtype, first.compute_device)
-            work = all_gather_custom(custom, out, packed, group)  # type: ignore[assignment]
-        grid = out.view(world, total)
-        copies = [(b, b.unsharded.detach().view(world, b.layout.shard_numel),
-                   grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
+        issued = wire.all_gather_packed(rows, inputs, buffers[0].group)
+        grid = issued.grid
+        copies = [] if grid is None else [
+            (b, b.unsharded.detach().view(world, b.layout.shard_numel),
+             grid[:, start:start + b.layout.shard_numel]) for b, _, start in joined]
         self._track_gather(InFlight(
-            "all_gather", work, group.process_group, [b for b, _, _ in joined],
-            _gathered({id(b): version for b, version, _ in joined}), temporaries=temporaries,
-            keep_alive=inputs, member_copies=copies,
-            packed_output=out if custom is None else None))
+            "all_gather", issued.work, issued.process_group, [b for b, _, _ in joined],
+            self._gathered, temporaries=issued.temporaries, keep_alive=issued.keep_alive,
+            member_copies=copies, packed_output=grid if issued.grid_is_ours else None,
+            results={id(b): version for b, version, _ in joined}))
 
     def _track_gather(self, flight: InFlight) -> None:
         for buffer in flight.members:
-            buffer.gathering = flight
+            self._gathering[id(buffer)] = flight
         self._gathers.append(flight)
+        if self.events is not None:
+            self._log("issue", flight)
 
     # --------------------------------------------------------- reduce-scatter
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
@@ -459,45 +494,108 @@ class CollectiveQueue:
         """Its size depends on ``buffers`` only ([Note: bucketing]);
         nothing is issued when none has a gradient."""
         for buffer in buffers:
-            if buffer.grad.reducing is not None:
-                buffer.grad.settle()  # an earlier backward's reduction (set_is_last_backward(False))
+            if buffer.grad.is_reducing:
+                self.settle(buffer)  # an earlier backward's reduction (set_is_last_backward(False))
         observed = buffers if trigger is None or trigger is buffers[0] else \
             [trigger] + [b for b in buffers if b is not trigger]
         for buffer in observed:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
-        subject = "" if len(buffers) == 1 else f"bucket of {len(buffers)} buffers"
-        flight = call_profiled("reduce_scatter", subject, _reduce_scatter, buffers, options,
-                               self._reduced)
+        if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
+            flight = call_profiled("reduce_scatter", "", self._reduce_scatter_one, buffers[0],
+                                   options)
+        else:
+            flight = call_profiled("reduce_scatter", f"bucket of {len(buffers)} buffers",
+                                   self._reduce_scatter_bucket, buffers, options)
         if flight is not None:
             for buffer in flight.members:
-                buffer.grad.reducing = flight
+                self._reducing[id(buffer)] = flight
             self._reduces.append(flight)
+            if self.events is not None:
+                self._log("issue", flight)
         if self._reduces or self._replicas:
             self._keep_reduce_limit()
 
-    def _reduced(self, members: list[tuple[FlatBuffer, torch.Tensor]],
-                 options: ReduceOptions) -> None:
-        """Per member: the replica all-reduce, else fold the chunk."""
+    def _reduce_scatter_one(self, buffer: FlatBuffer, options: ReduceOptions
+                            ) -> Optional[InFlight]:
+        """One buffer's reduce-scatter (``None``: no gradient)."""
+        flat = buffer.grad.take_for_reduce()
+        if flat is None:
+            return None
+        output = _reduce_output(buffer, flat.dtype)
+        wire = buffer.wire
+        issued = wire.reduce_scatter(output, flat, wire.reduce_group(buffer.group), *options)
+        freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
+        return InFlight("reduce_scatter", issued.work, issued.process_group, [buffer],
+                        self._reduced, issued.copies, freed, issued.keep_alive,
+                        results={id(buffer): output}, options=options)
+
+    def _reduce_scatter_bucket(self, buffers: list[FlatBuffer], options: ReduceOptions
+                               ) -> Optional[InFlight]:
+        """A bucket's one reduce-scatter, every member carried ([Note:
+        bucketing]; ``None``: no member has a gradient)."""
+        grads = [b.grad.take_for_reduce() for b in buffers]
+        members = [b for b, g in zip(buffers, grads) if g is not None]
+        if not members:
+            return None
+        dtype = next(g.dtype for g in grads if g is not None)
+        outputs = [None if g is None else _reduce_output(b, dtype) for b, g in zip(buffers, grads)]
+        wire = buffers[0].wire
+        issued = wire.reduce_scatter_packed(grads, [b.grad.reduce_chunk for b in buffers], outputs,
+                                            wire.reduce_group(buffers[0].group), *options)
+        return InFlight("reduce_scatter", issued.work, issued.process_group, members,
+                        self._reduced, issued.copies, issued.temporaries, issued.keep_alive,
+                        results={id(b): o for b, o in zip(buffers, outputs) if o is not None},
+                        options=options)
+
+    def _gather_done(self, flight: InFlight, buffers: list[FlatBuffer]) -> None:
+        """Completion of an all-gather (``flight.results``: each buffer's
+        version before it)."""
+        for buffer in buffers:
+            del self._gathering[id(buffer)]
+            buffer.complete_gather(flight.results[id(buffer)])  # type: ignore[arg-type]
+        if self.events is not None and flight.done:
+            self._log("complete", flight)
+
+    def _reduce_done(self, flight: InFlight, buffers: list[FlatBuffer]) -> None:
+        """Completion of a reduce-scatter: per member, the replica
+        all-reduce of what the wire gives it, else the fold."""
         replicas = []
-        for buffer, output in members:
-            buffer.grad.reducing = None
+        options = flight.options
+        for buffer in buffers:
+            del self._reducing[id(buffer)]
+            output: torch.Tensor = flight.results[id(buffer)]  # type: ignore[assignment]
             group = buffer.group
-            comms = buffer.comms
-            if comms is not None:  # a hook, or no all-reduce this time (comm/custom.py)
-                flight = _reduced_custom(buffer, output, options, comms)
-                if flight is not None:
-                    replicas.append(flight)
-            elif group.replicate_size > 1 and group.replicate_process_group is not None:
-                work = all_reduce_replicas(output, group, *options, async_op=True)
-                flight = InFlight("all_reduce_replicas", work, group.replicate_process_group,
-                                  [buffer], _folded(buffer, output, options))
-                buffer.grad.reducing = flight
-                replicas.append(flight)
+            if group.replicate_size > 1 and group.replicate_process_group is not None:
+                summed = buffer.wire.replica_input(buffer.grad, output)
+                if summed is None:  # kept for a later reduction's all-reduce
+                    buffer.grad.take_back(output, options, partial=True)
+                    continue
+                work = all_reduce_replicas(summed, group, *options, async_op=True)
+                replica = InFlight("all_reduce_replicas", work, group.replicate_process_group,
+                                   [buffer], self._replica_reduced,
+                                   results={id(buffer): summed}, options=options)
+                self._reducing[id(buffer)] = replica
+                replicas.append(replica)
+                if self.events is not None:
+                    self._log("issue", replica)
             else:
-                buffer.grad.fold(output, options)
+                buffer.wire.before_fold(output)
+                buffer.grad.take_back(output, options)
+        if self.events is not None and flight.done:
+            self._log("complete", flight)
         if replicas:
             self._replicas.append(replicas)
+
+    def _replica_done(self, flight: InFlight, buffers: list[FlatBuffer]) -> None:
+        """Completion of a replica all-reduce."""
+        for buffer in buffers:
+            del self._reducing[id(buffer)]
+            output: torch.Tensor = flight.results[id(buffer)]  # type: ignore[assignment]
+            buffer.wire.before_fold(output)
+            buffer.grad.take_back(output, flight.options)
+        if self.events is not None and flight.done:
+            self._log("complete", flight)
 
     def _keep_reduce_limit(self) -> None:
         """Wait the oldest reduce-scatters, then replica all-reduces,
@@ -511,6 +609,16 @@ class CollectiveQueue:
             with profiled("all_reduce_replicas_wait"):
                 for flight in self._replicas.popleft():
                     flight.wait()
+
+    def settle(self, buffer: FlatBuffer) -> None:
+        """Wait ``buffer``'s reduction in flight (and the replica
+        all-reduce it issues) to its end: its gradient is unpublished."""
+        flight = self._reducing.get(id(buffer))
+        while flight is not None:
+            flight.wait()
+            if self._reducing.get(id(buffer)) is flight:  # completion always moves on; never spin
+                del self._reducing[id(buffer)]
+            flight = self._reducing.get(id(buffer))
 
     def make_room_for_reduce(self) -> None:
         """A flat gradient is about to be made: wait the oldest
@@ -534,12 +642,13 @@ class CollectiveQueue:
         partial = buffer.grad.take_partial()
         if partial is None:
             return
-        hook = buffer.comms.all_reduce_hook if buffer.comms is not None else None
         work = all_reduce_replicas(partial, group, *options, async_op=True)
         flight = InFlight("all_reduce_replicas", work, group.replicate_process_group, [buffer],
-                          _folded(buffer, partial, options, hook))
-        buffer.grad.reducing = flight
+                          self._replica_reduced, results={id(buffer): partial}, options=options)
+        self._reducing[id(buffer)] = flight
         self._replicas.append([flight])
+        if self.events is not None:
+            self._log("issue", flight)
 
     def finish_reduces(self) -> None:
         """Oldest first."""
@@ -561,143 +670,15 @@ def gather_values(buffer: FlatBuffer) -> torch.Tensor:
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:
-    return not buffer.aliased and buffer.gathering is None and \
+    return not buffer.aliased and not buffer.is_gathering and \
         (not buffer.is_unsharded or buffer.is_stale)
 
 
-def _gathered(versions: dict[int, int]) -> Callable[[list[FlatBuffer]], None]:
-    """Completion of an all-gather (``versions``: by buffer id, before it)."""
-    def complete(buffers: list[FlatBuffer]) -> None:
-        for buffer in buffers:
-            buffer.gathering = None
-            buffer.complete_gather(versions[id(buffer)])
-    return complete
-
-
-def _folded(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
-            hook: Optional[Callable[[torch.Tensor], None]] = None
-            ) -> Callable[[list[FlatBuffer]], None]:
-    """Completion of a replica all-reduce."""
-    def complete(_buffers: list[FlatBuffer]) -> None:
-        buffer.grad.reducing = None
-        if hook is not None:
-            hook(output)
-        buffer.grad.fold(output, options)
-    return complete
-
-
-def _reduced_custom(buffer: FlatBuffer, output: torch.Tensor, options: ReduceOptions,
-                    comms: UnitComms) -> Optional[InFlight]:
-    """``_reduced`` with custom comms: under hybrid sharding keep the
-    chunk (``requires_all_reduce`` False: no hook, as FSDP2) or all-reduce
-    it with what was kept; then hook and fold."""
-    group = buffer.group
-    if group.replicate_size > 1 and group.replicate_process_group is not None:
-        if not comms.requires_all_reduce:
-            buffer.grad.hold_partial(output)
-            return None
-        output = buffer.grad.merge_partial(output)
-        work = all_reduce_replicas(output, group, *options, async_op=True)
-        flight = InFlight("all_reduce_replicas", work, group.replicate_process_group, [buffer],
-                          _folded(buffer, output, options, comms.all_reduce_hook))
-        buffer.grad.reducing = flight
-        return flight
-    if comms.all_reduce_hook is not None:
-        comms.all_reduce_hook(output)
-    buffer.grad.fold(output, options)
-    return None
-
-
-def _reduce_scatter(buffers: list[FlatBuffer], options: ReduceOptions,
-                    reduced: Callable[[list, ReduceOptions], None]) -> Optional[InFlight]:
-    """``None`` when no buffer has a gradient."""
-    if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
-        grad = buffers[0].grad.take_for_reduce()
-        if grad is None:
-            return None
-        grads, members = [grad], [(buffers[0], grad)]
-    else:
-        grads = [b.grad.take_for_reduce() for b in buffers]
-        members = [(b, g) for b, g in zip(buffers, grads) if g is not None]
-        if not members:
-            return None
-    first = buffers[0]
-    group, world = first.group, first.group.world_size
-    device = first.compute_device
-    comms = first.comms
-    custom = comms.reduce_scatter if comms is not None else None
-    wire = group if comms is None else comms.reduce_group(group)  # the reduce-scatter's group
-    if len(buffers) == 1:
-        (buffer, flat), = members
-        output = _reduce_output(buffer, flat.dtype, device)
-        freed = [flat] if flat.device.type == "cpu" else []  # [Note: freeing what a collective read]
-        if custom is None:
-            work = _issue_reduce_scatter(output, flat, buffer, options)
-            copies, keep = [], [flat]
-        else:  # the comm's memory in and out (see [Note: custom collectives] in comm/custom.py)
-            comm_input = allocate(custom, flat.numel(), flat.dtype, device)
-            comm_input.copy_(flat)
-            comm_output = allocate(custom, output.numel(), flat.dtype, device)
-            work = _issue_reduce_scatter(comm_output, comm_input, buffer, options)
-            copies, keep = [(output, comm_output)], [comm_input, comm_output]
-        return InFlight("reduce_scatter", work, wire.process_group, [buffer],
-                        lambda _done: reduced([(buffer, output)], options), copies,
-                        temporaries=freed, keep_alive=keep)
-    total = sum(b.grad.reduce_chunk for b in buffers)
-    dtype = members[0][1].dtype
-    packed = torch.empty(world * total, dtype=dtype, device=device) if custom is None else \
-        allocate(custom, world * total, dtype, device)
-    grid = packed.view(world, total)
-    starts, offset = [], 0
-    for buffer, flat in zip(buffers, grads):
-        size = buffer.grad.reduce_chunk
-        if flat is None:
-            grid[:, offset:offset + size].zero_()
-        else:
-            grid[:, offset:offset + size].copy_(flat.view(world, size))
-        starts.append(offset)
-        offset += size
-    reduced_chunk = torch.empty(total, dtype=dtype, device=device) if custom is None else \
-        allocate(custom, total, dtype, device)
-    work = _issue_reduce_scatter(reduced_chunk, packed, first, options,
-                                 [b.grad.reduce_chunk for b in buffers])
-    copies, outputs = [], []
-    for buffer, flat, start in zip(buffers, grads, starts):
-        if flat is None:
-            continue
-        size = buffer.grad.reduce_chunk
-        output = _reduce_output(buffer, dtype, device)
-        copies.append((output, reduced_chunk[start:start + size]))
-        outputs.append((buffer, output))
-    temporaries = [packed, reduced_chunk] if custom is None else []  # the comm's: not ours to free
-    return InFlight("reduce_scatter", work, wire.process_group, [b for b, _ in members],
-                    lambda _done: reduced(outputs, options), copies, temporaries,
-                    keep_alive=[packed, reduced_chunk])
-
-
-def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _reduce_output(buffer: FlatBuffer, dtype: torch.dtype) -> torch.Tensor:
     """The kept sharded gradient where free ([Note: the kept sharded
     gradient]), else a new tensor."""
+    device = buffer.compute_device
     output = buffer.grad.reduce_output(dtype, device)
     if output is None:
         output = torch.empty(buffer.grad.reduce_chunk, dtype=dtype, device=device)
     return output
-
-
-def _issue_reduce_scatter(output: torch.Tensor, flat: torch.Tensor, buffer: FlatBuffer,
-                          options: ReduceOptions, segments: Optional[list[int]] = None
-                          ) -> Optional[Waitable]:
-    """Quantized per the policy (a bucket's members share the wire format;
-    ``segments``: their chunk sizes, each quantized alone), or custom
-    (``comm/custom.py``)."""
-    group, comms = buffer.group, buffer.comms
-    if comms is not None:
-        group = comms.reduce_group(group)
-        if comms.reduce_scatter is not None:
-            return reduce_scatter_custom(  # type: ignore[return-value]  # typed object in comm/
-                comms.reduce_scatter, output, flat, group, *options)
-    if buffer.reduce_quantizer is not None:
-        return reduce_scatter_quantized(output, flat, group, buffer.reduce_quantizer,
-                                        options.divide_factor, options.force_sum, segments)
-    return reduce_scatter_scaled(output, flat, group, options.divide_factor,
-                                 options.force_sum, async_op=True)

@@ -153,7 +153,7 @@ def _custom_slot(module: object, comm: object, method: str) -> UnitComms:
         raise TypeError(f"{method} on {unit.name}: expected an object with allocate() and "
                         f"__call__ (torch.distributed.fsdp's Comm protocol), got "
                         f"{type(comm).__name__}")
-    if any(b.gather_quantizer is not None or b.reduce_quantizer is not None for b in unit.buffers):
+    if any(b.wire.quantizes for b in unit.buffers):
         raise ValueError(f"{method} on {unit.name}: the unit has quantized collectives "
                          "(CommPolicy); use one or the other")
     return unit.custom_comms()

@@ -13,7 +13,6 @@ import torch.nn as nn
 from .._torch_private import post_accumulate_grad_hooks, with_post_accumulate_grad_hooks
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max, release_after_collective
-from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
 from .unit import Unit
 
@@ -37,7 +36,7 @@ def finish_reductions(units: Sequence[Unit], collectives: CollectiveQueue) -> No
     calls it at the same point (the publication all-reduces the used flags)."""
     collectives.finish_reduces()
     collectives.observer.before_publish()
-    publish_gradients([b for unit in units for b in unit.buffers], collectives.observer)
+    publish_gradients([b for unit in units for b in unit.buffers], collectives)
 
 
 def end_step(collectives: CollectiveQueue, forward_order: Sequence[Unit]) -> None:
@@ -63,16 +62,17 @@ def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None
             collectives.reduce(buffer, unit.settings.reduce_options)
 
 
-def publish_gradients(buffers: Sequence[FlatBuffer], observer: CollectiveObserver) -> None:
+def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueue) -> None:
     """Publish the gradients ([Note: used parameters]), then run the
     post-accumulate-grad hooks. Every rank passes the same buffers in the
     same order: one all-reduce of the used flags per process group, to which
-    ``observer`` may append bytes ([Note: rank divergence]).
+    the queue's observer may append bytes ([Note: rank divergence]).
     """
     pending = {id(b) for b in buffers if b.grad.has_unpublished}
     for buffer in buffers:
-        if id(buffer) in pending and buffer.grad.reducing is not None:
-            buffer.grad.settle()
+        if id(buffer) in pending and buffer.grad.is_reducing:
+            collectives.settle(buffer)
+    observer = collectives.observer
     by_group: dict[int, list[FlatBuffer]] = {}
     group_key: dict[int, int] = {}  # id(ShardGroup) -> id(its process group): one lookup each
     for buffer in buffers:

@@ -17,6 +17,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy, policy_for
 from ..comm.custom import UnitComms
+from ..comm.wire import CustomWire
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .profiling import call_profiled
@@ -222,7 +223,14 @@ class Unit:
 
     def reshard(self) -> None:
         for buffer in self.buffers:
-            buffer.reshard()
+            self.reshard_buffer(buffer)
+
+    def reshard_buffer(self, buffer: FlatBuffer, keep: Optional[ShardGroup] = None) -> None:
+        """``buffer.reshard(keep)``, after the queue completed an all-gather
+        into it still in flight (a prefetch nobody used)."""
+        if buffer.is_gathering:
+            self.collectives.wait_gather(buffer)
+        buffer.reshard(keep)
 
     def custom_comms(self) -> UnitComms:
         """Made and shared with the buffers at the first setter needing it."""
@@ -230,7 +238,7 @@ class Unit:
         if comms is None:
             comms = self.settings.comms = UnitComms()
             for buffer in self.buffers:
-                buffer.comms = comms
+                buffer.wire = CustomWire(comms, buffer.wire)
             self.layout_changed()
         return comms
 
@@ -373,6 +381,8 @@ class Unit:
         else:
             buffer.grad.stash_unreduced()
         if settings.reshard_after_backward:
+            if buffer.is_gathering:
+                self.collectives.wait_gather(buffer)
             buffer.reshard()
         self.training_state = TrainingState.POST_BACKWARD
 
@@ -403,15 +413,15 @@ class Unit:
         if self._frozen_uses == 0 and self.training_state is not TrainingState.IDLE \
                 and self.settings.reshard_after_backward:
             for buffer in self.frozen_buffers:
-                buffer.reshard()
+                self.reshard_buffer(buffer)
 
     def finish_backward(self) -> None:
         """Reshard per policy; IDLE after."""
         if self.training_state is not TrainingState.FORWARD:
             reshard = self.settings.reshard_after_backward
             for buffer in self.buffers:
-                if reshard and (buffer.is_unsharded or buffer.gathering is not None):
-                    buffer.reshard()
+                if reshard and (buffer.is_unsharded or buffer.is_gathering):
+                    self.reshard_buffer(buffer)
                 buffer.drop_post_forward_copy()  # this backward did not need it
             self._frozen_uses = 0
         self.training_state = TrainingState.IDLE
@@ -421,8 +431,10 @@ class Unit:
         in flight or pending, no saved-tensor guard."""
         self._release_saved_guard()
         for buffer in self.buffers:
+            if self.collectives is not None:
+                self.collectives.discard_buffer(buffer)  # waits its all-gather, drops its reduction
             buffer.grad.discard_iteration()
-            buffer.reshard()  # waits an all-gather still in flight
+            buffer.reshard()
         self.training_state = TrainingState.IDLE
         self._modules_to_run.clear()
         self._backward_possible = False

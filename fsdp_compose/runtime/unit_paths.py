@@ -91,6 +91,8 @@ class CollectivePath:
 
     def reshard_after_forward(self, unit: PathUnit, keep: Optional[ShardGroup]) -> None:
         for buffer in unit.buffers:
+            if buffer.is_gathering:
+                self.queue.wait_gather(buffer)
             buffer.reshard(keep_for_backward=keep)
 
     def gradient_ready(self, unit: PathUnit) -> None:

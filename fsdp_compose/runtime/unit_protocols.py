@@ -5,7 +5,7 @@ property but ``PathUnit.backward_without_hook``, which only the path writes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
@@ -44,14 +44,6 @@ class BucketSettings(OrderSettings, Protocol):
     def reduce_options(self) -> ReduceOptions: ...
     @property
     def requires_gradient_sync(self) -> bool: ...
-    @property
-    def comms(self) -> Optional[KeyedComms]: ...
-
-
-class KeyedComms(Protocol):
-    """``comm/custom.UnitComms``: units share a bucket only with equal keys."""
-
-    def key(self) -> Hashable: ...
 
 
 class BucketedUnit(Protocol):
