@@ -69,7 +69,7 @@ class FlatBuffer:
     * the gradients live in ``grad`` (:class:`FlatGradient`).
     """
 
-    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'is_gathering', 'grad', 'group', 'is_meta', 'is_unsharded',
+    __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'is_gathering', 'grad', 'group', 'is_meta', 'is_unsharded', 'keeps_unsharded_storage',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
                  'reduce_dtype', 'requires_grad',
                  'reshard_frees_nothing', 'sharded', 'slots', 'staging', 'storage_device',
