@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..comm.custom import UnitComms
 from .model_settings import MAX_PENDING_REDUCES
-from .state import FullyShardState, state_of, states_below
+from .state import own_state, states_at
 
 
 class ShardedCommMethods:
@@ -27,7 +27,7 @@ class ShardedCommMethods:
         are those gradients published to ``.grad``. Without replicas it
         changes nothing; ``set_requires_gradient_sync(False)`` skips both
         collectives."""
-        for state in _states(self, recurse):
+        for state in states_at(self, recurse):
             state.unit.custom_comms().requires_all_reduce = bool(requires_all_reduce)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
@@ -44,7 +44,7 @@ class ShardedCommMethods:
         where the result is ordered (``ValueError`` under hybrid sharding,
         as FSDP2, else ``NotImplementedError``). ``TypeError`` for a
         non-callable ``hook``."""
-        unit = _own(self).unit
+        unit = own_state(self).unit
         if stream is not None:
             if unit.group.replicate_size > 1:
                 raise ValueError(f"set_all_reduce_hook on {unit.name}: stream cannot be set "
@@ -92,14 +92,14 @@ class ShardedCommMethods:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        _own(self).change_model_setting(MAX_PENDING_REDUCES, max_input_buffers)
+        own_state(self).change_model_setting(MAX_PENDING_REDUCES, max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """``True``: reduce-scatters run on a process group of their own
         over the shard group's ranks (made now: call it on every rank), to
         progress beside the all-gathers; ``False``: the shard group."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for state in _states(self, recurse):
+        for state in states_at(self, recurse):
             unit = state.unit
             if not enable:
                 if unit.settings.comms is not None:
@@ -116,13 +116,13 @@ class ShardedCommMethods:
         """Accepted and dropped: FSDP2's all-gather streams wait for
         ``event``; ours run on the current stream, after the optimizer step
         already."""
-        _own(self)
+        own_state(self)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """FSDP2 all-gathers into symmetric memory. ``RuntimeError`` on a
         CPU mesh (as FSDP2); ``NotImplementedError`` on CUDA, where the
         all-gather writes into the unsharded buffer, not symmetric memory."""
-        unit = _own(self).unit
+        unit = own_state(self).unit
         if unit.group.device.type != "cuda":
             raise RuntimeError(f"set_symm_mem_for_comm on {unit.name}: SymmetricMemory does not "
                                f"find allocation backend {backend} (the mesh is on "
@@ -135,7 +135,7 @@ class ShardedCommMethods:
         """FSDP2 allocates staging buffers with the process group's
         allocator. On the CPU nothing changes (gloo has none, as FSDP2);
         ``NotImplementedError`` on CUDA."""
-        unit = _own(self).unit
+        unit = own_state(self).unit
         if enable and unit.group.device.type != "cpu":
             raise NotImplementedError(
                 f"set_allocate_memory_from_process_group_for_comm on {unit.name}: not "
@@ -148,7 +148,7 @@ class ShardedCommMethods:
 
 
 def _custom_slot(module: object, comm: object, method: str) -> UnitComms:
-    unit = _own(module).unit
+    unit = own_state(module).unit
     if not callable(comm) or not callable(getattr(comm, "allocate", None)):
         raise TypeError(f"{method} on {unit.name}: expected an object with allocate() and "
                         f"__call__ (torch.distributed.fsdp's Comm protocol), got "
@@ -158,13 +158,3 @@ def _custom_slot(module: object, comm: object, method: str) -> UnitComms:
                          "(CommPolicy); use one or the other")
     return unit.custom_comms()
 
-
-def _own(module: object) -> FullyShardState:
-    state = state_of(module)  # type: ignore[arg-type]
-    if state is None:
-        raise AssertionError(f"{type(module).__name__} has no fully_shard state")
-    return state
-
-
-def _states(module: object, recurse: bool) -> list[FullyShardState]:
-    return states_below((module,)) if recurse else [_own(module)]  # type: ignore[arg-type]

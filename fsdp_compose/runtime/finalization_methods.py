@@ -16,7 +16,7 @@ import torch
 from .manual_finalization import (
     GradientReductionHandle, check_root_between_backwards, finalize_backward,
     pending_gradients, synchronize_gradients)
-from .state import FullyShardState, state_of, states_below
+from .state import own_state, states_at
 
 
 class ShardedFinalizationMethods:
@@ -30,7 +30,7 @@ class ShardedFinalizationMethods:
         finalization] in ``runtime/manual_finalization.py``). For pipeline
         schedules and CUDA-graph capture (FSDP2 2.15's method). On the root
         only, between backwards; every rank alike."""
-        state = _own(self)
+        state = own_state(self)
         context = check_root_between_backwards(state, "set_manual_backward_finalization")
         if context is not None and context.finalization_pending and \
                 bool(enabled) != context.settings.manual_finalization:
@@ -53,7 +53,7 @@ class ShardedFinalizationMethods:
         backward, on every rank; ``RuntimeError`` without
         ``set_manual_backward_finalization(True)`` or while the previous
         handle is not waited (as FSDP2)."""
-        context = check_root_between_backwards(_own(self), "finalize_backward")
+        context = check_root_between_backwards(own_state(self), "finalize_backward")
         if context is None:  # no forward yet: nothing to finalize (as FSDP2)
             return GradientReductionHandle() if async_op else None
         return finalize_backward(context, bool(async_op))
@@ -67,7 +67,7 @@ class ShardedFinalizationMethods:
         iteration (CUDA-graph capture). Costs the unsharded size of every
         such unit for the whole run (``describe()`` shows it per unit).
         ``False`` frees it at the next reshard (now, if sharded)."""
-        for state in _states(self, recurse):
+        for state in states_at(self, recurse):
             for buffer in state.unit.buffers:
                 buffer.keep_unsharded_storage(bool(keep))
 
@@ -81,24 +81,14 @@ class ShardedFinalizationMethods:
         piece of its replica's sum, shaped like its ``.grad``. Changes are
         what the next reduction reduces; ``zero_grad`` drops them.
         Between backwards."""
-        return pending_gradients([state.unit for state in _states(self, True)])
+        return pending_gradients([state.unit for state in states_at(self, True)])
 
     def synchronize_gradients(self) -> None:
         """Beyond FSDP2: reduce every pending gradient of the model now
         (whatever the sync settings) and publish it to ``.grad``, as the
         end of a last backward would. On the root, between backwards, on
         every rank."""
-        context = check_root_between_backwards(_own(self), "synchronize_gradients")
+        context = check_root_between_backwards(own_state(self), "synchronize_gradients")
         if context is not None:
             synchronize_gradients(context)
 
-
-def _own(module: object) -> FullyShardState:
-    state = state_of(module)  # type: ignore[arg-type]
-    if state is None:
-        raise AssertionError(f"{type(module).__name__} has no fully_shard state")
-    return state
-
-
-def _states(module: object, recurse: bool) -> list[FullyShardState]:
-    return states_below((module,)) if recurse else [_own(module)]  # type: ignore[arg-type]

@@ -408,6 +408,19 @@ def state_of(module: nn.Module) -> Optional[FullyShardState]:
     return state if isinstance(state, FullyShardState) and state.unit is not None else None
 
 
+def own_state(module: object) -> FullyShardState:
+    """The state of an annotated module (its ``ShardedModule`` methods' ``self``)."""
+    state = state_of(module)  # type: ignore[arg-type]
+    if state is None:
+        raise AssertionError(f"{type(module).__name__} has no fully_shard state")
+    return state
+
+
+def states_at(module: object, recurse: bool) -> list[FullyShardState]:
+    """``module``'s state, and with ``recurse`` every state below it."""
+    return states_below((module,)) if recurse else [own_state(module)]  # type: ignore[arg-type]
+
+
 def units_below(module: nn.Module) -> list[Unit]:
     """In module order."""
     return [state.unit for state in states_below((module,)) if state.unit is not None]
