@@ -223,15 +223,15 @@ class Segment:
 
     def _runs(self, ages: Sequence[Optional[int]]) -> list[Run]:
         """Runs of the members by age (``None``: skipped): a run never
-        steps over a skipped parameter, nor grows past ``cap`` elements
+        steps over a skipped parameter (one this rank holds no element of
+        included), nor grows past ``cap`` elements
         unless one parameter alone is larger."""
         runs: list[Run] = []
         current: Optional[list] = None  # [first, last, start, end, age]; start None: no elements yet
         for i, age in enumerate(ages):
             start, n = self.offsets[i], self.lengths[i]
-            if age is None:
-                if n:
-                    current = self._close(current, runs)
+            if age is None:  # even an empty piece: the run's members are stepped and counted
+                current = self._close(current, runs)
                 continue
             if current is not None and current[4] == age and \
                     (n == 0 or current[2] is None or start + n - current[2] <= self.cap):
