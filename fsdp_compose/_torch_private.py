@@ -384,6 +384,14 @@ def mem_tracker_class() -> type:
                    "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
 
 
+def composable_checkpoint() -> Callable[..., Any]:
+    """``torch.distributed._composable.checkpoint``: activation checkpointing
+    applied to a module in place (the Hugging Face mixin's
+    ``fsdp_config["activation_checkpointing"]``), imported on first use."""
+    return _lookup("torch.distributed._composable", "checkpoint",
+                   "torch's composable activation checkpointing")
+
+
 def mem_tracker_grad_kind() -> Any:
     """``_MemRefType.GRAD`` of torch's ``MemTracker`` module: the category it
     counts a gradient under (imported on first use, as :func:`mem_tracker_class`)."""

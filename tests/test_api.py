@@ -213,11 +213,11 @@ assert not compiler & set(sys.modules), "importing the package imported torch.co
 dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rdzv", rank=0,
                         world_size=1)
 fsdp_compose.fully_shard(torch.nn.Linear(2, 2))
-assert len(step_hooks) == before + 4 and is_routed(), (len(step_hooks), before)
+assert len(step_hooks) == before + 5 and is_routed(), (len(step_hooks), before)
 installed = torch.optim.Optimizer.zero_grad
 assert installed is not zero_grad and installed.__wrapped__.__wrapped__ is zero_grad
 model = fsdp_compose.fully_shard(torch.nn.Linear(2, 2))
-assert len(step_hooks) == before + 4, "installed twice"
+assert len(step_hooks) == before + 5, "installed twice"
 assert torch.optim.Optimizer.zero_grad is installed, "zero_grad replaced twice"
 direct = dcp_state_dict._init_optim_state
 assert direct is not init_optim_state and direct.__module__ == "fsdp_compose.checkpoint._init_state"
@@ -229,7 +229,7 @@ print("ok")
 
 
 def test_importing_changes_nothing_and_the_first_fully_shard_installs_each_hook_once():
-    """Process-wide changes (norm routing, four optimizer step pre-hooks,
+    """Process-wide changes (norm routing, five optimizer step pre-hooks,
     ``Optimizer.zero_grad`` giving back kept gradient memory, a fresh
     optimizer's state for torch's state-dict functions made without a step)
     come with the first ``fully_shard``, not with ``import fsdp_compose``

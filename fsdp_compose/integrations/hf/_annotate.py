@@ -78,7 +78,8 @@ def annotate(model: nn.Module, config: dict[str, Any],
     wanted = set(names)
     layers = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
     if _true(config.get("activation_checkpointing")):
-        from torch.distributed._composable import checkpoint
+        from ..._torch_private import composable_checkpoint
+        checkpoint = composable_checkpoint()
         for layer in layers:
             checkpoint(layer)
     kwargs: dict[str, Any] = {"mp_policy": mp_policy}
