@@ -58,7 +58,16 @@ from ..runtime.owners import owner_of
 from .rules import Rule, choose_foreach, rule_for
 from .segments import Member, Segment, build_segments, is_flat_view, member_ids
 
-_HANDLES: "weakref.WeakKeyDictionary[Optimizer, FlatStep]" = weakref.WeakKeyDictionary()
+_HANDLE_ATTRIBUTE = "_fsdp_compose_flat_step"
+"""Where an optimizer keeps its handle: on the instance, so that the handle
+(and the model its segments reach) dies with the optimizer in the same
+garbage collection; a global weak-keyed table kept them one collection longer."""
+
+
+def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
+    return optimizer.__dict__.get(_HANDLE_ATTRIBUTE)
+
+
 _OFF: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 """Optimizers turned off with ``flat_step(optimizer, enabled=False)``."""
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
@@ -120,8 +129,8 @@ class FlatStep:
         """Step with torch's own step from now on (state stays valid: views)."""
         self.active = False
         optimizer = self._optimizer()
-        if optimizer is not None and _HANDLES.get(optimizer) is self:
-            del _HANDLES[optimizer]
+        if optimizer is not None and _handle_of(optimizer) is self:
+            del optimizer.__dict__[_HANDLE_ATTRIBUTE]
             _uninstall(optimizer, self)
 
     # ------------------------------------------------------------ plan
@@ -267,7 +276,7 @@ class FlatStep:
 
 
 def _flat_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-    handle = _HANDLES.get(optimizer)
+    handle = _handle_of(optimizer)
     if handle is None:  # removed, but something (an LR scheduler) still calls this wrapper
         return type(optimizer).step.__wrapped__(optimizer, closure)
     return handle.step(optimizer, closure)
@@ -299,7 +308,7 @@ def _install(optimizer: Optimizer) -> FlatStep:
     reference cycle, and an optimizer dropped would wait for the garbage
     collector), and a scheduler made later sees it as its own."""
     handle = FlatStep(optimizer, rule_for(optimizer), None)
-    _HANDLES[optimizer] = handle
+    optimizer.__dict__[_HANDLE_ATTRIBUTE] = handle
     handle.after_scheduler = "step" in optimizer.__dict__  # a scheduler's wrapper (_why_not)
     optimizer.step = handle.installed = lr_scheduler_step(optimizer, _hooked_flat_step)
     return handle
@@ -334,13 +343,14 @@ def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
     state stays valid: per-parameter views)."""
     if not enabled:
         _OFF.add(optimizer)
-        handle = _HANDLES.get(optimizer)
+        handle = _handle_of(optimizer)
         if handle is not None:
             handle.remove()
         return FlatStep(optimizer, None, "turned off with flat_step(optimizer, enabled=False)")
     _OFF.discard(optimizer)
-    if optimizer in _HANDLES:
-        return _HANDLES[optimizer]
+    handle = _handle_of(optimizer)
+    if handle is not None:
+        return handle
     why_not = _why_not(optimizer)
     if why_not is not None:
         warnings.warn(f"fsdp_compose.flat_step: {why_not}; the optimizer keeps torch's own "
@@ -360,7 +370,7 @@ def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None
     if optimizer in _SEEN:  # one set lookup per step after the first
         return
     _SEEN.add(optimizer)
-    if optimizer in _OFF or optimizer in _HANDLES:
+    if optimizer in _OFF or _handle_of(optimizer) is not None:
         return  # the user decided
     if not any(owner_of(p) is not None for g in optimizer.param_groups for p in g["params"]):
         return  # not the optimizer of a fully_shard model
