@@ -39,13 +39,15 @@ import torch.distributed as dist
 from benchmarks._two_ranks import gpt_arguments, gpt_config, join_gloo_group, run_two_ranks
 from benchmarks.impls import build_fsdp2, build_fsdp_compose, shard_large_params
 from benchmarks.memory import measure_training_memory
+from fsdp_compose import flat_step
 from fsdp_compose.testing import GPT, synthetic_tokens
 
 MiB = 2 ** 20
 PHASES = ("forward", "backward", "optimizer")
 
 
-def _build(name: str, cfg, foreach: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _build(name: str, cfg, foreach: bool, torch_step: bool = False
+           ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The seeded GPT under ``name`` (``benchmarks/impls.py``'s builders;
     fsdp_compose with the library's default placement, ``fsdp_compose@C``
     with buckets of at most ``C`` MiB, ``fsdp_compose_shard0`` with
@@ -60,10 +62,14 @@ def _build(name: str, cfg, foreach: bool) -> tuple[torch.nn.Module, torch.optim.
                                    shard_placement_fn=placement_fn)
     else:
         model = build_fsdp2(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach or None)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach or None)
+    if torch_step and name.startswith("fsdp_compose"):
+        flat_step(optim, enabled=False)  # torch's own step, one parameter at a time
+    return model, optim
 
 
-def _phase_peaks(name: str, cfg, steps: int, foreach: bool, batch: int) -> dict[str, Any]:
+def _phase_peaks(name: str, cfg, steps: int, foreach: bool, batch: int,
+                 torch_step: bool = False) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = synthetic_tokens(0, batch * world, cfg.seq_len, cfg.vocab_size)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -82,7 +88,8 @@ def _phase_peaks(name: str, cfg, steps: int, foreach: bool, batch: int) -> dict[
         dist.barrier()
         gc.collect()
 
-    report = measure_training_memory(lambda: _build(name, cfg, foreach), phase, 3 * steps, settle)
+    report = measure_training_memory(lambda: _build(name, cfg, foreach, torch_step), phase,
+                                     3 * steps, settle)
     return {"peaks": [report.step_peaks[i:i + 3] for i in range(0, 3 * steps, 3)],
             "after": [report.after_step[i + 2] for i in range(0, 3 * steps, 3)]}
 
@@ -92,7 +99,8 @@ def _worker(rank: int, world: int, init_file: str, args, queue) -> None:
     cfg = gpt_config(args)
     results = {}
     for name in args.impls:
-        results[name] = _phase_peaks(name, cfg, args.repeats, args.foreach, args.batch_per_rank)
+        results[name] = _phase_peaks(name, cfg, args.repeats, args.foreach, args.batch_per_rank,
+                                     args.torch_step)
         gc.collect()
     every_rank: list = [None] * world
     dist.all_gather_object(every_rank, results)
@@ -105,6 +113,8 @@ def main() -> None:
     args = gpt_arguments(__doc__.splitlines()[0], repeats=4,  # --repeats: the steps
                          impls="fsdp_compose,fsdp2",
                          flags={"--foreach": "AdamW(foreach=True), as on a GPU",
+                                "--torch-step": "fsdp_compose's AdamW steps by torch's own "
+                                                "step (flat_step(optim, enabled=False))",
                                 "--record": "also write rank 0's table to "
                                             "benchmarks/results/record/memory-per-step.json"},
                          batch_per_rank=4)

@@ -226,9 +226,11 @@ def test_the_single_tensor_optimizer_peak_is_fsdp2s():
     """Measured: two ranks, a GPT whose embedding and head are 16 MiB each,
     CPU AdamW one parameter at a time. Every phase's peak on each rank, the
     optimizer's included, is at most FSDP2's (it was 16 MiB above: each
-    matrix whole on one rank, two temporaries of its size)."""
+    matrix whole on one rank, two temporaries of its size). torch's own
+    step (``--torch-step``): the default flat step steps whole runs."""
     rows = _step_memory_rows("--layers", "1", "--d-model", "256", "--heads", "4",
-                             "--vocab", "16384", "--repeats", "2", "--batch-per-rank", "1")
+                             "--vocab", "16384", "--repeats", "2", "--batch-per-rank", "1",
+                             "--torch-step")
     assert {(rank, phase) for rank, _, phase in rows} >= {
         (r, p) for r in (0, 1) for p in ("forward peak", "optimizer peak")}, rows
     for (rank, step, phase), (ours, fsdp2) in rows.items():
