@@ -7,13 +7,14 @@ import argparse
 import datetime
 import os
 import tempfile
+import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp_compose.testing import GPTConfig
+from fsdp_compose.testing import GPTConfig, synthetic_tokens
 
 
 def gpt_arguments(description: str, repeats: int, impls: str = "",
@@ -69,3 +70,18 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
     """The GPT that :func:`gpt_arguments` describes (sequence length 128)."""
     return GPTConfig(vocab_size=args.vocab, seq_len=128, d_model=args.d_model,
                      n_heads=args.heads, n_layers=args.layers)
+
+
+def timed_step(model: Any, optim: torch.optim.Optimizer, cfg: GPTConfig, rank: int, world: int,
+               step: int) -> float:
+    """One training step on this rank's 2 rows of step ``step``'s batch, timed
+    from a barrier; the slowest rank's seconds, the same on every rank."""
+    x, y = synthetic_tokens(step, 2 * world, cfg.seq_len, cfg.vocab_size)
+    dist.barrier()
+    start = time.perf_counter()
+    model.loss(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]).backward()
+    optim.step()
+    optim.zero_grad()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()

@@ -28,9 +28,10 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from fsdp_compose.testing import GPT, GPTConfig
 
-from benchmarks._two_ranks import gpt_arguments, gpt_config, join_gloo_group, run_two_ranks
+from benchmarks._two_ranks import (gpt_arguments, gpt_config, join_gloo_group, run_two_ranks,
+                                   timed_step)
 
 
 def _model(cfg: GPTConfig) -> GPT:
@@ -41,18 +42,6 @@ def _model(cfg: GPTConfig) -> GPT:
         fully_shard(block)
     fully_shard(model)
     return model
-
-
-def _step(model: GPT, optim, cfg: GPTConfig, rank: int, world: int, step: int) -> float:
-    x, y = synthetic_tokens(step, 2 * world, cfg.seq_len, cfg.vocab_size)
-    dist.barrier()
-    start = time.perf_counter()
-    model.loss(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]).backward()
-    optim.step()
-    optim.zero_grad()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, queue) -> None:
@@ -66,12 +55,12 @@ def _worker(rank: int, world: int, init_file: str, args: argparse.Namespace, que
     variants = {"with": with_modes, "without": lambda self: 0}
     times: dict[str, list[float]] = {"with": [], "without": []}
     for step in range(3):  # warm-up
-        _step(model, optim, cfg, rank, world, step)
+        timed_step(model, optim, cfg, rank, world, step)
     for pair in range(args.repeats):
         order = ("with", "without") if pair % 2 == 0 else ("without", "with")
         for name in order:
             DivergenceMonitor._training_modes = variants[name]  # type: ignore[method-assign]
-            times[name].append(_step(model, optim, cfg, rank, world, 3 + pair))
+            times[name].append(timed_step(model, optim, cfg, rank, world, 3 + pair))
     DivergenceMonitor._training_modes = with_modes  # type: ignore[method-assign]
     monitor = state_of(model).context.collectives.observer  # the model's DivergenceMonitor
     calls = 20000

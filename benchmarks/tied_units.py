@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -28,9 +27,10 @@ if __package__ in (None, ""):
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.testing import GPT, GPTConfig, synthetic_tokens
+from fsdp_compose.testing import GPT, GPTConfig
 
-from benchmarks._two_ranks import gpt_arguments, gpt_config, join_gloo_group, run_two_ranks
+from benchmarks._two_ranks import (gpt_arguments, gpt_config, join_gloo_group, run_two_ranks,
+                                   timed_step)
 
 LAYOUTS = ("tie in root", "embedding unit", "embedding unit, kept", "embedding and head units",
            "embedding and head units, kept")
@@ -57,16 +57,9 @@ def _time_steps(model: GPT, cfg: GPTConfig, rank: int, world: int, repeats: int)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []
     for step in range(repeats + 2):
-        x, y = synthetic_tokens(step, 2 * world, cfg.seq_len, cfg.vocab_size)
-        dist.barrier()
-        start = time.perf_counter()
-        model.loss(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]).backward()
-        optim.step()
-        optim.zero_grad()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        elapsed = timed_step(model, optim, cfg, rank, world, step)
         if step >= 2:
-            times.append(elapsed.item())
+            times.append(elapsed)
     return times
 
 

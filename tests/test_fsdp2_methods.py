@@ -23,7 +23,7 @@ from fsdp_compose.testing import synthetic_tokens
 from tests._comm_counter import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveCounter
 from tests._training import CFG, build_model
 from tests.harness import run_distributed
-from tests.test_hsdp import _named_unsharded
+from tests.test_hsdp import unsharded_params
 
 MICRO = 3
 LR = 0.05
@@ -148,9 +148,7 @@ def _train(mesh_shape, setup: str, steps: int = 3, count_step: int = 2) -> dict:
             }
         optim.step()
         optim.zero_grad()
-    model.unshard(recurse=True)
-    out["params"] = {n: p.detach().clone() for n, p in _named_unsharded(model)}
-    model.reshard(recurse=True)
+    out["params"] = unsharded_params(model)
     return out
 
 

@@ -78,9 +78,7 @@ def _train(mesh_shape, optim_name, steps=3, reshard=None, count_step=None, bucke
         loss = loss.detach()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         losses.append(loss.item())
-    model.unshard(recurse=True)
-    params = {n: p.detach().clone() for n, p in _named_unsharded(model)}
-    model.reshard(recurse=True)
+    params = unsharded_params(model)
     return {"losses": losses, "params": params, "counts": counts}
 
 
@@ -90,6 +88,15 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def unsharded_params(model) -> dict:
+    """Every parameter's whole value (a clone), by name; the model is
+    resharded again."""
+    model.unshard(recurse=True)
+    params = {n: p.detach().clone() for n, p in _named_unsharded(model)}
+    model.reshard(recurse=True)
+    return params
 
 
 def _named_unsharded(model):

@@ -26,7 +26,7 @@ from tests._models import assemble_grads, grad_pieces
 from tests._training import CFG, build_model
 from tests.harness import run_distributed
 from tests.test_fsdp2_methods import GroupNames
-from tests.test_hsdp import _named_unsharded
+from tests.test_hsdp import unsharded_params
 
 MICRO = 3
 STEPS = 3
@@ -115,9 +115,7 @@ def _train_manual(mesh_shape, mode: str, optim_name: str) -> dict:
                 1 for m in [*model.blocks, model] for _ in _trainable_buffers(m))
         optim.step()
         optim.zero_grad()
-    model.unshard(recurse=True)
-    out["params"] = {n: p.detach().clone() for n, p in _named_unsharded(model)}
-    model.reshard(recurse=True)
+    out["params"] = unsharded_params(model)
     return out
 
 
@@ -336,9 +334,7 @@ def _kept_storage(keep: bool) -> dict:
     out["planned_bytes"] = estimate_memory(plain, dist.get_world_size(),
                                            units=[*plain.blocks, plain],
                                            keep_unsharded_storage=keep).kept_unsharded
-    model.unshard(recurse=True)
-    out["params"] = {n: p.detach().clone() for n, p in _named_unsharded(model)}
-    model.reshard(recurse=True)
+    out["params"] = unsharded_params(model)
     return out
 
 

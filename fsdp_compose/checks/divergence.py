@@ -536,8 +536,7 @@ def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = 
 def _raise_blocked(forward: int, blocked: dict[int, Doing], moment: str) -> None:
     """Other ranks are blocked in a torch collective that waits for this rank
     ([Note: blocked is not late]) while this rank ``moment`` root forward #``forward``."""
-    lines = "\n".join(f"  rank {rank} is blocked in {d.says()}, which waits for this rank"
-                      for rank, d in sorted(blocked.items()))
+    lines = "\n".join("  " + d.blocks(rank) for rank, d in sorted(blocked.items()))
     raise RuntimeError(
         f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
         f"#{forward} while other ranks are blocked in a collective of torch.distributed:\n"

@@ -255,8 +255,7 @@ def _next_number(group: dist.ProcessGroup) -> str:
 
 
 def _raise_blocked(me: int, call: str, blocked: dict[int, Doing], fix: str) -> None:
-    parts = "; ".join(f"rank {rank} is blocked in {d.says()}, which waits for this rank"
-                      for rank, d in sorted(blocked.items()))
+    parts = "; ".join(d.blocks(rank) for rank, d in sorted(blocked.items()))
     raise CallMismatchError(
         f"[rank {me}] {call} is collective (every rank of its process group must call it, in "
         f"the same order as the other collective calls), but {parts}: neither can go on "

@@ -76,6 +76,11 @@ class Doing(NamedTuple):
         """One phrase for messages: ``torch.distributed.barrier() at train.py:42``."""
         return f"{self.what} at {self.where}" if self.where else self.what
 
+    def blocks(self, rank: int) -> str:
+        """``rank is blocked in <says>, which waits for this rank``: the
+        phrase every blocked-rank message names ``rank`` with."""
+        return f"rank {rank} is blocked in {self.says()}, which waits for this rank"
+
     def waits_for(self, me: int) -> bool:
         """Inside a collective that cannot finish without ``me`` (see the note)."""
         if self.kind != "collective" or me not in self.members:
