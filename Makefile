@@ -28,15 +28,15 @@ NEWEST_VENV  := .venv-torch-$(TORCH_NEWEST)
 # flat_step, the blocked-rank watcher's view of torch's frames, FSDP2's comm protocols, FSDP2's
 # method set and policy fields, what torch's MixedPrecisionPolicy means on that torch, manual
 # finalization) plus parity and collective counts; ~10 min on 2 cores. OLDEST_TESTS=tests for all.
-OLDEST_TESTS ?= tests/test_torch_private.py tests/test_staging_pool.py tests/test_param_views.py \
-	tests/test_parity.py \
-	tests/test_collectives_and_memory.py tests/test_bucketing.py tests/test_checkpoint_model.py \
-	tests/test_checkpoint_flat.py tests/test_checkpoint_optim.py tests/test_tensor_parallel.py \
-	tests/test_mem_tracker.py tests/test_pipeline.py tests/test_composition.py \
-	tests/test_module_api.py tests/test_errors.py tests/test_moe.py tests/test_spmd_mesh.py \
-	tests/test_quantized_wire.py tests/test_quantized_collectives.py tests/test_exit.py \
-	tests/test_flat_step.py tests/test_optimizer_state_init.py tests/test_blocked_rank.py tests/test_fsdp2_methods.py \
-	tests/test_fsdp2_compat.py tests/test_torch_mixed_precision.py tests/test_manual_finalization.py
+OLDEST_TESTS ?= tests/repository/test_torch_private.py tests/buffers/test_staging_pool.py tests/buffers/test_param_views.py \
+	tests/core/test_parity.py \
+	tests/runtime/test_collectives_and_memory.py tests/runtime/test_bucketing.py tests/checkpoint/test_checkpoint_model.py \
+	tests/checkpoint/test_checkpoint_flat.py tests/checkpoint/test_checkpoint_optim.py tests/parallelism/test_tensor_parallel.py \
+	tests/tools/test_mem_tracker.py tests/parallelism/test_pipeline.py tests/parallelism/test_composition.py \
+	tests/core/test_module_api.py tests/checks/test_errors.py tests/parallelism/test_moe.py tests/parallelism/test_spmd_mesh.py \
+	tests/runtime/test_quantized_wire.py tests/runtime/test_quantized_collectives.py tests/core/test_exit.py \
+	tests/core/test_flat_step.py tests/core/test_optimizer_state_init.py tests/checks/test_blocked_rank.py tests/core/test_fsdp2_methods.py \
+	tests/core/test_fsdp2_compat.py tests/core/test_torch_mixed_precision.py tests/core/test_manual_finalization.py
 
 .PHONY: venv test test-oldest test-newest test-torch test-gpu demo lora-demo bench bench-report clean
 
@@ -84,13 +84,13 @@ test-torch:
 
 # The CUDA mode of the suite: GPU_TESTS with FSDP_COMPOSE_TEST_DEVICE=cuda (models and
 # batches on the GPU, the ranks of each test sharing the visible GPU(s) over gloo, the
-# one-process references on the same GPU; tests/test_cuda.py adds NCCL at world size 1
+# one-process references on the same GPU; tests/core/test_cuda.py adds NCCL at world size 1
 # and GPU memory). Needs a torch with CUDA: GPU_PYTHON=python3 to use another interpreter.
 # Without a CUDA device it says so and exits 0 without running (nothing passed).
 GPU_PYTHON ?= $(VPY)
-GPU_TESTS ?= tests/test_cuda.py tests/test_parity.py tests/test_mixed_precision.py \
-	tests/test_collectives_and_memory.py tests/test_prefetch.py tests/test_split_root.py \
-	tests/test_clip.py tests/test_bucketing.py tests/test_grad_scaler.py tests/test_hf_trainer.py
+GPU_TESTS ?= tests/core/test_cuda.py tests/core/test_parity.py tests/core/test_mixed_precision.py \
+	tests/runtime/test_collectives_and_memory.py tests/runtime/test_prefetch.py tests/tools/test_split_root.py \
+	tests/core/test_clip.py tests/runtime/test_bucketing.py tests/core/test_grad_scaler.py tests/tools/test_hf_trainer.py
 test-gpu:
 	@if $(GPU_PYTHON) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		echo FSDP_COMPOSE_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q $(GPU_TESTS) $(PYTEST_ARGS); \

@@ -32,7 +32,7 @@ the CPU, so the measure is the process's resident-set high-water mark
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before each operation)
 minus the resident set just before it, the median over rounds of the
 largest rank (what the allocator kept free from earlier work moves it by
-tens of MiB; ``tests/test_checkpoint_load_memory.py`` counts the tensor
+tens of MiB; ``tests/checkpoint/test_checkpoint_load_memory.py`` counts the tensor
 bytes each phase allocates, which do not move). The loaded values are
 checked equal to the saved ones.
 
@@ -295,7 +295,7 @@ def summarize(per_rank: list[dict[str, list[dict[str, float]]]]) -> dict[str, di
     median over the rounds, the largest rank's (the process's RSS grows by
     what the allocator did not keep from earlier work, which varies from
     round to round by as much as the implementations differ;
-    ``tests/test_checkpoint_load_memory.py`` counts tensor bytes instead)."""
+    ``tests/checkpoint/test_checkpoint_load_memory.py`` counts tensor bytes instead)."""
     out = {}
     for name in IMPLS:
         samples = [run for runs in per_rank for run in runs[name]]
@@ -334,7 +334,7 @@ def _record(summary: dict[str, dict[str, float]]) -> None:
                "rank; it moves with what the allocator kept from earlier work. In tensor bytes "
                "the load allocates the optimizer state and nothing else, FSDP2's also its zero "
                "step's gradients and temporaries: 71,000 vs 177,920 bytes on rank 0 of "
-               "`tests/test_checkpoint_load_memory.py` (3 ranks, uneven shapes), 136 vs 237 MiB "
+               "`tests/checkpoint/test_checkpoint_load_memory.py` (3 ranks, uneven shapes), 136 vs 237 MiB "
                "at the peak on this model (the profiler's allocation events).",
                f"Async (`CheckpointStore(async_save=True)`): a synchronous save took "
                f"{a['sync_save_ms']:.0f} ms; the async save blocked for {a['async_block_ms']:.0f} ms "

@@ -5,7 +5,7 @@ methods it does not document, such as ``PipelineStage.backward_maybe_with_nosync
 they move, change or disappear between minor versions. The package uses a
 few of them, because torch's composable FSDP2 does the same things with the
 same names and offers no public way. Every other module of the package takes
-them from here (``tests/test_torch_private.py`` fails on a private torch name
+them from here (``tests/repository/test_torch_private.py`` fails on a private torch name
 anywhere else), so that what a new or an older torch breaks is found and
 fixed in this one file.
 

@@ -1,4 +1,4 @@
-"""Run by ``tests/test_blocked_rank.py`` under torchrun (2 gloo ranks): the
+"""Run by ``tests/checks/test_blocked_rank.py`` under torchrun (2 gloo ranks): the
 FSDP2 habits that save from rank 0 only, then ``dist.barrier()``. Each rank
 prints ``MISTAKE <time>`` before the mistake and ``ERROR <time> ...`` when
 it raises (uncaught: the job ends as a user's would).

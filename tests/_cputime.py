@@ -1,6 +1,6 @@
 """CPU seconds per test and per file: where the suite's time goes, whatever the load.
 
-    PYTHONPATH=. python -m pytest -p tests._cputime -q tests/test_parity.py
+    PYTHONPATH=. python -m pytest -p tests._cputime -q tests/core/test_parity.py
     FSDP_COMPOSE_CPUTIME=cpu.tsv PYTHONPATH=. python -m pytest -p tests._cputime -q
 
 A test's CPU is this process's, plus what the harness's workers (``tests/harness.py``)

@@ -1,4 +1,4 @@
-"""Run by ``tests/test_flight_log.py`` under torchrun (2 gloo ranks): rank 1
+"""Run by ``tests/checks/test_flight_log.py`` under torchrun (2 gloo ranks): rank 1
 skips blocks.2 at step ``sys.argv[1]``; each rank prints the error it gets
 and exits 0 (torchrun stops the job at the first non-zero exit, before the
 other rank could print).
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from fsdp_compose import fully_shard
 from fsdp_compose.testing.launch import init_from_torchrun
-from tests.test_flight_log import Uniform
+from tests.checks.test_flight_log import Uniform
 
 
 def main(at_step: int) -> None:

@@ -1,6 +1,6 @@
 """Entry point of the two-agent torchrun test of the 3-D mesh
-(``tests/test_multinode.py``): every rank trains the HSDP x TP model of
-``tests/test_hsdp_tp.py`` on a ``(nnodes, nproc_per_node // 2, 2)`` mesh
+(``tests/parallelism/test_multinode.py``): every rank trains the HSDP x TP model of
+``tests/parallelism/test_hsdp_tp.py`` on a ``(nnodes, nproc_per_node // 2, 2)`` mesh
 (replicas across the agents, shards and TP inside one), and rank 0 writes
 the mean losses, the full parameters and every rank's agent to ``argv[1]``
 (``torch.save``)."""
@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.test_hsdp_tp import train_3d
+from tests.parallelism.test_hsdp_tp import train_3d
 
 
 def main(out: str) -> None:

@@ -91,7 +91,7 @@ def shard_on_a_new_group(model, timeout_s: float, bucket_cap_mb: float):
 def unbucketed(model):
     """``model`` with bucketing off: one all-gather and one reduce-scatter
     per unit, the structure the per-unit counting tests describe (the
-    bucketed one is counted in ``tests/test_bucketing.py``)."""
+    bucketed one is counted in ``tests/runtime/test_bucketing.py``)."""
     model.set_bucket_cap_mb(0)
     return model
 

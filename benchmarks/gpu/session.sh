@@ -23,7 +23,7 @@ part() {  # part NAME SECONDS COMMAND...
     $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.log"
 TAIL=40 part test_gpu 200 env FSDP_COMPOSE_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider \
-    --timeout 120 ${GPU_TESTS:-tests/test_cuda.py tests/test_parity.py tests/test_mixed_precision.py tests/test_collectives_and_memory.py tests/test_prefetch.py tests/test_split_root.py tests/test_clip.py tests/test_bucketing.py tests/test_grad_scaler.py tests/test_hf_trainer.py}
+    --timeout 120 ${GPU_TESTS:-tests/core/test_cuda.py tests/core/test_parity.py tests/core/test_mixed_precision.py tests/runtime/test_collectives_and_memory.py tests/runtime/test_prefetch.py tests/tools/test_split_root.py tests/core/test_clip.py tests/runtime/test_bucketing.py tests/core/test_grad_scaler.py tests/tools/test_hf_trainer.py}
 TAIL=30 part bench_gpu 240 $PY -m benchmarks.gpu --world2-timeout 150 --json "$OUT/gpu.json"
 TAIL=8 part host_cost_cuda 60 $PY -m benchmarks.host_cost --device cuda --rounds 5
 TAIL=8 part host_cost_cpu 60 $PY -m benchmarks.host_cost --device cpu --rounds 5

@@ -3,7 +3,7 @@ where padding goes, and which piece of each parameter each rank owns.
 
 Pure functions of (shapes, placements, sharding factor, alignment, rank),
 without ``torch.distributed`` or tensors, property-tested alone
-(``tests/test_layout.py``, ``tests/test_placements.py``).
+(``tests/buffers/test_layout.py``, ``tests/core/test_placements.py``).
 
 Placements (docs/placements.md) decide only where each parameter and the
 padding sit; the buffer stays ``F`` equal chunks of ``S`` elements, one

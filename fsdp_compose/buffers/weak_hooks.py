@@ -1,6 +1,6 @@
 """Hooks that autograd stores in C++ and that must not keep their owner
 alive: a strong reference back from a C++ hook list is a cycle the garbage
-collector cannot see (``tests/test_model_lifetime.py``).
+collector cannot see (``tests/core/test_model_lifetime.py``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ dims, recursively, at most ``2n - 1``. :func:`range_boxes` returns them in
 increasing order, so the piece's memory is cut into consecutive runs.
 
 Nothing here imports ``torch.distributed`` or allocates tensors; it is
-property-tested in ``tests/test_checkpoint_flat.py``.
+property-tested in ``tests/checkpoint/test_checkpoint_flat.py``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ increasing set of ranges ``T_j``. One all-to-all converts between the two:
   receives at the intervals it would have sent.
 
 Nothing here imports ``torch.distributed`` or allocates tensors; it is
-property-tested in ``tests/test_checkpoint_chunks.py``.
+property-tested in ``tests/checkpoint/test_checkpoint_chunks.py``.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ SAVE_ADVICE = (
     "`torch.distributed.checkpoint.save({'model': model.state_dict()}, checkpoint_id=path)` "
     "on every rank (or use CheckpointStore).")
 """The fix for a save from rank 0 only (every message of a one-rank
-``state_dict()`` ends with it; ``tests/test_save_advice.py`` runs it)."""
+``state_dict()`` ends with it; ``tests/checkpoint/test_save_advice.py`` runs it)."""
 _FIX = ("Values of fsdp_compose's state dicts are converted to FSDP2's layout when first used, "
         "collectively: use them (full_tensor(), tensor operations, deepcopy, pickling by "
         "torch.save) on every rank in the same order. " + SAVE_ADVICE)

@@ -156,7 +156,7 @@ OPTIM_SAVE_ADVICE = (
     "`torch.distributed.checkpoint.save({'optim': get_optimizer_state_dict(model, optim)}, "
     "checkpoint_id=path)` on every rank (or use CheckpointStore).")
 """The fix for an optimizer state dict taken on one rank only
-(``tests/test_save_advice.py`` runs it)."""
+(``tests/checkpoint/test_save_advice.py`` runs it)."""
 
 
 def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -141,7 +141,7 @@ STATELESS_OPTIMIZER_FIX = (
     "torch's get_state_dict(model, optim) and apply it with set_state_dict (they give a fresh "
     "optimizer its state).")
 """The fix for loading into a never-stepped optimizer's state dict
-(``tests/test_fresh_job_resume.py`` runs both)."""
+(``tests/checkpoint/test_fresh_job_resume.py`` runs both)."""
 
 
 def _refuse_stateless_optimizers(state_dict: dict[str, Any], metadata: Metadata) -> None:

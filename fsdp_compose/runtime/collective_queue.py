@@ -32,7 +32,7 @@ group) are packed into ``T = sum S_i``; the all-gather's output is
 rank-major, so ``out.view(F, T)[:, off_i:off_i+S_i]`` is buffer ``i``'s
 ``unsharded.view(F, S_i)``; gradients are packed alike. Every element is
 reduced with the same partners in the same order as unbucketed: the
-results are bit-identical (``tests/test_bucketing.py``).
+results are bit-identical (``tests/runtime/test_bucketing.py``).
 
 A bucket's collectives always carry *every* member: one already gathered
 contributes its shard and receives nothing, one without a gradient

@@ -133,7 +133,7 @@ class FullyShardState(_State):
         self._pre_backward_hook: Callable[[Any], None] = pre_backward_hook
         """Holds the state weakly: autograd keeps hooks in C++, where a
         reference back to the model is a cycle the garbage collector cannot
-        see (``tests/test_model_lifetime.py``)."""
+        see (``tests/core/test_model_lifetime.py``)."""
         if pre_forward_check is not None:
             self._pre_forward_check = pre_forward_check
         self._new_observer = new_observer

@@ -24,7 +24,7 @@ frozen parameters it behaves exactly as ``MemTracker``.
 The figures agree with a direct count (parameters + gradients + optimizer
 state after a step) because the library releases unsharded memory in a way
 the tracker sees ([Note: staging and memory trackers] in
-``buffers/staging.py``); ``tests/test_mem_tracker.py`` checks it.
+``buffers/staging.py``); ``tests/tools/test_mem_tracker.py`` checks it.
 """
 
 from __future__ import annotations

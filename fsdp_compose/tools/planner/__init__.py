@@ -20,7 +20,7 @@ takes the parameters of its subtrees that no earlier unit took and groups
 them into flat buffers as ``group_records`` does: the same functions
 ``fully_shard`` runs (``fsdp_compose/setup/units.py``); the estimate then replays
 one training step of the library's schedule.
-``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
+``tests/tools/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 
 Parts: ``units.py`` (which parameters each unit takes, through
 ``fully_shard``'s own setup code), ``split.py`` (the units

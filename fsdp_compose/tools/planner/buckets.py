@@ -6,7 +6,7 @@ qualify (a key that is not ``None``, at most the cap unsharded) and share a
 key, greedily while the group's unsharded bytes stay within the cap; a group
 of one unit is no bucket; a cap of 0 turns bucketing off. Here: the keys of
 planned units (``unit_key``, ``with_reshard``: the runtime's ``_key`` on what
-the planner models) and the default cap. ``tests/test_planner.py`` checks
+the planner models) and the default cap. ``tests/tools/test_planner.py`` checks
 that the planner's buckets are the runtime's on real models.
 """
 

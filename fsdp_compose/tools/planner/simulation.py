@@ -1,6 +1,6 @@
 """One training step of the library's schedule, replayed on byte counts
 ([Note: the simulated step]).
-``tests/test_planner.py`` checks it against the profiler on 2 gloo ranks.
+``tests/tools/test_planner.py`` checks it against the profiler on 2 gloo ranks.
 
 [Note: the simulated step]
 A step is a list of moments in the library's order (``runtime/prefetch_order.py``,
@@ -52,7 +52,7 @@ size still unsharded ([Note: releasing what no fill will take]). Not estimated: 
 sometimes keeps the clones of finished reduce-scatters (with buckets: the
 packed gradients and reduced chunk) alive into the next
 step (none to three whole unit-sized copies per rank at the peak, varying
-by rank and run, in ``tests/test_planner.py``'s runs; not a Python cycle).
+by rank and run, in ``tests/tools/test_planner.py``'s runs; not a Python cycle).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ model's direct children before the first child holding a planned unit (the
 *prologue*) and after the last one (the *epilogue*) that hold parameters no
 planned unit takes become one unit each, kept unsharded from forward to
 backward. A parameter used by two of the parts keeps the root whole, with
-the same ``UserWarning``. ``tests/test_planner.py`` checks the split against
+the same ``UserWarning``. ``tests/tools/test_planner.py`` checks the split against
 ``fully_shard_root`` on a real model.
 """
 
