@@ -4,7 +4,8 @@ a few tensors instead of one per parameter, with the same numbers.
 It is the default: at the first step of an optimizer over parameters
 ``fully_shard`` manages (a global step pre-hook, installed by the first
 ``fully_shard``), that optimizer's later steps become flat steps; the
-first one is torch's own, whose state the second copies in (*adopts*).
+first one is torch's own, into flat state laid out for it beforehand,
+which the second takes over without a copy (*adopts*).
 ``flat_step(optimizer)`` does it at once (and returns the handle, made or
 already there); ``flat_step(optimizer, enabled=False)`` keeps torch's own
 step for that optimizer, before or after its first step.
@@ -171,6 +172,23 @@ class FlatStep:
             for seg in segments:
                 for member, param in enumerate(seg.params):
                     self._where[id(param)] = (seg, member)
+
+    def lay_state_for_torchs_first_step(self, optimizer: Optimizer) -> None:
+        """Before torch's own first step (the default's): every managed
+        parameter about to be stepped (a gradient, no state) gets the state
+        that step would make, as views of the flat state, so the optimizer
+        never holds its state twice. SGD is left alone: its momentum starts
+        as torch's clone of the gradient."""
+        rule, groups, state = self.rule, optimizer.param_groups, optimizer.state
+        if not rule.counts_steps:
+            return
+        self._plan(optimizer, [i for i, g in enumerate(groups) if rule.unsupported(optimizer, g) is None])
+        for family, segments in zip(self._families, self._segments):
+            names = rule.state_names(groups[family[0]])
+            for segment in segments:
+                for member, param in enumerate(segment.params):
+                    if param.grad is not None and not state.get(param):
+                        segment.lay_first_state(member, names, state)
 
     # ------------------------------------------------------------ step
     def step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]]) -> Any:
@@ -380,4 +398,5 @@ def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None
                       "tensor per parameter (fsdp_compose.flat_step(optimizer, enabled=False) "
                       "before its first step silences this).", stacklevel=4)
         return
-    _install(optimizer)  # from the next step on: this one is torch's, already under way
+    # from the next step on (this one is torch's, already under way), in flat state from this one
+    _install(optimizer).lay_state_for_torchs_first_step(optimizer)

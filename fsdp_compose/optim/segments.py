@@ -158,6 +158,16 @@ class Segment:
         self.ages[member] = int(step.item()) if rule.counts_steps else 1
         return self.ages[member]
 
+    def lay_first_state(self, member: int, names: tuple[str, ...], opt_state: dict) -> None:
+        """Give the member the state torch's first step starts from (zeros,
+        ``step`` 0) as views of the flat state, not installed: torch's own
+        first step writes into them, and the next flat step adopts them
+        without a copy (``_adopt`` finds its own views)."""
+        self._allocate(names)
+        state = {"step": torch.tensor(0.0, dtype=optimizer_scalar_dtype())}
+        state.update((name, self.state_view(name, member)) for name in names)
+        opt_state[self.params[member]] = state
+
     def forget(self, member: int) -> None:
         """The member's state is no longer known to be the segment's (torch stepped it)."""
         self.installed[member] = None

@@ -175,6 +175,32 @@ def test_bitwise_equal_to_torchs_per_parameter_step(config):
         assert not differences, f"rank {rank}: {differences}"
 
 
+def _state_places_work(config: str) -> list[str]:
+    """Where the default's optimizer keeps its state after torch's first step
+    and after the first flat step."""
+    model = _model()
+    optim = _optimizer(model, config)
+    places = []
+    for step in range(2):
+        _train_step(model, optim, step)
+        names = {param: name for name, param in model.named_parameters()}
+        places.append({f"{names[param]}.{key}": (value.data_ptr(), value._base is not None)
+                       for param, state in optim.state.items() for key, value in state.items()
+                       if key != "step"})
+    out = [f"{name} is not a view of the flat state" for name, (_, view) in places[0].items()
+           if not view]
+    return out + [f"{name} moved at the first flat step" for name in places[0]
+                  if places[1].get(name, (None,))[0] != places[0][name][0]]
+
+
+@pytest.mark.parametrize("config", ["adamw-foreach-groups", "adam-l2-default"])
+def test_the_default_holds_adams_state_once(config):
+    """torch's first step writes into flat state laid out for it, which the
+    first flat step takes over in place: no step holds the state twice."""
+    for rank, problems in enumerate(run_distributed(WORLD, _state_places_work, config)):
+        assert not problems, f"rank {rank}: {problems[:4]}"
+
+
 def _capped_work(config: str) -> dict:
     from fsdp_compose.optim import segments
     segments.CPU_RUN_CAP = 16  # runs of at most 16 elements unless one parameter is larger

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-import fsdp_compose
 from fsdp_compose import PrefetchPolicy
 from fsdp_compose._torch_private import CAN_SWAP_STORAGE_DATA
 from fsdp_compose.runtime.state import state_of
@@ -92,9 +91,6 @@ def _peaks_under_tracker_and_profiler(retain_staging: bool):
     shard_blocks_and_root(model)
     model.set_prefetch_policy(PrefetchPolicy(retain_staging=retain_staging))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    # flat from the first step: the default adopts torch's first-step state at the second
-    # step, a transient the tracker does not see (its own issue; not this test's subject)
-    fsdp_compose.flat_step(optim)
 
     def step(i):
         x, y = local_batch(i, rank, world)
