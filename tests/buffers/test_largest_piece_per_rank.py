@@ -273,7 +273,7 @@ def with_split_buffers(function: str, *args):
     """Runs on every rank: ``tests/core/test_placements.py``'s ``function`` where
     the placement ``"split"`` is the default one with no slack (buffers of
     their own on the CPU)."""
-    from tests import test_placements
+    from tests.core import test_placements
     saved = records_module.HOST_PIECE_SLACK_BYTES
     records_module.HOST_PIECE_SLACK_BYTES = 0
     test_placements.PLACEMENTS["split"] = (None, None)
