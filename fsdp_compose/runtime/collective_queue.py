@@ -634,7 +634,7 @@ class CollectiveQueue:
 
     def all_reduce_held(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         """Issue the replica all-reduce of what ``set_requires_all_reduce(False)``
-        kept for ``buffer`` (``runtime/manual_finalization.py``); its
+        kept for ``buffer`` (``module_methods/manual_finalization.py``); its
         completion folds it. Nothing kept: nothing issued."""
         group = buffer.group
         if group.replicate_size == 1 or group.replicate_process_group is None:

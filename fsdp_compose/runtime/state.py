@@ -20,7 +20,7 @@ from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
 from .profiling import call_profiled, profiled
 from .compile import run_eagerly
-from .class_names import user_class_name
+from .._naming import user_class_name
 from .end_of_backward import finish_backward
 from .observer import CollectiveObserver
 from .collective_queue import CollectiveQueue
@@ -206,7 +206,7 @@ class FullyShardState(_State):
 
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
-        """One forward pass of this unit (``forward_methods.py``)."""
+        """One forward pass of this unit (``module_methods/forward_methods.py``)."""
         running = self._in_forward_method
         if id(module) in running:
             return call(*args, **kwargs)

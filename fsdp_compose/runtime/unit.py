@@ -22,7 +22,7 @@ from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .profiling import call_profiled
 from .collective_queue import CollectiveQueue
-from .class_names import user_class_name
+from .._naming import user_class_name
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState

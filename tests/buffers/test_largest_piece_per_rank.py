@@ -1,6 +1,6 @@
 """On a CPU mesh, where torch's optimizers step one parameter at a time, no
 rank holds much more of one parameter than FSDP2 would
-(``records.split_whole_pieces``).
+(``setup/default_placement.split_whole_pieces``).
 
 torch's optimizers step one parameter at a time on the CPU, with temporaries
 the size of each piece, so their peak follows a rank's largest piece of a
@@ -30,7 +30,8 @@ from fsdp_compose import fully_shard, param_info
 from fsdp_compose.setup.units import assign_placements
 from fsdp_compose.buffers import records as records_module
 from fsdp_compose.buffers.layout import FlatLayout, alignment
-from fsdp_compose.buffers.records import ParamRecord, group_records, largest_share_bytes
+from fsdp_compose.buffers.records import ParamRecord, group_records
+from fsdp_compose.setup.default_placement import largest_share_bytes
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.tools.describe import describe

@@ -261,7 +261,7 @@ def test_the_custom_comm_classes_are_where_the_docs_say_and_private_there():
 
     import torch.distributed.fsdp as fsdp
 
-    from fsdp_compose.runtime.comm_methods import ShardedCommMethods
+    from fsdp_compose.module_methods.comm_methods import ShardedCommMethods
     module = importlib.import_module(TORCH_COMM_MODULE)
     assert isinstance(module.AllGather, type) and isinstance(module.ReduceScatter, type)
     assert not hasattr(fsdp, "AllGather") and not hasattr(fsdp, "ReduceScatter")

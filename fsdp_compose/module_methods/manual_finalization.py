@@ -43,10 +43,10 @@ import torch
 
 from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
-from .end_of_backward import end_step, finish_reductions
-from .state import FullyShardState, ModelContext
-from .training_state import TrainingState
-from .unit import Unit
+from ..runtime.end_of_backward import end_step, finish_reductions
+from ..runtime.state import FullyShardState, ModelContext
+from ..runtime.training_state import TrainingState
+from ..runtime.unit import Unit
 
 
 class GradientReductionHandle:

@@ -15,20 +15,20 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ._torch_private import require_override
-from .checks.ddp_wrapper import ddp_around_annotated
-from .checks.finite import check_finite_gradients
-from .gradients.clip import clip_grad_norm_
-from .comm.rendezvous import arrive
-from .policies import PrefetchPolicy
-from .runtime.comm_methods import ShardedCommMethods
-from .runtime.finalization_methods import ShardedFinalizationMethods
-from .runtime.manual_finalization import drop_pending_gradients
-from .runtime.state import FullyShardState, state_of, states_below
-from .runtime.buckets import cap_bytes
-from .runtime.class_names import USER_CLASS_ATTR
-from .runtime.tensors import swapping_params_on_conversion
-from .runtime.unit import Unit
+from .._torch_private import require_override
+from ..checks.ddp_wrapper import ddp_around_annotated
+from ..checks.finite import check_finite_gradients
+from ..gradients.clip import clip_grad_norm_
+from ..comm.rendezvous import arrive
+from ..policies import PrefetchPolicy
+from .comm_methods import ShardedCommMethods
+from .finalization_methods import ShardedFinalizationMethods
+from .manual_finalization import drop_pending_gradients
+from ..runtime.state import FullyShardState, state_of, states_below
+from ..runtime.buckets import cap_bytes
+from .._naming import USER_CLASS_ATTR
+from ..runtime.tensors import swapping_params_on_conversion
+from ..runtime.unit import Unit
 
 
 class UnshardHandle:
@@ -47,9 +47,9 @@ class UnshardHandle:
 class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
     """Methods mixed into every module annotated by :func:`fully_shard`
     (the module's class becomes a subclass of its own class and this one);
-    those that change the collectives are in ``runtime/comm_methods.py``,
+    those that change the collectives are in ``comm_methods.py``,
     those that finalize backward by hand or keep unsharded storage in
-    ``runtime/finalization_methods.py``.
+    ``finalization_methods.py``.
     ``fsdp_compose.FSDPModule`` is this class."""
 
     @property
