@@ -63,7 +63,7 @@ from ..comm.whereabouts import Doing
 from .._torch_private import default_store
 from ..comm.groups import ShardGroup
 from ..runtime.model_settings import ModelSettings
-from ..runtime.observer import CollectiveObserver, ObservedUnit
+from ..runtime.protocols import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
 from .flight_log import FlightRecorder
 
@@ -139,7 +139,7 @@ def _decode(code: int) -> Collective:
 class DivergenceMonitor(CollectiveObserver):
     """Records the unit collectives of one model and checks that every rank
     issues the same ones (see [Note: rank divergence]). The model's
-    collective observer (``runtime/observer.py``): ``fully_shard`` hands it
+    collective observer (``runtime/protocols.py``): ``fully_shard`` hands it
     in, the root's lazy init builds it and binds it to the units.
 
     Invariant: between two comparisons on a process group, ``_fingerprints``

@@ -76,12 +76,11 @@ from ..buffers.staging import StagingPool
 from ..comm.collectives import all_gather_into, all_reduce_replicas
 from ..comm.wire import Waitable
 from ..comm.watched_wait import wait_watched
-from .profiling import call_profiled, profiled
+from .tracing import call_profiled, profiled
 from .buckets import Bucket, BucketPlan
 from .model_settings import ModelSettings
-from .observer import CollectiveObserver
 from .training_state import TrainingState
-from .unit_protocols import BucketedUnit
+from .protocols import BucketedUnit, CollectiveObserver
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Generic, Optional, Sequence, TypeVar, cast
 
 from .model_settings import ModelSettings
-from .unit_protocols import OrderedUnit
+from .protocols import OrderedUnit
 
 
 U = TypeVar("U", bound=OrderedUnit)

@@ -18,11 +18,10 @@ from .._torch_private import (
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
-from .profiling import call_profiled, profiled
-from .compile import run_eagerly
+from .tracing import call_profiled, profiled, run_eagerly
 from .._naming import user_class_name
 from .end_of_backward import finish_backward
-from .observer import CollectiveObserver
+from .protocols import CollectiveObserver
 from .collective_queue import CollectiveQueue
 from .model_settings import ModelSettings, merge_changes
 from .prefetch_order import PrefetchOrder

@@ -20,7 +20,7 @@ from ..comm.custom import UnitComms
 from ..comm.wire import CustomWire
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
-from .profiling import call_profiled
+from .tracing import call_profiled
 from .collective_queue import CollectiveQueue
 from .._naming import user_class_name
 from .prefetch_order import PrefetchOrder

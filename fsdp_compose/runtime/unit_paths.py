@@ -51,7 +51,7 @@ from ..buffers.flat_grad import ReduceOptions
 from ..comm.groups import ShardGroup
 from .collective_queue import CollectiveQueue
 from .training_state import TrainingState
-from .unit_protocols import PathUnit
+from .protocols import PathUnit
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
