@@ -31,9 +31,9 @@ from .unit_paths import CollectivePath
 
 @dataclass(slots=True)
 class UnitSettings:
-    """Policies are fixed at annotation; the rest only
-    ``ShardedModule``'s setters and :meth:`Unit.set_reshard_after_forward`
-    write, never during an iteration."""
+    """Policies are fixed at annotation; only :meth:`change` writes the
+    rest (``ShardedModule``'s setters and :meth:`Unit`'s own, never during
+    an iteration)."""
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: Optional[CPUOffloadPolicy] = None
@@ -57,6 +57,19 @@ class UnitSettings:
     backward_prefetch: Optional[list[Unit]] = None
     comms: Optional[UnitComms] = None
     """``comm/custom.py``; shared with every buffer."""
+
+    def change(self, name: str, value: Any) -> None:
+        """One setting, by field name, or a field of ``reduce_options``
+        (``divide_factor``, ``force_sum``); never a policy."""
+        if name in ReduceOptions._fields:
+            self.reduce_options = self.reduce_options._replace(**{name: value})
+        else:
+            assert name in _CHANGEABLE, f"not a changeable unit setting: {name!r}"
+            setattr(self, name, value)
+
+
+_CHANGEABLE = frozenset(UnitSettings.__dataclass_fields__) - {
+    "mp_policy", "offload_policy", "comm_policy"}
 
 
 class Unit:
@@ -140,7 +153,8 @@ class Unit:
         and backward (``F``: ``True``; ``1``: ``False``). Collective when
         ``1 < k < F`` (call it on every rank)."""
         if value is None or isinstance(value, bool):
-            self.settings.reshard_after_forward, self.settings.post_forward_group = value, None
+            self.settings.change("reshard_after_forward", value)
+            self.settings.change("post_forward_group", None)
             return
         shard_size = self.group.world_size
         other = next((b for b in self.buffers if b.group is not self.group), None)
@@ -157,9 +171,9 @@ class Unit:
                 f"the parameters stay sharded over after forward and must divide the shard "
                 f"group size {shard_size} (one of {divisors}; e.g. the ranks of one node). Pass "
                 "True, False or one of those.")
-        self.settings.reshard_after_forward = value != 1
-        self.settings.post_forward_group = post_forward_group(self.group, value) \
-            if 1 < value < shard_size else None
+        self.settings.change("reshard_after_forward", value != 1)
+        self.settings.change("post_forward_group", post_forward_group(self.group, value)
+                             if 1 < value < shard_size else None)
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.settings.mp_policy.param_dtype
@@ -236,7 +250,8 @@ class Unit:
         """Made and shared with the buffers at the first setter needing it."""
         comms = self.settings.comms
         if comms is None:
-            comms = self.settings.comms = UnitComms()
+            comms = UnitComms()
+            self.settings.change("comms", comms)
             for buffer in self.buffers:
                 buffer.wire = CustomWire(comms, buffer.wire)
             self.layout_changed()
