@@ -86,7 +86,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         """With ``False``, backward keeps the unsharded flat gradients (no
         collectives) and the next backward with ``True`` reduces their sum."""
         for state in _states(self, recurse):
-            state.unit.settings.change("requires_gradient_sync", requires_gradient_sync)
+            state.change_unit_setting("requires_gradient_sync", requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -97,12 +97,12 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         states = _states(self, True)
         previous = [state.unit.settings.requires_gradient_sync for state in states]
         for state in states:
-            state.unit.settings.change("requires_gradient_sync", False)
+            state.change_unit_setting("requires_gradient_sync", False)
         try:
             yield
         finally:
             for state, setting in zip(states, previous):
-                state.unit.settings.change("requires_gradient_sync", setting)
+                state.change_unit_setting("requires_gradient_sync", setting)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -111,19 +111,19 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         ``True`` (or call ``reshard()``) before the optimizer step: the
         optimizer updates the shards, not the unsharded copy."""
         for state in _states(self, recurse):
-            state.unit.settings.change("reshard_after_backward", reshard_after_backward)
+            state.change_unit_setting("reshard_after_backward", reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         """Before this module's forward, issue the all-gathers of ``modules``
         (annotated modules) instead of the one chosen by the recorded order."""
-        _own_state(self).unit.settings.change("forward_prefetch",
-                                              [_own_state(m).unit for m in modules])
+        _own_state(self).change_unit_setting("forward_prefetch",
+                                             [_own_state(m).unit for m in modules])
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         """When this module's backward starts, issue the all-gathers of
         ``modules`` instead of the one chosen by the recorded order."""
-        _own_state(self).unit.settings.change("backward_prefetch",
-                                              [_own_state(m).unit for m in modules])
+        _own_state(self).change_unit_setting("backward_prefetch",
+                                             [_own_state(m).unit for m in modules])
 
     def set_prefetch_policy(self, policy: PrefetchPolicy) -> None:
         """Set forward/backward prefetch and the in-flight limits for the
@@ -167,7 +167,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         parameters again: only for units whose backward reads no parameter
         values, e.g. an ``nn.Embedding`` (its weight gradient needs only the
         indices). A forward that saves a parameter for backward raises."""
-        _own_state(self).unit.settings.change("unshard_in_backward", unshard_in_backward)
+        _own_state(self).change_unit_setting("unshard_in_backward", unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """With ``False``, the end of backward neither waits for the
@@ -187,7 +187,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for state in _states(self, recurse):
-            state.unit.settings.change("divide_factor", float(factor))
+            state.change_unit_setting("divide_factor", float(factor))
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """With ``True``, collectives only ever ``SUM`` (the division by the
@@ -195,7 +195,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         gradients are the same. Applies to every unit of this subtree
         (``recurse=False``: this module's unit only, as FSDP2's method)."""
         for state in _states(self, recurse):
-            state.unit.settings.change("force_sum", bool(enable))
+            state.change_unit_setting("force_sum", bool(enable))
 
     def reset_iter_state(self) -> None:
         """Recover from an exception that aborted a forward or backward
@@ -254,7 +254,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         every unit's *forward*; forward-side divergence is detected, not
         fixed (see ``set_check_rank_divergence``)."""
         for state in _states(self, recurse):
-            state.unit.settings.change("reduce_scatter_unused_params",
+            state.change_unit_setting("reduce_scatter_unused_params",
                                       bool(reduce_scatter_unused_params))
 
     def set_check_rank_divergence(self, enable: Optional[bool]) -> None:

@@ -3,7 +3,9 @@
 The profiler: ranges ``fsdp_compose::<moment> <subject>`` around each hook
 and each collective's issue and wait, so a trace shows whose copy or
 collective it is. With no profiler recording nothing is built or
-dispatched.
+dispatched: the hooks and the queue test ``profiler_active()`` (a C
+function) before calling in, so this module's code runs only while one
+records.
 
 ``torch.compile``: the hooks resize storages, run collectives and swap
 module attributes, which dynamo must not trace, so under compilation each
@@ -24,6 +26,9 @@ from .._torch_private import dynamo_disable, profiler_active
 
 PREFIX = "fsdp_compose::"
 _NOTHING = nullcontext()
+NO_RANGE: AbstractContextManager = _NOTHING
+"""The range while no profiler records, for ``with profiled(...) if
+profiler_active() else NO_RANGE``."""
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable)
 

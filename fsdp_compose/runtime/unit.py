@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
+from .._torch_private import profiler_active
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy, policy_for
@@ -377,7 +378,10 @@ class Unit:
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """``buffer``'s flat gradient is complete: reduce (or keep) it, reshard."""
         self.path.gradient_ready(self)
-        call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+        if profiler_active():
+            call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+        else:
+            self._reduce_and_reshard(buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
         """``CollectiveQueue.make_room_for_reduce`` before a reduced

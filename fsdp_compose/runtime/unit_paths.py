@@ -75,7 +75,12 @@ class CollectivePath:
         """Its targets too, unless its backward may run on some ranks only
         (``reduce_scatter_unused_params``)."""
         order = unit.prefetch_order
-        targets = () if unit.settings.reduce_scatter_unused_params else order.backward_targets(unit)
+        targets: Optional[Sequence[Any]] = ()
+        if not unit.settings.reduce_scatter_unused_params:
+            plan = order.backward_plan
+            targets = plan.get(id(unit)) if plan is not None else None
+            if targets is None:  # a forward outside the root's, or a setter since
+                targets = order.backward_targets(unit)
         self.queue.gather(unit, targets, order.ran)
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
