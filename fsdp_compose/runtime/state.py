@@ -287,7 +287,7 @@ class FullyShardState(_State):
             if not torch.is_grad_enabled():
                 collectives.end_iteration()  # no backward follows (e.g. evaluation)
             else:
-                order.plan_backward()
+                unit.path.plan_backward(order)
                 collectives.end_forward()
         return output
 

@@ -51,7 +51,7 @@ from ..buffers.flat_grad import ReduceOptions
 from ..comm.groups import ShardGroup
 from .collective_queue import CollectiveQueue
 from .training_state import TrainingState
-from .protocols import PathUnit
+from .protocols import PathOrder, PathUnit
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -82,6 +82,11 @@ class CollectivePath:
             if targets is None:  # a forward outside the root's, or a setter since
                 targets = order.backward_targets(unit)
         self.queue.gather(unit, targets, order.ran)
+
+    def plan_backward(self, order: PathOrder) -> None:
+        """The root's forward ended and a backward may follow: the prefetch
+        targets its hooks read."""
+        order.plan_backward()
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
         unit.backward_without_hook = False
@@ -132,6 +137,9 @@ class LocalPath(CollectivePath):
 
     def gather_for_backward(self, unit: PathUnit) -> None:
         self.unshard(unit)
+
+    def plan_backward(self, order: PathOrder) -> None:
+        pass  # nothing is prefetched in place
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
         """Frozen buffers keep the hook: their resharding reads the backward state."""
