@@ -23,7 +23,7 @@ AdamW runs as torch runs it on the CPU by default (one parameter at a time:
 its temporaries are the size of the largest piece of a parameter a rank
 holds; on a CPU mesh the default placement gives a parameter a buffer of
 its own where one buffer would put it whole on one rank, where FSDP2 holds
-half of it, ``records.split_whole_pieces``); ``--foreach`` runs it as on a
+half of it, ``default_placement.split_whole_pieces``); ``--foreach`` runs it as on a
 GPU (every parameter at once: the temporaries total the rank's shard).
 """
 

@@ -12,7 +12,7 @@ from .checks.unmanaged import mark_reduced_elsewhere
 from .api import ShardedParamInfo, fully_shard, param_info
 from .placements import Blocks, OnMesh
 from .gradients.clip import clip_grad_norm_, param_norms
-from .runtime.forward_methods import register_forward_method, register_fsdp_forward_method
+from .module_methods.forward_methods import register_forward_method, register_fsdp_forward_method
 from .params.full_params import full_params
 from .gradients.grad_scaler import ShardedGradScaler
 from .params.init import materialize, sync_module_states
@@ -20,8 +20,8 @@ from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy, Offloa
 from .gradients.torch_norms import route_torch_grad_norms
 from .optim import flat_step
 from .tools import describe, estimate_memory, fully_shard_by, fully_shard_root, propose_units
-from .sharded_module import FSDPModule, ShardedModule, UnshardHandle, share_comm_ctx
-from .runtime.manual_finalization import GradientReductionHandle
+from .module_methods.sharded_module import FSDPModule, ShardedModule, UnshardHandle, share_comm_ctx
+from .module_methods.manual_finalization import GradientReductionHandle
 
 __all__ = [
     "fully_shard", "Blocks", "OnMesh", "ShardedModule", "ShardedParamInfo", "UnshardHandle", "param_info",

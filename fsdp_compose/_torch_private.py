@@ -32,7 +32,7 @@ objects (``UntypedStorage._swap_data_ptr_``, ``DTensor._local_tensor``,
   ``_modules``): the package swaps parameter views in and out of
   ``module._parameters`` as FSDP2 does,
 * the two methods the package overrides, which are checked to exist here
-  (:func:`require_override`): ``nn.Module._apply`` (``sharded_module.py``:
+  (:func:`require_override`): ``nn.Module._apply`` (``module_methods/sharded_module.py``:
   dtype and device conversion of sharded modules) and
   ``PipelineStage.backward_maybe_with_nosync`` (``integrations/pipelining.py``).
 

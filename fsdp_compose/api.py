@@ -1,6 +1,6 @@
 """Public API: ``fully_shard`` (argument checking; ``setup/units.py`` builds the
 unit) and ``param_info``. The methods an annotated module gains are in
-``sharded_module.py``.
+``module_methods/``.
 
 Usage (run under ``torchrun``; see ``examples/train_gpt.py``)::
 
@@ -29,9 +29,9 @@ from .optim import install_default_flat_step
 from .comm.groups import data_parallel_mesh, default_mesh, shard_group_from_mesh
 from .policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .runtime.owners import owner_of
-from .runtime.class_names import user_class_name
+from ._naming import user_class_name
 from .runtime.state import state_of
-from .sharded_module import check_reshard_after_forward, sharded_class
+from .module_methods.sharded_module import check_reshard_after_forward, sharded_class
 from .gradients import torch_norms
 from .gradients import torch_zero_grad
 from .setup.torch_policies import as_mp_policy, as_offload_policy

@@ -35,8 +35,8 @@ from ..comm.wire import EXACT, Wire, policy_wire
 from .flat_grad import FlatGradient
 from .layout import OWNED, FlatLayout, ShardSlice
 from .param_slots import ParamSlots
-from .weak_hooks import called_weakly
-from .param_views import Strided, ViewPlan, split_into_params, split_plan, strided_view
+from .param_views import (Strided, ViewPlan, called_weakly, split_into_params, split_plan,
+                          strided_view)
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor

@@ -1,4 +1,8 @@
-"""The per-parameter views of an unsharded flat buffer, as one autograd node.
+"""The per-parameter views of an unsharded flat buffer, as one autograd
+node, and the hooks autograd keeps of a buffer (:func:`called_weakly`: the
+node's call back and the post-accumulate-grad hook, which must not keep
+their owner alive: a strong reference back from a C++ hook list is a cycle
+the garbage collector cannot see, ``tests/core/test_model_lifetime.py``).
 
 [Note: one backward node per buffer]
 Differentiable ``split`` + ``view`` would cost a ``ViewBackward`` per
@@ -41,7 +45,8 @@ of each forward and raises naming the parameter
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+import weakref
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -363,3 +368,29 @@ def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
         zeros = torch.zeros(max(count, 1), dtype=dtype, device=device)
         _PADDING[key] = zeros
     return zeros
+
+
+def called_weakly(fn: Callable[[Any], Any],
+                   bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
+    """``fn`` (a bound method: held weakly), called with the same argument
+    while its object lives and the argument is not ``None``; with ``bound``
+    (a weak reference), called with ``bound()`` instead. For hooks autograd
+    stores in C++, where a strong reference back makes a cycle Python cannot
+    collect. (A weak reference and the plain function: one Python call per
+    hook, where ``WeakMethod`` adds one.)"""
+    owner = getattr(fn, "__self__", None)
+    ref, function = (weakref.ref(owner), getattr(fn, "__func__")) if owner is not None else \
+        ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
+
+    def call(arg):
+        target = ref()
+        if bound is not None:
+            arg = bound()
+        if target is None or arg is None:
+            return None
+        return function(target, arg)
+
+    return call
+
+
+_NO_OWNER = object()  # what a plain function's (strong) "owner" reference returns

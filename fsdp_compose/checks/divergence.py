@@ -63,9 +63,9 @@ from ..comm.whereabouts import Doing
 from .._torch_private import default_store
 from ..comm.groups import ShardGroup
 from ..runtime.model_settings import ModelSettings
-from ..runtime.observer import CollectiveObserver, ObservedUnit
+from ..runtime.protocols import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
-from .flight_log import FlightRecorder
+from .flight_log import FlightRecorder, Ring
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 """Set to ``1`` to verify the collective order in every iteration."""
@@ -139,7 +139,7 @@ def _decode(code: int) -> Collective:
 class DivergenceMonitor(CollectiveObserver):
     """Records the unit collectives of one model and checks that every rank
     issues the same ones (see [Note: rank divergence]). The model's
-    collective observer (``runtime/observer.py``): ``fully_shard`` hands it
+    collective observer (``runtime/protocols.py``): ``fully_shard`` hands it
     in, the root's lazy init builds it and binds it to the units.
 
     Invariant: between two comparisons on a process group, ``_fingerprints``
@@ -185,6 +185,8 @@ class DivergenceMonitor(CollectiveObserver):
             lambda codes: _advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
         """The always-on ring of recent collectives, compared through the
         store when a wait stalls or fails ([Note: flight log])."""
+        self._rings: dict[int, Ring] = {}
+        """id(process group) -> its ring in :attr:`flight`."""
 
     def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
         """Number the units (the root's state list order, the same on every
@@ -197,7 +199,7 @@ class DivergenceMonitor(CollectiveObserver):
         self._groups = _groups_of(self._units)
         for group in self.groups():
             if group.world_size > 1:
-                self.flight.attach(group.process_group)
+                self._rings[id(group.process_group)] = self.flight.attach(group.process_group)
         self._agreement = _Agreement.of(units[0].group) if units else None
         self._communicates = any(group.world_size > 1 for group in self._groups)
         """Some unit's collectives go to another rank (else there is nothing
@@ -268,7 +270,9 @@ class DivergenceMonitor(CollectiveObserver):
         self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
         self._since_agreement = _mix(self._since_agreement, entry.code)
-        self.flight.record(group.process_group, self.iterations - 1, entry.code)  # 0-based
+        ring = self._rings.get(key)
+        if ring is not None:  # the flight log: every group that communicates has one
+            ring.entries.append((next(ring.serial), self.iterations - 1, entry.code))  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
         """The root's forward ended: fold the units' forward order into every

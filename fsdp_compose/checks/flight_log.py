@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from typing import Callable, Optional
+from itertools import count
+from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -36,36 +37,37 @@ Advice = Callable[[list[int]], str]
 """The codes the ranks disagree on -> the fix to suggest."""
 
 
+class Ring(NamedTuple):
+    """One process group's recent collectives: ``entries.append((next(serial),
+    iteration, code))`` records one (``serial``: its position among the
+    group's collectives since the model attached, from 0)."""
+
+    entries: "deque[tuple[int, int, int]]"
+    serial: "count[int]"
+
+
 class FlightRecorder:
     """The ring of one model's collectives, per process group."""
 
     def __init__(self, describe: Describe, advice: Advice) -> None:
-        self._rings: dict[int, deque[tuple[int, int]]] = {}
-        """id(process group) -> (iteration, code) of its latest collectives."""
-        self._issued: dict[int, int] = {}
-        """id(process group) -> collectives recorded on it so far."""
+        self._rings: dict[int, Ring] = {}
+        """id(process group) -> its latest collectives."""
         self._describe: Describe = describe
         self._advice: Advice = advice
         self._keys: dict[str, str] = {}
         """process group name -> the prefix of this model's keys on it."""
 
-    def attach(self, process_group: dist.ProcessGroup) -> None:
-        """Watch ``process_group``'s waits (the root's lazy init, once per group)."""
+    def attach(self, process_group: dist.ProcessGroup) -> Ring:
+        """Watch ``process_group``'s waits (the root's lazy init, once per
+        group) and return its ring, which the monitor records each
+        collective into before it is issued (the hot path: an append and a
+        count, both C calls, no code of this module)."""
         name = process_group.group_name
         number = _models.get(name, 0)
         _models[name] = number + 1
         self._keys[name] = f"{_PREFIX}/{name}/{number}"
         watch(process_group, self)
-
-    def record(self, process_group: dist.ProcessGroup, iteration: int, code: int) -> None:
-        """Called for every collective, before it is issued (the hot path:
-        two dict look-ups and an append)."""
-        key = id(process_group)
-        ring = self._rings.get(key)
-        if ring is None:
-            ring = self._rings[key] = deque(maxlen=RING_SIZE)
-        ring.append((iteration, code))
-        self._issued[key] = self._issued.get(key, 0) + 1
+        return self._rings.setdefault(id(process_group), Ring(deque(maxlen=RING_SIZE), count()))
 
     # ------------------------------------------------------------ stalls
     def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
@@ -82,9 +84,10 @@ class FlightRecorder:
         ranks = dist.get_process_group_ranks(process_group)
         prefix = self._keys.get(process_group.group_name, f"{_PREFIX}/{process_group.group_name}")
         keys = {rank: f"{prefix}/{rank}" for rank in ranks}
-        ring = list(self._rings.get(id(process_group), ()))
-        start = self._issued.get(id(process_group), 0) - len(ring)
-        store.set(keys[me], json.dumps([start, ring]))
+        held = self._rings.get(id(process_group))
+        entries = list(held.entries) if held is not None else []
+        start = entries[0][0] if entries else 0
+        store.set(keys[me], json.dumps([start, [[i, code] for _, i, code in entries]]))
         deadline = time.monotonic() + (2 * stall_seconds() if error is not None else 0.0)
         while True:
             logs = {rank: _read(store, key) for rank, key in keys.items()}

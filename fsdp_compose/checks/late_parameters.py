@@ -50,7 +50,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 
 from .._torch_private import REGISTRY_KEY
 from ..runtime.owners import owner_of
-from ..runtime.class_names import user_class_name
+from .._naming import user_class_name
 from .replicate import is_replicated
 
 

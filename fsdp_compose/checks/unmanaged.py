@@ -23,7 +23,7 @@ optimizers built alike on every rank (the SPMD script) decide alike, so
 every rank raises; where they differ, the rank that raises alone ends the
 job (torchrun stops the others). Cost: one look per optimizer, at its first
 step with gradients; a walk up from the units to the user's model
-(``runtime/ancestors.py``) only when such parameters exist.
+(``_naming.py``) only when such parameters exist.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..runtime.ancestors import outermost_ancestors, qualified_names
+from .._naming import outermost_ancestors, qualified_names
 from ..runtime.owners import owner_of
 from .replicate import is_replicated
 

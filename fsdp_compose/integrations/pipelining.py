@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from .._torch_private import require_override
-from ..sharded_module import ShardedModule
+from ..module_methods.sharded_module import ShardedModule
 
 # PipelineStage.backward_maybe_with_nosync is not public: a torch that renamed it
 # would skip the override below (and reduce every micro-batch's gradients)

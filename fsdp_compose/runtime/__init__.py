@@ -1,5 +1,5 @@
 """The per-step runtime: units and their transitions, the hook router
 ``FullyShardState``, the collective queue, prefetch order, end of backward
 and the registry of parameter owners. The checks plug in through
-``observer.py`` and the state's injected callables; the runtime never
+``protocols.py`` and the state's injected callables; the runtime never
 imports them."""

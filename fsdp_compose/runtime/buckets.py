@@ -29,7 +29,7 @@ from typing import Container, Hashable, Optional, Protocol, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
 from .training_state import TrainingState
-from .unit_protocols import BucketedUnit
+from .protocols import BucketedUnit
 
 DEFAULT_BUCKET_CAP_MB = 2.0
 """Units above it (a large model's blocks) run as unbucketed; a bucket's

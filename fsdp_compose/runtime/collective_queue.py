@@ -69,19 +69,18 @@ from typing import Callable, Container, Literal, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .._torch_private import unsafe_preserve_version_counter
+from .._torch_private import profiler_active, unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
 from ..comm.collectives import all_gather_into, all_reduce_replicas
 from ..comm.wire import Waitable
 from ..comm.watched_wait import wait_watched
-from .profiling import call_profiled, profiled
+from .tracing import NO_RANGE, profiled
 from .buckets import Bucket, BucketPlan
 from .model_settings import ModelSettings
-from .observer import CollectiveObserver
 from .training_state import TrainingState
-from .unit_protocols import BucketedUnit
+from .protocols import BucketedUnit, CollectiveObserver
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -346,7 +345,7 @@ class CollectiveQueue:
                 break
         else:
             return  # nothing in flight (the steady state over one rank, or waited already)
-        with profiled("all_gather_wait", unit.name):
+        with profiled("all_gather_wait", unit.name) if profiler_active() else NO_RANGE:
             for buffer in unit.buffers:
                 flight = self._gathering.get(id(buffer))
                 if flight is not None:  # a bucket's wait completes its other members
@@ -382,7 +381,9 @@ class CollectiveQueue:
             return True
         for buffer in wanted:
             self.observer.before_all_gather(buffer, issuer)
-        with profiled("all_gather", lambda: "bucket of " + ", ".join(m.name for m in members)):
+        def names() -> str:
+            return "bucket of " + ", ".join(m.name for m in members)
+        with profiled("all_gather", names) if profiler_active() else NO_RANGE:
             self._issue_packed_gather(bucket.buffers, wanted)
         for buffer in wanted:
             if not buffer.is_gathering and not buffer.is_unsharded:
@@ -399,7 +400,7 @@ class CollectiveQueue:
         if not _issues_all_gather(buffer):
             return
         self.observer.before_all_gather(buffer, issuer)
-        with profiled("all_gather", owner):
+        with profiled("all_gather", owner) if profiler_active() else NO_RANGE:
             self._issue_gather(buffer)
 
     def _issue_gather(self, buffer: FlatBuffer) -> None:
@@ -501,12 +502,14 @@ class CollectiveQueue:
         for buffer in observed:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
-        if len(buffers) == 1:  # a bucket of one (the common case): no lists to build
-            flight = call_profiled("reduce_scatter", "", self._reduce_scatter_one, buffers[0],
-                                   options)
+        one = len(buffers) == 1  # a bucket of one (the common case): no lists to build
+        if profiler_active():
+            with profiled("reduce_scatter", "" if one else f"bucket of {len(buffers)} buffers"):
+                flight = self._reduce_scatter_one(buffers[0], options) if one else \
+                    self._reduce_scatter_bucket(buffers, options)
         else:
-            flight = call_profiled("reduce_scatter", f"bucket of {len(buffers)} buffers",
-                                   self._reduce_scatter_bucket, buffers, options)
+            flight = self._reduce_scatter_one(buffers[0], options) if one else \
+                self._reduce_scatter_bucket(buffers, options)
         if flight is not None:
             for buffer in flight.members:
                 self._reducing[id(buffer)] = flight
@@ -603,10 +606,10 @@ class CollectiveQueue:
         if self._reduces:
             self._reduces = deque(f for f in self._reduces if not f.done)
         while len(self._reduces) > self.settings.prefetch_policy.max_pending_reduces:
-            with profiled("reduce_scatter_wait"):
+            with profiled("reduce_scatter_wait") if profiler_active() else NO_RANGE:
                 self._reduces.popleft().wait()
         while len(self._replicas) > self.settings.prefetch_policy.max_pending_reduces:
-            with profiled("all_reduce_replicas_wait"):
+            with profiled("all_reduce_replicas_wait") if profiler_active() else NO_RANGE:
                 for flight in self._replicas.popleft():
                     flight.wait()
 
@@ -629,12 +632,12 @@ class CollectiveQueue:
             return  # nothing in flight (every earlier one waited, or one rank)
         self._reduces = deque(f for f in self._reduces if not f.done)
         while len(self._reduces) >= self.settings.prefetch_policy.max_pending_reduces:
-            with profiled("reduce_scatter_wait"):
+            with profiled("reduce_scatter_wait") if profiler_active() else NO_RANGE:
                 self._reduces.popleft().wait()
 
     def all_reduce_held(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         """Issue the replica all-reduce of what ``set_requires_all_reduce(False)``
-        kept for ``buffer`` (``runtime/manual_finalization.py``); its
+        kept for ``buffer`` (``module_methods/manual_finalization.py``); its
         completion folds it. Nothing kept: nothing issued."""
         group = buffer.group
         if group.replicate_size == 1 or group.replicate_process_group is None:
@@ -652,7 +655,9 @@ class CollectiveQueue:
 
     def finish_reduces(self) -> None:
         """Oldest first."""
-        with profiled("reduce_scatter_wait", "all in flight"):
+        ranges = profiled("reduce_scatter_wait", "all in flight") if profiler_active() \
+            else NO_RANGE
+        with ranges:
             while self._reduces:
                 self._reduces.popleft().wait()  # may add replica all-reduces
             while self._replicas:

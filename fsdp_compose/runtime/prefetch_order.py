@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Generic, Optional, Sequence, TypeVar, cast
 
 from .model_settings import ModelSettings
-from .unit_protocols import OrderedUnit
+from .protocols import OrderedUnit
 
 
 U = TypeVar("U", bound=OrderedUnit)
@@ -17,7 +17,7 @@ U = TypeVar("U", bound=OrderedUnit)
 
 class PrefetchOrder(Generic[U]):
 
-    __slots__ = ('forward_order', 'settings', 'previous_forward_order', 'ran',
+    __slots__ = ('backward_plan', 'forward_order', 'settings', 'previous_forward_order', 'ran',
                  '_previous_positions', '__dict__', '__weakref__')
 
     def __init__(self, settings: ModelSettings) -> None:
@@ -30,6 +30,10 @@ class PrefetchOrder(Generic[U]):
         self.ran: dict[int, int] = {}
         """id(unit) -> index in ``forward_order``: the units that ran."""
         self._previous_positions: dict[int, int] = {}
+        self.backward_plan: Optional[dict[int, list[U]]] = None
+        """id(unit) -> :meth:`backward_targets`, made when the root's forward
+        ends (:meth:`plan_backward`) so the backward's hooks read it without
+        a call; ``None`` once the order or a prefetch setting changed."""
 
     # ---------------------------------------------------------------- order
     def start_iteration(self) -> None:
@@ -37,12 +41,12 @@ class PrefetchOrder(Generic[U]):
         if self.forward_order:
             self.previous_forward_order = self.forward_order
             self._previous_positions = self.ran
-        self.forward_order, self.ran = [], {}
+        self.forward_order, self.ran, self.backward_plan = [], {}, None
 
     def discard_iteration(self) -> None:
         """``reset_iter_state``: drop the partial order; forward prefetch
         keeps following the last complete one."""
-        self.forward_order, self.ran = [], {}
+        self.forward_order, self.ran, self.backward_plan = [], {}, None
 
     def record_forward(self, unit: U, fetch_ahead: bool = True
                        ) -> Sequence[U]:
@@ -52,6 +56,7 @@ class PrefetchOrder(Generic[U]):
         if id(unit) not in ran:
             ran[id(unit)] = len(self.forward_order)
             self.forward_order.append(unit)
+            self.backward_plan = None  # a forward after the root's: its targets change
         return self.forward_targets(unit) if fetch_ahead else ()
 
     def forward_targets(self, unit: U,
@@ -85,6 +90,11 @@ class PrefetchOrder(Generic[U]):
             if order[earlier].settings.unshard_in_backward:
                 return [order[earlier]]
         return []
+
+    def plan_backward(self) -> None:
+        """The root's forward ended: :attr:`backward_plan` for the units
+        that ran."""
+        self.backward_plan = {id(unit): self.backward_targets(unit) for unit in self.forward_order}
 
     def recorded_order(self) -> list[U]:
         """The running, else the last complete, forward's order

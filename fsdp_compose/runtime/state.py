@@ -13,16 +13,15 @@ import torch
 import torch.nn as nn
 
 from .._torch_private import (
-    ComposableState as _State, contract, current_graph_task_id,
+    ComposableState as _State, contract, current_graph_task_id, profiler_active,
     queue_autograd_callback)
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import FlatGradient
 from ..comm.agreement import disagreement, fingerprint_of
-from .profiling import call_profiled, profiled
-from .compile import run_eagerly
-from .class_names import user_class_name
+from .tracing import NO_RANGE, call_profiled, profiled, run_eagerly
+from .._naming import user_class_name
 from .end_of_backward import finish_backward
-from .observer import CollectiveObserver
+from .protocols import CollectiveObserver
 from .collective_queue import CollectiveQueue
 from .model_settings import ModelSettings, merge_changes
 from .prefetch_order import PrefetchOrder
@@ -172,7 +171,7 @@ class FullyShardState(_State):
             assert self.context is not None, \
                 f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
             return
-        with profiled("lazy_init"):
+        with profiled("lazy_init"):  # once per model: no need to skip the call
             self._become_root()
 
     def _become_root(self) -> None:
@@ -201,12 +200,20 @@ class FullyShardState(_State):
         at its lazy init."""
         if self.context is not None:
             self.context.settings.change(name, value)
+            self.context.prefetch_order.backward_plan = None  # the prefetch policy may change
         else:
             self.pending_settings[name] = value
 
+    def change_unit_setting(self, name: str, value: object) -> None:
+        """``UnitSettings.change`` on this unit; a backward plan made
+        before it is dropped (the prefetch settings feed it)."""
+        self.unit.settings.change(name, value)
+        if self.unit.prefetch_order is not None:
+            self.unit.prefetch_order.backward_plan = None
+
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
-        """One forward pass of this unit (``forward_methods.py``)."""
+        """One forward pass of this unit (``module_methods/forward_methods.py``)."""
         running = self._in_forward_method
         if id(module) in running:
             return call(*args, **kwargs)
@@ -226,8 +233,10 @@ class FullyShardState(_State):
             return args, kwargs  # inside a registered forward method: already unsharded
         if self._held_whole:
             return args, kwargs  # inside full_params: the parameters are whole already
-        return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
-                             module, args, kwargs)
+        if profiler_active():
+            return call_profiled("pre_forward", self.unit.name, self._unshard_for_forward,
+                                 module, args, kwargs)
+        return self._unshard_for_forward(module, args, kwargs)
 
     def _unshard_for_forward(self, module: nn.Module, args: tuple,
                              kwargs: dict) -> tuple[tuple, dict]:
@@ -254,8 +263,10 @@ class FullyShardState(_State):
             return output  # the registered method's own post-forward follows
         if self._held_whole:
             return output  # inside full_params: nothing was gathered
-        return call_profiled("post_forward", self.unit.name, self._finish_forward, module,
-                             output)
+        if profiler_active():
+            return call_profiled("post_forward", self.unit.name, self._finish_forward, module,
+                                 output)
+        return self._finish_forward(module, output)
 
     def _finish_forward(self, module: nn.Module, output: Any) -> Any:
         unit, root = self.unit, self.context.root
@@ -271,10 +282,12 @@ class FullyShardState(_State):
             self._finish_incomplete_units()
             self._drop_unused_prefetches()
             collectives = self.context.collectives
-            collectives.observer.after_root_forward(self.context.prefetch_order.forward_order)
+            order = self.context.prefetch_order
+            collectives.observer.after_root_forward(order.forward_order)
             if not torch.is_grad_enabled():
                 collectives.end_iteration()  # no backward follows (e.g. evaluation)
             else:
+                unit.path.plan_backward(order)
                 collectives.end_forward()
         return output
 
@@ -341,7 +354,10 @@ class FullyShardState(_State):
                 unit.reshard()
 
     def _pre_backward(self) -> None:
-        call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
+        if profiler_active():
+            call_profiled("pre_backward", self.unit.name, self._unshard_for_backward)
+        else:
+            self._unshard_for_backward()
 
     def _unshard_for_backward(self) -> None:
         self._queue_end_of_backward()
@@ -376,7 +392,7 @@ class FullyShardState(_State):
         last = settings.is_last_backward and not settings.manual_finalization
         context.finalization_pending = settings.manual_finalization
         order = context.prefetch_order
-        with profiled("end_of_backward"):
+        with profiled("end_of_backward") if profiler_active() else NO_RANGE:
             finish_backward([state.unit for state in context.states], context.collectives,
                             order.forward_order or order.previous_forward_order, last)
         if last and settings.after_last_backward is not None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 
+from .._torch_private import profiler_active
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy, policy_for
@@ -20,9 +21,9 @@ from ..comm.custom import UnitComms
 from ..comm.wire import CustomWire
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
-from .profiling import call_profiled
+from .tracing import call_profiled
 from .collective_queue import CollectiveQueue
-from .class_names import user_class_name
+from .._naming import user_class_name
 from .prefetch_order import PrefetchOrder
 from .tensors import map_floating_tensors, tensors_requiring_grad
 from .training_state import TrainingState
@@ -31,9 +32,9 @@ from .unit_paths import CollectivePath
 
 @dataclass(slots=True)
 class UnitSettings:
-    """Policies are fixed at annotation; the rest only
-    ``ShardedModule``'s setters and :meth:`Unit.set_reshard_after_forward`
-    write, never during an iteration."""
+    """Policies are fixed at annotation; only :meth:`change` writes the
+    rest (``ShardedModule``'s setters and :meth:`Unit`'s own, never during
+    an iteration)."""
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: Optional[CPUOffloadPolicy] = None
@@ -57,6 +58,19 @@ class UnitSettings:
     backward_prefetch: Optional[list[Unit]] = None
     comms: Optional[UnitComms] = None
     """``comm/custom.py``; shared with every buffer."""
+
+    def change(self, name: str, value: Any) -> None:
+        """One setting, by field name, or a field of ``reduce_options``
+        (``divide_factor``, ``force_sum``); never a policy."""
+        if name in ReduceOptions._fields:
+            self.reduce_options = self.reduce_options._replace(**{name: value})
+        else:
+            assert name in _CHANGEABLE, f"not a changeable unit setting: {name!r}"
+            setattr(self, name, value)
+
+
+_CHANGEABLE = frozenset(UnitSettings.__dataclass_fields__) - {
+    "mp_policy", "offload_policy", "comm_policy"}
 
 
 class Unit:
@@ -140,7 +154,8 @@ class Unit:
         and backward (``F``: ``True``; ``1``: ``False``). Collective when
         ``1 < k < F`` (call it on every rank)."""
         if value is None or isinstance(value, bool):
-            self.settings.reshard_after_forward, self.settings.post_forward_group = value, None
+            self.settings.change("reshard_after_forward", value)
+            self.settings.change("post_forward_group", None)
             return
         shard_size = self.group.world_size
         other = next((b for b in self.buffers if b.group is not self.group), None)
@@ -157,9 +172,9 @@ class Unit:
                 f"the parameters stay sharded over after forward and must divide the shard "
                 f"group size {shard_size} (one of {divisors}; e.g. the ranks of one node). Pass "
                 "True, False or one of those.")
-        self.settings.reshard_after_forward = value != 1
-        self.settings.post_forward_group = post_forward_group(self.group, value) \
-            if 1 < value < shard_size else None
+        self.settings.change("reshard_after_forward", value != 1)
+        self.settings.change("post_forward_group", post_forward_group(self.group, value)
+                             if 1 < value < shard_size else None)
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dtype = self.settings.mp_policy.param_dtype
@@ -236,7 +251,8 @@ class Unit:
         """Made and shared with the buffers at the first setter needing it."""
         comms = self.settings.comms
         if comms is None:
-            comms = self.settings.comms = UnitComms()
+            comms = UnitComms()
+            self.settings.change("comms", comms)
             for buffer in self.buffers:
                 buffer.wire = CustomWire(comms, buffer.wire)
             self.layout_changed()
@@ -362,7 +378,10 @@ class Unit:
     def _post_backward(self, buffer: FlatBuffer) -> None:
         """``buffer``'s flat gradient is complete: reduce (or keep) it, reshard."""
         self.path.gradient_ready(self)
-        call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+        if profiler_active():
+            call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
+        else:
+            self._reduce_and_reshard(buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
         """``CollectiveQueue.make_room_for_reduce`` before a reduced

@@ -51,7 +51,7 @@ from ..buffers.flat_grad import ReduceOptions
 from ..comm.groups import ShardGroup
 from .collective_queue import CollectiveQueue
 from .training_state import TrainingState
-from .unit_protocols import PathUnit
+from .protocols import PathOrder, PathUnit
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
@@ -75,8 +75,18 @@ class CollectivePath:
         """Its targets too, unless its backward may run on some ranks only
         (``reduce_scatter_unused_params``)."""
         order = unit.prefetch_order
-        targets = () if unit.settings.reduce_scatter_unused_params else order.backward_targets(unit)
+        targets: Optional[Sequence[Any]] = ()
+        if not unit.settings.reduce_scatter_unused_params:
+            plan = order.backward_plan
+            targets = plan.get(id(unit)) if plan is not None else None
+            if targets is None:  # a forward outside the root's, or a setter since
+                targets = order.backward_targets(unit)
         self.queue.gather(unit, targets, order.ran)
+
+    def plan_backward(self, order: PathOrder) -> None:
+        """The root's forward ended and a backward may follow: the prefetch
+        targets its hooks read."""
+        order.plan_backward()
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
         unit.backward_without_hook = False
@@ -127,6 +137,9 @@ class LocalPath(CollectivePath):
 
     def gather_for_backward(self, unit: PathUnit) -> None:
         self.unshard(unit)
+
+    def plan_backward(self, order: PathOrder) -> None:
+        pass  # nothing is prefetched in place
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
         """Frozen buffers keep the hook: their resharding reads the backward state."""

@@ -26,8 +26,7 @@ from ..buffers import tensor_parallel
 from ..buffers.layout import (DEFAULT_PLACEMENT, FLAT, FlatLayout, Placement, ShardDim,
                              check_placement)
 from ..buffers.records import (BufferDtypes, BufferPolicy, ParamRecord, apply_dtype_overrides,
-                              buffer_layout, flatten_costly_rows, group_records, policy_for,
-                              resolve_dtypes, split_whole_pieces)
+                              buffer_layout, group_records, policy_for, resolve_dtypes)
 from ..checks.divergence import DivergenceMonitor
 from ..checks.late_parameters import check_no_late_parameters, snapshot_modules
 from ..checks.replicate import is_replicated
@@ -35,11 +34,12 @@ from ..comm.groups import ShardGroup, shard_group_from_mesh
 from ..comm.whereabouts import start_watcher
 from ..placements import Blocks, OnMesh
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
-from ..runtime.ancestors import module_qualified_names, outermost_ancestors
-from ..runtime.owners import Owner, owner_of, record_owners, record_replacement, replacement_of
+from .._naming import join_fqn
+from ..runtime.owners import record_owners, record_replacement
 from ..runtime.state import attach_state, link_annotated_below, state_of
-from ..runtime.tied import borrow
 from ..runtime.unit import Unit
+from .default_placement import flatten_costly_rows, split_whole_pieces
+from .tied import Tie, borrow_from_owner, check_not_owned
 
 PlacementFn = Callable[[nn.Parameter], Optional[object]]
 """FSDP2's ``shard_placement_fn``: a placement per parameter (or an
@@ -84,7 +84,7 @@ OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], Optional[b
 """Raises if a parameter (with its FQN here, the module holding it and the
 unit's module names) already belongs to another unit that cannot share it;
 returns ``False`` where the unit borrows it instead (a tied parameter,
-``runtime/tied.py``: no record here)."""
+``setup/tied.py``: no record here)."""
 
 
 class BufferPlan(NamedTuple):
@@ -126,10 +126,6 @@ def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
         for name, sub in top.named_modules(remove_duplicate=False):
             names.setdefault(id(sub), (prefix + name).rstrip("."))
     return names
-
-
-def join_fqn(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
@@ -183,9 +179,9 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
     units annotated earlier below ``modules`` know a root above them will
     initialise them."""
     managed = managed_modules(modules, taken)
-    tied: list[_Tie] = []
+    tied: list[Tie] = []
     records = collect_records(modules, managed, ignored,
-                              functools.partial(_check_not_owned, group=group, tied=tied))
+                              functools.partial(check_not_owned, group=group, tied=tied))
     choices = placement_choices(records, shard_placement_fn)
     _assign_groups(records, choices, group)
     _localize_tensor_parallel(records, group, spmd_mesh)
@@ -201,7 +197,7 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
         _cast_buffers(managed, mp_policy.buffer_dtype)
     record_owners(unit)
     for tie in tied:
-        _borrow(unit, tie)
+        borrow_from_owner(unit, tie)
     attach_state(module, unit, new_observer=DivergenceMonitor,
                  pre_forward_check=functools.partial(check_no_late_parameters,
                                                      snapshot_modules(unit.managed_modules)))
@@ -253,10 +249,10 @@ def assign_placements(records: list[ParamRecord], placement: object,
     unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
     one returned for it raises, naming it). The unit's placement ``None`` is
     the default: ``"rows"``, but ``"flat"`` for parameters whose whole rows
-    would pad the buffer much more (``records.flatten_costly_rows``); with
+    would pad the buffer much more (``default_placement.flatten_costly_rows``); with
     ``steps_on_cpu`` (a CPU mesh: torch's optimizers step one parameter at
     a time), a buffer of its own for a parameter a rank would otherwise
-    hold much more of than FSDP2 does (``records.split_whole_pieces``).
+    hold much more of than FSDP2 does (``default_placement.split_whole_pieces``).
     Returns the parameters of more than one dimension the default made
     ``"flat"``."""
     defaulted = placement is None
@@ -286,85 +282,6 @@ def taken(module: nn.Module) -> bool:
     """Annotated before (it owns its parameters already), or replicated
     (``replicate`` owns them)."""
     return state_of(module) is not None or is_replicated(module)
-
-
-class _Tie(NamedTuple):
-    """A parameter of another unit the new unit borrows (``runtime/tied.py``)."""
-
-    owner: Owner
-    module: nn.Module
-    attr: str
-    fqn: str  # both names in the model that holds the two modules
-    owner_fqn: str
-
-
-def _check_not_owned(param: nn.Parameter, fqn: str, module: nn.Module,
-                     names: dict[int, str], *, group: ShardGroup,
-                     tied: list[_Tie]) -> Optional[bool]:
-    """Raise if ``param`` belongs to a unit annotated earlier that cannot
-    lend it; where it can, add it to ``tied`` and return ``False``."""
-    replacement = replacement_of(param)  # a tensor-parallel parameter another unit took
-    owner = owner_of(param if replacement is None else replacement)
-    if owner is None:
-        return None
-    fqn, other = _both_names(fqn, owner, module, names)
-    if any(module is m for m in owner.unit.managed_modules):
-        record = owner.buffer.records[owner.index]
-        raise ValueError(
-            f"parameter '{record.fqn}' (here '{fqn}') is already managed by an earlier "
-            f"fully_shard call on an ancestor, {owner.unit.name}. Annotate bottom-up: call "
-            "fully_shard on children before their parents.")
-    reason = _cannot_lend(owner, group)
-    if reason is not None:
-        raise ValueError(
-            f"parameter '{fqn}' is the same tensor as '{other}', which another fully_shard unit "
-            f"({owner.unit.name}) already manages (e.g. a tied input embedding and output head), "
-            f"and it cannot be shared across these units: {reason}. Annotate the common ancestor "
-            "of both modules instead of the module that holds it, or pass it in ignored_params.")
-    tied.append(_Tie(owner, module, fqn.rpartition(".")[2], fqn, other))
-    return False
-
-
-def _cannot_lend(owner: Owner, group: ShardGroup) -> Optional[str]:
-    """Why the parameter of ``owner`` cannot be borrowed by a unit over
-    ``group`` (``None``: it can; see [Note: tied parameters across units])."""
-    if owner.buffer.group.process_group is not group.process_group or \
-            owner.buffer.group.replicate_process_group is not group.replicate_process_group:
-        return (f"the two units are sharded over different meshes ({owner.unit.name} over "
-                f"{owner.buffer.group.mesh}, the new one over {group.mesh})")
-    if owner.buffer.records[owner.index].tp is not None:
-        return "it is tensor-parallel (a DTensor)"
-    return None
-
-
-def _both_names(fqn: str, owner: Owner, module: nn.Module,
-                names: dict[int, str]) -> tuple[str, str]:
-    """The parameter's name here and the owner's, both in the model that
-    holds the two modules where one does (each unit knows only its own)."""
-    record = owner.buffer.records[owner.index]
-    owner_module, owner_attr = record.slots[0]
-    other = join_fqn(names[id(owner_module)], owner_attr) if id(owner_module) in names \
-        else record.fqn
-    in_model = module_qualified_names(outermost_ancestors([module, owner_module]))
-    if id(module) in in_model and id(owner_module) in in_model:
-        fqn = join_fqn(in_model[id(module)], fqn.rpartition(".")[2])
-        other = join_fqn(in_model[id(owner_module)], owner_attr)
-    return fqn, other
-
-
-def _borrow(unit: Unit, tie: _Tie) -> None:
-    """``unit`` borrows ``tie``'s parameter from its owner (see [Note: tied
-    parameters across units] in ``runtime/tied.py``)."""
-    owner = tie.owner
-
-    def is_held_whole() -> bool:
-        state = state_of(owner.unit.modules[0])
-        return state is not None and state.held_whole
-
-    def lazy_init() -> None:
-        state_of(unit.modules[0]).lazy_init()
-    borrow(owner.unit, unit, owner.buffer, owner.index, tie.module, tie.attr, tie.fqn,
-           tie.owner_fqn, is_held_whole, lazy_init)
 
 
 def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup,

@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..setup.units import join_fqn
+from .._naming import join_fqn
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.layout import ShardDim
 from ..placements import Blocks
 from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from ..runtime.owners import owner_of
-from ..runtime.class_names import user_class_name
+from .._naming import user_class_name
 from ..runtime.collective_queue import CollectiveQueue
 from ..runtime.prefetch_order import PrefetchOrder
 from ..runtime.state import ROOT_LABEL, pending_model_settings, state_of, states_below, units_below
@@ -110,7 +110,7 @@ class BufferReport:
             mesh ``shard_placement_fn`` chose, :class:`OnMesh`).
         own_buffer: the default placement put its one parameter alone in it
             (on a CPU mesh, so that no rank holds much more of it than
-            FSDP2's ``Shard(0)``: ``records.split_whole_pieces``).
+            FSDP2's ``Shard(0)``: ``default_placement.split_whole_pieces``).
         kept_unsharded: its unsharded storage is kept between uses
             (``set_keep_unsharded_storage``): ``unsharded_bytes`` held for
             the whole run, sharded or not.

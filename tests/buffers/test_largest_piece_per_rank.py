@@ -1,6 +1,6 @@
 """On a CPU mesh, where torch's optimizers step one parameter at a time, no
 rank holds much more of one parameter than FSDP2 would
-(``records.split_whole_pieces``).
+(``setup/default_placement.split_whole_pieces``).
 
 torch's optimizers step one parameter at a time on the CPU, with temporaries
 the size of each piece, so their peak follows a rank's largest piece of a
@@ -28,9 +28,10 @@ from hypothesis import given, settings, strategies as st
 
 from fsdp_compose import fully_shard, param_info
 from fsdp_compose.setup.units import assign_placements
-from fsdp_compose.buffers import records as records_module
+from fsdp_compose.setup import default_placement as placement_rule
 from fsdp_compose.buffers.layout import FlatLayout, alignment
-from fsdp_compose.buffers.records import ParamRecord, group_records, largest_share_bytes
+from fsdp_compose.buffers.records import ParamRecord, group_records
+from fsdp_compose.setup.default_placement import largest_share_bytes
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.tools.describe import describe
@@ -129,12 +130,12 @@ def test_no_piece_exceeds_the_largest_share_by_more_than_the_slack(shapes, world
         params = [nn.Parameter(torch.empty(s), requires_grad=not frozen[i])
                   for i, s in enumerate(shapes)]
     records = _records([(f"p{i}", p) for i, p in enumerate(params)])
-    saved = records_module.HOST_PIECE_SLACK_BYTES
-    records_module.HOST_PIECE_SLACK_BYTES = slack
+    saved = placement_rule.HOST_PIECE_SLACK_BYTES
+    placement_rule.HOST_PIECE_SLACK_BYTES = slack
     try:
         assign_placements(records, None, None, world, steps_on_cpu=True)
     finally:
-        records_module.HOST_PIECE_SLACK_BYTES = saved
+        placement_rule.HOST_PIECE_SLACK_BYTES = saved
     trainable = [r for r in records if r.param.requires_grad]
     if not trainable:
         assert not any(r.own_buffer for r in records)
@@ -153,13 +154,13 @@ def train_without_slack(optim_name: str) -> dict:
     """Runs on every rank: the parity loop with no slack, so that the test
     GPT's uneven parameters get buffers of their own (on the CPU), and what
     each rank then holds of every parameter."""
-    saved = records_module.HOST_PIECE_SLACK_BYTES
-    records_module.HOST_PIECE_SLACK_BYTES = 0
+    saved = placement_rule.HOST_PIECE_SLACK_BYTES
+    placement_rule.HOST_PIECE_SLACK_BYTES = 0
     try:
         result = train_sharded("blocks+root", optim_name)
         model = RECIPES["blocks+root"](build_model())
     finally:
-        records_module.HOST_PIECE_SLACK_BYTES = saved
+        placement_rule.HOST_PIECE_SLACK_BYTES = saved
     result["buffers"] = [len(s.unit.buffers) for s in _states(model)]
     result["described"] = str(describe(model))
     result["local"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -241,8 +242,8 @@ def hsdp_without_slack(mesh_shape: tuple[int, ...], reshard) -> dict:
     """Runs on every rank: ``tests/parallelism/test_hsdp.py``'s parity loop on
     ``mesh_shape`` with no slack, and the buffers each unit then gets."""
     from tests.parallelism.test_hsdp import _mesh, _train
-    saved = records_module.HOST_PIECE_SLACK_BYTES
-    records_module.HOST_PIECE_SLACK_BYTES = 0
+    saved = placement_rule.HOST_PIECE_SLACK_BYTES
+    placement_rule.HOST_PIECE_SLACK_BYTES = 0
     try:
         result = _train(mesh_shape, "adamw", reshard=reshard)
         mesh = _mesh(mesh_shape)
@@ -251,7 +252,7 @@ def hsdp_without_slack(mesh_shape: tuple[int, ...], reshard) -> dict:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh)
     finally:
-        records_module.HOST_PIECE_SLACK_BYTES = saved
+        placement_rule.HOST_PIECE_SLACK_BYTES = saved
     result["buffers"] = [len(s.unit.buffers) for s in _states(model)]
     return result
 
@@ -274,13 +275,13 @@ def with_split_buffers(function: str, *args):
     the placement ``"split"`` is the default one with no slack (buffers of
     their own on the CPU)."""
     from tests.core import test_placements
-    saved = records_module.HOST_PIECE_SLACK_BYTES
-    records_module.HOST_PIECE_SLACK_BYTES = 0
+    saved = placement_rule.HOST_PIECE_SLACK_BYTES
+    placement_rule.HOST_PIECE_SLACK_BYTES = 0
     test_placements.PLACEMENTS["split"] = (None, None)
     try:
         return getattr(test_placements, function)(*args)
     finally:
-        records_module.HOST_PIECE_SLACK_BYTES = saved
+        placement_rule.HOST_PIECE_SLACK_BYTES = saved
         del test_placements.PLACEMENTS["split"]
 
 

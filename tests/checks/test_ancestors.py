@@ -1,4 +1,4 @@
-"""``runtime/ancestors.py``: the modules that hold a module, found through
+"""``_naming.py``: the modules that hold a module, found through
 referrers only, never by reading attributes of arbitrary objects.
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/checks/test_ancestors.py`` (one process).
@@ -8,7 +8,7 @@ import warnings
 
 import torch.nn as nn
 
-from fsdp_compose.runtime.ancestors import outermost_ancestors, qualified_names
+from fsdp_compose._naming import outermost_ancestors, qualified_names
 
 
 class _Touchy:

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import pytest
 
-from fsdp_compose.buffers.records import HOST_PIECE_SLACK_BYTES, ROWS_EXTRA_PADDING
+from fsdp_compose.setup.default_placement import HOST_PIECE_SLACK_BYTES, ROWS_EXTRA_PADDING
 from fsdp_compose.checks.divergence import CHECK_ENV, VERIFICATION_ITERATIONS
 from fsdp_compose.comm.rendezvous import (CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT,
                                           DEFAULT_POLL_SECONDS, LATE_NOTICE_SECONDS, POLL_ENV)
@@ -67,9 +67,9 @@ QUOTED_DEFAULTS = [
            r"(\d+(?:\.\d+)?) MiB by default|\bdefault (\d+(?:\.\d+)?) MiB|"
            r"at most (\d+(?:\.\d+)?) MiB unsharded \(`DEFAULT_BUCKET_CAP_MB`\)",
            DEFAULT_BUCKET_CAP_MB),
-    Quoted("a rank's host piece slack (records.HOST_PIECE_SLACK_BYTES)",
+    Quoted("a rank's host piece slack (default_placement.HOST_PIECE_SLACK_BYTES)",
            r"more than (\d+) MiB larger than the unit's largest", HOST_PIECE_SLACK_BYTES / 2 ** 20),
-    Quoted("the default placement's padding bound (records.ROWS_EXTRA_PADDING)",
+    Quoted("the default placement's padding bound (default_placement.ROWS_EXTRA_PADDING)",
            r"pad their buffer by over (\d+(?:\.\d+)?)% more", ROWS_EXTRA_PADDING * 100),
     Quoted("CommPolicy.block_size", r"`block_size` elements \(default (\d+)\)",
            _field_default(CommPolicy, "block_size"), int),
@@ -261,7 +261,7 @@ def test_the_custom_comm_classes_are_where_the_docs_say_and_private_there():
 
     import torch.distributed.fsdp as fsdp
 
-    from fsdp_compose.runtime.comm_methods import ShardedCommMethods
+    from fsdp_compose.module_methods.comm_methods import ShardedCommMethods
     module = importlib.import_module(TORCH_COMM_MODULE)
     assert isinstance(module.AllGather, type) and isinstance(module.ReduceScatter, type)
     assert not hasattr(fsdp, "AllGather") and not hasattr(fsdp, "ReduceScatter")

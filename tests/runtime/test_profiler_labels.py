@@ -1,5 +1,5 @@
 """Profiler labels: every hook moment and every collective's issue and wait
-is a named range in a torch profiler trace (``fsdp_compose/profiling.py``)."""
+is a named range in a torch profiler trace (``fsdp_compose/runtime/tracing.py``)."""
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ def test_a_bucket_gathers_and_reduces_under_one_range():
 
 
 def test_without_a_profiler_no_range_and_no_name_is_made():
-    from fsdp_compose.runtime.profiling import profiled
+    from fsdp_compose.runtime.tracing import profiled
     built = []
 
     def subject() -> str:

@@ -52,7 +52,7 @@ from transformers.utils import logging
 from ...api import param_info
 from ...checks.empty_groups import groups_chosen_by_name
 from ...gradients.grad_scaler import ShardedGradScaler
-from ...sharded_module import ShardedModule
+from ...module_methods.sharded_module import ShardedModule
 from . import _annotate, _precision
 
 logger = logging.get_logger(__name__)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.optim import Optimizer
 
-from ...sharded_module import ShardedModule
+from ...module_methods.sharded_module import ShardedModule
 
 METADATA_FILENAME = "meta.pt"
 """What Lightning names the file of a sharded checkpoint's non-tensor state."""

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from ...sharded_module import ShardedModule
+from ...module_methods.sharded_module import ShardedModule
 
 
 @contextlib.contextmanager

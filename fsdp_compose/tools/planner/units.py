@@ -11,7 +11,8 @@ from typing import Iterator, NamedTuple, Sequence, Union
 
 import torch.nn as nn
 
-from ...setup.units import collect_records, join_fqn, managed_modules
+from ..._naming import join_fqn
+from ...setup.units import collect_records, managed_modules
 from ...buffers.records import ParamRecord
 from ...runtime.state import ROOT_LABEL
 

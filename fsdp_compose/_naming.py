@@ -1,9 +1,12 @@
-"""The modules that hold a given module, found without a root (messages
-name a unit within the whole model). Parents are found through referrers
-(the parent's ``_modules`` dict), tested by exact ``type(obj)``, never
-``isinstance``, which reads ``__class__`` of arbitrary objects (some warn).
-``gc.get_referrers`` scans the heap: error paths and once per optimizer
-only, never per step.
+"""How messages name modules: the user's class name behind an annotated
+module's dynamic ``Sharded...`` class, and the modules that hold a given
+module, found without a root (messages name a unit within the whole model).
+
+Parents are found through referrers (the parent's ``_modules`` dict),
+tested by exact ``type(obj)``, never ``isinstance``, which reads
+``__class__`` of arbitrary objects (some warn). ``gc.get_referrers`` scans
+the heap: error paths and once per optimizer only, never per step. A leaf
+module (no package imports), below every layer that names a unit.
 """
 
 from __future__ import annotations
@@ -12,6 +15,20 @@ import gc
 from typing import Iterable, Iterator
 
 import torch.nn as nn
+
+USER_CLASS_ATTR = "_fsdp_compose_user_class"
+"""Set by ``module_methods.sharded_module.sharded_class``: the class it extends."""
+
+
+def user_class_name(module: nn.Module) -> str:
+    """``type(module).__name__``, or the original class's for an annotated module."""
+    cls = type(module)
+    return cls.__dict__.get(USER_CLASS_ATTR, cls).__name__
+
+
+def join_fqn(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` under the root (``prefix == ""``)."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 def outermost_ancestors(modules: Iterable[nn.Module]) -> list[nn.Module]:

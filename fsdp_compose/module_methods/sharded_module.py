@@ -15,20 +15,20 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ._torch_private import require_override
-from .checks.ddp_wrapper import ddp_around_annotated
-from .checks.finite import check_finite_gradients
-from .gradients.clip import clip_grad_norm_
-from .comm.rendezvous import arrive
-from .policies import PrefetchPolicy
-from .runtime.comm_methods import ShardedCommMethods
-from .runtime.finalization_methods import ShardedFinalizationMethods
-from .runtime.manual_finalization import drop_pending_gradients
-from .runtime.state import FullyShardState, state_of, states_below
-from .runtime.buckets import cap_bytes
-from .runtime.class_names import USER_CLASS_ATTR
-from .runtime.tensors import swapping_params_on_conversion
-from .runtime.unit import Unit
+from .._torch_private import require_override
+from ..checks.ddp_wrapper import ddp_around_annotated
+from ..checks.finite import check_finite_gradients
+from ..gradients.clip import clip_grad_norm_
+from ..comm.rendezvous import arrive
+from ..policies import PrefetchPolicy
+from .comm_methods import ShardedCommMethods
+from .finalization_methods import ShardedFinalizationMethods
+from .manual_finalization import drop_pending_gradients
+from ..runtime.state import FullyShardState, state_of, states_below
+from ..runtime.buckets import cap_bytes
+from .._naming import USER_CLASS_ATTR
+from ..runtime.tensors import swapping_params_on_conversion
+from ..runtime.unit import Unit
 
 
 class UnshardHandle:
@@ -47,9 +47,9 @@ class UnshardHandle:
 class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
     """Methods mixed into every module annotated by :func:`fully_shard`
     (the module's class becomes a subclass of its own class and this one);
-    those that change the collectives are in ``runtime/comm_methods.py``,
+    those that change the collectives are in ``comm_methods.py``,
     those that finalize backward by hand or keep unsharded storage in
-    ``runtime/finalization_methods.py``.
+    ``finalization_methods.py``.
     ``fsdp_compose.FSDPModule`` is this class."""
 
     @property
@@ -86,7 +86,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         """With ``False``, backward keeps the unsharded flat gradients (no
         collectives) and the next backward with ``True`` reduces their sum."""
         for state in _states(self, recurse):
-            state.unit.settings.requires_gradient_sync = requires_gradient_sync
+            state.change_unit_setting("requires_gradient_sync", requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -97,12 +97,12 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         states = _states(self, True)
         previous = [state.unit.settings.requires_gradient_sync for state in states]
         for state in states:
-            state.unit.settings.requires_gradient_sync = False
+            state.change_unit_setting("requires_gradient_sync", False)
         try:
             yield
         finally:
             for state, setting in zip(states, previous):
-                state.unit.settings.requires_gradient_sync = setting
+                state.change_unit_setting("requires_gradient_sync", setting)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -111,17 +111,19 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         ``True`` (or call ``reshard()``) before the optimizer step: the
         optimizer updates the shards, not the unsharded copy."""
         for state in _states(self, recurse):
-            state.unit.settings.reshard_after_backward = reshard_after_backward
+            state.change_unit_setting("reshard_after_backward", reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         """Before this module's forward, issue the all-gathers of ``modules``
         (annotated modules) instead of the one chosen by the recorded order."""
-        _own_state(self).unit.settings.forward_prefetch = [_own_state(m).unit for m in modules]
+        _own_state(self).change_unit_setting("forward_prefetch",
+                                             [_own_state(m).unit for m in modules])
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
         """When this module's backward starts, issue the all-gathers of
         ``modules`` instead of the one chosen by the recorded order."""
-        _own_state(self).unit.settings.backward_prefetch = [_own_state(m).unit for m in modules]
+        _own_state(self).change_unit_setting("backward_prefetch",
+                                             [_own_state(m).unit for m in modules])
 
     def set_prefetch_policy(self, policy: PrefetchPolicy) -> None:
         """Set forward/backward prefetch and the in-flight limits for the
@@ -165,7 +167,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         parameters again: only for units whose backward reads no parameter
         values, e.g. an ``nn.Embedding`` (its weight gradient needs only the
         indices). A forward that saves a parameter for backward raises."""
-        _own_state(self).unit.settings.unshard_in_backward = unshard_in_backward
+        _own_state(self).change_unit_setting("unshard_in_backward", unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """With ``False``, the end of backward neither waits for the
@@ -185,8 +187,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for state in _states(self, recurse):
-            unit = state.unit
-            unit.settings.reduce_options = unit.settings.reduce_options._replace(divide_factor=float(factor))
+            state.change_unit_setting("divide_factor", float(factor))
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """With ``True``, collectives only ever ``SUM`` (the division by the
@@ -194,8 +195,7 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         gradients are the same. Applies to every unit of this subtree
         (``recurse=False``: this module's unit only, as FSDP2's method)."""
         for state in _states(self, recurse):
-            unit = state.unit
-            unit.settings.reduce_options = unit.settings.reduce_options._replace(force_sum=bool(enable))
+            state.change_unit_setting("force_sum", bool(enable))
 
     def reset_iter_state(self) -> None:
         """Recover from an exception that aborted a forward or backward
@@ -254,7 +254,8 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         every unit's *forward*; forward-side divergence is detected, not
         fixed (see ``set_check_rank_divergence``)."""
         for state in _states(self, recurse):
-            state.unit.settings.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+            state.change_unit_setting("reduce_scatter_unused_params",
+                                      bool(reduce_scatter_unused_params))
 
     def set_check_rank_divergence(self, enable: Optional[bool]) -> None:
         """Whether to verify, before every collective of every iteration,

@@ -23,7 +23,7 @@ import types
 
 import torch.nn as nn
 
-from .state import state_of
+from ..runtime.state import state_of
 
 _WRAPPED = "_fsdp_compose_forward_method"
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.custom import UnitComms
-from .model_settings import MAX_PENDING_REDUCES
-from .state import own_state, states_at
+from ..runtime.model_settings import MAX_PENDING_REDUCES
+from ..runtime.state import own_state, states_at
 
 
 class ShardedCommMethods:

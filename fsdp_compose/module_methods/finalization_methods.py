@@ -16,7 +16,7 @@ import torch
 from .manual_finalization import (
     GradientReductionHandle, check_root_between_backwards, finalize_backward,
     pending_gradients, synchronize_gradients)
-from .state import own_state, states_at
+from ..runtime.state import own_state, states_at
 
 
 class ShardedFinalizationMethods:
@@ -27,7 +27,7 @@ class ShardedFinalizationMethods:
         units and leaves its reductions in flight, and
         :meth:`finalize_backward`, after the step's last backward,
         completes them and publishes the gradients ([Note: manual
-        finalization] in ``runtime/manual_finalization.py``). For pipeline
+        finalization] in ``module_methods/manual_finalization.py``). For pipeline
         schedules and CUDA-graph capture (FSDP2 2.15's method). On the root
         only, between backwards; every rank alike."""
         state = own_state(self)

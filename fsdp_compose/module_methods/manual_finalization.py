@@ -43,10 +43,10 @@ import torch
 
 from .._torch_private import current_graph_task_id
 from ..buffers.flat_buffer import FlatBuffer
-from .end_of_backward import end_step, finish_reductions
-from .state import FullyShardState, ModelContext
-from .training_state import TrainingState
-from .unit import Unit
+from ..runtime.end_of_backward import end_step, finish_reductions
+from ..runtime.state import FullyShardState, ModelContext
+from ..runtime.training_state import TrainingState
+from ..runtime.unit import Unit
 
 
 class GradientReductionHandle:
@@ -149,7 +149,7 @@ def synchronize_gradients(context: ModelContext) -> None:
     collectives = context.collectives
     previous = [unit.settings.requires_gradient_sync for unit in units]
     for unit in units:  # a bucket carries the buffers of syncing units only
-        unit.settings.requires_gradient_sync = True
+        unit.settings.change("requires_gradient_sync", True)
     try:
         for unit in units:
             options = unit.settings.reduce_options
@@ -159,7 +159,7 @@ def synchronize_gradients(context: ModelContext) -> None:
         collectives.flush_held_reduces()
     finally:
         for unit, sync in zip(units, previous):
-            unit.settings.requires_gradient_sync = sync
+            unit.settings.change("requires_gradient_sync", sync)
     collectives.finish_reduces()
     for unit in units:
         for buffer in unit.trainable_buffers:

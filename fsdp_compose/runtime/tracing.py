@@ -1,0 +1,65 @@
+"""What torch's tracers see of the hooks.
+
+The profiler: ranges ``fsdp_compose::<moment> <subject>`` around each hook
+and each collective's issue and wait, so a trace shows whose copy or
+collective it is. With no profiler recording nothing is built or
+dispatched: the hooks and the queue test ``profiler_active()`` (a C
+function) before calling in, so this module's code runs only while one
+records.
+
+``torch.compile``: the hooks resize storages, run collectives and swap
+module attributes, which dynamo must not trace, so under compilation each
+is a graph break run eagerly (:func:`run_eagerly`). Outside compilation the
+hook is called directly: no import of ``torch._dynamo``.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, TypeVar, Union
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .._torch_private import dynamo_disable, profiler_active
+
+PREFIX = "fsdp_compose::"
+_NOTHING = nullcontext()
+NO_RANGE: AbstractContextManager = _NOTHING
+"""The range while no profiler records, for ``with profiled(...) if
+profiler_active() else NO_RANGE``."""
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable)
+
+
+def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> AbstractContextManager:
+    """The range, else a shared no-op context; a callable ``subject`` is
+    called only while a profiler records."""
+    if not profiler_active():
+        return _NOTHING
+    if callable(subject):
+        subject = subject()
+    return record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment)
+
+
+def call_profiled(moment: str, subject: str, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` in the same range, for hooks that run once per unit
+    and step (no context manager without a profiler)."""
+    if not profiler_active():
+        return fn(*args)
+    with record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment):
+        return fn(*args)
+
+
+def run_eagerly(fn: _F) -> _F:
+    """``fn``, never traced by dynamo (a graph break that runs it eagerly)."""
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        # one call to ask (is_compiling makes two; this runs twice per unit and step)
+        if torch.compiler.is_dynamo_compiling():
+            return dynamo_disable(fn, recursive=True)(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return hook  # type: ignore[return-value]
