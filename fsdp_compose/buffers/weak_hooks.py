@@ -1,6 +1,5 @@
-"""Hooks that autograd stores in C++ and that must not keep their owner
-alive: a strong reference back from a C++ hook list is a cycle the garbage
-collector cannot see (``tests/core/test_model_lifetime.py``).
+"""Hooks that autograd stores in C++ and that must not keep their owner alive: a strong reference
+back from a C++ hook list is a cycle the garbage collector cannot see.
 """
 
 from __future__ import annotations
@@ -11,12 +10,9 @@ from typing import Any, Callable, Optional
 
 def called_weakly(fn: Callable[[Any], Any],
                    bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
-    """``fn`` (a bound method: held weakly), called with the same argument
-    while its object lives and the argument is not ``None``; with ``bound``
-    (a weak reference), called with ``bound()`` instead. For hooks autograd
-    stores in C++, where a strong reference back makes a cycle Python cannot
-    collect. (A weak reference and the plain function: one Python call per
-    hook, where ``WeakMethod`` adds one.)"""
+    """``fn`` (a bound method, held weakly), called with the same argument while its object lives
+    and the argument is not ``None``; with ``bound`` (a weak reference), called with
+    ``bound()`` instead. One Python call per hook (``WeakMethod`` adds one)."""
     owner = getattr(fn, "__self__", None)
     ref, function = (weakref.ref(owner), getattr(fn, "__func__")) if owner is not None else \
         ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
@@ -32,4 +28,4 @@ def called_weakly(fn: Callable[[Any], Any],
     return call
 
 
-_NO_OWNER = object()  # what a plain function's (strong) "owner" reference returns
+_NO_OWNER = object()
