@@ -1,29 +1,12 @@
-"""Pure math for converting between the flat layout and torch FSDP2's
-per-parameter ``Shard(0)`` layout (the checkpoint format).
+"""Pure math for converting between the flat layout and torch FSDP2's per-parameter ``Shard(0)``
+layout (the checkpoint format), property-tested alone.
 
-A flat buffer shards the concatenation of its flattened parameters: rank
-``r`` owns the contiguous range ``[r * S, (r + 1) * S)`` (``S`` =
-``layout.shard_numel``), which cuts through parameters anywhere. A
-checkpoint wants, for every parameter of shape ``(d0, ...)``, rank ``j``'s
-``torch.chunk(param, F, dim=0)[j]``: rows ``[j * c, (j + 1) * c)`` clamped to
-``d0``, with ``c = ceil(d0 / F)`` (empty on the last ranks when ``d0 < F``).
-A 0-dim parameter cannot be sharded by rows; every rank gets all of it (a
-replicated value).
-
-In flat coordinates, rank ``j``'s rows of one parameter are one contiguous
-range, and its chunks of all selected parameters, in layout order, form an
-increasing set of ranges ``T_j``. One all-to-all converts between the two:
-
-* flat -> chunks: rank ``r`` sends rank ``j`` the elements of ``T_j`` that lie
-  in its shard, in increasing order. Rank ``j`` receives from ranks
-  ``0..F-1`` in order, and since the shards are increasing ranges too, the
-  received buffer *is* its chunks packed back to back (no unpacking).
-* chunks -> flat: the same exchange backwards. Rank ``j`` sends rank ``r`` a
-  contiguous slice of its packed chunks, and rank ``r`` writes what it
-  receives at the intervals it would have sent.
-
-Nothing here imports ``torch.distributed`` or allocates tensors; it is
-property-tested in ``tests/checkpoint/test_checkpoint_chunks.py``.
+Rank ``r`` owns ``[r*S, (r+1)*S)`` of the flat buffer, which cuts through parameters anywhere;
+a checkpoint wants rank ``j``'s ``torch.chunk(param, F, dim=0)[j]`` (a 0-dim parameter: all of
+it on every rank). In flat coordinates rank ``j``'s chunks of the selected parameters are
+increasing ranges ``T_j``, so one all-to-all converts: flat -> chunks, rank ``r`` sends rank
+``j`` the elements of ``T_j`` in its shard, in order, and what ``j`` receives from ranks
+``0..F-1`` *is* its chunks packed back to back; chunks -> flat is the same exchange backwards.
 """
 
 from __future__ import annotations
@@ -38,12 +21,10 @@ class Chunk(NamedTuple):
 
     Attributes:
         param_index: the parameter's index in the layout.
-        packed_start: where the chunk starts in this rank's packed chunks.
-        shape: the chunk's shape (``(rows, *shape[1:])``; ``()`` for a
-            0-dim parameter).
+        packed_start: where it starts in this rank's packed chunks.
+        shape: its shape (``()`` for a 0-dim parameter).
         numel: its number of elements.
-        row_start: index of its first row in the parameter (0 for 0-dim).
-    """
+        row_start: its first row in the parameter."""
 
     param_index: int
     packed_start: int
@@ -57,13 +38,10 @@ class ExchangePlan(NamedTuple):
 
     Attributes:
         chunks: this rank's chunk of every selected parameter, in flat order.
-        send_intervals: ``(shard_start, length)`` ranges of this rank's shard,
-            in the order they are sent (grouped by destination rank).
-        send_counts: elements of this rank's shard that go to each rank
-            (flat -> chunks); sums of ``send_intervals`` per destination.
-        recv_counts: elements of this rank's packed chunks that come from
-            each rank's shard.
-    """
+        send_intervals: ``(shard_start, length)`` ranges of this rank's shard, in sending
+            order.
+        send_counts: elements of this rank's shard going to each rank.
+        recv_counts: elements of this rank's packed chunks coming from each rank."""
 
     chunks: tuple[Chunk, ...]
     send_intervals: tuple[tuple[int, int], ...]
@@ -76,8 +54,7 @@ class ExchangePlan(NamedTuple):
 
 
 def dim0_rows(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of ``torch.chunk(param, world_size, dim=0)[rank]``
-    (``lo == hi`` when that chunk is empty). 0-dim: ``(0, 1)`` on every rank."""
+    """Rows ``[lo, hi)`` of ``torch.chunk(param, world_size, dim=0)[rank]``; 0-dim: ``(0, 1)``."""
     if len(shape) == 0:
         return 0, 1
     rows = shape[0]
@@ -86,7 +63,6 @@ def dim0_rows(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, in
 
 
 def chunk_shape(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, ...]:
-    """Shape of ``rank``'s dim-0 chunk of a parameter of ``shape``."""
     if len(shape) == 0:
         return ()
     lo, hi = dim0_rows(shape, world_size, rank)
@@ -95,10 +71,10 @@ def chunk_shape(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, 
 
 def _target_ranges(layout: FlatLayout, rank: int,
                    selected: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """``(param_index, flat_start, flat_end, row_start)`` of ``rank``'s chunk
-    of each selected parameter, in increasing flat order."""
+    """``(param_index, flat_start, flat_end, row_start)`` of ``rank``'s chunk of each selected
+    parameter, in flat order."""
     ranges = []
-    # increasing flat order: by offset (index order under "flat" and "rows", not "owned")
+    # by offset (index order under "flat" and "rows", not "owned")
     for index in sorted(selected, key=lambda i: (layout.offsets[i], i)):
         shape = layout.shapes[index]
         lo, hi = dim0_rows(shape, layout.world_size, rank)
@@ -111,7 +87,6 @@ def _target_ranges(layout: FlatLayout, rank: int,
 
 def _intersect(ranges: list[tuple[int, int, int, int]], lo: int,
                hi: int) -> list[tuple[int, int]]:
-    """The parts of ``ranges`` inside ``[lo, hi)``, as ``(start, end)``."""
     out = []
     for _, start, end, _ in ranges:
         s, e = max(start, lo), min(end, hi)
@@ -121,11 +96,7 @@ def _intersect(ranges: list[tuple[int, int, int, int]], lo: int,
 
 
 def exchange_plan(layout: FlatLayout, rank: int, selected: Sequence[int]) -> ExchangePlan:
-    """This rank's side of the all-to-all that converts the selected
-    parameters between the flat layout and dim-0 chunks.
-
-    Every rank must pass the same ``selected`` (the exchange is collective).
-    """
+    """This rank's side of the all-to-all for the selected parameters (the same on every rank)."""
     world, shard = layout.world_size, layout.shard_numel
     my_lo, my_hi = layout.shard_range(rank)
     mine = _target_ranges(layout, rank, selected)
