@@ -1,6 +1,5 @@
-"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints (of a model's layout, of
-initialised values, of the divergence checks). Every rank sees the same gathered values, so
-all raise the same error together.
+"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints, so every rank raises the same
+error together.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ class Disagreement(NamedTuple):
 
 
 def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
-    """``None`` when every rank of ``group`` holds the same ``fingerprint``, else the global
-    ranks that differ from the first. Collective."""
+    """``None`` when every rank holds the same ``fingerprint``, else the global ranks that differ
+    from the first."""
     every = all_gather_fingerprints(fingerprint, group)
     if len(set(every)) == 1:
         return None
@@ -38,8 +37,7 @@ def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
 
 def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
                             include_replicas: bool = True) -> list[int]:
-    """Every rank's ``fingerprint``: the shard group's in rank order, then (``include_replicas``)
-    the replicas'. Collective."""
+    """Every rank's ``fingerprint``: the shard group's, then the replicas'."""
     every = _gather_int(fingerprint, group.process_group, group.world_size, group.device)
     replicate = group.replicate_process_group
     if include_replicas and replicate is not None and group.replicate_size > 1:
@@ -48,7 +46,6 @@ def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
 
 
 def agreed_max(value: int, group: ShardGroup) -> int:
-    """The largest ``value`` over ``group``'s mesh. Collective."""
     largest = max(_gather_int(value, group.process_group, group.world_size, group.device))
     replicate = group.replicate_process_group
     if replicate is not None and group.replicate_size > 1:
@@ -78,11 +75,9 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
 
 
 # [Note: forward agreement]
-# Collectives pair by issue order, and gloo aborts a process that receives a message of another size
-# than it posted, so a rank running one more forward (an evaluation on rank 0 only) would pair its
-# collectives with the others' backward. Every root forward over several ranks therefore starts with
-# an agreement through the rendezvous store (no collective to mis-pair): each rank writes what it is
-# about to do and did since, and compares the others' (``rendezvous.meet``); ranks waiting elsewhere
-# or blocked are named as at a collective call ([Note: blocked is not late]). A training forward
-# also ends with an agreement on the units it ran, in order, before the backward's reduce-scatters.
+# Collectives pair by issue order and gloo aborts a process that receives a message of another size,
+# so a rank running one more forward (an evaluation on rank 0 only) would pair its collectives with
+# the others' backward. Every root forward over several ranks starts with an agreement through the
+# rendezvous store (``rendezvous.meet``: no collective to mis-pair) on what each rank is about to
+# do; a training forward also ends with one on the units it ran.
 

@@ -1,7 +1,5 @@
-"""Collectives of the training step's data path over a unit's :class:`ShardGroup`, the same on
-CPU/gloo and CUDA/NCCL. They never copy their inputs: the all-gather writes into the caller's
-unsharded buffer, the reduce-scatter reads the caller's flat gradient (on gloo it reduces it
-in place: [Note: gloo reduce-scatter as an all-reduce]).
+"""Collectives of the training step's data path over a unit's :class:`ShardGroup`. They never
+copy their inputs.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ class _DoneWork:
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup,
                     async_op: bool = False) -> Optional[dist.Work]:
-    """All-gather ``shard`` into ``output`` (``F`` times its size, rank-major); the work when
-    ``async_op``. Over one rank a local copy."""
+    """All-gather ``shard`` into ``output`` (rank-major); the work when ``async_op``."""
     if group.world_size == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
@@ -40,9 +37,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup
 def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                           divide_factor: Optional[float] = None, force_sum: bool = False,
                           async_op: bool = False) -> Optional[dist.Work]:
-    """Reduce-scatter ``flat`` (``F`` times ``output``'s size) into ``output``. Complete after
-    :func:`all_reduce_replicas` and :func:`finish_scaling`: the mean over all ``R * F`` ranks
-    when ``divide_factor`` is ``None``, else the sum divided by ``divide_factor``."""
+    """Reduce-scatter ``flat`` into ``output``; complete after :func:`all_reduce_replicas` and
+    :func:`finish_scaling`: the mean over all ``R * F`` ranks, or the sum divided by
+    ``divide_factor``."""
     if group.world_size == 1:
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
@@ -62,16 +59,15 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
 
 
 # [Note: gloo reduce-scatter as an all-reduce]
-# Gloo's reduce-scatter copies its whole input into a buffer of its own and is slower than an
-# in-place all-reduce, so on CPU gloo groups we all-reduce the flat gradient in place and copy this
-# rank's chunk out: bit-identical (both sum in rank order). NCCL does not copy, so CUDA keeps its
-# reduce-scatter.
+# Gloo's reduce-scatter copies its whole input and is slower than an in-place all-reduce, so on CPU
+# gloo groups we all-reduce the flat gradient in place and copy this rank's chunk out: bit-identical
+# (both sum in rank order).
 _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = True
 
 
 def set_gloo_reduce_scatter_via_all_reduce(enabled: bool) -> bool:
-    """Whether reductions over CPU/gloo groups use an in-place all-reduce (default ``True``);
-    process-wide, for later reductions. Returns the previous setting."""
+    """Whether CPU/gloo reductions use an in-place all-reduce (default ``True``); returns the
+    previous setting."""
     global _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
     previous, _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE, bool(enabled)
     return previous
@@ -103,7 +99,7 @@ class _ChunkAfterAllReduce:
 def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
                         divide_factor: Optional[float] = None, force_sum: bool = False,
                         async_op: bool = False) -> Optional[dist.Work]:
-    """Hybrid sharding: all-reduce a reduced chunk across the replicas (the reduce-scatter's op)."""
+    """Hybrid: all-reduce a reduced chunk across the replicas."""
     replicate = group.replicate_process_group
     if replicate is None or group.replicate_size == 1:
         return _DoneWork() if async_op else None
@@ -113,7 +109,6 @@ def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
 
 def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
                    force_sum: bool) -> None:
-    """The local division that completes the reduction (none after ``AVG``)."""
     if divide_factor is None and not force_sum:
         return  # the mean, taken by the collective
     if needs_post_division(group, divide_factor, force_sum):
@@ -135,7 +130,6 @@ def needs_post_division(group: ShardGroup, divide_factor: Optional[float],
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
-    """In-place maximum over every rank of ``group``'s mesh."""
     if group.world_size > 1:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group,
                                async_op=True)
@@ -146,8 +140,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
 
 
 def release_after_collective(*tensors: torch.Tensor) -> None:
-    """Free CPU tensors a finished collective used: gloo's worker thread may hold them into later
-    steps ([Note: freeing what a collective read])."""
+    """Free CPU tensors a finished collective used ([Note: freeing what a collective read])."""
     for tensor in tensors:
         if tensor.device.type == "cpu":
             tensor.untyped_storage().resize_(0)
@@ -155,8 +148,8 @@ def release_after_collective(*tensors: torch.Tensor) -> None:
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                input_counts: list[int], group: ShardGroup) -> None:
-    """``input_counts[j]`` consecutive elements of ``input`` to each rank ``j``,
-    ``output_counts[j]`` from each into ``output``. Over one rank a copy."""
+    """``input_counts[j]`` elements of ``input`` to each rank ``j``, ``output_counts[j]`` from
+    each into ``output``."""
     if group.world_size == 1:
         output.copy_(input)
         return

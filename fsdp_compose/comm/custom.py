@@ -1,15 +1,11 @@
-"""What a unit's data collectives may replace (FSDP2's ``set_custom_all_gather``,
-``set_custom_reduce_scatter``, ``set_all_reduce_hook``, ``set_requires_all_reduce``,
-``set_separate_reduce_scatter_group``): one :class:`UnitComms` per unit that set any
-(``None``: the plain path).
+"""What a unit's data collectives may replace (FSDP2's custom comm setters): one
+:class:`UnitComms` per unit that set any.
 
 [Note: custom collectives]
-A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol (the private
-``_fsdp_api.AllGather`` / ``ReduceScatter``): ``allocate(size, *, dtype, device)`` gives the
-memory it reads and writes, which we never free and copy out of after the wait;
-``__call__(output, input, group, [op,] async_op)`` returns a work or ``None``. Every
-collective of the unit uses it, buckets included (a bucket joins only units with equal
-:meth:`UnitComms.key`), at one copy per collective.
+A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol: ``allocate(size, *,
+dtype, device)`` gives the memory it works in, which we never free and copy out of after the
+wait; ``__call__(output, input, group, [op,] async_op)`` returns a work or ``None``. Buckets
+join only units with equal :meth:`UnitComms.key`.
 """
 
 from __future__ import annotations
@@ -33,12 +29,10 @@ class UnitComms:
     Attributes:
         all_gather: a custom all-gather (``None``: the library's).
         reduce_scatter: a custom reduce-scatter (``None``: the library's).
-        all_reduce_hook: called with each reduction's output before it is folded (the sum
-            where the division is local, else the mean); may change it in place.
-        requires_all_reduce: hybrid only: ``False`` sums reduce-scatter outputs over backwards
-            without the replica all-reduce.
-        reduce_scatter_group: a process group over the shard group's ranks for the
-            reduce-scatters."""
+        all_reduce_hook: called with each reduction's output before it is folded; may change
+            it in place.
+        requires_all_reduce: hybrid only: ``False`` defers the replica all-reduce.
+        reduce_scatter_group: a process group for the reduce-scatters."""
 
     __slots__ = ("all_gather", "reduce_scatter", "all_reduce_hook", "requires_all_reduce",
                  "reduce_scatter_group")
@@ -73,7 +67,6 @@ def allocate(comm: object, numel: int, dtype: torch.dtype, device: torch.device)
 
 def all_gather_custom(comm: object, output: torch.Tensor, shard: torch.Tensor,
                       group: ShardGroup) -> object:
-    """Issue ``comm``'s all-gather; a work to wait."""
     work = comm(output, shard, group.process_group, async_op=True)  # type: ignore[operator]
     return _Finished() if work is None else work
 
@@ -81,7 +74,6 @@ def all_gather_custom(comm: object, output: torch.Tensor, shard: torch.Tensor,
 def reduce_scatter_custom(comm: object, output: torch.Tensor, flat: torch.Tensor,
                           group: ShardGroup, divide_factor: Optional[float],
                           force_sum: bool) -> object:
-    """Issue ``comm``'s reduce-scatter with the library's op; a work to wait."""
     op = reduce_op(group, divide_factor, force_sum)
     work = comm(output, flat, group.process_group, op, async_op=True)  # type: ignore[operator]
     return _Finished() if work is None else work

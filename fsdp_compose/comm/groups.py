@@ -1,4 +1,3 @@
-"""The process groups a unit shards over: meshes, shard and replicate groups."""
 
 from __future__ import annotations
 
@@ -17,15 +16,14 @@ from .._torch_private import forget_mesh_groups
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """The ranks one unit shards over (and, for hybrid sharding, is replicated over), and where
-    it computes. A 2-D mesh is ``(replicate, shard)`` (FSDP2's HSDP): gradients are
-    reduce-scattered in the shard group, then all-reduced across the replicas.
+    """The ranks one unit shards over (and for HSDP is replicated over: a 2-D mesh is
+    ``(replicate, shard)``), and where it computes.
 
     Attributes:
         mesh: the mesh ``fully_shard`` got.
-        process_group: the shard group, held weakly (``torch.distributed`` owns it; a model
-            outliving ``destroy_process_group()`` must not keep its threads alive).
-        rank: this process's rank in the shard group.
+        process_group: the shard group, held weakly (a model outliving
+            ``destroy_process_group()`` must not keep its threads).
+        rank: this rank in the shard group.
         world_size: the sharding factor ``F``.
         device: the compute device.
         replicate_process_group: ``None`` for a 1-D mesh.
@@ -67,8 +65,7 @@ def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
 
 
 def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
-    """A 1-D mesh over the default process group, on CUDA when ``param_device`` is CUDA or the
-    backend is NCCL, else the CPU."""
+    """A 1-D mesh over the default process group (CUDA for CUDA parameters or NCCL, else CPU)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed to be initialised: call "
@@ -85,8 +82,6 @@ def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
 
 
 def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where collective tensors over ``group`` live: the current CUDA device for NCCL, else the
-    CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -99,10 +94,9 @@ _EXIT_HOOK: list = []
 
 
 # [Note: process groups at exit]
-# A DeviceMesh caches its ProcessGroups and units keep their meshes, so destroyed gloo groups would
-# live until interpreter finalization, where tearing them down can abort the process. At exit, if
-# the default group was destroyed, our meshes drop their cached groups (after a garbage collection:
-# a model is a reference cycle).
+# Meshes cache their groups, so destroyed gloo groups would live until interpreter finalization,
+# whose teardown can abort the process. At exit, if the default group was destroyed, our meshes drop
+# them (after a garbage collection).
 def _release_destroyed_groups() -> None:
     if not dist.is_available() or dist.is_initialized():
         return
@@ -141,8 +135,8 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
 
 
 def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
-    """The 1-D or 2-D sub-mesh of the SPMD ``mesh`` that ``dp_mesh_dims`` names (FSDP2's
-    ``DataParallelMeshDims``). Raises naming what is wrong."""
+    """The sub-mesh of the SPMD ``mesh`` that ``dp_mesh_dims`` names. Raises naming what is
+    wrong."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("dp_mesh_dims needs mesh= (the whole SPMD DeviceMesh), got "
                         f"{type(mesh).__name__}")
@@ -171,7 +165,7 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
 
 def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
     """This rank's group of ``size`` consecutive shard-group ranks
-    (``reshard_after_forward=size``). Collective over its members only; cached."""
+    (``reshard_after_forward=size``); cached."""
     if size < 1 or group.world_size % size:
         raise AssertionError(f"post-forward group size {size} must divide {group.world_size}")
     ranks = dist.get_process_group_ranks(group.process_group)

@@ -1,20 +1,17 @@
 """Block-wise quantization of what the collectives move (``CommPolicy``).
 
 [Note: block-quantized wire format]
-A flat tensor of ``n`` elements is cut into ``ceil(n / B)`` blocks of ``B`` elements (the last
-zero-padded), each with one fp32 scale ``absmax / qmax`` (127 for int8, 448 for fp8 e4m3) and
-codes ``x / scale``. The payload is the codes then the scales: its size depends on ``n`` and
-``B`` only (equal on every rank) and is a multiple of 4, so scales view as fp32 in place.
-Decoding errs by at most half a code step (:meth:`BlockQuantizer.error_bound`); a zero block
-decodes to zeros, a non-finite one to non-finite values (overflow still reaches a grad
-scaler). Every rank decodes the same payload, own chunk included, so all compute with
-identical parameters; the sharded master copy is never quantized.
+A flat tensor is cut into blocks of ``B`` elements (the last zero-padded), each with one fp32
+scale ``absmax / qmax`` and codes ``x / scale`` (int8 or fp8 e4m3). The payload is codes then
+scales, its size a function of ``n`` and ``B`` only (equal on every rank). Decoding errs by at
+most half a code step; a non-finite block decodes to non-finite values, so overflow still
+reaches a grad scaler. Every rank decodes the same payload, own chunk included, so all compute
+with identical parameters; the sharded master copy is never quantized.
 
 [Note: quantized reduce-scatter]
 Codes with different scales cannot be summed by a reduce-scatter, so the quantized reduction
-is an all-to-all (as ZeRO++'s qgZ): each rank encodes its chunk for each rank with its own
-blocks; each rank decodes the ``F`` chunks it received to fp32 and sums them in rank order.
-The error is at most the sum of the ``F`` errors.
+is an all-to-all (as ZeRO++'s qgZ): each rank decodes the ``F`` chunks it received to fp32 and
+sums them in rank order.
 """
 
 from __future__ import annotations
@@ -43,9 +40,8 @@ def code_dtypes() -> tuple[torch.dtype, ...]:
 
 @dataclass(frozen=True)
 class BlockQuantizer:
-    """One collective's wire format ([Note: block-quantized wire format]): ``code_dtype`` (int8
-    or fp8 e4m3) and ``block`` elements per scale (a positive multiple of 4; ``ValueError``
-    otherwise)."""
+    """One collective's wire format ([Note: block-quantized wire format]); ``block`` is a
+    positive multiple of 4."""
 
     code_dtype: torch.dtype
     block: int
@@ -76,7 +72,6 @@ class BlockQuantizer:
         return block_absmax / 16
 
     def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        """Encode ``values`` into ``payload`` (``payload_bytes(values.numel())`` uint8)."""
         numel, block = values.numel(), self.block
         blocks = self.blocks(numel)
         grid = values.reshape(-1).float()
@@ -96,7 +91,6 @@ class BlockQuantizer:
             codes.copy_(scaled.clamp_(-self.qmax, self.qmax))
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode ``payload`` (contiguous, 4-byte aligned) into ``out``."""
         numel, block = out.numel(), self.block
         blocks = self.blocks(numel)
         codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
@@ -138,9 +132,8 @@ class QuantizedWork:
 def all_gather_quantized(destinations: Sequence[Optional[torch.Tensor]],
                          shards: Sequence[torch.Tensor], group: ShardGroup,
                          quantizer: BlockQuantizer) -> QuantizedWork:
-    """One asynchronous all-gather of the quantized ``shards``, packed, into ``destinations``
-    (``(F, S_i)``; ``None``: not needed here). Decodes at the wait. Pre-condition: more than
-    one rank."""
+    """One packed asynchronous all-gather of the quantized ``shards`` into ``destinations``
+    (``None``: not needed here), decoded at the wait."""
     sizes = [quantizer.payload_bytes(s.numel()) for s in shards]
     total, world = sum(sizes), group.world_size
     device = destinations[0].device
@@ -170,10 +163,9 @@ def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: Sh
                              quantizer: BlockQuantizer, divide_factor: Optional[float] = None,
                              force_sum: bool = False,
                              segments: Optional[Sequence[int]] = None) -> QuantizedWork:
-    """``collectives.reduce_scatter_scaled``'s contract as an asynchronous all-to-all of
-    quantized chunks ([Note: quantized reduce-scatter]). ``flat`` is encoded now (the caller
-    may free it). ``segments``: sizes of the buffers packed in a chunk, each with its own
-    blocks so results do not depend on bucketing. Pre-condition: more than one rank."""
+    """``collectives.reduce_scatter_scaled``'s contract as an all-to-all of quantized chunks
+    ([Note: quantized reduce-scatter]); ``flat`` is encoded now. ``segments``: sizes of the
+    buffers in a chunk, each with its own blocks (results do not depend on bucketing)."""
     world, chunk = group.world_size, output.numel()
     segments = list(segments) if segments is not None else [chunk]
     sizes = [quantizer.payload_bytes(n) for n in segments]

@@ -1,16 +1,13 @@
 """Collective calls made on some ranks only end in a message, not a hang.
 
 [Note: call rendezvous]
-A user-facing collective call (``state_dict()``, ``clip_grad_norm_``, ``unshard()``,
-checkpoint saves) that one rank skips would leave the others waiting until the process group's
-timeout, then fail with a backend error that names no call. :func:`arrive` runs before the
-call's first collective: every rank writes one key to the default store and waits for every
-member's. A member waiting at another meeting ([Note: where each rank waits]) or blocked in a
-collective that waits for this rank ([Note: blocked is not late]) will never come: raise at
-once, naming it. Any other is late and is waited for up to :func:`call_timeout`. Keys are
-numbered by the group's collective sequence number and the calls since, so calls pair by order
-like collectives, and a one-sided call does not shift later pairings once the group runs a
-collective.
+A user-facing collective call (``state_dict()``, ``clip_grad_norm_``, checkpoint saves) that
+one rank skips would leave the others waiting until the backend's timeout, then fail naming no
+call. So :func:`arrive` runs before the call's first collective: every rank writes one key to
+the default store and waits for every member's, raising at once for a member that waits
+elsewhere or is blocked, waiting up to :func:`call_timeout` for a late one. Keys are numbered
+by the group's collective sequence number and the calls since, so calls pair by order like
+collectives.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ CALL_TIMEOUT_ENV = "FSDP_COMPOSE_CALL_TIMEOUT"
 DEFAULT_CALL_TIMEOUT = 1800.0  # torch's default collective timeout
 _PREFIX = "fsdp_compose/call"
 _calls: dict[str, tuple[int, int]] = {}
-"""group name -> (its collective sequence number, calls since)."""
 _last_key: dict[str, str] = {}
-"""group name -> this rank's key of its previous call (deleted at the next)."""
 
 
 class CallMismatchError(RuntimeError):
@@ -40,16 +35,14 @@ class CallMismatchError(RuntimeError):
 
 
 def call_timeout() -> float:
-    """Seconds :func:`arrive` waits (``FSDP_COMPOSE_CALL_TIMEOUT``, default 1800, read at every
-    call)."""
+    """Seconds :func:`arrive` waits (``FSDP_COMPOSE_CALL_TIMEOUT``, default 1800)."""
     value = os.environ.get(CALL_TIMEOUT_ENV, "")
     return float(value) if value else DEFAULT_CALL_TIMEOUT
 
 
 def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> None:
-    """Meet every rank of ``process_group`` (default: the default group) at ``call``, or raise
-    :class:`CallMismatchError` naming the ranks that did not come, ending with ``fix``. A
-    no-op over one rank or without a default store."""
+    """Meet every rank of ``process_group`` (``None``: the default group) at ``call``, or raise
+    :class:`CallMismatchError` naming the ranks that did not come, ending with ``fix``."""
     if not dist.is_initialized():
         return
     group = process_group if process_group is not None else dist.group.WORLD
@@ -91,19 +84,16 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
 
 
 # [Note: where each rank waits]
-# A rank waiting at a meeting (a collective call, a forward agreement) writes what it waits at under
-# ``fsdp_compose/where/<rank>`` and empties it when it leaves. Others read it for the ranks they
-# miss: one waiting at *another* meeting will never come; one at no meeting is late, unless its
-# watcher says it is blocked. We poll ``check`` rather than the store's blocking ``wait``, whose
-# time-outs log socket warnings first.
+# A rank waiting at a meeting writes what it waits at under ``fsdp_compose/where/<rank>`` until it
+# leaves; a missing rank waiting at *another* meeting will never come. We poll ``check``: the
+# store's blocking ``wait`` logs socket warnings first.
 _WHERE = "fsdp_compose/where"
 POLL_ENV = "FSDP_COMPOSE_POLL_SECONDS"
-"""Seconds between looks at the missing ranks (``FSDP_COMPOSE_POLL_SECONDS``, default 1)."""
+"""Seconds between looks at the missing ranks (``FSDP_COMPOSE_POLL_SECONDS``)."""
 DEFAULT_POLL_SECONDS = 1.0
 LATE_NOTICE_SECONDS = 30.0
 _MAX_SLEEP = 0.002
 _PUBLISH_AFTER = 0.05
-"""Seconds before a waiting rank says where it waits (ranks arriving together skip it)."""
 
 
 def poll_seconds() -> float:
@@ -112,17 +102,16 @@ def poll_seconds() -> float:
 
 
 Waiting = Callable[[float, dict[int, str], dict[int, Doing]], None]
-"""Told while a meeting waits: (seconds waited, {missing rank: the meeting it waits at, or ""},
-{missing rank at no meeting: what it does})."""
+"""Told while a meeting waits: (seconds waited, {missing rank: meeting it waits at}, {missing
+rank: what it does})."""
 
 
 def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
          waiting: Waiting,
          previous: Optional[str] = None) -> list[str]:
-    """Every rank's ``value``, in the order of ``ranks``, exchanged through the default store
-    under ``prefix/<rank>``; calls ``waiting`` (which may raise) while some are missing.
-    Deletes ``previous``, this rank's key of the previous meeting (every rank has read it by
-    now)."""
+    """Every rank's ``value`` in the order of ``ranks``, through the default store; calls
+    ``waiting`` (which may raise) while some are missing, and deletes ``previous``, this
+    rank's key of the last meeting."""
     store = default_store()
     start_watcher()
     if not _exit_marked:
@@ -139,7 +128,6 @@ def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
 
 
 LEFT = "!left "
-"""Prefix of what a rank that raised elsewhere leaves at another's meeting."""
 
 
 def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int, what: str,
@@ -175,8 +163,7 @@ def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int,
 
 
 class _Asking:
-    """Questions a waiting rank puts to the watchers of the ranks it misses ([Note: blocked is
-    not late])."""
+    """Questions to the watchers of missing ranks ([Note: blocked is not late])."""
 
     def __init__(self, me: int) -> None:
         self.me: int = me
@@ -184,8 +171,8 @@ class _Asking:
         self.said: dict[int, Doing] = {}
 
     def look(self, ranks: list[int]) -> dict[int, Doing]:
-        """Read the answers of ``ranks`` and ask again; kind ``"blocked"`` where two answers in a
-        row name the same collective that waits for this rank."""
+        """Ask ``ranks`` again; an answer is ``"blocked"`` where two in a row name the same
+        collective waiting for this rank."""
         for rank in ranks:
             number = self.asked.get(rank)
             if number is not None:
@@ -214,7 +201,6 @@ def _mark_exit(store: dist.Store, me: int) -> None:
 
 
 def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
-    """(what ``rank`` waits at, that meeting's prefix), or ("", "")."""
     key = f"{_WHERE}/{rank}"
     if not store.check([key]):
         return "", ""
@@ -223,8 +209,7 @@ def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
 
 
 def _next_number(group: dist.ProcessGroup) -> str:
-    """``<collectives issued>.<calls since>``: equal on ranks that made the same collectives and
-    calls."""
+    """Equal on ranks that made the same collectives and calls."""
     try:
         issued = sequence_number(group)
     except (RuntimeError, AttributeError):

@@ -1,13 +1,10 @@
 """Waiting on the training step's collectives, telling a watcher when one stalls or fails.
 
 [Note: flight log]
-Ranks that diverge late (a unit skipped on one rank) pair collectives of different units; the
-backend then times out or fails naming no unit. So every wait of a data collective goes
-through :func:`wait_watched`: a wait still running after :func:`stall_seconds`, or that
-raises, is reported to its group's watcher (the model's ``DivergenceMonitor``), which
-publishes its recent collective log to the rendezvous store, reads the others' and raises a
-diagnosis where they disagree (``checks/divergence.py``); a wait that finishes after all
-withdraws it.
+Ranks that diverge late pair collectives of different units; the backend then fails naming no
+unit. So a wait of a data collective that stalls past :func:`stall_seconds` or raises is
+reported to its group's watcher (``checks/divergence.py``), which compares the ranks' recent
+collective logs through the store and raises a diagnosis.
 """
 
 from __future__ import annotations
@@ -39,8 +36,8 @@ _watchers: "dict[str, weakref.ref[Watcher]]" = {}
 
 
 def watch(process_group: dist.ProcessGroup, watcher: Watcher) -> None:
-    """Make ``watcher`` (held weakly) the one told about ``process_group``'s stalls. Gloo only:
-    elsewhere a timed wait would block the host."""
+    """Make ``watcher`` (weakly held) the one told about ``process_group``'s stalls; gloo only (a
+    timed wait elsewhere blocks the host)."""
     if dist.get_backend(process_group) == "gloo":
         _watchers[process_group.group_name] = weakref.ref(watcher)
 
@@ -75,5 +72,4 @@ def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
 
 
 def _is_timeout(error: RuntimeError) -> bool:
-    """Our short wait ran out, not the backend's timeout."""
     return "Operation timed out!" in str(error) and "Timed out waiting" not in str(error)

@@ -1,18 +1,13 @@
-"""What a rank's main thread is doing, told on request to the ranks that wait for it at a meeting
-of the library.
+"""What a rank's main thread is doing, told on request to ranks waiting for it at a meeting.
 
 [Note: blocked is not late]
-A rank waiting at a collective call cannot tell from the store alone whether a missing rank is
-late or blocked in a collective that waits for the waiting rank (``if rank == 0:
-torch.save(model.state_dict(), f)`` then ``dist.barrier()``). So every rank runs a watcher: a
-daemon thread asleep in a blocking store wait (on a :meth:`Store.clone` of its own) on the key
-of its next question. A waiting rank asks (:func:`ask`); the watcher reads where its main
-thread is (``sys._current_frames()``) and answers with a :class:`Doing`. Questions and answers
-are numbered per rank and deleted when read.
-
-A rank is *blocked* when its main thread is inside a collective whose members include the
-waiting rank, its group has issued more collectives than on the waiting rank, and two answers
-a poll apart name the same call. Anything else is *late*.
+The store cannot tell whether a missing rank is late or blocked in a collective that waits for
+the waiting rank (``if rank == 0: torch.save(model.state_dict(), f)`` then
+``dist.barrier()``). So every rank runs a watcher thread, asleep in a blocking store wait on
+its next question's key; asked, it reads where its main thread is (``sys._current_frames()``)
+and answers with a :class:`Doing`. A rank is *blocked* when that is a collective whose members
+include the waiting rank, whose group issued more collectives there than on the waiting rank,
+and two answers a poll apart name the same call; else it is *late*.
 """
 
 from __future__ import annotations
@@ -43,12 +38,12 @@ class Doing(NamedTuple):
     """Where one rank's main thread was when asked.
 
     Attributes:
-        kind: ``"collective"``, ``"meeting"`` (of the library) or ``"code"``.
+        kind: ``"collective"``, ``"meeting"`` or ``"code"``.
         what: the call it is in, or the function it runs.
-        where: ``file:line`` of the user's code that made that call.
-        group: the collective's process group name ("" if none).
+        where: ``file:line`` of the user's code.
+        group: the collective's process group name.
         members: global ranks the collective waits for.
-        issued: collectives the group had issued on that rank (-1: unknown).
+        issued: collectives the group had issued (-1: unknown).
         token: the same while the same call is in progress.
         ours: the library issued the collective."""
 
@@ -66,7 +61,6 @@ class Doing(NamedTuple):
         return f"{self.what} at {self.where}" if self.where else self.what
 
     def blocks(self, rank: int) -> str:
-        """The phrase every blocked-rank message names ``rank`` with."""
         return f"rank {rank} is blocked in {self.says()}, which waits for this rank"
 
     def waits_for(self, me: int) -> bool:
@@ -83,7 +77,7 @@ class Doing(NamedTuple):
 
 
 def ask(rank: int) -> int:
-    """Ask ``rank``'s watcher where its main thread is; the number for :func:`answer`."""
+    """Ask ``rank``'s watcher; the number for :func:`answer`."""
     store = default_store()
     number = store.add(f"{_PREFIX}/{rank}/asked", 1)
     store.set(f"{_PREFIX}/{rank}/ask/{number}", str(dist.get_rank()))
@@ -91,7 +85,7 @@ def ask(rank: int) -> int:
 
 
 def answer(rank: int, number: int) -> Optional[Doing]:
-    """``rank``'s answer to question ``number`` (read once), or ``None`` if not there yet."""
+    """``rank``'s answer to question ``number`` (read once), or ``None``."""
     store = default_store()
     key = f"{_PREFIX}/{rank}/said/{number}"
     if not store.check([key]):
@@ -189,7 +183,6 @@ def main_thread_doing() -> Doing:
 
 
 def _entry(inner: list[FrameType]) -> str:
-    """The user's call: the outermost frame of torch or the library, as ``module.function()``."""
     for frame in reversed(inner):
         module = frame.f_globals.get("__name__", "?")
         if module != "torch.distributed.c10d_logger":
@@ -199,7 +192,6 @@ def _entry(inner: list[FrameType]) -> str:
 
 
 def _members(frame: FrameType) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
-    """The collective's group and the global ranks it waits for."""
     local = frame.f_locals
     group = local.get("group", local.get("process_group")) or dist.group.WORLD
     if frame.f_code.co_name in _POINT_TO_POINT:

@@ -1,16 +1,12 @@
-"""How one flat buffer's collectives go on the wire: a :class:`Wire` per buffer
-(``FlatBuffer.wire``), which the collective queue calls whatever the format: :class:`Wire`
-(``EXACT``, values as they are), :class:`QuantizedWire` (``quantized.py``, per direction) or
-:class:`CustomWire` (FSDP2's ``AllGather`` / ``ReduceScatter`` objects, ``custom.py``). The
-format is chosen by the buffer's policy and the custom comm setters and compared where buckets
-are planned (:meth:`Wire.key`); the queue never asks which one it holds.
+"""How one flat buffer's collectives go on the wire: the collective queue calls the buffer's
+:class:`Wire` whatever the format (``EXACT``, :class:`QuantizedWire`, :class:`CustomWire`);
+the format is chosen by the buffer's policy and the custom comm setters.
 
 [Note: the wire interface]
-A wire *issues*; it never waits. Each call returns an :class:`Issued`: the work, its process
-group, the copies to make after the wait (a custom collective's memory into ours), the
-temporaries the queue frees after them (only memory the wire says is ours, [Note: freeing what
-a collective read]), the tensors the backend reads until the wait, and for a bucket's
-all-gather the ``(F, T)`` grid each member copies out of.
+A wire *issues*; it never waits. Each call returns an :class:`Issued`: the work, the copies to
+make after the wait, the temporaries the queue may free after them ([Note: freeing what a
+collective read]), the inputs the backend reads until the wait, and a bucket's all-gather
+grid.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ class Issued(NamedTuple):
     Attributes:
         work: what to wait.
         process_group: the group it runs on.
-        copies: ``(destination, source)`` made once after the wait.
+        copies: ``(destination, source)`` made after the wait.
         temporaries: the wire's own memory, freed after the copies.
         keep_alive: inputs the backend reads until the wait.
         grid: a bucket's all-gather output viewed ``(F, T)`` (``None``: written in place).
@@ -74,17 +70,14 @@ class Wire:
 
     @property
     def fills_members_at_completion(self) -> bool:
-        """A bucket's members are copied out of its grid at their completion ([Note: a bucket's
-        copies]); ``False``: written at the wait."""
+        """Bucket members are copied out of the grid at their completion ([Note: a bucket's
+        copies])."""
         return True
 
     def on_policy(self, policy: "Wire") -> "Wire":
-        """This wire after the policy chose ``policy`` (a custom wire keeps its collectives over
-        it)."""
         return policy
 
     def subgroup_gather(self) -> "Wire":
-        """The wire of a ``reshard_after_forward=k`` gather (never quantized)."""
         return self
 
     def gather_memory(self, numel: int, dtype: torch.dtype,
@@ -107,15 +100,15 @@ class Wire:
 
     def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
                           shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
-        """One all-gather of a bucket's ``shards``, packed ([Note: bucketing]); ``rows``: the
-        ``(F, S_i)`` destinations (``None``: not received)."""
+        """One packed all-gather of a bucket's ``shards`` ([Note: bucketing]) into ``rows``
+        (``None``: not received)."""
         world = group.world_size
         total = sum(shard.numel() for shard in shards)
         packed = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0]
         out, ours = self.gather_memory(world * total, packed.dtype, group.device)
         work = self._all_gather_flat(out, packed, group)
         return Issued(work, group.process_group,
-                      temporaries=[packed] if len(shards) > 1 else [],  # one: a shard, not ours
+                      temporaries=[packed] if len(shards) > 1 else [],
                       keep_alive=shards, grid=out.view(world, total), grid_is_ours=ours)
 
     def _all_gather_flat(self, output: torch.Tensor, packed: torch.Tensor,
@@ -125,7 +118,7 @@ class Wire:
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                        divide_factor: Optional[float], force_sum: bool) -> Issued:
         """Reduce-scatter ``flat`` into ``output`` (``collectives.reduce_scatter_scaled``'s
-        contract) over ``group``'s reduce group."""
+        contract)."""
         work = reduce_scatter_scaled(output, flat, group, divide_factor, force_sum, async_op=True)
         return Issued(work, group.process_group, keep_alive=(flat,))  # type: ignore[arg-type]
 
@@ -133,8 +126,8 @@ class Wire:
                               chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
                               group: ShardGroup, divide_factor: Optional[float],
                               force_sum: bool) -> Issued:
-        """One reduce-scatter of a bucket's flat gradients (``None``: zeros) into ``outputs``
-        (``None``: not wanted); each segment is reduced as alone."""
+        """One reduce-scatter of a bucket's gradients (``None``: zeros) into ``outputs``; each
+        segment reduced as alone."""
         world, total = group.world_size, sum(chunks)
         dtype = next(g.dtype for g in grads if g is not None)
         packed, ours = self.reduce_memory(world * total, dtype, group.device)
@@ -164,8 +157,8 @@ class Wire:
 
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
-        """Hybrid sharding: what to all-reduce over the replicas (``None``: keep ``output`` as a
-        partial sum)."""
+        """Hybrid: what to all-reduce over the replicas (``None``: keep ``output`` as a partial
+        sum)."""
         return output
 
     def before_fold(self, output: torch.Tensor) -> None:
@@ -176,8 +169,8 @@ EXACT = Wire()
 
 
 class QuantizedWire(Wire):
-    """Block-quantized collectives ([Note: block-quantized wire format]), exact in a direction
-    without a quantizer."""
+    """Block-quantized collectives ([Note: block-quantized wire format]) in the directions with a
+    quantizer."""
 
     __slots__ = ("gather_quantizer", "reduce_quantizer")
 
@@ -241,8 +234,8 @@ def policy_wire(gather_quantizer: Optional[BlockQuantizer],
 
 
 class CustomWire(Wire):
-    """FSDP2's custom collectives ([Note: custom collectives]) over ``base`` for what they leave
-    alone. The queue never frees their memory: the object may reuse it."""
+    """FSDP2's custom collectives ([Note: custom collectives]) over ``base``; the queue never
+    frees their memory."""
 
     __slots__ = ("comms", "base")
 
@@ -336,7 +329,6 @@ class CustomWire(Wire):
 
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
-        """``set_requires_all_reduce(False)`` keeps the sum (no hook, as FSDP2)."""
         if not self.comms.requires_all_reduce:
             return None
         return partials.merge_partial(output)
