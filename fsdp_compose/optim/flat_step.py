@@ -1,24 +1,14 @@
-"""The flat optimizer step: the optimizer steps each flat buffer's shard as a few tensors instead
-of one per parameter, with the same numbers.
+"""The flat optimizer step: each flat buffer's shard is stepped as a few tensors instead of one
+per parameter, bitwise with torch's numbers (the default from an optimizer's second step on).
 
-It is the default: from the second step of an optimizer over managed parameters (a global step
-pre-hook), its steps are flat, adopting the state torch's first step made.
-``flat_step(optimizer)`` does it at once; ``flat_step(optimizer, enabled=False)`` keeps
-torch's own step.
-
-A managed parameter is a view of its buffer's shard and its ``.grad`` a view of one flat
-sharded gradient, so the parameters of a family of param groups (``rules.py``) that lie back
-to back in a shard are stepped as one tensor per run (``segments.py``), by one call into
-torch's own functional optimizer per family. Every element gets the same arithmetic (the same
-kernels, foreach or for-loop as torch chooses), so the values are bitwise torch's; what is
-saved is the per-tensor cost. The state stays per parameter (views of flat state tensors), so
-``state_dict()``, DCP and FSDP2 checkpoints see what they always see.
-
-Anything else goes to torch's own step: unmanaged parameters, a ``.grad`` set by hand, state
-that does not look like this optimizer's, groups with ``fused``, ``capturable``,
-``differentiable``, a tensor ``lr`` or a GradScaler's fused unscale (warned once), and wholly
-other optimizer classes or an instance whose ``step`` other code replaced. An LR scheduler
-made before keeps working. A parameter whose ``.grad`` is ``None`` is not touched.
+A managed parameter views its buffer's shard and its ``.grad`` one flat sharded gradient, so
+parameters of a family of param groups (``rules.py``) lying back to back are stepped as one
+tensor per run (``segments.py``) by one call into torch's own functional optimizer, with the
+kernels torch would choose: only the per-tensor cost goes. The state stays per parameter
+(views of flat state tensors), so state dicts and checkpoints are unchanged. Whatever it
+cannot take (unmanaged parameters, a ``.grad`` set by hand, foreign state,
+``fused``/``capturable``/``differentiable`` groups, a tensor ``lr``, a GradScaler's fused
+unscale, other optimizer classes) goes to torch's own step.
 """
 
 from __future__ import annotations
@@ -38,8 +28,7 @@ from .rules import Rule, choose_foreach, rule_for
 from .segments import Member, Segment, build_segments, is_flat_view, member_ids
 
 _HANDLE_ATTRIBUTE = "_fsdp_compose_flat_step"
-"""Where an optimizer keeps its handle: on the instance, so the handle and the model its segments
-reach die with the optimizer in one garbage collection."""
+"""On the instance: the handle dies with the optimizer in one garbage collection."""
 
 
 def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
@@ -48,7 +37,7 @@ def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
 
 _OFF: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-_installed: list[object] = []  # the default's global step pre-hook, once installed
+_installed: list[object] = []
 
 
 class StepReport(NamedTuple):
@@ -74,31 +63,23 @@ class FlatStep:
         self._optimizer: "weakref.ref[Optimizer]" = weakref.ref(optimizer)
         self.rule: Optional[Rule] = rule
         self.unsupported: Optional[str] = why_not
-        """Why torch steps this optimizer alone (``None``: supported)."""
         self.active: bool = why_not is None
         self.last: Optional[StepReport] = None
-        """What the last step did (``None``: no step yet)."""
         step = type(optimizer).step
         self._torch_step: Callable[..., Any] = getattr(step, "__wrapped__", step)
-        """torch's step without the hook wrapper (the wrapper around the flat step runs the
-        hooks)."""
+        """torch's step without its hook wrapper (the flat step's wrapper runs the hooks)."""
         self._params_signature: Optional[tuple] = None
-        """Per param group, its params list's identity and length."""
         self._signature: Optional[tuple] = None
         self._families: tuple[tuple[int, ...], ...] = ()
-        """Param groups stepped together (indices)."""
         self._segments: list[list[Segment]] = []
         self._foreach: list[bool] = []
-        """Per param group, torch's foreach choice for ``foreach=None``."""
         self._where: dict[int, tuple[Segment, int]] = {}
-        """id(parameter) -> (segment, member)."""
         self._warned: set[str] = set()
         self.installed: Optional[Callable[..., Any]] = None
         self.after_scheduler: bool = False
         """It replaced an LR scheduler's wrapper of torch's step."""
 
     def remove(self) -> None:
-        """Step with torch's own step from now on (the state stays valid)."""
         self.active = False
         optimizer = self._optimizer()
         if optimizer is not None and _handle_of(optimizer) is self:
@@ -110,8 +91,8 @@ class FlatStep:
             else self._foreach[index]
 
     def _plan(self, optimizer: Optimizer, supported: list[int]) -> None:
-        """Families of the supported groups and their segments (made again when they change, or a
-        buffer's shard)."""
+        """Families of the supported groups and their segments, rebuilt when groups, families or
+        a shard change."""
         groups, rule = optimizer.param_groups, self.rule
         params_signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if params_signature != self._params_signature:
@@ -199,8 +180,8 @@ class FlatStep:
 
     def _decayed(self, groups: list[dict], family: tuple[int, ...], work: list,
                  foreach: bool) -> dict:
-        """The hyperparameters of the family's one call; where its groups differ in a weight
-        decay the rule applies itself, apply each group's first and step with none."""
+        """The family's one call's hyperparameters; a weight decay that differs within the family
+        is applied per group first."""
         group = groups[family[0]]
         if len(family) == 1 or not self.rule.separate_decay(group) or \
                 all(groups[i]["weight_decay"] == group["weight_decay"] for i in family):
@@ -214,15 +195,15 @@ class FlatStep:
         return dict(group, weight_decay=0.0)
 
     def _torch_rest(self, optimizer: Optimizer, handled: list[Optional[set[int]]]) -> int:
-        """torch's own step on every parameter the flat path did not take; returns how many have
-        a gradient."""
+        """torch's own step on the parameters the flat path did not take; returns how many have a
+        gradient."""
         groups = optimizer.param_groups
         rest = [group["params"] if done is None else [p for p in group["params"] if id(p) not in done]
                 for group, done in zip(groups, handled)]
         with_grad = [p for params in rest for p in params if p.grad is not None]
         if not with_grad:
             return 0
-        for param in with_grad:  # torch steps its state: no longer known to match the segment's
+        for param in with_grad:  # torch steps its state now
             found = self._where.get(id(param))
             if found is not None:
                 found[0].forget(found[1])
@@ -252,11 +233,9 @@ def _flat_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None
 
 
 _hooked_flat_step = Optimizer.profile_hook_step(_flat_step)
-"""The flat step inside torch's hook wrapper (step hooks run around it)."""
 
 
 def _why_not(optimizer: Optimizer) -> Optional[str]:
-    """Why ``optimizer`` cannot step flat at all (``None``: it can)."""
     name = type(optimizer).__name__
     if rule_for(optimizer) is None:
         return f"{name} (flat steps exist for AdamW, Adam and SGD; not their subclasses)"
@@ -270,9 +249,8 @@ def _why_not(optimizer: Optimizer) -> Optional[str]:
 
 
 def _install(optimizer: Optimizer) -> FlatStep:
-    """Make the handle and put the flat step on the instance in the form of an LR scheduler's
-    wrapper: it holds the optimizer weakly (no reference cycle), and a scheduler made later
-    sees it as its own."""
+    """Put the flat step on the instance as an LR scheduler's wrapper would: it holds the
+    optimizer weakly, and a scheduler made later sees it as its own."""
     handle = FlatStep(optimizer, rule_for(optimizer), None)
     optimizer.__dict__[_HANDLE_ATTRIBUTE] = handle
     handle.after_scheduler = "step" in optimizer.__dict__
@@ -281,8 +259,7 @@ def _install(optimizer: Optimizer) -> FlatStep:
 
 
 def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
-    """Put the optimizer's step back to torch's (a scheduler's wrapper made before becomes its
-    wrapper of torch's)."""
+    """Back to torch's step (a scheduler's wrapper made before wraps torch's)."""
     if optimizer.__dict__.get("step") is not handle.installed:
         return  # other code replaced it since: leave theirs
     if handle.after_scheduler:
@@ -293,15 +270,13 @@ def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
 
 def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
     """Step ``optimizer``'s managed parameters as a few flat tensors per buffer, bitwise the
-    numbers of torch's own step. The default does this from an optimizer's second step on;
-    calling it makes the first step flat too. Returns the handle (``FlatStep.last`` reports
-    each step).
+    numbers of torch's own step; calling it makes the first step flat too. Returns the handle
+    (``FlatStep.last`` reports each step).
 
-    Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (foreach or for-loop, every
-    hyperparameter but ``fused``/``capturable``/``differentiable``). Anything else keeps
-    torch's step with a warning (``FlatStep.unsupported`` says why). Idempotent.
-    ``enabled=False``: this optimizer keeps torch's own step and an installed flat step is
-    removed."""
+    Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (every hyperparameter but
+    ``fused``, ``capturable``, ``differentiable``); anything else keeps torch's step with a
+    warning (``FlatStep.unsupported``). Idempotent. ``enabled=False``: keep torch's own step
+    (an installed flat step is removed)."""
     if not enabled:
         _OFF.add(optimizer)
         handle = _handle_of(optimizer)
@@ -321,18 +296,17 @@ def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
 
 
 def install_default_flat_step() -> None:
-    """Register the global step pre-hook that gives optimizers over managed parameters the flat
-    step (once per process)."""
+    """Register the global step pre-hook that installs the flat step (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_take_by_default))
 
 
 def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None:
-    if optimizer in _SEEN:  # one set lookup per step after the first
+    if optimizer in _SEEN:
         return
     _SEEN.add(optimizer)
     if optimizer in _OFF or _handle_of(optimizer) is not None:
-        return  # the user decided
+        return
     if not any(owner_of(p) is not None for g in optimizer.param_groups for p in g["params"]):
         return  # not a fully_shard model's optimizer
     why_not = _why_not(optimizer)

@@ -1,14 +1,12 @@
-"""What the flat optimizer step knows of each torch optimizer it runs: which groups it can take,
-the per-element state, and the call into torch's functional implementation
-(``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``) with one tensor per run.
+"""What the flat optimizer step knows of each torch optimizer: which groups it takes, the
+per-element state, and the call into torch's functional implementation with one tensor per
+run.
 
-Every element of these optimizers is updated from the same element of the parameter, gradient
-and state with scalars of the group and the ``step`` count, so one call on a run writes the
-bits of the same call per parameter, provided the run shares hyperparameters and ``step``.
-Param groups differing only where the rule applies the difference itself step as one *family*:
-AdamW's decoupled weight decay is ``param.mul_(1 - lr * weight_decay)`` first, so groups with
-and without decay (nanoGPT's, the HF Trainer's) are decayed per group, then stepped together
-with ``weight_decay=0``. Adam's L2 decay and SGD's are part of the family.
+These optimizers update every element from the same element of parameter, gradient and state
+with the group's scalars and ``step``, so one call on a run writes the bits of the same call
+per parameter. Groups differing only where the rule applies the difference itself step as one
+*family*: AdamW's decoupled decay is ``param.mul_(1 - lr * weight_decay)`` first, so groups
+with and without decay are decayed per group, then stepped together with ``weight_decay=0``.
 """
 
 from __future__ import annotations
@@ -21,38 +19,32 @@ from torch.optim import Optimizer
 
 from .._torch_private import default_to_fused_or_foreach, foreach_mul_
 
-# The modules, not their functions: the functional step is looked up at each call, as torch's step
-# does.
+# Looked up at each call, as torch's step does.
 _ADAM = importlib.import_module("torch.optim.adam")
 _SGD = importlib.import_module("torch.optim.sgd")
 
 
 class RunTensors(NamedTuple):
-    """One run's tensors over the same elements: values, gradients, and each per-element state
-    (``None``: made from the gradient on the first step, SGD's ``momentum_buffer``)."""
+    """One run's values, gradients and per-element states (``None``: made from the gradient at
+    the first step)."""
 
     param: torch.Tensor
     grad: torch.Tensor
     states: dict[str, Optional[torch.Tensor]]
-    step: Optional[torch.Tensor]  # one member's 'step', or None
+    step: Optional[torch.Tensor]
 
 
 class Rule:
-    """One optimizer class: what a group needs, which state it keeps, how to call torch's
-    functional step."""
+    """One optimizer class: what a group needs, its state, how to call torch's functional step."""
 
     counts_steps: bool = False
-    """A per-parameter ``step`` counter (Adam) or not (SGD)."""
     hyperparameters: tuple[str, ...] = ()
-    """The group entries the functional step reads (``weight_decay`` apart)."""
 
     def separate_decay(self, group: dict[str, Any]) -> bool:
-        """The group's weight decay is applied by :meth:`decay` (groups differing only in it
-        share a family)."""
+        """The group's weight decay is applied by :meth:`decay`."""
         return False
 
     def family_key(self, group: dict[str, Any], foreach: bool) -> tuple:
-        """Groups with equal keys step in one call."""
         names = self.hyperparameters if self.separate_decay(group) \
             else self.hyperparameters + ("weight_decay",)
         return (foreach, self.separate_decay(group)) + tuple(_comparable(group.get(k)) for k in names)
@@ -77,17 +69,14 @@ class Rule:
         raise NotImplementedError
 
     def fresh_state_from_grad(self) -> bool:
-        """A first step takes the state from the gradient rather than zeros."""
         return False
 
     def step(self, group: dict[str, Any], runs: Sequence[RunTensors], foreach: bool) -> list:
-        """One functional call over every run; returns per run the state tensors torch made
-        (``fresh_state_from_grad``)."""
+        """One functional call over every run; per run, the state tensors torch made."""
         raise NotImplementedError
 
 
 def _comparable(value: Any) -> Any:
-    """Tensors by identity (``==`` on them is elementwise)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
     if isinstance(value, (tuple, list)):
@@ -96,7 +85,7 @@ def _comparable(value: Any) -> Any:
 
 
 def choose_foreach(group: dict[str, Any], params: Sequence[torch.Tensor]) -> bool:
-    """foreach or for-loop as torch decides it (the two are not bitwise equal)."""
+    """foreach or for-loop as torch decides it (they are not bitwise equal)."""
     if group.get("foreach") is not None:
         return bool(group["foreach"])
     return default_to_fused_or_foreach(list(params), False, use_fused=False)[1]

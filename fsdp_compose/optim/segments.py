@@ -1,17 +1,15 @@
 """Stretches of a shard that the flat optimizer step updates as one tensor.
 
-A *segment* is a stretch of one flat buffer's shard holding parameters of one family of param
-groups back to back. Its per-element state lives in one flat tensor per state name, and each
-parameter's state in ``optimizer.state`` is a view of it, shaped like the parameter. Each step
-splits a segment into *runs*: maximal stretches whose parameters have a ``.grad`` that is
-their own piece of one flat gradient (others are skipped or left to torch), hold state that is
-this segment's views (other state is first copied in: *adopted*), and have taken the same
-number of steps (Adam's bias correction reads it). Padding between members is stepped with
-them: its gradient is zero, so it stays zero.
+A *segment* is a stretch of one flat buffer's shard holding parameters of one family back to
+back, its per-element state one flat tensor per state name, each parameter's state a view of
+it. Each step cuts a segment into *runs* of parameters whose ``.grad`` is their piece of one
+flat gradient, whose state is this segment's views (other state is copied in: *adopted*), and
+that took the same number of steps. Padding between members is stepped with them and stays
+zero.
 
 Invariant: for every member ``i`` with ``installed[i]``, ``optimizer.state[param] is
-installed[i]``, its values are views of ``flats``, and ``ages[i]`` is its ``step``; any other
-state dict is adopted again or left to torch, never trusted.
+installed[i]``, its values view ``flats``, and ``ages[i]`` is its ``step``; other state is
+adopted again or left to torch.
 """
 
 from __future__ import annotations
@@ -30,15 +28,13 @@ from .rules import Rule, RunTensors
 _grad_of = operator.attrgetter("grad")
 
 CPU_RUN_CAP = 1 << 18
-"""On the CPU, runs of several parameters stop at 2^18 elements: a for-loop step passes over
-whole-run temporaries several times, fastest while they fit the caches (and large ones come
-from ``mmap``, faulting at every step). Devices with a caching allocator take runs of any
-length."""
+"""CPU runs of several parameters stop at 2^18 elements: a for-loop step passes over whole-run
+temporaries several times, fastest while they fit the caches."""
 
 
 class Run(NamedTuple):
-    """Members ``first``..``last`` (inclusive) of a segment, elements ``start``..``start +
-    numel``, all of age ``age`` (``-1``: no state yet)."""
+    """Members ``first``..``last`` of a segment, ``numel`` elements from ``start``, all of age
+    ``age`` (``-1``: no state yet)."""
 
     segment: "Segment"
     first: int
@@ -49,7 +45,6 @@ class Run(NamedTuple):
 
 
 class Member(NamedTuple):
-    """A parameter of a segment: its index in the buffer, itself, its param group's index."""
 
     index: int
     param: nn.Parameter
@@ -57,38 +52,32 @@ class Member(NamedTuple):
 
 
 class Segment:
-    """Parameters ``params`` of one family, back to back in ``buffer``'s shard from
-    ``shard_start``."""
 
     def __init__(self, buffer: FlatBuffer, members: Sequence[Member]) -> None:
         slices = buffer.local_slices()
         self.buffer: FlatBuffer = buffer
         self.sharded: torch.Tensor = buffer.sharded
-        """The shard the parameters view (a new one after a dtype conversion: rebuild)."""
+        """A new one after a dtype conversion: rebuild."""
         self.indices: tuple[int, ...] = tuple(m.index for m in members)
         self.params: tuple[nn.Parameter, ...] = tuple(m.param for m in members)
         self.groups: tuple[int, ...] = tuple(m.group for m in members)
         held = [slices[i] for i in self.indices if slices[i].length]
         self.shard_start: int = held[0].shard_start if held else 0
         self.numel: int = held[-1].shard_start + held[-1].length - self.shard_start if held else 0
-        """Elements from the first member's start to the last one's end."""
         self.offsets: tuple[int, ...] = tuple(
             slices[i].shard_start - self.shard_start if slices[i].length else 0
             for i in self.indices)
         self.lengths: tuple[int, ...] = tuple(slices[i].length for i in self.indices)
         self.flats: dict[str, torch.Tensor] = {}
-        """Per state name, the segment's state (allocated at its first step)."""
         self.installed: list[Optional[dict]] = [None] * len(self.params)
         self.ages: list[int] = [0] * len(self.params)
         self.uniform: Optional[tuple[str, ...]] = None
-        """The state names for which every member is installed and of one age (the fast path;
-        ``None``: not)."""
+        """State names for which every member is installed and of one age (the fast path)."""
         self.cap: int = CPU_RUN_CAP if self.sharded.device.type == "cpu" else sys.maxsize
         self._whole: Optional[list[Run]] = None
         self._by_group: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
 
     def state_view(self, name: str, member: int) -> torch.Tensor:
-        """Member ``member``'s piece of state ``name``, shaped and strided like the parameter."""
         flat, param = self.flats[name], self.params[member]
         return flat.as_strided(param.size(), param.stride(),
                                flat.storage_offset() + self.offsets[member])
@@ -101,8 +90,8 @@ class Segment:
 
     def _adopt(self, member: int, state: dict, names: tuple[str, ...], rule: Rule,
                opt_state: dict) -> Optional[int]:
-        """Copy a state dict made elsewhere into the segment's views and install it; returns the
-        member's age (``None``: not this optimizer's state, torch steps the parameter)."""
+        """Copy state made elsewhere into the segment's views and install it; the member's age,
+        or ``None`` (not this optimizer's state: torch steps it)."""
         param = self.params[member]
         expected = set(names) | ({"step"} if rule.counts_steps else set())
         if set(state) != expected:
@@ -130,13 +119,11 @@ class Segment:
         return self.ages[member]
 
     def forget(self, member: int) -> None:
-        """torch stepped the member: its state is no longer known to be the segment's."""
         self.installed[member] = None
         self.uniform = None
 
     def _grad_base(self, grads: list) -> Optional[tuple[torch.Tensor, Optional[list[bool]]]]:
-        """The flat gradient the members' ``.grad`` are pieces of, and which members' are
-        (``None``: all, the kept gradient's views)."""
+        """The flat gradient the members' ``.grad`` are pieces of, and which are (``None``: all)."""
         kept = self.buffer.grad.kept_views()
         if kept is not None:
             base, views = kept
@@ -160,8 +147,7 @@ class Segment:
 
     def collect(self, rule: Rule, names: tuple[str, ...], opt_state: dict
                 ) -> tuple[Optional[torch.Tensor], list[Run]]:
-        """This step's runs and the flat gradient they read (``None``, no runs: none can step
-        flat)."""
+        """This step's runs and the flat gradient they read."""
         if self.sharded is not self.buffer.sharded:
             return None, []  # converted since the plan: the caller rebuilds
         grads = list(map(_grad_of, self.params))
@@ -191,8 +177,8 @@ class Segment:
         return base, self._runs(ages)
 
     def _runs(self, ages: Sequence[Optional[int]]) -> list[Run]:
-        """Runs of the members by age (``None``: skipped): a run never steps over a skipped
-        parameter, nor grows past ``cap`` elements unless one parameter alone is larger."""
+        """Runs by age (``None``: skipped): never over a skipped parameter, nor past ``cap``
+        elements unless one parameter alone is larger."""
         runs: list[Run] = []
         current: Optional[list] = None  # [first, last, start, end, age]; start None: no elements yet
         for i, age in enumerate(ages):
@@ -222,8 +208,8 @@ class Segment:
 
     def tensors(self, run: Run, base: torch.Tensor, rule: Rule, names: tuple[str, ...]
                 ) -> RunTensors:
-        """The run's flat tensors; a run without state gets it now (zeros and ``step`` 0, as
-        torch's first step)."""
+        """The run's flat tensors; a run without state gets zeros and ``step`` 0, as torch's
+        first step."""
         self._allocate(names)
         at = self.shard_start + run.start
         fresh = run.age < 0
@@ -246,7 +232,6 @@ class Segment:
                           states, step)
 
     def values_by_group(self, run: Run) -> list[tuple[int, torch.Tensor]]:
-        """The run's values as ``(param group, values)`` pieces, for a per-group weight decay."""
         key = (run.first, run.last)
         pieces = self._by_group.get(key)
         if pieces is None:
@@ -274,8 +259,7 @@ class Segment:
 
     def finish(self, run: Run, handed_back: Optional[dict], names: tuple[str, ...],
                rule: Rule, opt_state: dict, later_steps: list) -> None:
-        """After the functional step: install a first step's state, count the step, and collect
-        the other members' ``step`` counters."""
+        """After the functional step: install a first step's state, count the step."""
         if run.age < 0:
             for name, value in (handed_back or {}).items():  # torch's clone of the gradient
                 self.flats[name].narrow(0, run.start, run.numel).copy_(value)
@@ -291,7 +275,6 @@ class Segment:
             self.ages[run.first] += 1
 
     def settle(self, names: tuple[str, ...], rule: Rule) -> None:
-        """Whether the next step may take the fast path."""
         if not names and not rule.counts_steps:
             self.uniform = names  # stateless: every member with a gradient is stepped alike
         elif None not in self.installed and min(self.ages) == max(self.ages):
@@ -301,8 +284,8 @@ class Segment:
 
 
 def build_segments(buffer: FlatBuffer, members: Sequence[Member]) -> list[Segment]:
-    """Cut ``members`` into segments in shard order, a new one wherever another parameter's piece
-    lies between; empty pieces join the last."""
+    """Cut ``members`` into segments in shard order, a new one wherever another parameter lies
+    between."""
     slices = buffer.local_slices()
     mine = {m.index: m for m in members}
     held = sorted((i for i in range(len(slices)) if slices[i].length),
@@ -324,7 +307,6 @@ def build_segments(buffer: FlatBuffer, members: Sequence[Member]) -> list[Segmen
 
 
 def is_flat_view(buffer: FlatBuffer, index: int, param: torch.Tensor) -> bool:
-    """``param`` is a plain floating-point parameter viewing its piece of the buffer's shard."""
     if type(param) is not nn.Parameter or not param.dtype.is_floating_point:
         return False
     s = buffer.local_slices()[index]
