@@ -1,11 +1,8 @@
 """Pure math for the zero-copy checkpoint path: a rank's piece of a parameter as DCP *boxes*
-(offsets and sizes in the global shape), property-tested alone.
-
-DCP stores a tensor as boxes covering it without overlap, whoever wrote them; any reader reads
-the intersections of the boxes it wants with those on disk. So a rank may write its piece of a
-flat shard as it lies, cut into boxes. Under every placement but ``Shard(d)`` a piece is one
-contiguous range of the row-major flattened parameter: in ``n`` dims a union of at most ``2n -
-1`` contiguous boxes (:func:`range_boxes`, in increasing order).
+(offsets and sizes in the global shape). DCP reads the intersections of the boxes it wants
+with those on disk, whoever wrote them, so a piece may be written as it lies. A contiguous
+range of a row-major ``n``-dim parameter is at most ``2n - 1`` contiguous boxes
+(:func:`range_boxes`).
 """
 
 from __future__ import annotations
@@ -15,13 +12,8 @@ from typing import NamedTuple, Sequence
 
 
 class Box(NamedTuple):
-    """One box of a parameter of some global shape.
-
-    Attributes:
-        offsets: its first index in every dimension.
-        sizes: its extent in every dimension.
-        flat_start: its first element in the flattened parameter (the box is contiguous
-            there)."""
+    """One box: ``offsets`` and ``sizes`` per dimension, ``flat_start`` its first element in the
+    flattened parameter (a box is contiguous there)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -45,15 +37,15 @@ def range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
 def _boxes(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[int, ...],
            base: int) -> list[Box]:
-    """Boxes of ``[start, stop)`` inside a sub-tensor of ``shape`` at outer indices ``prefix``
-    and flat offset ``base``."""
+    """Boxes of ``[start, stop)`` inside a sub-tensor at outer indices ``prefix`` and flat offset
+    ``base``."""
     ones = (1,) * len(prefix)
     if len(shape) <= 1:
         offsets = (start,) if shape else ()
         sizes = (stop - start,) if shape else ()
         return [Box(prefix + offsets, ones + sizes, base + start)]
     row = math.prod(shape[1:])
-    first, last = start // row, (stop - 1) // row  # rows holding the first and the last element
+    first, last = start // row, (stop - 1) // row
     out: list[Box] = []
     if start % row or first == last and stop % row:  # a partial first row (or only one row)
         end = min(stop, (first + 1) * row)

@@ -1,12 +1,8 @@
-"""Pure math for converting between the flat layout and torch FSDP2's per-parameter ``Shard(0)``
-layout (the checkpoint format), property-tested alone.
-
-Rank ``r`` owns ``[r*S, (r+1)*S)`` of the flat buffer, which cuts through parameters anywhere;
-a checkpoint wants rank ``j``'s ``torch.chunk(param, F, dim=0)[j]`` (a 0-dim parameter: all of
-it on every rank). In flat coordinates rank ``j``'s chunks of the selected parameters are
-increasing ranges ``T_j``, so one all-to-all converts: flat -> chunks, rank ``r`` sends rank
-``j`` the elements of ``T_j`` in its shard, in order, and what ``j`` receives from ranks
-``0..F-1`` *is* its chunks packed back to back; chunks -> flat is the same exchange backwards.
+"""Pure math between the flat layout and torch FSDP2's per-parameter ``Shard(0)`` layout,
+property-tested alone. Rank ``j``'s chunks of the selected parameters are increasing ranges of
+the flat buffer, so one all-to-all converts: each rank sends rank ``j`` the parts of ``j``'s
+ranges in its shard, in order, and what ``j`` receives *is* its chunks back to back; the
+reverse is the same exchange backwards.
 """
 
 from __future__ import annotations
@@ -17,14 +13,8 @@ from ..buffers.layout import FlatLayout
 
 
 class Chunk(NamedTuple):
-    """This rank's dim-0 chunk of one parameter.
-
-    Attributes:
-        param_index: the parameter's index in the layout.
-        packed_start: where it starts in this rank's packed chunks.
-        shape: its shape (``()`` for a 0-dim parameter).
-        numel: its number of elements.
-        row_start: its first row in the parameter."""
+    """This rank's dim-0 chunk of one parameter: ``numel`` elements of ``shape`` from
+    ``row_start``, at ``packed_start`` of the packed chunks."""
 
     param_index: int
     packed_start: int
@@ -34,14 +24,9 @@ class Chunk(NamedTuple):
 
 
 class ExchangePlan(NamedTuple):
-    """One rank's side of the flat <-> chunks all-to-all.
-
-    Attributes:
-        chunks: this rank's chunk of every selected parameter, in flat order.
-        send_intervals: ``(shard_start, length)`` ranges of this rank's shard, in sending
-            order.
-        send_counts: elements of this rank's shard going to each rank.
-        recv_counts: elements of this rank's packed chunks coming from each rank."""
+    """One rank's side of the flat <-> chunks all-to-all: ``chunks`` in flat order,
+    ``send_intervals`` of the shard in sending order, and the element counts to and from each
+    rank."""
 
     chunks: tuple[Chunk, ...]
     send_intervals: tuple[tuple[int, int], ...]
@@ -71,10 +56,7 @@ def chunk_shape(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, 
 
 def _target_ranges(layout: FlatLayout, rank: int,
                    selected: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """``(param_index, flat_start, flat_end, row_start)`` of ``rank``'s chunk of each selected
-    parameter, in flat order."""
     ranges = []
-    # by offset (index order under "flat" and "rows", not "owned")
     for index in sorted(selected, key=lambda i: (layout.offsets[i], i)):
         shape = layout.shapes[index]
         lo, hi = dim0_rows(shape, layout.world_size, rank)

@@ -1,7 +1,6 @@
-"""Moving values between a flat buffer's layout and dim-0 chunks, and between dim-0 chunks and
-``DTensor`` values (the math in ``_chunks.py``). A conversion of a buffer is one all-to-all
-that moves only this rank's ``1/F`` share: no rank holds a parameter's full value. Every
-function here is collective over the buffer's group, with the same ``selected`` parameters on
+"""Moving values between a flat buffer's layout and dim-0 chunks (one all-to-all moving this
+rank's ``1/F`` share: no rank holds a whole parameter), and between chunks and ``DTensor``
+values. Every function is collective over the buffer's group, with the same ``selected`` on
 every rank.
 """
 
@@ -22,17 +21,15 @@ from ._chunks import chunk_shape, exchange_plan
 
 
 Reader = Callable[[int, int], torch.Tensor]
-"""``read(start, length)``: elements of this rank's shard of some flat-layout values, inside one
-parameter."""
+"""``read(start, length)``: elements of this rank's shard, inside one parameter."""
 
 
 def flat_to_chunks(flat: Union[torch.Tensor, Reader], layout: FlatLayout, group: ShardGroup,
                    selected: Sequence[int], *, dtype: Optional[torch.dtype] = None,
                    home: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-    """This rank's dim-0 chunk of each selected parameter, read from ``flat`` (this rank's shard)
-    or a :data:`Reader` over per-parameter values (optimizer state). Each chunk has storage of
-    its own (views of one buffer would break deepcopy and be copied again by DCP's writer), on
-    ``home``, in ``dtype`` (required with a reader)."""
+    """This rank's dim-0 chunk of each selected parameter, from ``flat`` (this rank's shard) or a
+    :data:`Reader`. Each chunk has storage of its own (a view of one buffer would break
+    deepcopy and be copied again by DCP's writer)."""
     if isinstance(flat, torch.Tensor):
         read, dtype, home = functools.partial(flat.narrow, 0), flat.dtype, home or flat.device
     else:
@@ -48,8 +45,7 @@ def flat_to_chunks(flat: Union[torch.Tensor, Reader], layout: FlatLayout, group:
 
 def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: ShardGroup,
                    out: torch.Tensor) -> None:
-    """Write each ``chunks[i]`` (this rank's dim-0 chunk of parameter ``i``) into ``out`` (this
-    rank's shard) where this rank owns it; other positions are left alone."""
+    """Write each ``chunks[i]`` into ``out`` (this rank's shard) where this rank owns it."""
     plan = exchange_plan(layout, group.rank, sorted(chunks))
     pieces = [chunks[c.param_index].reshape(-1).to(group.device, out.dtype)
               for c in plan.chunks]
@@ -64,13 +60,10 @@ def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: S
 
 
 def checkpoint_placements(group: ShardGroup) -> tuple[Placement, ...]:
-    """torch FSDP2's placements on the unit's mesh."""
     return (Replicate(), Shard(0)) if group.is_hybrid else (Shard(0),)
 
 
 def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGroup) -> torch.Tensor:
-    """``chunk`` as a ``DTensor`` of the global ``shape`` in FSDP2's layout (a 0-dim value stays
-    plain)."""
     if len(shape) == 0:
         return chunk
     return DTensor.from_local(chunk, group.mesh, checkpoint_placements(group), run_check=False,
@@ -78,13 +71,10 @@ def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGrou
 
 
 def checkpoint_shape(record: ParamRecord) -> torch.Size:
-    """The shape of ``record``'s state-dict values (global for tensor parallelism)."""
     return record.shape if record.tp is None else record.tp.shape
 
 
 def record_value(chunk: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
-    """``chunk`` as ``record``'s state-dict value (a ``DTensor`` on the (dp, tp) mesh for tensor
-    parallelism)."""
     if record.tp is None:
         return as_checkpoint_value(chunk, record.shape, group)
     return tensor_parallel.checkpoint_value(chunk, record.tp)
@@ -109,8 +99,6 @@ def loadable(value: torch.Tensor, record: ParamRecord,
 
 
 def _resharded_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
-    """This rank's dim-0 chunk of a ``DTensor`` value on the unit's mesh (``None``: another
-    mesh)."""
     if value.device_mesh != group.mesh:
         return None
     placements = checkpoint_placements(group)
@@ -161,7 +149,7 @@ def shard_dim_local(value: torch.Tensor, record: ParamRecord, group: ShardGroup)
     """This rank's ``torch.chunk(value, F, d)[rank]`` of a checkpoint value (redistributed,
     gathered or cut locally)."""
     dim = shard_dim(record)
-    if record.tp is not None:  # tensor parallel: the TP-local part, then its chunk
+    if record.tp is not None:
         mesh, placements = tensor_parallel.shard_dim_layout(record.tp, dim)
         if isinstance(value, DTensor) and value.device_mesh == mesh and \
                 tuple(value.placements) == placements:

@@ -1,7 +1,5 @@
-"""Loading whole (unsharded) weights into a sharded model without a whole copy on every rank:
-from one rank's state dict (scatter) or from ``safetensors`` files (each rank reads only the
-rows it owns). torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` works too, but
-keeps every broadcast tensor whole on every rank.
+"""Loading whole weights into a sharded model without a whole copy on every rank: from one rank's
+state dict (scatter) or from ``safetensors`` files (each rank reads its rows).
 """
 
 from __future__ import annotations
@@ -31,17 +29,15 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
     """Load ``src``'s whole state dict into every rank's shards. Collective.
 
     Args:
-        module: a model annotated by ``fully_shard`` (shards still on the meta device are
-            allocated first).
-        state_dict: on ``src``, plain tensors in the original shapes under
-            ``module.state_dict()``'s keys; ``None`` on other ranks.
+        module: a ``fully_shard`` model (meta shards are allocated first).
+        state_dict: on ``src``, full tensors under ``module.state_dict()``'s keys; ``None``
+            elsewhere.
         src: the rank that holds ``state_dict``.
-        strict: raise (on every rank) for missing or unexpected keys; mis-shaped keys always
+        strict: raise on every rank for missing or unexpected keys; mis-shaped keys always
             raise.
 
-    Each flat buffer is one ``scatter`` (``src`` holds one buffer's values beyond
-    ``state_dict`` at a time). Buffers and unmanaged parameters are broadcast. Parameters keep
-    their identity."""
+    One ``scatter`` per flat buffer; buffers and unmanaged parameters are broadcast.
+    Parameters keep their identity."""
     arrive(None, "fsdp_compose.scatter_full_state_dict",
            "Call it on every rank, with the state dict on `src` and None elsewhere.")
     rank = dist.get_rank()
@@ -66,9 +62,8 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
 def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[str, Path]]],
                      *, strict: bool = True) -> None:
     """Load ``safetensors`` files (keys as ``module.state_dict()``'s) into a sharded model: each
-    rank reads only the rows holding its slices, plus whole buffers and unmanaged parameters.
-    No communication. Non-persistent buffers are left as they are (on a meta-built model,
-    initialise them first, e.g. ``fsdp_compose.materialize``)."""
+    rank reads only the rows of its slices, plus buffers and unmanaged parameters. No
+    communication. Non-persistent buffers are left as they are."""
     from safetensors import safe_open
 
     paths = [files] if isinstance(files, (str, Path)) else list(files)
@@ -101,16 +96,13 @@ class _Entries:
 
     def __init__(self) -> None:
         self.keys_of: dict[int, list[str]] = {}
-        """id(managed parameter) -> its keys (several when tied)."""
         self.shape_of: dict[str, tuple[int, ...]] = {}
         self.plain: dict[str, torch.Tensor] = {}
-        """Buffers and unmanaged parameters, by key."""
         self.persistent: dict[str, bool] = {}
 
 
 def _prepare(module: nn.Module, available: dict, strict: bool) -> "_Entries":
-    """Allocate meta shards, then check the checkpoint's keys and shapes (``available``: key ->
-    (shape, dtype))."""
+    """Allocate meta shards, then check the checkpoint's keys and shapes."""
     allocate_meta(module)
     entries = _entries(module)
     _check_keys(entries, available, strict)
@@ -168,7 +160,7 @@ def _scatter_buffer(buffer: FlatBuffer, keys_of: dict[int, list[str]],
     group = buffer.group
     present = [_first_present(keys_of[id(r.param)], available) for r in buffer.records]
     if not any(present):
-        return  # the same on every rank
+        return
     device = group.device
     shard = torch.empty(buffer.layout.shard_numel, dtype=buffer.dtype, device=device)
     chunks = None
@@ -209,8 +201,7 @@ def _scatter_chunks(shard: torch.Tensor, chunks: Optional[list[torch.Tensor]],
 
 
 def _read_flat_range(handle, key: str, shape: torch.Size, start: int, length: int) -> torch.Tensor:
-    """Elements ``[start, start + length)`` of the flattened ``key``, reading only the rows that
-    hold them."""
+    """Elements of the flattened ``key``, reading only the rows that hold them."""
     if len(shape) == 0:
         return handle.get_tensor(key).reshape(-1)[start:start + length]
     row = math.prod(shape[1:])

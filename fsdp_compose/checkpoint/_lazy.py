@@ -1,18 +1,13 @@
-"""State-dict values in torch FSDP2's layout that are converted only when used: torch's recipe
-(``get_state_dict`` + ``dcp.save``; ``dcp.load`` + ``set_state_dict``) without a converted
-copy.
+"""State-dict values in torch FSDP2's layout converted only when used.
 
 [Note: lazy checkpoint values]
-``state_dict()`` returns, for each parameter (and per-element optimizer state) of the flat
-layouts, a ``DTensor`` in FSDP2's layout whose local tensor is a :class:`LazyChunk`: the
-chunk's shape and dtype, no memory. If DCP plans and moves it (through DTensor's
-``__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__``), the chunk
-answers with the boxes of this rank's piece of the flat shard
-(:class:`~._pieces.ShardPieces`): ``dcp.save`` writes the shard as it lies, ``dcp.load`` reads
-straight into it, and the load hooks see the value as loaded in place. Any other use (a tensor
-operation, ``full_tensor()``, deepcopy, pickling) *materialises* it once by the usual
-exchange, collective over the unit's group: ranks must use the values in the same order, as
-they must call ``full_tensor()``; a use on some ranks only raises ``CallMismatchError``.
+``state_dict()`` returns, for each parameter and per-element optimizer state of the flat
+layouts, a ``DTensor`` whose local tensor is a :class:`LazyChunk` holding no memory. DCP,
+through DTensor's ``__create_write_items__`` / ``__create_chunk_list__`` /
+``__get_tensor_shard__``, gets the boxes of this rank's piece of the flat shard: ``dcp.save``
+writes the shard as it lies and ``dcp.load`` reads into it. Any other use *materialises* the
+chunk once by the usual exchange, collectively: ranks must use the values in the same order,
+as they must call ``full_tensor()``.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ SAVE_ADVICE = (
     "`if rank == 0: torch.save(sd, f)`; for sharded saves, call "
     "`torch.distributed.checkpoint.save({'model': model.state_dict()}, checkpoint_id=path)` "
     "on every rank (or use CheckpointStore).")
-"""The fix for a save from rank 0 only (a test runs it)."""
 _FIX = ("Values of fsdp_compose's state dicts are converted to FSDP2's layout when first used, "
         "collectively: use them (full_tensor(), tensor operations, deepcopy, pickling by "
         "torch.save) on every rank in the same order. " + SAVE_ADVICE)
@@ -51,9 +45,8 @@ class LazyChunk(torch.Tensor):
     """This rank's chunk of one value, computed when first used ([Note: lazy checkpoint values]).
 
     Attributes:
-        pieces: this rank's piece of the value in the flat layout, as boxes.
-        source: the tensor the piece lives in (the flat shard or an optimizer state): what
-            "loaded in place" is checked against."""
+        pieces: this rank's piece in the flat layout, as boxes.
+        source: the tensor the piece lives in (checked for "loaded in place")."""
 
     pieces: ShardPieces
     source: torch.Tensor
@@ -104,8 +97,8 @@ class LazyChunk(torch.Tensor):
         return f"LazyChunk({tuple(self.shape)}, {self.dtype}, {state})"
 
     def staged(self, value: DTensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
-        """``value`` over a copy of this rank's pieces, for an async save: DCP writes it; it
-        cannot be converted."""
+        """``value`` over a copy of this rank's pieces, for an async save; it cannot be
+        converted."""
         pieces = self.pieces.staged(copy)
 
         def unavailable() -> torch.Tensor:
@@ -121,7 +114,7 @@ class LazyChunk(torch.Tensor):
         return self.pieces.write_items(fqn)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        if self.materialized:  # an ordinary chunk
+        if self.materialized:
             return [ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=self.shape)]
         return self.pieces.__create_chunk_list__()
 
@@ -134,8 +127,6 @@ class LazyChunk(torch.Tensor):
 def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPieces,
                source: torch.Tensor, convert: Callable[[], torch.Tensor], group: ShardGroup,
                placements: tuple, what: str, device: torch.device) -> DTensor:
-    """A ``DTensor`` of global ``shape`` over a :class:`LazyChunk` (``convert()`` computes its
-    values)."""
     offsets, spec = _placed(group.mesh, torch.Size(shape), pieces.dtype, tuple(placements))
     local = LazyChunk(chunk_shape, pieces.dtype, device, pieces, source, convert, group, what,
                       offsets)
@@ -144,9 +135,8 @@ def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPie
 
 _PLACED: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple[int, ...], Any]]]" = \
     weakref.WeakKeyDictionary()
-"""Per mesh and (shape, dtype, placements): this rank's chunk offsets and the ``DTensorSpec``,
-made once (every ``state_dict()`` makes a value per parameter and state; a spec is never
-modified)."""
+"""Per mesh and (shape, dtype, placements): chunk offsets and ``DTensorSpec``, made once (specs
+are never modified)."""
 
 
 def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
@@ -164,14 +154,13 @@ def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
 
 
 def is_lazy(buffer: FlatBuffer, index: int) -> bool:
-    """Whether parameter ``index``'s values are lazy: every non-scalar parameter of the flat
-    layouts (not tensor-parallel, not ``Shard(d)``)."""
+    """Lazy: every non-scalar parameter of the flat layouts but tensor-parallel and ``Shard(d)``
+    ones."""
     record = buffer.records[index]
     return has_pieces(buffer, index) and shard_dim(record) is None and len(record.shape) > 0
 
 
 def in_place(value: Any, source: Optional[torch.Tensor]) -> bool:
-    """``value`` is an unmaterialised lazy value over ``source``: what DCP loaded is in
-    ``source`` already."""
+    """What DCP loaded into ``value`` is in ``source`` already."""
     local = local_tensor(value) if isinstance(value, DTensor) else None
     return isinstance(local, LazyChunk) and not local.materialized and local.source is source

@@ -1,19 +1,9 @@
 """``state_dict()`` / ``load_state_dict()`` of annotated modules in torch FSDP2's checkpoint
-layout.
-
-Between iterations a managed parameter is this rank's piece of a flat shard (its rows by
-default), meaningless outside this process. At the ``state_dict`` boundary every managed
-parameter becomes a ``DTensor`` of its original shape placed as torch FSDP2 places it (so DCP
-checkpoints of the two are interchangeable); ``load_state_dict`` accepts such values,
-``DTensor`` values on other meshes or placements, and full tensors, written into the shards in
-place.
-
-Hooks sit on every module a unit manages, so ``state_dict()`` of any submodule converts too.
-Saving: the first managed module reached (a *pre*-hook) makes the values of the unit's
-parameters below it, lazy where the layout allows ([Note: lazy checkpoint values]), and each
-module's post-hook puts its own into the dict. Loading: the first managed module reached
-converts the unit's values below it and replaces them in the dict by the parameters
-themselves, so torch's own copy is a no-op.
+layout: every managed parameter is a ``DTensor`` of its original shape placed as FSDP2 places
+it (DCP checkpoints of the two are interchangeable); loading accepts those, other ``DTensor``
+layouts and full tensors, written into the shards in place. Hooks sit on every managed module:
+the first one reached converts the unit's parameters below it (lazily where the layout allows:
+[Note: lazy checkpoint values]).
 """
 
 from __future__ import annotations
@@ -45,8 +35,7 @@ _STATE_DICT_FIX = (
 
 _MET: list[tuple["UnitStateDictHooks", nn.Module, Any]] = []
 """The ``state_dict()`` call in progress whose first unit met the other ranks ([Note: call
-rendezvous]): its hooks, module and group. Later units over the same group do not meet again
-(lazy values synchronise nothing else)."""
+rendezvous]); later units over the same group do not meet again."""
 
 
 def _met_in_this_call(group: Any) -> bool:
@@ -61,13 +50,12 @@ def _met_in_this_call(group: Any) -> bool:
 
 class _Stash(NamedTuple):
     owner: nn.Module
-    values: dict[int, torch.Tensor]  # id(parameter) -> its checkpoint value
+    values: dict[int, torch.Tensor]
 
 
 class UnitStateDictHooks:
-    """The state-dict hooks of one unit on its managed modules, and on each module of another
-    unit that borrows one of its parameters (a tied weight), converting the borrowed value
-    under the borrowing name."""
+    """The state-dict hooks of one unit on its managed modules, and on a module of another unit
+    borrowing one of its parameters (a tied weight)."""
 
     def __init__(self, unit: Unit, borrowed_at: Optional[tuple[nn.Module, str]] = None) -> None:
         self.unit: Unit = unit
@@ -76,7 +64,6 @@ class UnitStateDictHooks:
             for buffer in unit.buffers for record in buffer.records
             for module, name in record.slots
             if borrowed_at is None or (module is borrowed_at[0] and name == borrowed_at[1])}
-        """(id(module), attribute) -> the record of the parameter held there."""
         self._stash: Optional[_Stash] = None
         modules = unit.managed_modules if borrowed_at is None else (borrowed_at[0],)
         for module in modules:
@@ -100,27 +87,27 @@ class UnitStateDictHooks:
         skip_frozen = _torch_drops_frozen_params()
         flat = flat_values_requested()
         if flat:
-            self._make_loadable()  # DCP writes from and reads into the shards
+            self._make_loadable()
         values: dict[int, Any] = {}
         for buffer in self.unit.buffers:
             group = buffer.group
             selected = [i for i, r in enumerate(buffer.records)
                         if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
-            if flat:  # zero-copy: views of the shard
+            if flat:
                 for index in selected:
                     if has_pieces(buffer, index):
                         values[id(buffer.records[index].param)] = ShardPieces.of(
                             buffer, index, buffer.local_view(buffer.sharded.detach(), index),
                             lead=group.rank == 0)
                 selected = [i for i in selected if not has_pieces(buffer, i)]
-            else:  # lazy: DCP reads and writes the shard itself
+            else:
                 for index in selected:
                     if is_lazy(buffer, index):
                         values[id(buffer.records[index].param)] = _lazy_param(buffer, index)
                 selected = [i for i in selected if not is_lazy(buffer, i)]
             if not selected:
                 continue  # the same on every rank
-            for index in selected:  # Shard(d): the local piece is FSDP2's
+            for index in selected:
                 record = buffer.records[index]
                 if shard_dim(record) is not None:
                     values[id(record.param)] = shard_dim_value(
@@ -147,7 +134,6 @@ class UnitStateDictHooks:
             value = stash.values.get(id(record.param))
             if value is not None:
                 state_dict[key] = value
-            # else: a frozen parameter torch drops right after
         if stash.owner is module:
             self._stash = None
         if _MET and _MET[0][0] is self and _MET[0][1] is module:
@@ -172,10 +158,10 @@ class UnitStateDictHooks:
             value = state_dict.get(key)
             if value is None or value is record.param:
                 continue
-            if in_place(value, self._sharded_of(record)):  # a lazy value of ours, unused: already in the shard
+            if in_place(value, self._sharded_of(record)):
                 state_dict[key] = record.param
                 continue
-            if isinstance(value, ShardPieces):  # flat_state_dict: DCP loaded it in place
+            if isinstance(value, ShardPieces):
                 if value.local is None or value.local.untyped_storage().data_ptr() != \
                         record.param.untyped_storage().data_ptr():
                     error_msgs.append(f"{key}: a flat_state_dict() value of another model; "
@@ -230,9 +216,8 @@ def _lazy_param(buffer: FlatBuffer, index: int) -> torch.Tensor:
 
 
 def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
-    """Write checkpoint values (``DTensor`` or full tensors) of the given parameters into this
-    rank's slices: full tensors sliced locally, ``DTensor`` on the unit's mesh by one
-    all-to-all. Pre-condition: resharded."""
+    """Write checkpoint values of the given parameters into this rank's slices (full tensors
+    sliced locally, ``DTensor`` by one all-to-all). Pre-condition: resharded."""
     group, slices = buffer.group, buffer.local_slices()
     chunks: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}
@@ -250,17 +235,16 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
     with torch.no_grad():
         if chunks:
             chunks_to_flat(chunks, buffer.layout, group, buffer.sharded)
-        for index, value in full.items():  # not Shard(d): stored in its own order
+        for index, value in full.items():
             s = slices[index]
             flat = value.detach().reshape(-1)[s.param_start:s.param_start + s.length]
             buffer.sharded.narrow(0, s.shard_start, s.length).copy_(flat)
 
 
 def _torch_drops_frozen_params() -> bool:
-    """Whether this ``state_dict()`` runs inside torch's ``get_model_state_dict`` with
-    ``ignore_frozen_params=True``, which drops frozen parameters right after: converting them
-    would move a frozen base model across ranks for nothing (LoRA). torch passes no flag; its
-    frame's ``info`` is read."""
+    """Inside torch's ``get_model_state_dict(ignore_frozen_params=True)``, which drops frozen
+    parameters: they are not converted (a frozen base model under LoRA). Read from torch's
+    frame."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_get_model_state_dict" and \

@@ -1,9 +1,6 @@
-"""A rank's piece of one parameter (or of its per-element optimizer state) as a value DCP writes
-and reads in place: :class:`ShardPieces`, what ``state_dict()`` returns inside
-:func:`flat_values` (``flat_state_dict``). It shares the flat shard's memory and tells DCP
-which boxes it holds (``_boxes.py``); :class:`~.flat.FlatSavePlanner` /
-:class:`~.flat.FlatLoadPlanner` hand DCP the box views, so ``dcp.load`` writes straight into
-the shards and the load hooks recognise the values as loaded.
+"""A rank's piece of one parameter or per-element state as a value DCP writes and reads in place
+(:class:`ShardPieces`, inside :func:`flat_values`): it shares the flat shard's memory and
+names its boxes (``_boxes.py``); the flat planners hand DCP the box views.
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ _FLAT = contextvars.ContextVar("fsdp_compose_flat_state_dict", default=False)
 
 @contextlib.contextmanager
 def flat_values() -> Iterator[None]:
-    """Inside: ``state_dict()`` of annotated modules and optimizers returns :class:`ShardPieces`
-    for every value but tensor-parallel ones."""
+    """Inside: ``state_dict()`` returns :class:`ShardPieces` for every value but tensor-parallel
+    ones."""
     token = _FLAT.set(True)
     try:
         yield
@@ -44,13 +41,12 @@ def has_pieces(buffer: FlatBuffer, index: int) -> bool:
 
 
 class ShardPieces:
-    """This rank's piece of one parameter's values, as DCP boxes over views of ``local`` (no
-    copy).
+    """This rank's piece of one parameter's values, as DCP boxes over views of ``local``.
 
     Attributes:
         shape: the parameter's global shape.
         dtype: the values' dtype.
-        local: the tensor holding the piece (loading writes into it); ``None``: no state here.
+        local: the tensor holding the piece; ``None``: no state here.
         boxes: ``(box, view of local)``, in increasing order.
 
     Pickling raises: DCP's default planners would store it as bytes."""
@@ -68,9 +64,9 @@ class ShardPieces:
     @classmethod
     def of(cls, buffer: FlatBuffer, index: int, local: Optional[torch.Tensor],
            *, dtype: Optional[torch.dtype] = None, lead: bool = False) -> "ShardPieces":
-        """The pieces of parameter ``index`` held in ``local`` (shaped like its local piece;
-        ``None``: none here, ``dtype`` required). ``lead``: this rank writes the empty box of
-        a parameter with no elements, so its key reaches the metadata."""
+        """The pieces of parameter ``index`` held in ``local`` (``None``: none here). ``lead``:
+        this rank writes the empty box of a parameter with no elements, so its key reaches the
+        metadata."""
         record = buffer.records[index]
         shape = torch.Size(record.shape)
         if local is None:
@@ -97,8 +93,8 @@ class ShardPieces:
         return self.shape
 
     def write_items(self, fqn: str) -> list[WriteItem]:
-        """One write item per box (for ``FlatSavePlanner``; not the ``__create_write_items__``
-        protocol, so DCP's default planner reaches ``__reduce__``'s message)."""
+        """One write item per box (not the ``__create_write_items__`` protocol: DCP's default
+        planner must reach ``__reduce__``'s message)."""
         properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)),
                           type=WriteItemType.SHARD,
@@ -113,7 +109,6 @@ class ShardPieces:
                 for box, _ in self.boxes]
 
     def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> "ShardPieces":
-        """The same boxes over ``copy(local)``, which keeps ``local``'s strides."""
         if self.local is None:
             return ShardPieces(self.shape, self.dtype, None, [])
         local = copy(self.local)
@@ -127,7 +122,6 @@ class ShardPieces:
             for box, t in self.boxes])
 
     def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
-        """The view of the box at ``offsets`` (:func:`exact_storage`)."""
         return exact_storage(self._at[tuple(offsets)])
 
     def __reduce__(self):
@@ -144,9 +138,8 @@ class ShardPieces:
 
 
 def exact_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (contiguous, CPU) over the same memory with a storage of exactly its bytes,
-    through DLPack: DCP's file writer clones every CPU tensor whose storage is larger, a whole
-    checkpoint's bytes per save. Anything else is returned as is."""
+    """``view`` (contiguous, CPU) with a storage of exactly its bytes, through DLPack: DCP's file
+    writer clones every CPU tensor whose storage is larger."""
     if view.device.type != "cpu" or not view.is_contiguous() or \
             view.untyped_storage().nbytes() == view.nbytes:
         return view

@@ -1,7 +1,5 @@
 """The zero-copy checkpoint path: each rank writes its flat shard's pieces as DCP boxes and reads
-them straight back into its shards::
-
-    from fsdp_compose.checkpoint import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
+them straight back::
 
     model_sd, optim_sd = flat_state_dict(model, optim)            # no copy, no exchange
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=d,
@@ -12,9 +10,8 @@ them straight back into its shards::
              planner=FlatLoadPlanner())
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
-The files are ordinary DCP checkpoints cut into other boxes (``_boxes.py``): FSDP2, an
-unsharded model and fsdp_compose at any world size or placement load them, and this path loads
-theirs. Both planners are DCP's default planners otherwise.
+The files are ordinary DCP checkpoints cut into other boxes: FSDP2, unsharded models and any
+world size or placement load them, and this path loads theirs.
 """
 
 from __future__ import annotations
@@ -39,12 +36,9 @@ def flat_state_dict(model: nn.Module, optimizers: Union[Optimizer, Iterable[Opti
                     *, options: Optional[StateDictOptions] = None
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``get_state_dict(model, optimizers)`` whose managed values share the flat shards' memory
-    (:class:`ShardPieces`) instead of being converted. Collective. Save it with
-    ``planner=FlatSavePlanner()``, load into it with ``planner=FlatLoadPlanner()`` (the values
-    are then loaded; ``set_state_dict`` applies the rest).
-
-    An unsharded unit is resharded; units must be between iterations. Options that gather
-    (``full_state_dict``, ``cpu_offload``) are refused: use ``get_state_dict``."""
+    (:class:`ShardPieces`). Collective. Save with ``planner=FlatSavePlanner()``, load with
+    ``planner=FlatLoadPlanner()``. Units must be between iterations; ``full_state_dict`` and
+    ``cpu_offload`` are refused (use ``get_state_dict``)."""
     if options is not None and (options.full_state_dict or options.cpu_offload):
         raise ValueError("flat_state_dict writes each rank's shards as they lie; for "
                          "full_state_dict / cpu_offload use torch's get_state_dict")
@@ -54,8 +48,8 @@ def flat_state_dict(model: nn.Module, optimizers: Union[Optimizer, Iterable[Opti
 
 
 class FlatSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner that also writes :class:`ShardPieces` from their box views, in
-    place (``enable_plan_caching`` is not supported)."""
+    """DCP's default save planner that also writes :class:`ShardPieces` in place (no plan
+    caching)."""
 
     def create_local_plan(self) -> SavePlan:
         ours = {fqn: v for fqn, v in self.state_dict.items() if isinstance(v, ShardPieces)}
@@ -76,12 +70,9 @@ class FlatSavePlanner(DefaultSavePlanner):
 
 
 class FlatLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner that also reads into :class:`ShardPieces`: into the flat shards
-    and optimizer state tensors themselves.
-
-    Raises ``ValueError`` (on every rank, through DCP) for an optimizer state dict without
-    state while the checkpoint holds its parameters' state: a never-stepped optimizer would
-    stay fresh, silently."""
+    """DCP's default load planner that also reads into :class:`ShardPieces`. Raises
+    ``ValueError`` on every rank for an optimizer state dict without state whose parameters'
+    state the checkpoint holds (a never-stepped optimizer would stay fresh, silently)."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
                        is_coordinator: bool = False) -> None:
@@ -105,8 +96,6 @@ class FlatLoadPlanner(DefaultLoadPlanner):
 
 
 def _take_pieces(tree: Any) -> list[tuple[Any, Any, ShardPieces]]:
-    """Every :class:`ShardPieces` in a nested state dict as (container, key, value), each
-    replaced by ``None``."""
     found = []
     items = tree.items() if isinstance(tree, dict) else \
         enumerate(tree) if isinstance(tree, list) else ()
@@ -125,12 +114,9 @@ STATELESS_OPTIMIZER_FIX = (
     "dict then holds the state its first step starts from), or take the state dict with "
     "torch's get_state_dict(model, optim) and apply it with set_state_dict (they give a fresh "
     "optimizer its state).")
-"""The fix for loading into a never-stepped optimizer's state dict (a test runs it)."""
 
 
 def _refuse_stateless_optimizers(state_dict: dict[str, Any], metadata: Metadata) -> None:
-    """Raise where an optimizer state dict in ``state_dict`` has no state while the checkpoint
-    holds its parameters' (a stepped optimizer lacking some loads what it has, as DCP does)."""
     saved = metadata.state_dict_metadata
     for path, optim_sd in _optimizer_state_dicts(state_dict, ""):
         if optim_sd["state"]:

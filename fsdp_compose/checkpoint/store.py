@@ -1,37 +1,4 @@
-"""Crash-safe checkpoint directories on top of ``torch.distributed.checkpoint``.
-
-``CheckpointStore(root, keep=2)`` keeps the last ``keep`` checkpoints of a run under ``root``,
-one DCP directory per saved step::
-
-    root/
-      step_00000010/              committed: complete, loadable
-      step_00000012/              committed (newest)
-      step_00000014.partial-1a2b  being written, or left by a crash: never loaded
-      latest                      "12\\n": the newest committed step (for humans/tools)
-
-Invariants, whenever a rank is killed:
-
-- A directory named exactly ``step_<8 digits>`` is *committed*: every rank's files and DCP's
-  ``.metadata`` were written and fsynced before one atomic ``os.replace`` gave it that name.
-  It is never modified afterwards (retention and re-saves rename it aside first).
-- Everything else under ``root`` is garbage the store never loads; rank 0 deletes it after the
-  next successful save.
-- ``latest`` is replaced atomically after the rename, so it names a committed step or lags by
-  one save; the store itself trusts the directory names.
-
-Assumptions: ``root`` is on a file system every rank sees and one job at a time writes to it.
-``save`` and ``load_latest``/``load`` are collective over the process group; ``latest_step``
-and ``steps`` only read the file system. Values go through :class:`~.flat.FlatSavePlanner` /
-:class:`~.flat.FlatLoadPlanner`.
-
-``async_save=True``: ``save`` returns once ``state`` is staged in host memory and writes and
-commits in a background thread over a gloo group of its own (created by the constructor:
-collective), so its collectives never interleave with training's. The invariants hold
-unchanged. The next ``save``, ``load*`` and :meth:`CheckpointStore.wait` first wait for it and
-raise its error.
-
-Usage (``state``: what ``dcp.save``/``dcp.load`` accept, e.g. ``{"app": AppState(model,
-optim)}``)::
+"""Crash-safe checkpoint directories on top of ``torch.distributed.checkpoint``::
 
     store = CheckpointStore("ckpt", keep=2)
     start = store.load_latest(state) or 0     # None when there is no checkpoint
@@ -39,6 +6,15 @@ optim)}``)::
         ...
         if step % save_every == 0:
             store.save(step, state)
+
+Layout: ``root/step_<8 digits>/`` are committed DCP checkpoints, ``latest`` names the newest
+(for humans; the store trusts the directory names), anything else is garbage never loaded and
+deleted by rank 0 after the next save.
+
+Invariant, whenever a rank is killed: a directory named exactly ``step_<N>`` is complete:
+every rank's files and DCP's ``.metadata`` were written and fsynced before one atomic rename
+gave it that name, and it is never modified afterwards (retention and re-saves rename it aside
+first). Assumes a file system every rank sees and one job writing to it.
 """
 
 from __future__ import annotations
@@ -68,7 +44,7 @@ from .flat import FlatLoadPlanner, FlatSavePlanner
 __all__ = ["CheckpointStore", "CheckpointError"]
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-_METADATA = ".metadata"  # written last
+_METADATA = ".metadata"
 _MANIFEST = "latest"
 
 
@@ -80,11 +56,12 @@ class CheckpointError(RuntimeError):
 class CheckpointStore:
     """Atomic, rotating DCP checkpoints of a run under ``root``.
 
-    ``keep`` (>= 1): committed checkpoints retained, the one just saved included.
-    ``load_latest`` loads the largest step on disk, so a run restarted by hand from an older
-    step should use an empty ``root``. ``group``: the process group of the collective calls
-    (default: the default group; none initialised: one process). ``async_save``: see the
-    module's docstring; the constructor is then collective over the default group."""
+    ``keep`` (>= 1): committed checkpoints retained, the one just saved included. ``group``:
+    the process group of the collective calls (``save``, ``load*``; default: the default
+    group). ``async_save``: ``save`` returns once ``state`` is staged in host memory and
+    commits in a background thread over a gloo group of its own (the constructor is then
+    collective); the next ``save``, ``load*`` or :meth:`wait` waits for it and raises its
+    error."""
 
     def __init__(self, root: Union[str, os.PathLike], keep: int = 2, *,
                  group: Optional[dist.ProcessGroup] = None, async_save: bool = False) -> None:
@@ -95,8 +72,7 @@ class CheckpointStore:
         self.group = group
         self.async_save = async_save
         self._save_group: Optional[dist.ProcessGroup] = group
-        """``group``, or for async saves a gloo group of the same ranks for the background
-        thread."""
+        """The saves' group: ``group``, or for async saves a gloo group of the same ranks."""
         if async_save and self._distributed():
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             self._save_group = dist.new_group(ranks, backend="gloo")
@@ -123,16 +99,12 @@ class CheckpointStore:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Save ``state`` as checkpoint ``step``; collective. Returns its committed path (with
-        ``async_save``: once :meth:`wait` returns).
-
-        Rank 0 names a ``step_<N>.partial-<random>`` directory, ``dcp.save`` writes into it, a
-        barrier, rank 0 renames it to ``step_<N>``, fsyncs, rewrites ``latest`` and deletes
-        old checkpoints and garbage, then tells every rank whether the commit succeeded
-        (``CheckpointError`` on all if not). A crash before the rename leaves only a
-        ``.partial-*`` directory."""
+        """Save ``state`` as checkpoint ``step``; collective. Writes into a ``.partial-*``
+        directory, renames it once every rank's files are complete, then deletes old
+        checkpoints; raises ``CheckpointError`` on every rank if the commit failed. Returns
+        the committed path (with ``async_save``: once :meth:`wait` returns)."""
         self._arrive("CheckpointStore.save")
-        self.wait()  # one save in flight at a time
+        self.wait()
         if not self.async_save:
             return self._save_now(step, state)
         staged = _staged(state)
@@ -143,8 +115,7 @@ class CheckpointStore:
         return self.path(step)
 
     def wait(self) -> None:
-        """Wait for the async save in flight, if any, and raise its error. Call it before the job
-        ends so the last checkpoint is committed."""
+        """Wait for the async save in flight and raise its error. Call it before the job ends."""
         thread, self._in_flight = self._in_flight, None
         if thread is not None:
             thread.join()
@@ -174,7 +145,7 @@ class CheckpointStore:
         if rank == 0:
             try:
                 self._commit(step, partial, final)
-            except Exception as e:  # reported on every rank below
+            except Exception as e:
                 problem, error = _describe(e), e
         # doubles as the closing barrier
         self._raise_if_any(final, f"was not committed (its files are in {partial.name})",
@@ -187,7 +158,7 @@ class CheckpointStore:
         on every rank if it is torn or does not match ``state``; it does not fall back to an
         older one."""
         self._arrive("CheckpointStore.load_latest")
-        self.wait()  # the save in flight may be the newest
+        self.wait()
         step = [self.latest_step() if self._rank() == 0 else None]
         if self._distributed():
             dist.broadcast_object_list(step, src=self._global_rank0(), group=self.group)
@@ -216,7 +187,7 @@ class CheckpointStore:
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group,
                      planner=FlatLoadPlanner())
-        except CheckpointException as e:  # DCP raises every rank's failure on all
+        except CheckpointException as e:
             problem, error = {r: _describe(exc) for r, (exc, _) in e.failures.items()}, e
         except Exception as e:
             problem, error = _describe(e), e
@@ -246,8 +217,7 @@ class CheckpointStore:
     def _raise_if_any(self, path: Path, what: str, problem: Union[None, str, dict[int, str]],
                       error: Optional[BaseException] = None, *,
                       group: Optional[dist.ProcessGroup] = None) -> None:
-        """Gather every rank's ``problem`` (``None``, a text, or by rank as DCP reports them) and
-        raise the same ``CheckpointError`` on every rank if any."""
+        """Raise the same ``CheckpointError`` on every rank if any rank has a ``problem``."""
         group = group if group is not None else self.group
         if self._distributed():
             gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -271,10 +241,9 @@ class CheckpointStore:
         raise CheckpointError(f"checkpoint {path} {what}: {detail}") from error
 
     def _commit(self, step: int, partial: Path, final: Path) -> None:
-        """Rank 0, after every rank's files are written: publish ``partial`` as ``final``."""
         if not (partial / _METADATA).is_file():
             raise FileNotFoundError(f"dcp.save did not write {partial / _METADATA}")
-        if final.exists():  # the same step saved again: move the old one aside
+        if final.exists():
             os.replace(final, self.root / f"{final.name}.replaced-{uuid.uuid4().hex[:12]}")
         os.replace(partial, final)
         _fsync_dir(self.root)
@@ -309,7 +278,6 @@ def _describe(exc: BaseException) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -323,9 +291,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _staged(state: Any) -> Any:
-    """A copy of ``state`` training can no longer change, for an async save: tensors copied to
-    host memory, ``DTensor`` and :class:`ShardPieces` rebuilt over their copies, ``Stateful``
-    objects replaced by their ``state_dict()``, the rest deep-copied."""
+    """A copy of ``state`` training cannot change, for an async save (tensors in host memory,
+    ``Stateful`` objects as state dicts)."""
     if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
         return _staged(state.state_dict())
     if isinstance(state, dict):
@@ -333,7 +300,7 @@ def _staged(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_staged(value) for value in state)
     if isinstance(state, DTensor) and isinstance(local_tensor(state), LazyChunk) and \
-            not local_tensor(state).materialized:  # only this rank's pieces: no conversion
+            not local_tensor(state).materialized:
         return local_tensor(state).staged(state, _host_copy)
     if isinstance(state, DTensor):
         return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh,
