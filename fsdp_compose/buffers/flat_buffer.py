@@ -1,15 +1,14 @@
-"""One flat buffer: the storage and views of a group of parameters (grouped by
-``records.group_records``; gradients in ``flat_grad.py``; module attributes in
-``param_slots.py``).
+"""One flat buffer: the storage and views of a group of parameters (gradients in
+``flat_grad.py``, module attributes in ``param_slots.py``).
 
 [Note: storage and autograd]
-The unsharded flat buffer is a leaf tensor that lives as long as the unit. Resharding resizes
-its *storage* to zero bytes; unsharding resizes it back and all-gathers into it. So the views
-autograd saved in forward stay valid, hold no memory while sharded, and read correct values
-once the pre-backward hook unshards. The all-gather restores the same values, so the version
-counter is put back after the collective (gloo bumps it from its own thread). The views' node
-is rebuilt at every recorded forward: the engine runs ready nodes newest first, so a node
-built once would fire the post-backward hook only at the end of backward.
+The unsharded flat buffer is a leaf tensor that lives as long as the unit; resharding resizes
+its *storage* to zero bytes and unsharding resizes it back and all-gathers into it, so the
+views autograd saved stay valid, hold no memory while sharded, and read correct values once
+backward unshards. The all-gather restores the same values, so the version counter is put back
+after it. The views' node is rebuilt at every recorded forward: the engine runs ready nodes
+newest first, so a node built once would fire the post-backward hook only at the end of
+backward.
 """
 
 from __future__ import annotations
@@ -35,10 +34,9 @@ from .tensor_parallel import as_dtensor
 
 
 class _PostForwardCopy(NamedTuple):
-    """What ``reshard_after_forward=k`` keeps between forward and backward."""
 
-    group: ShardGroup  # the k ranks it is re-gathered from
-    piece: torch.Tensor  # this rank's 1/k, compute dtype
+    group: ShardGroup
+    piece: torch.Tensor
     versions: tuple[int, ...]
 
 
@@ -81,7 +79,6 @@ class FlatBuffer:
         self._local_shapes: tuple[tuple[int, ...], ...] = tuple(
             self.layout.local_shape(i, group.rank) for i in range(len(records)))
         self._moved_dims: tuple[int, ...] = self.layout.moved_dims()
-        """``ShardDim(d)``: the dim stored first (0: none moved)."""
         self._local_strided: tuple[Strided, ...] = tuple(
             strided_view(shape, d, s.shard_start)
             for shape, d, s in zip(self._local_shapes, self._moved_dims, self._slices))
@@ -93,7 +90,6 @@ class FlatBuffer:
         self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
             self.layout.is_contiguous(i) for i in range(len(records)))
-        """Some parameter's unsharded view is an assembled copy (``ShardDim``)."""
         self._param_requires_grad: tuple[bool, ...] = tuple(
             r.param.requires_grad for r in records)
         self.requires_grad: bool = any(self._param_requires_grad)
@@ -101,13 +97,11 @@ class FlatBuffer:
         self._before_flat_gradient = before_flat_gradient
         self.policy: BufferPolicy = policy
 
-        # Storage (all set by _install)
         self.dtype: torch.dtype
         self.compute_dtype: torch.dtype
         self.reduce_dtype: torch.dtype
         self.reduce_comm_dtype: torch.dtype
         self.wire: Wire = EXACT
-        """How the collectives go on the wire (``comm/wire.py``)."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -123,13 +117,12 @@ class FlatBuffer:
         """An all-gather into ``unsharded`` is in flight (from :meth:`prepare_unshard` to
         :meth:`complete_gather`)."""
         self.staging: Optional[StagingPool] = None
-        """Where the unsharded storage's memory comes from (CPU; ``None``: the allocator)."""
         self.keeps_unsharded_storage: bool = False
-        """Reshard keeps the unsharded memory and unshard reuses it
+        """Reshard keeps the unsharded memory for the next unshard
         (``set_keep_unsharded_storage``)."""
         self._post_forward: Optional[_PostForwardCopy] = None
         self._versions_at_unshard: tuple[int, ...] = ()
-        """The parameters' versions at the unshard (a step bumps them: stale)."""
+        """The parameters' versions at the unshard (a step bumps them)."""
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
@@ -137,7 +130,7 @@ class FlatBuffer:
         self._install(self._shard_values(records[0].param.dtype))
 
     def _shard_values(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's slice of every parameter in a new shard (meta parameters: a meta shard)."""
+        """This rank's slice of every parameter in a new shard."""
         device = torch.device("meta") if self.records[0].param.is_meta else self._storage_device()
         shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device,
                             pin_memory=self._pinned(device))
@@ -145,7 +138,7 @@ class FlatBuffer:
             return shard
         for index, (record, s) in enumerate(zip(self.records, self._slices)):
             if s.length:
-                d = self._moved_dims[index]  # stored order: dim d first
+                d = self._moved_dims[index]
                 value = record.param.detach()
                 flat = (value.movedim(d, 0) if d else value).reshape(-1)
                 shard[s.shard_start:s.shard_start + s.length].copy_(
@@ -153,8 +146,8 @@ class FlatBuffer:
         return shard
 
     def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index``'s piece of ``flat`` (laid out like this rank's shard) in its local
-        shape, sharing ``flat``'s memory."""
+        """Parameter ``index``'s piece of ``flat`` (laid out like the shard) in its local shape,
+        a view."""
         if flat.stride(0) == 1:
             size, stride, offset = self._local_strided[index]
             return flat.as_strided(size, stride, flat.storage_offset() + offset)
@@ -175,7 +168,6 @@ class FlatBuffer:
 
     @property
     def grad_receivers(self) -> tuple[bool, ...]:
-        """Per parameter: a published gradient gives it a ``.grad`` here."""
         return self._grad_receivers
 
     def grad_where_empty(self, index: int) -> bool:
@@ -191,13 +183,13 @@ class FlatBuffer:
                 and self.compute_device.type != "cpu")
 
     def _install(self, sharded: torch.Tensor) -> None:
-        """Make ``sharded`` the values' storage and build what derives from it. Post-condition:
-        sharded; every ``.data`` is its slice of ``sharded``."""
+        """Make ``sharded`` the values' storage and rebuild what derives from it; every ``.data``
+        becomes its slice."""
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
         moves_floats = dtypes.param.is_floating_point and self.group.world_size > 1
-        self.wire = self.wire.on_policy(  # quantized only where floats move
+        self.wire = self.wire.on_policy(
             policy_wire(self.policy.gather_quantizer, self.policy.reduce_quantizer)
             if moves_floats else EXACT)
         self.storage_device = sharded.device
@@ -208,7 +200,7 @@ class FlatBuffer:
                                   self.storage_device == self.compute_device)
         self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
         """Aliased without assembled copies: a reshard frees nothing (``runtime/unit_paths.py``)."""
-        if self.is_meta:  # nothing to allocate until materialised
+        if self.is_meta:
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
             self._derive_views(sharded)
@@ -224,14 +216,13 @@ class FlatBuffer:
                 self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
                 requires_grad=self.requires_grad)
             self._derive_views(sharded)
-            self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
+            self.unsharded.untyped_storage().resize_(0)
         self.is_unsharded = False
         for record, view in zip(self.records, self._sharded_views):
             record.param.data = view
 
     def _derive_views(self, sharded: torch.Tensor) -> None:
-        """The gradient hook and the sharded and unsharded views of a new ``unsharded``, built
-        while its storage is whole."""
+        """The hook and the views of a new ``unsharded``, built while its storage is whole."""
         self._grad_hook_registered = False
         self._register_grad_hook()
         self._sharded_views = [self.local_view(sharded, i) for i in range(len(self.records))]
@@ -252,7 +243,7 @@ class FlatBuffer:
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
                 self._post_accumulate_grad is not None:
-            # Weak: a C++ hook list is an edge the garbage collector cannot see.
+            # Weak: the garbage collector cannot see C++ hook lists.
             self.unsharded.register_post_accumulate_grad_hook(
                 called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
@@ -272,7 +263,6 @@ class FlatBuffer:
                 views = self._view_plan.views(self.unsharded)
         if not self._has_tp:
             return views
-        # tensor parallelism: forward sees the DTensor again
         return [view if record.tp is None else as_dtensor(view, record.tp)
                 for view, record in zip(views, self.records)]
 
@@ -299,14 +289,13 @@ class FlatBuffer:
             "parameter between steps under torch.no_grad().")
 
     def _views_backward(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """The views' node is about to make a flat gradient ([Note: used parameters])."""
         self.grad.mark_used(param_grads)
         if self._before_flat_gradient is not None:
             self._before_flat_gradient(self)
 
     def start_recorded_forward(self) -> bool:
-        """A recorded forward starts: :meth:`sync_requires_grad`, then :meth:`refresh_views`
-        where some parameter trains. Returns ``requires_grad``."""
+        """A recorded forward starts: follow ``requires_grad`` and make new views. Returns
+        ``requires_grad``."""
         if tuple(param.requires_grad for param in self._params) == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
@@ -324,8 +313,7 @@ class FlatBuffer:
         return True
 
     def sync_requires_grad(self) -> None:
-        """Follow ``requires_grad`` changes since the last forward: a frozen parameter's view is
-        detached."""
+        """Follow ``requires_grad`` changes since the last forward."""
         flags = tuple(param.requires_grad for param in self._params)
         if flags == self._param_requires_grad:
             self.grad.saw_forward = True
@@ -390,7 +378,7 @@ class FlatBuffer:
         ``coalescable``: only a plain gather). The queue then calls :meth:`complete_gather`.
         Pre-condition: not ``aliased``."""
         if self.is_gathering:
-            return None  # a prefetch got here first
+            return None
         if coalescable and self._post_forward is not None:
             return None
         if self.is_unsharded:
@@ -402,7 +390,6 @@ class FlatBuffer:
             self.allocate_unsharded()
         kept, self._post_forward = self._post_forward, None
         if kept is not None and kept.versions == self._param_versions():
-            # reshard_after_forward=k: gather from k ranks
             shard, group = kept.piece, kept.group
         else:
             shard, group = self.gather_input(), self.group
@@ -416,7 +403,6 @@ class FlatBuffer:
         self.slots.swap_in_views()
 
     def keep_unsharded_storage(self, keep: bool) -> None:
-        """``False`` frees the memory now where sharded."""
         self.keeps_unsharded_storage = keep
         if not keep and not self.is_unsharded and not self.aliased and not self.is_gathering \
                 and self.unsharded.untyped_storage().nbytes():
@@ -435,7 +421,6 @@ class FlatBuffer:
             self.unsharded.untyped_storage().resize_(nbytes)
 
     def unsharded_storage_ptrs(self) -> set[int]:
-        """``data_ptr`` of every storage forward reads the unsharded parameters from."""
         ptrs = {self.unsharded.untyped_storage().data_ptr()}
         copies = self._view_plan.copies_storage_ptr()
         if copies is not None:
@@ -443,19 +428,18 @@ class FlatBuffer:
         return ptrs
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype and device. No side effect."""
         return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
 
     def complete_gather(self, version: int) -> None:
         """The all-gather completed (``version``: the buffer's version before it): switch to the
-        unsharded views. Post-condition: ``is_unsharded``."""
+        unsharded views."""
         unsafe_set_version_counter((self.unsharded,), (version,))
         self.is_gathering = False
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
         if self._has_copies:
             self._view_plan.fill_copies(self.unsharded)
-            if self._view_plan.copies_only:  # nothing reads the gathered values any more
+            if self._view_plan.copies_only:
                 self._release_unsharded_storage()
             self.slots.set_views(self._build_unsharded_views())
         self.slots.swap_in_views()
@@ -473,8 +457,7 @@ class FlatBuffer:
         return tuple(r.param._version for r in self.records)
 
     def refresh_views(self) -> None:
-        """New per-parameter views (a new node) for a recorded forward. Pre-condition: unsharded,
-        grad mode on, ``requires_grad``."""
+        """New views (a new node) for a recorded forward. Pre-condition: unsharded, grad mode on."""
         self.slots.set_views(self._build_unsharded_views())
         self.use_unsharded_views()
 
@@ -490,7 +473,7 @@ class FlatBuffer:
                                  f"'{self.records[0].fqn}' while its all-gather is in flight")
         if not self.is_unsharded:
             return
-        if keep_for_backward is not None:  # k > 1: never the whole buffer
+        if keep_for_backward is not None:
             if self.unsharded.untyped_storage().nbytes() == 0:  # released: read the copies back
                 self.allocate_unsharded()
                 self._view_plan.unfill_copies(self.unsharded)
@@ -519,7 +502,6 @@ class FlatBuffer:
         self._post_forward = None
 
     def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter of the padded ``flat`` in its original shape."""
         with torch.no_grad():
             return self._view_plan.views(flat)
 

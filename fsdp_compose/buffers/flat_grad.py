@@ -3,30 +3,24 @@ into the sharded gradient, publishing it to the parameters. ``S`` =
 ``owner.layout.shard_numel``.
 
 [Note: the states of a flat gradient]
-One reduction goes unreduced -> reducing -> unpublished; the published gradient (published,
-kept or released) lives beside the next backward's unreduced one.
-:meth:`FlatGradient.assert_consistent` checks:
-
-- *unreduced*: ``owner.unsharded.grad`` and/or ``_accumulated`` (``reduce_dtype`` where it
-  differs from ``compute_dtype``: micro-batches not summed in bf16);
-- *reducing*: ``is_reducing``, the collective in the queue's hands, ``_subset`` its packing;
-- *unpublished*: ``_unpublished``, ``S`` elements in the parameters' dtype on
-  ``storage_device``;
-- *published*: ``_published`` (weak) is what the ``.grad`` views point into;
-- *kept*: ``_kept.base is _published()`` ([Note: the kept sharded gradient]);
-- *released*: kept, its storage 0 bytes.
+A reduction goes unreduced (``owner.unsharded.grad``, or ``_accumulated`` in ``reduce_dtype``
+so micro-batches are not summed in bf16) -> reducing (``is_reducing``, in the queue's hands)
+-> unpublished (``_unpublished``, ``S`` elements in the parameters' dtype). The published
+gradient lives beside the next backward's: *published* (``_published``, what the ``.grad``
+views point into), *kept* (``_kept``, [Note: the kept sharded gradient]) or *released* (kept,
+0 bytes). :meth:`FlatGradient.assert_consistent` checks them.
 
 [Note: used parameters]
 As in one process, a parameter unused since the gradients were cleared keeps ``.grad is None``
-(optimizers with weight decay or momentum skip it). Used is the union over ranks: publication
-all-reduces the flags once per backward (``runtime/end_of_backward.py``). A parameter used
-anywhere gets a ``.grad`` on every rank, empty where the rank holds none of it, so every
-rank's optimizer holds the same state; under ``"owned"`` a non-owner keeps ``None``.
+(weight decay and momentum skip it). Used is the union over ranks (publication all-reduces the
+flags once per backward), and a used parameter gets a ``.grad`` on every rank, empty where the
+rank holds none of it, so every optimizer holds the same state; under ``"owned"`` a non-owner
+keeps ``None``.
 
 [Note: reading .grad at publication]
 A reduction adds to what the ``.grad`` hold. Where the published gradient died
-(``set_to_none=True``), the only ``.grad`` left are tensors the user assigned, so publication,
-which writes every ``.grad`` anyway, adds them, rather than every reduction reading them.
+(``set_to_none=True``) the only ``.grad`` left are tensors the user assigned, so publication,
+which writes every ``.grad`` anyway, adds them, rather than each reduction reading them.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ from .records import ParamRecord
 
 
 class GradientOwner(Protocol):
-    """What a :class:`FlatGradient` reads of its ``FlatBuffer`` (a protocol, so imports go one
-    way)."""
+    """What a :class:`FlatGradient` reads of its buffer (a protocol: imports go one way)."""
 
     records: list[ParamRecord]
     group: ShardGroup
@@ -100,13 +93,10 @@ class FlatGradient:
         """Per parameter: a gradient reached its view since the last publication ([Note: used
         parameters])."""
         self._accumulated: Optional[torch.Tensor] = None
-        """Unreduced gradient summed in ``reduce_dtype`` over backwards without sync."""
         self.is_reducing: bool = False
-        """A reduction is in flight, from :meth:`take_for_reduce` to :meth:`take_back`."""
         self._unpublished: Optional[torch.Tensor] = None
         self._partial: Optional[torch.Tensor] = None
-        """``set_requires_all_reduce(False)``: reduce-scatter outputs not yet all-reduced over
-        the replicas."""
+        """``set_requires_all_reduce(False)``: outputs awaiting the replica all-reduce."""
         self._kept_unread: bool = False
         self._published: Optional[weakref.ref] = None
         self._keeps: bool = CAN_COUNT_USES
@@ -119,8 +109,7 @@ class FlatGradient:
         self._every_param_receives: bool = all(owner.grad_receivers)
         self._current_training: tuple[bool, ...] = tuple(r.param.requires_grad for r in owner.records)
         self._trained_before_change: Optional[tuple[bool, ...]] = None
-        """Which parameters trained at a forward since the last reduction under earlier flags
-        (``None``: none)."""
+        """Flags of forwards since the last reduction under earlier flags (``None``: none)."""
         self.saw_forward: bool = False
         self._subsets: SubsetPlans = SubsetPlans(owner.layout, owner.group.rank)
         self._subset: Optional[ReduceSubset] = None
@@ -139,7 +128,7 @@ class FlatGradient:
         owner = self.owner
         grad = owner.unsharded.grad
         if grad is None or owner.reduce_dtype == owner.compute_dtype:
-            return  # autograd keeps accumulating at full precision
+            return
         owner.unsharded.grad = None
         if self._accumulated is None:
             self._accumulated = grad.to(owner.reduce_dtype)
@@ -165,7 +154,7 @@ class FlatGradient:
         """Forget what an iteration that raised left: its reduction, the unreduced gradient, the
         used flags; published ``.grad`` stays. Post-condition: nothing pending, unreduced or
         unpublished."""
-        self.is_reducing = False  # the queue discarded the collective first
+        self.is_reducing = False
         self._unpublished = None
         self._partial = None
         self._kept_unread = False
@@ -183,7 +172,6 @@ class FlatGradient:
             training = tuple(a or b for a, b in zip(self._trained_before_change, training))
         self._trained_before_change, self.saw_forward = None, False
         self._subset = self._subsets[training]
-        # one rank: no cast to the communication dtype
         flat = self._take_unreduced(owner.reduce_dtype if single else owner.reduce_comm_dtype)
         if flat is None:
             return None
@@ -210,13 +198,11 @@ class FlatGradient:
 
     @property
     def reduce_chunk(self) -> int:
-        """Elements per rank of the prepared reduce-scatter ([Note: reducing a subset of a
-        buffer])."""
         return self.owner.layout.shard_numel if self._subset is None else self._subset.chunk
 
     def note_training(self, flags: Sequence[bool]) -> None:
-        """``requires_grad`` changed at a forward: the next reduction moves those that trained at
-        any forward since the last one."""
+        """``requires_grad`` changed at a forward: the next reduction moves what trained at any
+        forward since the last."""
         if self.saw_forward:
             before = self._trained_before_change or self._current_training
             self._trained_before_change = tuple(
@@ -224,17 +210,15 @@ class FlatGradient:
         self._current_training = tuple(flags)
 
     def hold_partial(self, output: torch.Tensor) -> None:
-        """Add a reduce-scatter's ``output`` to what waits for a later replica all-reduce;
-        nothing is folded."""
+        """Add ``output`` to what waits for a later replica all-reduce."""
         if self._subset is not None:
             output, self._subset = self._subset.spread(output), None
         if self._partial is None:
-            self._partial = output.clone()  # may be the kept gradient, reused later
+            self._partial = output.clone()  # may be the kept gradient
         else:
             self._partial.add_(output)
 
     def merge_partial(self, output: torch.Tensor) -> torch.Tensor:
-        """``output`` plus what :meth:`hold_partial` kept, which is cleared."""
         partial, self._partial = self._partial, None
         if partial is None:
             return output
@@ -251,11 +235,11 @@ class FlatGradient:
         return partial
 
     def pending_unreduced(self) -> Optional[torch.Tensor]:
-        """The unreduced gradient as the next reduction reads it, not moved; ``None``: none."""
+        """The unreduced gradient as the next reduction reads it (not moved)."""
         grad = self.owner.unsharded.grad
         if self._accumulated is None:
             return grad
-        if grad is not None:  # inside a backward without sync
+        if grad is not None:
             self.stash_unreduced()
         return self._accumulated
 
@@ -271,7 +255,7 @@ class FlatGradient:
     def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
         """Add the reduced chunk, scaled, into the unpublished sharded gradient."""
         owner = self.owner
-        if output.dtype != owner.reduce_dtype:  # widen before dividing
+        if output.dtype != owner.reduce_dtype:
             output = output.to(owner.reduce_dtype)
         if self._subset is not None:
             output, self._subset = self._subset.spread(output), None
@@ -296,7 +280,6 @@ class FlatGradient:
             self._unpublished = self._adopt(output)
 
     def _adopt(self, output: torch.Tensor) -> torch.Tensor:
-        """A sharded gradient holding ``output``: the kept one, ``output`` itself, or a copy."""
         owner = self.owner
         kept = self._kept
         matches = output.dtype == owner.dtype and output.device == owner.storage_device
@@ -310,7 +293,7 @@ class FlatGradient:
             return output
         grad = torch.empty(owner.layout.shard_numel, dtype=owner.dtype,
                            device=owner.storage_device, pin_memory=owner.pin_memory)
-        grad.copy_(output)  # blocking: the host reads it next
+        grad.copy_(output)
         return grad
 
     def reduce_output(self, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -333,14 +316,14 @@ class FlatGradient:
             kept.release()
 
     def _kept_gradient(self) -> Optional[torch.Tensor]:
-        """The parameters' ``.grad`` as one sharded gradient for a reduction to add to (``None``:
-        every owned ``.grad`` cleared)."""
+        """The parameters' ``.grad`` as one sharded gradient (``None``: every owned ``.grad``
+        cleared)."""
         owner = self.owner
         owned = self._owned
         if all(param.grad is None for param in self._owned_params):
             return None
         base = self.sharded_grad
-        if base is None:  # e.g. after module.to()
+        if base is None:
             base = torch.zeros(owner.layout.shard_numel, dtype=owner.dtype,
                                device=owner.storage_device, pin_memory=owner.pin_memory)
         for param, index in owned:
@@ -357,14 +340,12 @@ class FlatGradient:
 
     @property
     def sharded_grad(self) -> Optional[torch.Tensor]:
-        """The published sharded gradient while anything outside the library holds it."""
         kept = self._kept
         if kept is not None:
             return None if kept.is_free else kept.base
         return None if self._published is None else self._published()
 
     def kept_views(self) -> Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-        """The kept gradient and each parameter's view of it (``None``: none kept)."""
         kept = self._kept
         return None if kept is None or kept.released else (kept.base, kept.views)
 
@@ -465,7 +446,6 @@ class FlatGradient:
 
 
 def _owns_its_memory(tensor: torch.Tensor) -> bool:
-    """``tensor`` is all of its storage."""
     return tensor.storage_offset() == 0 and \
         tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 

@@ -1,14 +1,12 @@
 """One buffer's sharded gradient kept across steps, with the ``.grad`` views made into it once.
 
 [Note: the kept sharded gradient]
-Making the ``.grad`` views and a new sharded gradient at every step is host time the unsharded
-model does not pay, so they are kept, and the next reduction writes into them where nobody
-else can see it. *Free*: :meth:`KeptGradient.holders` (Python references, the views' and the
-storage's use counts) is at its baseline. *In use*: a ``.grad`` or the user holds it; the next
-reduction adds to it, or where every ``.grad`` was cleared leaves it to its holders.
-*Released*: free after ``zero_grad`` or at the root's pre-forward, its storage holds 0 bytes,
-as a new gradient per step would. Only where torch counts uses (``CAN_COUNT_USES``) and not in
-pinned memory.
+Making the ``.grad`` views and a new sharded gradient every step is host time the unsharded
+model does not pay, so they are kept and the next reduction writes into them while nothing
+outside the library holds them (:meth:`KeptGradient.holders` at its baseline). A gradient the
+user still holds is added to, or left to its holders; a free one is *released* to 0 bytes
+after ``zero_grad`` or at the root's pre-forward. Only where torch counts uses
+(``CAN_COUNT_USES``) and not in pinned memory.
 """
 
 from __future__ import annotations
@@ -23,9 +21,9 @@ from .._torch_private import (CAN_SWAP_STORAGE_DATA, storage_key, storage_key_us
 
 
 class KeptGradient:
-    """A sharded gradient ``base`` and each parameter's ``.grad`` view of it, made once.
-    Invariant: ``baseline`` is :meth:`holders` with nothing but this object referencing them;
-    while ``released`` the storage holds 0 bytes."""
+    """A sharded gradient ``base`` and its ``.grad`` views. Invariant: ``baseline`` is
+    :meth:`holders` with nothing else holding them; while ``released`` the storage holds 0
+    bytes."""
 
     __slots__ = ("base", "views", "storage", "key", "nbytes", "baseline", "released")
 
@@ -57,9 +55,8 @@ class KeptGradient:
         self.released = True
 
     def take_memory_of(self, tensor: torch.Tensor) -> bool:
-        """Make ``tensor``'s memory the base's without a copy, where ``tensor`` is all of a
-        storage of the base's size that nothing else views; returns whether it did.
-        Pre-condition: free, same dtype and device."""
+        """Make ``tensor``'s memory the base's without a copy where ``tensor`` is all of a
+        storage of its size nothing else views; returns whether it did. Pre-condition: free."""
         if not CAN_SWAP_STORAGE_DATA or tensor.storage_offset():
             return False
         storage = tensor.untyped_storage()
@@ -70,8 +67,8 @@ class KeptGradient:
         return True
 
     def reclaim(self) -> torch.Tensor:
-        """The base, its memory back (uninitialised if released), for a reduction to overwrite.
-        Pre-condition: :attr:`is_free`."""
+        """The base, its memory back, for a reduction to overwrite. Pre-condition:
+        :attr:`is_free`."""
         if self.released:
             self.storage.resize_(self.nbytes)
             self.released = False

@@ -1,16 +1,12 @@
-"""Flat layout math: where each parameter and the padding sit in a flat buffer, and which piece
-of each parameter each rank owns. Pure functions of (shapes, placements, sharding factor,
-alignment, rank), property-tested alone.
+"""Flat layout math: where each parameter and the padding sit in a flat buffer and which piece
+each rank owns; pure functions, property-tested alone.
 
-Placements (docs/placements.md) move parameters and padding only: the buffer stays ``F`` equal
-chunks of ``S`` elements. ``"flat"``, ``"rows"`` and :class:`Blocks` lay parameters out as a
-*stream* (each one contiguous range); ``"owned"`` and :class:`ShardDim` are *fixed* to ranks.
-One layout holds one kind.
-
-Invariants (``F`` ranks, alignment ``A``): ``S`` is a multiple of ``A`` and ``padded_numel ==
-F * S``; rank ``r`` owns ``[r*S, (r+1)*S)``; every parameter has at most one contiguous piece
-of its flattened stored shape per rank, whole rows for every placement but ``"flat"``;
-:meth:`FlatLayout.segments` cuts ``[0, F*S)`` into parameter pieces and padding, in order.
+Placements (docs/placements.md) move parameters and padding only: the buffer stays ``F``
+chunks of ``S`` elements, rank ``r`` owning ``[r*S, (r+1)*S)``, ``S`` a multiple of the
+alignment. ``"flat"``, ``"rows"`` and :class:`Blocks` are a *stream* (each parameter one
+contiguous range); ``"owned"`` and :class:`ShardDim` are *fixed* to ranks; one layout holds
+one kind. A rank's piece of a parameter is one contiguous range of its flattened stored shape,
+whole rows under every placement but ``"flat"``.
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ PLACEMENT_NAMES = (FLAT, ROWS, OWNED)
 
 
 def is_fixed(placement: Placement) -> bool:
-    """Owned and ``ShardDim`` parameters are pinned to ranks (a *fixed* layout)."""
     return placement == OWNED or isinstance(placement, ShardDim)
 
 
@@ -74,7 +69,6 @@ def check_placement(placement: object, shape: Sequence[int], name: str,
 
 
 def stored_shape(shape: Sequence[int], placement: Placement) -> tuple[int, ...]:
-    """The shape inside the buffer: ``ShardDim(d)`` moves ``d`` to the front."""
     shape = tuple(shape)
     if isinstance(placement, ShardDim) and placement.dim:
         d = placement.dim
@@ -83,8 +77,8 @@ def stored_shape(shape: Sequence[int], placement: Placement) -> tuple[int, ...]:
 
 
 def alignment(*itemsizes: int) -> int:
-    """Elements per 16 bytes of the narrowest of ``itemsizes``: chunks of a multiple of it start
-    16-byte aligned in all of them."""
+    """Elements per 16 bytes of the narrowest of ``itemsizes`` (chunks of a multiple start
+    aligned)."""
     return max(1, 16 // min(itemsizes))
 
 
@@ -110,8 +104,8 @@ class Segment(NamedTuple):
 
 
 class FlatLayout:
-    """Layout of a flat buffer of parameters of the given shapes and placements (default
-    ``"flat"``) over ``world_size`` ranks, chunks a multiple of ``align`` elements."""
+    """Layout of a flat buffer of parameters of ``shapes`` and ``placements`` over ``world_size``
+    ranks, chunks a multiple of ``align`` elements."""
 
     __slots__ = ("shapes", "placements", "stored_shapes", "numels", "offsets", "numel",
                  "world_size", "align", "padded_numel", "shard_numel", "_pieces", "_segments")
@@ -136,7 +130,7 @@ class FlatLayout:
         self.stored_shapes: tuple[tuple[int, ...], ...] = tuple(
             stored_shape(s, p) for s, p in zip(self.shapes, self.placements))
         self.numels: tuple[int, ...] = tuple(math.prod(s) for s in self.shapes)
-        self.numel: int = sum(self.numels)  # without padding
+        self.numel: int = sum(self.numels)
         self.world_size: int = world_size
         self.align: int = align
         if kinds == {True}:
@@ -144,7 +138,7 @@ class FlatLayout:
         else:
             shard, offsets = _plan_stream(self, world_size, align)
             pieces = [_cut_by_chunks(i, o, n, shard) for i, (o, n) in enumerate(zip(offsets, self.numels))]
-        self.shard_numel: int = shard  # includes padding
+        self.shard_numel: int = shard
         self.padded_numel: int = shard * world_size
         self.offsets: tuple[int, ...] = tuple(offsets)
         """Where each parameter's first piece starts in the unsharded buffer."""
@@ -156,7 +150,6 @@ class FlatLayout:
         return self.padded_numel - self.numel
 
     def row_numel(self, index: int) -> int:
-        """Elements per row of the stored parameter (1 for 0- and 1-dim)."""
         shape = self.stored_shapes[index]
         return math.prod(shape[1:]) if len(shape) > 1 else 1
 
@@ -165,7 +158,6 @@ class FlatLayout:
         return all(a.start + a.length == b.start for a, b in zip(pieces, pieces[1:]))
 
     def moved_dims(self) -> tuple[int, ...]:
-        """Per parameter, the dim stored first (``d`` for ``ShardDim(d)``, else 0)."""
         return tuple(p.dim if isinstance(p, ShardDim) else 0 for p in self.placements)
 
     def keeps_shape(self, index: int) -> bool:
@@ -173,7 +165,6 @@ class FlatLayout:
         return self.placements[index] != FLAT
 
     def local_shape(self, index: int, rank: int) -> tuple[int, ...]:
-        """Shape of ``rank``'s piece of parameter ``index``, in stored order."""
         length = self.shard_slices(rank)[index].length
         if not self.keeps_shape(index):
             return (length,)
@@ -190,7 +181,6 @@ class FlatLayout:
         return (rows, *shape[1:])
 
     def shard_range(self, rank: int) -> tuple[int, int]:
-        """``[start, end)`` of the unsharded buffer ``rank`` owns (may include padding)."""
         self._check_rank(rank)
         start = rank * self.shard_numel
         return start, start + self.shard_numel
@@ -216,7 +206,7 @@ class FlatLayout:
         return max((p.length for p in self._pieces[index]), default=0)
 
     def owner_ranks(self, index: int) -> range:
-        """Ranks whose chunk intersects parameter ``index``; consecutive for every placement."""
+        """Ranks whose chunk intersects parameter ``index`` (consecutive)."""
         pieces = self._pieces[index]
         if not pieces:
             return range(0)
@@ -256,7 +246,6 @@ class FlatLayout:
         return tuple(out)
 
     def describe(self) -> tuple:
-        """A hashable summary ranks compare."""
         return (self.shapes, tuple(map(repr, self.placements)), self.world_size, self.align)
 
     def _check_rank(self, rank: int) -> None:
@@ -306,7 +295,7 @@ def _plan_fixed(layout: FlatLayout, world: int,
     order, padding ends each chunk."""
     count = len(layout.numels)
     loads = [0] * world
-    placed: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (index, p_start, len)
+    placed: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
     for i, placement in enumerate(layout.placements):
         if isinstance(placement, ShardDim):
             rows, row = layout.stored_shapes[i][0], layout.row_numel(i)
@@ -368,8 +357,7 @@ def _rebalance(placed: list[list[tuple[int, int, int]]], loads: list[int],
 
 
 def _best_exchange(placed, loads, movable, pivot: int, pivot_is_high: bool):
-    """The best move or swap between ``pivot`` and another rank: ``(from, to, moved, moved back
-    or None)``."""
+    """The best move or swap between ``pivot`` and another rank, or ``None``."""
     best = None
     for other in range(len(loads)):
         src, dst = (pivot, other) if pivot_is_high else (other, pivot)

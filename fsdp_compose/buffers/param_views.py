@@ -1,25 +1,22 @@
 """The per-parameter views of an unsharded flat buffer, as one autograd node.
 
 [Note: one backward node per buffer]
-Differentiable ``split`` + ``view`` would cost a ``ViewBackward`` per parameter in every
-backward, host time the unsharded model does not pay. :class:`SplitIntoParams` makes the views
-in one custom node; its backward receives every parameter's gradient at once (``None`` for an
-unused view: how the buffer learns which were used) and concatenates them into one flat
-gradient.
+Differentiable ``split`` + ``view`` would cost a node per parameter in every backward, host
+time the unsharded model does not pay. :class:`SplitIntoParams` makes the views in one custom
+node whose backward receives every parameter's gradient at once (``None``: unused, how the
+buffer learns which were used) and concatenates them into one flat gradient.
 
 [Note: assembled copies]
 Parameters that are not one run of the buffer (``ShardDim``) are copied at every unshard into
-one storage of their own, freed at reshard like the unsharded storage. Their outputs are made
-once on that storage, so a copy autograd saved holds no memory between reshard and backward's
-all-gather, which refills it; :meth:`ViewPlan.fill_copies` writes through another tensor so
-the outputs' version counters do not move.
+one storage of their own, freed at reshard like the unsharded storage, with outputs made once
+on it, so a saved copy holds no memory between reshard and backward's all-gather.
 
 [Note: parameter aliases made once]
 Where every parameter is one run and all train, the outputs are made once
-(:meth:`ViewPlan.aliases`): plain tensors set on the unsharded storage, returned by each
-forward's node (making views per forward would be the largest host cost of a unit's forward).
-Not being views, an in-place change would pass unnoticed, so the buffer checks their version
-counters after each forward (``FlatBuffer.check_params_unmodified``).
+(:meth:`ViewPlan.aliases`): tensors set on the unsharded storage, returned by each forward's
+node (views per forward would be the largest host cost of a unit's forward). Not being views,
+an in-place change would pass unnoticed, so the buffer checks their version counters after
+each forward.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ class Strided(NamedTuple):
 
 
 def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> Strided:
-    """The view of a contiguous run at ``offset`` holding a tensor of ``stored_shape`` (dim
-    ``moved_dim`` stored first) in its own dim order."""
+    """The ``as_strided`` view of a run at ``offset`` holding a tensor of ``stored_shape``."""
     meta = torch.empty(tuple(stored_shape), device="meta")
     if moved_dim:
         meta = meta.movedim(0, moved_dim)
@@ -48,8 +44,7 @@ def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> St
 
 
 def split_plan(views: Sequence[Strided], numel: int) -> Optional[tuple[list[int], list[int]]]:
-    """Split sizes of ``numel`` elements and each view's part, when ``views`` are 1-D runs in
-    increasing order (empty views anywhere); ``None`` otherwise."""
+    """Split sizes and each view's part when ``views`` are 1-D runs in order; else ``None``."""
     sizes: list[int] = []
     picks: list[int] = []
     position = 0
@@ -79,7 +74,7 @@ UsedCallback = Callable[[Sequence[Optional[torch.Tensor]]], None]
 
 class ViewPlan:
     """How a flat buffer of ``layout`` is cut into its parameters' views and their gradients put
-    back together. Invariant: the segments cover ``[0, padded_numel)`` in order."""
+    back together."""
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
@@ -111,11 +106,10 @@ class ViewPlan:
             (param, length) for param, length in zip(self.segment_params, self.split_sizes)) \
             if all(self.contiguous) and not any(self.moved_dims) else None
         """Per segment ``(parameter or -1, length)`` when every parameter is one run in its own
-        dim order (``None``: some need reordering)."""
+        dim order."""
         self._grads_in_order: bool = self._direct_parts is not None and \
             [param for param, _ in self._direct_parts] == list(range(len(layout.shapes))) and \
             len(layout.shapes) > 0
-        """No padding, parameters in order: the flat gradient is their gradients concatenated."""
         starts = [0]
         for size in self.split_sizes:
             starts.append(starts[-1] + size)
@@ -130,11 +124,8 @@ class ViewPlan:
             tuple(runs)
         self.copy_numel: int = position
         self.copies_only: bool = bool(runs) and len(runs) == len(self._strided)
-        """Every parameter is a copy: once filled, the gathered values are not read until the
-        next all-gather."""
+        """Every parameter is a copy: the gathered values are not read after the copies."""
         self.copies: Optional[tuple[torch.Tensor, dict[int, torch.Tensor]]] = None
-        """The copies' storage as one tensor and each assembled parameter's output on it
-        (``None``: none)."""
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter of ``flat`` in its own shape: a view where contiguous, else an
@@ -161,9 +152,8 @@ class ViewPlan:
         return out
 
     def aliases(self, flat: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
-        """Each parameter as a tensor set on ``flat``'s storage, made once ([Note: parameter
-        aliases made once]); ``None`` unless every parameter is one run. Pre-condition: the
-        storage holds all of ``flat``."""
+        """Each parameter as a tensor set on ``flat``'s storage ([Note: parameter aliases made
+        once]); ``None`` unless every parameter is one run."""
         if self._all_strided is None:
             return None
         storage, base = flat.untyped_storage(), flat.storage_offset()
@@ -185,8 +175,6 @@ class ViewPlan:
         self.copies = (whole, outputs)
 
     def fill_copies(self, flat: torch.Tensor) -> None:
-        """Give the copies' storage memory and copy each assembled parameter's pieces of ``flat``
-        into it."""
         if self.copies is None:
             return
         whole = self.copies[0]
@@ -199,7 +187,6 @@ class ViewPlan:
                     position += length
 
     def unfill_copies(self, flat: torch.Tensor) -> None:
-        """Inverse of :meth:`fill_copies`: the copies written back into ``flat``."""
         if self.copies is None:
             return
         whole = self.copies[0]
@@ -258,7 +245,7 @@ class SplitIntoParams(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
                 trainable: Sequence[bool], on_backward: UsedCallback,
                 aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-        ctx.materialize_grads = False  # ctx.set_materialize_grads(False), without its call
+        ctx.materialize_grads = False
         ctx.plan, ctx.on_backward = plan, on_backward
         ctx.dtype, ctx.device = flat.dtype, flat.device
         if aliases is not None:
@@ -277,24 +264,23 @@ class SplitIntoParams(torch.autograd.Function):
 
 
 _apply_unwrapped = super(torch.autograd.Function, SplitIntoParams).apply
-"""``Function.apply`` without its functorch unwrapping, needed only under functorch transforms."""
+"""``Function.apply`` without its functorch unwrapping."""
 
 
 def split_into_params(flat: torch.Tensor, plan: ViewPlan, trainable: Sequence[bool],
                       on_backward: UsedCallback,
                       aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-    """One output per parameter (every unit's forward calls this); ``aliases``:
-    :meth:`ViewPlan.aliases` of ``flat`` to return instead of new views."""
+    """One output per parameter; ``aliases``: :meth:`ViewPlan.aliases` to return instead of new
+    views."""
     if functorch_transforms_active():
         return SplitIntoParams.apply(flat, plan, trainable, on_backward)
     return _apply_unwrapped(flat, plan, trainable, on_backward, aliases)
 
 
 _PADDING: dict[tuple, torch.Tensor] = {}
-"""Read-only padding zeros per dtype, device and stream, up to :data:`_CACHED_PADDING`."""
+"""Read-only padding zeros per dtype, device and stream."""
 
 _CACHED_PADDING = 1 << 16
-"""Longer padding (``"owned"`` can pad a whole matrix) is allocated per backward."""
 
 
 def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,13 +1,11 @@
 """Reducing only the parameters that train, when a buffer also holds frozen ones.
 
 [Note: reducing a subset of a buffer]
-Buffers group parameters by ``requires_grad`` at annotation; a parameter frozen later stays in
-its trainable buffer, and reducing the whole flat gradient would move its zeros. So the
-reduce-scatter moves a *packed* gradient: for each rank the positions of its shard that belong
-to a training parameter, zero-padded to the longest rank's count ``T``; each rank spreads its
-reduced ``T`` back over its shard. Sizes depend only on the layout and the flags, so every
-rank issues the same collective. A parameter trains if it trained at any forward since the
-last reduction.
+A parameter frozen after annotation stays in its trainable buffer, and reducing the whole flat
+gradient would move its zeros. So the reduce-scatter moves a *packed* gradient: each rank's
+training positions, zero-padded to the longest rank's count, spread back over the shard after.
+Sizes depend only on the layout and the flags, so every rank issues the same collective. A
+parameter trains if it trained at any forward since the last reduction.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ import torch
 from .layout import FlatLayout
 
 _WORTH_PACKING = 0.75
-"""Pack only where the packed collective is at most this fraction of the whole (the copies cost
-more above)."""
+"""Pack only where the packed collective is at most this fraction of the whole."""
 
 
 Ranges = tuple[tuple[int, int], ...]
@@ -28,8 +25,7 @@ Ranges = tuple[tuple[int, int], ...]
 
 class ReduceSubset:
     """Which positions of a flat gradient a reduce-scatter moves ([Note: reducing a subset of a
-    buffer]). Invariant: the packed gradient is each rank's training runs then zeros up to
-    ``chunk``, rank-major."""
+    buffer]): each rank's runs then zeros up to ``chunk``, rank-major."""
 
     def __init__(self, layout: FlatLayout, runs: Sequence[Ranges], rank: int) -> None:
         self.chunk: int = max(sum(n for _, n in r) for r in runs)
@@ -69,7 +65,6 @@ def plan_subset(layout: FlatLayout, training: Sequence[bool], rank: int) -> Opti
 
 
 def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> Ranges:
-    """Rank ``rank``'s runs of training positions, merged."""
     lo, hi = layout.shard_range(rank)
     runs: list[tuple[int, int]] = []
     for segment in layout.segments():
@@ -86,8 +81,8 @@ def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> R
 
 
 class SubsetPlans(dict[tuple[bool, ...], Optional[ReduceSubset]]):
-    """:func:`plan_subset` per tuple of flags, planned on first lookup; a ``dict`` so a hit runs
-    no Python call."""
+    """:func:`plan_subset` per tuple of flags, planned on first lookup (a ``dict``: a hit runs no
+    Python)."""
 
     __slots__ = ("layout", "rank")
 

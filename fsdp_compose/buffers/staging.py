@@ -1,16 +1,12 @@
-"""Reusing the memory of unsharded buffers on the CPU.
-
-Freeing a large unsharded buffer and allocating it again makes the CPU allocator return its
-pages to the kernel and fault them in again, every unit and step. A :class:`StagingPool` keeps
-released memory by size and lends it again, swapping the storage's data pointer
-(``UntypedStorage._swap_data_ptr_``; without it the pool is off) so autograd's saved views
-stay valid. The pool is emptied at the end of each iteration unless
-``PrefetchPolicy(retain_staging=True)``.
+"""Reusing the memory of unsharded buffers on the CPU: freeing a large buffer and allocating it
+again makes the allocator return its pages to the kernel and fault them in again, every unit
+and step. A :class:`StagingPool` keeps released memory by size and lends it again by swapping
+the storage's data pointer (autograd's saved views stay valid); emptied at the end of each
+iteration unless ``retain_staging``.
 
 [Note: releasing what no fill will take]
-The pool expects each iteration to fill each size as often as the most of the last
-:data:`HISTORY` iterations; once an iteration made that many fills, that size's pooled memory
-is freed and later releases go to the allocator, so nothing waits through the step's peak. A
+Each iteration is expected to fill each size as often as the most of the last :data:`HISTORY`;
+once it did, that size's pooled memory is freed, so nothing waits through the step's peak. A
 wrong guess costs speed, never values.
 
 [Note: the pool across the end of forward]
@@ -18,9 +14,8 @@ The end of the root's forward, where activations peak, frees the pool (not under
 ``retain_staging``).
 
 [Note: staging and memory trackers]
-Tools that follow storage sizes (torch's ``MemTracker``) do not see pointer swaps, so a drain
-ends with ``resize_(0)`` and pooled memory is held in a ``uint8`` tensor made by dispatched
-ops.
+Memory trackers do not see pointer swaps, so a drain ends with ``resize_(0)`` and pooled
+memory is held in ``uint8`` tensors made by dispatched ops.
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ HISTORY = 4
 
 
 class StagingPool:
-    """Released storages, by size in bytes. Invariant: every pooled storage holds exactly its
-    key's bytes; the pool holds at most the peak unsharded working set of the iteration, and
-    none of a size after that size's expected last fill."""
+    """Released storages by size. Invariant: each pooled storage holds exactly its key's bytes,
+    and the pool at most the iteration's peak unsharded working set."""
 
     def __init__(self) -> None:
         self.enabled: bool = CAN_SWAP_STORAGE_DATA
@@ -47,11 +41,9 @@ class StagingPool:
         self._fills: Counter[int] = Counter()
         self._history: deque[Counter[int]] = deque(maxlen=HISTORY)
         self._expected: Optional[Counter[int]] = None
-        """Fills per size expected per iteration (``None``: no history)."""
         self._first_iteration: bool = True
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Give the empty ``storage`` ``nbytes`` of memory, reused if possible."""
         if storage.nbytes() != 0:
             raise AssertionError(f"staging: storage to fill holds {storage.nbytes()} bytes")
         if not self.enabled:
@@ -59,7 +51,6 @@ class StagingPool:
             return
         free = self._free.get(nbytes)
         if free:
-            # the donor is left empty and dropped
             swap_storage_data(storage, free.pop().untyped_storage())
         else:
             storage.resize_(nbytes)
@@ -86,7 +77,6 @@ class StagingPool:
         return self._fills[nbytes] < self._expected[nbytes]
 
     def release(self) -> None:
-        """Free every pooled storage now; fill counts are kept."""
         self._free.clear()
 
     def keep(self) -> None:

@@ -1,16 +1,8 @@
 """Composition with tensor parallelism: data-parallel sharding over ``mesh["dp"]`` of modules
-whose parameters ``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``::
-
-    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], plan)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-
-The flat buffers hold the TP-local tensors; between iterations the original name registers a
-new plain ``nn.Parameter`` (build the optimizer after ``fully_shard``); forward and backward
-see a ``DTensor`` again, so TP's collectives run as usual; state dicts place TP parameters on
-the (dp, tp) mesh as torch FSDP2 does (docs/decisions.md, "Tensor parallelism").
+``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``. The flat buffers hold
+the TP-local tensors and the original names register plain parameters between iterations
+(build the optimizer after ``fully_shard``); forward sees a ``DTensor`` again, so TP's
+collectives run as usual; state dicts are FSDP2's (docs/decisions.md, "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -61,9 +53,8 @@ class TensorParallelSpec:
 
 def localize(param: nn.Parameter, fqn: str, group: ShardGroup,
              spmd_mesh: Optional[DeviceMesh] = None) -> tuple[nn.Parameter, TensorParallelSpec]:
-    """A plain parameter holding ``param``'s TP-local values, and what forward needs to rebuild
-    the ``DTensor``. ``spmd_mesh``: the mesh of ``fully_shard(..., dp_mesh_dims=...)``.
-    Raises, naming ``fqn``, for unsupported combinations."""
+    """A plain parameter holding ``param``'s TP-local values, and its spec. Raises, naming
+    ``fqn``, for unsupported combinations."""
     if not isinstance(param, DTensor):
         raise AssertionError(f"'{fqn}' is not a DTensor parameter")
     if spmd_mesh is not None:
@@ -102,8 +93,8 @@ def _local_parameter(param: DTensor) -> nn.Parameter:
 
 def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
                    spmd_mesh: DeviceMesh) -> tuple[nn.Parameter, TensorParallelSpec]:
-    """``dp_mesh_dims``: ``param`` is ``Replicate()`` on the data-parallel dims of the SPMD mesh
-    and split over at most one other dim."""
+    """``dp_mesh_dims``: ``param`` is ``Replicate()`` on the data-parallel dims and split over at
+    most one other."""
     if param.device_mesh != spmd_mesh:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on {param.device_mesh}, not on the mesh passed to "
@@ -145,9 +136,9 @@ def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
 
 def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
                        tp_placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh and placements of a TP (or EP) parameter's state-dict values, as torch FSDP2
-    gives them: the data-parallel dims then the tp dim as one mesh; dp ``_StridedShard(0,
-    split_factor=tp)`` where TP shards dim 0 too ("tp first, then dp"), else ``Shard(0)``."""
+    """The state-dict mesh and placements of a TP (or EP) parameter, as torch FSDP2's: dp
+    ``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too ("tp first, then dp"),
+    else ``Shard(0)``."""
     def refuse(why: str) -> ValueError:
         return ValueError(
             f"parameter '{fqn}' is a DTensor on a mesh that cannot be combined with the data-"
@@ -182,9 +173,8 @@ def as_dtensor(view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
 
 
 class _SpmdView(torch.autograd.Function):
-    """``DTensor.from_local`` on the SPMD mesh whose backward leaves the data-parallel dims as
-    they come (``Partial``: the flat buffer's reduce-scatter sums them) and redistributes only
-    the model-parallel dim, as FSDP2 does."""
+    """``DTensor.from_local`` whose backward leaves the data-parallel dims as they come (the
+    reduce-scatter sums them), as FSDP2 does with ``dp_mesh_dims``."""
 
     @staticmethod
     def forward(ctx, view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
@@ -205,8 +195,7 @@ class _SpmdView(torch.autograd.Function):
 
 
 def norm_process_group(spec: Optional[TensorParallelSpec]) -> Optional[dist.ProcessGroup]:
-    """The extra group a gradient norm sums over: the tp group for TP-sharded parameters, else
-    ``None``."""
+    """The extra group a gradient norm sums over (the tp group of a TP-sharded parameter)."""
     if spec is None or not spec.is_sharded or spec.tp_mesh is None:
         return None
     return spec.tp_mesh.get_group()
