@@ -1,23 +1,14 @@
-"""One flat buffer: the storage and views of a group of original parameters
-(grouped by ``records.group_records``; collectives issued by
-``runtime/collective_queue.py``; gradients in ``flat_grad.py``; module
-attributes swapped by ``param_slots.py``).
+"""One flat buffer: the storage and views of a group of parameters (gradients in
+``flat_grad.py``, module attributes in ``param_slots.py``).
 
 [Note: storage and autograd]
-The unsharded flat buffer is a leaf tensor of ``F * S`` elements that lives
-as long as the unit. Resharding resizes its *storage* to zero bytes;
-unsharding resizes it back and all-gathers into it. So the views autograd
-saved in forward stay valid objects, hold no memory while sharded, and read
-correct values again once the pre-backward hook unshards. The all-gather
-writes through a detached alias and restores the same values, so the
-version counter is put back after the collective is issued and again after
-it completes (gloo bumps it from its own thread): autograd must not see an
-in-place change of the saved views.
-One autograd node per buffer (``param_views.py``) routes every parameter's
-gradient into one flat gradient, the reduce-scatter's input. It is rebuilt
-at every forward that records a graph: the engine runs ready nodes newest
-first, so a node built once would fire the post-backward hook (reduce,
-reshard) only at the end of backward, keeping every unit unsharded.
+The unsharded flat buffer is a leaf tensor that lives as long as the unit; resharding resizes
+its *storage* to zero bytes and unsharding resizes it back and all-gathers into it, so the
+views autograd saved stay valid, hold no memory while sharded, and read correct values once
+backward unshards. The all-gather restores the same values, so the version counter is put back
+after it. The views' node is rebuilt at every recorded forward: the engine runs ready nodes
+newest first, so a node built once would fire the post-backward hook only at the end of
+backward.
 """
 
 from __future__ import annotations
@@ -43,31 +34,25 @@ from .tensor_parallel import as_dtensor
 
 
 class _PostForwardCopy(NamedTuple):
-    """What ``reshard_after_forward=k`` keeps between forward and backward."""
 
-    group: ShardGroup  # the k ranks it is re-gathered from
-    piece: torch.Tensor  # this rank's 1/k of the unsharded buffer (compute dtype)
-    versions: tuple[int, ...]  # the parameters' versions when it was taken
+    group: ShardGroup
+    piece: torch.Tensor
+    versions: tuple[int, ...]
 
 
 class FlatBuffer:
     """Sharded storage plus unsharded working buffer for a list of parameters.
 
-    Invariants (``F`` = world size, ``S`` = ``layout.shard_numel``):
+    Invariants (``S`` = ``layout.shard_numel``):
 
-    * ``sharded`` (``S`` elements, the parameters' dtype, compute device or
-      CPU when offloaded) is the only persistent storage of the values;
-      between iterations each original parameter's ``.data`` is its
-      :meth:`local_view` of it (1-D under ``"flat"``, rows ``(rows_here,
-      *rest)`` under the other placements);
-    * ``unsharded`` (``F * S`` elements, ``compute_dtype``, compute device)
-      has storage only while ``is_unsharded``, unless ``aliased``
-      (:func:`records.is_aliased`) or ``keeps_unsharded_storage``; it
-      requires grad exactly when some parameter does;
-    * the module attributes hold the original parameters while sharded and
-      the unsharded views while ``is_unsharded`` (``slots``);
-    * the gradients live in ``grad`` (:class:`FlatGradient`).
-    """
+    - ``sharded`` (``S`` elements, the parameters' dtype, on ``storage_device``) is the only
+      persistent storage of the values; between iterations each parameter's ``.data`` is its
+      :meth:`local_view` (rows ``(rows_here, *rest)`` under the default placement, 1-D under
+      ``"flat"``);
+    - ``unsharded`` (``compute_dtype``) has storage only while ``is_unsharded``, unless
+      ``aliased`` or ``keeps_unsharded_storage``;
+    - the module attributes hold the originals while sharded, the unsharded views while
+      unsharded."""
 
     __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'is_gathering', 'grad', 'group', 'is_meta', 'is_unsharded', 'keeps_unsharded_storage',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
@@ -87,50 +72,36 @@ class FlatBuffer:
                  before_flat_gradient: Optional[Callable[["FlatBuffer"], None]] = None) -> None:
         if not records:
             raise AssertionError("a flat buffer needs at least one parameter")
-        # What it holds
         self.records: list[ParamRecord] = records
         self.group: ShardGroup = group
         self.layout: FlatLayout = buffer_layout(records, group.world_size, policy)
         self._slices: tuple[ShardSlice, ...] = self.layout.shard_slices(group.rank)
         self._local_shapes: tuple[tuple[int, ...], ...] = tuple(
             self.layout.local_shape(i, group.rank) for i in range(len(records)))
-        """Shape of each parameter's piece here, in stored order."""
         self._moved_dims: tuple[int, ...] = self.layout.moved_dims()
-        """``ShardDim(d)``: the dim stored first (0: none moved)."""
         self._local_strided: tuple[Strided, ...] = tuple(
             strided_view(shape, d, s.shard_start)
             for shape, d, s in zip(self._local_shapes, self._moved_dims, self._slices))
-        """Each parameter's :meth:`local_view` of a contiguous shard-shaped tensor."""
         self._local_split: Optional[tuple[list[int], list[int]]] = split_plan(
             self._local_strided, self.layout.shard_numel)
-        """``(split sizes, part of each parameter)`` when every local view is
-        a 1-D run in order (``None``: some are not)."""
         self._params: tuple[nn.Parameter, ...] = tuple(r.param for r in records)
         self.slots: ParamSlots = ParamSlots(records)
-        """The module attributes the views and the originals are swapped into."""
         self._view_plan: ViewPlan = ViewPlan(self.layout, self._moved_dims)
         self._has_tp: bool = any(r.tp is not None for r in records)
         self._has_copies: bool = not all(
             self.layout.is_contiguous(i) for i in range(len(records)))
-        """Some parameter's unsharded view is an assembled copy (``ShardDim``)."""
         self._param_requires_grad: tuple[bool, ...] = tuple(
             r.param.requires_grad for r in records)
-        """Each parameter's ``requires_grad`` as of the last forward."""
         self.requires_grad: bool = any(self._param_requires_grad)
         self._post_accumulate_grad = post_accumulate_grad
         self._before_flat_gradient = before_flat_gradient
-        """Called in backward before the views' node makes a flat gradient
-        (the unit makes room among the reductions in flight)."""
         self.policy: BufferPolicy = policy
 
-        # Storage (all set by _install)
         self.dtype: torch.dtype
         self.compute_dtype: torch.dtype
         self.reduce_dtype: torch.dtype
         self.reduce_comm_dtype: torch.dtype
         self.wire: Wire = EXACT
-        """How the collectives go on the wire (``comm/wire.py``): set from
-        the policy by :meth:`_install`, wrapped by the custom comm setters."""
         self.compute_device: torch.device = group.device
         self.storage_device: torch.device
         self.pin_memory: bool
@@ -139,35 +110,27 @@ class FlatBuffer:
         self.aliased: bool
         self._sharded_views: list[torch.Tensor]
         self._aliases: Optional[tuple[torch.Tensor, ...]]
-        """The views node's outputs while all parameters train, made once per
-        storage ([Note: parameter aliases made once]; ``None``: per forward)."""
+        """[Note: parameter aliases made once]; ``None``: views per forward."""
         self._alias_versions: Optional[tuple[int, ...]]
-        """The aliases' versions when the running forward's node was made."""
         self.is_unsharded: bool = False
         self.is_gathering: bool = False
-        """An all-gather into ``unsharded`` is in flight: from
-        :meth:`prepare_unshard` to :meth:`complete_gather` (the collective
-        queue keeps it and waits it)."""
+        """An all-gather into ``unsharded`` is in flight (from :meth:`prepare_unshard` to
+        :meth:`complete_gather`)."""
         self.staging: Optional[StagingPool] = None
-        """Where the unsharded storage's memory comes from (CPU; ``None``: the allocator)."""
         self.keeps_unsharded_storage: bool = False
-        """Reshard leaves the unsharded storage its memory, and unshard
-        reuses it: the same data pointers in every iteration
+        """Reshard keeps the unsharded memory for the next unshard
         (``set_keep_unsharded_storage``)."""
         self._post_forward: Optional[_PostForwardCopy] = None
-        """This rank's piece kept by a reshard after forward to ``k`` ranks."""
         self._versions_at_unshard: tuple[int, ...] = ()
-        """The parameters' versions at the unshard (a step bumps them: stale)."""
+        """The parameters' versions at the unshard (a step bumps them)."""
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
         self._on_backward = called_weakly(self._views_backward)
         self._install(self._shard_values(records[0].param.dtype))
 
-    # ------------------------------------------------------------------ setup
     def _shard_values(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's slice of every (whole) parameter in a new shard (meta
-        parameters: a meta shard)."""
+        """This rank's slice of every parameter in a new shard."""
         device = torch.device("meta") if self.records[0].param.is_meta else self._storage_device()
         shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device,
                             pin_memory=self._pinned(device))
@@ -175,7 +138,7 @@ class FlatBuffer:
             return shard
         for index, (record, s) in enumerate(zip(self.records, self._slices)):
             if s.length:
-                d = self._moved_dims[index]  # stored order: dim d first
+                d = self._moved_dims[index]
                 value = record.param.detach()
                 flat = (value.movedim(d, 0) if d else value).reshape(-1)
                 shard[s.shard_start:s.shard_start + s.length].copy_(
@@ -183,10 +146,8 @@ class FlatBuffer:
         return shard
 
     def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index``'s piece of ``flat`` (laid out like this rank's
-        shard) in its local shape, sharing ``flat``'s memory: 1-D
-        (``"flat"``), ``(rows_here, *rest)``, or for ``ShardDim(d)`` that
-        with dim ``d`` moved back."""
+        """Parameter ``index``'s piece of ``flat`` (laid out like the shard) in its local shape,
+        a view."""
         if flat.stride(0) == 1:
             size, stride, offset = self._local_strided[index]
             return flat.as_strided(size, stride, flat.storage_offset() + offset)
@@ -196,8 +157,7 @@ class FlatBuffer:
         return view.movedim(0, d) if d else view
 
     def local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """:meth:`local_view` of every parameter (``flat`` contiguous, ``S``
-        elements); one ``split`` where every piece is a 1-D run."""
+        """:meth:`local_view` of every parameter of a contiguous ``flat``."""
         if self._local_split is not None:
             sizes, picks = self._local_split
             parts = flat.split_with_sizes(sizes)
@@ -208,17 +168,14 @@ class FlatBuffer:
 
     @property
     def grad_receivers(self) -> tuple[bool, ...]:
-        """Per parameter: a published gradient gives it a ``.grad`` here."""
         return self._grad_receivers
 
     def grad_where_empty(self, index: int) -> bool:
-        """Whether a rank holding none of parameter ``index`` gets an empty
-        ``.grad`` (so every rank lists the same gradients): yes except under
-        ``"owned"`` (see [Note: used parameters])."""
+        """A rank holding none of parameter ``index`` gets an empty ``.grad``, except under
+        ``"owned"`` ([Note: used parameters])."""
         return self.layout.placements[index] != OWNED
 
     def _storage_device(self) -> torch.device:
-        """Where the shards live once materialised."""
         return torch.device("cpu") if self.policy.offload_to_cpu else self.group.device
 
     def _pinned(self, device: torch.device) -> bool:
@@ -226,33 +183,28 @@ class FlatBuffer:
                 and self.compute_device.type != "cpu")
 
     def _install(self, sharded: torch.Tensor) -> None:
-        """Make ``sharded`` the values' storage and build what derives from it.
-
-        Post-condition: sharded state; every parameter's ``.data`` is its
-        slice of ``sharded``."""
+        """Make ``sharded`` the values' storage and rebuild what derives from it; every ``.data``
+        becomes its slice."""
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
         moves_floats = dtypes.param.is_floating_point and self.group.world_size > 1
-        self.wire = self.wire.on_policy(  # quantized only where floats move
+        self.wire = self.wire.on_policy(
             policy_wire(self.policy.gather_quantizer, self.policy.reduce_quantizer)
             if moves_floats else EXACT)
         self.storage_device = sharded.device
         self.pin_memory = self._pinned(self.storage_device)
         self.sharded = sharded
         self.is_meta: bool = sharded.is_meta
-        """The shards are on the meta device (deferred init)."""
         self.aliased = is_aliased(self.group.world_size, dtypes,
                                   self.storage_device == self.compute_device)
         self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
-        """A reshard would free no memory (aliased, no assembled copies): a
-        model all of whose buffers say so takes the local path
-        (``runtime/unit_paths.py``)."""
-        if self.is_meta:  # nothing to allocate until materialised (rebuild_after_conversion)
+        """Aliased without assembled copies: a reshard frees nothing (``runtime/unit_paths.py``)."""
+        if self.is_meta:
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
             self._derive_views(sharded)
-        elif self.aliased:  # the shard's own storage, never allocated or freed
+        elif self.aliased:  # the shard's own storage, never freed
             self.unsharded = torch.empty(0, dtype=self.dtype, device=self.compute_device)
             with torch.no_grad():
                 self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,),
@@ -264,31 +216,25 @@ class FlatBuffer:
                 self.layout.padded_numel, dtype=self.compute_dtype, device=self.compute_device,
                 requires_grad=self.requires_grad)
             self._derive_views(sharded)
-            self.unsharded.untyped_storage().resize_(0)  # views exist; now free the memory
+            self.unsharded.untyped_storage().resize_(0)
         self.is_unsharded = False
         for record, view in zip(self.records, self._sharded_views):
             record.param.data = view
 
     def _derive_views(self, sharded: torch.Tensor) -> None:
-        """The gradient hook, the sharded views and the unsharded views of
-        a new ``unsharded``, built while its storage is whole."""
+        """The hook and the views of a new ``unsharded``, built while its storage is whole."""
         self._grad_hook_registered = False
         self._register_grad_hook()
         self._sharded_views = [self.local_view(sharded, i) for i in range(len(self.records))]
-        # see [Note: parameter aliases made once]
         self._aliases = None if self.is_meta else self._view_plan.aliases(self.unsharded)
         self._alias_versions = None
-        if self._has_copies and not self.is_meta:  # see [Note: assembled copies]
+        if self._has_copies and not self.is_meta:
             self._view_plan.make_copies(self.unsharded)
         self.slots.set_views(self._build_unsharded_views())
 
     def add_slot(self, index: int, module: nn.Module, name: str) -> None:
-        """Register parameter ``index`` also as ``module.<name>`` (a module of
-        another unit that shares it: a tied weight, ``runtime/tied.py``):
-        from now on every unshard puts its view there too and every reshard
-        the original parameter back.
-
-        Pre-condition: sharded, and the slot holds the original parameter."""
+        """Register parameter ``index`` also as ``module.<name>`` (a tied weight,
+        ``runtime/tied.py``). Pre-condition: sharded."""
         if self.is_unsharded or module._parameters.get(name) is not self.records[index].param:
             raise AssertionError(f"[rank {self.group.rank}] add_slot needs a sharded buffer "
                                  f"and the original parameter in '{name}'")
@@ -297,19 +243,17 @@ class FlatBuffer:
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
                 self._post_accumulate_grad is not None:
-            # Weak: a C++ hook list is an edge the garbage collector cannot
-            # see; a strong reference would keep units and process groups alive.
+            # Weak: the garbage collector cannot see C++ hook lists.
             self.unsharded.register_post_accumulate_grad_hook(
                 called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
-        """Per-parameter views of ``unsharded``, made by one autograd node
-        ([Note: one backward node per buffer]): differentiable for trainable
-        parameters; a parameter not contiguous in the buffer (``ShardDim``)
-        is an assembled copy ([Note: assembled copies])."""
+        """Per-parameter views of ``unsharded`` made by one autograd node ([Note: one backward
+        node per buffer]); a ``ShardDim`` parameter's is an assembled copy ([Note: assembled
+        copies])."""
         if self.requires_grad:
-            if torch.is_grad_enabled():  # every forward that records a graph: no context manager
+            if torch.is_grad_enabled():
                 views = self._differentiable_views()
             else:
                 with torch.enable_grad():
@@ -319,7 +263,6 @@ class FlatBuffer:
                 views = self._view_plan.views(self.unsharded)
         if not self._has_tp:
             return views
-        # tensor parallelism: forward sees the DTensor again, over the local view
         return [view if record.tp is None else as_dtensor(view, record.tp)
                 for view, record in zip(views, self.records)]
 
@@ -332,8 +275,7 @@ class FlatBuffer:
         return list(views)
 
     def check_params_unmodified(self) -> None:
-        """Raise if forward changed a parameter in place ([Note: parameter
-        aliases made once]); called at the end of a recorded forward."""
+        """Raise if forward changed a parameter in place ([Note: parameter aliases made once])."""
         recorded, self._alias_versions = self._alias_versions, None
         if recorded is None or tuple(alias._version for alias in self._aliases) == recorded:
             return
@@ -347,15 +289,13 @@ class FlatBuffer:
             "parameter between steps under torch.no_grad().")
 
     def _views_backward(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """The views' node is about to make a flat gradient ([Note: used parameters])."""
         self.grad.mark_used(param_grads)
         if self._before_flat_gradient is not None:
             self._before_flat_gradient(self)
 
     def start_recorded_forward(self) -> bool:
-        """A recorded forward starts on this unsharded buffer:
-        :meth:`sync_requires_grad`, then :meth:`refresh_views` where some
-        parameter trains, in one call. Returns ``requires_grad``."""
+        """A recorded forward starts: follow ``requires_grad`` and make new views. Returns
+        ``requires_grad``."""
         if tuple(param.requires_grad for param in self._params) == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
@@ -364,7 +304,7 @@ class FlatBuffer:
             return False
         aliases = self._aliases
         if aliases is not None and not self._has_tp and all(self._param_requires_grad):
-            # the module attributes hold the aliases already: only the node is new
+            # the attributes hold the aliases already: only the node is new
             split_into_params(self.unsharded, self._view_plan, self._param_requires_grad,
                               self._on_backward, aliases)
             self._alias_versions = tuple(alias._version for alias in aliases)
@@ -373,9 +313,7 @@ class FlatBuffer:
         return True
 
     def sync_requires_grad(self) -> None:
-        """Follow ``requires_grad`` changes of the original parameters since
-        the last forward: a frozen parameter's view is detached; the buffer
-        requires grad while some parameter trains."""
+        """Follow ``requires_grad`` changes since the last forward."""
         flags = tuple(param.requires_grad for param in self._params)
         if flags == self._param_requires_grad:
             self.grad.saw_forward = True
@@ -387,21 +325,18 @@ class FlatBuffer:
         self.unsharded.requires_grad_(self.requires_grad)
         self._register_grad_hook()
         self.slots.set_views(self._build_unsharded_views())
-        if self.is_unsharded:  # the module attributes hold the views of the new flags
+        if self.is_unsharded:
             self.use_unsharded_views()
 
     def rebuild_after_conversion(self) -> bool:
-        """After ``module.to(dtype)`` / ``_apply`` the parameters hold
-        converted copies of their slices: rebuild the storage from them and
-        point them (and their ``.grad``) back into it. Returns whether
-        anything changed.
-
-        Pre-condition: sharded state."""
+        """After ``module.to(dtype)`` / ``_apply``: rebuild the storage from the converted
+        parameters and point them and their ``.grad`` back into it. Returns whether anything
+        changed. Pre-condition: sharded."""
         params = [r.param for r in self.records]
         if all(p.dtype == self.dtype and p.device == self.storage_device
                and (v.numel() == 0 or p.data_ptr() == v.data_ptr())
                for p, v in zip(params, self._sharded_views)):
-            return False  # the conversion left this buffer's parameters alone
+            return False
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if self.is_meta and len(devices) == 1 and torch.device("meta") not in devices:
@@ -422,8 +357,7 @@ class FlatBuffer:
         grad = None
         if any(g is not None for g in grads):
             grad = torch.zeros_like(shard)
-        # Leaving the meta device the parameters hold uninitialised memory:
-        # keep the zeros, so replicas agree (materialize compares checksums).
+        # Leaving meta the parameters hold uninitialised memory: keep the zeros, so replicas agree.
         leaving_meta = self.is_meta
         for index, (param, g, s) in enumerate(zip(params, grads, self._slices)):
             if s.length and device.type != "meta" and not leaving_meta:
@@ -432,37 +366,30 @@ class FlatBuffer:
                     self.local_view(grad, index).copy_(g)
         self.grad.discard_unreduced()
         for param in params:
-            param.grad = None  # the converted .grad no longer matches until re-pointed
+            param.grad = None
         self._install(shard)
         self.grad.attach(grad, [g is not None for g in grads])
         return True
 
-    # -------------------------------------------------------------- unshard
     def prepare_unshard(self, coalescable: bool = False, defer_storage: bool = False
                         ) -> Optional[tuple[torch.Tensor, ShardGroup]]:
-        """Before an all-gather: the unsharded storage holds memory again;
-        returns what to all-gather and over which group (``None``: nothing
-        to gather). ``coalescable``: only a plain gather over the shard
-        group qualifies (a kept post-forward piece does not). ``defer_storage``:
-        the storage stays empty for the caller to :meth:`allocate_unsharded`
-        (a bucket's member). The queue then issues the collective and calls
-        :meth:`complete_gather`. Pre-condition: not ``aliased``
-        (:meth:`unshard_in_place`)."""
+        """Before an all-gather: give the unsharded storage memory (unless ``defer_storage``, for
+        a bucket) and return what to gather over which group (``None``: nothing;
+        ``coalescable``: only a plain gather). The queue then calls :meth:`complete_gather`.
+        Pre-condition: not ``aliased``."""
         if self.is_gathering:
-            return None  # already in flight: a prefetch got here first
+            return None
         if coalescable and self._post_forward is not None:
             return None
         if self.is_unsharded:
             if not self.is_stale:
-                return None  # already unsharded: an earlier pre-forward or unshard() got here first
-            # Kept unsharded (reshard_after_backward=False or a manual unshard())
-            # across an optimizer step: gather the new values.
+                return None  # an earlier pre-forward or unshard() got here first
+            # Kept unsharded across an optimizer step: gather the new values.
             self.reshard()
         if not defer_storage:
             self.allocate_unsharded()
         kept, self._post_forward = self._post_forward, None
         if kept is not None and kept.versions == self._param_versions():
-            # reshard_after_forward=k: gather from the k ranks of the smaller group
             shard, group = kept.piece, kept.group
         else:
             shard, group = self.gather_input(), self.group
@@ -470,27 +397,22 @@ class FlatBuffer:
         return shard, group
 
     def unshard_in_place(self) -> None:
-        """The unshard of an aliased buffer: its shard is the unsharded
-        buffer, so only the views switch (no collective, no memory).
-
-        Pre-condition: ``aliased`` and not ``is_unsharded``."""
+        """An aliased buffer's unshard: only the views switch. Pre-condition: ``aliased``, not
+        ``is_unsharded``."""
         self.is_unsharded = True
         self.slots.swap_in_views()
 
     def keep_unsharded_storage(self, keep: bool) -> None:
-        """See ``keeps_unsharded_storage``; ``False`` frees the memory now
-        where the buffer is sharded."""
         self.keeps_unsharded_storage = keep
         if not keep and not self.is_unsharded and not self.aliased and not self.is_gathering \
                 and self.unsharded.untyped_storage().nbytes():
             self._release_unsharded_storage()
 
     def allocate_unsharded(self) -> None:
-        """Give the unsharded storage its memory; its views stay valid."""
         nbytes = self.layout.padded_numel * self.unsharded.element_size()
         storage = self.unsharded.untyped_storage()
         if self.keeps_unsharded_storage:
-            if storage.nbytes() != nbytes:  # the first unshard since it was kept
+            if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
             return
         if self.staging is not None:
@@ -499,8 +421,6 @@ class FlatBuffer:
             self.unsharded.untyped_storage().resize_(nbytes)
 
     def unsharded_storage_ptrs(self) -> set[int]:
-        """``data_ptr`` of every storage forward reads this buffer's
-        unsharded parameters from (the buffer's, and the assembled copies')."""
         ptrs = {self.unsharded.untyped_storage().data_ptr()}
         copies = self._view_plan.copies_storage_ptr()
         if copies is not None:
@@ -508,36 +428,28 @@ class FlatBuffer:
         return ptrs
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype and device (the
-        collective moves ``compute_dtype`` bytes). No side effect."""
         return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
 
     def complete_gather(self, version: int) -> None:
-        """The all-gather into ``unsharded`` completed (``version``: the
-        buffer's version before it): switch to the unsharded views.
-
-        Post-condition: ``is_unsharded``; every slot holds a view of
-        ``unsharded`` with the original shape."""
-        # see [Note: storage and autograd]
+        """The all-gather completed (``version``: the buffer's version before it): switch to the
+        unsharded views."""
         unsafe_set_version_counter((self.unsharded,), (version,))
         self.is_gathering = False
         self.is_unsharded = True
         self._versions_at_unshard = self._param_versions()
-        if self._has_copies:  # assembled from the values just gathered
+        if self._has_copies:
             self._view_plan.fill_copies(self.unsharded)
-            if self._view_plan.copies_only:  # nothing reads the gathered values any more
+            if self._view_plan.copies_only:
                 self._release_unsharded_storage()
             self.slots.set_views(self._build_unsharded_views())
         self.slots.swap_in_views()
 
     @property
     def comms(self) -> Optional[UnitComms]:
-        """The unit's replaced collectives (``comm/custom.py``; ``None``: the library's)."""
         return self.wire.comms
 
     @property
     def is_stale(self) -> bool:
-        """The sharded values changed (a step) since the unsharded copy was gathered."""
         return self.is_unsharded and not self.aliased and \
             self._versions_at_unshard != self._param_versions()
 
@@ -545,10 +457,7 @@ class FlatBuffer:
         return tuple(r.param._version for r in self.records)
 
     def refresh_views(self) -> None:
-        """New per-parameter views (a new node) for a recorded forward, put
-        in the module attributes.
-
-        Pre-condition: unsharded, grad mode on, ``requires_grad``."""
+        """New views (a new node) for a recorded forward. Pre-condition: unsharded, grad mode on."""
         self.slots.set_views(self._build_unsharded_views())
         self.use_unsharded_views()
 
@@ -556,22 +465,15 @@ class FlatBuffer:
         self.slots.put_views()
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
-        """Restore the original parameters and free the unsharded storage;
-        with ``keep_for_backward`` (``k`` ranks of the shard group), first
-        keep this rank's ``1/k`` for the next unshard to gather from.
-
-        Post-condition: not ``is_unsharded``; ``unsharded`` and the
-        assembled copies hold no storage (unless aliased); every slot holds
-        its original ``nn.Parameter``.
-
-        Pre-condition: no all-gather in flight (the unit has the queue wait
-        it first: ``CollectiveQueue.wait_gather``)."""
+        """Restore the original parameters and free the unsharded storage; with
+        ``keep_for_backward`` (``k`` ranks), first keep this rank's ``1/k`` for the next
+        unshard. Pre-condition: no all-gather in flight."""
         if self.is_gathering:
             raise AssertionError(f"[rank {self.group.rank}] resharding a buffer of "
                                  f"'{self.records[0].fqn}' while its all-gather is in flight")
         if not self.is_unsharded:
-            return  # already sharded: nothing to free
-        if keep_for_backward is not None:  # k > 1 ranks: the shard is never the whole buffer
+            return
+        if keep_for_backward is not None:
             if self.unsharded.untyped_storage().nbytes() == 0:  # released: read the copies back
                 self.allocate_unsharded()
                 self._view_plan.unfill_copies(self.unsharded)
@@ -583,28 +485,23 @@ class FlatBuffer:
         self.slots.put_originals()
         self.is_unsharded = False
         if self._has_copies:
-            self._view_plan.free_copies()  # see [Note: assembled copies] in param_views.py
+            self._view_plan.free_copies()
         if self.aliased:
-            return  # the storage is the shard itself
+            return
         self._release_unsharded_storage()
 
     def _release_unsharded_storage(self) -> None:
-        """Free the unsharded storage's memory; its views stay valid."""
         if self.keeps_unsharded_storage:
-            return  # kept: the next unshard writes the same memory
+            return
         if self.staging is not None:
             self.staging.drain(self.unsharded.untyped_storage())
         else:
             self.unsharded.untyped_storage().resize_(0)
 
     def drop_post_forward_copy(self) -> None:
-        """Free what ``reshard(keep_for_backward=...)`` kept (unused)."""
         self._post_forward = None
 
-    # ----------------------------------------------------------- inspection
     def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter of the padded flat ``flat`` in its original shape
-        (views where contiguous, see ``param_views.ViewPlan.views``)."""
         with torch.no_grad():
             return self._view_plan.views(flat)
 

@@ -1,39 +1,12 @@
-"""Flat layout math: where each original parameter lives in a flat buffer,
-where padding goes, and which piece of each parameter each rank owns.
+"""Flat layout math: where each parameter and the padding sit in a flat buffer and which piece
+each rank owns; pure functions, property-tested alone.
 
-Pure functions of (shapes, placements, sharding factor, alignment, rank),
-without ``torch.distributed`` or tensors, property-tested alone
-(``tests/buffers/test_layout.py``, ``tests/core/test_placements.py``).
-
-Placements (docs/placements.md) decide only where each parameter and the
-padding sit; the buffer stays ``F`` equal chunks of ``S`` elements, one
-all-gather and one reduce-scatter:
-
-* ``"flat"``: element granularity, parameters back to back, padding at the end;
-* ``"rows"`` / :class:`Blocks` ``(n)``: a rank boundary only falls at a row
-  (``n``-row) boundary of the *stored* parameter; padding only between tensors;
-* ``"owned"``: every parameter whole in one rank's chunk, assigned largest
-  first onto the least loaded rank; padding fills each chunk to the largest;
-* :class:`ShardDim` ``(d)`` (FSDP2's ``Shard(d)``): ``torch.chunk`` of the
-  parameter on dim ``d``; it is *stored* with ``d`` moved to the front, rank
-  ``r``'s chunk of rows lives in rank ``r``'s chunk of the buffer.
-
-The first three place a parameter in one contiguous range (``offsets[i]``,
-``numels[i]``): a *stream* layout. Owned and ``ShardDim`` parameters are
-*fixed* to ranks; a ``ShardDim`` parameter is in general not contiguous.
-One layout holds one kind (``records.group_records`` splits them).
-
-Invariants of a :class:`FlatLayout` with sharding factor ``F`` and alignment
-``A`` (elements; ``16 // itemsize`` makes every chunk start 16-byte aligned):
-
-* ``shard_numel`` ``S`` is a multiple of ``A``; ``padded_numel == F * S``;
-  rank ``r`` owns ``[r * S, (r + 1) * S)``;
-* every element of every parameter lies in exactly one rank's chunk, in one
-  piece per rank (:meth:`FlatLayout.shard_slices`), a contiguous range of the
-  flattened stored parameter; for rows/blocks/owned/``ShardDim`` a piece is
-  whole rows (``n``-row blocks) of it;
-* :meth:`FlatLayout.segments` cuts ``[0, F * S)`` into pieces of parameters
-  and gaps (padding), in increasing order.
+Placements (docs/placements.md) move parameters and padding only: the buffer stays ``F``
+chunks of ``S`` elements, rank ``r`` owning ``[r*S, (r+1)*S)``, ``S`` a multiple of the
+alignment. ``"flat"``, ``"rows"`` and :class:`Blocks` are a *stream* (each parameter one
+contiguous range); ``"owned"`` and :class:`ShardDim` are *fixed* to ranks; one layout holds
+one kind. A rank's piece of a parameter is one contiguous range of its flattened stored shape,
+whole rows under every placement but ``"flat"``.
 """
 
 from __future__ import annotations
@@ -46,9 +19,8 @@ from ..placements import Blocks
 
 FLAT, ROWS, OWNED = "flat", "rows", "owned"
 DEFAULT_PLACEMENT = ROWS
-"""``fully_shard``'s placement when none is given: whole rows, so every
-parameter but a 0-dim one keeps ``p.dim()`` between iterations (a scalar is
-``"flat"``: shape ``(1,)`` on one rank, ``(0,)`` on the others)."""
+"""The default placement: whole rows, so every parameter but a 0-dim one keeps ``p.dim()`` (a
+scalar is ``"flat"``)."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +28,7 @@ class ShardDim:
     """FSDP2's ``Shard(dim)``: ``torch.chunk(param, F, dim)[rank]`` on each rank.
 
     Attributes:
-        dim: the sharded dimension (non-negative, below the parameter's ndim).
-    """
+        dim: the sharded dimension (non-negative, below the parameter's ndim)."""
 
     dim: int
 
@@ -67,18 +38,13 @@ PLACEMENT_NAMES = (FLAT, ROWS, OWNED)
 
 
 def is_fixed(placement: Placement) -> bool:
-    """Owned and ``ShardDim`` parameters are pinned to ranks (a *fixed*
-    layout); the others are laid out as a stream."""
     return placement == OWNED or isinstance(placement, ShardDim)
 
 
 def check_placement(placement: object, shape: Sequence[int], name: str,
                     explicit: bool = True) -> Placement:
-    """``placement`` checked against a parameter of ``shape`` called ``name``.
-
-    A unit-wide placement (``explicit=False``) that a 0-dim parameter cannot
-    hold falls back to ``"flat"`` for it; a per-parameter one raises. Raises
-    ``ValueError`` naming the parameter."""
+    """``placement`` checked for parameter ``name``; raises ``ValueError`` naming it. A unit-wide
+    one (``explicit=False``) falls back to ``"flat"`` for a 0-dim parameter."""
     if isinstance(placement, str):
         if placement not in PLACEMENT_NAMES:
             raise ValueError(f"parameter '{name}': unknown placement {placement!r}; use one of "
@@ -103,8 +69,6 @@ def check_placement(placement: object, shape: Sequence[int], name: str,
 
 
 def stored_shape(shape: Sequence[int], placement: Placement) -> tuple[int, ...]:
-    """The shape a parameter has inside the buffer: ``ShardDim(d)`` moves
-    ``d`` to the front (``movedim(d, 0)``); the others store it as is."""
     shape = tuple(shape)
     if isinstance(placement, ShardDim) and placement.dim:
         d = placement.dim
@@ -113,24 +77,15 @@ def stored_shape(shape: Sequence[int], placement: Placement) -> tuple[int, ...]:
 
 
 def alignment(*itemsizes: int) -> int:
-    """Elements per 16 bytes of the narrowest of ``itemsizes``: a chunk size
-    that is a multiple of it starts every chunk 16-byte aligned in all of
-    those dtypes (itemsizes are powers of two)."""
+    """Elements per 16 bytes of the narrowest of ``itemsizes`` (chunks of a multiple start
+    aligned)."""
     return max(1, 16 // min(itemsizes))
 
 
 class ShardSlice(NamedTuple):
-    """The part of one original parameter that one rank owns.
-
-    Attributes:
-        param_index: index of the parameter in the layout.
-        param_start: first owned element, as an offset into the flattened
-            *stored* parameter (``stored_shape``; the original for every
-            placement but ``ShardDim(d > 0)``).
-        shard_start: where that element sits in the rank's shard.
-        length: number of owned elements (0 when the rank owns none; then the
-            two starts are clamped to the nearest valid position).
-    """
+    """The part of one parameter that one rank owns: ``length`` elements from ``param_start`` of
+    the flattened *stored* parameter, at ``shard_start`` of the rank's shard (``length == 0``:
+    none; starts clamped)."""
 
     param_index: int
     param_start: int
@@ -139,14 +94,8 @@ class ShardSlice(NamedTuple):
 
 
 class Segment(NamedTuple):
-    """A run of the unsharded buffer: part of a parameter, or padding.
-
-    Attributes:
-        start: first element in the unsharded buffer.
-        length: number of elements.
-        param_index: the parameter it belongs to (``-1``: padding).
-        param_start: offset of ``start`` in the flattened stored parameter.
-    """
+    """A run of the unsharded buffer: ``length`` elements from ``start``, part of parameter
+    ``param_index`` from its ``param_start`` (``-1``: padding)."""
 
     start: int
     length: int
@@ -155,9 +104,8 @@ class Segment(NamedTuple):
 
 
 class FlatLayout:
-    """Layout of a flat buffer holding parameters of the given shapes and
-    placements (default ``"flat"``), sharded over ``world_size`` ranks with
-    chunks of a multiple of ``align`` elements."""
+    """Layout of a flat buffer of parameters of ``shapes`` and ``placements`` over ``world_size``
+    ranks, chunks a multiple of ``align`` elements."""
 
     __slots__ = ("shapes", "placements", "stored_shapes", "numels", "offsets", "numel",
                  "world_size", "align", "padded_numel", "shard_numel", "_pieces", "_segments")
@@ -182,7 +130,7 @@ class FlatLayout:
         self.stored_shapes: tuple[tuple[int, ...], ...] = tuple(
             stored_shape(s, p) for s, p in zip(self.shapes, self.placements))
         self.numels: tuple[int, ...] = tuple(math.prod(s) for s in self.shapes)
-        self.numel: int = sum(self.numels)  # without padding
+        self.numel: int = sum(self.numels)
         self.world_size: int = world_size
         self.align: int = align
         if kinds == {True}:
@@ -190,43 +138,33 @@ class FlatLayout:
         else:
             shard, offsets = _plan_stream(self, world_size, align)
             pieces = [_cut_by_chunks(i, o, n, shard) for i, (o, n) in enumerate(zip(offsets, self.numels))]
-        self.shard_numel: int = shard  # includes padding
+        self.shard_numel: int = shard
         self.padded_numel: int = shard * world_size
         self.offsets: tuple[int, ...] = tuple(offsets)
-        """Where each parameter starts in the unsharded buffer (its first
-        piece's start; a stream parameter is contiguous from there)."""
+        """Where each parameter's first piece starts in the unsharded buffer."""
         self._pieces: tuple[tuple[Segment, ...], ...] = tuple(tuple(p) for p in pieces)
-        """Per parameter, its nonempty pieces in increasing order."""
         self._segments: tuple[Segment, ...] = self._cut_into_segments()
 
-    # ------------------------------------------------------------- queries
     @property
     def padding(self) -> int:
-        """Number of padding elements in the unsharded buffer."""
         return self.padded_numel - self.numel
 
     def row_numel(self, index: int) -> int:
-        """Elements per row of the stored parameter (1 for 0- and 1-dim)."""
         shape = self.stored_shapes[index]
         return math.prod(shape[1:]) if len(shape) > 1 else 1
 
     def is_contiguous(self, index: int) -> bool:
-        """Whether the parameter is one contiguous range of the unsharded buffer."""
         pieces = self._pieces[index]
         return all(a.start + a.length == b.start for a, b in zip(pieces, pieces[1:]))
 
     def moved_dims(self) -> tuple[int, ...]:
-        """Per parameter, the dim stored first: ``d`` for ``ShardDim(d)``
-        (its rows are dealt along ``d``), else 0 (none moved)."""
         return tuple(p.dim if isinstance(p, ShardDim) else 0 for p in self.placements)
 
     def keeps_shape(self, index: int) -> bool:
-        """Whether each rank's piece is whole rows (viewable as
-        ``(rows, *stored_shape[1:])``); flat pieces are 1-D."""
+        """Each rank's piece is whole rows; flat pieces are 1-D."""
         return self.placements[index] != FLAT
 
     def local_shape(self, index: int, rank: int) -> tuple[int, ...]:
-        """Shape of ``rank``'s piece of parameter ``index``, in stored order."""
         length = self.shard_slices(rank)[index].length
         if not self.keeps_shape(index):
             return (length,)
@@ -234,8 +172,7 @@ class FlatLayout:
         row = self.row_numel(index)
         if row:
             return (length // row, *shape[1:])
-        # no elements (a 0-size dim after the first): rows as torch.chunk would deal
-        # them (ShardDim), else all on the rank where the parameter sits
+        # no elements: rows as torch.chunk deals them (ShardDim), else all where the parameter sits
         if isinstance(self.placements[index], ShardDim):
             per_rank = -(-shape[0] // self.world_size)
             rows = max(0, min(shape[0] - rank * per_rank, per_rank))
@@ -244,18 +181,12 @@ class FlatLayout:
         return (rows, *shape[1:])
 
     def shard_range(self, rank: int) -> tuple[int, int]:
-        """Half-open range ``[start, end)`` of the unsharded buffer that
-        ``rank`` owns (may include padding)."""
         self._check_rank(rank)
         start = rank * self.shard_numel
         return start, start + self.shard_numel
 
     def shard_slices(self, rank: int) -> tuple[ShardSlice, ...]:
-        """For every parameter (in layout order), the part ``rank`` owns.
-
-        The result has one entry per parameter; entries with ``length == 0``
-        mean the rank owns nothing of that parameter.
-        """
+        """For every parameter, the part ``rank`` owns (``length == 0``: none)."""
         lo, hi = self.shard_range(rank)
         slices = []
         for index, pieces in enumerate(self._pieces):
@@ -264,7 +195,7 @@ class FlatLayout:
                 p = mine[0]
                 slices.append(ShardSlice(index, p.param_start, p.start - lo, p.length))
                 continue
-            # none here: clamp to where it would be, as the flat math always did
+            # none here: clamp to where it would be
             offset, n = self.offsets[index], self.numels[index]
             start = min(max(lo, offset), offset + n) if self.is_contiguous(index) else offset
             slices.append(ShardSlice(index, min(max(start - offset, 0), n),
@@ -272,19 +203,16 @@ class FlatLayout:
         return tuple(slices)
 
     def largest_piece(self, index: int) -> int:
-        """The most elements of parameter ``index`` that one rank holds."""
         return max((p.length for p in self._pieces[index]), default=0)
 
     def owner_ranks(self, index: int) -> range:
-        """Ranks whose chunk intersects parameter ``index`` (empty range for a
-        parameter with no elements). Consecutive for every placement."""
+        """Ranks whose chunk intersects parameter ``index`` (consecutive)."""
         pieces = self._pieces[index]
         if not pieces:
             return range(0)
         return range(pieces[0].start // self.shard_numel, pieces[-1].start // self.shard_numel + 1)
 
     def rank_numels(self) -> tuple[int, ...]:
-        """Parameter elements (no padding) in each rank's chunk."""
         loads = [0] * self.world_size
         for pieces in self._pieces:
             for p in pieces:
@@ -292,24 +220,21 @@ class FlatLayout:
         return tuple(loads)
 
     def segments(self) -> tuple[Segment, ...]:
-        """``[0, padded_numel)`` cut into parameters and padding, in
-        increasing order, each segment starting where the previous ends: one
-        segment per parameter that is contiguous in the buffer (an empty one,
-        where the order reaches it, for a parameter with no elements), one
-        per piece of one that is not (``ShardDim``)."""
+        """``[0, padded_numel)`` cut into parameters and padding, in order (one segment per piece
+        of a ``ShardDim`` parameter)."""
         return self._segments
 
     def _cut_into_segments(self) -> tuple[Segment, ...]:
         runs = []
         for i, pieces in enumerate(self._pieces):
-            if self.is_contiguous(i):  # one run, whatever chunks it crosses (a view, no copy)
+            if self.is_contiguous(i):  # one run, whatever chunks it crosses
                 runs.append(Segment(self.offsets[i], self.numels[i], i, 0))
             else:
                 runs.extend(pieces)
         runs.sort(key=lambda s: (s.start, s.length))
         out, cursor = [], 0
         for s in runs:
-            if s.length == 0:  # a parameter with no elements: an empty segment where we are
+            if s.length == 0:
                 out.append(s._replace(start=cursor))
                 continue
             if s.start > cursor:
@@ -321,7 +246,6 @@ class FlatLayout:
         return tuple(out)
 
     def describe(self) -> tuple:
-        """A hashable summary used to check that ranks agree on the layout."""
         return (self.shapes, tuple(map(repr, self.placements)), self.world_size, self.align)
 
     def _check_rank(self, rank: int) -> None:
@@ -333,9 +257,7 @@ class FlatLayout:
                 f"world_size={self.world_size}, params={len(self.shapes)})")
 
 
-# ------------------------------------------------------------------ planners
 def _cut_unit(layout: FlatLayout, index: int) -> int:
-    """Granularity of rank boundaries inside a stream parameter, in elements."""
     placement = layout.placements[index]
     if placement == FLAT:
         return 1
@@ -344,13 +266,8 @@ def _cut_unit(layout: FlatLayout, index: int) -> int:
 
 
 def _plan_stream(layout: FlatLayout, world: int, align: int) -> tuple[int, list[int]]:
-    """Chunk size and offsets for flat/rows/Blocks parameters, in order.
-
-    Tries chunk sizes from the smallest possible upwards; each failed try
-    names the next size worth trying, so the loop is short. A parameter that
-    crosses a rank boundary is moved forward (padding between tensors) until
-    the boundary falls on its cut unit ``u``; one that crosses two or more
-    boundaries also needs ``S % u == 0``."""
+    """Chunk size and offsets of stream parameters: one crossing a rank boundary moves forward
+    until the boundary falls on its cut unit."""
     units = [_cut_unit(layout, i) for i in range(len(layout.numels))]
     shard = _round_up(max(-(-layout.numel // world), 1), align)
     while True:
@@ -358,7 +275,7 @@ def _plan_stream(layout: FlatLayout, world: int, align: int) -> tuple[int, list[
         for n, u in zip(layout.numels, units):
             boundary = (cursor // shard + 1) * shard
             if n and cursor + n > boundary:
-                cursor += (boundary - cursor) % u  # the first boundary falls between cut units
+                cursor += (boundary - cursor) % u
                 if cursor + n > boundary + shard and shard % u:
                     retry = _round_up(shard + 1, math.lcm(u, align))  # spans a whole chunk
                     break
@@ -366,22 +283,19 @@ def _plan_stream(layout: FlatLayout, world: int, align: int) -> tuple[int, list[
             cursor += n
         if retry is None and cursor <= shard * world:
             return shard, offsets
-        if retry is None:  # overflow: grow every chunk by its share of the excess
+        if retry is None:  # overflow: grow every chunk by its share
             retry = shard + _round_up(-(-(cursor - shard * world) // world), align)
         shard = retry
 
 
 def _plan_fixed(layout: FlatLayout, world: int,
                 align: int) -> tuple[int, list[list[Segment]], list[int]]:
-    """Chunk size, pieces and offsets for owned/``ShardDim`` parameters.
-
-    ``ShardDim`` pieces go to their ranks first (``torch.chunk`` rows); then
-    owned parameters, largest first, each onto the least loaded rank (lowest
-    rank on ties). Within a chunk, pieces keep parameter order; padding ends
-    each chunk."""
+    """Chunk size, pieces and offsets of fixed parameters: ``ShardDim`` rows to their ranks
+    first, then owned ones largest first onto the least loaded rank; pieces in parameter
+    order, padding ends each chunk."""
     count = len(layout.numels)
     loads = [0] * world
-    placed: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (index, p_start, len)
+    placed: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
     for i, placement in enumerate(layout.placements):
         if isinstance(placement, ShardDim):
             rows, row = layout.stored_shapes[i][0], layout.row_numel(i)
@@ -413,19 +327,15 @@ def _plan_fixed(layout: FlatLayout, world: int,
     for i in range(count):
         if pieces[i]:
             offsets.append(pieces[i][0].start)
-        else:  # empty: where its owner's chunk starts (any rank for a 0-row ShardDim)
+        else:  # empty: where its owner's chunk starts
             offsets.append(owner_of.get(i, 0) * shard)
     return shard, pieces, offsets
 
 
 def _rebalance(placed: list[list[tuple[int, int, int]]], loads: list[int],
                movable: set[int]) -> None:
-    """Improve a largest-first assignment by moving one owned parameter
-    between two ranks, or swapping two, where that narrows the pair's
-    spread: first pairs with the most loaded rank (lowers the chunk size),
-    then pairs with the least loaded one (lifts the smallest load). Each
-    step lowers the sum of squared loads, so it ends. Deterministic: every
-    rank computes the same."""
+    """Improve a largest-first assignment by moves or swaps of owned parameters that narrow a
+    pair's spread; each step lowers the sum of squared loads, so it ends. Deterministic."""
     world = len(loads)
     while True:
         hi = max(range(world), key=lambda k: (loads[k], -k))
@@ -447,9 +357,7 @@ def _rebalance(placed: list[list[tuple[int, int, int]]], loads: list[int],
 
 
 def _best_exchange(placed, loads, movable, pivot: int, pivot_is_high: bool):
-    """The move or swap between ``pivot`` and another rank that best lowers
-    (``pivot_is_high``) or lifts the pivot's load without crossing the other
-    rank's: ``(from rank, to rank, item moved, item moved back or None)``."""
+    """The best move or swap between ``pivot`` and another rank, or ``None``."""
     best = None
     for other in range(len(loads)):
         src, dst = (pivot, other) if pivot_is_high else (other, pivot)
@@ -461,7 +369,7 @@ def _best_exchange(placed, loads, movable, pivot: int, pivot_is_high: bool):
             for b in [None] + [b for b in placed[dst] if b[0] in movable and b[2] < a[2]]:
                 delta = a[2] - (0 if b is None else b[2])
                 if delta >= loads[src] - loads[dst]:
-                    continue  # would not narrow the pair
+                    continue
                 score = loads[src] - delta if pivot_is_high else -(loads[dst] + delta)
                 if best is None or score < best[0]:
                     best = (score, src, dst, a, b)
@@ -469,7 +377,6 @@ def _best_exchange(placed, loads, movable, pivot: int, pivot_is_high: bool):
 
 
 def _cut_by_chunks(index: int, offset: int, numel: int, shard: int) -> list[Segment]:
-    """A contiguous parameter at ``offset`` cut at the chunk boundaries."""
     out, start = [], offset
     end = offset + numel
     while start < end:

@@ -1,10 +1,6 @@
-"""The module attributes a flat buffer's parameters are registered under,
-and the swap of what they hold: the original ``nn.Parameter`` while the
-buffer is sharded, its unsharded view while it is unsharded.
-
-Invariant: between a reshard and the next unshard every slot holds its
-original parameter; while unsharded, every slot holds the view last given
-to :meth:`ParamSlots.set_views`.
+"""The module attributes a flat buffer's parameters are registered under, holding the original
+``nn.Parameter`` while sharded and its unsharded view while unsharded (the view last given to
+:meth:`ParamSlots.set_views`).
 """
 
 from __future__ import annotations
@@ -21,15 +17,12 @@ ModuleSlots = tuple[tuple[dict, dict], ...]
 
 
 class ParamSlots:
-    """Every ``(module._parameters, name)`` a buffer's parameters are
-    registered under (a tied parameter has several).
+    """Every ``(module._parameters, name)`` a buffer's parameters are registered under (a tied
+    parameter has several).
 
     Attributes:
-        originals: per module, its slots' original parameters (a reshard
-            puts them back: :meth:`put_originals`).
-        views_by_module: per module, its slots' unsharded views (what an
-            unshard puts in; set by :meth:`set_views`).
-    """
+        originals: per module, its slots' original parameters.
+        views_by_module: per module, its slots' unsharded views."""
 
     __slots__ = ("records", "originals", "views_by_module", "_slots", "_dicts", "_names",
                  "_held", "_views")
@@ -38,29 +31,24 @@ class ParamSlots:
         self.records: Sequence[ParamRecord] = records
         self.views_by_module: ModuleSlots = ()
         self._views: Sequence[torch.Tensor] = ()
-        """What :meth:`set_views` was last given (by parameter index)."""
         self._index()
 
     def _index(self) -> None:
-        """The slot tables, from the records' slots."""
         records = self.records
         self._slots: tuple[tuple[dict, str, int], ...] = tuple(
             (module._parameters, name, index)
             for index, record in enumerate(records) for module, name in record.slots)
-        """``(module._parameters, name, parameter index)`` of every slot."""
         self.originals: ModuleSlots = self._by_module([r.param for r in records])
         self._dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
         self._names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
         self._held: tuple[nn.Parameter, ...] = tuple(
             records[index].param for _, _, index in self._slots)
-        """The original parameter of each slot, as ``_dicts`` and ``_names``."""
         if self._views:
             self.views_by_module = self._by_module(self._views)
 
     def add(self, index: int, module: nn.Module, name: str) -> None:
-        """Parameter ``index`` is registered as ``module.<name>`` too (a tied
-        weight used by another unit's module): unshards and reshards swap
-        that slot from now on."""
+        """Parameter ``index`` is registered as ``module.<name>`` too (a tied weight of another
+        unit)."""
         self.records[index].slots.append((module, name))
         self._index()
 
@@ -71,17 +59,13 @@ class ParamSlots:
         return tuple(by_module.values())
 
     def set_views(self, views: Sequence[torch.Tensor]) -> None:
-        """``views`` (by parameter index) are what an unshard puts in the slots."""
         self._views = views
         self.views_by_module = self._by_module(views)
 
     def swap_in_views(self) -> None:
-        """Sharded -> unsharded: every slot holds its original parameter
-        and gets its view. A slot holding another ``nn.Parameter`` was
-        written behind the module API, which the late-parameter check does
-        not see ([Note: the late-parameter fast check] in
-        ``checks/late_parameters.py``): an error, rather than putting the
-        original back over it at the next reshard."""
+        """Sharded -> unsharded. A slot holding another ``nn.Parameter`` was written behind the
+        module API, which the late-parameter check does not see: an error, rather than putting
+        the original back over it."""
         for parameters, name, original in zip(self._dicts, self._names, self._held):
             if parameters.get(name) is not original:
                 self._check_not_replaced()
@@ -89,18 +73,15 @@ class ParamSlots:
         self.put_views()
 
     def put_views(self) -> None:
-        """Every slot gets its unsharded view (one ``update`` per module)."""
         for parameters, views in self.views_by_module:
             parameters.update(views)
 
     def put_originals(self) -> None:
-        """Every slot gets its original parameter back."""
         for parameters, originals in self.originals:
             parameters.update(originals)
 
     def _check_not_replaced(self) -> None:
-        """Raise if a slot holds an ``nn.Parameter`` other than its original
-        (anything else, e.g. a view left by an earlier unshard, is replaced)."""
+        """Raise if a slot holds an ``nn.Parameter`` other than its original."""
         for parameters, name, index in self._slots:
             held = parameters.get(name)
             record = self.records[index]

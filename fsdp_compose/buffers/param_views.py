@@ -5,42 +5,22 @@ their owner alive: a strong reference back from a C++ hook list is a cycle
 the garbage collector cannot see, ``tests/core/test_model_lifetime.py``).
 
 [Note: one backward node per buffer]
-Differentiable ``split`` + ``view`` would cost a ``ViewBackward`` per
-parameter and a ``SplitWithSizesBackward`` per buffer in every backward,
-host time the unsharded model (whose parameters are leaves) does not pay.
-:class:`SplitIntoParams` makes the same views in one custom node: forward
-cuts the buffer into the parameters' shapes without recording anything;
-backward receives every parameter's gradient at once (``None`` for an
-unused view: how the buffer learns which were used) and concatenates them
-in buffer order into one flat gradient (zeros for padding and unused
-parameters), which autograd accumulates into the buffer's ``.grad``.
-Outputs share the buffer's storage, except assembled copies (``ShardDim``).
-Frozen parameters' outputs are non-differentiable.
+Differentiable ``split`` + ``view`` would cost a node per parameter in every backward, host
+time the unsharded model does not pay. :class:`SplitIntoParams` makes the views in one custom
+node whose backward receives every parameter's gradient at once (``None``: unused, how the
+buffer learns which were used) and concatenates them into one flat gradient.
 
 [Note: assembled copies]
-Parameters that are not one run of the buffer are copied, at every unshard,
-into one storage of their own, resized to nothing at reshard like the
-unsharded storage. Where every parameter is such a copy, the gathered
-buffer's memory is released once the copies are filled (a piece kept under
-``reshard_after_forward=k`` is read back from the copies). Their outputs
-are made once on that storage (as the aliases below), so a copy autograd
-saved holds no memory between the reshard after forward and backward's
-all-gather, which refills the same storage before any node reads it. The
-values are written through a tensor of their own
-(:meth:`ViewPlan.fill_copies`), so the outputs' version counters, which
-autograd checks, do not move.
+Parameters that are not one run of the buffer (``ShardDim``) are copied at every unshard into
+one storage of their own, freed at reshard like the unsharded storage, with outputs made once
+on it, so a saved copy holds no memory between reshard and backward's all-gather.
 
 [Note: parameter aliases made once]
-Where every parameter is one run of the buffer and all train, the outputs
-are made once, at installation (:meth:`ViewPlan.aliases`): plain tensors
-set on the unsharded storage (the same storage object for the buffer's
-life), so they read whatever it holds; making views per forward would be
-the largest host cost of a unit's forward. Each forward's node returns
-them; autograd points their ``grad_fn`` at the new node, earlier graphs
-keep their edges. Not being views in autograd's sense, an in-place change
-would pass unnoticed: the buffer checks their version counters at the end
-of each forward and raises naming the parameter
-(``FlatBuffer.check_params_unmodified``).
+Where every parameter is one run and all train, the outputs are made once
+(:meth:`ViewPlan.aliases`): tensors set on the unsharded storage, returned by each forward's
+node (views per forward would be the largest host cost of a unit's forward). Not being views,
+an in-place change would pass unnoticed, so the buffer checks their version counters after
+each forward.
 """
 
 from __future__ import annotations
@@ -54,7 +34,6 @@ from .._torch_private import flatten_dense_tensors, functorch_transforms_active
 from .layout import FlatLayout
 
 class Strided(NamedTuple):
-    """A view as ``as_strided`` makes it (``offset`` from the base's start)."""
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -62,8 +41,7 @@ class Strided(NamedTuple):
 
 
 def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> Strided:
-    """The view of a contiguous run at ``offset`` holding a tensor of
-    ``stored_shape`` (dim ``moved_dim`` stored first) in its own dim order."""
+    """The ``as_strided`` view of a run at ``offset`` holding a tensor of ``stored_shape``."""
     meta = torch.empty(tuple(stored_shape), device="meta")
     if moved_dim:
         meta = meta.movedim(0, moved_dim)
@@ -71,10 +49,7 @@ def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> St
 
 
 def split_plan(views: Sequence[Strided], numel: int) -> Optional[tuple[list[int], list[int]]]:
-    """Split sizes of a tensor of ``numel`` elements and the index of each
-    of ``views`` among the parts, when ``views`` are 1-D contiguous runs in
-    increasing order (an empty view may sit anywhere: it becomes an empty
-    part at the current position); ``None`` otherwise."""
+    """Split sizes and each view's part when ``views`` are 1-D runs in order; else ``None``."""
     sizes: list[int] = []
     picks: list[int] = []
     position = 0
@@ -88,7 +63,7 @@ def split_plan(views: Sequence[Strided], numel: int) -> Optional[tuple[list[int]
         if stride != (1,) or offset < position:
             return None
         if offset > position:
-            sizes.append(offset - position)  # padding between pieces
+            sizes.append(offset - position)  # padding
         picks.append(len(sizes))
         sizes.append(size[0])
         position = offset + size[0]
@@ -100,15 +75,11 @@ def split_plan(views: Sequence[Strided], numel: int) -> Optional[tuple[list[int]
 
 
 UsedCallback = Callable[[Sequence[Optional[torch.Tensor]]], None]
-"""Called in backward with each parameter's gradient (``None``: unused)."""
 
 
 class ViewPlan:
-    """How a flat buffer of ``layout`` is cut into its parameters' views and
-    how their gradients are put back together (computed once per layout).
-
-    Invariant: the segments cover ``[0, padded_numel)`` in order, so the
-    concatenation of the per-segment gradients is the flat gradient."""
+    """How a flat buffer of ``layout`` is cut into its parameters' views and their gradients put
+    back together."""
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
@@ -125,7 +96,6 @@ class ViewPlan:
             if segment.param_index >= 0:
                 param_segments[segment.param_index].append(index)
         self.param_segments: tuple[tuple[int, ...], ...] = tuple(tuple(s) for s in param_segments)
-        """Per parameter, the segments holding its pieces (in order)."""
         self.moved_dims: tuple[int, ...] = tuple(moved_dims)
         self.contiguous: tuple[bool, ...] = tuple(len(s) <= 1 for s in self.param_segments)
         self.max_padding: int = max((s.length for s in segments if s.param_index < 0), default=0)
@@ -134,50 +104,37 @@ class ViewPlan:
             strided_view(shape, d, segments[segs[0]].start if segs else 0) if len(segs) <= 1
             else None
             for shape, d, segs in zip(layout.stored_shapes, moved_dims, self.param_segments))
-        """Per contiguous parameter, its view of the buffer as one
-        ``as_strided`` (``None``: assembled from pieces)."""
+        """Per parameter, its ``as_strided`` view (``None``: assembled from pieces)."""
         self._all_strided: Optional[tuple[Strided, ...]] = tuple(self._strided) \
             if all(s is not None for s in self._strided) else None
-        """:attr:`_strided` when every parameter is one view (the common
-        case: one loop, no per-parameter branch)."""
         self._direct_parts: Optional[tuple[tuple[int, int], ...]] = tuple(
             (param, length) for param, length in zip(self.segment_params, self.split_sizes)) \
             if all(self.contiguous) and not any(self.moved_dims) else None
-        """Per segment ``(parameter or -1 for padding, length)`` when every
-        parameter is one run in its own dim order: its gradient is its part
-        of the flat gradient as it is (``None``: some need reordering)."""
+        """Per segment ``(parameter or -1, length)`` when every parameter is one run in its own
+        dim order."""
         self._grads_in_order: bool = self._direct_parts is not None and \
             [param for param, _ in self._direct_parts] == list(range(len(layout.shapes))) and \
             len(layout.shapes) > 0
-        """:attr:`_direct_parts` is every parameter in order, no padding: the
-        flat gradient is the parameters' gradients concatenated as given."""
         starts = [0]
         for size in self.split_sizes:
             starts.append(starts[-1] + size)
         runs, position = [], 0
         for index, strided in enumerate(self._strided):
-            if strided is None:  # assembled from pieces, see [Note: assembled copies]
+            if strided is None:  # see [Note: assembled copies]
                 pieces = tuple((starts[s], self.split_sizes[s]) for s in self.param_segments[index])
                 runs.append((index, strided_view(self._stored_shapes[index], moved_dims[index],
                                                  position), pieces))
                 position += sum(length for _, length in pieces)
         self._copy_runs: tuple[tuple[int, Strided, tuple[tuple[int, int], ...]], ...] = \
             tuple(runs)
-        """Per assembled parameter: its index, its output on the copies'
-        storage, and its pieces of the buffer ``(start, length)`` in order."""
         self.copy_numel: int = position
-        """Elements of the copies' storage (0: every parameter is one run)."""
         self.copies_only: bool = bool(runs) and len(runs) == len(self._strided)
-        """Every parameter is read from its copy: once they are filled, the
-        gathered buffer's values are not read again until the next all-gather."""
+        """Every parameter is a copy: the gathered values are not read after the copies."""
         self.copies: Optional[tuple[torch.Tensor, dict[int, torch.Tensor]]] = None
-        """The copies' storage as one 1-D tensor and, per assembled
-        parameter, its output on it (:meth:`make_copies`); ``None``: none."""
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter of ``flat`` in its own shape: a view where it is
-        contiguous, else an assembled copy. Records no autograd history
-        (call under ``no_grad``, as a custom function's forward runs)."""
+        """Each parameter of ``flat`` in its own shape: a view where contiguous, else an
+        assembled copy. Records no autograd history."""
         base = flat.storage_offset()
         if self._all_strided is not None:
             as_strided = flat.as_strided
@@ -200,13 +157,8 @@ class ViewPlan:
         return out
 
     def aliases(self, flat: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
-        """Each parameter of ``flat`` in its own shape as a tensor set on
-        ``flat``'s storage (not a view: no autograd view bookkeeping), made
-        once (see [Note: parameter aliases made once]); ``None`` unless every
-        parameter is one run of ``flat``.
-
-        Pre-condition: ``flat``'s storage holds all of ``flat`` now (``set_``
-        would grow a smaller one)."""
+        """Each parameter as a tensor set on ``flat``'s storage ([Note: parameter aliases made
+        once]); ``None`` unless every parameter is one run."""
         if self._all_strided is None:
             return None
         storage, base = flat.untyped_storage(), flat.storage_offset()
@@ -215,10 +167,7 @@ class ViewPlan:
                          for size, stride, offset in self._all_strided)
 
     def make_copies(self, flat: torch.Tensor) -> None:
-        """Set :attr:`copies`: a storage for the assembled parameters (with
-        ``flat``'s dtype and device; empty, see :meth:`fill_copies`) and their
-        outputs on it, made once (see [Note: assembled copies]). Nothing
-        where every parameter is one run."""
+        """Set :attr:`copies` ([Note: assembled copies]): an empty storage and the outputs on it."""
         if not self._copy_runs:
             return
         with torch.no_grad():
@@ -231,9 +180,6 @@ class ViewPlan:
         self.copies = (whole, outputs)
 
     def fill_copies(self, flat: torch.Tensor) -> None:
-        """Give the copies' storage its memory and copy each assembled
-        parameter's pieces of ``flat`` (unsharded, values in place) into it;
-        :meth:`free_copies` undoes the first part."""
         if self.copies is None:
             return
         whole = self.copies[0]
@@ -246,8 +192,6 @@ class ViewPlan:
                     position += length
 
     def unfill_copies(self, flat: torch.Tensor) -> None:
-        """The inverse of :meth:`fill_copies`: each assembled parameter's
-        pieces written back into ``flat`` (which holds memory) from its copy."""
         if self.copies is None:
             return
         whole = self.copies[0]
@@ -259,12 +203,10 @@ class ViewPlan:
                     position += length
 
     def free_copies(self) -> None:
-        """Free the copies' memory; their outputs stay (see [Note: assembled copies])."""
         if self.copies is not None:
             self.copies[0].untyped_storage().resize_(0)
 
     def copies_storage_ptr(self) -> Optional[int]:
-        """``data_ptr`` of the copies' storage (``None``: no copies)."""
         return None if self.copies is None else self.copies[0].untyped_storage().data_ptr()
 
     def _segment_range(self, segment: int) -> tuple[int, int]:
@@ -272,12 +214,10 @@ class ViewPlan:
 
     def flat_gradient(self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-        """The flat gradient (the buffer's size, ``dtype`` on ``device``)
-        from each parameter's gradient in its own shape (``None``: zeros).
-        One concatenation (flattening each part on the way); the padding's
-        zeros are looked up only where the layout pads."""
+        """The flat gradient from each parameter's gradient (``None``: zeros), in one
+        concatenation."""
         if self._direct_parts is not None and all(grad is not None for grad in grads):
-            if self._grads_in_order:  # no padding, parameters in order: the gradients as given
+            if self._grads_in_order:
                 return flatten_dense_tensors(grads)
             padding = _padding(self.max_padding, dtype, device)
             parts = [grads[param] if param >= 0 else padding[:length]
@@ -294,7 +234,7 @@ class ViewPlan:
             if grad is None:
                 parts.append(padding.new_zeros(length))
             elif self.contiguous[param] and not self.moved_dims[param]:
-                parts.append(grad)  # flattened by the concatenation
+                parts.append(grad)
             else:
                 d = self.moved_dims[param]
                 stored = (grad.movedim(d, 0) if d else grad).reshape(-1)
@@ -303,22 +243,21 @@ class ViewPlan:
 
 
 class SplitIntoParams(torch.autograd.Function):
-    """``flat`` -> one output per parameter (see [Note: one backward node
-    per buffer]). A new node is made at every forward that records a graph
-    (see [Note: storage and autograd] in ``flat_buffer.py``)."""
+    """``flat`` -> one output per parameter ([Note: one backward node per buffer]), a new node at
+    every recorded forward ([Note: storage and autograd] in ``flat_buffer.py``)."""
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
                 trainable: Sequence[bool], on_backward: UsedCallback,
                 aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-        ctx.materialize_grads = False  # ctx.set_materialize_grads(False), without its call
+        ctx.materialize_grads = False
         ctx.plan, ctx.on_backward = plan, on_backward
         ctx.dtype, ctx.device = flat.dtype, flat.device
-        if aliases is not None:  # every parameter trains, see [Note: parameter aliases made once]
+        if aliases is not None:
             return aliases
         views = plan.views(flat)
         if not all(trainable):
-            # detached: a view of a buffer that requires grad would say it requires grad too
+            # detached: a view of a buffer that requires grad would too
             views = [v if t else v.detach() for v, t in zip(views, trainable)]
             ctx.mark_non_differentiable(*(v for v, t in zip(views, trainable) if not t))
         return tuple(views)
@@ -330,37 +269,29 @@ class SplitIntoParams(torch.autograd.Function):
 
 
 _apply_unwrapped = super(torch.autograd.Function, SplitIntoParams).apply
-"""``autograd.Function.apply`` without its Python-level preamble (functorch
-unwrapping of every argument), which matters only under functorch transforms."""
+"""``Function.apply`` without its functorch unwrapping."""
 
 
 def split_into_params(flat: torch.Tensor, plan: ViewPlan, trainable: Sequence[bool],
                       on_backward: UsedCallback,
                       aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-    """``SplitIntoParams.apply(flat, plan, trainable, on_backward)``: one
-    output per parameter (a forward of every unit calls this: its host time
-    is per unit and step). ``aliases`` (:meth:`ViewPlan.aliases` of
-    ``flat``, every parameter trainable): the outputs, instead of new views."""
+    """One output per parameter; ``aliases``: :meth:`ViewPlan.aliases` to return instead of new
+    views."""
     if functorch_transforms_active():
         return SplitIntoParams.apply(flat, plan, trainable, on_backward)
     return _apply_unwrapped(flat, plan, trainable, on_backward, aliases)
 
 
 _PADDING: dict[tuple, torch.Tensor] = {}
-"""Read-only zeros that backward concatenates as padding, per dtype and
-device (and stream), grown to the largest padding asked for up to
-:data:`_CACHED_PADDING`."""
+"""Read-only padding zeros per dtype, device and stream."""
 
 _CACHED_PADDING = 1 << 16
-"""Longer padding (``"owned"`` layouts can pad a rank by a whole matrix) is
-allocated at each backward rather than kept for the life of the process."""
 
 
 def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if count > _CACHED_PADDING:
         return torch.zeros(count, dtype=dtype, device=device)
-    # on an accelerator, per stream: zeros filled on one stream are read
-    # unordered from another
+    # per stream: zeros filled on one stream are read unordered from another
     key = (dtype, device) if device.type == "cpu" else \
         (dtype, device, torch.accelerator.current_stream(device))
     zeros = _PADDING.get(key)

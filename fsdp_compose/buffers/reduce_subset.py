@@ -1,17 +1,11 @@
 """Reducing only the parameters that train, when a buffer also holds frozen ones.
 
 [Note: reducing a subset of a buffer]
-Buffers group parameters by ``requires_grad`` *at annotation*; a parameter
-frozen later (progressive unfreezing, LoRA after ``fully_shard``) stays in
-its trainable buffer, and reducing the whole flat gradient would move its
-zeros. So when some parameters of a trainable buffer do not train, the
-reduce-scatter moves a *packed* gradient: for each rank ``r``, the positions
-of its shard ``[r*S, (r+1)*S)`` that belong to a training parameter, in
-order, zero-padded to the longest rank's count ``T``; each rank spreads its
-reduced ``T`` back over its shard (zeros elsewhere). Sizes depend only on
-the layout and the flags, equal on every rank, so all issue the same
-collective. A parameter trains if it trained at any forward since the last
-reduction (a flag changed within an accumulation window keeps its gradient).
+A parameter frozen after annotation stays in its trainable buffer, and reducing the whole flat
+gradient would move its zeros. So the reduce-scatter moves a *packed* gradient: each rank's
+training positions, zero-padded to the longest rank's count, spread back over the shard after.
+Sizes depend only on the layout and the flags, so every rank issues the same collective. A
+parameter trains if it trained at any forward since the last reduction.
 """
 
 from __future__ import annotations
@@ -23,22 +17,15 @@ import torch
 from .layout import FlatLayout
 
 _WORTH_PACKING = 0.75
-"""Pack only if the packed collective is at most this fraction of the
-whole (the packing and spreading copies cost more than they save above)."""
+"""Pack only where the packed collective is at most this fraction of the whole."""
 
 
 Ranges = tuple[tuple[int, int], ...]
-"""``(start, length)`` runs of positions, in increasing order."""
 
 
 class ReduceSubset:
-    """Which positions of a buffer's flat gradient a reduce-scatter moves
-    when only some of its parameters train (see [Note: reducing a subset of
-    a buffer]).
-
-    Invariant: ``runs[r]`` are rank ``r``'s training positions (in the
-    padded flat buffer), ``chunk`` the longest rank's count; the packed
-    gradient is each rank's runs then zeros up to ``chunk``, rank-major."""
+    """Which positions of a flat gradient a reduce-scatter moves ([Note: reducing a subset of a
+    buffer]): each rank's runs then zeros up to ``chunk``, rank-major."""
 
     def __init__(self, layout: FlatLayout, runs: Sequence[Ranges], rank: int) -> None:
         self.chunk: int = max(sum(n for _, n in r) for r in runs)
@@ -48,8 +35,6 @@ class ReduceSubset:
         self._shard_numel: int = shard
 
     def pack(self, flat: torch.Tensor) -> torch.Tensor:
-        """The ``world * chunk`` elements of ``flat`` (padded numel) to
-        reduce, in one concatenation."""
         parts: list[torch.Tensor] = []
         for runs in self._runs:
             parts.extend(flat.narrow(0, start, n) for start, n in runs)
@@ -59,8 +44,7 @@ class ReduceSubset:
         return torch.cat(parts)
 
     def spread(self, reduced: torch.Tensor) -> torch.Tensor:
-        """This rank's reduced ``chunk`` as a whole shard (zeros where
-        nothing trains)."""
+        """This rank's reduced ``chunk`` as a whole shard (zeros where nothing trains)."""
         shard = reduced.new_zeros(self._shard_numel)
         offset = 0
         for start, n in self._local:
@@ -70,9 +54,7 @@ class ReduceSubset:
 
 
 def plan_subset(layout: FlatLayout, training: Sequence[bool], rank: int) -> Optional[ReduceSubset]:
-    """The packed reduction for these flags, or ``None`` where the whole
-    flat gradient should be reduced (every parameter trains, or packing
-    would save too little)."""
+    """The packed reduction for these flags (``None``: reduce the whole flat gradient)."""
     if all(training):
         return None
     runs = [_training_runs(layout, training, r) for r in range(layout.world_size)]
@@ -83,8 +65,6 @@ def plan_subset(layout: FlatLayout, training: Sequence[bool], rank: int) -> Opti
 
 
 def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> Ranges:
-    """The runs of rank ``rank``'s shard that belong to parameters that
-    train, in increasing order, adjacent runs merged."""
     lo, hi = layout.shard_range(rank)
     runs: list[tuple[int, int]] = []
     for segment in layout.segments():
@@ -101,9 +81,8 @@ def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> R
 
 
 class SubsetPlans(dict[tuple[bool, ...], Optional[ReduceSubset]]):
-    """:func:`plan_subset` per tuple of training flags, planned on the first
-    lookup (``plans[flags]``; ``None``: the whole shard). A ``dict``
-    subclass, so a lookup that finds its plan runs no Python call."""
+    """:func:`plan_subset` per tuple of flags, planned on first lookup (a ``dict``: a hit runs no
+    Python)."""
 
     __slots__ = ("layout", "rank")
 

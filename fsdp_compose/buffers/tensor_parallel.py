@@ -1,28 +1,8 @@
-"""Composition with tensor parallelism (2-D parallel: data-parallel
-sharding over ``mesh["dp"]`` of modules whose parameters torch's
-``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``).
-
-Usage (2-way data parallel x 2-way tensor parallel)::
-
-    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], plan)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    optim = torch.optim.AdamW(model.parameters())   # after fully_shard (see below)
-
-What each piece holds (see ``docs/decisions.md``, "Tensor parallelism"):
-
-* the flat buffers hold the TP-local tensors (``param.to_local()``),
-  sharded over the dp mesh like any other parameter;
-* between iterations the original name registers a new plain
-  ``nn.Parameter`` (its local shard view): a ``DTensor`` parameter cannot
-  become a plain view. Build the optimizer after ``fully_shard``;
-* in forward/backward the module sees a ``DTensor`` again
-  (``DTensor.from_local`` on the all-gathered view), so TP's collectives
-  run as usual, and the local gradient lands in the flat gradient;
-* state dicts place TP parameters on the (dp, tp) mesh with torch FSDP2's
-  placements (:func:`checkpoint_placements`).
+"""Composition with tensor parallelism: data-parallel sharding over ``mesh["dp"]`` of modules
+``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``. The flat buffers hold
+the TP-local tensors and the original names register plain parameters between iterations
+(build the optimizer after ``fully_shard``); forward sees a ``DTensor`` again, so TP's
+collectives run as usual; state dicts are FSDP2's (docs/decisions.md, "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -45,24 +25,17 @@ class TensorParallelSpec:
     """What a tensor-parallel parameter was, so that forward can see it again.
 
     Attributes:
-        mesh: the mesh forward's ``DTensor`` is on: its 1-D tensor-parallel
-            mesh, or with ``dp_mesh_dims`` the whole SPMD mesh.
-        placements: its placements on ``mesh`` (``Replicate()`` on the
-            data-parallel dims of an SPMD mesh).
-        tp_mesh: the 1-D mesh its pieces are split over (``None``: an SPMD
-            parameter replicated on every non-data-parallel dim).
-        dp_dims: indices of ``mesh``'s data-parallel dims (SPMD only): the
-            gradient keeps its placements there (this rank's contribution,
-            reduced by the flat buffer) instead of being redistributed.
-        shape: its global shape (the flat buffer holds the TP-local one).
-        stride: its global (contiguous) stride.
-        checkpoint_mesh: the data-parallel mesh's dims then ``mesh``'s, as
-            one mesh (FSDP2's: ``DeviceMesh._concatenate([dp, tp])``).
-        checkpoint_placements: its placements on ``checkpoint_mesh`` (torch
-            FSDP2's: ``Replicate()`` on a replicate dim, dp ``Shard(0)`` or
-            ``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too,
-            then ``placements``).
-    """
+        mesh: the mesh forward's ``DTensor`` is on: the tensor-parallel mesh, or with
+            ``dp_mesh_dims`` the whole SPMD mesh.
+        placements: its placements on ``mesh``.
+        tp_mesh: the 1-D mesh its pieces are split over (``None``: replicated on every
+            non-data-parallel dim).
+        dp_dims: ``mesh``'s data-parallel dims (SPMD only), where the gradient keeps its
+            placements.
+        shape: its global shape.
+        stride: its global stride.
+        checkpoint_mesh: the data-parallel dims then ``mesh``'s, as one mesh.
+        checkpoint_placements: FSDP2's placements on ``checkpoint_mesh``."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -75,17 +48,13 @@ class TensorParallelSpec:
 
     @property
     def is_sharded(self) -> bool:
-        """Whether tp ranks hold different pieces (else every tp rank holds all of it)."""
         return any(p.is_shard() for p in self.placements)
 
 
 def localize(param: nn.Parameter, fqn: str, group: ShardGroup,
              spmd_mesh: Optional[DeviceMesh] = None) -> tuple[nn.Parameter, TensorParallelSpec]:
-    """A new plain parameter holding ``param``'s TP-local values (same
-    ``requires_grad``), and what forward needs to rebuild the ``DTensor``.
-    ``spmd_mesh``: ``fully_shard(..., dp_mesh_dims=...)`` got it, and
-    ``param`` lives on it (see :func:`_localize_spmd`). Raises (naming
-    ``fqn``) for combinations that are not supported."""
+    """A plain parameter holding ``param``'s TP-local values, and its spec. Raises, naming
+    ``fqn``, for unsupported combinations."""
     if not isinstance(param, DTensor):
         raise AssertionError(f"'{fqn}' is not a DTensor parameter")
     if spmd_mesh is not None:
@@ -124,11 +93,8 @@ def _local_parameter(param: DTensor) -> nn.Parameter:
 
 def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
                    spmd_mesh: DeviceMesh) -> tuple[nn.Parameter, TensorParallelSpec]:
-    """FSDP2's ``dp_mesh_dims``: ``param`` is a ``DTensor`` on the whole SPMD
-    mesh, ``Replicate()`` on its data-parallel dims (those of ``group``'s
-    mesh) and split over at most one other dim (tensor or expert parallel).
-    Forward sees it on the SPMD mesh again; its state dict is FSDP2's for
-    the dp dims plus that dim, as for tensor parallelism."""
+    """``dp_mesh_dims``: ``param`` is ``Replicate()`` on the data-parallel dims and split over at
+    most one other."""
     if param.device_mesh != spmd_mesh:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on {param.device_mesh}, not on the mesh passed to "
@@ -170,19 +136,9 @@ def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
 
 def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
                        tp_placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh of a TP (or EP) parameter's state-dict values and its
-    placements there, as torch FSDP2 gives them: the data-parallel dims
-    (``(dp_shard,)`` or ``(dp_replicate, dp_shard)``) then the tp dim, as
-    one mesh, whatever their order in the mesh they were sliced from; that
-    mesh may be a 2-D ``init_device_mesh`` or a world mesh carved with
-    ``_unflatten`` (torchtitan's dense and sparse meshes).
-
-    The flat layout holds the TP-local tensor, and the checkpoint exchange
-    gives shard rank ``d`` ``torch.chunk(tp_local, dp_size, 0)[d]`` (every
-    replica alike): "tp first, then dp". With dp's dim first, DTensor
-    (which shards left to right) says that as
-    ``_StridedShard(0, split_factor=tp_size)`` on dp where TP shards dim 0
-    too, ``Shard(0)`` otherwise."""
+    """The state-dict mesh and placements of a TP (or EP) parameter, as torch FSDP2's: dp
+    ``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too ("tp first, then dp"),
+    else ``Shard(0)``."""
     def refuse(why: str) -> ValueError:
         return ValueError(
             f"parameter '{fqn}' is a DTensor on a mesh that cannot be combined with the data-"
@@ -208,10 +164,8 @@ def _single_name(mesh: DeviceMesh) -> Optional[str]:
     return names[0] if names is not None and len(names) == 1 else None
 
 
-# ------------------------------------------------------------------ runtime
 def as_dtensor(view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
-    """The TP ``DTensor`` forward sees, over the TP-local ``view`` of the
-    unsharded buffer (differentiable: its gradient flows into ``view``)."""
+    """The ``DTensor`` forward sees over the TP-local ``view`` (differentiable)."""
     if spec.dp_dims:
         return _SpmdView.apply(view, spec)
     return DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
@@ -219,12 +173,8 @@ def as_dtensor(view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
 
 
 class _SpmdView(torch.autograd.Function):
-    """``DTensor.from_local`` on the SPMD mesh whose backward leaves the
-    gradient's data-parallel dims as they come (``Partial`` there is this
-    rank's contribution, which the flat buffer's reduce-scatter sums) and
-    redistributes only the model-parallel dim to the forward placement,
-    as FSDP2 does with ``dp_mesh_dims`` (``from_local``'s own backward
-    would all-reduce over the data-parallel dims first)."""
+    """``DTensor.from_local`` whose backward leaves the data-parallel dims as they come (the
+    reduce-scatter sums them), as FSDP2 does with ``dp_mesh_dims``."""
 
     @staticmethod
     def forward(ctx, view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
@@ -245,9 +195,7 @@ class _SpmdView(torch.autograd.Function):
 
 
 def norm_process_group(spec: Optional[TensorParallelSpec]) -> Optional[dist.ProcessGroup]:
-    """The extra group a gradient norm must be summed over: the tp group for
-    TP-sharded parameters (each tp rank holds other elements), ``None`` for
-    plain and TP-replicated ones (every tp rank holds the same values)."""
+    """The extra group a gradient norm sums over (the tp group of a TP-sharded parameter)."""
     if spec is None or not spec.is_sharded or spec.tp_mesh is None:
         return None
     return spec.tp_mesh.get_group()

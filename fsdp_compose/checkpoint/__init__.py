@@ -1,28 +1,16 @@
-"""Checkpointing of annotated models in torch FSDP2's layout.
+"""Checkpointing of annotated models in torch FSDP2's layout (docs/checkpointing.md).
 
-``model.state_dict()`` returns every managed parameter as a ``DTensor`` of
-its original shape placed ``Shard(0)`` on its unit's mesh, and
-``optimizer.state_dict()`` does the same for per-element state, so
-``torch.distributed.checkpoint`` (DCP) and its ``state_dict`` functions
-(``get_state_dict``, ``set_state_dict``, ``StateDictOptions``) work
-unchanged, and checkpoints load across world sizes, into torch FSDP2 and
-into unsharded models. The values are converted only when first used: DCP
-writes and reads the flat shards' pieces in place (``_lazy.py``). See
-docs/checkpointing.md.
+``model.state_dict()`` returns every managed parameter as a ``DTensor`` of its original shape
+placed as FSDP2 places it, and ``optimizer.state_dict()`` does the same for per-element state,
+so DCP and its ``state_dict`` functions work unchanged, and checkpoints load across world
+sizes, into torch FSDP2 and into unsharded models. Values are converted only when first used
+(``_lazy.py``). :func:`flat_state_dict` with :class:`FlatSavePlanner` /
+:class:`FlatLoadPlanner` writes and reads the shards' pieces as they lie.
 
-The zero-copy path (:func:`flat_state_dict` with :class:`FlatSavePlanner` /
-:class:`FlatLoadPlanner`) writes the flat shards' pieces as DCP boxes as they
-lie and reads them straight back: same files, no conversion.
-
-Also here: :class:`CheckpointStore` (crash-safe, rotating DCP directories),
-:func:`scatter_full_state_dict` and :func:`load_safetensors` (whole weights
-into shards without a whole copy per rank; docs/large-models.md), and
-:func:`register_optimizer` (for ``optimizer.load_state_dict`` before the
-optimizer's first step). ``UnitStateDictHooks`` is installed by
-``fully_shard`` itself, and so are the global optimizer hook of
-``install_optimizer_layout_hooks`` and the direct optimizer-state
-initialisation of ``install_direct_optimizer_state`` (for the package, not
-in ``__all__``).
+Also: :class:`CheckpointStore` (crash-safe, rotating DCP directories),
+:func:`scatter_full_state_dict` and :func:`load_safetensors` (whole weights into shards;
+docs/large-models.md), :func:`register_optimizer` (``load_state_dict`` before an optimizer's
+first step). ``fully_shard`` installs the rest itself.
 """
 
 from ._full import load_safetensors, scatter_full_state_dict

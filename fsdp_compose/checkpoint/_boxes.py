@@ -1,24 +1,8 @@
-"""Pure math for the zero-copy checkpoint path: a rank's piece of a
-parameter as DCP *boxes* (``ChunkStorageMetadata``: offsets and sizes in the
-parameter's global shape).
-
-DCP stores every tensor as a set of boxes that together cover it without
-overlap, whoever wrote them; any reader (torch FSDP2's ``Shard(0)`` chunks, a
-plain model's whole tensors, another world size) reads the intersections of
-the boxes it wants with the boxes on disk. So a rank may write its piece of
-a flat shard as it lies, with no exchange and no copy, as long as the piece
-is cut into boxes.
-
-A rank's piece of a parameter under ``"flat"``, ``"rows"``, ``Blocks(n)`` and
-``"owned"`` is one contiguous range ``[start, stop)`` of the row-major
-flattened parameter. Such a range is a union of boxes, each itself a
-contiguous range: for a 2-D parameter at most three (a partial first row,
-whole rows, a partial last row), one when the range is whole rows; in ``n``
-dims, recursively, at most ``2n - 1``. :func:`range_boxes` returns them in
-increasing order, so the piece's memory is cut into consecutive runs.
-
-Nothing here imports ``torch.distributed`` or allocates tensors; it is
-property-tested in ``tests/checkpoint/test_checkpoint_flat.py``.
+"""Pure math for the zero-copy checkpoint path: a rank's piece of a parameter as DCP *boxes*
+(offsets and sizes in the global shape). DCP reads the intersections of the boxes it wants
+with those on disk, whoever wrote them, so a piece may be written as it lies. A contiguous
+range of a row-major ``n``-dim parameter is at most ``2n - 1`` contiguous boxes
+(:func:`range_boxes`).
 """
 
 from __future__ import annotations
@@ -28,15 +12,8 @@ from typing import NamedTuple, Sequence
 
 
 class Box(NamedTuple):
-    """One box of a parameter of some global shape.
-
-    Attributes:
-        offsets: its first index in every dimension.
-        sizes: its extent in every dimension.
-        flat_start: offset of its first element in the flattened parameter
-            (the box is the contiguous range ``[flat_start, flat_start +
-            prod(sizes))`` of it).
-    """
+    """One box: ``offsets`` and ``sizes`` per dimension, ``flat_start`` its first element in the
+    flattened parameter (a box is contiguous there)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -48,9 +25,8 @@ class Box(NamedTuple):
 
 
 def range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
-    """Elements ``[start, stop)`` of the row-major flattened tensor of
-    ``shape``, as boxes in increasing order (none when the range is empty).
-    A 0-dim tensor's one element is the box ``((), ())``."""
+    """Elements ``[start, stop)`` of the flattened tensor of ``shape`` as boxes in increasing
+    order. A 0-dim tensor's element is the box ``((), ())``."""
     shape = tuple(shape)
     if not 0 <= start <= stop <= math.prod(shape):
         raise ValueError(f"range [{start}, {stop}) is not inside a tensor of shape {shape}")
@@ -61,16 +37,15 @@ def range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
 def _boxes(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[int, ...],
            base: int) -> list[Box]:
-    """Boxes of ``[start, stop)`` (non-empty) inside a sub-tensor of ``shape``
-    whose element 0 is at ``prefix`` (indices of the outer dimensions, each
-    of extent 1) and at ``base`` in the whole flattened tensor."""
+    """Boxes of ``[start, stop)`` inside a sub-tensor at outer indices ``prefix`` and flat offset
+    ``base``."""
     ones = (1,) * len(prefix)
     if len(shape) <= 1:
         offsets = (start,) if shape else ()
         sizes = (stop - start,) if shape else ()
         return [Box(prefix + offsets, ones + sizes, base + start)]
     row = math.prod(shape[1:])
-    first, last = start // row, (stop - 1) // row  # rows holding the first and the last element
+    first, last = start // row, (stop - 1) // row
     out: list[Box] = []
     if start % row or first == last and stop % row:  # a partial first row (or only one row)
         end = min(stop, (first + 1) * row)
@@ -89,9 +64,8 @@ def _boxes(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[int, ...
 
 
 def dim_box(shape: Sequence[int], dim: int, lo: int, hi: int) -> Box:
-    """Rows ``[lo, hi)`` of dimension ``dim`` (all of the others): the piece
-    of a ``Shard(dim)`` parameter. ``flat_start`` is that of the stored
-    order (``dim`` moved to the front), where the piece is contiguous."""
+    """Rows ``[lo, hi)`` of dimension ``dim``: the piece of a ``Shard(dim)`` parameter
+    (``flat_start`` in stored order)."""
     shape = tuple(shape)
     offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
     sizes = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))

@@ -1,29 +1,8 @@
-"""Pure math for converting between the flat layout and torch FSDP2's
-per-parameter ``Shard(0)`` layout (the checkpoint format).
-
-A flat buffer shards the concatenation of its flattened parameters: rank
-``r`` owns the contiguous range ``[r * S, (r + 1) * S)`` (``S`` =
-``layout.shard_numel``), which cuts through parameters anywhere. A
-checkpoint wants, for every parameter of shape ``(d0, ...)``, rank ``j``'s
-``torch.chunk(param, F, dim=0)[j]``: rows ``[j * c, (j + 1) * c)`` clamped to
-``d0``, with ``c = ceil(d0 / F)`` (empty on the last ranks when ``d0 < F``).
-A 0-dim parameter cannot be sharded by rows; every rank gets all of it (a
-replicated value).
-
-In flat coordinates, rank ``j``'s rows of one parameter are one contiguous
-range, and its chunks of all selected parameters, in layout order, form an
-increasing set of ranges ``T_j``. One all-to-all converts between the two:
-
-* flat -> chunks: rank ``r`` sends rank ``j`` the elements of ``T_j`` that lie
-  in its shard, in increasing order. Rank ``j`` receives from ranks
-  ``0..F-1`` in order, and since the shards are increasing ranges too, the
-  received buffer *is* its chunks packed back to back (no unpacking).
-* chunks -> flat: the same exchange backwards. Rank ``j`` sends rank ``r`` a
-  contiguous slice of its packed chunks, and rank ``r`` writes what it
-  receives at the intervals it would have sent.
-
-Nothing here imports ``torch.distributed`` or allocates tensors; it is
-property-tested in ``tests/checkpoint/test_checkpoint_chunks.py``.
+"""Pure math between the flat layout and torch FSDP2's per-parameter ``Shard(0)`` layout,
+property-tested alone. Rank ``j``'s chunks of the selected parameters are increasing ranges of
+the flat buffer, so one all-to-all converts: each rank sends rank ``j`` the parts of ``j``'s
+ranges in its shard, in order, and what ``j`` receives *is* its chunks back to back; the
+reverse is the same exchange backwards.
 """
 
 from __future__ import annotations
@@ -34,16 +13,8 @@ from ..buffers.layout import FlatLayout
 
 
 class Chunk(NamedTuple):
-    """This rank's dim-0 chunk of one parameter.
-
-    Attributes:
-        param_index: the parameter's index in the layout.
-        packed_start: where the chunk starts in this rank's packed chunks.
-        shape: the chunk's shape (``(rows, *shape[1:])``; ``()`` for a
-            0-dim parameter).
-        numel: its number of elements.
-        row_start: index of its first row in the parameter (0 for 0-dim).
-    """
+    """This rank's dim-0 chunk of one parameter: ``numel`` elements of ``shape`` from
+    ``row_start``, at ``packed_start`` of the packed chunks."""
 
     param_index: int
     packed_start: int
@@ -53,17 +24,9 @@ class Chunk(NamedTuple):
 
 
 class ExchangePlan(NamedTuple):
-    """One rank's side of the flat <-> chunks all-to-all.
-
-    Attributes:
-        chunks: this rank's chunk of every selected parameter, in flat order.
-        send_intervals: ``(shard_start, length)`` ranges of this rank's shard,
-            in the order they are sent (grouped by destination rank).
-        send_counts: elements of this rank's shard that go to each rank
-            (flat -> chunks); sums of ``send_intervals`` per destination.
-        recv_counts: elements of this rank's packed chunks that come from
-            each rank's shard.
-    """
+    """One rank's side of the flat <-> chunks all-to-all: ``chunks`` in flat order,
+    ``send_intervals`` of the shard in sending order, and the element counts to and from each
+    rank."""
 
     chunks: tuple[Chunk, ...]
     send_intervals: tuple[tuple[int, int], ...]
@@ -76,8 +39,7 @@ class ExchangePlan(NamedTuple):
 
 
 def dim0_rows(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of ``torch.chunk(param, world_size, dim=0)[rank]``
-    (``lo == hi`` when that chunk is empty). 0-dim: ``(0, 1)`` on every rank."""
+    """Rows ``[lo, hi)`` of ``torch.chunk(param, world_size, dim=0)[rank]``; 0-dim: ``(0, 1)``."""
     if len(shape) == 0:
         return 0, 1
     rows = shape[0]
@@ -86,7 +48,6 @@ def dim0_rows(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, in
 
 
 def chunk_shape(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, ...]:
-    """Shape of ``rank``'s dim-0 chunk of a parameter of ``shape``."""
     if len(shape) == 0:
         return ()
     lo, hi = dim0_rows(shape, world_size, rank)
@@ -95,10 +56,7 @@ def chunk_shape(shape: Sequence[int], world_size: int, rank: int) -> tuple[int, 
 
 def _target_ranges(layout: FlatLayout, rank: int,
                    selected: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """``(param_index, flat_start, flat_end, row_start)`` of ``rank``'s chunk
-    of each selected parameter, in increasing flat order."""
     ranges = []
-    # increasing flat order: by offset (index order under "flat" and "rows", not "owned")
     for index in sorted(selected, key=lambda i: (layout.offsets[i], i)):
         shape = layout.shapes[index]
         lo, hi = dim0_rows(shape, layout.world_size, rank)
@@ -111,7 +69,6 @@ def _target_ranges(layout: FlatLayout, rank: int,
 
 def _intersect(ranges: list[tuple[int, int, int, int]], lo: int,
                hi: int) -> list[tuple[int, int]]:
-    """The parts of ``ranges`` inside ``[lo, hi)``, as ``(start, end)``."""
     out = []
     for _, start, end, _ in ranges:
         s, e = max(start, lo), min(end, hi)
@@ -121,11 +78,7 @@ def _intersect(ranges: list[tuple[int, int, int, int]], lo: int,
 
 
 def exchange_plan(layout: FlatLayout, rank: int, selected: Sequence[int]) -> ExchangePlan:
-    """This rank's side of the all-to-all that converts the selected
-    parameters between the flat layout and dim-0 chunks.
-
-    Every rank must pass the same ``selected`` (the exchange is collective).
-    """
+    """This rank's side of the all-to-all for the selected parameters (the same on every rank)."""
     world, shard = layout.world_size, layout.shard_numel
     my_lo, my_hi = layout.shard_range(rank)
     mine = _target_ranges(layout, rank, selected)

@@ -1,11 +1,7 @@
-"""Moving values between a flat buffer's layout and dim-0 chunks, and
-between dim-0 chunks and ``DTensor`` values (see ``_chunks.py`` for the
-math). Each conversion of a buffer is one all-to-all over the buffer's
-process group that moves only this rank's ``1/F`` share: no rank ever holds
-a parameter's full value.
-
-Every function here is collective over the buffer's group: all ranks must
-call it with the same ``selected`` parameters.
+"""Moving values between a flat buffer's layout and dim-0 chunks (one all-to-all moving this
+rank's ``1/F`` share: no rank holds a whole parameter), and between chunks and ``DTensor``
+values. Every function is collective over the buffer's group, with the same ``selected`` on
+every rank.
 """
 
 from __future__ import annotations
@@ -25,23 +21,15 @@ from ._chunks import chunk_shape, exchange_plan
 
 
 Reader = Callable[[int, int], torch.Tensor]
-"""``read(start, length)``: elements ``[start, start + length)`` of this
-rank's shard of some flat-layout values (one parameter's part at a time)."""
+"""``read(start, length)``: elements of this rank's shard, inside one parameter."""
 
 
 def flat_to_chunks(flat: Union[torch.Tensor, Reader], layout: FlatLayout, group: ShardGroup,
                    selected: Sequence[int], *, dtype: Optional[torch.dtype] = None,
                    home: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-    """This rank's dim-0 chunk of each selected parameter, read from
-    ``flat``: this rank's ``layout.shard_numel`` elements in the flat layout
-    (the sharded values), or a :data:`Reader` over values held per parameter
-    (optimizer state; every interval read lies inside one parameter).
-
-    Each chunk is a fresh tensor with storage of its own (views of one
-    buffer would break ``copy.deepcopy`` of the ``DTensor`` wrapping them
-    and be copied again by DCP's writer), on ``home`` (default: ``flat``'s
-    device), in ``dtype`` (default: ``flat``'s; required with a reader).
-    """
+    """This rank's dim-0 chunk of each selected parameter, from ``flat`` (this rank's shard) or a
+    :data:`Reader`. Each chunk has storage of its own (a view of one buffer would break
+    deepcopy and be copied again by DCP's writer)."""
     if isinstance(flat, torch.Tensor):
         read, dtype, home = functools.partial(flat.narrow, 0), flat.dtype, home or flat.device
     else:
@@ -57,10 +45,7 @@ def flat_to_chunks(flat: Union[torch.Tensor, Reader], layout: FlatLayout, group:
 
 def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: ShardGroup,
                    out: torch.Tensor) -> None:
-    """Write every given parameter's values (``chunks[i]`` is this rank's
-    dim-0 chunk of parameter ``i``) into ``out`` (``layout.shard_numel``
-    elements in the flat layout) at the positions this rank owns. Positions
-    of parameters not in ``chunks`` are left alone."""
+    """Write each ``chunks[i]`` into ``out`` (this rank's shard) where this rank owns it."""
     plan = exchange_plan(layout, group.rank, sorted(chunks))
     pieces = [chunks[c.param_index].reshape(-1).to(group.device, out.dtype)
               for c in plan.chunks]
@@ -75,16 +60,10 @@ def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: S
 
 
 def checkpoint_placements(group: ShardGroup) -> tuple[Placement, ...]:
-    """torch FSDP2's placements on the unit's mesh: ``(Shard(0),)``, or
-    ``(Replicate(), Shard(0))`` for hybrid sharding."""
     return (Replicate(), Shard(0)) if group.is_hybrid else (Shard(0),)
 
 
 def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGroup) -> torch.Tensor:
-    """``chunk`` (this rank's dim-0 chunk) as a ``DTensor`` of the global
-    ``shape`` on the unit's mesh (:func:`checkpoint_placements`): torch
-    FSDP2's layout. A 0-dim value (every rank holds all of it) stays a
-    plain tensor."""
     if len(shape) == 0:
         return chunk
     return DTensor.from_local(chunk, group.mesh, checkpoint_placements(group), run_check=False,
@@ -92,16 +71,10 @@ def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGrou
 
 
 def checkpoint_shape(record: ParamRecord) -> torch.Size:
-    """The shape of ``record``'s state-dict values: its original shape (the
-    global one for a tensor-parallel parameter)."""
     return record.shape if record.tp is None else record.tp.shape
 
 
 def record_value(chunk: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
-    """``chunk`` (this rank's dim-0 chunk of the values the flat layout
-    holds for ``record``) as its state-dict value: :func:`as_checkpoint_value`,
-    or for a tensor-parallel parameter a ``DTensor`` on the (dp, tp) mesh
-    (see ``_tensor_parallel.checkpoint_value``)."""
     if record.tp is None:
         return as_checkpoint_value(chunk, record.shape, group)
     return tensor_parallel.checkpoint_value(chunk, record.tp)
@@ -109,10 +82,9 @@ def record_value(chunk: torch.Tensor, record: ParamRecord, group: ShardGroup) ->
 
 def loadable(value: torch.Tensor, record: ParamRecord,
              group: ShardGroup) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """A state-dict value of ``record`` (global shape) as either
-    ``(this rank's dim-0 chunk, None)``, to be written with one exchange,
-    or ``(None, whole value in the record's shape)``, to be sliced locally.
-    Collective over the value's mesh when it must be gathered."""
+    """A state-dict value as ``(this rank's dim-0 chunk, None)`` for one exchange, or ``(None,
+    whole value)`` to slice locally. Collective over the value's mesh where it must be
+    gathered."""
     if record.tp is not None:
         chunk = tensor_parallel.local_chunk(value, record.tp) \
             if isinstance(value, DTensor) else None
@@ -127,10 +99,6 @@ def loadable(value: torch.Tensor, record: ParamRecord,
 
 
 def _resharded_chunk(value: DTensor, group: ShardGroup) -> Optional[torch.Tensor]:
-    """This rank's dim-0 chunk of a ``DTensor`` checkpoint value, moved there
-    from whatever mesh and placements it has. Returns ``None`` when the value
-    lives on another mesh: the caller then uses its full value
-    (``value.full_tensor()``, collective over that mesh)."""
     if value.device_mesh != group.mesh:
         return None
     placements = checkpoint_placements(group)
@@ -156,9 +124,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-# ------------------------------------------------------- FSDP2's Shard(d)
 def shard_dim(record: ParamRecord) -> Optional[int]:
-    """``d`` for a parameter placed ``Shard(d)`` (``ShardDim``), else ``None``."""
     return record.placement.dim if isinstance(record.placement, ShardDim) else None
 
 
@@ -167,9 +133,8 @@ def _shard_dim_placements(group: ShardGroup, dim: int) -> tuple[Placement, ...]:
 
 
 def shard_dim_value(local: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
-    """A ``Shard(d)`` parameter's state-dict value: this rank's piece *is*
-    ``torch.chunk(param, F, d)[rank]``, FSDP2's local tensor of ``Shard(d)``,
-    so it is placed as such with no exchange (a contiguous copy of it)."""
+    """A ``Shard(d)`` parameter's value: this rank's piece *is* FSDP2's local tensor, placed with
+    no exchange."""
     dim = shard_dim(record)
     if record.tp is not None:
         mesh, placements = tensor_parallel.shard_dim_layout(record.tp, dim)
@@ -181,12 +146,10 @@ def shard_dim_value(local: torch.Tensor, record: ParamRecord, group: ShardGroup)
 
 
 def shard_dim_local(value: torch.Tensor, record: ParamRecord, group: ShardGroup) -> torch.Tensor:
-    """This rank's ``torch.chunk(value, F, d)[rank]`` of a checkpoint value
-    for a ``Shard(d)`` parameter: a ``DTensor`` on the unit's mesh is
-    redistributed to ``Shard(d)`` (collective), one on another mesh is
-    gathered in full; a full tensor is cut locally."""
+    """This rank's ``torch.chunk(value, F, d)[rank]`` of a checkpoint value (redistributed,
+    gathered or cut locally)."""
     dim = shard_dim(record)
-    if record.tp is not None:  # tensor parallel: the TP-local part, then its chunk
+    if record.tp is not None:
         mesh, placements = tensor_parallel.shard_dim_layout(record.tp, dim)
         if isinstance(value, DTensor) and value.device_mesh == mesh and \
                 tuple(value.placements) == placements:
@@ -204,7 +167,6 @@ def shard_dim_local(value: torch.Tensor, record: ParamRecord, group: ShardGroup)
 
 
 def stored_order(value: torch.Tensor, record: ParamRecord) -> torch.Tensor:
-    """A whole value in the order the flat buffer stores the parameter
-    (``Shard(d)``: dim ``d`` first)."""
+    """A whole value in stored order (``Shard(d)``: dim ``d`` first)."""
     dim = shard_dim(record)
     return value.movedim(dim, 0) if dim else value

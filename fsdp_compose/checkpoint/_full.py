@@ -1,11 +1,5 @@
-"""Loading whole (unsharded) weights into a sharded model without a whole
-copy on every rank: from one rank's state dict (scatter) or from
-``safetensors`` files (each rank reads only the rows it owns).
-
-torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` works too,
-but since managed parameters are plain local pieces to torch, it keeps every
-broadcast tensor whole on every rank until the final ``load_state_dict``:
-a whole model per rank. Here each rank only ever receives its shards.
+"""Loading whole weights into a sharded model without a whole copy on every rank: from one rank's
+state dict (scatter) or from ``safetensors`` files (each rank reads its rows).
 """
 
 from __future__ import annotations
@@ -32,25 +26,18 @@ StateDict = dict[str, torch.Tensor]
 
 def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], *, src: int = 0,
                             strict: bool = True) -> None:
-    """Load ``src``'s whole state dict into every rank's shards.
+    """Load ``src``'s whole state dict into every rank's shards. Collective.
 
     Args:
-        module: a model annotated by ``fully_shard`` (its shards may still be
-            on the meta device on any rank: they are allocated first).
-        state_dict: on ``src``, plain tensors in the original shapes under
-            ``module.state_dict()``'s keys (e.g. a pretrained model's
-            ``state_dict()`` taken on the CPU before ``fully_shard``);
-            ignored on other ranks (pass ``None``).
+        module: a ``fully_shard`` model (meta shards are allocated first).
+        state_dict: on ``src``, full tensors under ``module.state_dict()``'s keys; ``None``
+            elsewhere.
         src: the rank that holds ``state_dict``.
-        strict: raise (on every rank) for missing or unexpected keys;
-            mis-shaped keys always raise.
+        strict: raise on every rank for missing or unexpected keys; mis-shaped keys always
+            raise.
 
-    Each flat buffer is one ``scatter``: ``src`` lays out the buffer whole
-    and every rank receives only its shard (``src`` holds one buffer's
-    values beyond ``state_dict`` at a time). Buffers and parameters no
-    unit manages are broadcast, non-persistent buffers from ``src``'s
-    module. Parameters keep their identity. Collective.
-    """
+    One ``scatter`` per flat buffer; buffers and unmanaged parameters are broadcast.
+    Parameters keep their identity."""
     arrive(None, "fsdp_compose.scatter_full_state_dict",
            "Call it on every rank, with the state dict on `src` and None elsewhere.")
     rank = dist.get_rank()
@@ -74,12 +61,9 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
 
 def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[str, Path]]],
                      *, strict: bool = True) -> None:
-    """Load ``safetensors`` files (keys as ``module.state_dict()``'s) into
-    a sharded model: each rank reads only the rows that hold its slice of
-    every managed parameter, and whole buffers and unmanaged parameters. No
-    communication. Non-persistent buffers (not in checkpoints) are left as
-    they are: on a meta-built model initialise them first (e.g.
-    ``fsdp_compose.materialize(model, init_fn=...)``)."""
+    """Load ``safetensors`` files (keys as ``module.state_dict()``'s) into a sharded model: each
+    rank reads only the rows of its slices, plus buffers and unmanaged parameters. No
+    communication. Non-persistent buffers are left as they are."""
     from safetensors import safe_open
 
     paths = [files] if isinstance(files, (str, Path)) else list(files)
@@ -97,7 +81,7 @@ def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[s
                     key = _first_present(entries.keys_of[id(record.param)], available)
                     if key is None or s.length == 0:
                         continue
-                    if shard_dim(record) is not None:  # its piece is a column block: read whole
+                    if shard_dim(record) is not None:  # a column block: read whole
                         buffer.local_view(buffer.sharded, index).copy_(shard_dim_local(
                             where[key].get_tensor(key), record, buffer.group))
                         continue
@@ -108,22 +92,17 @@ def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[s
                 tensor.detach().copy_(where[key].get_tensor(key))
 
 
-# ----------------------------------------------------------------- helpers
 class _Entries:
-    """What a module's state dict holds, split by who stores it."""
 
     def __init__(self) -> None:
         self.keys_of: dict[int, list[str]] = {}
-        """id(managed parameter) -> its keys (several when tied)."""
         self.shape_of: dict[str, tuple[int, ...]] = {}
         self.plain: dict[str, torch.Tensor] = {}
-        """Buffers and unmanaged parameters, by key (non-persistent buffers too)."""
         self.persistent: dict[str, bool] = {}
 
 
 def _prepare(module: nn.Module, available: dict, strict: bool) -> "_Entries":
-    """Allocate meta shards and tensors, then check the checkpoint's keys
-    and shapes (``available``: key -> (shape, dtype)) against the module's."""
+    """Allocate meta shards, then check the checkpoint's keys and shapes."""
     allocate_meta(module)
     entries = _entries(module)
     _check_keys(entries, available, strict)
@@ -159,8 +138,7 @@ def _entries(module: nn.Module) -> _Entries:
 
 
 def _check_keys(entries: _Entries, available: dict, strict: bool) -> None:
-    """Raise on every rank (every rank knows ``available``) for mis-shaped
-    keys, and for missing or unexpected ones when ``strict``."""
+    """Raise on every rank for mis-shaped keys, and missing or unexpected ones when ``strict``."""
     errors = [f"size mismatch for {key}: copying a param with shape {available[key][0]} from "
               f"checkpoint, the shape in current model is {torch.Size(shape)}."
               for key, shape in entries.shape_of.items()
@@ -182,13 +160,13 @@ def _scatter_buffer(buffer: FlatBuffer, keys_of: dict[int, list[str]],
     group = buffer.group
     present = [_first_present(keys_of[id(r.param)], available) for r in buffer.records]
     if not any(present):
-        return  # the same on every rank: nothing of this buffer in the checkpoint
+        return
     device = group.device
     shard = torch.empty(buffer.layout.shard_numel, dtype=buffer.dtype, device=device)
     chunks = None
     if state_dict is not None:
         full = torch.zeros(buffer.layout.padded_numel, dtype=buffer.dtype, device=device)
-        for segment in buffer.layout.segments():  # each parameter where the layout puts it
+        for segment in buffer.layout.segments():
             key = present[segment.param_index] if segment.param_index >= 0 else None
             if key is not None:
                 stored = stored_order(state_dict[key], buffer.records[segment.param_index])
@@ -204,9 +182,7 @@ def _scatter_buffer(buffer: FlatBuffer, keys_of: dict[int, list[str]],
 
 def _scatter_chunks(shard: torch.Tensor, chunks: Optional[list[torch.Tensor]],
                     group: ShardGroup, src: int) -> None:
-    """Rank ``src``'s ``chunks`` (one per shard-group rank) to the ranks of
-    its shard group, then (hybrid sharding) from each of those across its
-    replicas: every rank ends with its own chunk."""
+    """``src``'s ``chunks`` to its shard group, then (hybrid) across the replicas."""
     replicate = group.replicate_process_group
     replica_row = None
     if replicate is not None:
@@ -225,8 +201,7 @@ def _scatter_chunks(shard: torch.Tensor, chunks: Optional[list[torch.Tensor]],
 
 
 def _read_flat_range(handle, key: str, shape: torch.Size, start: int, length: int) -> torch.Tensor:
-    """Elements ``[start, start + length)`` of the flattened tensor ``key``,
-    reading only the dim-0 rows that contain them."""
+    """Elements of the flattened ``key``, reading only the rows that hold them."""
     if len(shape) == 0:
         return handle.get_tensor(key).reshape(-1)[start:start + length]
     row = math.prod(shape[1:])

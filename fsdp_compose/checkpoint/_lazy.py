@@ -1,33 +1,13 @@
-"""State-dict values in torch FSDP2's layout that are converted only when
-used: torch's recipe (``get_state_dict`` + ``dcp.save``; ``dcp.load`` +
-``set_state_dict``) without a converted copy.
+"""State-dict values in torch FSDP2's layout converted only when used.
 
 [Note: lazy checkpoint values]
-``state_dict()`` returns, for each parameter (and per-element optimizer
-state) of the flat layouts, a ``DTensor`` of the original shape placed
-``Shard(0)``, exactly as before, whose local tensor is a :class:`LazyChunk`:
-a tensor with the chunk's shape and dtype but no memory. Two things can
-happen to it:
-
-* DCP plans and moves it: a ``DTensor`` asks its local tensor for
-  ``__create_write_items__`` / ``__create_chunk_list__`` /
-  ``__get_tensor_shard__`` (DCP's extension protocol). Unmaterialised, the
-  chunk answers with the boxes of this rank's piece of the *flat shard*
-  (:class:`~._pieces.ShardPieces`) and views of it: ``dcp.save`` writes the
-  shard as it lies, ``dcp.load`` reads straight into it (no exchange, no
-  copy), and the load hooks then see the value as loaded in place (live
-  values, as FSDP2's state dict holds its parameters themselves).
-* Anything else uses it (a tensor operation on it or on the ``DTensor``,
-  ``full_tensor()``, ``copy.deepcopy``, pickling): it is *materialised* then,
-  once: this rank's ``Shard(0)`` chunk is computed by the usual exchange
-  (``_exchange.flat_to_chunks``, collective over the unit's group, after the
-  call rendezvous), and from then on it is an ordinary chunk (DCP writes and
-  reads the chunk, loading converts it back).
-
-Materialising is collective: the ranks must use the values in the same
-order, as they must call ``full_tensor()`` (itself collective) in the same
-order. A use on some ranks only raises ``CallMismatchError`` naming
-``state_dict() value``, after ``FSDP_COMPOSE_CALL_TIMEOUT`` seconds.
+``state_dict()`` returns, for each parameter and per-element optimizer state of the flat
+layouts, a ``DTensor`` whose local tensor is a :class:`LazyChunk` holding no memory. DCP,
+through DTensor's ``__create_write_items__`` / ``__create_chunk_list__`` /
+``__get_tensor_shard__``, gets the boxes of this rank's piece of the flat shard: ``dcp.save``
+writes the shard as it lies and ``dcp.load`` reads into it. Any other use *materialises* the
+chunk once by the usual exchange, collectively: ranks must use the values in the same order,
+as they must call ``full_tensor()``.
 """
 
 from __future__ import annotations
@@ -56,22 +36,17 @@ SAVE_ADVICE = (
     "`if rank == 0: torch.save(sd, f)`; for sharded saves, call "
     "`torch.distributed.checkpoint.save({'model': model.state_dict()}, checkpoint_id=path)` "
     "on every rank (or use CheckpointStore).")
-"""The fix for a save from rank 0 only (every message of a one-rank
-``state_dict()`` ends with it; ``tests/checkpoint/test_save_advice.py`` runs it)."""
 _FIX = ("Values of fsdp_compose's state dicts are converted to FSDP2's layout when first used, "
         "collectively: use them (full_tensor(), tensor operations, deepcopy, pickling by "
         "torch.save) on every rank in the same order. " + SAVE_ADVICE)
 
 
 class LazyChunk(torch.Tensor):
-    """This rank's ``Shard(0)`` chunk of one value, computed when first used
-    (see [Note: lazy checkpoint values]).
+    """This rank's chunk of one value, computed when first used ([Note: lazy checkpoint values]).
 
     Attributes:
-        pieces: this rank's piece of the value in the flat layout, as boxes.
-        source: the tensor the piece lives in (the flat shard, or an
-            optimizer state tensor): what "loaded in place" is checked against.
-    """
+        pieces: this rank's piece in the flat layout, as boxes.
+        source: the tensor the piece lives in (checked for "loaded in place")."""
 
     pieces: ShardPieces
     source: torch.Tensor
@@ -98,7 +73,7 @@ class LazyChunk(torch.Tensor):
         return self._value is not None
 
     def materialize(self) -> torch.Tensor:
-        """The chunk's values (computed once; collective the first time)."""
+        """The chunk's values (collective the first time)."""
         if self._value is None:
             arrive(self._group.process_group, f"state_dict() value ({self._what}) first used",
                    _FIX)
@@ -122,9 +97,8 @@ class LazyChunk(torch.Tensor):
         return f"LazyChunk({tuple(self.shape)}, {self.dtype}, {state})"
 
     def staged(self, value: DTensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
-        """``value`` (a ``DTensor`` over this unused chunk) over a copy of
-        this rank's pieces, for an async save: DCP writes it; it cannot be
-        converted (the shard it would be converted from is not copied)."""
+        """``value`` over a copy of this rank's pieces, for an async save; it cannot be
+        converted."""
         pieces = self.pieces.staged(copy)
 
         def unavailable() -> torch.Tensor:
@@ -134,14 +108,13 @@ class LazyChunk(torch.Tensor):
                           unavailable, self._group, self._what, self._offsets)
         return DTensor(local, dtensor_spec(value), requires_grad=False)
 
-    # ----------------------------------------- DCP, through DTensor's delegation
     def __create_write_items__(self, fqn: str, obj: DTensor) -> list[WriteItem]:
         if self.materialized:
             return [create_write_items_for_dtensor(fqn, obj)]
         return self.pieces.write_items(fqn)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        if self.materialized:  # an ordinary Shard(0) chunk (what DTensor itself would say)
+        if self.materialized:
             return [ChunkStorageMetadata(offsets=torch.Size(self._offsets), sizes=self.shape)]
         return self.pieces.__create_chunk_list__()
 
@@ -154,8 +127,6 @@ class LazyChunk(torch.Tensor):
 def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPieces,
                source: torch.Tensor, convert: Callable[[], torch.Tensor], group: ShardGroup,
                placements: tuple, what: str, device: torch.device) -> DTensor:
-    """A ``DTensor`` of global ``shape`` on the unit's mesh over a
-    :class:`LazyChunk` (``convert()`` computes its values when first used)."""
     offsets, spec = _placed(group.mesh, torch.Size(shape), pieces.dtype, tuple(placements))
     local = LazyChunk(chunk_shape, pieces.dtype, device, pieces, source, convert, group, what,
                       offsets)
@@ -164,10 +135,8 @@ def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPie
 
 _PLACED: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple[int, ...], Any]]]" = \
     weakref.WeakKeyDictionary()
-"""Per mesh, per (shape, dtype, placements): this rank's chunk offsets and
-the ``DTensorSpec``, made once: every ``state_dict()`` makes a value per
-parameter and per optimizer state, and these do not change (DTensors share
-specs as torch's sharding propagation does; a spec is never modified)."""
+"""Per mesh and (shape, dtype, placements): chunk offsets and ``DTensorSpec``, made once (specs
+are never modified)."""
 
 
 def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
@@ -185,15 +154,13 @@ def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
 
 
 def is_lazy(buffer: FlatBuffer, index: int) -> bool:
-    """Whether parameter ``index``'s state-dict values (and its per-element
-    optimizer state's) are lazy: every parameter of at least one dimension
-    of the flat layouts (not tensor-parallel, not ``Shard(d)``)."""
+    """Lazy: every non-scalar parameter of the flat layouts but tensor-parallel and ``Shard(d)``
+    ones."""
     record = buffer.records[index]
     return has_pieces(buffer, index) and shard_dim(record) is None and len(record.shape) > 0
 
 
 def in_place(value: Any, source: Optional[torch.Tensor]) -> bool:
-    """Whether ``value`` is an unmaterialised lazy value over ``source``:
-    whatever DCP loaded into it is in ``source`` already."""
+    """What DCP loaded into ``value`` is in ``source`` already."""
     local = local_tensor(value) if isinstance(value, DTensor) else None
     return isinstance(local, LazyChunk) and not local.materialized and local.source is source

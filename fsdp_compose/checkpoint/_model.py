@@ -1,28 +1,9 @@
-"""``state_dict()`` / ``load_state_dict()`` of annotated modules in torch
-FSDP2's checkpoint layout.
-
-Between iterations each managed parameter is this rank's piece of a flat
-shard (its rows by default, 1-D under ``"flat"``), which is meaningless
-outside this process. At the ``state_dict`` boundary
-every managed parameter becomes a ``DTensor`` of its original shape placed
-``Shard(0)`` on the unit's mesh (exactly what torch FSDP2 returns, so DCP
-checkpoints of the two are interchangeable); at the ``load_state_dict``
-boundary such values, ``DTensor`` values on other meshes or placements, and
-plain full tensors are accepted and written into the shards in place
-(parameters keep their identity).
-
-Hooks sit on every module a unit manages, so ``state_dict()`` of any
-submodule converts too. Saving runs top-down then bottom-up: the first
-managed module reached (a state-dict *pre*-hook) makes the values of all of
-the unit's parameters below it and stashes them, and each module's
-post-hook puts its own parameters' values into the dict. The values of the
-flat layouts are lazy ([Note: lazy checkpoint values] in ``_lazy.py``: DCP
-writes and reads the shard's boxes, other uses convert once); tensor-parallel
-ones are converted with one all-to-all per flat buffer, ``Shard(d)`` ones are
-the local pieces. Loading runs top-down: the first managed module reached
-converts the unit's values below it (lazy values of this model not used since
-are already in place: skipped) and replaces them in the dict by the
-parameters themselves, so torch's own copy is a no-op and later hooks skip them.
+"""``state_dict()`` / ``load_state_dict()`` of annotated modules in torch FSDP2's checkpoint
+layout: every managed parameter is a ``DTensor`` of its original shape placed as FSDP2 places
+it (DCP checkpoints of the two are interchangeable); loading accepts those, other ``DTensor``
+layouts and full tensors, written into the shards in place. Hooks sit on every managed module:
+the first one reached converts the unit's parameters below it (lazily where the layout allows:
+[Note: lazy checkpoint values]).
 """
 
 from __future__ import annotations
@@ -53,12 +34,8 @@ _STATE_DICT_FIX = (
 
 
 _MET: list[tuple["UnitStateDictHooks", nn.Module, Any]] = []
-"""The ``state_dict()`` call in progress whose first unit met the other
-ranks ([Note: call rendezvous]): that unit's hooks, the module the call was
-made on, and the process group. The units it reaches after converting over
-the same group do not meet again (a meeting per call, not per unit: the
-values of the flat layouts are lazy, so nothing else synchronises the
-ranks here)."""
+"""The ``state_dict()`` call in progress whose first unit met the other ranks ([Note: call
+rendezvous]); later units over the same group do not meet again."""
 
 
 def _met_in_this_call(group: Any) -> bool:
@@ -66,22 +43,19 @@ def _met_in_this_call(group: Any) -> bool:
         return False
     hooks, module, met_group = _MET[0]
     if hooks._stash is None or hooks._stash.owner is not module:
-        _MET.clear()  # left by a call that raised before its end
+        _MET.clear()  # left by a call that raised
         return False
     return met_group is group
 
 
 class _Stash(NamedTuple):
-    owner: nn.Module  # the module whose state_dict() call converted the values
-    values: dict[int, torch.Tensor]  # id(parameter) -> its checkpoint value
+    owner: nn.Module
+    values: dict[int, torch.Tensor]
 
 
 class UnitStateDictHooks:
-    """The state-dict hooks of one unit, installed on its managed modules,
-    and one more set per module of another unit that borrows one of its
-    parameters (a tied weight, ``runtime/tied.py``): that module's
-    ``state_dict()`` / ``load_state_dict()`` convert the borrowed value from
-    and into this unit's buffer, under the borrowing name."""
+    """The state-dict hooks of one unit on its managed modules, and on a module of another unit
+    borrowing one of its parameters (a tied weight)."""
 
     def __init__(self, unit: Unit, borrowed_at: Optional[tuple[nn.Module, str]] = None) -> None:
         self.unit: Unit = unit
@@ -90,10 +64,7 @@ class UnitStateDictHooks:
             for buffer in unit.buffers for record in buffer.records
             for module, name in record.slots
             if borrowed_at is None or (module is borrowed_at[0] and name == borrowed_at[1])}
-        """(id(module), attribute) -> the record of the parameter held there
-        (with ``borrowed_at``: that one slot)."""
         self._stash: Optional[_Stash] = None
-        """Converted values of the ``state_dict()`` call in progress."""
         modules = unit.managed_modules if borrowed_at is None else (borrowed_at[0],)
         for module in modules:
             # partial, not bound methods: torch tags public hooks with an attribute
@@ -105,7 +76,6 @@ class UnitStateDictHooks:
                 if tie.borrower is unit:
                     UnitStateDictHooks(tie.owner, (tie.module, tie.attr))
 
-    # ----------------------------------------------------------------- save
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self._stash is not None and self._stash.owner is not module:
             return  # an enclosing module's state_dict() converted this unit already
@@ -117,27 +87,27 @@ class UnitStateDictHooks:
         skip_frozen = _torch_drops_frozen_params()
         flat = flat_values_requested()
         if flat:
-            self._make_loadable()  # the shards are what DCP writes from and reads into
+            self._make_loadable()
         values: dict[int, Any] = {}
         for buffer in self.unit.buffers:
             group = buffer.group
             selected = [i for i, r in enumerate(buffer.records)
                         if id(r.param) in below and not (skip_frozen and not r.param.requires_grad)]
-            if flat:  # zero-copy: views of the shard, no exchange (see _pieces.py)
+            if flat:
                 for index in selected:
                     if has_pieces(buffer, index):
                         values[id(buffer.records[index].param)] = ShardPieces.of(
                             buffer, index, buffer.local_view(buffer.sharded.detach(), index),
                             lead=group.rank == 0)
                 selected = [i for i in selected if not has_pieces(buffer, i)]
-            else:  # converted when first used; DCP reads and writes the shard itself
+            else:
                 for index in selected:
                     if is_lazy(buffer, index):
                         values[id(buffer.records[index].param)] = _lazy_param(buffer, index)
                 selected = [i for i in selected if not is_lazy(buffer, i)]
             if not selected:
-                continue  # the same on every rank: nothing (left) of this buffer below `module`
-            for index in selected:  # Shard(d): the local piece is FSDP2's, no exchange
+                continue  # the same on every rank
+            for index in selected:
                 record = buffer.records[index]
                 if shard_dim(record) is not None:
                     values[id(record.param)] = shard_dim_value(
@@ -164,25 +134,22 @@ class UnitStateDictHooks:
             value = stash.values.get(id(record.param))
             if value is not None:
                 state_dict[key] = value
-            # else: a frozen parameter torch's get_model_state_dict drops right after
         if stash.owner is module:
             self._stash = None
         if _MET and _MET[0][0] is self and _MET[0][1] is module:
-            _MET.clear()  # the call that met ends
+            _MET.clear()
 
     def _records_below(self, module: nn.Module) -> set[int]:
-        """ids of this unit's parameters held by ``module`` or its descendants."""
         return {id(record.param) for sub in module.modules() for name in sub._parameters
                 if (record := self._record_at.get((id(sub), name))) is not None}
 
-    # ----------------------------------------------------------------- load
     def _before_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                      local_metadata: dict, strict: bool, missing_keys: list[str],
                      unexpected_keys: list[str], error_msgs: list[str]) -> None:
         keys = self._keys_below(module, prefix)
         if not any(key in state_dict and state_dict[key] is not record.param
                    for key, record in keys):
-            return  # nothing (left) to convert: an enclosing module's hook did it
+            return  # an enclosing module's hook did it
         arrive(self.unit.group.process_group,
                f"load_state_dict() (converting unit {self.unit.name})", _STATE_DICT_FIX)
         self._make_loadable()
@@ -191,10 +158,10 @@ class UnitStateDictHooks:
             value = state_dict.get(key)
             if value is None or value is record.param:
                 continue
-            if in_place(value, self._sharded_of(record)):  # a lazy value of ours, unused
-                state_dict[key] = record.param  # live: whatever DCP loaded is in the shard
+            if in_place(value, self._sharded_of(record)):
+                state_dict[key] = record.param
                 continue
-            if isinstance(value, ShardPieces):  # flat_state_dict: DCP loaded it in place
+            if isinstance(value, ShardPieces):
                 if value.local is None or value.local.untyped_storage().data_ptr() != \
                         record.param.untyped_storage().data_ptr():
                     error_msgs.append(f"{key}: a flat_state_dict() value of another model; "
@@ -235,7 +202,7 @@ class UnitStateDictHooks:
             raise RuntimeError(
                 f"load_state_dict() reached {unit.name} during its {unit.training_state.name.lower()}; "
                 "load checkpoints between iterations (after optimizer.step(), before forward).")
-        unit.reshard()  # a manual unshard() or reshard_after_backward=False kept it unsharded
+        unit.reshard()  # kept unsharded by unshard() or reshard_after_backward=False
 
 
 def _lazy_param(buffer: FlatBuffer, index: int) -> torch.Tensor:
@@ -249,18 +216,13 @@ def _lazy_param(buffer: FlatBuffer, index: int) -> torch.Tensor:
 
 
 def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
-    """Write checkpoint values (global shapes: ``DTensor`` or full tensors)
-    of the given parameters into this rank's slices of them.
-
-    Full tensors are sliced locally; ``DTensor`` values on the unit's mesh
-    are converted with one all-to-all (values on other meshes are gathered
-    in full first). Pre-condition: the unit is resharded (no unsharded copy
-    exists that could go stale)."""
+    """Write checkpoint values of the given parameters into this rank's slices (full tensors
+    sliced locally, ``DTensor`` by one all-to-all). Pre-condition: resharded."""
     group, slices = buffer.group, buffer.local_slices()
     chunks: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}
     for index, value in values.items():
-        if shard_dim(buffer.records[index]) is not None:  # Shard(d): FSDP2's local piece
+        if shard_dim(buffer.records[index]) is not None:
             with torch.no_grad():
                 buffer.local_view(buffer.sharded, index).copy_(
                     shard_dim_local(value, buffer.records[index], group))
@@ -271,21 +233,18 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
         else:
             full[index] = whole
     with torch.no_grad():
-        if chunks:  # straight into the shard (only the given parameters' positions)
+        if chunks:
             chunks_to_flat(chunks, buffer.layout, group, buffer.sharded)
-        for index, value in full.items():  # (not Shard(d): stored in its own order)
+        for index, value in full.items():
             s = slices[index]
             flat = value.detach().reshape(-1)[s.param_start:s.param_start + s.length]
             buffer.sharded.narrow(0, s.shard_start, s.length).copy_(flat)
 
 
 def _torch_drops_frozen_params() -> bool:
-    """Whether this ``state_dict()`` runs inside torch's
-    ``get_model_state_dict(..., StateDictOptions(ignore_frozen_params=True))``,
-    which drops every frozen parameter right after. Converting those would
-    move the whole frozen base model across ranks for nothing (e.g. when
-    saving LoRA adapters), so they are left as local slices for torch to drop.
-    torch passes no flag to ``state_dict()``; its frame's ``info`` is read."""
+    """Inside torch's ``get_model_state_dict(ignore_frozen_params=True)``, which drops frozen
+    parameters: they are not converted (a frozen base model under LoRA). Read from torch's
+    frame."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_get_model_state_dict" and \

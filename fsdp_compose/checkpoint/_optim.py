@@ -1,21 +1,8 @@
-"""Optimizer state of managed parameters in torch FSDP2's checkpoint layout.
-
-An optimizer over sharded parameters keeps per-element state (``exp_avg``,
-``exp_avg_sq``, ``momentum_buffer``) shaped like the parameters' local
-pieces. Its ``state_dict()`` gets a post-hook that turns each such
-tensor into a ``DTensor`` of the parameter's original shape placed
-``Shard(0)`` (the same conversion as the parameter's own), and its
-``load_state_dict()`` a pre-hook that turns such values (or full tensors)
-back into local pieces. Other state (``step``) and the param groups pass through.
-torch's ``torch.distributed.checkpoint.state_dict`` functions then work
-unchanged: they map indices to FQNs around these hooks.
-
-The hooks are attached to an optimizer by :func:`register_optimizer`, which
-a global optimizer step pre-hook (installed at the first ``fully_shard``,
-:func:`install_optimizer_layout_hooks`) calls at every optimizer's first step (and
-torch's ``get/set_optimizer_state_dict`` step a fresh optimizer first). Call
-it yourself to ``optimizer.load_state_dict()`` into an optimizer that never
-stepped.
+"""Optimizer state of managed parameters in torch FSDP2's checkpoint layout: a ``state_dict()``
+post-hook turns each per-element state tensor into a ``DTensor`` placed as the parameter, and
+a ``load_state_dict()`` pre-hook turns such values (or full tensors) back into local pieces,
+so torch's ``state_dict`` functions work unchanged. A global step pre-hook attaches them at
+every optimizer's first step (:func:`register_optimizer` to load into one that never stepped).
 """
 
 from __future__ import annotations
@@ -45,26 +32,18 @@ from ._lazy import in_place, is_lazy, lazy_value
 from ._pieces import ShardPieces, flat_values_requested, has_pieces
 
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-"""Optimizers the step pre-hook has looked at (hooks attached if needed)."""
 _ATTACHED: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 _ZERO_STEPPED: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-"""Optimizers whose last step was torch's state initialisation
-(``torch.distributed.checkpoint.state_dict._init_optim_state``: no state
-yet, every ``lr`` 0, every gradient zeros), not a training step."""
+"""Optimizers whose last step was torch's state initialisation (every ``lr`` 0), not training."""
 
 
 def register_optimizer(optimizer: Optimizer) -> None:
-    """Make ``optimizer.state_dict()`` / ``load_state_dict()`` speak the
-    checkpoint layout for the parameters ``fully_shard`` manages.
-    Idempotent; a no-op for an optimizer with none of them.
+    """Make ``optimizer.state_dict()`` / ``load_state_dict()`` speak the checkpoint layout for
+    the parameters ``fully_shard`` manages. Idempotent.
 
-    For AdamW, Adam and SGD (momentum without dampening) that never
-    stepped, ``state_dict()`` first gives the optimizer the state its first
-    step would start from (zero moments, ``step`` 0: stepping from it is
-    stepping a fresh optimizer), so that a checkpoint loaded into the state
-    dict fills it and ``load_state_dict`` restores it: the start-up recipe
-    ``sd = optim.state_dict()``, load into ``sd``, ``optim.load_state_dict(sd)``
-    resumes exactly in a fresh job."""
+    For AdamW, Adam and SGD that never stepped, ``state_dict()`` first makes the state their
+    first step starts from, so ``sd = optim.state_dict()``, loading a checkpoint into ``sd``,
+    ``optim.load_state_dict(sd)`` resumes exactly in a fresh job."""
     _SEEN.add(optimizer)
     if optimizer in _ATTACHED or not any(owner_of(p) is not None for p in _params(optimizer)):
         return
@@ -75,9 +54,9 @@ def register_optimizer(optimizer: Optimizer) -> None:
 
 
 def _on_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer not in _SEEN:  # one set lookup per step after the first
+    if optimizer not in _SEEN:
         register_optimizer(optimizer)
-    if not optimizer.state and optimizer in _ATTACHED:  # first steps only
+    if not optimizer.state and optimizer in _ATTACHED:
         if _is_zero_initialisation(optimizer):
             _ZERO_STEPPED.add(optimizer)
             return
@@ -86,32 +65,25 @@ def _on_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def note_zero_initialisation(optimizer: Optimizer) -> None:
-    """What :func:`_on_step` does at torch's state initialisation, for
-    state made without that step (``_init_state.py``)."""
+    """:func:`_on_step` at torch's state initialisation made without the step."""
     register_optimizer(optimizer)
     if optimizer in _ATTACHED:
         _ZERO_STEPPED.add(optimizer)
 
 
 def _is_zero_initialisation(optimizer: Optimizer) -> bool:
-    """The step torch's ``get_state_dict`` takes on an optimizer without
-    state: ``lr`` 0 in every group, a zero gradient on every parameter that
-    requires one. Under placements other than "flat" a rank can be in that
-    situation while the others hold real state (it holds none of the
-    parameters that got gradients), so the state this step creates there is
-    not the state one process would save; see :func:`_drop_zero_step_state`."""
+    """The step torch's ``get_state_dict`` takes on an optimizer without state; on one rank alone
+    it makes state one process would not save (:func:`_drop_zero_step_state`)."""
     if any(float(group.get("lr", 1.0)) != 0.0 for group in optimizer.param_groups):
         return False
     return all(p.grad is not None and not bool(p.grad.any())
                for p in _params(optimizer) if p.requires_grad)
 
 
-_installed: list[object] = []  # the global step pre-hook's handle, once installed
+_installed: list[object] = []
 
 
 def install_optimizer_layout_hooks() -> None:
-    """Register (once per process) the global optimizer step pre-hook that
-    attaches the checkpoint-layout hooks at each optimizer's first step."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_on_step))
 
@@ -121,15 +93,11 @@ def _params(optimizer: Optimizer) -> list[torch.Tensor]:
 
 
 def _is_per_element(value: Any, param: torch.Tensor) -> bool:
-    """Shaped like the parameter's local piece (1-D under "flat", whole
-    rows under the other placements); a 0-dim ``step`` is not."""
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
         and value.dim() >= 1 and value.shape == param.shape
 
 
 class _BufferEntries:
-    """Managed parameters of one flat buffer found in an optimizer:
-    ``(state key, index in the buffer)`` pairs, in optimizer order."""
 
     def __init__(self, buffer: FlatBuffer) -> None:
         self.buffer = buffer
@@ -146,7 +114,6 @@ def _by_buffer(params_by_key: dict[Any, torch.Tensor]) -> list[_BufferEntries]:
     return list(groups.values())
 
 
-# ------------------------------------------------------------------- save
 OPTIM_SAVE_ADVICE = (
     "Sharded optimizer state is spread over the ranks: call it on every rank. To write one "
     "file from rank 0, gather it on every rank and save on rank 0: "
@@ -155,8 +122,6 @@ OPTIM_SAVE_ADVICE = (
     "then `if rank == 0: torch.save(osd, f)`; for sharded saves, call "
     "`torch.distributed.checkpoint.save({'optim': get_optimizer_state_dict(model, optim)}, "
     "checkpoint_id=path)` on every rank (or use CheckpointStore).")
-"""The fix for an optimizer state dict taken on one rank only
-(``tests/checkpoint/test_save_advice.py`` runs it)."""
 
 
 def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
@@ -174,21 +139,21 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
             first = state[entries[0][0]][name]
             plan.append((group.buffer, name, entries, first.dtype, first.device))
     plan, scalars = _same_on_every_rank(plan, params, state)
-    for key, values in scalars.items():  # e.g. 'step' of a parameter held elsewhere
+    for key, values in scalars.items():
         state[key] = {**values, **state.get(key, {})}
     flat = flat_values_requested()
     for buffer, name, entries, dtype, device in plan:
         _refuse_scalar_params(buffer, name, entries)
         for key, _ in entries:
             if key not in state or state[key] is optimizer.state.get(params[key]):
-                state[key] = dict(state.get(key, {}))  # never modify the optimizer's own state
-        if flat:  # zero-copy: the state tensors' pieces as they lie (see _pieces.py)
+                state[key] = dict(state.get(key, {}))
+        if flat:
             for key, index in entries:
                 if has_pieces(buffer, index):
                     state[key][name] = ShardPieces.of(buffer, index, state[key].get(name),
                                                       dtype=dtype, lead=buffer.group.rank == 0)
             entries = [(key, i) for key, i in entries if not has_pieces(buffer, i)]
-        else:  # converted when first used; DCP reads and writes the state tensors themselves
+        else:
             for key, index in entries:
                 if is_lazy(buffer, index):
                     state[key][name] = _lazy_state(buffer, index, name, state[key].get(name),
@@ -200,25 +165,22 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
                                 home=device) if exchanged else {}
         for key, index in entries:
             record = buffer.records[index]
-            if shard_dim(record) is not None:  # FSDP2's Shard(d) local piece already
+            if shard_dim(record) is not None:
                 local = state[key].get(name)
-                if local is None:  # holds none of it: an empty piece
+                if local is None:
                     local = buffer.local_view(torch.empty(buffer.layout.shard_numel, dtype=dtype,
                                                           device=device), index)
                 state[key][name] = shard_dim_value(local, record, buffer.group)
                 continue
             state[key][name] = record_value(chunks[index], record, buffer.group)
-    # The same order on every rank (under "owned" a rank's optimizer made state only
-    # for what it holds, the rest was added above): code that uses the values in dict
-    # order (deepcopy, full_state_dict) converts them collectively, in that order.
+    # The same order on every rank: values used in dict order (deepcopy) convert collectively in
+    # that order.
     state_dict["state"] = {key: dict(sorted(state[key].items())) if isinstance(state[key], dict)
                            else state[key] for key in sorted(state, key=repr)}
 
 
 def _lazy_state(buffer: FlatBuffer, index: int, name: str, local: Optional[torch.Tensor],
                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """State ``name`` of parameter ``index`` as a lazy ``DTensor`` over this
-    rank's state tensor ``local`` (``None``: it holds none of the parameter)."""
     record, group = buffer.records[index], buffer.group
     pieces = ShardPieces.of(buffer, index, local, dtype=dtype, lead=group.rank == 0)
 
@@ -233,19 +195,9 @@ def _lazy_state(buffer: FlatBuffer, index: int, name: str, local: Optional[torch
 
 
 def _drop_zero_step_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-    """Undo torch's state initialisation on the ranks that took it while
-    other ranks hold state from training.
-
-    One process saves no state for parameters that never got a gradient,
-    and initialises state only when it has none at all. Sharded under
-    "rows" or "owned", a rank may hold none of the parameters that got
-    gradients, have no state, and get initialised alone: state with
-    ``step`` 1 for every parameter, which would be saved (another step
-    count than the holders') and trained on (AdamW's bias correction would
-    differ from one process's). Such a rank returns to no state, in the
-    optimizer and in ``state_dict``; the others' ``step`` reaches it below.
-    If every rank was initialised, the initialisation stands, as in one
-    process. Collective (one all-reduce of two integers) when distributed."""
+    """Undo torch's state initialisation on ranks that took it while others hold trained state:
+    under "rows" or "owned" a rank holding none of the trained parameters would otherwise save
+    ``step`` 1 beside the holders' counts. Collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     initialised = optimizer in _ZERO_STEPPED
@@ -259,11 +211,9 @@ def _drop_zero_step_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
 
 def _reader(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
             state: dict[Any, dict[str, Any]]) -> Reader:
-    """Reads shard intervals of state ``name`` straight from each
-    parameter's own state tensor (no flat copy is assembled)."""
     slices = buffer.local_slices()
     owned = sorted((slices[index].shard_start, slices[index].length,
-                    state[key][name].reshape(-1))  # whole rows (placements): one flat view
+                    state[key][name].reshape(-1))
                    for key, index in entries if slices[index].length)
     starts = [start for start, _, _ in owned]
 
@@ -290,16 +240,10 @@ def _refuse_scalar_params(buffer: FlatBuffer, name: str, entries: list[tuple[Any
 
 def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
                         state: dict[Any, dict[str, Any]]) -> tuple[list, dict[Any, dict]]:
-    """The conversions are collective: every rank must convert the same
-    states of the same parameters, or they would wait for each other
-    forever. One object all-gather makes the plan the union over ranks.
-    The one difference allowed is state a rank cannot have: for parameters
-    of which it holds nothing under a placement other than "flat" (their
-    ``.grad`` stays ``None`` there, so its optimizer made none). Any other
-    difference raises on every rank (where the ranks' plans differ, an
-    all-reduce of one integer agrees on it; who differs is gathered only then).
-    Returns the plan and, for parameters this rank has no state for, the
-    other state (``step``) a holder has, so every rank saves the same keys."""
+    """Make the collective conversions agree: one object all-gather makes the plan the union over
+    ranks. The only difference allowed is state a rank cannot have (a parameter whose
+    ``.grad`` stays ``None`` there); any other raises on every rank. Also returns a holder's
+    ``step`` for parameters without state here, so every rank saves the same keys."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return plan, {}
     keys: dict[tuple[str, int], tuple[Any, FlatBuffer]] = {}  # (buffer, index) -> state key
@@ -323,7 +267,7 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
     merged, consistent = [], True
     for (fqn, name), (indices, dtype) in sorted(union.items()):
         if (fqn, min(indices)) not in keys:
-            consistent = False  # this rank's optimizer lacks the parameter altogether
+            consistent = False
             continue
         buffer = keys[(fqn, min(indices))][1]
         slices = buffer.local_slices()
@@ -335,10 +279,10 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
             merged.append((buffer, name, entries, getattr(torch, dtype.split(".")[-1]),
                            buffer.storage_device))
     if all(other == summary for other in every):
-        agreed = consistent  # the same plan on every rank: each decides alike, no agreement needed
+        agreed = consistent
     else:
         flag = torch.tensor([int(consistent)], device=backend_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one integer; who differs only on error
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # who differs is gathered only on error
         agreed = bool(flag.item())
     if agreed:
         missing = {}
@@ -360,9 +304,8 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
 
 
 class _Scalar(NamedTuple):
-    """A 0-dim CPU tensor (``step``) as the object all-gather carries it: a
-    number and a dtype (pickling the tensor costs a ``torch.save`` per
-    parameter, on every rank)."""
+    """A 0-dim CPU tensor as the all-gather carries it (pickling a tensor costs a
+    ``torch.save``)."""
 
     number: Union[int, float, bool]
     dtype: torch.dtype
@@ -386,24 +329,23 @@ def _describe(summary: Optional[list]) -> str:
                      for fqn, name, indices, _ in summary or []) or "none"
 
 
-# ------------------------------------------------------------------- load
 def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     arrive(None, "optimizer.load_state_dict()", OPTIM_SAVE_ADVICE)
-    _ZERO_STEPPED.discard(optimizer)  # the loaded state replaces an initialisation
+    _ZERO_STEPPED.discard(optimizer)
     saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
     params = dict(zip(saved_ids, _params(optimizer)))
     state = {key: dict(value) if isinstance(value, dict) else value
              for key, value in state_dict["state"].items()}
-    loaded = set()  # (key, name) of values DCP loaded in place
+    loaded = set()
     for key, values in state.items():
         for name, value in list(values.items()):
             current = optimizer.state.get(params[key], {}).get(name) if key in params else None
-            if in_place(value, current):  # a lazy value of ours, unused: live, loaded in place
+            if in_place(value, current):  # a lazy value of ours: loaded in place
                 value = local_tensor(value).pieces
-            if isinstance(value, ShardPieces):  # also flat_state_dict's values
+            if isinstance(value, ShardPieces):
                 loaded.add((key, name))
                 if value.local is None:
-                    del values[name]  # this rank holds none of the parameter: no state here
+                    del values[name]  # holds none of it: no state here
                 else:
                     values[name] = value.local
     for group in _by_buffer({k: p for k, p in params.items() if k in state}):
@@ -421,13 +363,12 @@ def _from_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) ->
 
 def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
                 state: dict[Any, dict[str, Any]]) -> None:
-    """Replace ``state[key][name]`` (global shape: ``DTensor`` or full tensor)
-    by this rank's piece, shaped like the parameter, for every entry."""
+    """Replace every entry's ``state[key][name]`` by this rank's piece."""
     slices, group = buffer.local_slices(), buffer.group
     chunks: dict[int, torch.Tensor] = {}
     dtype, device = None, None
     for key, index in entries:
-        if shard_dim(buffer.records[index]) is not None:  # FSDP2's Shard(d) local piece
+        if shard_dim(buffer.records[index]) is not None:
             state[key][name] = shard_dim_local(state[key][name], buffer.records[index],
                                                group).clone()
             continue
@@ -451,7 +392,7 @@ def _load_state(buffer: FlatBuffer, name: str, entries: list[tuple[Any, int]],
     if not chunks:
         return
     flat = torch.empty(buffer.layout.shard_numel, dtype=dtype, device=device)
-    chunks_to_flat(chunks, buffer.layout, group, flat)  # writes every entry's slice
+    chunks_to_flat(chunks, buffer.layout, group, flat)
     for key, index in entries:
         if index in chunks:
-            state[key][name] = buffer.local_view(flat, index)  # `flat` is fresh
+            state[key][name] = buffer.local_view(flat, index)

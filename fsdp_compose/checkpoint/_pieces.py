@@ -1,17 +1,6 @@
-"""A rank's piece of one parameter (or of one per-element optimizer state of
-it) as a value DCP writes and reads in place: :class:`ShardPieces`.
-
-It is what ``state_dict()`` returns inside :func:`flat_values` (used by
-``fsdp_compose.checkpoint.flat_state_dict``): instead of a ``DTensor`` built
-by an exchange, an object that shares the flat shard's memory and tells DCP
-which boxes of the parameter it holds (``_boxes.py``). DCP's planners take
-the boxes from :meth:`ShardPieces.write_items` (``FlatSavePlanner``) and
-``__create_chunk_list__`` (the protocol ``DTensor`` implements), and
-:class:`~.flat.FlatSavePlanner` / :class:`~.flat.FlatLoadPlanner` hand DCP the
-box views to write from and read into. Loading therefore writes straight into the shards (and the
-optimizer's state tensors); the values are in place when ``dcp.load``
-returns, and ``set_state_dict`` / ``load_state_dict`` recognise these
-objects as already loaded.
+"""A rank's piece of one parameter or per-element state as a value DCP writes and reads in place
+(:class:`ShardPieces`, inside :func:`flat_values`): it shares the flat shard's memory and
+names its boxes (``_boxes.py``); the flat planners hand DCP the box views.
 """
 
 from __future__ import annotations
@@ -34,10 +23,8 @@ _FLAT = contextvars.ContextVar("fsdp_compose_flat_state_dict", default=False)
 
 @contextlib.contextmanager
 def flat_values() -> Iterator[None]:
-    """Inside: ``state_dict()`` of annotated modules and optimizers returns
-    :class:`ShardPieces` for the parameters (and per-element optimizer
-    state) whose pieces can be written as they lie (all but
-    tensor-parallel ones, which keep their ``DTensor`` values)."""
+    """Inside: ``state_dict()`` returns :class:`ShardPieces` for every value but tensor-parallel
+    ones."""
     token = _FLAT.set(True)
     try:
         yield
@@ -50,26 +37,19 @@ def flat_values_requested() -> bool:
 
 
 def has_pieces(buffer: FlatBuffer, index: int) -> bool:
-    """Whether parameter ``index`` of ``buffer`` takes the zero-copy path
-    (tensor-parallel parameters are exchanged as before)."""
     return buffer.records[index].tp is None
 
 
 class ShardPieces:
-    """This rank's piece of one parameter's values, as DCP boxes over views
-    of ``local`` (no copy).
+    """This rank's piece of one parameter's values, as DCP boxes over views of ``local``.
 
     Attributes:
-        shape: the parameter's global (original) shape.
+        shape: the parameter's global shape.
         dtype: the values' dtype.
-        local: the tensor holding the piece (the parameter's slice of the
-            flat shard, or its optimizer state tensor; loading writes into
-            it), or ``None`` where this rank holds no state for it.
-        boxes: ``(box, view of local in the box's shape)``, in increasing order.
+        local: the tensor holding the piece; ``None``: no state here.
+        boxes: ``(box, view of local)``, in increasing order.
 
-    Pickling raises: DCP's default planners would store this object as
-    bytes; :class:`~.flat.FlatSavePlanner` / ``FlatLoadPlanner`` are needed.
-    """
+    Pickling raises: DCP's default planners would store it as bytes."""
 
     __slots__ = ("shape", "dtype", "local", "boxes", "_at")
 
@@ -84,12 +64,9 @@ class ShardPieces:
     @classmethod
     def of(cls, buffer: FlatBuffer, index: int, local: Optional[torch.Tensor],
            *, dtype: Optional[torch.dtype] = None, lead: bool = False) -> "ShardPieces":
-        """The pieces of parameter ``index`` of ``buffer`` held in ``local``
-        (shaped like the parameter's local piece: ``buffer.local_view(...)``
-        of the shard or of a tensor laid out like it, or an optimizer state).
-        ``local=None``: this rank holds none of it (no boxes; ``dtype`` required).
-        ``lead``: this rank writes the (empty) box of a parameter with no
-        elements, so that its key reaches the checkpoint's metadata."""
+        """The pieces of parameter ``index`` held in ``local`` (``None``: none here). ``lead``:
+        this rank writes the empty box of a parameter with no elements, so its key reaches the
+        metadata."""
         record = buffer.records[index]
         shape = torch.Size(record.shape)
         if local is None:
@@ -99,7 +76,7 @@ class ShardPieces:
             return cls(shape, local.dtype, local, [(Box((0,) * len(shape), tuple(shape), 0),
                                                     local.reshape(-1)[:0].view(shape))] if lead else [])
         dim = shard_dim(record)
-        if dim is not None:  # Shard(d): one box, the piece in the parameter's own dim order
+        if dim is not None:  # Shard(d): one box in the parameter's own dim order
             lo = s.param_start // buffer.layout.row_numel(index) if s.length else 0
             rows = local.shape[dim] if s.length else 0
             return cls(shape, local.dtype, local,
@@ -112,15 +89,12 @@ class ShardPieces:
             (box, flat.narrow(0, box.flat_start - s.param_start, box.numel).view(box.sizes))
             for box in range_boxes(shape, s.param_start, s.param_start + s.length)])
 
-    # ------------------------------------------------ what DCP's planners call
     def size(self) -> torch.Size:
-        """The global shape (DCP checks it against the checkpoint's)."""
         return self.shape
 
     def write_items(self, fqn: str) -> list[WriteItem]:
-        """One DCP write item per box (what ``FlatSavePlanner`` plans; not
-        the ``__create_write_items__`` protocol, so that DCP's default planner
-        treats this object as bytes and reaches ``__reduce__``'s message)."""
+        """One write item per box (not the ``__create_write_items__`` protocol: DCP's default
+        planner must reach ``__reduce__``'s message)."""
         properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)),
                           type=WriteItemType.SHARD,
@@ -135,7 +109,6 @@ class ShardPieces:
                 for box, _ in self.boxes]
 
     def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> "ShardPieces":
-        """The same boxes over ``copy(local)`` (a copy with ``local``'s strides)."""
         if self.local is None:
             return ShardPieces(self.shape, self.dtype, None, [])
         local = copy(self.local)
@@ -149,9 +122,6 @@ class ShardPieces:
             for box, t in self.boxes])
 
     def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
-        """The view of the box starting at ``offsets`` (shares ``local``'s
-        memory), as a tensor of its own storage where it lies on the CPU
-        (:func:`exact_storage`)."""
         return exact_storage(self._at[tuple(offsets)])
 
     def __reduce__(self):
@@ -168,13 +138,8 @@ class ShardPieces:
 
 
 def exact_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (contiguous, on the CPU) as a tensor over the same memory
-    whose storage is exactly its bytes, through DLPack (which keeps
-    ``view``'s storage alive). DCP's file writer copies every CPU tensor
-    whose storage is larger than the tensor before writing it (a
-    per-parameter ``clone()`` of each piece of a flat shard, a whole
-    checkpoint's bytes per save); this one it writes as it lies, and a load
-    reads straight into it. Anything else is returned as it is."""
+    """``view`` (contiguous, CPU) with a storage of exactly its bytes, through DLPack: DCP's file
+    writer clones every CPU tensor whose storage is larger."""
     if view.device.type != "cpu" or not view.is_contiguous() or \
             view.untyped_storage().nbytes() == view.nbytes:
         return view

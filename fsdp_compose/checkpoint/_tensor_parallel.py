@@ -1,7 +1,6 @@
-"""The state-dict form of tensor-parallel parameters: this rank's chunk of
-the TP-local tensor as a ``DTensor`` on the (dp, tp) mesh with FSDP2's
-placements, and back (``_exchange.py`` is the only caller). Where the spec
-comes from is ``buffers/tensor_parallel.py``."""
+"""The state-dict form of tensor-parallel parameters: this rank's chunk of the TP-local tensor as
+a ``DTensor`` on the (dp, tp) mesh with FSDP2's placements, and back.
+"""
 
 from __future__ import annotations
 
@@ -16,19 +15,14 @@ from ..buffers.tensor_parallel import TensorParallelSpec
 
 
 def checkpoint_value(chunk: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
-    """This rank's dim-0 chunk of the TP-local tensor as the state-dict
-    ``DTensor`` (global shape, on the (dp, tp) mesh)."""
     return DTensor.from_local(chunk, spec.checkpoint_mesh, spec.checkpoint_placements,
                               run_check=False, shape=spec.shape, stride=spec.stride)
 
 
 def shard_dim_layout(spec: TensorParallelSpec, dim: int) -> tuple[DeviceMesh,
                                                                   tuple[Placement, ...]]:
-    """The state-dict mesh and placements of a TP parameter that
-    ``fully_shard`` places ``Shard(dim)`` (experts split on dim 1 by the
-    data-parallel dim): FSDP2's, the dp dim's ``Shard(dim)``, or
-    ``_StridedShard(dim, split_factor=tp)`` where TP splits ``dim`` too
-    (this rank's piece is ``torch.chunk(tp_local, dp, dim)``: tp first)."""
+    """The state-dict mesh and placements of a TP parameter placed ``Shard(dim)``: the dp dim's
+    ``Shard(dim)``, or ``_StridedShard(dim, split_factor=tp)`` where TP splits ``dim`` too."""
     placements = list(spec.checkpoint_placements)
     if spec.tp_mesh is None:  # an SPMD parameter replicated on its other dim
         placements[-1] = Shard(dim)
@@ -41,8 +35,7 @@ def shard_dim_layout(spec: TensorParallelSpec, dim: int) -> tuple[DeviceMesh,
 
 
 def local_chunk(value: DTensor, spec: TensorParallelSpec) -> Optional[torch.Tensor]:
-    """This rank's chunk when ``value`` has exactly the checkpoint layout
-    (no communication), else ``None``."""
+    """This rank's chunk where ``value`` has exactly the checkpoint layout, else ``None``."""
     if value.device_mesh == spec.checkpoint_mesh and \
             tuple(value.placements) == spec.checkpoint_placements:
         return value.to_local()
@@ -50,9 +43,8 @@ def local_chunk(value: DTensor, spec: TensorParallelSpec) -> Optional[torch.Tens
 
 
 def tp_local_value(value: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
-    """The TP-local part of a checkpoint value in any other form (a
-    ``DTensor`` elsewhere is gathered in full first, collective over its
-    mesh; a full tensor is sliced locally)."""
+    """The TP-local part of a checkpoint value in any other form (a ``DTensor`` elsewhere is
+    gathered first: collective)."""
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return distribute_tensor(value.detach(), spec.mesh, spec.placements,

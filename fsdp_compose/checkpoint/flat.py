@@ -1,7 +1,5 @@
-"""The zero-copy checkpoint path: each rank writes its flat shard's pieces
-as DCP boxes and reads them straight back into its shards.
-
-    from fsdp_compose.checkpoint import FlatLoadPlanner, FlatSavePlanner, flat_state_dict
+"""The zero-copy checkpoint path: each rank writes its flat shard's pieces as DCP boxes and reads
+them straight back::
 
     model_sd, optim_sd = flat_state_dict(model, optim)            # no copy, no exchange
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=d,
@@ -12,18 +10,8 @@ as DCP boxes and reads them straight back into its shards.
              planner=FlatLoadPlanner())
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
-The files are ordinary DCP checkpoints: each tensor is covered by boxes,
-only their cut differs from torch FSDP2's (``_boxes.py``), so FSDP2, an
-unsharded model and fsdp_compose at any world size or placement load them,
-and this path loads theirs (its load plan intersects the boxes it holds with
-the boxes on disk, as DCP does for ``DTensor`` values).
-
-``flat_state_dict`` has the keys and structure of torch's ``get_state_dict``
-(it calls it): the values of managed parameters and their per-element
-optimizer state are :class:`~._pieces.ShardPieces`; everything else (buffers,
-unmanaged parameters, ``step``, param groups, tensor-parallel parameters)
-is what ``get_state_dict`` returns. Both planners are DCP's default planners
-otherwise, so any state dict may be saved or loaded with them.
+The files are ordinary DCP checkpoints cut into other boxes: FSDP2, unsharded models and any
+world size or placement load them, and this path loads theirs.
 """
 
 from __future__ import annotations
@@ -47,15 +35,10 @@ from ._pieces import ShardPieces, flat_values
 def flat_state_dict(model: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer], None] = None,
                     *, options: Optional[StateDictOptions] = None
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``get_state_dict(model, optimizers)`` whose managed values share the
-    flat shards' memory (:class:`ShardPieces`) instead of being converted.
-    Collective (every rank). Save it with ``planner=FlatSavePlanner()``, load
-    into it with ``planner=FlatLoadPlanner()``; the values are then loaded,
-    and ``set_state_dict`` with it applies the rest (param groups).
-
-    Units must be between iterations; an unsharded unit is resharded (its
-    shards are what is written and read). Options that gather
-    (``full_state_dict``, ``cpu_offload``) are refused: use ``get_state_dict``."""
+    """``get_state_dict(model, optimizers)`` whose managed values share the flat shards' memory
+    (:class:`ShardPieces`). Collective. Save with ``planner=FlatSavePlanner()``, load with
+    ``planner=FlatLoadPlanner()``. Units must be between iterations; ``full_state_dict`` and
+    ``cpu_offload`` are refused (use ``get_state_dict``)."""
     if options is not None and (options.full_state_dict or options.cpu_offload):
         raise ValueError("flat_state_dict writes each rank's shards as they lie; for "
                          "full_state_dict / cpu_offload use torch's get_state_dict")
@@ -65,9 +48,8 @@ def flat_state_dict(model: nn.Module, optimizers: Union[Optimizer, Iterable[Opti
 
 
 class FlatSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner that also writes :class:`ShardPieces`
-    (values of :func:`flat_state_dict`) from their box views, in place.
-    (Plan caching, ``enable_plan_caching``, is not supported.)"""
+    """DCP's default save planner that also writes :class:`ShardPieces` in place (no plan
+    caching)."""
 
     def create_local_plan(self) -> SavePlan:
         ours = {fqn: v for fqn, v in self.state_dict.items() if isinstance(v, ShardPieces)}
@@ -88,21 +70,15 @@ class FlatSavePlanner(DefaultSavePlanner):
 
 
 class FlatLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner that also reads into :class:`ShardPieces`
-    (values of :func:`flat_state_dict`): into the flat shards and optimizer
-    state tensors themselves.
-
-    It refuses (``ValueError``, which DCP raises on every rank) an
-    optimizer state dict without state for parameters whose state the
-    checkpoint holds: the state dict of a never-stepped optimizer, which
-    would leave the optimizer fresh, silently (:func:`_refuse_stateless_optimizers`)."""
+    """DCP's default load planner that also reads into :class:`ShardPieces`. Raises
+    ``ValueError`` on every rank for an optimizer state dict without state whose parameters'
+    state the checkpoint holds (a never-stepped optimizer would stay fresh, silently)."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
                        is_coordinator: bool = False) -> None:
         if metadata is not None:
             _refuse_stateless_optimizers(state_dict, metadata)
-        # DCP's set-up replaces values it does not know by None (``_init_state_dict``,
-        # which materialises meta tensors): keep ours aside and put them back.
+        # DCP's set-up replaces values it does not know by None: keep ours aside and put them back.
         ours = _take_pieces(state_dict)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         for container, key, value in ours:
@@ -120,8 +96,6 @@ class FlatLoadPlanner(DefaultLoadPlanner):
 
 
 def _take_pieces(tree: Any) -> list[tuple[Any, Any, ShardPieces]]:
-    """Every :class:`ShardPieces` in a nested state dict, as (container, key,
-    value), each replaced by ``None`` in its container."""
     found = []
     items = tree.items() if isinstance(tree, dict) else \
         enumerate(tree) if isinstance(tree, list) else ()
@@ -140,16 +114,9 @@ STATELESS_OPTIMIZER_FIX = (
     "dict then holds the state its first step starts from), or take the state dict with "
     "torch's get_state_dict(model, optim) and apply it with set_state_dict (they give a fresh "
     "optimizer its state).")
-"""The fix for loading into a never-stepped optimizer's state dict
-(``tests/checkpoint/test_fresh_job_resume.py`` runs both)."""
 
 
 def _refuse_stateless_optimizers(state_dict: dict[str, Any], metadata: Metadata) -> None:
-    """Raise where ``state_dict`` holds an optimizer state dict (a dict with
-    ``state`` and ``param_groups``) without any state while the checkpoint
-    holds state of its parameters: loading would fill nothing there. (A
-    stepped optimizer lacking state for some parameters, e.g. experts that
-    got no gradient yet, loads what it has, as DCP does.)"""
     saved = metadata.state_dict_metadata
     for path, optim_sd in _optimizer_state_dicts(state_dict, ""):
         if optim_sd["state"]:
@@ -171,7 +138,6 @@ def _refuse_stateless_optimizers(state_dict: dict[str, Any], metadata: Metadata)
 
 
 def _optimizer_state_dicts(tree: Any, path: str) -> Iterable[tuple[str, dict[str, Any]]]:
-    """(dotted path with a trailing dot, value) of each optimizer state dict in ``tree``."""
     if not isinstance(tree, dict):
         return
     if isinstance(tree.get("state"), dict) and isinstance(tree.get("param_groups"), list):

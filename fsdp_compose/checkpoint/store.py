@@ -1,54 +1,4 @@
-"""Crash-safe checkpoint directories on top of ``torch.distributed.checkpoint``.
-
-``CheckpointStore(root, keep=2)`` keeps the last ``keep`` checkpoints of a
-run under ``root``, one DCP directory per saved step::
-
-    root/
-      step_00000010/              committed: complete, loadable
-      step_00000012/              committed: complete, loadable (newest)
-      step_00000014.partial-1a2b  being written, or left by a crash: never loaded
-      latest                      "12\\n": the newest committed step (for humans/tools)
-
-Invariants, at every moment (a rank may be killed at any instruction):
-
-* A directory named exactly ``step_<8 digits>`` is *committed*: every rank
-  finished writing its files into it and DCP's ``.metadata`` was written and
-  fsynced before it received that name, by one atomic ``os.replace`` of the
-  whole directory. It is never modified afterwards: retention first renames
-  it (``.deleting-*``) then deletes it, and when the same step is saved again
-  the old one is moved aside (``.replaced-*``) just before the new one takes
-  its name.
-* Everything else under ``root`` (``*.partial-*``, ``*.replaced-*``,
-  ``*.deleting-*``, ``latest.tmp-*``) is garbage that the store never loads;
-  rank 0 deletes it after the next successful save.
-* ``latest`` is replaced atomically (temp file, fsync, ``os.replace``) after
-  the rename, so it names a committed step or lags behind by one save (a crash
-  between the rename and the manifest write). The store itself trusts the
-  directory names, not this file: the newest committed step is the largest
-  ``step_<N>`` directory.
-
-Assumptions: ``root`` is on a file system that every rank sees (as DCP's
-``FileSystemWriter``/``FileSystemReader`` already require) and one job at a
-time writes to it. ``save`` and ``load_latest``/``load`` are collective over
-the process group (default: the default group); ``latest_step`` and ``steps``
-only read the file system and may be called on any subset of ranks.
-
-Saves and loads go through :class:`~.flat.FlatSavePlanner` /
-:class:`~.flat.FlatLoadPlanner` (DCP's default planners that also handle
-:func:`~.flat.flat_state_dict` values, the zero-copy path).
-
-``async_save=True``: ``save`` returns once ``state`` is staged (copied to host
-memory, pinned for CUDA tensors) and writes and commits in a background
-thread over a process group of its own (gloo, created by the constructor:
-collective), so that its collectives never interleave with training's. The
-invariants above hold unchanged: the thread renames the directory only after
-every rank's write completed (a barrier), so a rank that dies mid-write
-leaves a ``.partial-*`` directory and the previous checkpoint the newest
-committed one. The next ``save``, ``load*`` and :meth:`CheckpointStore.wait`
-first wait for the save in flight and raise its error, if any.
-
-Usage (``state`` is what ``dcp.save``/``dcp.load`` accept: a dict of state
-dicts and ``Stateful`` objects, e.g. ``{"app": AppState(model, optim, ...)}``)::
+"""Crash-safe checkpoint directories on top of ``torch.distributed.checkpoint``::
 
     store = CheckpointStore("ckpt", keep=2)
     start = store.load_latest(state) or 0     # None when there is no checkpoint
@@ -56,6 +6,15 @@ dicts and ``Stateful`` objects, e.g. ``{"app": AppState(model, optim, ...)}``)::
         ...
         if step % save_every == 0:
             store.save(step, state)
+
+Layout: ``root/step_<8 digits>/`` are committed DCP checkpoints, ``latest`` names the newest
+(for humans; the store trusts the directory names), anything else is garbage never loaded and
+deleted by rank 0 after the next save.
+
+Invariant, whenever a rank is killed: a directory named exactly ``step_<N>`` is complete:
+every rank's files and DCP's ``.metadata`` were written and fsynced before one atomic rename
+gave it that name, and it is never modified afterwards (retention and re-saves rename it aside
+first). Assumes a file system every rank sees and one job writing to it.
 """
 
 from __future__ import annotations
@@ -85,29 +44,24 @@ from .flat import FlatLoadPlanner, FlatSavePlanner
 __all__ = ["CheckpointStore", "CheckpointError"]
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-_METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last (on the coordinator)
+_METADATA = ".metadata"
 _MANIFEST = "latest"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory could not be loaded (missing, torn or mismatched).
-
-    Raised on every rank of the process group with the same message, which
-    names the directory and each failing rank's reason."""
+    """A checkpoint directory could not be loaded (missing, torn or mismatched); raised on every
+    rank with the same message, naming the directory and each failing rank's reason."""
 
 
 class CheckpointStore:
     """Atomic, rotating DCP checkpoints of a run under ``root``.
 
-    ``keep`` (>= 1) committed checkpoints are retained: the one just saved
-    and the ``keep - 1`` newest others. ``load_latest`` loads the largest step
-    on disk, so a run that restarts from an older step by hand (``load``)
-    should start in an empty ``root`` or remove the newer checkpoints. ``group`` is the process group the collective
-    calls use (default: the default group; without an initialised process
-    group everything runs as a single process). ``async_save``: see the
-    module's docstring; the constructor is then collective over every rank
-    of the default group (it creates the store's own gloo group).
-    """
+    ``keep`` (>= 1): committed checkpoints retained, the one just saved included. ``group``:
+    the process group of the collective calls (``save``, ``load*``; default: the default
+    group). ``async_save``: ``save`` returns once ``state`` is staged in host memory and
+    commits in a background thread over a gloo group of its own (the constructor is then
+    collective); the next ``save``, ``load*`` or :meth:`wait` waits for it and raises its
+    error."""
 
     def __init__(self, root: Union[str, os.PathLike], keep: int = 2, *,
                  group: Optional[dist.ProcessGroup] = None, async_save: bool = False) -> None:
@@ -118,24 +72,19 @@ class CheckpointStore:
         self.group = group
         self.async_save = async_save
         self._save_group: Optional[dist.ProcessGroup] = group
-        """The group the saves' collectives use: ``group``, or for async saves
-        a gloo group of the same ranks used by the background thread only."""
+        """The saves' group: ``group``, or for async saves a gloo group of the same ranks."""
         if async_save and self._distributed():
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             self._save_group = dist.new_group(ranks, backend="gloo")
         self._in_flight: Optional[threading.Thread] = None
-        """The background thread of the async save not yet waited for."""
         self._in_flight_error: Optional[BaseException] = None
 
-    # ------------------------------------------------------------------ paths
     def path(self, step: int) -> Path:
-        """The committed directory of ``step`` (whether or not it exists)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         return self.root / f"step_{step:08d}"
 
     def steps(self) -> list[int]:
-        """Committed steps on disk, ascending (local: reads the file system)."""
         if not self.root.is_dir():
             return []
         found = []
@@ -146,35 +95,16 @@ class CheckpointStore:
         return sorted(found)
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or ``None`` (local: reads the file system)."""
         steps = self.steps()
         return steps[-1] if steps else None
 
-    # ------------------------------------------------------------------- save
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Save ``state`` as checkpoint ``step``; collective. Returns its committed path
-        (with ``async_save``: the path it will have once the background save commits;
-        :meth:`wait` for it).
-
-        1. rank 0 picks ``step_<N>.partial-<random>`` and broadcasts the name;
-        2. ``dcp.save`` writes into it (collective; rank 0 writes ``.metadata``
-           last), then a barrier: every rank's files are complete;
-        3. rank 0 renames it to ``step_<N>`` (atomic), fsyncs ``root``, rewrites
-           ``latest``, deletes committed checkpoints beyond ``keep`` and all
-           garbage (stale partials of crashed saves);
-        4. rank 0 tells every rank whether the commit succeeded (this is also the
-           closing barrier: no rank runs ahead while rank 0 is still committing),
-           and all raise ``CheckpointError`` if it did not. ``dcp.save``'s own
-           failures are DCP's ``CheckpointException``, raised on every rank.
-
-        A crash before step 3's rename leaves only a ``.partial-*`` directory:
-        the previous checkpoints stay the newest committed ones.
-
-        With ``async_save``, steps 1-4 run in a background thread after ``state``
-        was staged to host memory (:func:`_staged`); this returns then.
-        """
+        """Save ``state`` as checkpoint ``step``; collective. Writes into a ``.partial-*``
+        directory, renames it once every rank's files are complete, then deletes old
+        checkpoints; raises ``CheckpointError`` on every rank if the commit failed. Returns
+        the committed path (with ``async_save``: once :meth:`wait` returns)."""
         self._arrive("CheckpointStore.save")
-        self.wait()  # one save in flight at a time; raises the previous one's error
+        self.wait()
         if not self.async_save:
             return self._save_now(step, state)
         staged = _staged(state)
@@ -185,9 +115,7 @@ class CheckpointStore:
         return self.path(step)
 
     def wait(self) -> None:
-        """Wait for the async save in flight, if any; raise its error (on every
-        rank that had one: the save's own error handling gathers them). Call it
-        before the job ends so that the last checkpoint is committed."""
+        """Wait for the async save in flight and raise its error. Call it before the job ends."""
         thread, self._in_flight = self._in_flight, None
         if thread is not None:
             thread.join()
@@ -198,7 +126,7 @@ class CheckpointStore:
     def _save_in_background(self, step: int, staged: dict[str, Any]) -> None:
         try:
             self._save_now(step, staged)
-        except BaseException as e:  # re-raised by wait() in the caller's thread
+        except BaseException as e:
             self._in_flight_error = e
 
     def _save_now(self, step: int, state: dict[str, Any]) -> Path:
@@ -217,25 +145,20 @@ class CheckpointStore:
         if rank == 0:
             try:
                 self._commit(step, partial, final)
-            except Exception as e:  # reported on every rank below, not only here
+            except Exception as e:
                 problem, error = _describe(e), e
-        # doubles as the closing barrier: no rank returns before the commit is done
+        # doubles as the closing barrier
         self._raise_if_any(final, f"was not committed (its files are in {partial.name})",
                            problem, error, group=group)
         return final
 
-    # ------------------------------------------------------------------- load
     def load_latest(self, state: dict[str, Any]) -> Optional[int]:
-        """Load the newest committed checkpoint into ``state`` in place; collective.
-
-        Returns its step, or ``None`` (``state`` untouched) when there is none.
-        Rank 0 decides which step (so all ranks agree); ``.partial-*`` and other
-        garbage are ignored. Raises ``CheckpointError`` on every rank if it is
-        torn (no ``.metadata``) or does not match ``state`` (missing keys, other
-        shapes); it does not fall back to an older checkpoint.
-        """
+        """Load the newest committed checkpoint into ``state`` in place; collective. Returns its
+        step, or ``None`` (``state`` untouched) when there is none. Raises ``CheckpointError``
+        on every rank if it is torn or does not match ``state``; it does not fall back to an
+        older one."""
         self._arrive("CheckpointStore.load_latest")
-        self.wait()  # the save in flight may be the newest checkpoint
+        self.wait()
         step = [self.latest_step() if self._rank() == 0 else None]
         if self._distributed():
             dist.broadcast_object_list(step, src=self._global_rank0(), group=self.group)
@@ -245,10 +168,8 @@ class CheckpointStore:
         return step[0]
 
     def load(self, step: int, state: dict[str, Any]) -> None:
-        """Load committed checkpoint ``step`` into ``state`` in place; collective.
-
-        Raises ``CheckpointError`` on every rank if it does not exist, is torn
-        or does not match ``state``."""
+        """Load committed checkpoint ``step`` into ``state`` in place; collective. Raises
+        ``CheckpointError`` on every rank if it is missing, torn or does not match."""
         self._arrive("CheckpointStore.load")
         self.wait()
         self._load(step, state)
@@ -266,15 +187,14 @@ class CheckpointStore:
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.group,
                      planner=FlatLoadPlanner())
-        except CheckpointException as e:  # DCP gathers every rank's failure and raises it on all
+        except CheckpointException as e:
             problem, error = {r: _describe(exc) for r, (exc, _) in e.failures.items()}, e
         except Exception as e:
             problem, error = _describe(e), e
         self._raise_if_any(path, "could not be loaded into the given state", problem, error)
 
-    # -------------------------------------------------------------- internals
     def _arrive(self, call: str) -> None:
-        """Before the first collective of ``call`` ([Note: call rendezvous])."""
+        """[Note: call rendezvous]"""
         if self._distributed():
             arrive(self.group, call, "Call it on every rank (each writes or reads its own "
                    "shards); guard only printing or logging with `if rank == 0:`.")
@@ -297,8 +217,7 @@ class CheckpointStore:
     def _raise_if_any(self, path: Path, what: str, problem: Union[None, str, dict[int, str]],
                       error: Optional[BaseException] = None, *,
                       group: Optional[dist.ProcessGroup] = None) -> None:
-        """Gather every rank's ``problem`` (None: fine; a text: this rank's; a dict: by rank,
-        as DCP reports them) and raise the same ``CheckpointError`` on every rank if any."""
+        """Raise the same ``CheckpointError`` on every rank if any rank has a ``problem``."""
         group = group if group is not None else self.group
         if self._distributed():
             gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -322,10 +241,9 @@ class CheckpointStore:
         raise CheckpointError(f"checkpoint {path} {what}: {detail}") from error
 
     def _commit(self, step: int, partial: Path, final: Path) -> None:
-        """Rank 0, after every rank's files are written: publish ``partial`` as ``final``."""
-        if not (partial / _METADATA).is_file():  # cannot happen after a successful dcp.save
+        if not (partial / _METADATA).is_file():
             raise FileNotFoundError(f"dcp.save did not write {partial / _METADATA}")
-        if final.exists():  # the same step saved again (e.g. a rerun): move the old one aside
+        if final.exists():
             os.replace(final, self.root / f"{final.name}.replaced-{uuid.uuid4().hex[:12]}")
         os.replace(partial, final)
         _fsync_dir(self.root)
@@ -342,11 +260,9 @@ class CheckpointStore:
         _fsync_dir(self.root)
 
     def _collect_garbage(self, saved: int) -> None:
-        """Rank 0, after a commit: drop old checkpoints beyond ``keep`` and all garbage."""
         others = [s for s in self.steps() if s != saved]
         for old in sorted(others, reverse=True)[self.keep - 1:]:
-            # renamed first, so that a crash during the deletion leaves garbage, not a
-            # half-deleted directory under a committed name
+            # renamed first: a crash mid-deletion leaves garbage, not a half-deleted committed step
             path = self.path(old)
             os.replace(path, path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:12]}"))
         for entry in self.root.iterdir():
@@ -362,7 +278,6 @@ def _describe(exc: BaseException) -> str:
 
 
 def _fsync_dir(path: Path) -> None:
-    """Make renames inside ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -376,12 +291,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _staged(state: Any) -> Any:
-    """A copy of ``state`` that training can no longer change: every tensor
-    copied to host memory (pinned when it comes from an accelerator),
-    ``DTensor`` and :class:`ShardPieces` values rebuilt over their copies
-    (a lazy value of ours over a copy of this rank's pieces: no conversion),
-    ``Stateful`` objects replaced by their ``state_dict()``, anything else
-    deep-copied. What an async save writes from."""
+    """A copy of ``state`` training cannot change, for an async save (tensors in host memory,
+    ``Stateful`` objects as state dicts)."""
     if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
         return _staged(state.state_dict())
     if isinstance(state, dict):
@@ -389,7 +300,7 @@ def _staged(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_staged(value) for value in state)
     if isinstance(state, DTensor) and isinstance(local_tensor(state), LazyChunk) and \
-            not local_tensor(state).materialized:  # only this rank's pieces: no conversion
+            not local_tensor(state).materialized:
         return local_tensor(state).staged(state, _host_copy)
     if isinstance(state, DTensor):
         return DTensor.from_local(_host_copy(state.to_local()), state.device_mesh,
@@ -403,7 +314,6 @@ def _staged(state: Any) -> Any:
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy in host memory with the same strides (pinned for accelerator tensors)."""
     tensor = tensor.detach()
     out = torch.empty_like(tensor, device="cpu", pin_memory=tensor.device.type != "cpu")
     return out.copy_(tensor)

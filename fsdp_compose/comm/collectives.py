@@ -1,9 +1,5 @@
-"""Collectives of the training step's data path over a unit's
-:class:`ShardGroup`, the same on CPU/gloo and CUDA/NCCL.
-
-They never copy their inputs: the all-gather writes into the caller's
-unsharded buffer, the reduce-scatter reads the caller's flat gradient (on
-gloo it reduces it in place: [Note: gloo reduce-scatter as an all-reduce]).
+"""Collectives of the training step's data path over a unit's :class:`ShardGroup`. They never
+copy their inputs.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 class _DoneWork:
-    """What a collective over one rank returns: nothing to wait for."""
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         return True
@@ -31,9 +26,7 @@ class _DoneWork:
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup,
                     async_op: bool = False) -> Optional[dist.Work]:
-    """All-gather ``shard`` into ``output`` (``F`` times its size,
-    rank-major); the work handle when ``async_op``. Over one rank a local
-    copy (none when ``output`` is ``shard``)."""
+    """All-gather ``shard`` into ``output`` (rank-major); the work when ``async_op``."""
     if group.world_size == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
@@ -44,12 +37,9 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup
 def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                           divide_factor: Optional[float] = None, force_sum: bool = False,
                           async_op: bool = False) -> Optional[dist.Work]:
-    """Reduce-scatter ``flat`` (``F`` times ``output``'s size) over the
-    shard group into ``output``. Complete after :func:`all_reduce_replicas`
-    and :func:`finish_scaling`: the mean over all ``R * F`` ranks when
-    ``divide_factor`` is ``None`` (``AVG`` in the collective unless
-    ``force_sum``), else the sum divided by ``divide_factor``. Over one rank
-    nothing is communicated."""
+    """Reduce-scatter ``flat`` into ``output``; complete after :func:`all_reduce_replicas` and
+    :func:`finish_scaling`: the mean over all ``R * F`` ranks, or the sum divided by
+    ``divide_factor``."""
     if group.world_size == 1:
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
@@ -57,7 +47,6 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
     op = reduce_op(group, divide_factor, force_sum)
     if _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE and flat.device.type == "cpu" and \
             dist.get_backend(group.process_group) == "gloo":
-        # see [Note: gloo reduce-scatter as an all-reduce]
         work = dist.all_reduce(flat, op=op, group=group.process_group, async_op=True)
         chunk = flat.narrow(0, group.rank * output.numel(), output.numel())
         pending = _ChunkAfterAllReduce(work, output, chunk)
@@ -70,19 +59,14 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
 
 
 # [Note: gloo reduce-scatter as an all-reduce]
-# Gloo's reduce-scatter copies its whole input into a buffer of its own (one
-# more unsharded gradient per reduction in flight) and is slower than an
-# in-place all-reduce. On CPU gloo groups we all-reduce the flat gradient in
-# place and copy this rank's chunk out: bit-identical (both sum in rank
-# order); the flat gradient is the caller's to discard. NCCL does not copy,
-# so CUDA keeps its reduce-scatter.
+# Gloo's reduce-scatter copies its whole input and is slower than an in-place all-reduce, so on CPU
+# gloo groups we all-reduce the flat gradient in place and copy this rank's chunk out: bit-identical
+# (both sum in rank order).
 _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = True
 
 
 def set_gloo_reduce_scatter_via_all_reduce(enabled: bool) -> bool:
-    """Whether reductions over CPU/gloo groups use an in-place all-reduce
-    ([Note: gloo reduce-scatter as an all-reduce]; default ``True``).
-    Process-wide, for reductions issued after the call; returns the
+    """Whether CPU/gloo reductions use an in-place all-reduce (default ``True``); returns the
     previous setting."""
     global _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
     previous, _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE, bool(enabled)
@@ -90,12 +74,10 @@ def set_gloo_reduce_scatter_via_all_reduce(enabled: bool) -> bool:
 
 
 def gloo_reduce_scatter_via_all_reduce() -> bool:
-    """The current setting of :func:`set_gloo_reduce_scatter_via_all_reduce`."""
     return _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
 
 
 class _ChunkAfterAllReduce:
-    """A reduce-scatter done as an all-reduce: ``wait`` then copies this rank's chunk out."""
 
     def __init__(self, work: dist.Work, output: torch.Tensor, chunk: torch.Tensor) -> None:
         self._work: Optional[dist.Work] = work
@@ -104,11 +86,11 @@ class _ChunkAfterAllReduce:
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if self._work is None:
-            return True  # waited already: the chunk was copied
+            return True  # waited already
         if timeout is None:
             self._work.wait()
         else:
-            self._work.wait(timeout)  # raises if it runs out: the chunk is copied at a later wait
+            self._work.wait(timeout)  # raises if it runs out: copied at a later wait
         self._work = None
         self._output.copy_(self._chunk)
         return True
@@ -117,8 +99,7 @@ class _ChunkAfterAllReduce:
 def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
                         divide_factor: Optional[float] = None, force_sum: bool = False,
                         async_op: bool = False) -> Optional[dist.Work]:
-    """Hybrid sharding: all-reduce a reduced chunk across the replicas (same
-    op as the reduce-scatter). A no-op without replicas."""
+    """Hybrid: all-reduce a reduced chunk across the replicas."""
     replicate = group.replicate_process_group
     if replicate is None or group.replicate_size == 1:
         return _DoneWork() if async_op else None
@@ -128,9 +109,8 @@ def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
 
 def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
                    force_sum: bool) -> None:
-    """The local division that completes the reduction (none after ``AVG``)."""
     if divide_factor is None and not force_sum:
-        return  # the mean, taken by the collective (needs_post_division, without its calls)
+        return  # the mean, taken by the collective
     if needs_post_division(group, divide_factor, force_sum):
         factor = group.total_size if divide_factor is None else divide_factor
         if factor != 1.0:
@@ -139,22 +119,17 @@ def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optio
 
 def reduce_op(group: ShardGroup, divide_factor: Optional[float],
               force_sum: bool) -> dist.ReduceOp:
-    """``AVG`` where the collective can divide, else ``SUM`` (divided after)."""
     return dist.ReduceOp.SUM if needs_post_division(group, divide_factor, force_sum) \
         else dist.ReduceOp.AVG
 
 
 def needs_post_division(group: ShardGroup, divide_factor: Optional[float],
                         force_sum: bool) -> bool:
-    """Whether the reduction sums (then :func:`finish_scaling` divides)
-    rather than averaging in the collective."""
     mean = divide_factor is None or divide_factor == group.total_size
     return force_sum or not mean
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
-    """In-place element-wise maximum over every rank of ``group``'s mesh
-    (the shard group, then the replicas)."""
     if group.world_size > 1:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group,
                                async_op=True)
@@ -165,10 +140,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
 
 
 def release_after_collective(*tensors: torch.Tensor) -> None:
-    """Free CPU tensors a finished collective used that nothing reads any
-    more: gloo's worker thread may hold them into later steps ([Note:
-    freeing what a collective read] in ``runtime/collective_queue.py``).
-    Accelerator tensors are freed in stream order by the allocator."""
+    """Free CPU tensors a finished collective used ([Note: freeing what a collective read])."""
     for tensor in tensors:
         if tensor.device.type == "cpu":
             tensor.untyped_storage().resize_(0)
@@ -176,9 +148,8 @@ def release_after_collective(*tensors: torch.Tensor) -> None:
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                input_counts: list[int], group: ShardGroup) -> None:
-    """Send ``input_counts[j]`` consecutive elements of ``input`` to each
-    rank ``j`` in order, receive ``output_counts[j]`` from each into
-    ``output``, rank-major. Over one rank a copy. For checkpoint conversions."""
+    """``input_counts[j]`` elements of ``input`` to each rank ``j``, ``output_counts[j]`` from
+    each into ``output``."""
     if group.world_size == 1:
         output.copy_(input)
         return

@@ -1,26 +1,11 @@
-"""What a unit's data collectives may replace (FSDP2's setters
-``set_custom_all_gather``, ``set_custom_reduce_scatter``,
-``set_all_reduce_hook``, ``set_requires_all_reduce``,
-``set_separate_reduce_scatter_group``): one :class:`UnitComms` per unit that
-set any, shared by its flat buffers (``FlatBuffer.comms``; ``None`` is the
-plain path and costs nothing).
+"""What a unit's data collectives may replace (FSDP2's custom comm setters): one
+:class:`UnitComms` per unit that set any.
 
 [Note: custom collectives]
-A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol
-(in torch 2.13 to 2.15 the private classes
-``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` and
-``ReduceScatter``; ``torch.distributed.fsdp`` exports neither):
-
-* ``allocate(size, *, dtype, device) -> Tensor``: the memory it reads and
-  writes (the all-gather's output, the reduce-scatter's input and output).
-  We never free it (the object may reuse it) and copy out of it after the
-  wait, so none of it outlives the wait as a parameter or gradient.
-* ``__call__(output_tensor, input_tensor, group, [op,] async_op)``: a work
-  to wait, or ``None`` (finished).
-
-Every all-gather and reduce-scatter of the unit uses it, buckets included
-(a bucket only joins units with equal :meth:`UnitComms.key`), at one copy
-per collective.
+A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol: ``allocate(size, *,
+dtype, device)`` gives the memory it works in, which we never free and copy out of after the
+wait; ``__call__(output, input, group, [op,] async_op)`` returns a work or ``None``. Buckets
+join only units with equal :meth:`UnitComms.key`.
 """
 
 from __future__ import annotations
@@ -44,18 +29,10 @@ class UnitComms:
     Attributes:
         all_gather: a custom all-gather (``None``: the library's).
         reduce_scatter: a custom reduce-scatter (``None``: the library's).
-        all_reduce_hook: called with each reduction's output (the
-            reduce-scatter's, or under hybrid sharding the replica
-            all-reduce's) before it is folded into the sharded gradient;
-            may change it in place. Sees the sum where the division is
-            local (``set_gradient_divide_factor``, ``force_sum``), else
-            the mean.
-        requires_all_reduce: hybrid only: ``False`` sums the
-            reduce-scatter's outputs over backwards without the replica
-            all-reduce; the next reduction with ``True`` all-reduces the sum.
-        reduce_scatter_group: a process group over the shard group's ranks
-            for the reduce-scatters (``None``: the shard group).
-    """
+        all_reduce_hook: called with each reduction's output before it is folded; may change
+            it in place.
+        requires_all_reduce: hybrid only: ``False`` defers the replica all-reduce.
+        reduce_scatter_group: a process group for the reduce-scatters."""
 
     __slots__ = ("all_gather", "reduce_scatter", "all_reduce_hook", "requires_all_reduce",
                  "reduce_scatter_group")
@@ -73,7 +50,6 @@ class UnitComms:
                 self.requires_all_reduce, id(self.reduce_scatter_group))
 
     def reduce_group(self, group: ShardGroup) -> ShardGroup:
-        """``group`` with the reduce-scatter's process group."""
         separate = self.reduce_scatter_group
         if separate is None:
             return group
@@ -81,7 +57,6 @@ class UnitComms:
 
 
 def allocate(comm: object, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat tensor of ``numel`` elements from ``comm``'s allocator."""
     tensor = comm.allocate((numel,), dtype=dtype, device=device)  # type: ignore[attr-defined]
     if tensor.numel() != numel or tensor.dtype != dtype:
         raise ValueError(
@@ -92,7 +67,6 @@ def allocate(comm: object, numel: int, dtype: torch.dtype, device: torch.device)
 
 def all_gather_custom(comm: object, output: torch.Tensor, shard: torch.Tensor,
                       group: ShardGroup) -> object:
-    """Issue ``comm``'s all-gather of ``shard`` into ``output``; a work to wait."""
     work = comm(output, shard, group.process_group, async_op=True)  # type: ignore[operator]
     return _Finished() if work is None else work
 
@@ -100,15 +74,12 @@ def all_gather_custom(comm: object, output: torch.Tensor, shard: torch.Tensor,
 def reduce_scatter_custom(comm: object, output: torch.Tensor, flat: torch.Tensor,
                           group: ShardGroup, divide_factor: Optional[float],
                           force_sum: bool) -> object:
-    """Issue ``comm``'s reduce-scatter of ``flat`` into ``output`` with the
-    library's op (``collectives.reduce_op``); a work to wait."""
     op = reduce_op(group, divide_factor, force_sum)
     work = comm(output, flat, group.process_group, op, async_op=True)  # type: ignore[operator]
     return _Finished() if work is None else work
 
 
 class _Finished:
-    """The work of a custom collective that returned ``None`` (done)."""
 
     def wait(self, timeout: object = None) -> bool:
         return True

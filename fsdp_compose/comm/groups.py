@@ -1,5 +1,3 @@
-"""The process groups a unit shards over: meshes, shard and replicate
-groups, set up at ``fully_shard`` time (the default mesh lazily)."""
 
 from __future__ import annotations
 
@@ -18,25 +16,18 @@ from .._torch_private import forget_mesh_groups
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """The ranks one unit shards over (and, for hybrid sharding, is
-    replicated over), and where it computes.
-
-    A 1-D mesh shards over all its ranks. A 2-D mesh is ``(replicate,
-    shard)`` (FSDP2's HSDP convention): gradients are reduce-scattered in
-    the shard group, then all-reduced across the replicate group; ``(world,
-    1)`` is pure replication.
+    """The ranks one unit shards over (and for HSDP is replicated over: a 2-D mesh is
+    ``(replicate, shard)``), and where it computes.
 
     Attributes:
         mesh: the mesh ``fully_shard`` got.
-        process_group: the shard group, held weakly: ``torch.distributed``
-            owns it, and a model that outlives ``destroy_process_group()``
-            must not keep its threads alive into interpreter exit.
-        rank: this process's rank in the shard group.
+        process_group: the shard group, held weakly (a model outliving
+            ``destroy_process_group()`` must not keep its threads).
+        rank: this rank in the shard group.
         world_size: the sharding factor ``F``.
-        device: the compute device (CUDA for NCCL meshes, CPU otherwise).
+        device: the compute device.
         replicate_process_group: ``None`` for a 1-D mesh.
-        replicate_size: the number of replicas ``R`` (1 for a 1-D mesh).
-    """
+        replicate_size: the number of replicas ``R``."""
 
     mesh: DeviceMesh
     _process_group: "weakref.ref[dist.ProcessGroup]"
@@ -56,7 +47,6 @@ class ShardGroup:
 
     @property
     def total_size(self) -> int:
-        """``R * F``: the denominator of the mean gradient."""
         return self.world_size * self.replicate_size
 
     @property
@@ -75,10 +65,7 @@ def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
 
 
 def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
-    """A 1-D mesh over the default process group, on CUDA when
-    ``param_device`` (the unit's parameters' device; meta or None: unknown)
-    is CUDA or the backend is NCCL, else on the CPU. Raises if
-    torch.distributed is not initialised."""
+    """A 1-D mesh over the default process group (CUDA for CUDA parameters or NCCL, else CPU)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed to be initialised: call "
@@ -95,35 +82,25 @@ def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
 
 
 def backend_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where collective tensors over ``group`` (default group if ``None``)
-    live: the current CUDA device for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-# device type -> (the default process group it was built for, weakly; the mesh)
 _DEFAULT_MESH: dict[str, tuple["weakref.ref[dist.ProcessGroup]", DeviceMesh]] = {}
 
 _MESHES: "weakref.WeakSet[DeviceMesh]" = weakref.WeakSet()
-"""Every mesh a unit shards over (see :func:`_release_destroyed_groups`)."""
-_EXIT_HOOK: list = []  # non-empty once the exit hook is registered
+_EXIT_HOOK: list = []
 
 
 # [Note: process groups at exit]
-# A DeviceMesh caches its ProcessGroups and a model's units keep their meshes,
-# so destroyed gloo groups and their threads would live until interpreter
-# finalization, where tearing them down can abort the process ("terminate
-# called without an active exception"). At exit, while the interpreter is
-# whole, if the default group was destroyed, our meshes drop their cached
-# groups so gloo's threads are joined then. A garbage collection runs first:
-# a model is a reference cycle (units and their shared context), and one
-# dropped without a collection would be freed during finalization, with the
-# same abort. A job that never destroyed its group is left as torch leaves it.
+# Meshes cache their groups, so destroyed gloo groups would live until interpreter finalization,
+# whose teardown can abort the process. At exit, if the default group was destroyed, our meshes drop
+# them (after a garbage collection).
 def _release_destroyed_groups() -> None:
     if not dist.is_available() or dist.is_initialized():
-        return  # not destroyed: nothing of ours to let go of
-    gc.collect()  # models that died in a cycle: freed while the interpreter is whole
+        return
+    gc.collect()
     meshes = list(_MESHES) + [mesh for _, mesh in _DEFAULT_MESH.values()]
     _DEFAULT_MESH.clear()
     for mesh in meshes:
@@ -158,10 +135,8 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
 
 
 def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
-    """The 1-D (shard) or 2-D (replicate, shard) sub-mesh of the SPMD
-    ``mesh`` that ``dp_mesh_dims`` names (anything with ``shard`` and
-    ``replicate``, as FSDP2's ``DataParallelMeshDims``). Raises naming what
-    is wrong."""
+    """The sub-mesh of the SPMD ``mesh`` that ``dp_mesh_dims`` names. Raises naming what is
+    wrong."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("dp_mesh_dims needs mesh= (the whole SPMD DeviceMesh), got "
                         f"{type(mesh).__name__}")
@@ -189,10 +164,8 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
 
 
 def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
-    """This rank's group of ``size`` consecutive ranks of the shard group:
-    where a unit with ``reshard_after_forward=size`` keeps its parameters
-    between forward and backward. Collective over its members only; cached,
-    so units share them."""
+    """This rank's group of ``size`` consecutive shard-group ranks
+    (``reshard_after_forward=size``); cached."""
     if size < 1 or group.world_size % size:
         raise AssertionError(f"post-forward group size {size} must divide {group.world_size}")
     ranks = dist.get_process_group_ranks(group.process_group)
@@ -207,5 +180,4 @@ def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
                       rank=subgroup.rank(), world_size=size, device=group.device)
 
 
-# global ranks of a post-forward group -> the group (weakly: torch.distributed owns it)
 _POST_FORWARD_GROUPS: dict[tuple[int, ...], "weakref.ref[dist.ProcessGroup]"] = {}

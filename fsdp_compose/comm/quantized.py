@@ -1,31 +1,17 @@
-"""Block-wise quantization of what the collectives move (``CommPolicy``):
-the wire format, and the quantized all-gather and reduce-scatter.
+"""Block-wise quantization of what the collectives move (``CommPolicy``).
 
 [Note: block-quantized wire format]
-A flat tensor of ``n`` elements is cut into ``nb = ceil(n / B)`` blocks of
-``B`` elements (the last zero-padded). Each block gets one fp32 scale,
-``absmax / qmax`` (127 for int8, 448 for fp8 e4m3); its elements become
-codes ``x / scale`` (int8: round-half-even; fp8: torch's cast after a clamp).
-The payload is ``nb * B`` code bytes then ``nb`` fp32 scales: its size
-depends on ``n`` and ``B`` only (equal on every rank) and is a multiple of 4
-(``B`` is), so a payload at a 4-byte offset views its scales as fp32 in place.
-
-Decoding is ``code * scale``, with error at most half a code step
-(:meth:`BlockQuantizer.error_bound`: ``absmax / 254`` for int8, ``absmax /
-16`` for fp8 e4m3's 3 mantissa bits). A zero block decodes to zeros
-exactly; a block holding inf or NaN has a non-finite scale and decodes to
-non-finite values, so overflow still reaches a grad scaler. Every rank
-decodes the same payload to the same values, own chunk included, so all
-compute with identical parameters; the sharded master copy is never
-quantized.
+A flat tensor is cut into blocks of ``B`` elements (the last zero-padded), each with one fp32
+scale ``absmax / qmax`` and codes ``x / scale`` (int8 or fp8 e4m3). The payload is codes then
+scales, its size a function of ``n`` and ``B`` only (equal on every rank). Decoding errs by at
+most half a code step; a non-finite block decodes to non-finite values, so overflow still
+reaches a grad scaler. Every rank decodes the same payload, own chunk included, so all compute
+with identical parameters; the sharded master copy is never quantized.
 
 [Note: quantized reduce-scatter]
-Codes with different scales cannot be summed in a reduce-scatter, so the
-quantized reduction is an all-to-all (as ZeRO++'s qgZ): each rank encodes
-its chunk for each rank ``j`` with its own blocks and sends it to ``j``;
-each rank decodes the ``F`` chunks it received to fp32 and sums them in
-rank order. The sum's error is at most the sum of the ``F`` errors; each
-rank moves ``F`` payloads each way, like a reduce-scatter.
+Codes with different scales cannot be summed by a reduce-scatter, so the quantized reduction
+is an all-to-all (as ZeRO++'s qgZ): each rank decodes the ``F`` chunks it received to fp32 and
+sums them in rank order.
 """
 
 from __future__ import annotations
@@ -42,7 +28,6 @@ from .collectives import all_gather_flat, needs_post_division
 from .groups import ShardGroup
 
 FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)
-"""The fp8 code dtype, where this torch has it."""
 
 _QMAX = {torch.int8: 127.0}
 if FP8_E4M3 is not None:
@@ -50,15 +35,13 @@ if FP8_E4M3 is not None:
 
 
 def code_dtypes() -> tuple[torch.dtype, ...]:
-    """The code dtypes the wire format supports with this torch."""
     return tuple(_QMAX)
 
 
 @dataclass(frozen=True)
 class BlockQuantizer:
-    """One collective's wire format ([Note: block-quantized wire format]):
-    ``code_dtype`` (int8 or fp8 e4m3) and ``block`` elements per scale (a
-    positive multiple of 4; ``ValueError`` otherwise)."""
+    """One collective's wire format ([Note: block-quantized wire format]); ``block`` is a
+    positive multiple of 4."""
 
     code_dtype: torch.dtype
     block: int
@@ -80,19 +63,15 @@ class BlockQuantizer:
         return math.ceil(numel / self.block)
 
     def payload_bytes(self, numel: int) -> int:
-        """Bytes of the payload of ``numel`` elements: codes, then scales."""
         blocks = self.blocks(numel)
         return blocks * self.block + 4 * blocks
 
     def error_bound(self, block_absmax: torch.Tensor) -> torch.Tensor:
-        """Largest decoding error in a block of largest magnitude ``block_absmax``."""
         if self.code_dtype == torch.int8:
             return block_absmax / (2 * self.qmax)
         return block_absmax / 16
 
     def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        """Encode ``values`` (any floating dtype) into ``payload``
-        (``payload_bytes(values.numel())`` uint8)."""
         numel, block = values.numel(), self.block
         blocks = self.blocks(numel)
         grid = values.reshape(-1).float()
@@ -104,33 +83,28 @@ class BlockQuantizer:
         inverse = torch.where(scales > 0, scales.reciprocal(), torch.zeros_like(scales))
         scaled = grid * inverse.unsqueeze(1)
         codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
-        # |scaled| <= qmax up to rounding, so no clamp for int8 (the rounding
-        # stays within +-127); fp8's cast saturates to nan past 448, so clamp.
-        # A non-finite block has a non-finite scale: its codes do not matter.
+        # int8 rounding stays within +-127; fp8's cast gives nan past 448, so clamp. A non-finite
+        # block's codes do not matter.
         if self.code_dtype == torch.int8:
             codes.copy_(scaled.round_())
         else:
             codes.copy_(scaled.clamp_(-self.qmax, self.qmax))
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode ``payload`` (contiguous uint8, 4-byte aligned) into ``out``
-        (any floating dtype, the encoded numel)."""
         numel, block = out.numel(), self.block
         blocks = self.blocks(numel)
         codes = payload[:blocks * block].view(self.code_dtype).view(blocks, block)
         scales = payload[blocks * block:blocks * block + 4 * blocks].view(torch.float32)
         if self.code_dtype == torch.int8 and out.dtype == torch.float32 and \
                 blocks * block == numel and out.is_contiguous():
-            torch.mul(codes, scales.unsqueeze(1), out=out.view(blocks, block))  # one pass
+            torch.mul(codes, scales.unsqueeze(1), out=out.view(blocks, block))
             return
         values = codes.float().mul_(scales.unsqueeze(1)).view(-1)
         out.copy_(values[:numel] if blocks * block != numel else values)
 
 
 class QuantizedWork:
-    """A quantized collective's work: ``wait`` waits the transfer, then
-    decodes once and frees the wire buffers ([Note: freeing what a
-    collective read] in ``runtime/collective_queue.py``)."""
+    """A quantized collective's work: ``wait`` waits, decodes once and frees the wire buffers."""
 
     def __init__(self, work: Optional[dist.Work], finish: Callable[[], None],
                  wire: Sequence[torch.Tensor]) -> None:
@@ -158,11 +132,8 @@ class QuantizedWork:
 def all_gather_quantized(destinations: Sequence[Optional[torch.Tensor]],
                          shards: Sequence[torch.Tensor], group: ShardGroup,
                          quantizer: BlockQuantizer) -> QuantizedWork:
-    """One asynchronous all-gather of the quantized ``shards`` (one per
-    buffer, ``S_i`` elements on every rank), packed into one collective,
-    into ``destinations`` (``(F, S_i)`` views, rank ``r``'s shard in row
-    ``r``; ``None``: not needed here, still sent). Decodes at the wait.
-    Pre-condition: ``group.world_size > 1``."""
+    """One packed asynchronous all-gather of the quantized ``shards`` into ``destinations``
+    (``None``: not needed here), decoded at the wait."""
     sizes = [quantizer.payload_bytes(s.numel()) for s in shards]
     total, world = sum(sizes), group.world_size
     device = destinations[0].device
@@ -192,13 +163,9 @@ def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: Sh
                              quantizer: BlockQuantizer, divide_factor: Optional[float] = None,
                              force_sum: bool = False,
                              segments: Optional[Sequence[int]] = None) -> QuantizedWork:
-    """``collectives.reduce_scatter_scaled`` with the same result contract,
-    as an asynchronous all-to-all of quantized chunks ([Note: quantized
-    reduce-scatter]). ``flat`` (``F`` chunks of ``output``'s size) is
-    encoded now, so the caller may free it at once. ``segments``: sizes of
-    the buffers packed in a chunk, each encoded with its own blocks so the
-    numbers do not depend on bucketing (default: one).
-    Pre-condition: ``group.world_size > 1``."""
+    """``collectives.reduce_scatter_scaled``'s contract as an all-to-all of quantized chunks
+    ([Note: quantized reduce-scatter]); ``flat`` is encoded now. ``segments``: sizes of the
+    buffers in a chunk, each with its own blocks (results do not depend on bucketing)."""
     world, chunk = group.world_size, output.numel()
     segments = list(segments) if segments is not None else [chunk]
     sizes = [quantizer.payload_bytes(n) for n in segments]
@@ -228,7 +195,6 @@ def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: Sh
 
 
 def _spans(segments: Sequence[int], sizes: Sequence[int], wire_offset: int):
-    """Per segment: its element range in a chunk and its byte range on the wire."""
     start, wire = 0, wire_offset
     for numel, size in zip(segments, sizes):
         yield (start, start + numel), (wire, wire + size)

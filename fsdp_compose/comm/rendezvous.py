@@ -1,21 +1,13 @@
 """Collective calls made on some ranks only end in a message, not a hang.
 
 [Note: call rendezvous]
-A user-facing collective call (``state_dict()``, ``clip_grad_norm_``,
-``unshard()``, ``materialize``, checkpoint saves) that one rank skips would
-leave the others waiting until the process group's timeout, then fail with
-a backend error that names no call. :func:`arrive` runs before the call's
-first collective: every rank writes one key to the default store (no
-collective the backend could mis-pair) and waits for the keys of every
-member. A member waiting at another meeting will never come: raise at once
-on every waiting rank ([Note: where each rank waits]). A member blocked in a
-collective that waits for this rank ([Note: blocked is not late]) will never
-come either: raise naming that collective. Any other is late and is waited
-for up to :func:`call_timeout`, with a line every ``LATE_NOTICE_SECONDS``.
-Keys are numbered by the group's collective sequence number and the calls
-since, so calls pair by order like collectives, and a call made on some
-ranks only does not shift the pairing of later calls once the group runs a
-collective. Four store round trips when the ranks arrive together.
+A user-facing collective call (``state_dict()``, ``clip_grad_norm_``, checkpoint saves) that
+one rank skips would leave the others waiting until the backend's timeout, then fail naming no
+call. So :func:`arrive` runs before the call's first collective: every rank writes one key to
+the default store and waits for every member's, raising at once for a member that waits
+elsewhere or is blocked, waiting up to :func:`call_timeout` for a late one. Keys are numbered
+by the group's collective sequence number and the calls since, so calls pair by order like
+collectives.
 """
 
 from __future__ import annotations
@@ -32,13 +24,10 @@ from .._torch_private import default_store, sequence_number
 from .whereabouts import Doing, answer, ask, start_watcher
 
 CALL_TIMEOUT_ENV = "FSDP_COMPOSE_CALL_TIMEOUT"
-"""Seconds a rank waits for late ranks at a collective call (default 1800)."""
 DEFAULT_CALL_TIMEOUT = 1800.0  # torch's default collective timeout
 _PREFIX = "fsdp_compose/call"
 _calls: dict[str, tuple[int, int]] = {}
-"""group name -> (its collective sequence number, calls made since it)."""
 _last_key: dict[str, str] = {}
-"""group name -> this rank's key of its previous call (deleted at the next)."""
 
 
 class CallMismatchError(RuntimeError):
@@ -46,16 +35,14 @@ class CallMismatchError(RuntimeError):
 
 
 def call_timeout() -> float:
-    """Seconds :func:`arrive` waits (``FSDP_COMPOSE_CALL_TIMEOUT``, read at every call)."""
+    """Seconds :func:`arrive` waits (``FSDP_COMPOSE_CALL_TIMEOUT``, default 1800)."""
     value = os.environ.get(CALL_TIMEOUT_ENV, "")
     return float(value) if value else DEFAULT_CALL_TIMEOUT
 
 
 def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> None:
-    """Meet every rank of ``process_group`` (default group if ``None``) at
-    ``call``, or raise :class:`CallMismatchError` naming the ranks that did
-    not come ([Note: call rendezvous]); ``fix`` ends the message. A no-op
-    over one rank or without a default store."""
+    """Meet every rank of ``process_group`` (``None``: the default group) at ``call``, or raise
+    :class:`CallMismatchError` naming the ranks that did not come, ending with ``fix``."""
     if not dist.is_initialized():
         return
     group = process_group if process_group is not None else dist.group.WORLD
@@ -65,7 +52,7 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
     try:
         default_store()
     except (RuntimeError, ValueError):
-        return  # no default group (a mesh of its own): nothing to meet through
+        return  # no default group: nothing to meet through
     me = dist.get_rank()
     base = f"{_PREFIX}/{group.group_name}/{_next_number(group)}"
     timeout = call_timeout()
@@ -73,10 +60,10 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
 
     def waiting(waited: float, elsewhere: dict[int, str], doing: dict[int, Doing]) -> None:
         other = {rank: where for rank, where in elsewhere.items() if where}
-        if other:  # a mismatch: they wait at another call, and will never come here
+        if other:  # a mismatch: they wait at another call
             _raise(me, call, [], {}, fix, timeout, waiting_at=other)
         blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked"}
-        if blocked:  # in a collective that waits for this rank: never here either
+        if blocked:  # in a collective that waits for this rank
             _raise_blocked(me, call, blocked, fix)
         if waited >= timeout:
             _raise(me, call, sorted(elsewhere), {}, fix, timeout)
@@ -97,46 +84,34 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
 
 
 # [Note: where each rank waits]
-# A rank waiting at a meeting (a collective call, a forward agreement) writes
-# what it waits at under ``fsdp_compose/where/<rank>`` and empties it when it
-# leaves. Others read it for the ranks they miss: one waiting at *another*
-# meeting will never come (raise at once); one at no meeting is late and
-# waited for, unless its watcher says it is blocked ([Note: blocked is not
-# late]). We poll ``check`` rather than the store's blocking ``wait``, whose
-# time-outs log socket warnings first, so our error is what a user reads.
+# A rank waiting at a meeting writes what it waits at under ``fsdp_compose/where/<rank>`` until it
+# leaves; a missing rank waiting at *another* meeting will never come. We poll ``check``: the
+# store's blocking ``wait`` logs socket warnings first.
 _WHERE = "fsdp_compose/where"
 POLL_ENV = "FSDP_COMPOSE_POLL_SECONDS"
-"""Seconds between two looks of a waiting rank at the ranks it misses (default 1)."""
+"""Seconds between looks at the missing ranks (``FSDP_COMPOSE_POLL_SECONDS``)."""
 DEFAULT_POLL_SECONDS = 1.0
 LATE_NOTICE_SECONDS = 30.0
-"""How often a rank waiting for late ranks says so."""
 _MAX_SLEEP = 0.002
 _PUBLISH_AFTER = 0.05
-"""Seconds of waiting before a rank says where it waits (ranks that arrive
-together skip two store round trips)."""
 
 
 def poll_seconds() -> float:
-    """``FSDP_COMPOSE_POLL_SECONDS`` (read at each wait, default 1)."""
     value = os.environ.get(POLL_ENV, "")
     return float(value) if value else DEFAULT_POLL_SECONDS
 
 
 Waiting = Callable[[float, dict[int, str], dict[int, Doing]], None]
-"""Told while a meeting waits: (seconds waited, {missing rank: the meeting
-it waits at, "" if none}, {missing rank at no meeting: what it does})."""
+"""Told while a meeting waits: (seconds waited, {missing rank: meeting it waits at}, {missing
+rank: what it does})."""
 
 
 def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
          waiting: Waiting,
          previous: Optional[str] = None) -> list[str]:
-    """Every rank's ``value``, in the order of ``ranks``, exchanged through
-    the default store under ``prefix/<rank>`` ([Note: where each rank
-    waits]). While some are missing, calls ``waiting`` (see :data:`Waiting`;
-    it may raise) about every :func:`poll_seconds`. A rank that raised while
-    waiting elsewhere leaves ``LEFT + <what it waited at>`` here. Deletes
-    ``previous``, this rank's key of its previous meeting in the series
-    (every rank has read it once all keys of this one exist)."""
+    """Every rank's ``value`` in the order of ``ranks``, through the default store; calls
+    ``waiting`` (which may raise) while some are missing, and deletes ``previous``, this
+    rank's key of the last meeting."""
     store = default_store()
     start_watcher()
     if not _exit_marked:
@@ -153,8 +128,6 @@ def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
 
 
 LEFT = "!left "
-"""Prefix of the value a rank leaves at another's meeting when it raised
-waiting at its own (followed by where it waited)."""
 
 
 def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int, what: str,
@@ -190,26 +163,22 @@ def _wait_for(store: dist.Store, keys: list[str], ranks: Sequence[int], me: int,
 
 
 class _Asking:
-    """Questions a waiting rank puts to the watchers of the ranks it misses
-    ([Note: blocked is not late])."""
+    """Questions to the watchers of missing ranks ([Note: blocked is not late])."""
 
     def __init__(self, me: int) -> None:
         self.me: int = me
         self.asked: dict[int, int] = {}
-        """rank -> the number of its unanswered question."""
         self.said: dict[int, Doing] = {}
-        """rank -> its latest answer."""
 
     def look(self, ranks: list[int]) -> dict[int, Doing]:
-        """Read the answers of ``ranks``, ask again; {rank: latest answer},
-        kind ``"blocked"`` where two answers in a row name the same
-        collective that waits for this rank."""
+        """Ask ``ranks`` again; an answer is ``"blocked"`` where two in a row name the same
+        collective waiting for this rank."""
         for rank in ranks:
             number = self.asked.get(rank)
             if number is not None:
                 now = answer(rank, number)
                 if now is None:
-                    continue  # not answered yet: its watcher is busy, or it has none
+                    continue  # not answered yet
                 before = self.said.get(rank)
                 if before is not None and before.token and before.token == now.token and \
                         now.waits_for(self.me):
@@ -224,7 +193,7 @@ _EXITED = "exited"
 
 
 def _mark_exit(store: dist.Store, me: int) -> None:
-    """At interpreter exit: tell ranks still waiting for this one that it will never come."""
+    """At exit: tell ranks waiting for this one that it will never come."""
     try:
         store.set(f"{_WHERE}/{me}", f"the end of its process (it exited)\n{_EXITED}")
     except Exception:  # noqa: BLE001 - the store may be gone already; nothing to tell then
@@ -232,7 +201,6 @@ def _mark_exit(store: dist.Store, me: int) -> None:
 
 
 def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
-    """(what ``rank`` waits at, that meeting's prefix), or ("", "")."""
     key = f"{_WHERE}/{rank}"
     if not store.check([key]):
         return "", ""
@@ -241,13 +209,11 @@ def _where_of(store: dist.Store, rank: int) -> tuple[str, str]:
 
 
 def _next_number(group: dist.ProcessGroup) -> str:
-    """``<collectives issued on group>.<calls since>``: equal on ranks that
-    made the same collectives and calls, and back in step after a one-sided
-    call once the group runs its next collective."""
+    """Equal on ranks that made the same collectives and calls."""
     try:
         issued = sequence_number(group)
     except (RuntimeError, AttributeError):
-        issued = -1  # a backend without sequence numbers: calls are counted alone
+        issued = -1  # no sequence numbers: calls are counted alone
     seen, count = _calls.get(group.group_name, (issued, 0))
     count = count if seen == issued else 0
     _calls[group.group_name] = (issued, count + 1)
@@ -272,7 +238,7 @@ def _raise(me: int, call: str, missing: list[int], other: dict[int, str], fix: s
     if other:
         parts.append("; ".join(f"rank {rank} called {name} there instead"
                                for rank, name in other.items()))
-    raise CallMismatchError(  # from no store error: this is the first thing a user reads
+    raise CallMismatchError(  # from no store error: this is what a user reads
         f"[rank {me}] {call} is collective (every rank of its process group must call it, in "
         f"the same order as the other collective calls), but {', and '.join(parts)}. "
         f"Nothing was communicated. {fix} (The wait is {CALL_TIMEOUT_ENV} seconds, default "

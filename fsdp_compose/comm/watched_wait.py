@@ -1,17 +1,10 @@
-"""Waiting on the training step's collectives, telling a watcher when one
-stalls or fails.
+"""Waiting on the training step's collectives, telling a watcher when one stalls or fails.
 
 [Note: flight log]
-Ranks that diverge late (a unit skipped on one rank) pair collectives of
-different units; the backend then times out or fails, naming no unit. Every
-wait of a data collective goes through :func:`wait_watched`: one
-``work.wait(timeout)`` on the fast path; a wait still running after
-:func:`stall_seconds`, or that raises, is reported to its group's watcher
-(the model's ``DivergenceMonitor``, set by :func:`watch`), which publishes
-its recent collective log to the rendezvous store, reads the others' and
-raises a diagnosis where they disagree (``checks/divergence.py``). A wait
-that finishes after all tells the watcher to withdraw what it published. A
-rank that gloo aborted publishes nothing; the others name it as gone.
+Ranks that diverge late pair collectives of different units; the backend then fails naming no
+unit. So a wait of a data collective that stalls past :func:`stall_seconds` or raises is
+reported to its group's watcher (``checks/divergence.py``), which compares the ranks' recent
+collective logs through the store and raises a diagnosis.
 """
 
 from __future__ import annotations
@@ -29,39 +22,33 @@ DEFAULT_STALL_SECONDS = 10.0
 
 
 class Watcher(Protocol):
-    """Told about the stalled or failed collectives of one process group."""
 
     def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
                 waited: float) -> None:
-        """A wait on ``process_group`` has lasted ``waited`` seconds (``error``
-        None: it goes on waiting) or raised ``error`` (re-raised after). May
-        raise a diagnosis instead."""
+        """A wait on ``process_group`` has lasted ``waited`` seconds (``error`` None) or raised
+        ``error`` (re-raised after). May raise a diagnosis instead."""
 
     def recovered(self, process_group: dist.ProcessGroup) -> None:
         """A wait it was told about finished after all."""
 
 
 _watchers: "dict[str, weakref.ref[Watcher]]" = {}
-"""process group name -> its watcher (the latest model bound on it)."""
 
 
 def watch(process_group: dist.ProcessGroup, watcher: Watcher) -> None:
-    """Make ``watcher`` (held weakly) the one told about ``process_group``'s
-    stalls. Gloo groups only: elsewhere a timed wait would block the host
-    (NCCL's ``wait()`` does not)."""
+    """Make ``watcher`` (weakly held) the one told about ``process_group``'s stalls; gloo only (a
+    timed wait elsewhere blocks the host)."""
     if dist.get_backend(process_group) == "gloo":
         _watchers[process_group.group_name] = weakref.ref(watcher)
 
 
 def stall_seconds() -> float:
-    """``FSDP_COMPOSE_STALL_SECONDS`` (read at each stall, default 10)."""
     value = os.environ.get(STALL_ENV, "")
     return float(value) if value else DEFAULT_STALL_SECONDS
 
 
 def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
-    """``work.wait()``, telling ``process_group``'s watcher of stalls and
-    failures ([Note: flight log])."""
+    """``work.wait()``, telling the group's watcher of stalls and failures ([Note: flight log])."""
     ref = _watchers.get(process_group.group_name) if process_group is not None else None
     watcher = ref() if ref is not None else None
     if watcher is None:
@@ -85,5 +72,4 @@ def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
 
 
 def _is_timeout(error: RuntimeError) -> bool:
-    """Our short wait ran out (gloo: "Operation timed out!"), not the backend's timeout."""
     return "Operation timed out!" in str(error) and "Timed out waiting" not in str(error)

@@ -1,25 +1,13 @@
-"""What a rank's main thread is doing, told on request to the ranks that
-wait for it at a meeting of the library.
+"""What a rank's main thread is doing, told on request to ranks waiting for it at a meeting.
 
 [Note: blocked is not late]
-A rank waiting at a collective call ([Note: call rendezvous]) cannot tell
-from the store alone whether a missing rank is late (it will come) or
-blocked in a collective that waits for the waiting rank (``if rank == 0:
-torch.save(model.state_dict(), f)`` then ``dist.barrier()``: it will never
-come). So every rank runs a watcher: a daemon thread asleep in a blocking
-store wait (its own :meth:`Store.clone`: a client serves one operation at a
-time) on the key of its next question. A waiting rank asks (:func:`ask`);
-the watcher wakes, reads where its main thread is
-(``sys._current_frames()``), answers with a :class:`Doing` under a key
-numbered like the question, and sleeps again. Questions and answers are
-numbered per rank and deleted when read, so no later meeting reads a stale
-one.
-
-A rank is *blocked* when its main thread is inside a ``torch.distributed``
-collective (or the library's ``wait_watched``) whose members include the
-waiting rank, its group has issued more collectives there than on the
-waiting rank (nothing here can pair with it), and two answers a poll apart
-name the same call in progress. Anything else is *late*.
+The store cannot tell whether a missing rank is late or blocked in a collective that waits for
+the waiting rank (``if rank == 0: torch.save(model.state_dict(), f)`` then
+``dist.barrier()``). So every rank runs a watcher thread, asleep in a blocking store wait on
+its next question's key; asked, it reads where its main thread is (``sys._current_frames()``)
+and answers with a :class:`Doing`. A rank is *blocked* when that is a collective whose members
+include the waiting rank, whose group issued more collectives there than on the waiting rank,
+and two answers a poll apart name the same call; else it is *late*.
 """
 
 from __future__ import annotations
@@ -50,18 +38,14 @@ class Doing(NamedTuple):
     """Where one rank's main thread was when asked.
 
     Attributes:
-        kind: ``"collective"``, ``"meeting"`` (at a meeting of the
-            library) or ``"code"`` (anything else).
-        what: the call it is in (``torch.distributed.barrier()``), or the
-            function it runs.
-        where: ``file:line`` of the user's code that made that call.
-        group: the collective's process group name ("" if none).
+        kind: ``"collective"``, ``"meeting"`` or ``"code"``.
+        what: the call it is in, or the function it runs.
+        where: ``file:line`` of the user's code.
+        group: the collective's process group name.
         members: global ranks the collective waits for.
-        issued: collectives the group had issued on that rank (-1 unknown).
+        issued: collectives the group had issued (-1: unknown).
         token: the same while the same call is in progress.
-        ours: the collective was issued by the library (a data collective
-            of a forward or backward), not by the user's code or torch's.
-    """
+        ours: the library issued the collective."""
 
     kind: str
     what: str
@@ -77,12 +61,10 @@ class Doing(NamedTuple):
         return f"{self.what} at {self.where}" if self.where else self.what
 
     def blocks(self, rank: int) -> str:
-        """``rank is blocked in <says>, which waits for this rank``: the
-        phrase every blocked-rank message names ``rank`` with."""
         return f"rank {rank} is blocked in {self.says()}, which waits for this rank"
 
     def waits_for(self, me: int) -> bool:
-        """Inside a collective that cannot finish without ``me`` (see the note)."""
+        """Inside a collective that cannot finish without ``me``."""
         if self.kind != "collective" or me not in self.members:
             return False
         if self.issued < 0 or not self.group:
@@ -90,12 +72,12 @@ class Doing(NamedTuple):
         try:
             mine = sequence_number(group_named(self.group))
         except (RuntimeError, AttributeError, KeyError, ValueError):
-            return True  # a group this rank cannot count on: the call in progress decides
+            return True  # a group this rank cannot count on
         return mine < self.issued
 
 
 def ask(rank: int) -> int:
-    """Ask ``rank``'s watcher where its main thread is; the number for :func:`answer`."""
+    """Ask ``rank``'s watcher; the number for :func:`answer`."""
     store = default_store()
     number = store.add(f"{_PREFIX}/{rank}/asked", 1)
     store.set(f"{_PREFIX}/{rank}/ask/{number}", str(dist.get_rank()))
@@ -103,7 +85,7 @@ def ask(rank: int) -> int:
 
 
 def answer(rank: int, number: int) -> Optional[Doing]:
-    """``rank``'s answer to question ``number`` (read once), or ``None`` if not there yet."""
+    """``rank``'s answer to question ``number`` (read once), or ``None``."""
     store = default_store()
     key = f"{_PREFIX}/{rank}/said/{number}"
     if not store.check([key]):
@@ -114,11 +96,10 @@ def answer(rank: int, number: int) -> Optional[Doing]:
 
 
 class _Watcher:
-    """The thread of this rank that answers :func:`ask` (one per process)."""
 
     def __init__(self, store: dist.Store, rank: int) -> None:
-        self.listen: dist.Store = store.clone()  # blocked in wait: a client of its own
-        self.tell: dist.Store = store.clone()  # for the stop at exit
+        self.listen: dist.Store = store.clone()  # a client of its own, blocked in wait
+        self.tell: dist.Store = store.clone()
         self.rank: int = rank
         self.thread: threading.Thread = threading.Thread(
             target=self._serve, name="fsdp_compose-whereabouts", daemon=True)
@@ -140,7 +121,6 @@ class _Watcher:
             return
 
     def stop(self) -> None:
-        """At exit: wake the thread with a stop question and join it."""
         try:
             number = self.tell.add(f"{_PREFIX}/{self.rank}/asked", 1)
             self.tell.set(f"{_PREFIX}/{self.rank}/ask/{number}", _STOP)
@@ -153,13 +133,13 @@ _watcher: list[_Watcher] = []
 
 
 def start_watcher() -> None:
-    """Start this rank's watcher once (a no-op without a default group of several ranks)."""
+    """Start this rank's watcher once."""
     if _watcher or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     try:
         store = default_store()
     except (RuntimeError, ValueError):
-        return  # no default group: nobody asks
+        return
     watcher = _Watcher(store, dist.get_rank())
     _watcher.append(watcher)
     watcher.thread.start()
@@ -167,12 +147,11 @@ def start_watcher() -> None:
 
 
 def main_thread_doing() -> Doing:
-    """Classify where the main thread is now (see the note)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return Doing("code", "(no main thread)", "")
     user, entry, collective, meeting = None, None, None, False
-    inner: list[FrameType] = []  # frames of torch and of the library, innermost first
+    inner: list[FrameType] = []  # frames of torch and the library, innermost first
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_TORCH_DIR) or path.startswith(_OUR_DIR):
@@ -204,8 +183,6 @@ def main_thread_doing() -> Doing:
 
 
 def _entry(inner: list[FrameType]) -> str:
-    """The user's call: the outermost frame of torch or the library (logging
-    wrappers skipped), as ``module.function()``."""
     for frame in reversed(inner):
         module = frame.f_globals.get("__name__", "?")
         if module != "torch.distributed.c10d_logger":
@@ -215,8 +192,6 @@ def _entry(inner: list[FrameType]) -> str:
 
 
 def _members(frame: FrameType) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
-    """The group of the collective ``frame`` runs and the global ranks it
-    waits for (the peer alone for point-to-point)."""
     local = frame.f_locals
     group = local.get("group", local.get("process_group")) or dist.group.WORLD
     if frame.f_code.co_name in _POINT_TO_POINT:

@@ -1,28 +1,12 @@
-"""How one flat buffer's collectives go on the wire: a :class:`Wire` per
-buffer (``FlatBuffer.wire``), which the collective queue calls for every
-all-gather and reduce-scatter whatever the format. Three implementations:
-
-* :class:`Wire` (``EXACT``): the library's own collectives
-  (``collectives.py``), values moved as they are;
-* :class:`QuantizedWire`: block-quantized payloads (``quantized.py``,
-  ``CommPolicy``), per direction;
-* :class:`CustomWire`: FSDP2's ``AllGather`` / ``ReduceScatter`` objects,
-  their memory and their reduce-scatter group (``custom.py``), over the
-  wire the policy chose for what they leave alone.
-
-The format is chosen where it is decided (the buffer's policy, the custom
-comm setters) and compared where buckets are planned (:meth:`Wire.key`);
-the queue never asks which one it holds.
+"""How one flat buffer's collectives go on the wire: the collective queue calls the buffer's
+:class:`Wire` whatever the format (``EXACT``, :class:`QuantizedWire`, :class:`CustomWire`);
+the format is chosen by the buffer's policy and the custom comm setters.
 
 [Note: the wire interface]
-A wire *issues*; it never waits. Each call returns an :class:`Issued`: the
-work to wait, the process group it runs on, the copies to make after the
-wait (a custom collective's memory into ours), the temporaries the queue
-frees after them ([Note: freeing what a collective read] in
-``runtime/collective_queue.py``: only memory the wire allocated itself
-and says is ours, :meth:`Wire.gather_memory`), the tensors the backend
-reads until the wait, and for a bucket's all-gather the ``(F, T)`` grid
-each member copies its values out of at its completion.
+A wire *issues*; it never waits. Each call returns an :class:`Issued`: the work, the copies to
+make after the wait, the temporaries the queue may free after them ([Note: freeing what a
+collective read]), the inputs the backend reads until the wait, and a bucket's all-gather
+grid.
 """
 
 from __future__ import annotations
@@ -39,13 +23,11 @@ from .quantized import BlockQuantizer, all_gather_quantized, reduce_scatter_quan
 
 
 class Waitable(Protocol):
-    """A ``torch.distributed.Work``, a ``QuantizedWork`` or a custom collective's."""
 
     def wait(self) -> object: ...
 
 
 class PartialSums(Protocol):
-    """What keeps a reduction's partial sum across backwards (``FlatGradient``)."""
 
     def merge_partial(self, output: torch.Tensor) -> torch.Tensor: ...
 
@@ -55,14 +37,12 @@ class Issued(NamedTuple):
 
     Attributes:
         work: what to wait.
-        process_group: the group it runs on (for the watched wait).
-        copies: ``(destination, source)`` made once after the wait.
+        process_group: the group it runs on.
+        copies: ``(destination, source)`` made after the wait.
         temporaries: the wire's own memory, freed after the copies.
         keep_alive: inputs the backend reads until the wait.
-        grid: a bucket's all-gather output viewed ``(F, T)``, copied into
-            each member at its completion (``None``: written in place).
-        grid_is_ours: the grid is freed after the last member's copy.
-    """
+        grid: a bucket's all-gather output viewed ``(F, T)`` (``None``: written in place).
+        grid_is_ours: the grid is freed after the last member's copy."""
 
     work: Waitable
     process_group: Optional[dist.ProcessGroup]
@@ -74,13 +54,11 @@ class Issued(NamedTuple):
 
 
 class Wire:
-    """The exact wire: ``collectives.py``'s all-gather and reduce-scatter,
-    on memory the queue may free."""
+    """The exact wire: ``collectives.py``'s collectives on memory the queue may free."""
 
     __slots__ = ()
 
     comms: Optional[UnitComms] = None
-    """The unit's replaced collectives (:class:`CustomWire` only)."""
 
     def key(self) -> tuple:
         """Equal for wires a bucket may pack together."""
@@ -92,69 +70,55 @@ class Wire:
 
     @property
     def fills_members_at_completion(self) -> bool:
-        """A bucket's all-gather copies each member out of its grid at the
-        member's completion ([Note: a bucket's copies]), so their storage
-        is allocated then; ``False``: written at the wait, allocated at issue."""
+        """Bucket members are copied out of the grid at their completion ([Note: a bucket's
+        copies])."""
         return True
 
     def on_policy(self, policy: "Wire") -> "Wire":
-        """This wire after the buffer's policy chose ``policy`` (the buffer
-        was rebuilt): a custom wire keeps its collectives over it."""
         return policy
 
     def subgroup_gather(self) -> "Wire":
-        """The wire of an all-gather from a ``reshard_after_forward=k``
-        piece over its ``k`` ranks (never quantized)."""
         return self
 
-    # ----------------------------------------------------------------- memory
     def gather_memory(self, numel: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, bool]:
-        """A flat tensor for an all-gather's output, and whether the queue
-        may free it."""
+        """An all-gather's output, and whether the queue may free it."""
         return torch.empty(numel, dtype=dtype, device=device), True
 
     def reduce_memory(self, numel: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, bool]:
-        """A flat tensor for a reduce-scatter's input or output, and
-        whether the queue may free it."""
+        """A reduce-scatter's input or output, and whether the queue may free it."""
         return torch.empty(numel, dtype=dtype, device=device), True
 
     def reduce_group(self, group: ShardGroup) -> ShardGroup:
-        """``group`` with the reduce-scatter's process group."""
         return group
 
-    # ------------------------------------------------------------- all-gather
     def all_gather(self, destination: torch.Tensor, shard: torch.Tensor,
                    group: ShardGroup) -> Issued:
-        """Into ``destination`` (flat, ``F`` times ``shard``, rank-major)."""
         work = all_gather_into(destination, shard, group, async_op=True)
         return Issued(work, group.process_group, keep_alive=(shard,))  # type: ignore[arg-type]
 
     def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
                           shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
-        """One all-gather of a bucket's ``shards`` (one per member, ``S_i``
-        elements), packed ([Note: bucketing]); ``rows``: the ``(F, S_i)``
-        destinations of the members that receive (the others ``None``)."""
+        """One packed all-gather of a bucket's ``shards`` ([Note: bucketing]) into ``rows``
+        (``None``: not received)."""
         world = group.world_size
         total = sum(shard.numel() for shard in shards)
         packed = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0]
         out, ours = self.gather_memory(world * total, packed.dtype, group.device)
         work = self._all_gather_flat(out, packed, group)
         return Issued(work, group.process_group,
-                      temporaries=[packed] if len(shards) > 1 else [],  # one: a shard, not ours
+                      temporaries=[packed] if len(shards) > 1 else [],
                       keep_alive=shards, grid=out.view(world, total), grid_is_ours=ours)
 
     def _all_gather_flat(self, output: torch.Tensor, packed: torch.Tensor,
                          group: ShardGroup) -> Waitable:
         return all_gather_into(output, packed, group, async_op=True)  # type: ignore[return-value]
 
-    # --------------------------------------------------------- reduce-scatter
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                        divide_factor: Optional[float], force_sum: bool) -> Issued:
-        """Reduce-scatter one buffer's ``flat`` gradient into ``output``
-        (``collectives.reduce_scatter_scaled``'s result contract) over
-        ``group`` (its :meth:`reduce_group` already)."""
+        """Reduce-scatter ``flat`` into ``output`` (``collectives.reduce_scatter_scaled``'s
+        contract)."""
         work = reduce_scatter_scaled(output, flat, group, divide_factor, force_sum, async_op=True)
         return Issued(work, group.process_group, keep_alive=(flat,))  # type: ignore[arg-type]
 
@@ -162,10 +126,8 @@ class Wire:
                               chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
                               group: ShardGroup, divide_factor: Optional[float],
                               force_sum: bool) -> Issued:
-        """One reduce-scatter of a bucket's flat gradients (``F * chunks[i]``
-        elements each; ``None``: zeros) into ``outputs`` (``chunks[i]``
-        elements; ``None``: not wanted) over ``group`` (its
-        :meth:`reduce_group` already). Each segment is reduced as alone."""
+        """One reduce-scatter of a bucket's gradients (``None``: zeros) into ``outputs``; each
+        segment reduced as alone."""
         world, total = group.world_size, sum(chunks)
         dtype = next(g.dtype for g in grads if g is not None)
         packed, ours = self.reduce_memory(world * total, dtype, group.device)
@@ -193,12 +155,10 @@ class Wire:
         return reduce_scatter_scaled(output, flat, group, divide_factor,  # type: ignore[return-value]
                                      force_sum, async_op=True)
 
-    # -------------------------------------------------- completion of a reduction
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
-        """Hybrid sharding: what to all-reduce over the replicas after the
-        reduce-scatter wrote ``output`` (``None``: keep ``output`` as a
-        partial sum for a later one)."""
+        """Hybrid: what to all-reduce over the replicas (``None``: keep ``output`` as a partial
+        sum)."""
         return output
 
     def before_fold(self, output: torch.Tensor) -> None:
@@ -206,12 +166,11 @@ class Wire:
 
 
 EXACT = Wire()
-"""The exact wire: every buffer's until its policy or a setter says otherwise."""
 
 
 class QuantizedWire(Wire):
-    """Block-quantized collectives ([Note: block-quantized wire format]):
-    each direction with its quantizer, exact where it has none."""
+    """Block-quantized collectives ([Note: block-quantized wire format]) in the directions with a
+    quantizer."""
 
     __slots__ = ("gather_quantizer", "reduce_quantizer")
 
@@ -238,7 +197,7 @@ class QuantizedWire(Wire):
                    group: ShardGroup) -> Issued:
         if self.gather_quantizer is None:
             return super().all_gather(destination, shard, group)
-        rows = destination.view(group.world_size, -1)  # decoded into it at the wait
+        rows = destination.view(group.world_size, -1)
         work = all_gather_quantized([rows], [shard], group, self.gather_quantizer)
         return Issued(work, group.process_group, keep_alive=(shard,))
 
@@ -269,16 +228,14 @@ class QuantizedWire(Wire):
 
 def policy_wire(gather_quantizer: Optional[BlockQuantizer],
                 reduce_quantizer: Optional[BlockQuantizer]) -> Wire:
-    """The wire a ``CommPolicy`` asks for (``EXACT`` without quantizers)."""
     if gather_quantizer is None and reduce_quantizer is None:
         return EXACT
     return QuantizedWire(gather_quantizer, reduce_quantizer)
 
 
 class CustomWire(Wire):
-    """FSDP2's custom collectives ([Note: custom collectives] in
-    ``custom.py``) over ``base``, the policy's wire, for what they leave
-    alone. Their memory is never freed by the queue: the object may reuse it."""
+    """FSDP2's custom collectives ([Note: custom collectives]) over ``base``; the queue never
+    frees their memory."""
 
     __slots__ = ("comms", "base")
 
@@ -372,8 +329,6 @@ class CustomWire(Wire):
 
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
-        """``set_requires_all_reduce(False)`` keeps the sum (no hook, as
-        FSDP2); the next all-reduce adds it."""
         if not self.comms.requires_all_reduce:
             return None
         return partials.merge_partial(output)

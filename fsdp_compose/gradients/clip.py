@@ -1,46 +1,13 @@
 """Gradient norms over sharded parameters: clipping and per-parameter norms.
 
-After ``fully_shard`` every original parameter is a view of the part of it
-this rank owns (its rows by default, 1-D under ``"flat"``, possibly empty), and its ``.grad`` the matching part of
-the averaged gradient. Each element of a sharded parameter is owned by
-exactly one rank, so a p-norm over the whole model is
-
-    ||g||_p = (sum over ranks of sum over local shards of |g|^p) ** (1/p)
-
-and the inf-norm is the maximum over ranks of the local maxima. One scalar
-all-reduce (SUM, or MAX for the inf-norm) over the sharding process group
-therefore gives every rank the norm that ``torch.nn.utils.clip_grad_norm_``
-computes on the unsharded model.
-
-Parameters ``fully_shard`` does not manage (``ignored_params``, modules never
-annotated) are full-size and replicated: they are counted once, not once per
-rank. For p-norms only rank 0 of the (first) process group adds their
-``|g|^p``; for the inf-norm every rank adds its local maximum, which is the
-same thing when they are replicated. Either way the result is identical on
-every rank even if a user forgot to keep ignored parameters' gradients in
-sync (it then reflects rank 0's copy, or the largest copy for the inf-norm).
-
-Process groups: parameters are grouped by the process group of their flat
-buffer; groups with the same member ranks are merged (e.g. meshes built
-separately over the same ranks). There is one all-reduce per distinct group,
-in order of first appearance among the given parameters, and the results are
-added (max-ed for the inf-norm). With a 1-D mesh over all ranks, the usual
-case, that is exactly one all-reduce per call. Every rank of a group must
-call with the same parameters (as for any collective); whether a rank has a
-gradient locally does not matter (a rank owning no element of a parameter
-has ``grad is None`` for it while others do not).
-
-Tensor parallelism: a TP-sharded parameter (a ``DTensor`` with a ``Shard``
-placement before ``fully_shard``) holds other elements on every tp rank, so
-its ``|g|^p`` is summed over its flat buffer's group and then over the tp
-group; TP-replicated ones (``Replicate``) hold the same values on every tp
-rank and are summed over the buffer's group only (counted once). That is
-one more all-reduce (over tp) per call.
-
-Precision: per-tensor norms are computed in float32 (float64 for float64
-tensors), whatever the gradients' dtype (bf16/fp16 included); the sum of
-their p-th powers and the all-reduce use float64 (float32 on devices
-without float64), so large norms do not overflow. Returned norms are float32.
+Each element of a managed parameter is owned by exactly one rank, so a p-norm over the whole
+model is ``(sum over ranks of the local sums of |g|^p) ** (1/p)`` and the inf-norm the maximum
+of the local maxima: one scalar all-reduce gives every rank the norm
+``torch.nn.utils.clip_grad_norm_`` computes on the unsharded model. Parameters ``fully_shard``
+does not manage are replicated and counted once (rank 0 adds their ``|g|^p``). There is one
+all-reduce per distinct set of member ranks, one more over tp for TP-sharded parameters
+(TP-replicated ones count once). Per-tensor norms are float32 (float64 for float64 tensors);
+sums and the all-reduce use float64 where the device has it.
 """
 
 from __future__ import annotations
@@ -65,51 +32,31 @@ __all__ = ["clip_grad_norm_", "param_norms"]
 ParamsArg = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
 
 
-# ------------------------------------------------------------------ public
 @torch.no_grad()
 def clip_grad_norm_(module_or_params: ParamsArg, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False,
                     foreach: Optional[bool] = None) -> torch.Tensor:
-    """Clip the gradients of (sharded) parameters by their total norm, in place.
-
-    The drop-in for :func:`torch.nn.utils.clip_grad_norm_` on a model
-    annotated with ``fully_shard``: the returned total norm is the norm of
-    the gradients of all ORIGINAL parameters, as if the model were not
-    sharded, and it is identical (bitwise) on every rank. Every gradient is
+    """Clip the gradients of (sharded) parameters by their total norm, in place: the drop-in for
+    :func:`torch.nn.utils.clip_grad_norm_` on a ``fully_shard`` model. Every gradient is
     multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``.
 
     Args:
-        module_or_params: a module (its ``parameters()``), one tensor, or an
-            iterable of parameters; sharded, ignored and plain parameters may
-            be mixed. Parameters without ``.grad`` (frozen ones, or a rank
-            that owns no element of them) contribute nothing locally.
-            A parameter listed twice counts once.
+        module_or_params: a module, one tensor, or an iterable of parameters; managed and
+            plain parameters may be mixed; a parameter listed twice counts once.
         max_norm: the largest total norm allowed.
         norm_type: ``p > 0`` of the p-norm, or ``inf``.
-        error_if_nonfinite: raise ``RuntimeError`` if the total norm is nan
-            or inf. The norm is the same on every rank, so either every rank
-            raises or none does.
-        foreach: use ``torch._foreach_*`` kernels (``None``: where the
-            device supports them, like torch).
+        error_if_nonfinite: raise ``RuntimeError`` if the total norm is nan or inf (on every
+            rank or none).
+        foreach: use ``torch._foreach_*`` kernels (``None``: where the device supports them).
 
     Returns:
-        The total norm, a float32 0-d tensor on the process group's device
-        (the first gradient's device when no parameter is sharded).
+        The total norm of all original parameters' gradients, as on the unsharded model up to
+            rounding, bitwise equal on every rank: a float32 0-d tensor on the process group's
+            device.
 
-    Invariants:
-        * ``total_norm`` equals ``torch.nn.utils.clip_grad_norm_`` on the
-          unsharded model with the same gradients, up to float rounding;
-        * it is the same on every rank, so clipping and ``error_if_nonfinite``
-          act the same everywhere;
-        * gradients are only scaled down, never up, and never re-allocated.
-
-    Cost:
-        one all-reduce of ONE scalar (float64; SUM for p-norms) or of two
-        scalars (MAX for the inf-norm: value and a nan flag) per distinct
-        process group among the sharded parameters, so one for the usual
-        single 1-D mesh; none when no parameter is sharded. No other
-        collective and no host sync apart from ``error_if_nonfinite``.
-    """
+    Collective: every rank calls it with the same parameters. One scalar all-reduce per
+    distinct process group (two scalars for the inf-norm); no host sync apart from
+    ``error_if_nonfinite``."""
     params = _as_param_list(module_or_params)
     grads = [t.grad for t in params if t.grad is not None]
     total = total_norm_over_ranks(params, norm_type, error_if_nonfinite, foreach)
@@ -130,12 +77,9 @@ def total_norm_over_ranks(params: list[torch.Tensor], norm_type: float = 2.0,
                           error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
                           tensors: Optional[list[Optional[torch.Tensor]]] = None,
                           call: str = "fsdp_compose.clip_grad_norm_") -> torch.Tensor:
-    """The total norm of :func:`clip_grad_norm_` without the clipping:
-    over every rank, of ``tensors[i]`` (default: ``params[i].grad``), the
-    local part of ``params[i]`` (a managed parameter) or a replicated
-    tensor (anything else, e.g. ``params[i]`` itself when not managed).
-    Parameters are not deduplicated. Collective when any is managed; the
-    ranks meet as ``call`` first (ranks in different calls raise)."""
+    """The total norm of :func:`clip_grad_norm_` without clipping, of ``tensors[i]`` (default:
+    ``params[i].grad``): the local part of a managed ``params[i]``, else a replicated tensor.
+    Not deduplicated. Collective when any is managed; the ranks meet as ``call`` first."""
     p = _check_norm_type(norm_type)
     total = _total_norm(params, p, foreach, tensors, call)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
@@ -151,41 +95,23 @@ def total_norm_over_ranks(params: list[torch.Tensor], norm_type: float = 2.0,
 def param_norms(module_or_params: ParamsArg, kind: str = "grad", norm_type: float = 2.0,
                 foreach: Optional[bool] = None
                 ) -> Union[dict[str, Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
-    """The full norm of every ORIGINAL parameter (or of its gradient),
-    computed from the local shards, e.g. for trust-ratio optimizers
-    (LAMB, LARS) or for logging.
+    """The full norm of every original parameter (or of its gradient), computed from the local
+    shards (trust-ratio optimizers, logging).
 
     Args:
-        module_or_params: a module, or an iterable of parameters (e.g. one
-            optimizer param group's ``"params"``).
-        kind: ``"grad"`` for the gradients' norms, ``"weight"`` for the
-            parameters' own norms.
+        module_or_params: a module, or an iterable of parameters.
+        kind: ``"grad"`` or ``"weight"``.
         norm_type: ``p > 0`` of the p-norm, or ``inf``.
         foreach: as in :func:`clip_grad_norm_`.
 
     Returns:
-        For a module: a dict from the name in ``module.named_parameters()``
-        (the original FQN, ``param_info(p).fqn``, when ``module`` is the
-        annotated root) to the norm. For an iterable: a list aligned with it.
-        Norms are float32 0-d tensors on the process group's device, the
-        same on every rank. With ``kind="grad"``, a parameter whose gradient
-        is ``None`` on every rank gets ``None``; a rank that owns no element
-        of a parameter still gets its full gradient norm.
+        For a module, a dict from ``named_parameters()`` names to norms; for an iterable, a
+            list aligned with it. Float32 0-d tensors, the same on every rank, equal to
+            ``torch.linalg.vector_norm`` of the unsharded tensor up to rounding. With
+            ``kind="grad"``, ``None`` where the gradient is ``None`` on every rank.
 
-    Invariants:
-        each norm equals ``torch.linalg.vector_norm`` of the unsharded
-        parameter (or gradient), up to float rounding; parameters not managed
-        by ``fully_shard`` are taken as replicated (rank 0's copy for
-        p-norms, the largest copy for the inf-norm, as in
-        :func:`clip_grad_norm_`).
-
-    Cost:
-        one all-reduce per distinct process group (one for a single mesh) of
-        a vector with one entry per parameter of that group (two entries for
-        ``kind="grad"``, three for the inf-norm), whatever the number of
-        parameters; none when no parameter is sharded. ``kind="grad"`` reads
-        the presence flags on the host (one device sync).
-    """
+    Collective: one all-reduce per distinct process group, whatever the number of parameters;
+    ``kind="grad"`` syncs the host once."""
     if kind not in ("grad", "weight"):
         raise ValueError(f"param_norms: kind must be 'grad' or 'weight', got {kind!r}")
     p = _check_norm_type(norm_type)
@@ -207,7 +133,6 @@ def param_norms(module_or_params: ParamsArg, kind: str = "grad", norm_type: floa
     return result
 
 
-# ----------------------------------------------------------------- helpers
 def _check_norm_type(norm_type: float) -> float:
     p = float(norm_type)
     if math.isnan(p) or p <= 0:  # inf is fine, -inf and 0 are not
@@ -232,12 +157,12 @@ def _as_param_list(params: ParamsArg) -> list[torch.Tensor]:
 
 
 class _NormGroup(NamedTuple):
-    """Sharded parameters whose norms are summed over the same ranks."""
+    """Managed parameters whose norms are summed over the same ranks."""
 
-    group: ShardGroup  # the data-parallel shard group of their flat buffers
+    group: ShardGroup
     tp_group: Optional[dist.ProcessGroup]  # TP-sharded parameters: also over tp
-    indices: list[int]  # positions in the parameter list
-    unit: Unit  # the unit of the first of them (whose model says whether to check calls)
+    indices: list[int]
+    unit: Unit  # whose model says whether to check calls
 
     def all_reduce(self, vec: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
         _all_reduce(vec, op, self.group)
@@ -247,15 +172,12 @@ class _NormGroup(NamedTuple):
 
     @property
     def counts_replicated(self) -> bool:
-        """Whether this rank adds the replicated (unmanaged) parameters'
-        ``|g|^p``: one rank of all those the sum runs over."""
+        """This rank adds the replicated parameters' ``|g|^p``."""
         return self.group.rank == 0 and (self.tp_group is None or self.tp_group.rank() == 0)
 
 
 def _meet(groups: list[_NormGroup], call: str) -> None:
-    """Before the first all-reduce of ``call``: every rank of each group
-    meets at the store, so a call made on some ranks only raises naming it
-    ([Note: call rendezvous]; four store round trips per group)."""
+    """[Note: call rendezvous] before the first all-reduce of ``call``."""
     for norm_group in groups:
         arrive(norm_group.group.process_group, call,
                "Call it on every rank (not under `if rank == 0:`), e.g. right after "
@@ -267,14 +189,9 @@ def _group_key(group: ShardGroup) -> tuple[int, ...]:
 
 
 def _partition(params: list[torch.Tensor]) -> tuple[list[_NormGroup], list[int]]:
-    """Indices of sharded parameters per distinct set of ranks to sum over
-    (the process group by member ranks, plus the tp group for TP-sharded
-    parameters; in order of first appearance) and of unmanaged parameters.
-
-    Tensor parallelism: a TP-sharded parameter's flat buffer holds this tp
-    rank's piece, so its norm is summed over dp and then tp; a TP-replicated
-    one (``Replicate`` placement) holds the same values on every tp rank
-    and is summed over dp only, so it counts once, not tp-size times."""
+    """Indices of managed parameters per distinct set of ranks to sum over (process group by
+    member ranks, plus the tp group for TP-sharded ones), in order of first appearance, and of
+    unmanaged ones."""
     groups: "OrderedDict[tuple, _NormGroup]" = OrderedDict()
     unmanaged: list[int] = []
     for i, t in enumerate(params):
@@ -301,7 +218,7 @@ def _norm_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
         return torch.float64
     if t.is_floating_point():
         return torch.float32
-    return None  # complex tensors: vector_norm returns a real norm by itself
+    return None  # complex: vector_norm returns a real norm
 
 
 def _use_foreach(foreach: Optional[bool], device: torch.device) -> bool:
@@ -322,7 +239,6 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.
 
 def _local_norms(tensors: list[torch.Tensor], p: float,
                  foreach: Optional[bool]) -> list[torch.Tensor]:
-    """``||t||_p`` of every tensor (non-empty), as 0-d tensors on its device."""
     result: list[Optional[torch.Tensor]] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -379,7 +295,7 @@ def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
 
     _meet(groups, call)
     unmanaged_norms = _local_norms(grads_of(unmanaged), p, foreach)
-    if not groups:  # nothing sharded: a plain local norm
+    if not groups:  # nothing sharded: a local norm
         all_grads = grads_of(list(range(len(params))))
         device = all_grads[0].device if all_grads else torch.device("cpu")
         if math.isinf(p):
@@ -413,8 +329,7 @@ def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
 def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Tensor]],
                      p: float, foreach: Optional[bool],
                      need_presence: bool) -> list[Optional[torch.Tensor]]:
-    """Full norm of each ``tensors[i]`` (the local part of ``params[i]``);
-    one all-reduce per distinct process group."""
+    """Full norm of each ``tensors[i]``; one all-reduce per distinct process group."""
     groups, unmanaged = _partition(params)
     _meet(groups, "fsdp_compose.param_norms")
     inf = math.isinf(p)
@@ -432,7 +347,7 @@ def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Te
             else _first_device(tensors, indices)
         acc = _acc_dtype(device)
         m = len(indices)
-        # rows: value (|t|^p summed, or max), present?, nan? (inf-norm only)
+        # rows: value, present?, nan? (inf-norm only)
         vec = torch.zeros(3 if inf else 2, m, dtype=acc, device=device)
         contributes = [j for j, i in enumerate(indices)
                        if tensors[i] is not None

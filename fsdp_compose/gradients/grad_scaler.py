@@ -1,18 +1,6 @@
-"""Loss scaling for sharded gradients.
-
-``torch.amp.GradScaler`` looks for inf/nan only in the gradients it can see.
-After ``fully_shard`` each rank sees only its own shard of every gradient, so
-one rank may find an inf that the others do not, and plain ``GradScaler``
-would then skip the step on that rank alone and lower the scale there alone:
-the ranks' parameters and scales drift apart silently.
-
-:class:`ShardedGradScaler` agrees on the verdict: after checking (and
-unscaling) its local gradients, each rank all-reduces its ``found_inf`` flag
-with MAX over the process group, so an inf/nan on any rank skips the step on
-every rank and backs the scale off on every rank. Everything else is
-``torch.amp.GradScaler``: same arguments, same ``scale`` / ``unscale_`` /
-``step`` / ``update`` / ``state_dict`` / ``load_state_dict``, and the scale
-(hence the state dict) stays identical on every rank.
+"""Loss scaling for sharded gradients: ``torch.amp.GradScaler`` finds inf/nan only in the
+gradients it sees, and each rank sees only its shard, so one rank alone would skip the step
+and lower its scale and the ranks would drift apart silently.
 """
 
 from __future__ import annotations
@@ -26,53 +14,27 @@ __all__ = ["ShardedGradScaler"]
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose inf/nan check is agreed across ranks.
-
-    Use it exactly like ``torch.amp.GradScaler``::
+    """``torch.amp.GradScaler`` whose inf/nan verdict is agreed across ranks (a MAX all-reduce of
+    ``found_inf``), so a step is skipped, and the scale backed off, on every rank together;
+    the scale and state dict stay identical on every rank::
 
         scaler = ShardedGradScaler("cuda")        # or "cpu" (gloo)
         scaler.scale(loss).backward()
-        scaler.unscale_(optim)                     # optional, e.g. before clipping:
-        clip_grad_norm_(model, 1.0)                # fsdp_compose.clip_grad_norm_
-        scaler.step(optim)                         # skipped on EVERY rank if ANY rank saw inf/nan
-        scaler.update()                            # the same new scale on every rank
+        scaler.unscale_(optim)                     # optional, e.g. before clipping
+        scaler.step(optim)                         # skipped on every rank if any saw inf/nan
+        scaler.update()
 
     Args:
-        device: ``"cuda"`` or ``"cpu"`` (any device type torch's scaler
-            takes); ``None``: ``"cuda"`` when CUDA is available, else
-            ``"cpu"``. Unlike torch, the default never silently disables the
-            scaler on a machine without CUDA.
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled:
-            as in ``torch.amp.GradScaler``.
-        process_group: the ranks that must agree (all ranks that shard the
-            optimizer's parameters); ``None``: the default process group at
-            the time of the check. Without an initialised process group (one
-            process) it behaves exactly like ``torch.amp.GradScaler``.
+        device: any device type torch's scaler takes; ``None``: ``"cuda"`` when available,
+            else ``"cpu"`` (never silently disabled without CUDA).
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in
+            ``torch.amp.GradScaler``.
+        process_group: the ranks that must agree; ``None``: the default group (none
+            initialised: plain ``GradScaler``).
 
-    Invariants:
-        * after every ``unscale_`` (explicit, or inside ``step``) the
-          optimizer's ``found_inf`` is the MAX over all ranks of the local
-          flags, so ``step`` runs or skips ``optimizer.step()`` on all ranks
-          together and ``update`` computes the same scale everywhere;
-        * a rank that holds no gradient for the optimizer (it owns no element
-          of any of its parameters) still joins the check, with flag 0.
-
-    Cost:
-        one all-reduce of one float32 scalar per optimizer per step (in
-        ``unscale_``, or in ``step`` when ``unscale_`` was not called); the
-        ``step`` then reads the agreed flag on the host, like torch's scaler.
-        With NCCL a CPU flag is moved to the current CUDA device for the
-        collective.
-
-    Notes:
-        On CPU this relies on ``torch._amp_foreach_non_finite_check_and_unscale_``
-        and ``torch._amp_update_scale_`` having CPU kernels, which they do in
-        the torch versions this package supports (>= 2.11). As in torch,
-        float16 *gradients* are refused by ``unscale_``; ``fully_shard``
-        keeps sharded gradients in the parameters' dtype, so keep fp32
-        parameters (a ``MixedPrecisionPolicy`` computes in fp16 without
-        making the gradients fp16).
-    """
+    A rank holding no gradient for the optimizer still joins the check. Cost: one scalar
+    all-reduce per optimizer per step. As in torch, ``unscale_`` refuses float16 gradients:
+    keep fp32 parameters (a ``MixedPrecisionPolicy`` computes in fp16 without fp16 gradients)."""
 
     def __init__(self, device: Optional[str] = None, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -88,9 +50,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        """Check/unscale the local gradients (torch's code), then agree on
-        one flag: every caller (``unscale_``, and ``_check_inf_per_device``
-        for optimizers with built-in scaling support) goes through here."""
+        """Check and unscale the local gradients (torch's code), then agree on one flag; every
+        caller of the check goes through here."""
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         agreed = torch.zeros((), dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():

@@ -1,46 +1,16 @@
-"""The flat optimizer step: the optimizer steps each flat buffer's shard as
-a few tensors instead of one per parameter, with the same numbers.
+"""The flat optimizer step: each flat buffer's shard is stepped as a few tensors instead of one
+per parameter, bitwise with torch's numbers (the default from an optimizer's second step on).
 
-It is the default: at the first step of an optimizer over parameters
-``fully_shard`` manages (a global step pre-hook, installed by the first
-``fully_shard``), that optimizer's later steps become flat steps; the
-first one is torch's own, into flat state laid out for it beforehand,
-which the second takes over without a copy (*adopts*).
-``flat_step(optimizer)`` does it at once (and returns the handle, made or
-already there); ``flat_step(optimizer, enabled=False)`` keeps torch's own
-step for that optimizer, before or after its first step.
-
-Between iterations a managed parameter's values are its view of its flat
-buffer's shard, and after backward its ``.grad`` is its view of one flat
-sharded gradient (``buffers/flat_grad.py``). So the parameters of one param
-group that lie back to back in a shard can be stepped as one tensor: one
-call into torch's own functional optimizer (``torch.optim.adam.adam``,
-``torch.optim.sgd.sgd``) per family of param groups (groups differing only
-in AdamW's weight decay are one family, ``rules.py``), with one tensor per
-run (``segments.py``) where torch's step passes one per parameter. Every
-element gets the same arithmetic (the same kernels, foreach or for-loop as
-torch would choose), so the values are bitwise those of torch's own step;
-what is saved is the per-tensor cost (kernel launches, Python, foreach
-list handling), which dominates on many small parameters.
-
-The optimizer's state stays per parameter: each parameter's ``exp_avg``,
-``exp_avg_sq``, ``max_exp_avg_sq`` or ``momentum_buffer`` is a view of a
-flat state tensor of its segment, its ``step`` its own 0-dim tensor, so
-``state_dict()``, ``load_state_dict()``, DCP and FSDP2 checkpoints see what
-they always see. State loaded into the optimizer is copied into the flat
-state at the next step (*adopted*).
-
-Anything else goes to torch's own step, for the parameters concerned:
-parameters ``fully_shard`` does not manage, a ``.grad`` that is not the
-parameter's piece of the flat gradient (set by hand), state that does not
-look like this optimizer's, and whole groups with ``fused``,
-``capturable``, ``differentiable``, a tensor ``lr``, or a GradScaler's
-fused unscale (each said once in a warning); other optimizer classes
-(subclasses too), and an optimizer whose ``step`` other code replaced on
-the instance, entirely (said in one warning line). An LR scheduler made
-before is kept: its wrapper of ``step`` is made again around the flat
-step. A parameter whose ``.grad`` is ``None`` is not touched, as torch
-does not touch it.
+A managed parameter views its buffer's shard and its ``.grad`` one flat sharded gradient, so
+parameters of a family of param groups (``rules.py``) lying back to back are stepped as one
+tensor per run (``segments.py``) by one call into torch's own functional optimizer, with the
+kernels torch would choose: only the per-tensor cost goes. The state stays per parameter
+(views of flat state tensors), so state dicts and checkpoints are unchanged. Whatever it
+cannot take (unmanaged parameters, a ``.grad`` set by hand, foreign state,
+``fused``/``capturable``/``differentiable`` groups, a tensor ``lr``, a GradScaler's fused
+unscale, other optimizer classes) goes to torch's own step. The default takes an optimizer over
+at its first step, which is torch's own into flat state laid out beforehand; the second step
+adopts that state without a copy. ``flat_step(optimizer, enabled=False)`` keeps torch's step.
 """
 
 from __future__ import annotations
@@ -60,9 +30,7 @@ from .rules import Rule, choose_foreach, rule_for
 from .segments import Member, Segment, build_segments, is_flat_view, member_ids
 
 _HANDLE_ATTRIBUTE = "_fsdp_compose_flat_step"
-"""Where an optimizer keeps its handle: on the instance, so that the handle
-(and the model its segments reach) dies with the optimizer in the same
-garbage collection; a global weak-keyed table kept them one collection longer."""
+"""On the instance: the handle dies with the optimizer in one garbage collection."""
 
 
 def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
@@ -70,22 +38,18 @@ def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
 
 
 _OFF: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-"""Optimizers turned off with ``flat_step(optimizer, enabled=False)``."""
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-"""Optimizers the default's step pre-hook has decided on."""
-_installed: list[object] = []  # the default's global step pre-hook, once installed
+_installed: list[object] = []
 
 
 class StepReport(NamedTuple):
     """What the last step did.
 
     Attributes:
-        flat_tensors: tensors the flat path passed to torch's functional step
-            (per state: one per run; a run is one or more parameters).
+        flat_tensors: tensors the flat path passed to torch's functional step.
         flat_params: parameters stepped through them.
         torch_params: parameters with a gradient left to torch's own step.
-        reasons: why whole groups went to torch's step (empty: none did).
-    """
+        reasons: why whole groups went to torch's step."""
 
     flat_tensors: int
     flat_params: int
@@ -94,54 +58,43 @@ class StepReport(NamedTuple):
 
 
 class FlatStep:
-    """The flat step of one optimizer (see the module note). Made by
-    :func:`flat_step`; :meth:`remove` returns the optimizer to torch's step."""
+    """The flat step of one optimizer, made by :func:`flat_step`; :meth:`remove` returns it to
+    torch's step."""
 
     def __init__(self, optimizer: Optimizer, rule: Optional[Rule], why_not: Optional[str]) -> None:
         self._optimizer: "weakref.ref[Optimizer]" = weakref.ref(optimizer)
         self.rule: Optional[Rule] = rule
         self.unsupported: Optional[str] = why_not
-        """Why this optimizer is stepped by torch only (``None``: supported)."""
         self.active: bool = why_not is None
         self.last: Optional[StepReport] = None
-        """What the last step did (``None``: no step yet)."""
         step = type(optimizer).step
         self._torch_step: Callable[..., Any] = getattr(step, "__wrapped__", step)
-        """torch's step without the hook wrapper (the wrapper around the flat step runs the hooks)."""
+        """torch's step without its hook wrapper (the flat step's wrapper runs the hooks)."""
         self._params_signature: Optional[tuple] = None
-        """Per param group, its params list's identity and length (the plan's input)."""
         self._signature: Optional[tuple] = None
-        """The params signature and the families the segments were made for."""
         self._families: tuple[tuple[int, ...], ...] = ()
-        """Param groups stepped together (indices), see ``rules.py``."""
         self._segments: list[list[Segment]] = []
-        """Per family, its segments."""
         self._foreach: list[bool] = []
-        """Per param group, torch's foreach choice for ``foreach=None``."""
         self._where: dict[int, tuple[Segment, int]] = {}
-        """id(parameter) -> (segment, member) of every parameter in a segment."""
         self._warned: set[str] = set()
         self.installed: Optional[Callable[..., Any]] = None
-        """The step put on the optimizer's instance (``None``: none)."""
         self.after_scheduler: bool = False
-        """Whether it replaced an LR scheduler's wrapper of torch's step."""
+        """It replaced an LR scheduler's wrapper of torch's step."""
 
     def remove(self) -> None:
-        """Step with torch's own step from now on (state stays valid: views)."""
         self.active = False
         optimizer = self._optimizer()
         if optimizer is not None and _handle_of(optimizer) is self:
             del optimizer.__dict__[_HANDLE_ATTRIBUTE]
             _uninstall(optimizer, self)
 
-    # ------------------------------------------------------------ plan
     def _foreach_of(self, group: dict, index: int) -> bool:
         return choose_foreach(group, ()) if group.get("foreach") is not None \
             else self._foreach[index]
 
     def _plan(self, optimizer: Optimizer, supported: list[int]) -> None:
-        """Families of the supported groups and their segments (made again
-        when the groups' params or families change, or a buffer's shard)."""
+        """Families of the supported groups and their segments, rebuilt when groups, families or
+        a shard change."""
         groups, rule = optimizer.param_groups, self.rule
         params_signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if params_signature != self._params_signature:
@@ -237,7 +190,7 @@ class FlatStep:
                 handled.update((index, ids) for index in family)
             if later_steps:
                 foreach_add_(later_steps, 1.0)
-            if stepped:  # the values changed behind the parameters' backs: say so to autograd
+            if stepped:  # changed behind the parameters' backs: tell autograd
                 increment_version(stepped)
         left = self._torch_rest(optimizer, [handled.get(i) for i in range(len(groups))])
         self.last = StepReport(tensors_passed, len(stepped), left, tuple(reasons))
@@ -247,9 +200,8 @@ class FlatStep:
 
     def _decayed(self, groups: list[dict], family: tuple[int, ...], work: list,
                  foreach: bool) -> dict:
-        """The hyperparameters of the family's one call. Where its groups
-        differ in a weight decay the rule applies itself, apply each
-        group's to its pieces of the runs first and step with none."""
+        """The family's one call's hyperparameters; a weight decay that differs within the family
+        is applied per group first."""
         group = groups[family[0]]
         if len(family) == 1 or not self.rule.separate_decay(group) or \
                 all(groups[i]["weight_decay"] == group["weight_decay"] for i in family):
@@ -263,15 +215,15 @@ class FlatStep:
         return dict(group, weight_decay=0.0)
 
     def _torch_rest(self, optimizer: Optimizer, handled: list[Optional[set[int]]]) -> int:
-        """torch's own step on every parameter the flat path did not take;
-        returns how many of them have a gradient."""
+        """torch's own step on the parameters the flat path did not take; returns how many have a
+        gradient."""
         groups = optimizer.param_groups
         rest = [group["params"] if done is None else [p for p in group["params"] if id(p) not in done]
                 for group, done in zip(groups, handled)]
         with_grad = [p for params in rest for p in params if p.grad is not None]
         if not with_grad:
             return 0
-        for param in with_grad:  # torch steps its state: no longer known to match the segment's
+        for param in with_grad:  # torch steps its state now
             found = self._where.get(id(param))
             if found is not None:
                 found[0].forget(found[1])
@@ -295,18 +247,15 @@ class FlatStep:
 
 def _flat_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
     handle = _handle_of(optimizer)
-    if handle is None:  # removed, but something (an LR scheduler) still calls this wrapper
+    if handle is None:  # removed, but an LR scheduler still calls this wrapper
         return type(optimizer).step.__wrapped__(optimizer, closure)
     return handle.step(optimizer, closure)
 
 
 _hooked_flat_step = Optimizer.profile_hook_step(_flat_step)
-"""The flat step inside torch's hook wrapper: step pre- and post-hooks, global
-and per optimizer, run around it as around torch's own step."""
 
 
 def _why_not(optimizer: Optimizer) -> Optional[str]:
-    """Why ``optimizer`` cannot step flat at all (``None``: it can)."""
     name = type(optimizer).__name__
     if rule_for(optimizer) is None:
         return f"{name} (flat steps exist for AdamW, Adam and SGD; not their subclasses)"
@@ -320,23 +269,19 @@ def _why_not(optimizer: Optimizer) -> Optional[str]:
 
 
 def _install(optimizer: Optimizer) -> FlatStep:
-    """Make the optimizer's handle and put the flat step on the instance, in
-    the form of an LR scheduler's wrapper (which it replaces, if one is
-    there): it holds the optimizer weakly (a bound method would make a
-    reference cycle, and an optimizer dropped would wait for the garbage
-    collector), and a scheduler made later sees it as its own."""
+    """Put the flat step on the instance as an LR scheduler's wrapper would: it holds the
+    optimizer weakly, and a scheduler made later sees it as its own."""
     handle = FlatStep(optimizer, rule_for(optimizer), None)
     optimizer.__dict__[_HANDLE_ATTRIBUTE] = handle
-    handle.after_scheduler = "step" in optimizer.__dict__  # a scheduler's wrapper (_why_not)
+    handle.after_scheduler = "step" in optimizer.__dict__
     optimizer.step = handle.installed = lr_scheduler_step(optimizer, _hooked_flat_step)
     return handle
 
 
 def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
-    """Put the optimizer's step back to torch's (an LR scheduler's wrapper
-    made before the flat step becomes its wrapper of torch's)."""
+    """Back to torch's step (a scheduler's wrapper made before wraps torch's)."""
     if optimizer.__dict__.get("step") is not handle.installed:
-        return  # other code replaced it since: leave theirs (it reaches torch's step, see _flat_step)
+        return  # other code replaced it since: leave theirs
     if handle.after_scheduler:
         optimizer.step = lr_scheduler_step(optimizer, type(optimizer).step)
     else:
@@ -344,21 +289,14 @@ def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
 
 
 def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
-    """Step ``optimizer``'s managed parameters as a few flat tensors per
-    buffer (see the module note): bitwise the numbers of torch's own step.
-    The default already does this from an optimizer's second step on;
-    calling it makes the first step flat too and returns the handle
+    """Step ``optimizer``'s managed parameters as a few flat tensors per buffer, bitwise the
+    numbers of torch's own step; calling it makes the first step flat too. Returns the handle
     (``FlatStep.last`` reports each step).
 
-    Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (foreach or
-    for-loop; weight decay, ``maximize``, ``amsgrad``, momentum, dampening,
-    nesterov, per-group hyperparameters). Anything else falls back to
-    torch's step with a warning (``FlatStep.unsupported`` says why).
-    Idempotent; an LR scheduler made before keeps working.
-
-    ``enabled=False``: this optimizer keeps torch's own step, the default
-    does not take it, and a flat step already installed is removed (its
-    state stays valid: per-parameter views)."""
+    Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (every hyperparameter but
+    ``fused``, ``capturable``, ``differentiable``); anything else keeps torch's step with a
+    warning (``FlatStep.unsupported``). Idempotent. ``enabled=False``: keep torch's own step
+    (an installed flat step is removed)."""
     if not enabled:
         _OFF.add(optimizer)
         handle = _handle_of(optimizer)
@@ -378,20 +316,19 @@ def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
 
 
 def install_default_flat_step() -> None:
-    """Register (once per process) the global step pre-hook that gives
-    every optimizer over managed parameters the flat step at its first step."""
+    """Register the global step pre-hook that installs the flat step (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_take_by_default))
 
 
 def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None:
-    if optimizer in _SEEN:  # one set lookup per step after the first
+    if optimizer in _SEEN:
         return
     _SEEN.add(optimizer)
     if optimizer in _OFF or _handle_of(optimizer) is not None:
-        return  # the user decided
+        return
     if not any(owner_of(p) is not None for g in optimizer.param_groups for p in g["params"]):
-        return  # not the optimizer of a fully_shard model
+        return  # not a fully_shard model's optimizer
     why_not = _why_not(optimizer)
     if why_not is not None:
         warnings.warn(f"fsdp_compose: {why_not}: the optimizer keeps torch's own step, one "

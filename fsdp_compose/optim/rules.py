@@ -1,26 +1,12 @@
-"""What the flat optimizer step knows of each torch optimizer it runs: which
-groups it can take, the per-element state it keeps, and the call into
-torch's own functional implementation (``torch.optim.adam.adam``,
-``torch.optim.sgd.sgd``) with one tensor per run instead of one per
-parameter.
+"""What the flat optimizer step knows of each torch optimizer: which groups it takes, the
+per-element state, and the call into torch's functional implementation with one tensor per
+run.
 
-Every element of these optimizers is updated from the same element of the
-parameter, the gradient and the state, with scalars that depend only on the
-group and the ``step`` count; so the functional call on a run (a stretch of
-a shard holding several parameters back to back) writes the same bits as
-the same call on each parameter, provided the run's parameters share the
-hyperparameters and the ``step`` count (``segments.py`` makes runs that do).
-
-Param groups whose hyperparameters differ only where the rule can apply
-the difference itself step as one *family*, in one call: AdamW's
-decoupled weight decay is a multiplication of the parameter before
-anything else, ``param.mul_(1 - lr * weight_decay)`` (torch's own
-expression, one foreach multiplication where torch would use foreach), so
-nanoGPT's groups (decay on the matrices, none on the rest) and the HF
-Trainer's (none on biases and norm weights) are decayed per group and then
-stepped together with ``weight_decay=0``. Adam's L2 decay and SGD's add to
-the gradient torch hands on, so for them ``weight_decay`` is part of the
-family.
+These optimizers update every element from the same element of parameter, gradient and state
+with the group's scalars and ``step``, so one call on a run writes the bits of the same call
+per parameter. Groups differing only where the rule applies the difference itself step as one
+*family*: AdamW's decoupled decay is ``param.mul_(1 - lr * weight_decay)`` first, so groups
+with and without decay are decayed per group, then stepped together with ``weight_decay=0``.
 """
 
 from __future__ import annotations
@@ -33,48 +19,38 @@ from torch.optim import Optimizer
 
 from .._torch_private import default_to_fused_or_foreach, foreach_mul_
 
-# The modules, not their functions: the functional step is looked up at each
-# call, as torch's Adam.step and SGD.step look it up (``torch.optim`` does not
-# keep its submodules as attributes, hence import_module).
+# Looked up at each call, as torch's step does.
 _ADAM = importlib.import_module("torch.optim.adam")
 _SGD = importlib.import_module("torch.optim.sgd")
 
 
 class RunTensors(NamedTuple):
-    """One run's tensors, each covering the same elements: the parameters'
-    values, their gradients, and each per-element state (by name; ``None``
-    for a state torch creates from the gradient on the first step: SGD's
-    ``momentum_buffer``)."""
+    """One run's values, gradients and per-element states (``None``: made from the gradient at
+    the first step)."""
 
     param: torch.Tensor
     grad: torch.Tensor
     states: dict[str, Optional[torch.Tensor]]
-    step: Optional[torch.Tensor]  # the run's 'step' counter (one member's), or None
+    step: Optional[torch.Tensor]
 
 
 class Rule:
-    """One optimizer class. Subclasses say what the group needs, which
-    state it keeps and how to call torch's functional step."""
+    """One optimizer class: what a group needs, its state, how to call torch's functional step."""
 
     counts_steps: bool = False
-    """Whether state has a per-parameter ``step`` counter (Adam) or not (SGD)."""
     hyperparameters: tuple[str, ...] = ()
-    """The group entries the functional step reads (``weight_decay`` apart)."""
 
     def separate_decay(self, group: dict[str, Any]) -> bool:
-        """Whether the group's weight decay is applied by :meth:`decay`
-        (then groups differing only in it share a family)."""
+        """The group's weight decay is applied by :meth:`decay`."""
         return False
 
     def family_key(self, group: dict[str, Any], foreach: bool) -> tuple:
-        """Groups with equal keys step in one call (see the module note)."""
         names = self.hyperparameters if self.separate_decay(group) \
             else self.hyperparameters + ("weight_decay",)
         return (foreach, self.separate_decay(group)) + tuple(_comparable(group.get(k)) for k in names)
 
     def decay(self, group: dict[str, Any], params: Sequence[torch.Tensor], foreach: bool) -> None:
-        """Apply the group's weight decay to ``params`` as torch's
-        functional step does first (only where :meth:`separate_decay`)."""
+        """Apply the group's weight decay to ``params`` as torch's functional step does first."""
         raise NotImplementedError
 
     def unsupported(self, optimizer: Optimizer, group: dict[str, Any]) -> Optional[str]:
@@ -90,22 +66,17 @@ class Rule:
         return None
 
     def state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """The per-element state this group keeps, in torch's order."""
         raise NotImplementedError
 
     def fresh_state_from_grad(self) -> bool:
-        """Whether a first step takes the state from the gradient (``None``
-        passed in, the new tensor handed back) rather than from zeros."""
         return False
 
     def step(self, group: dict[str, Any], runs: Sequence[RunTensors], foreach: bool) -> list:
-        """One functional call over every run of the group; returns, per
-        run, the new state tensors torch handed back (``fresh_state_from_grad``)."""
+        """One functional call over every run; per run, the state tensors torch made."""
         raise NotImplementedError
 
 
 def _comparable(value: Any) -> Any:
-    """A group entry as a key: tensors by identity (``==`` on them is elementwise)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
     if isinstance(value, (tuple, list)):
@@ -114,16 +85,13 @@ def _comparable(value: Any) -> Any:
 
 
 def choose_foreach(group: dict[str, Any], params: Sequence[torch.Tensor]) -> bool:
-    """foreach or for-loop, as torch decides it for these parameters (the
-    two are not bitwise equal to each other, so the flat step must take
-    the same one)."""
+    """foreach or for-loop as torch decides it (they are not bitwise equal)."""
     if group.get("foreach") is not None:
         return bool(group["foreach"])
     return default_to_fused_or_foreach(list(params), False, use_fused=False)[1]
 
 
 class AdamRule(Rule):
-    """``torch.optim.Adam`` and ``AdamW`` (``decoupled_weight_decay``)."""
 
     counts_steps = True
     hyperparameters = ("lr", "betas", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
@@ -165,7 +133,6 @@ class AdamRule(Rule):
 
 
 class SGDRule(Rule):
-    """``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize)."""
 
     hyperparameters = ("lr", "momentum", "dampening", "nesterov", "maximize")
 
@@ -188,8 +155,7 @@ class SGDRule(Rule):
 
 
 def rule_for(optimizer: Optimizer) -> Optional[Rule]:
-    """The rule for this optimizer's exact class (``None``: not supported;
-    a subclass may step differently, so only the classes themselves)."""
+    """The rule for this exact class (``None``: a subclass may step differently)."""
     cls = type(optimizer)
     if cls is torch.optim.AdamW:
         return AdamRule(decoupled=True)

@@ -1,32 +1,15 @@
 """Stretches of a shard that the flat optimizer step updates as one tensor.
 
-A *segment* is a stretch of one flat buffer's shard holding parameters of
-one family of optimizer param groups (groups stepped in one call,
-``rules.py``) back to back (in shard order; an empty piece, a parameter of
-which this rank holds nothing, joins wherever it falls). Its
-per-element optimizer state lives in one flat tensor per state name, and
-each parameter's state in ``optimizer.state`` is a view of it, shaped like
-the parameter: the state dict stays per parameter (ordinary tensors to
-``state_dict``, checkpoints and DCP), while the step runs on the segment.
+A *segment* is a stretch of one flat buffer's shard holding parameters of one family back to
+back, its per-element state one flat tensor per state name, each parameter's state a view of
+it. Each step cuts a segment into *runs* of parameters whose ``.grad`` is their piece of one
+flat gradient, whose state is this segment's views (other state is copied in: *adopted*), and
+that took the same number of steps. Padding between members is stepped with them and stays
+zero.
 
-Each step splits a segment into *runs*: maximal stretches whose parameters
-
-* have a ``.grad`` that is their own piece of one flat sharded gradient
-  (a parameter without one is skipped, as torch's optimizers skip it; one
-  with any other ``.grad`` is left to torch's per-parameter step),
-* hold state that is this segment's views (state loaded by
-  ``load_state_dict`` or made by torch is first copied in: *adopted*), and
-* have taken the same number of steps (Adam's bias correction reads it).
-
-Padding between two members (placements other than ``"flat"`` put some
-between parameters) is stepped with them: its gradient is the reduction of
-zeros, so its values and state stay zero, and no parameter views it.
-
-Invariant: for every member ``i`` with ``installed[i]`` not ``None``,
-``optimizer.state[param] is installed[i]``, its per-element values are
-views of ``flats``, and ``ages[i]`` is its ``step`` count. A state dict
-that is not ``installed[i]`` (replaced by ``load_state_dict``, made by
-torch, cleared) is adopted again or left to torch, never trusted.
+Invariant: for every member ``i`` with ``installed[i]``, ``optimizer.state[param] is
+installed[i]``, its values view ``flats``, and ``ages[i]`` is its ``step``; other state is
+adopted again or left to torch.
 """
 
 from __future__ import annotations
@@ -45,19 +28,13 @@ from .rules import Rule, RunTensors
 _grad_of = operator.attrgetter("grad")
 
 CPU_RUN_CAP = 1 << 18
-"""On the CPU, runs of several parameters stop at 2^18 elements: a for-loop
-step makes whole-run temporaries and passes over the run several times,
-which is fastest while a run fits the caches, and temporaries of more than
-32 MiB come from ``mmap`` (page faults at every step). Measured on one
-core: the for-loop AdamW on 9M elements took 64 ms as one tensor, 39 ms in
-2^18-element runs, 32 ms in 2^18-element parameters; foreach and SGD alike
-at any size. Devices with a caching allocator take runs of any length."""
+"""CPU runs of several parameters stop at 2^18 elements: a for-loop step passes over whole-run
+temporaries several times, fastest while they fit the caches."""
 
 
 class Run(NamedTuple):
-    """Members ``first``..``last`` (inclusive, segment order) of a segment,
-    elements ``start``..``start + numel`` of it, all of age ``age``
-    (``-1``: no state yet)."""
+    """Members ``first``..``last`` of a segment, ``numel`` elements from ``start``, all of age
+    ``age`` (``-1``: no state yet)."""
 
     segment: "Segment"
     first: int
@@ -68,8 +45,6 @@ class Run(NamedTuple):
 
 
 class Member(NamedTuple):
-    """A parameter of a segment: its index in the buffer, itself, and the
-    index of its param group in the optimizer."""
 
     index: int
     param: nn.Parameter
@@ -77,46 +52,32 @@ class Member(NamedTuple):
 
 
 class Segment:
-    """Parameters ``params`` of one family of param groups, back to back in
-    ``buffer``'s shard from ``shard_start`` (``numel`` elements); see the
-    module note."""
 
     def __init__(self, buffer: FlatBuffer, members: Sequence[Member]) -> None:
         slices = buffer.local_slices()
         self.buffer: FlatBuffer = buffer
         self.sharded: torch.Tensor = buffer.sharded
-        """The shard the parameters view (a new one after a dtype conversion: rebuild)."""
+        """A new one after a dtype conversion: rebuild."""
         self.indices: tuple[int, ...] = tuple(m.index for m in members)
         self.params: tuple[nn.Parameter, ...] = tuple(m.param for m in members)
         self.groups: tuple[int, ...] = tuple(m.group for m in members)
-        """Each member's param group (runs may span groups of one family)."""
         held = [slices[i] for i in self.indices if slices[i].length]
         self.shard_start: int = held[0].shard_start if held else 0
         self.numel: int = held[-1].shard_start + held[-1].length - self.shard_start if held else 0
-        """Elements from the first member's to the last one's end, padding between included."""
         self.offsets: tuple[int, ...] = tuple(
             slices[i].shard_start - self.shard_start if slices[i].length else 0
             for i in self.indices)
-        """Each member's first element within the segment."""
         self.lengths: tuple[int, ...] = tuple(slices[i].length for i in self.indices)
         self.flats: dict[str, torch.Tensor] = {}
-        """Per state name, the segment's state (allocated at its first step)."""
         self.installed: list[Optional[dict]] = [None] * len(self.params)
         self.ages: list[int] = [0] * len(self.params)
         self.uniform: Optional[tuple[str, ...]] = None
-        """The state names for which every member is installed and of the
-        same age (the fast path; ``None``: not so)."""
+        """State names for which every member is installed and of one age (the fast path)."""
         self.cap: int = CPU_RUN_CAP if self.sharded.device.type == "cpu" else sys.maxsize
-        """The most elements a run of several parameters takes (see :data:`CPU_RUN_CAP`)."""
         self._whole: Optional[list[Run]] = None
-        """The runs of the fast path (every member stepped), made once."""
         self._by_group: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
-        """Per run (first, last member), its values cut by param group, made once."""
 
-    # ------------------------------------------------------------ state
     def state_view(self, name: str, member: int) -> torch.Tensor:
-        """Member ``member``'s piece of state ``name``, shaped and strided
-        like the parameter."""
         flat, param = self.flats[name], self.params[member]
         return flat.as_strided(param.size(), param.stride(),
                                flat.storage_offset() + self.offsets[member])
@@ -129,9 +90,8 @@ class Segment:
 
     def _adopt(self, member: int, state: dict, names: tuple[str, ...], rule: Rule,
                opt_state: dict) -> Optional[int]:
-        """Copy a state dict made elsewhere into the segment's views and
-        install it; returns the member's age (``None``: it does not look
-        like this optimizer's state; torch steps the parameter)."""
+        """Copy state made elsewhere into the segment's views and install it; the member's age,
+        or ``None`` (not this optimizer's state: torch steps it)."""
         param = self.params[member]
         expected = set(names) | ({"step"} if rule.counts_steps else set())
         if set(state) != expected:
@@ -169,15 +129,11 @@ class Segment:
         opt_state[self.params[member]] = state
 
     def forget(self, member: int) -> None:
-        """The member's state is no longer known to be the segment's (torch stepped it)."""
         self.installed[member] = None
         self.uniform = None
 
-    # ------------------------------------------------------------- runs
     def _grad_base(self, grads: list) -> Optional[tuple[torch.Tensor, Optional[list[bool]]]]:
-        """The flat gradient the members' ``.grad`` are pieces of, and which
-        members' are (``None`` in the second place: all of them, the kept
-        gradient's own views)."""
+        """The flat gradient the members' ``.grad`` are pieces of, and which are (``None``: all)."""
         kept = self.buffer.grad.kept_views()
         if kept is not None:
             base, views = kept
@@ -190,7 +146,7 @@ class Segment:
         base = first if base is None else base
         if base.dim() != 1 or base.stride(0) != 1 or base.numel() != self.sharded.numel() or \
                 base.dtype != self.sharded.dtype or base.device != self.sharded.device:
-            return None  # not a flat gradient laid out like the shard
+            return None  # not laid out like the shard
         shift = base.storage_offset() - self.sharded.storage_offset()
         ok = []
         for g, p, n in zip(grads, self.params, self.lengths):
@@ -201,10 +157,9 @@ class Segment:
 
     def collect(self, rule: Rule, names: tuple[str, ...], opt_state: dict
                 ) -> tuple[Optional[torch.Tensor], list[Run]]:
-        """This step's runs and the flat gradient they read (``None``, no
-        runs: none of the members can be stepped flat)."""
+        """This step's runs and the flat gradient they read."""
         if self.sharded is not self.buffer.sharded:
-            return None, []  # converted since the plan was made: the caller rebuilds
+            return None, []  # converted since the plan: the caller rebuilds
         grads = list(map(_grad_of, self.params))
         found = self._grad_base(grads)
         if found is None:
@@ -221,7 +176,7 @@ class Segment:
             age = None
             if grad is not None and (ok is None or ok[i]):
                 if not names and not rule.counts_steps:
-                    age = 0  # a stateless step (SGD without momentum)
+                    age = 0  # stateless (SGD without momentum)
                 elif state is not None and state is self.installed[i]:
                     age = self.ages[i]
                 elif not state:
@@ -232,15 +187,13 @@ class Segment:
         return base, self._runs(ages)
 
     def _runs(self, ages: Sequence[Optional[int]]) -> list[Run]:
-        """Runs of the members by age (``None``: skipped): a run never
-        steps over a skipped parameter (one this rank holds no element of
-        included), nor grows past ``cap`` elements
-        unless one parameter alone is larger."""
+        """Runs by age (``None``: skipped): never over a skipped parameter, nor past ``cap``
+        elements unless one parameter alone is larger."""
         runs: list[Run] = []
         current: Optional[list] = None  # [first, last, start, end, age]; start None: no elements yet
         for i, age in enumerate(ages):
             start, n = self.offsets[i], self.lengths[i]
-            if age is None:  # even an empty piece: the run's members are stepped and counted
+            if age is None:  # even an empty piece
                 current = self._close(current, runs)
                 continue
             if current is not None and current[4] == age and \
@@ -258,15 +211,15 @@ class Segment:
     def _close(self, current: Optional[list], runs: list[Run]) -> None:
         if current is not None:
             first, last, start, end, age = current
-            if start is None:  # empty pieces only: they take their state and step, no elements
+            if start is None:  # empty pieces only: state and step, no elements
                 start = end = 0
             runs.append(Run(self, first, last, start, end - start, age))
         return None
 
     def tensors(self, run: Run, base: torch.Tensor, rule: Rule, names: tuple[str, ...]
                 ) -> RunTensors:
-        """The run's flat tensors; a run without state gets it now (zeros
-        and ``step`` 0, as torch's first step makes them)."""
+        """The run's flat tensors; a run without state gets zeros and ``step`` 0, as torch's
+        first step."""
         self._allocate(names)
         at = self.shard_start + run.start
         fresh = run.age < 0
@@ -289,9 +242,6 @@ class Segment:
                           states, step)
 
     def values_by_group(self, run: Run) -> list[tuple[int, torch.Tensor]]:
-        """The run's parameter values as ``(param group, values)`` pieces:
-        maximal stretches of one group's members (for a per-group weight
-        decay; padding inside a stretch is zero and stays zero)."""
         key = (run.first, run.last)
         pieces = self._by_group.get(key)
         if pieces is None:
@@ -319,9 +269,7 @@ class Segment:
 
     def finish(self, run: Run, handed_back: Optional[dict], names: tuple[str, ...],
                rule: Rule, opt_state: dict, later_steps: list) -> None:
-        """After the functional step: install the state of a first step,
-        count the step, and collect the other members' ``step`` counters
-        (``later_steps``: the run's first counter was stepped by torch)."""
+        """After the functional step: install a first step's state, count the step."""
         if run.age < 0:
             for name, value in (handed_back or {}).items():  # torch's clone of the gradient
                 self.flats[name].narrow(0, run.start, run.numel).copy_(value)
@@ -337,7 +285,6 @@ class Segment:
             self.ages[run.first] += 1
 
     def settle(self, names: tuple[str, ...], rule: Rule) -> None:
-        """After a step's runs: whether the next step may take the fast path."""
         if not names and not rule.counts_steps:
             self.uniform = names  # stateless: every member with a gradient is stepped alike
         elif None not in self.installed and min(self.ages) == max(self.ages):
@@ -347,11 +294,8 @@ class Segment:
 
 
 def build_segments(buffer: FlatBuffer, members: Sequence[Member]) -> list[Segment]:
-    """Cut ``members`` (of one family of param groups) into segments: in
-    shard order, a new one wherever a piece of another parameter lies
-    between two of them (padding between them is stepped with them: its
-    gradient is zero, so its values and state stay zero). Empty pieces join
-    the last segment."""
+    """Cut ``members`` into segments in shard order, a new one wherever another parameter lies
+    between."""
     slices = buffer.local_slices()
     mine = {m.index: m for m in members}
     held = sorted((i for i in range(len(slices)) if slices[i].length),
@@ -373,9 +317,6 @@ def build_segments(buffer: FlatBuffer, members: Sequence[Member]) -> list[Segmen
 
 
 def is_flat_view(buffer: FlatBuffer, index: int, param: torch.Tensor) -> bool:
-    """``param`` is a plain, real floating-point parameter whose values are
-    its view of the buffer's shard (what every managed parameter is between
-    iterations)."""
     if type(param) is not nn.Parameter or not param.dtype.is_floating_point:
         return False
     s = buffer.local_slices()[index]
