@@ -56,24 +56,16 @@ import torch
 import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
-from ..comm.agreement import agreed_max, all_gather_fingerprints
-from ..comm.watched_wait import stall_seconds
-from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
-from ..comm.whereabouts import Doing
-from .._torch_private import default_store
+from ..comm.agreement import all_gather_fingerprints
 from ..comm.groups import ShardGroup
 from ..runtime.model_settings import ModelSettings
 from ..runtime.observer import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
 from .flight_log import FlightRecorder
+from .forward_agreement import CHECK_ENV, MODE_BITS, ForwardAgreement, divergence_advice
 
-CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
-"""Set to ``1`` to verify the collective order in every iteration."""
 VERIFICATION_ITERATIONS = 2
 """Training iterations (last backwards the ranks agreed on) verified by default."""
-MODE_BITS = 62
-"""Units whose training mode (``module.training``) the forward agreement
-compares, from the root on (an int64 row entry holds their flags)."""
 VERIFICATION_FORWARD_LIMIT = 8
 """Root forwards without gradients verified by default (a model that only
 evaluates never ends a backward; forwards with gradients, e.g. gradient
@@ -163,9 +155,9 @@ class DivergenceMonitor(CollectiveObserver):
         """Last backwards whose end every rank verified together."""
         self.backwards: int = 0
         """Last backwards this rank ended (verified or not)."""
-        self._agreement: Optional[_Agreement] = None
+        self._agreement: Optional[ForwardAgreement] = None
         """Where this model's ranks meet at every root forward ([Note: forward
-        agreement] in ``comm/agreement.py``); ``None`` over one rank."""
+        agreement] in ``checks/forward_agreement.py``); ``None`` over one rank."""
         self._since_agreement: int = _FNV_OFFSET
         """Rolling hash of every collective recorded since the last forward
         agreement (all process groups)."""
@@ -182,7 +174,7 @@ class DivergenceMonitor(CollectiveObserver):
         """id(process group) -> the collectives since the last comparison."""
         self.flight: FlightRecorder = FlightRecorder(
             lambda code: _decode(code).describe(self._units),
-            lambda codes: _advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
+            lambda codes: divergence_advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
         """The always-on ring of recent collectives, compared through the
         store when a wait stalls or fails ([Note: flight log])."""
 
@@ -198,7 +190,7 @@ class DivergenceMonitor(CollectiveObserver):
         for group in self.groups():
             if group.world_size > 1:
                 self.flight.attach(group.process_group)
-        self._agreement = _Agreement.of(units[0].group) if units else None
+        self._agreement = ForwardAgreement.of(units, self.flight, self._groups) if units else None
         self._communicates = any(group.world_size > 1 for group in self._groups)
         """Some unit's collectives go to another rank (else there is nothing
         to fingerprint or compare)."""
@@ -211,10 +203,8 @@ class DivergenceMonitor(CollectiveObserver):
         if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
                    self._since_agreement >> 1, self._training_modes()]
-            rows = self._agreement.exchange(row, self._waiting_at_agreement)
             self._since_agreement = _FNV_OFFSET
-            if any(other != rows[0] for other in rows):
-                _raise_forward_disagreement(self._agreement.ranks, rows, self._units)
+            self._agreement.before_forward(row)
         self.verifying = self._should_verify()
 
     def _training_modes(self) -> int:
@@ -302,20 +292,7 @@ class DivergenceMonitor(CollectiveObserver):
             self.verifying = self._should_verify()
         elif (not verified and torch.is_grad_enabled() and self._agreement is not None
               and self._settings.check_rank_divergence is not False):
-            self._agree_on_forward_order(entries)
-
-    def _agree_on_forward_order(self, entries: Sequence[Collective]) -> None:
-        """A training forward ended outside the verified iterations: agree
-        through the store on the units it ran, in order, before the
-        backward's first collective. A unit skipped (or run out of order) on
-        some ranks pairs its backward collectives with other units' (of
-        other sizes: gloo aborts the process); forward prefetch may have
-        paired the forward's all-gathers anyway."""
-        order = [entry.unit for entry in entries]
-        rows = self._agreement.exchange_after_forward([self.iterations, *order],
-                                                      self._waiting_at_agreement)
-        if any(row != rows[0] for row in rows):
-            _raise_forward_orders(self._agreement.ranks, rows, self._units)
+            self._agreement.after_forward(self.iterations, [entry.unit for entry in entries])
 
     def _verify(self, entry: Collective, group: ShardGroup) -> None:
         codes = all_gather_fingerprints(entry.code, group, include_replicas=False)
@@ -361,34 +338,6 @@ class DivergenceMonitor(CollectiveObserver):
         (found once, by :meth:`bind`: a unit's groups never change)."""
         return self._groups
 
-    def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str],
-                              doing: dict[int, Doing]) -> None:
-        """The forward agreement has waited ``waited`` s for the ranks of
-        ``elsewhere``. One that waits at a collective call of the library
-        will never come: raise. Every :func:`stall_seconds`, compare the
-        flight logs of every data group (a rank may be stuck in a data
-        collective this rank will never issue; raises where they differ)."""
-        other = {rank: what for rank, what in elsewhere.items() if what}
-        moment = self._agreement.moment
-        if other:
-            _raise_waiting_elsewhere(self._agreement.forwards, other, moment)
-        # blocked in a collective of the user's (a barrier): it will never come either;
-        # one blocked in a data collective of ours is left to the flight logs below,
-        # which name what each rank issued
-        blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked" and not d.ours}
-        if blocked:
-            _raise_blocked(self._agreement.forwards, blocked, moment)
-        if waited >= call_timeout():
-            _raise_waiting_elsewhere(self._agreement.forwards, {
-                rank: f"no collective call of fsdp_compose for {waited:.0f} s "
-                      f"({CALL_TIMEOUT_ENV})" for rank in elsewhere}, moment)
-        if waited // stall_seconds() > self._agreement.stalls:
-            self._agreement.stalls += 1
-            for group in self.groups():
-                if group.world_size > 1:
-                    self.flight.stalled(group.process_group, None, waited)
-                    self.flight.recovered(group.process_group)
-
     # --------------------------------------------------------------- errors
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
         """Every rank of ``group`` calls this together (they all saw the same
@@ -414,26 +363,13 @@ class DivergenceMonitor(CollectiveObserver):
             where = ("after the root's forward, by comparing forward orders" if self.verifying
                      and any(first < len(e) and e[first].kind is Kind.FORWARD for e in logs) else
                      "at the end of backward, by the fingerprint of the collective sequence")
-        advice = _advice(forward)
+        advice = divergence_advice(forward)
         raise RuntimeError(
             f"[rank {group.rank}] fully_shard ranks diverged: they were about to pair "
             f"collectives of different units (detected {where}; rank-dependent control flow "
             f"would otherwise hang or mix parameters of different units):\n"
             + "\n".join(lines) + f"\n{advice} Set {CHECK_ENV}=1 (or call "
             "set_check_rank_divergence(True) on the root) to check every iteration.")
-
-
-def _advice(forward: bool) -> str:
-    """The fix, for divergence in forward (``forward``) or in backward."""
-    if forward:
-        return ("A unit's forward ran on some ranks only (or in a different order): every rank "
-                "must run the forward of every unit, in the same order, in every iteration (e.g. "
-                "call a unit a rank would skip on an empty or zero-weighted input). "
-                "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence.")
-    return ("A unit's backward (or reduction) ran on some ranks only: run every unit on every "
-            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
-            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
-            "rank reduces them at the end of backward.")
 
 
 def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
@@ -452,172 +388,6 @@ def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
         "(each on its part of the data, then reduce the metric), or on a separate, unsharded "
         f"copy of the model. Set {CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the "
         "root) to check every iteration.")
-
-
-class _Agreement:
-    """The ranks of one model and the store keys their forward agreements
-    use (numbered by forward: ``<prefix>/<forward>/<rank>``)."""
-
-    _models: dict[tuple[int, ...], int] = {}
-    """ranks -> models set up over them so far in this process."""
-
-    def __init__(self, ranks: list[int], prefix: str) -> None:
-        self.ranks: list[int] = ranks
-        self.prefix: str = prefix
-        self.me: int = dist.get_rank()
-        self.forwards: int = 0
-        self.last_key: Optional[str] = None
-        self.last_end_key: Optional[str] = None
-        self.moment: str = "starts"
-        """Where the current meeting is: at the start or the end of a forward."""
-        self.stalls: int = 0
-        """Flight-log comparisons made while waiting at the current forward."""
-
-    @classmethod
-    def of(cls, group: ShardGroup) -> Optional["_Agreement"]:
-        """The agreement of a model whose root shards over ``group`` (and
-        its replicas), or ``None`` over one rank or without a store. One
-        tiny all-gather (at the root's lazy init) makes the model's number
-        the same on every rank, whatever each rank set up before."""
-        ranks = sorted(group.mesh.mesh.flatten().tolist())  # every shard group and replica
-        if len(ranks) == 1:
-            return None
-        try:
-            default_store()
-        except (RuntimeError, ValueError):
-            return None  # no default group: nothing to meet through
-        members = tuple(ranks)
-        number = agreed_max(cls._models.get(members, 0), group)
-        cls._models[members] = number + 1
-        return cls(ranks, f"fsdp_compose/agree/{'-'.join(map(str, members))}/{number}")
-
-    def exchange_after_forward(self, row: list[int], waiting) -> list[list[int]]:
-        """Every rank's ``row`` at the end of the current training forward
-        (keys ``<prefix>/<forward>/end/<rank>``)."""
-        key = f"{self.prefix}/{self.forwards}/end"
-        self.moment, self.stalls = "ends", 0
-        values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
-                      f"the end of root forward #{self.forwards}", waiting, self.last_end_key)
-        self.last_end_key = f"{key}/{self.me}"
-        left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
-                if value.startswith(LEFT)}
-        if left:
-            _raise_waiting_elsewhere(self.forwards, left, self.moment)
-        return [[int(v) for v in value.split(",")] for value in values]
-
-    def exchange(self, row: list[int], waiting) -> list[list[int]]:
-        """Every rank's ``row`` for the next forward, in ``ranks`` order
-        (``waiting`` as ``rendezvous.meet``'s)."""
-        self.forwards += 1
-        self.moment, self.stalls = "starts", 0
-        key = f"{self.prefix}/{self.forwards}"
-        values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
-                      f"the forward agreement of root forward #{self.forwards}", waiting,
-                      self.last_key)
-        self.last_key = f"{key}/{self.me}"
-        left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
-                if value.startswith(LEFT)}
-        if left:
-            _raise_waiting_elsewhere(self.forwards, left)
-        return [[int(v) for v in value.split(",")] for value in values]
-
-
-def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = "starts") -> None:
-    """Other ranks wait at (or raised at) another meeting of the library
-    while this rank ``moment`` (starts, ends) root forward #``forward``."""
-    lines = "\n".join(f"  rank {rank} waits at {what}" for rank, what in where.items())
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
-        f"#{forward} while other ranks wait at a collective call of fsdp_compose:\n{lines}\n"
-        "Collective calls (state_dict() values, clip_grad_norm_, unshard(), checkpoint saves, "
-        "...) must be made on every rank, at the same point of training.")
-
-
-def _raise_blocked(forward: int, blocked: dict[int, Doing], moment: str) -> None:
-    """Other ranks are blocked in a torch collective that waits for this rank
-    ([Note: blocked is not late]) while this rank ``moment`` root forward #``forward``."""
-    lines = "\n".join("  " + d.blocks(rank) for rank, d in sorted(blocked.items()))
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
-        f"#{forward} while other ranks are blocked in a collective of torch.distributed:\n"
-        f"{lines}\nNeither can go on (this rank raises at once, before the forward "
-        "communicated anything; the blocked collective fails when this process exits). Make "
-        "that collective (a barrier, an all-reduce, a torch.distributed.checkpoint call, ...) "
-        "on every rank at the same point, or run the forward on every rank before it.")
-
-
-def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]],
-                                units: Sequence[ObservedUnit]) -> None:
-    """The forward agreement found ranks about to run different forwards
-    (each row: grad mode, root forwards, last backwards, collectives digest,
-    training modes)."""
-    me = dist.get_rank()
-    grad = [row[0] for row in rows]
-    if len(set(grad)) == 1 and all(row[:4] == rows[0][:4] for row in rows):
-        _raise_training_modes(ranks, rows, units)
-    if len(set(grad)) > 1 and all(row[1:4] == rows[0][1:4] for row in rows):
-        without = [r for r, g in zip(ranks, grad) if not g]
-        with_grad = [r for r, g in zip(ranks, grad) if g]
-        raise RuntimeError(
-            f"[rank {me}] fully_shard ranks diverged: ranks {without} are starting a forward of "
-            f"the root without gradients (torch.no_grad(), e.g. an evaluation) where ranks "
-            f"{with_grad} start one with gradients (training), at root forward #{rows[0][1]}; "
-            "their collectives would pair a forward with a backward (detected before the "
-            "forward, nothing was communicated). Every rank must run the same forwards: run the "
-            "evaluation on every rank (each on its part of the data, then reduce the metric), "
-            "or on a separate, unsharded copy of the model.")
-    lines = [f"  rank {r}: root forward #{row[1]} "
-             f"{'with' if row[0] else 'without'} gradients, root in "
-             f"{'training' if row[4] & 1 else 'eval'} mode, after {row[2]} finished backwards, "
-             f"collectives since the last forward {row[3]:#x}" for r, row in zip(ranks, rows)]
-    raise RuntimeError(
-        f"[rank {me}] fully_shard ranks diverged before a forward of the root (detected "
-        "before it communicated anything, by comparing what each rank ran since the last "
-        "forward):\n" + "\n".join(lines) + "\nEvery rank must run the same forwards and "
-        "backwards of the model, in the same order (an evaluation, an extra forward or a "
-        "skipped backward on some ranks only). Set "
-        f"{CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the root) to find the "
-        "first collective that differs.")
-
-
-def _raise_training_modes(ranks: Sequence[int], rows: Sequence[Sequence[int]],
-                          units: Sequence[ObservedUnit]) -> None:
-    """The ranks start the same forward, some with modules in eval mode
-    where others train (row[4]: the units' training flags, the root's in bit 0)."""
-    modes = [row[4] for row in rows]
-    if all(m & 1 == modes[0] & 1 for m in modes):  # the root agrees, some unit does not
-        differing = [u for u in range(min(len(units), MODE_BITS))
-                     if len({(m >> u) & 1 for m in modes}) > 1]
-        what = "modules " + ", ".join(units[u].name for u in differing)
-        by_rank = "; ".join(
-            f"rank {r}: {', '.join(units[u].name for u in differing if not (m >> u) & 1) or 'none'}"
-            for r, m in zip(ranks, modes))
-        detail = f"{what} are in eval mode on some ranks only (in eval mode: {by_rank})"
-    else:
-        evaluating = [r for r, m in zip(ranks, modes) if not m & 1]
-        training = [r for r, m in zip(ranks, modes) if m & 1]
-        detail = (f"ranks {evaluating} have the model in eval mode (model.eval(), e.g. left "
-                  f"from an evaluation) where ranks {training} have it in training mode")
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: at root forward #{rows[0][1]}, "
-        f"{detail}, so the ranks would compute different functions (dropout, batch norm: "
-        "nothing was computed yet). Call model.train() on every rank before training (after an "
-        "evaluation on some ranks), or model.eval() on every rank for an evaluation on all of "
-        "them.")
-
-
-def _raise_forward_orders(ranks: Sequence[int], rows: Sequence[Sequence[int]],
-                          units: Sequence[ObservedUnit]) -> None:
-    """The ranks ended a training forward having run different units
-    (each row: root forward number, then the units' indices in forward order)."""
-    def names(row: Sequence[int]) -> str:
-        return "[" + ", ".join(units[u].name if u < len(units) else f"unit #{u}"
-                               for u in row[1:]) + "]"
-    lines = [f"  rank {r} ran {names(row)}" for r, row in zip(ranks, rows)]
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: the ranks ran different units "
-        f"in root forward #{rows[0][0]} (detected at the end of the forward, before the "
-        "backward communicated anything):\n" + "\n".join(lines) + "\n" + _advice(True))
 
 
 def _mix(fingerprint: int, code: int) -> int:

@@ -79,25 +79,3 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
     values = every.tolist()
     release_after_collective(mine, every)  # tiny, but at every root forward
     return values
-
-
-
-# [Note: forward agreement]
-# Collectives pair by issue order, and gloo aborts (SIGABRT) a process that
-# receives a message of another size than it posted. A rank running one more
-# forward (an evaluation on rank 0 only) would have its collectives paired
-# with the others' backward. So every root forward over several ranks starts
-# with an agreement through the rendezvous store (no collective: it cannot
-# mis-pair, no backend can abort on it): each rank writes a small row (what
-# it is about to do, what it did since the last agreement) under a key
-# numbered by the forward and compares the others' (``rendezvous.meet``). A
-# rank waiting at a collective call instead is named at once ([Note: where
-# each rank waits]), and one blocked in a torch collective that waits for
-# this rank (a user's barrier) within two polls, by the same watcher and
-# rule as the collective calls ([Note: blocked is not late]); a late one is
-# waited for. One stuck in a data collective is reported through the
-# flight log. No device is touched. A training forward also ends with an
-# agreement on the units it ran, in order, so that a unit skipped or
-# reordered on some ranks is caught before the backward's reduce-scatters
-# pair units of different sizes.
-
