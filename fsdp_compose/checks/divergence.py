@@ -1,48 +1,29 @@
 """Rank divergence: detect ranks whose collectives belong to different units.
 
 [Note: rank divergence]
-Collectives pair up across ranks by issue order, not by unit. Data-dependent
-control flow that differs between ranks (a unit skipped on one rank, units in
-different orders, a unit whose output reaches the loss on some ranks only)
-therefore pairs the all-gather of one unit with a collective of another: the
-ranks hang (different kinds or sizes) or silently mix values (same sizes).
-Two checks catch it, both on the sequence of *data collectives actually
-issued*, in issue order (a prefetch is an all-gather of another unit, issued
-early, and counts where it is issued):
+Collectives pair across ranks by issue order, not by unit. Rank-dependent
+control flow (a unit skipped on one rank, units reordered, an output
+reaching the loss on some ranks only) pairs one unit's all-gather with
+another's collective: the ranks hang or silently mix values. Two checks
+watch the data collectives actually issued, in issue order (a prefetch
+counts where it is issued):
 
-* **Verification** (every collective until the ranks have agreed at the end
-  of two last backwards, i.e. the first two training iterations with every
-  forward among them, evaluation included, at most
-  ``VERIFICATION_FORWARD_LIMIT`` root forwards without gradients; always with
-  ``set_check_rank_divergence(True)`` or the environment variable
-  ``FSDP_COMPOSE_CHECK_ORDER=1``; never with ``set_check_rank_divergence(False)``):
-  before every data collective, and before the end-of-backward all-reduce,
-  one tiny all-gather of what this rank is about to issue (kind, unit index
-  in the root's state list, buffer index, phase) over the collective's
-  process group; after the root's forward, one of its forward order and
-  grad mode (a forward under ``torch.no_grad()`` on some ranks only, an
-  evaluation on one rank, is caught there). Every rank that reaches it sees
-  the same values, so a mismatch raises on every rank *before* the data
-  collective, naming each rank's unit. Costs one tiny blocking collective
-  per data collective. The window closes only at a point where the ranks
-  have just agreed (never by a rank's own count of forwards: a rank that ran
-  one more forward would stop verifying while the others go on, pairing a
-  verification all-gather with a data collective).
+* **Verification**: before every data collective and the end-of-backward
+  all-reduce, one tiny all-gather of what each rank is about to issue, and
+  after the root's forward one of its forward order and grad mode; a
+  mismatch raises on every rank before the data collective. On until the
+  ranks have agreed at the end of two last backwards (at most
+  ``VERIFICATION_FORWARD_LIMIT`` forwards without gradients), always with
+  ``set_check_rank_divergence(True)`` or ``FSDP_COMPOSE_CHECK_ORDER=1``. The
+  window closes only where the ranks have just agreed, never on a rank's own
+  count (one rank would stop verifying while the others go on).
 * **Fingerprint** (always on, no extra collective): a 64-bit rolling hash of
-  the same sequence, per process group, is appended as 16 bytes (its bytes,
-  then their complements) to the used-parameter flags that
-  ``publish_gradients`` all-reduces with MAX at the end of the last backward.
-  After MAX, byte ``i`` and its complement sum to 255 on every rank iff all
-  ranks had the same byte ``i``; otherwise every rank raises there. This
-  catches divergence after the verification iterations *that keeps the number
-  and sizes of collectives equal* (e.g. two same-size units swapped), which
-  would otherwise mix values silently. Divergence that changes the number of
-  collectives in a later iteration pairs mismatched collectives before the end
-  of backward: the wait that then stalls or fails consults the **flight log**
-  (an always-on ring of each rank's recent collectives, compared through the
-  rendezvous store, ``checks/flight_log.py`` and [Note: flight log]) and
-  raises where the ranks' logs first disagree; gloo aborts a process that
-  receives a collective of another size, which then reports nothing itself.
+  the sequence per process group, appended as its 8 bytes and their
+  complements to the used flags that ``publish_gradients`` all-reduces with
+  MAX; a byte and its complement sum to 255 iff every rank had the same
+  byte. Catches same-size swaps after the verified iterations. Divergence
+  that changes the number of collectives stalls a wait, which consults the
+  flight log ([Note: flight log]).
 """
 
 from __future__ import annotations
@@ -68,26 +49,23 @@ VERIFICATION_ITERATIONS = 2
 """Training iterations (last backwards the ranks agreed on) verified by default."""
 VERIFICATION_FORWARD_LIMIT = 8
 """Root forwards without gradients verified by default (a model that only
-evaluates never ends a backward; forwards with gradients, e.g. gradient
-accumulation's micro-batches, do not count)."""
+evaluates never ends a backward)."""
 _LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
 
 class Kind(IntEnum):
-    """What a recorded event is (its value is part of the compared code)."""
+    """Its value is part of the compared code."""
 
     ALL_GATHER = 0
     REDUCE_SCATTER = 1
     END_OF_BACKWARD = 2
-    """The flags all-reduce: no more unit collectives in this backward."""
     FORWARD = 3
-    """A unit's place in the root's forward order (no collective of its own)."""
+    """A unit's place in the root's forward order (no collective)."""
 
 
 class Phase(IntEnum):
-    """Where in the iteration a collective is issued."""
 
     FORWARD = 0
     BACKWARD = 1
@@ -97,11 +75,10 @@ class Phase(IntEnum):
 _KIND_TEXT = {Kind.ALL_GATHER: "all-gather", Kind.REDUCE_SCATTER: "reduce-scatter",
               Kind.END_OF_BACKWARD: "end of backward", Kind.FORWARD: "forward"}
 FINGERPRINT_BYTES = 16
-"""Bytes appended to one process group's used flags (8 of the hash, 8 complements)."""
+"""Bytes appended to one group's used flags (8 of the hash, 8 complements)."""
 
 
 class Collective(NamedTuple):
-    """One collective of the training step, as every rank must agree on it."""
 
     kind: Kind
     unit: int  # position of the unit in the root's state list
@@ -110,7 +87,7 @@ class Collective(NamedTuple):
 
     @property
     def code(self) -> int:
-        """A 63-bit integer naming it (the value the verification compares)."""
+        """The 63-bit value the verification compares."""
         return (self.kind << 56) | (self.phase << 52) | (self.unit << 20) | self.buffer
 
     def describe(self, units: Sequence[ObservedUnit]) -> str:
@@ -130,57 +107,41 @@ def _decode(code: int) -> Collective:
 
 class DivergenceMonitor(CollectiveObserver):
     """Records the unit collectives of one model and checks that every rank
-    issues the same ones (see [Note: rank divergence]). The model's
-    collective observer (``runtime/observer.py``): ``fully_shard`` hands it
-    in, the root's lazy init builds it and binds it to the units.
+    issues the same ones ([Note: rank divergence]); the model's
+    ``CollectiveObserver``, bound to the units at the root's lazy init.
 
-    Invariant: between two comparisons on a process group, ``_fingerprints``
-    and ``_logs`` hold exactly the collectives issued on it since the last
-    comparison, in issue order.
+    Invariant: ``_fingerprints`` and ``_logs`` hold exactly the collectives
+    issued on a process group since its last comparison, in issue order.
     """
 
     def __init__(self) -> None:
         self._settings: ModelSettings = ModelSettings()
-        """The model's settings (from :meth:`bind`); ``check_rank_divergence``:
-        True verifies every iteration, False never, None while the window is
-        open (or with the env var)."""
+        """``check_rank_divergence``: True always verifies, False never, None
+        while the default window is open."""
         self.verifying: bool = False
-        """Whether the collectives issued now run the verification collectives."""
         self.iterations: int = 0
-        """Forward passes of the root started so far."""
         self.agreed_forwards: int = 0
-        """Root forwards without gradients whose order and grad mode every
-        rank verified equal."""
+        """Root forwards without gradients every rank verified equal."""
         self.agreed_backwards: int = 0
-        """Last backwards whose end every rank verified together."""
         self.backwards: int = 0
-        """Last backwards this rank ended (verified or not)."""
         self._agreement: Optional[ForwardAgreement] = None
-        """Where this model's ranks meet at every root forward ([Note: forward
-        agreement] in ``checks/forward_agreement.py``); ``None`` over one rank."""
+        """[Note: forward agreement]; ``None`` over one rank."""
         self._since_agreement: int = _FNV_OFFSET
-        """Rolling hash of every collective recorded since the last forward
-        agreement (all process groups)."""
+        """Rolling hash of every collective since the last forward agreement."""
         self._units: list[ObservedUnit] = []
         self._groups: list[ShardGroup] = []
         self._communicates: bool = False
         self._where: dict[int, tuple[int, int]] = {}
-        """id(buffer) -> (unit index, buffer index)."""
         self._index: dict[int, int] = {}
-        """id(unit) -> unit index."""
         self._fingerprints: dict[int, int] = {}
-        """id(process group) -> rolling hash since the last comparison."""
         self._logs: dict[int, deque[Collective]] = {}
-        """id(process group) -> the collectives since the last comparison."""
         self.flight: FlightRecorder = FlightRecorder(
             lambda code: _decode(code).describe(self._units),
             lambda codes: divergence_advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
-        """The always-on ring of recent collectives, compared through the
-        store when a wait stalls or fails ([Note: flight log])."""
 
     def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
-        """Number the units (the root's state list order, the same on every
-        rank since the layouts were checked to agree)."""
+        """Number the units in the root's state list order (equal on every rank:
+        the layouts were checked to agree)."""
         self._settings = settings
         self._units = list(units)
         self._index = {id(unit): u for u, unit in enumerate(units)}
@@ -192,13 +153,10 @@ class DivergenceMonitor(CollectiveObserver):
                 self.flight.attach(group.process_group)
         self._agreement = ForwardAgreement.of(units, self.flight, self._groups) if units else None
         self._communicates = any(group.world_size > 1 for group in self._groups)
-        """Some unit's collectives go to another rank (else there is nothing
-        to fingerprint or compare)."""
 
     def start_iteration(self) -> None:
-        """At the root's pre-forward, before any collective of the forward:
-        agree with the other ranks on what this forward is (see [Note:
-        forward agreement]), then decide whether this iteration verifies."""
+        """At the root's pre-forward: meet the other ranks ([Note: forward
+        agreement]), then decide whether this iteration verifies."""
         self.iterations += 1
         if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
@@ -208,8 +166,7 @@ class DivergenceMonitor(CollectiveObserver):
         self.verifying = self._should_verify()
 
     def _training_modes(self) -> int:
-        """Bit ``u``: unit ``u``'s module is in training mode (``module.training``;
-        unit 0 is the root), for the first :data:`MODE_BITS` units."""
+        """Bit ``u``: unit ``u``'s module is training (unit 0: the root)."""
         modes = 0
         for u, unit in enumerate(self._units[:MODE_BITS]):
             if unit.modules[0].training:
@@ -220,9 +177,8 @@ class DivergenceMonitor(CollectiveObserver):
         return self._should_verify()
 
     def _should_verify(self) -> bool:
-        """Read at the root's pre-forward, and again right after a verified
-        agreement (the only points where the default window may close: every
-        rank's counters are equal there, see [Note: rank divergence])."""
+        """Read only where every rank's counters are equal (the root's
+        pre-forward, right after a verified agreement)."""
         forced = self._settings.check_rank_divergence
         if forced is not None:
             return forced
@@ -230,23 +186,20 @@ class DivergenceMonitor(CollectiveObserver):
             self.agreed_forwards < VERIFICATION_FORWARD_LIMIT
         return window or os.environ.get(CHECK_ENV, "0") not in ("", "0")
 
-    # ----------------------------------------------------------- recording
     def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
-        """Called right before ``buffer``'s all-gather is issued, by a
-        unit's pre-forward or pre-backward (``buffer`` may belong to
-        another unit: a prefetch)."""
+        """Right before ``buffer``'s all-gather (``buffer`` may be another
+        unit's: a prefetch)."""
         phase = Phase.FORWARD if issuer_state is TrainingState.FORWARD else Phase.BACKWARD
         self._issue(Kind.ALL_GATHER, buffer, phase)
 
     def before_reduce_scatter(self, buffer: FlatBuffer) -> None:
-        """Called right before ``buffer``'s reduce-scatter is issued."""
-        if buffer.group.world_size > 1:  # else nothing is communicated (see _issue)
+        if buffer.group.world_size > 1:  # else nothing is communicated
             self._issue(Kind.REDUCE_SCATTER, buffer, Phase.BACKWARD)
 
     def _issue(self, kind: Kind, buffer: FlatBuffer, phase: Phase) -> None:
         group = buffer.group
         if group.world_size == 1:
-            return  # nothing is communicated
+            return
         unit_index, buffer_index = self._where.get(id(buffer), (0xFFFFF, 0))
         entry = Collective(kind, unit_index, buffer_index, phase)
         self._record(group, entry)
@@ -261,10 +214,9 @@ class DivergenceMonitor(CollectiveObserver):
         self.flight.record(group.process_group, self.iterations - 1, entry.code)  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
-        """The root's forward ended: fold the units' forward order into every
-        group's fingerprint and, when verifying, compare it across ranks now
-        (forward prefetch can make a skipped unit's all-gather happen anyway,
-        so the collectives of the forward alone may still agree)."""
+        """Fold the forward order into every group's fingerprint and, when
+        verifying, compare it now (forward prefetch may have made a skipped
+        unit's all-gather happen anyway)."""
         if not self._communicates and self._agreement is None:
             return  # one rank: nothing was communicated, nothing to agree on
         entries = [Collective(Kind.FORWARD, self._index.get(id(u), 0xFFFFF), 0, Phase.FORWARD)
@@ -300,11 +252,9 @@ class DivergenceMonitor(CollectiveObserver):
             about = {rank: _decode(code) for rank, code in enumerate(codes)}
             self._raise(group, about)
 
-    # ------------------------------------------------------- end of backward
     def before_publish(self) -> None:
-        """End of the last backward, before the flags all-reduce: in a
-        verifying iteration, check that every rank got here (and not to one
-        more unit collective), once per process group of the model."""
+        """End of the last backward, before the flags all-reduce: when verifying,
+        check every rank got here (and not to one more unit collective)."""
         self.backwards += 1
         if not self.verifying:
             return
@@ -318,15 +268,13 @@ class DivergenceMonitor(CollectiveObserver):
             self.verifying = self._should_verify()
 
     def payload(self, group: ShardGroup) -> list[int]:
-        """The fingerprint bytes to append to ``group``'s used flags."""
         value = self._fingerprints.get(id(group.process_group), _FNV_OFFSET)
         raw = list(value.to_bytes(8, "little"))
         return raw + [255 - b for b in raw]
 
     def check(self, group: ShardGroup, reduced: Sequence[int]) -> None:
-        """After the MAX all-reduce of :meth:`payload` over ``group``: raise
-        on every rank if the ranks' fingerprints differed; else start a new
-        comparison window."""
+        """After the MAX all-reduce of :meth:`payload`: raise on every rank if
+        the fingerprints differed, else start a new window."""
         if any(reduced[i] + reduced[8 + i] != 255 for i in range(8)):
             self._raise(group, None)
         key = id(group.process_group)
@@ -334,14 +282,11 @@ class DivergenceMonitor(CollectiveObserver):
         self._logs.pop(key, None)
 
     def groups(self) -> list[ShardGroup]:
-        """One ShardGroup per process group of the model, in unit order
-        (found once, by :meth:`bind`: a unit's groups never change)."""
+        """One ShardGroup per process group of the model, in unit order."""
         return self._groups
 
-    # --------------------------------------------------------------- errors
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
-        """Every rank of ``group`` calls this together (they all saw the same
-        collective result): gather each rank's log and raise one message."""
+        """Called on every rank of ``group`` together: gather the logs, raise."""
         log = list(self._logs.get(id(group.process_group), ()))
         logs: list = [None] * group.world_size
         dist.all_gather_object(logs, [c.code for c in log], group=group.process_group)
@@ -373,9 +318,7 @@ class DivergenceMonitor(CollectiveObserver):
 
 
 def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
-    """The ranks ran the same units in a root forward, some with gradients
-    and some without (``codes``: each rank's compared value, grad mode in
-    bit 0)."""
+    """Same units, some ranks with gradients and some without (grad mode in bit 0)."""
     ranks = dist.get_process_group_ranks(group.process_group)
     without = [ranks[i] for i, code in enumerate(codes) if not code & 1]
     with_grad = [ranks[i] for i, code in enumerate(codes) if code & 1]
@@ -402,7 +345,6 @@ def _first_difference(logs: list[list[Collective]]) -> int:
 
 
 def _groups_of(units: Sequence[ObservedUnit]) -> list[ShardGroup]:
-    """One ShardGroup per process group of ``units``, in unit order."""
     seen: dict[int, ShardGroup] = {}
     for unit in units:
         seen.setdefault(id(unit.group.process_group), unit.group)

@@ -1,26 +1,20 @@
-"""The forward agreement: every root forward over several ranks meets the
-other ranks through the rendezvous store first, and a training forward
-meets them again at its end, so that ranks about to run different
-forwards raise on every rank before anything pairs wrongly.
+"""The forward agreement: ranks about to run different forwards raise on
+every rank before anything pairs wrongly.
 
 [Note: forward agreement]
-Collectives pair by issue order, and gloo aborts (SIGABRT) a process that
-receives a message of another size than it posted. A rank running one more
-forward (an evaluation on rank 0 only) would have its collectives paired
-with the others' backward. So every root forward over several ranks starts
-with an agreement through the rendezvous store (no collective: it cannot
-mis-pair, no backend can abort on it): each rank writes a small row (what
-it is about to do, what it did since the last agreement) under a key
-numbered by the forward and compares the others' (``rendezvous.meet``). A
-rank waiting at a collective call instead is named at once ([Note: where
-each rank waits]), and one blocked in a torch collective that waits for
-this rank (a user's barrier) within two polls, by the same watcher and
-rule as the collective calls ([Note: blocked is not late]); a late one is
-waited for. One stuck in a data collective is reported through the
-flight log. No device is touched. A training forward also ends with an
-agreement on the units it ran, in order, so that a unit skipped or
-reordered on some ranks is caught before the backward's reduce-scatters
-pair units of different sizes.
+Collectives pair by issue order, and gloo aborts a process that receives a
+message of another size than it posted: a rank running one more forward (an
+evaluation on rank 0 only) would pair its collectives with the others'
+backward. So every root forward over several ranks starts with a meeting
+through the rendezvous store (not a collective: it cannot mis-pair or
+abort): each rank writes a row (what it is about to do, what it did since
+the last meeting) and compares the others' (``rendezvous.meet``). A rank
+waiting at a collective call is named at once ([Note: where each rank
+waits]), one blocked in a user's torch collective within two polls ([Note:
+blocked is not late]), a late one is waited for, one stuck in a data
+collective is named by the flight log. A training forward also ends with a
+meeting on the units it ran, in order, so a unit skipped or reordered is
+caught before the backward pairs units of different sizes.
 """
 
 from __future__ import annotations
@@ -41,13 +35,11 @@ from .flight_log import FlightRecorder
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 """Set to ``1`` to verify the collective order in every iteration."""
 MODE_BITS = 62
-"""Units whose training mode (``module.training``) the forward agreement
-compares, from the root on (an int64 row entry holds their flags)."""
+"""Units whose ``module.training`` the agreement compares (bits of one int64)."""
 
 
 class ForwardAgreement:
-    """The ranks of one model and the store keys their forward agreements
-    use (numbered by forward: ``<prefix>/<forward>/<rank>``)."""
+    """The ranks of one model and its store keys (``<prefix>/<forward>/<rank>``)."""
 
     _models: dict[tuple[int, ...], int] = {}
     """ranks -> models set up over them so far in this process."""
@@ -61,23 +53,18 @@ class ForwardAgreement:
         self.last_key: Optional[str] = None
         self.last_end_key: Optional[str] = None
         self.moment: str = "starts"
-        """Where the current meeting is: at the start or the end of a forward."""
         self.stalls: int = 0
-        """Flight-log comparisons made while waiting at the current forward."""
+        """Flight-log comparisons made while waiting at the current meeting."""
         self._units: Sequence[ObservedUnit] = units
-        """The model's units, in the root's state list order (for messages)."""
         self._flight: FlightRecorder = flight
         self._groups: Sequence[ShardGroup] = groups
-        """One ShardGroup per process group of the model (flight logs compared on a stall)."""
 
     @classmethod
     def of(cls, units: Sequence[ObservedUnit], flight: FlightRecorder,
            groups: Sequence[ShardGroup]) -> Optional["ForwardAgreement"]:
-        """The agreement of a model whose root (``units[0]``) shards over
-        its group (and its replicas), or ``None`` over one rank or without
-        a store. One tiny all-gather (at the root's lazy init) makes the
-        model's number the same on every rank, whatever each rank set up
-        before."""
+        """The agreement of a model whose root is ``units[0]``, or ``None`` over
+        one rank or without a store. Collective: one tiny all-gather makes the
+        model's number equal on every rank."""
         group = units[0].group
         ranks = sorted(group.mesh.mesh.flatten().tolist())  # every shard group and replica
         if len(ranks) == 1:
@@ -93,27 +80,23 @@ class ForwardAgreement:
                    units, flight, groups)
 
     def before_forward(self, row: list[int]) -> None:
-        """At the root's pre-forward: exchange ``row`` (grad mode, root
-        forwards, last backwards, collectives digest, training modes) and
-        raise on every rank if any rank's differs."""
+        """At the root's pre-forward: exchange ``row`` (grad mode, root forwards,
+        last backwards, collectives digest, training modes); raise on every rank
+        if they differ."""
         rows = self.exchange(row)
         if any(other != rows[0] for other in rows):
             _raise_forward_disagreement(self.ranks, rows, self._units)
 
     def after_forward(self, forward: int, order: Sequence[int]) -> None:
-        """A training forward ended outside the verified iterations: agree
-        on the units it ran (``order``: their indices), before the
-        backward's first collective. A unit skipped (or run out of order) on
-        some ranks pairs its backward collectives with other units' (of
-        other sizes: gloo aborts the process); forward prefetch may have
-        paired the forward's all-gathers anyway."""
+        """A training forward ended outside the verified iterations: agree on the
+        units it ran (``order``) before the backward's first collective (forward
+        prefetch may have paired the forward's all-gathers anyway)."""
         rows = self.exchange_after_forward([forward, *order])
         if any(row != rows[0] for row in rows):
             _raise_forward_orders(self.ranks, rows, self._units)
 
     def exchange_after_forward(self, row: list[int]) -> list[list[int]]:
-        """Every rank's ``row`` at the end of the current training forward
-        (keys ``<prefix>/<forward>/end/<rank>``)."""
+        """Every rank's ``row`` at the end of the current forward."""
         key = f"{self.prefix}/{self.forwards}/end"
         self.moment, self.stalls = "ends", 0
         values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
@@ -123,7 +106,6 @@ class ForwardAgreement:
         return self._rows(values)
 
     def exchange(self, row: list[int]) -> list[list[int]]:
-        """Every rank's ``row`` for the next forward, in ``ranks`` order."""
         self.forwards += 1
         self.moment, self.stalls = "starts", 0
         key = f"{self.prefix}/{self.forwards}"
@@ -134,8 +116,6 @@ class ForwardAgreement:
         return self._rows(values)
 
     def _rows(self, values: Sequence[str]) -> list[list[int]]:
-        """The rows ``meet`` returned, or raise if a rank left for another
-        meeting of the library."""
         left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
                 if value.startswith(LEFT)}
         if left:
@@ -144,19 +124,14 @@ class ForwardAgreement:
 
     def _waiting(self, waited: float, elsewhere: dict[int, str],
                  doing: dict[int, Doing]) -> None:
-        """The agreement has waited ``waited`` s for the ranks of
-        ``elsewhere`` (``rendezvous.meet``'s callback). One that waits at a
-        collective call of the library will never come: raise. Every
-        :func:`stall_seconds`, compare the flight logs of every data group
-        (a rank may be stuck in a data collective this rank will never
-        issue; raises where they differ)."""
+        """``rendezvous.meet``'s callback: raise if a rank waits at a collective
+        call of the library or is blocked in a user's collective (it will never
+        come); every :func:`stall_seconds`, compare the flight logs."""
         other = {rank: what for rank, what in elsewhere.items() if what}
         moment = self.moment
         if other:
             _raise_waiting_elsewhere(self.forwards, other, moment)
-        # blocked in a collective of the user's (a barrier): it will never come either;
-        # one blocked in a data collective of ours is left to the flight logs below,
-        # which name what each rank issued
+        # one blocked in a data collective of ours is left to the flight logs
         blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked" and not d.ours}
         if blocked:
             _raise_blocked(self.forwards, blocked, moment)
@@ -186,8 +161,7 @@ def divergence_advice(forward: bool) -> str:
 
 
 def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = "starts") -> None:
-    """Other ranks wait at (or raised at) another meeting of the library
-    while this rank ``moment`` (starts, ends) root forward #``forward``."""
+    """Other ranks wait at another meeting of the library."""
     lines = "\n".join(f"  rank {rank} waits at {what}" for rank, what in where.items())
     raise RuntimeError(
         f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
@@ -197,8 +171,6 @@ def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = 
 
 
 def _raise_blocked(forward: int, blocked: dict[int, Doing], moment: str) -> None:
-    """Other ranks are blocked in a torch collective that waits for this rank
-    ([Note: blocked is not late]) while this rank ``moment`` root forward #``forward``."""
     lines = "\n".join("  " + d.blocks(rank) for rank, d in sorted(blocked.items()))
     raise RuntimeError(
         f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
@@ -211,9 +183,7 @@ def _raise_blocked(forward: int, blocked: dict[int, Doing], moment: str) -> None
 
 def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]],
                                 units: Sequence[ObservedUnit]) -> None:
-    """The forward agreement found ranks about to run different forwards
-    (each row: grad mode, root forwards, last backwards, collectives digest,
-    training modes)."""
+    """Each row: grad mode, root forwards, last backwards, digest, training modes."""
     me = dist.get_rank()
     grad = [row[0] for row in rows]
     if len(set(grad)) == 1 and all(row[:4] == rows[0][:4] for row in rows):
@@ -245,8 +215,6 @@ def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[in
 
 def _raise_training_modes(ranks: Sequence[int], rows: Sequence[Sequence[int]],
                           units: Sequence[ObservedUnit]) -> None:
-    """The ranks start the same forward, some with modules in eval mode
-    where others train (row[4]: the units' training flags, the root's in bit 0)."""
     modes = [row[4] for row in rows]
     if all(m & 1 == modes[0] & 1 for m in modes):  # the root agrees, some unit does not
         differing = [u for u in range(min(len(units), MODE_BITS))
@@ -271,8 +239,7 @@ def _raise_training_modes(ranks: Sequence[int], rows: Sequence[Sequence[int]],
 
 def _raise_forward_orders(ranks: Sequence[int], rows: Sequence[Sequence[int]],
                           units: Sequence[ObservedUnit]) -> None:
-    """The ranks ended a training forward having run different units
-    (each row: root forward number, then the units' indices in forward order)."""
+    """Each row: root forward number, then the units run, in order."""
     def names(row: Sequence[int]) -> str:
         return "[" + ", ".join(units[u].name if u < len(units) else f"unit #{u}"
                                for u in row[1:]) + "]"

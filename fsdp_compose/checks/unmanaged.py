@@ -1,29 +1,17 @@
 """Refuse the forgotten root: parameters the optimizer would update from
 each rank's own gradient.
 
-``fully_shard`` on every block but not on the root leaves the embeddings,
-final norm and head as plain parameters: each rank's backward gives them
-its own local gradient, the optimizer steps on it, and the replicas drift
-apart silently (torch FSDP2 is silent too). At an optimizer's first step
-with gradients, before it updates anything, if it holds parameters of
-``fully_shard`` units, every parameter with a gradient that
-
-* no unit manages,
-* is not a ``DTensor`` (tensor parallelism, ``replicate``'s DTensor form),
-* no DDP (``DistributedDataParallel``) or ``replicate`` module holds, and
-* was not passed to :func:`mark_reduced_elsewhere` (nor in
-  ``fully_shard``'s ``ignored_params``)
-
-is named in a ``RuntimeError``. The look is local, with no collective: a
-step pre-hook cannot know that every rank steps the same optimizer over
-the same parameters (Muon over owned matrices gives each rank its own, and
-a rank whose optimizer holds nothing with a gradient looks later), so a
-collective here could pair with nothing on another rank. Models and
-optimizers built alike on every rank (the SPMD script) decide alike, so
-every rank raises; where they differ, the rank that raises alone ends the
-job (torchrun stops the others). Cost: one look per optimizer, at its first
-step with gradients; a walk up from the units to the user's model
-(``runtime/ancestors.py``) only when such parameters exist.
+``fully_shard`` on every block but not on the root leaves the embeddings
+and head plain: each rank steps on its own gradient and the replicas drift
+apart silently. At an optimizer's first step with gradients, before any
+update, if it holds parameters of units, every parameter with a gradient
+that no unit manages, that is not a ``DTensor``, that no DDP or
+``replicate`` module holds and that was not passed to
+:func:`mark_reduced_elsewhere` (or ``ignored_params``) is named in a
+``RuntimeError``. Local, no collective: a step pre-hook cannot know every
+rank steps the same optimizer, so a collective could pair with nothing.
+SPMD scripts decide alike on every rank; where ranks differ, the rank that
+raises ends the job.
 """
 
 from __future__ import annotations
@@ -47,20 +35,18 @@ from .replicate import is_replicated
 _installed: list[object] = []
 _looked_at: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
 _reduced_elsewhere: dict[int, torch.Tensor] = {}
-"""The parameters marked by the user, by id, held strongly while anything
-else holds them: a weak reference would stop ``torch.utils.swap_tensors``
-(which keeps a parameter's identity through ``to_empty``), and an id alone
-could be reused by a later model's parameter, which the check would then
-skip. :func:`_forget_dropped` lets go of those only this dict still holds."""
+"""Parameters the user marked, by id, held strongly: a weak reference
+would stop ``torch.utils.swap_tensors``, and a bare id could be reused by a
+later model's parameter. :func:`_forget_dropped` frees those only this
+dict holds."""
 _SHOWN = 8  # parameters named in the message
 
 
 def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> None:
-    """Tell fsdp_compose that these parameters (a module's, or the given
-    ones), which no ``fully_shard`` unit manages, have their gradients
-    reduced across ranks by other code (by hand, or an API it does not
-    recognise), so the optimizer's first step does not refuse to update
-    them. Call it on every rank, before the first ``optimizer.step()``."""
+    """Declare that these parameters (a module's, or those given), which no
+    ``fully_shard`` unit manages, have their gradients reduced across ranks
+    by other code, so the optimizer's first step does not refuse them. Call
+    it on every rank before the first ``optimizer.step()``."""
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
         else module_or_params
     _forget_dropped()
@@ -69,15 +55,13 @@ def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Ten
 
 
 def _forget_dropped() -> None:
-    """Drop the marks of parameters nothing but this module holds any more
-    (a dropped model's), so their ids cannot be taken for a new one's."""
+    """Drop the marks nothing else holds (so a new parameter cannot reuse their ids)."""
     for key in list(_reduced_elsewhere):
         if sys.getrefcount(_reduced_elsewhere[key]) <= 2:  # the dict and this call's argument
             del _reduced_elsewhere[key]
 
 
 def install_unmanaged_check() -> None:
-    """Install the step pre-hook (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_look_once))
 
@@ -110,7 +94,6 @@ def _look_once(optimizer: Optimizer, args: object, kwargs: object) -> None:
 
 
 def _reduced_by_other_apis(tops: list[nn.Module]) -> set[int]:
-    """ids of the parameters a DDP or a ``replicate``-annotated module holds."""
     reduced: set[int] = set()
     for top in tops:
         for module in top.modules():
