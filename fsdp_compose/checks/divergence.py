@@ -1,29 +1,23 @@
 """Rank divergence: detect ranks whose collectives belong to different units.
 
 [Note: rank divergence]
-Collectives pair across ranks by issue order, not by unit. Rank-dependent
-control flow (a unit skipped on one rank, units reordered, an output
-reaching the loss on some ranks only) pairs one unit's all-gather with
-another's collective: the ranks hang or silently mix values. Two checks
-watch the data collectives actually issued, in issue order (a prefetch
-counts where it is issued):
+Collectives pair across ranks by issue order, not by unit: rank-dependent
+control flow (a unit skipped or reordered on one rank) pairs one unit's
+collective with another's, and the ranks hang or silently mix values. Two
+checks watch the data collectives issued, in issue order:
 
-* **Verification**: before every data collective and the end-of-backward
-  all-reduce, one tiny all-gather of what each rank is about to issue, and
-  after the root's forward one of its forward order and grad mode; a
-  mismatch raises on every rank before the data collective. On until the
-  ranks have agreed at the end of two last backwards (at most
-  ``VERIFICATION_FORWARD_LIMIT`` forwards without gradients), always with
-  ``set_check_rank_divergence(True)`` or ``FSDP_COMPOSE_CHECK_ORDER=1``. The
-  window closes only where the ranks have just agreed, never on a rank's own
-  count (one rank would stop verifying while the others go on).
-* **Fingerprint** (always on, no extra collective): a 64-bit rolling hash of
-  the sequence per process group, appended as its 8 bytes and their
-  complements to the used flags that ``publish_gradients`` all-reduces with
-  MAX; a byte and its complement sum to 255 iff every rank had the same
-  byte. Catches same-size swaps after the verified iterations. Divergence
-  that changes the number of collectives stalls a wait, which consults the
-  flight log ([Note: flight log]).
+* **Verification**: before every data collective, one tiny all-gather of
+  what each rank is about to issue (after the root's forward, of its
+  forward order and grad mode); a mismatch raises on every rank before the
+  data collective. On until the ranks agree at the end of two last
+  backwards, always with ``set_check_rank_divergence(True)`` or
+  ``FSDP_COMPOSE_CHECK_ORDER=1``; the window closes only where the ranks
+  have just agreed (never on one rank's own count).
+* **Fingerprint** (always on): a rolling hash per process group, appended
+  as 8 bytes and their complements to the used flags that
+  ``publish_gradients`` all-reduces with MAX (a byte and its complement sum
+  to 255 iff every rank had it). A changed number of collectives stalls a
+  wait instead, which consults the flight log ([Note: flight log]).
 """
 
 from __future__ import annotations
@@ -46,10 +40,9 @@ from .flight_log import FlightRecorder
 from .forward_agreement import CHECK_ENV, MODE_BITS, ForwardAgreement, divergence_advice
 
 VERIFICATION_ITERATIONS = 2
-"""Training iterations (last backwards the ranks agreed on) verified by default."""
+"""Last backwards the ranks agree on before verification stops."""
 VERIFICATION_FORWARD_LIMIT = 8
-"""Root forwards without gradients verified by default (a model that only
-evaluates never ends a backward)."""
+"""Root forwards without gradients verified by default."""
 _LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
@@ -116,16 +109,12 @@ class DivergenceMonitor(CollectiveObserver):
 
     def __init__(self) -> None:
         self._settings: ModelSettings = ModelSettings()
-        """``check_rank_divergence``: True always verifies, False never, None
-        while the default window is open."""
         self.verifying: bool = False
         self.iterations: int = 0
         self.agreed_forwards: int = 0
-        """Root forwards without gradients every rank verified equal."""
         self.agreed_backwards: int = 0
         self.backwards: int = 0
         self._agreement: Optional[ForwardAgreement] = None
-        """[Note: forward agreement]; ``None`` over one rank."""
         self._since_agreement: int = _FNV_OFFSET
         """Rolling hash of every collective since the last forward agreement."""
         self._units: list[ObservedUnit] = []
@@ -140,8 +129,7 @@ class DivergenceMonitor(CollectiveObserver):
             lambda codes: divergence_advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
 
     def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
-        """Number the units in the root's state list order (equal on every rank:
-        the layouts were checked to agree)."""
+        """Number the units (root's state list order, equal on every rank)."""
         self._settings = settings
         self._units = list(units)
         self._index = {id(unit): u for u, unit in enumerate(units)}
@@ -155,8 +143,8 @@ class DivergenceMonitor(CollectiveObserver):
         self._communicates = any(group.world_size > 1 for group in self._groups)
 
     def start_iteration(self) -> None:
-        """At the root's pre-forward: meet the other ranks ([Note: forward
-        agreement]), then decide whether this iteration verifies."""
+        """At the root's pre-forward: meet ([Note: forward agreement]), then
+        decide whether this iteration verifies."""
         self.iterations += 1
         if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
@@ -177,8 +165,7 @@ class DivergenceMonitor(CollectiveObserver):
         return self._should_verify()
 
     def _should_verify(self) -> bool:
-        """Read only where every rank's counters are equal (the root's
-        pre-forward, right after a verified agreement)."""
+        """Read only where every rank's counters are equal."""
         forced = self._settings.check_rank_divergence
         if forced is not None:
             return forced
@@ -187,8 +174,7 @@ class DivergenceMonitor(CollectiveObserver):
         return window or os.environ.get(CHECK_ENV, "0") not in ("", "0")
 
     def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
-        """Right before ``buffer``'s all-gather (``buffer`` may be another
-        unit's: a prefetch)."""
+        """Right before ``buffer``'s all-gather (maybe a prefetch)."""
         phase = Phase.FORWARD if issuer_state is TrainingState.FORWARD else Phase.BACKWARD
         self._issue(Kind.ALL_GATHER, buffer, phase)
 
@@ -214,9 +200,8 @@ class DivergenceMonitor(CollectiveObserver):
         self.flight.record(group.process_group, self.iterations - 1, entry.code)  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
-        """Fold the forward order into every group's fingerprint and, when
-        verifying, compare it now (forward prefetch may have made a skipped
-        unit's all-gather happen anyway)."""
+        """Fold the forward order into the fingerprints and, when verifying,
+        compare it (prefetch may have gathered a skipped unit anyway)."""
         if not self._communicates and self._agreement is None:
             return  # one rank: nothing was communicated, nothing to agree on
         entries = [Collective(Kind.FORWARD, self._index.get(id(u), 0xFFFFF), 0, Phase.FORWARD)
@@ -253,8 +238,7 @@ class DivergenceMonitor(CollectiveObserver):
             self._raise(group, about)
 
     def before_publish(self) -> None:
-        """End of the last backward, before the flags all-reduce: when verifying,
-        check every rank got here (and not to one more unit collective)."""
+        """End of the last backward: when verifying, check every rank got here."""
         self.backwards += 1
         if not self.verifying:
             return
@@ -273,8 +257,7 @@ class DivergenceMonitor(CollectiveObserver):
         return raw + [255 - b for b in raw]
 
     def check(self, group: ShardGroup, reduced: Sequence[int]) -> None:
-        """After the MAX all-reduce of :meth:`payload`: raise on every rank if
-        the fingerprints differed, else start a new window."""
+        """After the MAX all-reduce of :meth:`payload`: raise if they differed."""
         if any(reduced[i] + reduced[8 + i] != 255 for i in range(8)):
             self._raise(group, None)
         key = id(group.process_group)
@@ -282,7 +265,6 @@ class DivergenceMonitor(CollectiveObserver):
         self._logs.pop(key, None)
 
     def groups(self) -> list[ShardGroup]:
-        """One ShardGroup per process group of the model, in unit order."""
         return self._groups
 
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
@@ -318,7 +300,7 @@ class DivergenceMonitor(CollectiveObserver):
 
 
 def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
-    """Same units, some ranks with gradients and some without (grad mode in bit 0)."""
+    """Some ranks ran the forward with gradients, some without (bit 0)."""
     ranks = dist.get_process_group_ranks(group.process_group)
     without = [ranks[i] for i, code in enumerate(codes) if not code & 1]
     with_grad = [ranks[i] for i, code in enumerate(codes) if code & 1]

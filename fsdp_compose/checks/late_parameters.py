@@ -1,28 +1,16 @@
-"""Parameters and modules registered after ``fully_shard``.
-
-A parameter registered (or replaced) later on an annotated module, or a new
-child with parameters of its own, would silently stay unsharded: full size
-on every rank, its gradient never averaged. Every forward checks that
-nothing was added (nor ``replicate`` applied since) and names what was.
-Buffers are not looked at.
+"""Parameters and modules registered after ``fully_shard``, which would
+silently stay unsharded: every forward checks that nothing was added (nor
+``replicate`` applied) and names what was. Buffers are not looked at.
 
 [Note: the late-parameter fast check]
-Comparing every managed module's parameters and children at every forward
-is costly, so a forward compares two cheap things and runs the full
-comparison only when one changed:
-
-* the count of registrations through ``nn.Module``'s API (torch's global
-  registration hooks see ``__setattr__``, ``register_parameter``,
-  ``add_module`` and what is built on them);
-* the sizes of the dicts a late addition lands in past those hooks: each
-  managed module's ``_parameters``, ``_modules`` (``ModuleList.insert``
-  writes it directly) and ``__dict__`` (a late ``replicate()``'s registry),
-  and each composable-API registry already there.
-
-A passing full check takes the new sizes and count as its baseline, so a
-legitimate change costs one full check. The one write neither sees (an
-``nn.Parameter`` put straight into ``module._parameters`` under a managed
-name) is caught by ``ParamSlots.swap_in_views`` at the next unshard.
+A forward runs the full comparison of every managed module's parameters
+and children only when one of two cheap things changed: the count of
+registrations through ``nn.Module``'s API (torch's global registration
+hooks), or the sizes of the dicts a late addition lands in past them (each
+managed module's ``_parameters``, ``_modules``, ``__dict__``, and each
+composable-API registry). A passing full check becomes the new baseline.
+An ``nn.Parameter`` written straight into ``module._parameters`` under a
+managed name is caught by ``ParamSlots.swap_in_views`` instead.
 """
 
 from __future__ import annotations
@@ -41,7 +29,6 @@ from .replicate import is_replicated
 
 
 class ModuleSnapshot(NamedTuple):
-    """What one managed module registered at annotation."""
 
     module: nn.Module
     params: dict[str, int]  # parameter name -> id
@@ -57,12 +44,10 @@ class Snapshot:
     def __init__(self, modules: tuple[ModuleSnapshot, ...]) -> None:
         self.modules: tuple[ModuleSnapshot, ...] = modules
         self.watched: tuple[dict, ...] = ()
-        """Each managed module's ``__dict__``, ``_parameters``, ``_modules``, then
-        each composable-API registry, as of the last full check."""
+        """The dicts the fast check watches, as of the last full check."""
         self.sizes: tuple[int, ...] = ()
-        """The sizes of ``watched`` then."""
         self.registrations: int = -1
-        """:data:`_registrations` then (``-1``: no full check yet)."""
+        """``-1``: no full check yet."""
 
     def take_baseline(self) -> None:
         """Take what a passing full check saw as the fast check's baseline."""
@@ -75,12 +60,10 @@ class Snapshot:
 
 
 _registrations = 0
-"""Registrations through ``nn.Module``'s API in this process since the
-first annotation."""
+"""Registrations through ``nn.Module``'s API since the first annotation."""
 
 
 _counting: list[object] = []
-"""The two counting hooks' handles (installed once, kept for the process)."""
 
 
 def _count_registration(_module: nn.Module, _name: str, _value: object) -> None:
@@ -100,10 +83,8 @@ def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
 
 def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
     """Raise if a managed module holds a parameter, or a child with
-    parameters no unit manages, that it did not hold at annotation, or was
-    annotated by ``replicate`` since (a child that only wraps managed modules
-    is fine). Runs at every pre-forward ([Note: the late-parameter fast
-    check])."""
+    unmanaged parameters, it did not hold at annotation, or was annotated by
+    ``replicate`` since ([Note: the late-parameter fast check])."""
     if _registrations == snapshot.registrations and \
             tuple(map(len, snapshot.watched)) == snapshot.sizes:
         return

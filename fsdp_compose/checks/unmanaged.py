@@ -1,17 +1,9 @@
-"""Refuse the forgotten root: parameters the optimizer would update from
-each rank's own gradient.
-
-``fully_shard`` on every block but not on the root leaves the embeddings
-and head plain: each rank steps on its own gradient and the replicas drift
-apart silently. At an optimizer's first step with gradients, before any
-update, if it holds parameters of units, every parameter with a gradient
-that no unit manages, that is not a ``DTensor``, that no DDP or
-``replicate`` module holds and that was not passed to
-:func:`mark_reduced_elsewhere` (or ``ignored_params``) is named in a
-``RuntimeError``. Local, no collective: a step pre-hook cannot know every
-rank steps the same optimizer, so a collective could pair with nothing.
-SPMD scripts decide alike on every rank; where ranks differ, the rank that
-raises ends the job.
+"""Refuse the forgotten root: at an optimizer's first step with gradients,
+before any update, name every parameter with a gradient that no unit
+manages, is not a ``DTensor``, no DDP or ``replicate`` module holds, and
+was not passed to :func:`mark_reduced_elsewhere` (each rank would step on
+its own gradient and the replicas drift silently). Local, no collective: a
+step pre-hook cannot know every rank steps the same optimizer.
 """
 
 from __future__ import annotations
@@ -35,10 +27,8 @@ from .replicate import is_replicated
 _installed: list[object] = []
 _looked_at: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
 _reduced_elsewhere: dict[int, torch.Tensor] = {}
-"""Parameters the user marked, by id, held strongly: a weak reference
-would stop ``torch.utils.swap_tensors``, and a bare id could be reused by a
-later model's parameter. :func:`_forget_dropped` frees those only this
-dict holds."""
+"""Parameters the user marked, held strongly (a weak reference would stop
+``swap_tensors``; a bare id could be reused)."""
 _SHOWN = 8  # parameters named in the message
 
 
@@ -55,7 +45,6 @@ def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Ten
 
 
 def _forget_dropped() -> None:
-    """Drop the marks nothing else holds (so a new parameter cannot reuse their ids)."""
     for key in list(_reduced_elsewhere):
         if sys.getrefcount(_reduced_elsewhere[key]) <= 2:  # the dict and this call's argument
             del _reduced_elsewhere[key]
