@@ -1,45 +1,18 @@
 """Every private torch name fsdp_compose uses, in one place.
 
-torch keeps no promise about names with a leading underscore (or about
-methods it does not document, such as ``PipelineStage.backward_maybe_with_nosync``):
-they move, change or disappear between minor versions. The package uses a
-few of them, because torch's composable FSDP2 does the same things with the
-same names and offers no public way. Every other module of the package takes
-them from here (``tests/repository/test_torch_private.py`` fails on a private torch name
-anywhere else), so that what a new or an older torch breaks is found and
-fixed in this one file.
+torch promises nothing about names with a leading underscore (or methods
+it does not document). The package uses a few, as FSDP2 does, and takes
+them only from here (``tests/repository/test_torch_private.py``). Each is
+looked up by feature, never by version: a missing one becomes a stand-in
+raising :class:`TorchFeatureMissing`, or a fallback said next to it.
+Nothing is imported from ``fsdp_compose``: this is the bottom layer.
 
-Each name is looked up by feature, never by comparing version strings: a
-name this torch lacks becomes a stand-in that raises
-:class:`TorchFeatureMissing` when used, naming the torch installed, what is
-missing, what it is for and the torch that has it (or, where the package can
-do without it, a fallback, said next to the name). Nothing is imported from
-``fsdp_compose``: this module is the bottom layer, importable by every other
-(``pyproject.toml``, import-linter; ``docs/design.md`` §5).
-
-What counts as private, and what is exempt
-------------------------------------------
-Private: a module, function, class or attribute of torch whose dotted name
-has a component starting with ``_`` (``torch._C``, ``torch.distributed._composable``,
-``torch.utils._pytree``, ``placement_types._StridedShard``,
-``torch.Tensor._make_wrapper_subclass``), and private attributes of torch's
-objects (``UntypedStorage._swap_data_ptr_``, ``DTensor._local_tensor``,
-``DeviceMesh._concatenate``). Exempt, used directly:
-
-* ``Tensor._version`` (the version counter autograd checks; the package
-  compares it to tell whether a parameter changed),
-* ``nn.Module``'s own dictionaries (``_parameters``, ``_buffers``,
-  ``_modules``): the package swaps parameter views in and out of
-  ``module._parameters`` as FSDP2 does,
-* the two methods the package overrides, which are checked to exist here
-  (:func:`require_override`): ``nn.Module._apply`` (``module_methods/sharded_module.py``:
-  dtype and device conversion of sharded modules) and
-  ``PipelineStage.backward_maybe_with_nosync`` (``integrations/pipelining.py``).
-
-Supported torch: ``MIN_TORCH`` (``pyproject.toml``'s ``torch>=``) up to the
-newest tested version named in the README. On torch 2.11, every name below
-exists except ``UntypedStorage._swap_data_ptr_`` (added in 2.12), without
-which the CPU staging pool is off (:data:`CAN_SWAP_STORAGE_DATA`).
+Exempt, used directly: ``Tensor._version``; ``nn.Module``'s own
+dictionaries (``_parameters``, ``_buffers``, ``_modules``); the two methods
+the package overrides, checked by :func:`require_override`
+(``nn.Module._apply``, ``PipelineStage.backward_maybe_with_nosync``).
+On torch 2.11 only ``UntypedStorage._swap_data_ptr_`` is missing
+(:data:`CAN_SWAP_STORAGE_DATA`).
 """
 
 from __future__ import annotations
@@ -54,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 MIN_TORCH = "2.11"
-"""The oldest torch the package supports and tests (``pyproject.toml``);
-used in messages only: features are checked, not version strings."""
+"""The oldest torch supported (``pyproject.toml``); for messages only."""
 
 
 class TorchFeatureMissing(RuntimeError):
@@ -76,9 +48,8 @@ def _message(name: str, purpose: str, since: Optional[str]) -> str:
 
 
 def _missing(name: str, purpose: str, since: Optional[str] = None, cls: bool = False) -> Any:
-    """A stand-in for a missing name: using it (calling, instantiating,
-    subclassing and then instantiating) raises :class:`TorchFeatureMissing`;
-    ``isinstance(x, stand_in)`` is ``False`` for every ``x``."""
+    """A stand-in for a missing name: using it raises
+    :class:`TorchFeatureMissing`; ``isinstance(x, stand_in)`` is always ``False``."""
     message = _message(name, purpose, since)
 
     def fail(*args: Any, **kwargs: Any) -> Any:
@@ -102,8 +73,7 @@ def _lookup(module: str, attr: str, purpose: str, since: Optional[str] = None,
 
 
 def _method(owner: Any, attr: str, purpose: str, since: Optional[str] = None) -> Any:
-    """``owner.attr`` (an unbound method or a function) if this torch has it,
-    else a stand-in."""
+    """``owner.attr`` if this torch has it, else a stand-in."""
     found = getattr(owner, attr, None)
     if found is None:
         return _missing(f"{getattr(owner, '__module__', '')}.{getattr(owner, '__name__', owner)}.{attr}",
@@ -111,8 +81,7 @@ def _method(owner: Any, attr: str, purpose: str, since: Optional[str] = None) ->
     return found
 
 
-# ----------------------------------------------------------- composable API
-# runtime/state.py, checks/replicate.py: the state of each fully_shard call
+# --- composable API: each fully_shard call's state lives in torch's registry
 # lives in torch's composable-API registry, as FSDP2's and replicate's do.
 contract: Callable[..., Any] = _lookup(
     "torch.distributed._composable", "contract", "registering fully_shard as a composable API")
@@ -121,17 +90,15 @@ REGISTRY_KEY: str = _lookup("torch.distributed._composable.contract", "REGISTRY_
 ComposableState: type = _lookup("torch.distributed._composable_state", "_State",
                                 "the base class of fully_shard's per-module state", cls=True)
 
-# ----------------------------------------------------------------- autograd
-# buffers/param_views.py: the flat gradient of a buffer's views, one C++ call.
+# --- autograd
 def _flatten_in_python(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
 flatten_dense_tensors: Callable[[Sequence[torch.Tensor]], torch.Tensor] = getattr(
     torch._C._nn, "flatten_dense_tensors", None) or _flatten_in_python
-"""``torch.cat`` of ``tensors``, each flattened, in one call: torch's own C
-function (each unit's views' backward calls it once per step), or the same
-in Python where this torch lacks it."""
+"""``torch.cat`` of ``tensors``, each flattened: torch's C function, or
+the same in Python."""
 
 
 _current_graph_task_id = _method(torch._C, "_current_graph_task_id",
@@ -139,18 +106,17 @@ _current_graph_task_id = _method(torch._C, "_current_graph_task_id",
 
 
 def current_graph_task_id() -> int:
-    """The id of the backward autograd is running on this thread, ``-1`` outside one."""
+    """The id of the backward running on this thread, ``-1`` outside one."""
     return _current_graph_task_id()
 
 
 profiler_active: Callable[[], bool] = _method(
     torch._C._autograd, "_profiler_enabled",
     "telling whether a torch profiler records (profiler ranges are skipped otherwise)")
-"""Whether a torch profiler is recording now (one C call)."""
 
 
 def queue_autograd_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the backward now running ends (FSDP2's end-of-backward hook)."""
+    """Run ``callback`` when the running backward ends."""
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     queue = getattr(engine, "queue_callback", None)
     if queue is None:
@@ -168,8 +134,7 @@ unsafe_set_version_counter: Callable[..., Any] = _method(
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> dict:
-    """The hooks ``param.register_post_accumulate_grad_hook`` registered
-    (empty when none); the end of backward runs them for gradients it publishes."""
+    """The hooks ``param.register_post_accumulate_grad_hook`` registered."""
     try:
         return param._post_accumulate_grad_hooks or {}
     except AttributeError:
@@ -180,18 +145,16 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> dict:
 
 functorch_transforms_active: Callable[[], bool] = getattr(
     torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
-"""Whether a functorch transform (``vmap``, ``grad``) is active, when a
-custom autograd function must go through ``autograd.Function.apply``'s own
-preamble; ``True`` (the safe answer) where torch cannot tell. torch's own C
-function where it has one (asked at every unit's forward)."""
+"""Whether a functorch transform (``vmap``, ``grad``) is active, so a
+custom autograd function must go through ``Function.apply``; ``True``
+where torch cannot tell."""
 
 
 _post_accumulate_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 def with_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``params`` that have post-accumulate-grad hooks (one
-    C-level pass: the end of backward asks this of every parameter)."""
+    """The tensors of ``params`` with post-accumulate-grad hooks (one C pass)."""
     try:
         return list(filter(_post_accumulate_hooks_of, params))
     except AttributeError:
@@ -200,19 +163,15 @@ def with_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> list[torc
         raise  # unreachable
 
 
-# ------------------------------------------------------------------ storage
+# --- storage
 _swap_data_ptr = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
 CAN_SWAP_STORAGE_DATA: bool = _swap_data_ptr is not None
-"""Whether this torch can move memory from one storage object to another
-(``UntypedStorage._swap_data_ptr_``, torch>=2.12). Without it the CPU staging
-pool (``buffers/staging.py``) is off: unsharded buffers are allocated and
-freed as on CUDA (the same values, more page faults on the CPU)."""
+"""Whether this torch can move memory between storage objects
+(torch>=2.12); without it the CPU staging pool is off (same values)."""
 
 
 def _storage_data_swapper(method: Optional[Callable[..., None]]) -> Callable[..., None]:
-    """``method`` (torch's ``UntypedStorage._swap_data_ptr_``), or where this
-    torch lacks it a stand-in that raises when called."""
     return method if method is not None else _missing(
         "torch.UntypedStorage._swap_data_ptr_",
         "moving memory between storages, in the CPU staging pool", since="2.12")
@@ -220,10 +179,8 @@ def _storage_data_swapper(method: Optional[Callable[..., None]]) -> Callable[...
 
 swap_storage_data: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = \
     _storage_data_swapper(_swap_data_ptr)
-"""Exchange the memory (data pointers and sizes) of two storages; each
-storage object stays the one its tensors and views point at (torch's own
-method, no Python frame: over one rank a kept gradient takes each step's
-flat gradient this way)."""
+"""Exchange the memory of two storages; each storage object stays the
+one its tensors point at."""
 
 
 _storage_use_count = _lookup("torch._C", "_storage_Use_Count",
@@ -233,42 +190,38 @@ _tensor_use_count = _method(torch.Tensor, "_use_count",
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
-    """How many references torch holds to the storage's ``StorageImpl``:
-    one per tensor on it (views included) and per Python storage object."""
+    """References to the storage's ``StorageImpl``: one per tensor on it
+    (views included) and per Python storage object."""
     return _storage_use_count(storage._cdata)
 
 
 storage_key_use_count: Callable[[int], int] = _storage_use_count
-""":func:`storage_use_count` of the storage whose :func:`storage_key` is
-given (no Python frame: for the kept gradient's check at every forward)."""
+""":func:`storage_use_count` by :func:`storage_key` (no Python frame)."""
 
 tensor_use_count: Callable[[torch.Tensor], int] = _tensor_use_count
-"""A tensor's ``TensorImpl`` reference count: its Python object holds one,
-and so does every C++ holder (a parameter's ``.grad``, a graph, a DLPack
-capsule)."""
+"""A tensor's ``TensorImpl`` reference count (its Python object, plus each
+C++ holder: a ``.grad``, a graph)."""
 
 
 CAN_COUNT_USES: bool = not (hasattr(_storage_use_count, MISSING_MARK)
                             or hasattr(_tensor_use_count, MISSING_MARK))
-"""Whether this torch tells how many references a storage and a tensor
-have. Without it the sharded gradient is made anew at every reduction
-(``buffers/kept_gradient.py``): the same values, more host time."""
+"""Whether this torch counts references; without it the sharded gradient
+is made anew at every reduction (same values, more host time)."""
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
-    """An id of the storage's memory block that is shared by every tensor on
-    it, fake tensors included (``_cdata``: the address of torch's StorageImpl)."""
+    """An id of the storage's memory block, shared by every tensor on it,
+    fake tensors included."""
     return storage._cdata
 
 
-# ---------------------------------------------------------------- collectives
+# --- collectives
 _get_default_store = _lookup("torch.distributed.distributed_c10d", "_get_default_store",
                              "the rendezvous store of the default process group")
 
 
 def default_store() -> dist.Store:
-    """The store of the default process group (rank divergence and call
-    rendezvous meet there)."""
+    """The default process group's store."""
     return _get_default_store()
 
 
@@ -277,25 +230,22 @@ _resolve_process_group = _lookup("torch.distributed.distributed_c10d", "_resolve
 
 
 def group_named(name: str) -> dist.ProcessGroup:
-    """The process group called ``name`` on this rank (raises where this
-    rank has none of that name)."""
+    """The process group called ``name`` on this rank."""
     return _resolve_process_group(name)
 
 
 def forget_mesh_groups(mesh: Any) -> None:
-    """Drop a ``DeviceMesh``'s cache of its ``ProcessGroup`` objects (its
-    ``_pg_registry``, where this torch has one; else nothing): once
-    ``destroy_process_group()`` ran, that cache is what keeps the destroyed
-    groups, and gloo's threads, alive into interpreter finalization."""
+    """Drop a ``DeviceMesh``'s cache of its process groups: after
+    ``destroy_process_group()`` it would keep gloo's threads alive into
+    interpreter finalization."""
     registry = getattr(mesh, "_pg_registry", None)
     if isinstance(registry, dict):
         registry.clear()
 
 
 def sequence_number(group: dist.ProcessGroup) -> int:
-    """The count of collectives issued on ``group`` (the backend's sequence
-    number). Raises ``RuntimeError`` or ``AttributeError`` where the backend
-    or this torch has none; the caller counts calls alone then."""
+    """Collectives issued on ``group`` so far (its sequence number). Raises
+    ``RuntimeError`` or ``AttributeError`` where there is none."""
     return group._get_sequence_number_for_group()
 
 
@@ -309,7 +259,7 @@ def privateuse1_backend_name() -> str:
     return _privateuse1_backend_name()
 
 
-# ------------------------------------------------------------ DTensor and DCP
+# --- DTensor and DCP
 StridedShard: type = _lookup("torch.distributed.tensor.placement_types", "_StridedShard",
                              "FSDP2's placement of tensor-parallel shards (FSDP x TP)", cls=True)
 DTensorSpec: type = _lookup("torch.distributed.tensor._dtensor_spec", "DTensorSpec",
@@ -328,10 +278,8 @@ flatten_state_dict: Callable[..., Any] = _lookup(
 
 
 def concatenate_meshes(meshes: list[Any]) -> Any:
-    """One mesh whose dims are those of ``meshes`` in order (FSDP2's SPMD
-    mesh of a tensor- or expert-parallel parameter). Raises
-    ``RuntimeError`` when they were not sliced from one mesh (or one world
-    mesh through ``_unflatten``) or overlap."""
+    """One mesh whose dims are those of ``meshes`` in order. Raises
+    ``RuntimeError`` when they were not sliced from one mesh, or overlap."""
     concatenate = getattr(type(meshes[0]), "_concatenate", None)
     if concatenate is None:
         _missing("torch.distributed.device_mesh.DeviceMesh._concatenate",
@@ -340,36 +288,30 @@ def concatenate_meshes(meshes: list[Any]) -> Any:
 
 
 def local_tensor(value: Any) -> torch.Tensor:
-    """A ``DTensor``'s local tensor itself (``to_local()`` may return a new
-    tensor object; the lazy checkpoint chunks need the object)."""
+    """A ``DTensor``'s local tensor object itself (``to_local()`` may make a new one)."""
     return value._local_tensor
 
 
 def dtensor_spec(value: Any) -> Any:
-    """A ``DTensor``'s spec (mesh, placements, global shape and stride)."""
     return value._spec
 
 
 make_wrapper_subclass: Callable[..., Any] = _method(
     torch.Tensor, "_make_wrapper_subclass", "tensors with a shape but no memory (lazy chunks)")
 
-# ------------------------------------------------------------------ pytree
 pytree: ModuleType = importlib.import_module("torch.utils._pytree")
-"""torch's pytree (``tree_map``, ``tree_leaves``, ``SUPPORTED_NODES``)."""
 
-# ------------------------------------------------------------ tracing tools
+# --- tracing tools (imported on first use)
 TorchDispatchMode: type = _lookup("torch.utils._python_dispatch", "TorchDispatchMode",
                                   "watching the ops of a traced forward (memory planner)", cls=True)
 
 
 def fake_tensor_mode(**kwargs: Any) -> Any:
-    """``torch._subclasses.fake_tensor.FakeTensorMode(**kwargs)`` (imported on first use)."""
     return _lookup("torch._subclasses.fake_tensor", "FakeTensorMode",
                    "tracing a model without memory (memory planner)", cls=True)(**kwargs)
 
 
 def local_scalar_dense_op() -> Any:
-    """The op behind ``Tensor.item()`` (``aten._local_scalar_dense``)."""
     op = getattr(torch.ops.aten, "_local_scalar_dense", None)
     if op is None:
         _missing("torch.ops.aten._local_scalar_dense", "seeing scalar reads in a traced forward")()
@@ -377,44 +319,37 @@ def local_scalar_dense_op() -> Any:
 
 
 def mem_tracker_class() -> type:
-    """``torch.distributed._tools.mem_tracker.MemTracker``, imported on first
-    use: ``torch.distributed._tools`` imports ``torch._inductor`` and with it
-    ``torch._dynamo`` (half a second), which ``import fsdp_compose`` does not."""
+    """torch's ``MemTracker`` class; its import brings in ``torch._inductor``
+    and ``torch._dynamo``, which ``import fsdp_compose`` does not."""
     return _lookup("torch.distributed._tools.mem_tracker", "MemTracker",
                    "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
 
 
 def composable_checkpoint() -> Callable[..., Any]:
-    """``torch.distributed._composable.checkpoint``: activation checkpointing
-    applied to a module in place (the Hugging Face mixin's
-    ``fsdp_config["activation_checkpointing"]``), imported on first use."""
+    """``torch.distributed._composable.checkpoint`` (activation checkpointing
+    applied in place)."""
     return _lookup("torch.distributed._composable", "checkpoint",
                    "torch's composable activation checkpointing")
 
 
 def mem_tracker_grad_kind() -> Any:
-    """``_MemRefType.GRAD`` of torch's ``MemTracker`` module: the category it
-    counts a gradient under (imported on first use, as :func:`mem_tracker_class`)."""
+    """The category torch's ``MemTracker`` counts a gradient under."""
     return _lookup("torch.distributed._tools.mem_tracker", "_MemRefType",
                    "torch's MemTracker categories (fsdp_compose.tools.mem_tracker)").GRAD
 
 
 lazy_dynamo_disable: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(
     torch, "_disable_dynamo", None) or (lambda fn: fn)
-"""``torch._disable_dynamo``: ``fn`` never traced by dynamo, which is imported
-only when ``fn`` is first called (as torch decorates ``Optimizer.zero_grad``);
-``fn`` itself where this torch lacks it."""
+"""``torch._disable_dynamo``: ``fn`` never traced, dynamo imported only
+when ``fn`` is first called; ``fn`` itself where torch lacks it."""
 
 
 def dynamo_disable(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
-    """``torch._dynamo.disable(fn, recursive=...)``; ``torch._dynamo`` is imported on first use."""
     disable = _lookup("torch._dynamo", "disable", "running hooks outside torch.compile's graphs")
     return disable(fn, recursive=recursive)
 
 
-# --------------------------------------------------------------- optimizers
-# optim/: the flat optimizer step decides foreach as torch's optimizers do,
-# makes ``step`` counters of torch's dtype, and bumps many counters at once.
+# --- optimizers (optim/)
 default_to_fused_or_foreach: Callable[..., tuple[bool, bool]] = _lookup(
     "torch.optim.optimizer", "_default_to_fused_or_foreach",
     "choosing foreach or for-loop as torch's optimizers do (fsdp_compose.flat_step)")
@@ -429,18 +364,15 @@ foreach_mul_: Callable[..., None] = _method(
 
 
 def init_optimizer_group(optimizer: Any, group: dict, lists: int) -> None:
-    """``optimizer._init_group(group, [], ...)`` (``lists`` empty lists):
-    torch's own state creation for the group's parameters that have a
-    ``.grad``, as its first step makes it (checkpoint/_init_state.py)."""
+    """torch's own state creation for the group's parameters with a ``.grad``,
+    as its first step makes it (``lists`` empty lists)."""
     _method(type(optimizer), "_init_group",
             "making optimizer state without a step")(optimizer, group, *[[] for _ in range(lists)])
 
 
 def replace_dcp_init_optim_state(replacement: Callable[[Any], None]) -> Optional[Callable[[Any], None]]:
-    """Make ``torch.distributed.checkpoint.state_dict`` call ``replacement``
-    where it calls ``_init_optim_state`` (the zero step that gives a fresh
-    optimizer its state); returns the function it replaced (``None``: this
-    torch has none, nothing replaced)."""
+    """Make DCP's ``state_dict`` call ``replacement`` where it calls
+    ``_init_optim_state``; returns the replaced function (``None``: none)."""
     module = importlib.import_module("torch.distributed.checkpoint.state_dict")
     original = getattr(module, "_init_optim_state", None)
     if original is not None:
@@ -449,19 +381,16 @@ def replace_dcp_init_optim_state(replacement: Callable[[Any], None]) -> Optional
 
 
 def is_lr_scheduler_step(step: Any) -> bool:
-    """Whether ``step`` (an optimizer's instance attribute) is the wrapper
-    an ``LRScheduler`` puts around ``optimizer.step`` when it is made
-    (``_wrapped_by_lr_sched``)."""
+    """Whether ``step`` is the wrapper an ``LRScheduler`` puts around
+    ``optimizer.step``."""
     return bool(getattr(step, "_wrapped_by_lr_sched", False))
 
 
 def lr_scheduler_step(optimizer: Any, step: Callable[..., Any]) -> Callable[..., Any]:
-    """What an ``LRScheduler`` puts on ``optimizer.step``, around
-    ``step(optimizer, ...)`` instead of the class's step: it marks the
-    optimizer stepped (``_opt_called``, which the scheduler's first
-    ``step()`` checks) and carries the scheduler's mark, so a scheduler
-    made later does not wrap it again. Holds the optimizer weakly, as the
-    scheduler's wrapper does."""
+    """The wrapper an ``LRScheduler`` puts on ``optimizer.step``, around
+    ``step(optimizer, ...)``: it marks the optimizer stepped and carries the
+    scheduler's mark (so a later scheduler does not wrap again); holds the
+    optimizer weakly."""
     ref = weakref.ref(optimizer)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -474,16 +403,14 @@ def lr_scheduler_step(optimizer: Any, step: Callable[..., Any]) -> Callable[...,
 
 
 def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
-    """The tensor ``tensor`` is a view of (``Tensor._base``; ``None``: not a
-    view): which flat gradient a parameter's ``.grad`` is a piece of."""
+    """The tensor ``tensor`` is a view of (``None``: not a view)."""
     return tensor._base
 
 
-# --------------------------------------------------------------- overrides
+# --- overrides
 def require_override(owner: type, name: str, purpose: str) -> None:
-    """Check that ``owner`` still has the non-public method ``name`` that a
-    package class overrides: a torch that renamed it would skip the override
-    silently."""
+    """Check that ``owner`` still has the method ``name`` a package class
+    overrides (a rename would skip the override silently)."""
     if not callable(getattr(owner, name, None)):
         raise TorchFeatureMissing(_message(f"{owner.__module__}.{owner.__qualname__}.{name}",
                                            purpose, None))

@@ -1,13 +1,6 @@
-"""Public API: ``fully_shard`` (argument checking; ``setup/units.py`` builds the
-unit) and ``param_info``. The methods an annotated module gains are in
+"""Public API: ``fully_shard`` (argument checking; ``setup/units.py`` builds
+the unit) and ``param_info``. An annotated module's methods are in
 ``module_methods/``.
-
-Usage (run under ``torchrun``; see ``examples/train_gpt.py``)::
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
 """
 
 from __future__ import annotations
@@ -42,15 +35,13 @@ class ShardedParamInfo(NamedTuple):
     """What a sharded parameter was before sharding, and what this rank holds.
 
     Attributes:
-        fqn: original fully-qualified name, relative to the outermost module
-            annotated so far (the root once the whole model is annotated).
-        shape: original shape (``param`` itself is its local piece between
-            iterations: 1-D under ``"flat"``, ``(rows_here, *rest)`` else).
+        fqn: original name, relative to the outermost module annotated so far.
+        shape: original shape (``param`` itself is this rank's local piece).
         numel: original number of elements.
-        local_numel: elements of it this rank owns (``param.numel()``).
-        local_offset: index, in the flattened original, of the first owned
-            element (meaningless when ``local_numel == 0``; for ``Shard(d)``
-            with ``d > 0``, in the flattening of ``param.movedim(d, 0)``).
+        local_numel: elements this rank owns (``param.numel()``).
+        local_offset: index of the first owned element in the flattened original
+            (for ``Shard(d)``, ``d > 0``: of ``param.movedim(d, 0)``;
+            meaningless when ``local_numel == 0``).
     """
 
     fqn: str
@@ -72,88 +63,51 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
     """Shard the parameters of ``module`` over ``mesh`` in place.
 
     Args:
-        module: one module, or a list of sibling modules that form one unit
-            (unsharded at the first pre-forward among them, resharded after
-            the last post-forward).
-        mesh: a 1-D ``DeviceMesh`` (full sharding over its ranks) or a 2-D
-            one with dims ``(replicate, shard)`` (hybrid sharding: sharded
-            within each shard group, replicated across the replicate dim;
-            gradients reduce-scattered within, then all-reduced across;
-            ``(world, 1)`` is pure replication, like DDP); default: a 1-D
-            mesh over every rank of the default process group, on CUDA when
-            the module's parameters are on CUDA (gloo carries CUDA tensors
-            too: ranks may share a GPU) or the backend is NCCL, else on CPU.
-            Must be the same on every rank for a model (state dicts place
-            values on it).
-        reshard_after_forward: free the unsharded parameters after forward
-            and all-gather them again for backward. ``None`` (default): every
-            unit but the root (whose backward starts right after forward);
-            ``True``: the root too; ``False``: keep them until backward. An
-            int ``k`` dividing the shard group size ``F``: keep them sharded
-            over groups of ``k`` consecutive ranks between forward and
-            backward (each rank holds ``1/k`` of them; backward gathers
-            from ``k`` ranks only, e.g. within a node); ``F`` is ``True``
-            and ``1`` is ``False``. Over one rank (no mixed precision or
-            offload) the unsharded buffer is the shard itself, so there is
-            nothing to free: every setting keeps the unsharded views from
-            forward to the post-backward reshard.
-        mp_policy: compute/communicate in lower precision for this unit
-            (see :class:`MixedPrecisionPolicy`); ``None``: full precision.
-            torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` is
-            accepted too (converted field by field, ``setup/torch_policies.py``).
-        offload_policy: keep this unit's shards, gradients and optimizer
-            state on the CPU (see :class:`CPUOffloadPolicy`); torch's
-            ``CPUOffloadPolicy`` and ``OffloadPolicy`` (no offloading) are
-            accepted too.
-        ignored_params: parameters left alone: not sharded, not reduced
-            (the optimizer's first step does not refuse them: see
+        module: one module, or a list of sibling modules forming one unit.
+        mesh: a 1-D ``DeviceMesh`` (full sharding) or a 2-D one with dims
+            ``(replicate, shard)`` (hybrid: reduce-scattered within a shard
+            group, all-reduced across). Default: 1-D over every rank of the
+            default group, on CUDA when the parameters are or the backend is
+            NCCL, else on CPU. The same on every rank for a model.
+        reshard_after_forward: free the unsharded parameters after forward and
+            gather them again for backward. ``None`` (default): every unit but
+            the root; ``True``: the root too; ``False``: keep them until
+            backward; an int ``k`` dividing the shard group size: keep them
+            sharded over ``k`` consecutive ranks in between.
+        mp_policy: :class:`MixedPrecisionPolicy` (or torch's); ``None``: full
+            precision.
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards, gradients and
+            optimizer state on the CPU (torch's policies accepted too).
+        ignored_params: parameters not sharded nor reduced (see
             :func:`mark_reduced_elsewhere`).
-        placement: where rank boundaries may fall in this unit's parameters
-            (``docs/placements.md``): ``None`` (default): ``"rows"``, but
-            ``"flat"`` for a parameter whose whole rows would pad its buffer
-            by over 1% more than ``"flat"`` (``describe()`` names them) and
-            for 0-dim ones; ``"rows"`` (whole rows: a local piece is
-            ``(rows_here, *rest)``, so ``p.ndim`` is kept as in one
-            process); ``"flat"`` (anywhere; local pieces are 1-D), ``Blocks(n)``
-            (whole blocks of ``n`` rows), ``"owned"`` (every parameter whole
-            on one rank, 0 rows and ``.grad is None`` elsewhere), or FSDP2's
-            ``Shard(dim)`` (``torch.chunk`` on ``dim``). Each rank's chunk of
-            a buffer stays equal, 16-byte aligned; still one all-gather and
-            one reduce-scatter per buffer.
-        shard_placement_fn: FSDP2's hook: called once with each parameter
-            (a ``DTensor`` for a tensor- or expert-parallel one), returns its
-            placement (any of the above), ``None`` for ``placement``, or
-            :class:`OnMesh` ``(mesh, placement)`` (or FSDP2's
-            ``ShardPlacementResult``) to shard it over another mesh: its own
-            flat buffer, whose collectives run on that mesh's group (e.g.
-            routed experts over the expert-data-parallel mesh, the rest of
-            the block over ``mesh``).
-
-        dp_mesh_dims: FSDP2's: ``mesh`` is the whole SPMD mesh, whose dims
-            named by ``dp_mesh_dims.shard`` (and ``.replicate`` for HSDP)
-            are the data-parallel ones (torch's ``DataParallelMeshDims``,
-            one name each); every parameter is a ``DTensor`` on that mesh,
-            ``Replicate()`` on those dims and split over at most one other
-            (tensor or expert parallel). Forward sees them on the SPMD mesh;
-            each rank's gradient on the data-parallel dims is its own
-            contribution, reduced as usual.
-        comm_policy: quantize this unit's all-gather and/or gradient
-            reduction block-wise to int8 or fp8 (:class:`CommPolicy`;
-            ``None``: exact collectives). The sharded values stay exact.
+        placement: where rank boundaries may fall (``docs/placements.md``):
+            ``None`` (default): ``"rows"``, or ``"flat"`` where whole rows
+            would pad over 1% more and for 0-dim parameters; ``"rows"``
+            (local piece ``(rows_here, *rest)``); ``"flat"`` (1-D pieces);
+            ``Blocks(n)``; ``"owned"`` (each parameter whole on one rank);
+            FSDP2's ``Shard(dim)``. One all-gather and one reduce-scatter per
+            buffer either way.
+        shard_placement_fn: FSDP2's hook: called with each parameter, returns
+            a placement, ``None`` for ``placement``, or :class:`OnMesh`
+            ``(mesh, placement)`` (or FSDP2's ``ShardPlacementResult``) to shard
+            it over another mesh in a buffer of its own.
+        dp_mesh_dims: FSDP2's: ``mesh`` is the whole SPMD mesh and these dims
+            (torch's ``DataParallelMeshDims``) the data-parallel ones; every
+            parameter is a ``DTensor`` on it, ``Replicate()`` on those dims.
+        comm_policy: block-wise int8/fp8 quantized collectives
+            (:class:`CommPolicy`); ``None``: exact.
 
     Returns:
-        ``module`` itself, whose class now also derives from
-        :class:`ShardedModule`. Parameters keep their identity and FQNs; each
-        one's ``.data`` becomes the view of the flat shard this rank owns
-        (its local piece under its placement).
+        ``module`` itself, now also a :class:`ShardedModule`. Parameters keep
+        their identity and FQNs; each ``.data`` becomes this rank's piece.
 
     Raises:
-        ValueError / RuntimeError naming the module or parameter and the fix,
-        for misuse (see ``docs/errors.md``).
+        ValueError / RuntimeError naming the module or parameter and the fix
+        (``docs/errors.md``).
     """
     modules = _as_module_list(module)
     check_reshard_after_forward(reshard_after_forward)
-    mp_policy = as_mp_policy(mp_policy)  # torch FSDP2's policy objects are converted
+    mp_policy = as_mp_policy(mp_policy)  # torch FSDP2's policies converted
     offload_policy = as_offload_policy(offload_policy)
     if comm_policy is not None and not isinstance(comm_policy, CommPolicy):
         raise TypeError("comm_policy must be a fsdp_compose.CommPolicy or None, got "
@@ -180,7 +134,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
                       reshard_after_forward, mp_policy, offload_policy, placement,
                       shard_placement_fn, spmd_mesh, comm_policy)
     UnitStateDictHooks(unit)
-    mark_reduced_elsewhere(ignored_params)  # left to the user: the first step does not refuse them
+    mark_reduced_elsewhere(ignored_params)  # the first step does not refuse them
     _install_process_wide_changes()
     for m in modules:
         m.__class__ = sharded_class(type(m))
@@ -189,8 +143,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
 
 def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
     """Original FQN and shape of a parameter sharded by ``fully_shard``
-    (``None`` for a parameter it does not manage). Use it where code looks at
-    ``param.ndim`` or names, e.g. to build weight-decay param groups."""
+    (``None`` if unmanaged): for code reading ``param.ndim`` or names, e.g.
+    weight-decay groups."""
     entry = owner_of(param)
     if entry is None:
         return None
@@ -201,7 +155,6 @@ def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
                             local_numel=local.length, local_offset=local.param_start)
 
 
-# ----------------------------------------------------------------- helpers
 def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
     modules = [module] if isinstance(module, nn.Module) else list(module)
     if not modules:
@@ -220,31 +173,11 @@ def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
 
 def _install_process_wide_changes() -> None:
     """Every change fsdp_compose makes to the process beyond the modules it
-    annotates, made (each once) by the first ``fully_shard``: importing the
-    package changes nothing.
-
-    * ``torch.nn.utils.clip_grad_norm_`` and ``get_total_norm`` recognise
-      sharded parameters and gradients and reduce over the ranks
-      (``torch_norms``; ``fsdp_compose.route_torch_grad_norms(False)`` opts
-      out);
-    * five global optimizer step pre-hooks
-      (``torch.optim.optimizer.register_optimizer_step_pre_hook``): the
-      checkpoint layout hooks attached at each optimizer's first step
-      (``checkpoint/_optim.py``), the step guard (``checks/step_guard.py``),
-      the forgotten-root check (``checks/unmanaged.py``), the empty
-      param-group check (``checks/empty_groups.py``) and, last, the flat
-      optimizer step put on each optimizer at its first step
-      (``optim/flat_step.py``; ``fsdp_compose.flat_step(optimizer,
-      enabled=False)`` opts out). Each returns at once for an optimizer
-      that holds no annotated parameter;
-    * ``torch.optim.Optimizer.zero_grad`` also gives back the memory of the
-      kept sharded gradients it cleared (``torch_zero_grad``; nothing else
-      changes, and nothing at all for an optimizer over no annotated
-      parameter);
-    * ``torch.distributed.checkpoint.state_dict``'s state initialisation of a
-      fresh optimizer makes AdamW's, Adam's and SGD's state directly instead
-      of taking a zero step (``checkpoint/_init_state.py``; torch's own
-      function for any other optimizer, or one over no annotated parameter).
+    annotates, each once, at the first ``fully_shard``: ``clip_grad_norm_``
+    and ``get_total_norm`` reduce over the ranks; five optimizer step
+    pre-hooks (checkpoint layout, step guard, forgotten root, empty groups,
+    flat step); ``Optimizer.zero_grad`` frees kept sharded gradients; DCP's
+    optimizer state initialisation skips the zero step for AdamW, Adam, SGD.
     """
     torch_norms.install()
     torch_zero_grad.install()
@@ -257,7 +190,6 @@ def _install_process_wide_changes() -> None:
 
 
 def _params_device(modules: list[nn.Module]) -> Optional[torch.device]:
-    """The device of the first parameter of ``modules`` (None if they have none)."""
     for m in modules:
         for p in m.parameters():
             return p.device
@@ -265,8 +197,7 @@ def _params_device(modules: list[nn.Module]) -> Optional[torch.device]:
 
 
 def _check_rank_in_mesh(mesh: object, module: nn.Module) -> None:
-    """A mesh built over ranks that exclude this one has no group here
-    (torch would fail later, deep inside, with an unrelated message)."""
+    """Refuse a mesh that excludes this rank (torch would fail later, obscurely)."""
     if isinstance(mesh, DeviceMesh) and mesh.get_coordinate() is None:
         raise ValueError(
             f"fully_shard({type(module).__name__}) got a mesh over ranks "

@@ -1,48 +1,23 @@
 """Rank divergence: detect ranks whose collectives belong to different units.
 
 [Note: rank divergence]
-Collectives pair up across ranks by issue order, not by unit. Data-dependent
-control flow that differs between ranks (a unit skipped on one rank, units in
-different orders, a unit whose output reaches the loss on some ranks only)
-therefore pairs the all-gather of one unit with a collective of another: the
-ranks hang (different kinds or sizes) or silently mix values (same sizes).
-Two checks catch it, both on the sequence of *data collectives actually
-issued*, in issue order (a prefetch is an all-gather of another unit, issued
-early, and counts where it is issued):
+Collectives pair across ranks by issue order, not by unit: rank-dependent
+control flow (a unit skipped or reordered on one rank) pairs one unit's
+collective with another's, and the ranks hang or silently mix values. Two
+checks watch the data collectives issued, in issue order:
 
-* **Verification** (every collective until the ranks have agreed at the end
-  of two last backwards, i.e. the first two training iterations with every
-  forward among them, evaluation included, at most
-  ``VERIFICATION_FORWARD_LIMIT`` root forwards without gradients; always with
-  ``set_check_rank_divergence(True)`` or the environment variable
-  ``FSDP_COMPOSE_CHECK_ORDER=1``; never with ``set_check_rank_divergence(False)``):
-  before every data collective, and before the end-of-backward all-reduce,
-  one tiny all-gather of what this rank is about to issue (kind, unit index
-  in the root's state list, buffer index, phase) over the collective's
-  process group; after the root's forward, one of its forward order and
-  grad mode (a forward under ``torch.no_grad()`` on some ranks only, an
-  evaluation on one rank, is caught there). Every rank that reaches it sees
-  the same values, so a mismatch raises on every rank *before* the data
-  collective, naming each rank's unit. Costs one tiny blocking collective
-  per data collective. The window closes only at a point where the ranks
-  have just agreed (never by a rank's own count of forwards: a rank that ran
-  one more forward would stop verifying while the others go on, pairing a
-  verification all-gather with a data collective).
-* **Fingerprint** (always on, no extra collective): a 64-bit rolling hash of
-  the same sequence, per process group, is appended as 16 bytes (its bytes,
-  then their complements) to the used-parameter flags that
-  ``publish_gradients`` all-reduces with MAX at the end of the last backward.
-  After MAX, byte ``i`` and its complement sum to 255 on every rank iff all
-  ranks had the same byte ``i``; otherwise every rank raises there. This
-  catches divergence after the verification iterations *that keeps the number
-  and sizes of collectives equal* (e.g. two same-size units swapped), which
-  would otherwise mix values silently. Divergence that changes the number of
-  collectives in a later iteration pairs mismatched collectives before the end
-  of backward: the wait that then stalls or fails consults the **flight log**
-  (an always-on ring of each rank's recent collectives, compared through the
-  rendezvous store, ``checks/flight_log.py`` and [Note: flight log]) and
-  raises where the ranks' logs first disagree; gloo aborts a process that
-  receives a collective of another size, which then reports nothing itself.
+* **Verification**: before every data collective, one tiny all-gather of
+  what each rank is about to issue (after the root's forward, of its
+  forward order and grad mode); a mismatch raises on every rank before the
+  data collective. On until the ranks agree at the end of two last
+  backwards, always with ``set_check_rank_divergence(True)`` or
+  ``FSDP_COMPOSE_CHECK_ORDER=1``; the window closes only where the ranks
+  have just agreed (never on one rank's own count).
+* **Fingerprint** (always on): a rolling hash per process group, appended
+  as 8 bytes and their complements to the used flags that
+  ``publish_gradients`` all-reduces with MAX (a byte and its complement sum
+  to 255 iff every rank had it). A changed number of collectives stalls a
+  wait instead, which consults the flight log ([Note: flight log]).
 """
 
 from __future__ import annotations
@@ -56,46 +31,34 @@ import torch
 import torch.distributed as dist
 
 from ..buffers.flat_buffer import FlatBuffer
-from ..comm.agreement import agreed_max, all_gather_fingerprints
-from ..comm.watched_wait import stall_seconds
-from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
-from ..comm.whereabouts import Doing
-from .._torch_private import default_store
+from ..comm.agreement import all_gather_fingerprints
 from ..comm.groups import ShardGroup
 from ..runtime.model_settings import ModelSettings
 from ..runtime.protocols import CollectiveObserver, ObservedUnit
 from ..runtime.training_state import TrainingState
 from .flight_log import FlightRecorder, Ring
+from .forward_agreement import CHECK_ENV, MODE_BITS, ForwardAgreement, divergence_advice
 
-CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
-"""Set to ``1`` to verify the collective order in every iteration."""
 VERIFICATION_ITERATIONS = 2
-"""Training iterations (last backwards the ranks agreed on) verified by default."""
-MODE_BITS = 62
-"""Units whose training mode (``module.training``) the forward agreement
-compares, from the root on (an int64 row entry holds their flags)."""
+"""Last backwards the ranks agree on before verification stops."""
 VERIFICATION_FORWARD_LIMIT = 8
-"""Root forwards without gradients verified by default (a model that only
-evaluates never ends a backward; forwards with gradients, e.g. gradient
-accumulation's micro-batches, do not count)."""
+"""Root forwards without gradients verified by default."""
 _LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
 
 class Kind(IntEnum):
-    """What a recorded event is (its value is part of the compared code)."""
+    """Its value is part of the compared code."""
 
     ALL_GATHER = 0
     REDUCE_SCATTER = 1
     END_OF_BACKWARD = 2
-    """The flags all-reduce: no more unit collectives in this backward."""
     FORWARD = 3
-    """A unit's place in the root's forward order (no collective of its own)."""
+    """A unit's place in the root's forward order (no collective)."""
 
 
 class Phase(IntEnum):
-    """Where in the iteration a collective is issued."""
 
     FORWARD = 0
     BACKWARD = 1
@@ -105,11 +68,10 @@ class Phase(IntEnum):
 _KIND_TEXT = {Kind.ALL_GATHER: "all-gather", Kind.REDUCE_SCATTER: "reduce-scatter",
               Kind.END_OF_BACKWARD: "end of backward", Kind.FORWARD: "forward"}
 FINGERPRINT_BYTES = 16
-"""Bytes appended to one process group's used flags (8 of the hash, 8 complements)."""
+"""Bytes appended to one group's used flags (8 of the hash, 8 complements)."""
 
 
 class Collective(NamedTuple):
-    """One collective of the training step, as every rank must agree on it."""
 
     kind: Kind
     unit: int  # position of the unit in the root's state list
@@ -118,7 +80,7 @@ class Collective(NamedTuple):
 
     @property
     def code(self) -> int:
-        """A 63-bit integer naming it (the value the verification compares)."""
+        """The 63-bit value the verification compares."""
         return (self.kind << 56) | (self.phase << 52) | (self.unit << 20) | self.buffer
 
     def describe(self, units: Sequence[ObservedUnit]) -> str:
@@ -138,59 +100,38 @@ def _decode(code: int) -> Collective:
 
 class DivergenceMonitor(CollectiveObserver):
     """Records the unit collectives of one model and checks that every rank
-    issues the same ones (see [Note: rank divergence]). The model's
-    collective observer (``runtime/protocols.py``): ``fully_shard`` hands it
-    in, the root's lazy init builds it and binds it to the units.
+    issues the same ones ([Note: rank divergence]); the model's
+    ``CollectiveObserver``, bound to the units at the root's lazy init.
 
-    Invariant: between two comparisons on a process group, ``_fingerprints``
-    and ``_logs`` hold exactly the collectives issued on it since the last
-    comparison, in issue order.
+    Invariant: ``_fingerprints`` and ``_logs`` hold exactly the collectives
+    issued on a process group since its last comparison, in issue order.
     """
 
     def __init__(self) -> None:
         self._settings: ModelSettings = ModelSettings()
-        """The model's settings (from :meth:`bind`); ``check_rank_divergence``:
-        True verifies every iteration, False never, None while the window is
-        open (or with the env var)."""
         self.verifying: bool = False
-        """Whether the collectives issued now run the verification collectives."""
         self.iterations: int = 0
-        """Forward passes of the root started so far."""
         self.agreed_forwards: int = 0
-        """Root forwards without gradients whose order and grad mode every
-        rank verified equal."""
         self.agreed_backwards: int = 0
-        """Last backwards whose end every rank verified together."""
         self.backwards: int = 0
-        """Last backwards this rank ended (verified or not)."""
-        self._agreement: Optional[_Agreement] = None
-        """Where this model's ranks meet at every root forward ([Note: forward
-        agreement] in ``comm/agreement.py``); ``None`` over one rank."""
+        self._agreement: Optional[ForwardAgreement] = None
         self._since_agreement: int = _FNV_OFFSET
-        """Rolling hash of every collective recorded since the last forward
-        agreement (all process groups)."""
+        """Rolling hash of every collective since the last forward agreement."""
         self._units: list[ObservedUnit] = []
         self._groups: list[ShardGroup] = []
         self._communicates: bool = False
         self._where: dict[int, tuple[int, int]] = {}
-        """id(buffer) -> (unit index, buffer index)."""
         self._index: dict[int, int] = {}
-        """id(unit) -> unit index."""
         self._fingerprints: dict[int, int] = {}
-        """id(process group) -> rolling hash since the last comparison."""
         self._logs: dict[int, deque[Collective]] = {}
-        """id(process group) -> the collectives since the last comparison."""
         self.flight: FlightRecorder = FlightRecorder(
             lambda code: _decode(code).describe(self._units),
-            lambda codes: _advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
-        """The always-on ring of recent collectives, compared through the
-        store when a wait stalls or fails ([Note: flight log])."""
+            lambda codes: divergence_advice(any(_decode(c).phase is Phase.FORWARD for c in codes)))
         self._rings: dict[int, Ring] = {}
         """id(process group) -> its ring in :attr:`flight`."""
 
     def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
-        """Number the units (the root's state list order, the same on every
-        rank since the layouts were checked to agree)."""
+        """Number the units (root's state list order, equal on every rank)."""
         self._settings = settings
         self._units = list(units)
         self._index = {id(unit): u for u, unit in enumerate(units)}
@@ -200,28 +141,22 @@ class DivergenceMonitor(CollectiveObserver):
         for group in self.groups():
             if group.world_size > 1:
                 self._rings[id(group.process_group)] = self.flight.attach(group.process_group)
-        self._agreement = _Agreement.of(units[0].group) if units else None
+        self._agreement = ForwardAgreement.of(units, self.flight, self._groups) if units else None
         self._communicates = any(group.world_size > 1 for group in self._groups)
-        """Some unit's collectives go to another rank (else there is nothing
-        to fingerprint or compare)."""
 
     def start_iteration(self) -> None:
-        """At the root's pre-forward, before any collective of the forward:
-        agree with the other ranks on what this forward is (see [Note:
-        forward agreement]), then decide whether this iteration verifies."""
+        """At the root's pre-forward: meet ([Note: forward agreement]), then
+        decide whether this iteration verifies."""
         self.iterations += 1
         if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
                    self._since_agreement >> 1, self._training_modes()]
-            rows = self._agreement.exchange(row, self._waiting_at_agreement)
             self._since_agreement = _FNV_OFFSET
-            if any(other != rows[0] for other in rows):
-                _raise_forward_disagreement(self._agreement.ranks, rows, self._units)
+            self._agreement.before_forward(row)
         self.verifying = self._should_verify()
 
     def _training_modes(self) -> int:
-        """Bit ``u``: unit ``u``'s module is in training mode (``module.training``;
-        unit 0 is the root), for the first :data:`MODE_BITS` units."""
+        """Bit ``u``: unit ``u``'s module is training (unit 0: the root)."""
         modes = 0
         for u, unit in enumerate(self._units[:MODE_BITS]):
             if unit.modules[0].training:
@@ -232,9 +167,7 @@ class DivergenceMonitor(CollectiveObserver):
         return self._should_verify()
 
     def _should_verify(self) -> bool:
-        """Read at the root's pre-forward, and again right after a verified
-        agreement (the only points where the default window may close: every
-        rank's counters are equal there, see [Note: rank divergence])."""
+        """Read only where every rank's counters are equal."""
         forced = self._settings.check_rank_divergence
         if forced is not None:
             return forced
@@ -242,23 +175,19 @@ class DivergenceMonitor(CollectiveObserver):
             self.agreed_forwards < VERIFICATION_FORWARD_LIMIT
         return window or os.environ.get(CHECK_ENV, "0") not in ("", "0")
 
-    # ----------------------------------------------------------- recording
     def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
-        """Called right before ``buffer``'s all-gather is issued, by a
-        unit's pre-forward or pre-backward (``buffer`` may belong to
-        another unit: a prefetch)."""
+        """Right before ``buffer``'s all-gather (maybe a prefetch)."""
         phase = Phase.FORWARD if issuer_state is TrainingState.FORWARD else Phase.BACKWARD
         self._issue(Kind.ALL_GATHER, buffer, phase)
 
     def before_reduce_scatter(self, buffer: FlatBuffer) -> None:
-        """Called right before ``buffer``'s reduce-scatter is issued."""
-        if buffer.group.world_size > 1:  # else nothing is communicated (see _issue)
+        if buffer.group.world_size > 1:  # else nothing is communicated
             self._issue(Kind.REDUCE_SCATTER, buffer, Phase.BACKWARD)
 
     def _issue(self, kind: Kind, buffer: FlatBuffer, phase: Phase) -> None:
         group = buffer.group
         if group.world_size == 1:
-            return  # nothing is communicated
+            return
         unit_index, buffer_index = self._where.get(id(buffer), (0xFFFFF, 0))
         entry = Collective(kind, unit_index, buffer_index, phase)
         self._record(group, entry)
@@ -275,10 +204,8 @@ class DivergenceMonitor(CollectiveObserver):
             ring.entries.append((next(ring.serial), self.iterations - 1, entry.code))  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
-        """The root's forward ended: fold the units' forward order into every
-        group's fingerprint and, when verifying, compare it across ranks now
-        (forward prefetch can make a skipped unit's all-gather happen anyway,
-        so the collectives of the forward alone may still agree)."""
+        """Fold the forward order into the fingerprints and, when verifying,
+        compare it (prefetch may have gathered a skipped unit anyway)."""
         if not self._communicates and self._agreement is None:
             return  # one rank: nothing was communicated, nothing to agree on
         entries = [Collective(Kind.FORWARD, self._index.get(id(u), 0xFFFFF), 0, Phase.FORWARD)
@@ -306,20 +233,7 @@ class DivergenceMonitor(CollectiveObserver):
             self.verifying = self._should_verify()
         elif (not verified and torch.is_grad_enabled() and self._agreement is not None
               and self._settings.check_rank_divergence is not False):
-            self._agree_on_forward_order(entries)
-
-    def _agree_on_forward_order(self, entries: Sequence[Collective]) -> None:
-        """A training forward ended outside the verified iterations: agree
-        through the store on the units it ran, in order, before the
-        backward's first collective. A unit skipped (or run out of order) on
-        some ranks pairs its backward collectives with other units' (of
-        other sizes: gloo aborts the process); forward prefetch may have
-        paired the forward's all-gathers anyway."""
-        order = [entry.unit for entry in entries]
-        rows = self._agreement.exchange_after_forward([self.iterations, *order],
-                                                      self._waiting_at_agreement)
-        if any(row != rows[0] for row in rows):
-            _raise_forward_orders(self._agreement.ranks, rows, self._units)
+            self._agreement.after_forward(self.iterations, [entry.unit for entry in entries])
 
     def _verify(self, entry: Collective, group: ShardGroup) -> None:
         codes = all_gather_fingerprints(entry.code, group, include_replicas=False)
@@ -327,11 +241,8 @@ class DivergenceMonitor(CollectiveObserver):
             about = {rank: _decode(code) for rank, code in enumerate(codes)}
             self._raise(group, about)
 
-    # ------------------------------------------------------- end of backward
     def before_publish(self) -> None:
-        """End of the last backward, before the flags all-reduce: in a
-        verifying iteration, check that every rank got here (and not to one
-        more unit collective), once per process group of the model."""
+        """End of the last backward: when verifying, check every rank got here."""
         self.backwards += 1
         if not self.verifying:
             return
@@ -345,15 +256,12 @@ class DivergenceMonitor(CollectiveObserver):
             self.verifying = self._should_verify()
 
     def payload(self, group: ShardGroup) -> list[int]:
-        """The fingerprint bytes to append to ``group``'s used flags."""
         value = self._fingerprints.get(id(group.process_group), _FNV_OFFSET)
         raw = list(value.to_bytes(8, "little"))
         return raw + [255 - b for b in raw]
 
     def check(self, group: ShardGroup, reduced: Sequence[int]) -> None:
-        """After the MAX all-reduce of :meth:`payload` over ``group``: raise
-        on every rank if the ranks' fingerprints differed; else start a new
-        comparison window."""
+        """After the MAX all-reduce of :meth:`payload`: raise if they differed."""
         if any(reduced[i] + reduced[8 + i] != 255 for i in range(8)):
             self._raise(group, None)
         key = id(group.process_group)
@@ -361,42 +269,10 @@ class DivergenceMonitor(CollectiveObserver):
         self._logs.pop(key, None)
 
     def groups(self) -> list[ShardGroup]:
-        """One ShardGroup per process group of the model, in unit order
-        (found once, by :meth:`bind`: a unit's groups never change)."""
         return self._groups
 
-    def _waiting_at_agreement(self, waited: float, elsewhere: dict[int, str],
-                              doing: dict[int, Doing]) -> None:
-        """The forward agreement has waited ``waited`` s for the ranks of
-        ``elsewhere``. One that waits at a collective call of the library
-        will never come: raise. Every :func:`stall_seconds`, compare the
-        flight logs of every data group (a rank may be stuck in a data
-        collective this rank will never issue; raises where they differ)."""
-        other = {rank: what for rank, what in elsewhere.items() if what}
-        moment = self._agreement.moment
-        if other:
-            _raise_waiting_elsewhere(self._agreement.forwards, other, moment)
-        # blocked in a collective of the user's (a barrier): it will never come either;
-        # one blocked in a data collective of ours is left to the flight logs below,
-        # which name what each rank issued
-        blocked = {rank: d for rank, d in doing.items() if d.kind == "blocked" and not d.ours}
-        if blocked:
-            _raise_blocked(self._agreement.forwards, blocked, moment)
-        if waited >= call_timeout():
-            _raise_waiting_elsewhere(self._agreement.forwards, {
-                rank: f"no collective call of fsdp_compose for {waited:.0f} s "
-                      f"({CALL_TIMEOUT_ENV})" for rank in elsewhere}, moment)
-        if waited // stall_seconds() > self._agreement.stalls:
-            self._agreement.stalls += 1
-            for group in self.groups():
-                if group.world_size > 1:
-                    self.flight.stalled(group.process_group, None, waited)
-                    self.flight.recovered(group.process_group)
-
-    # --------------------------------------------------------------- errors
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
-        """Every rank of ``group`` calls this together (they all saw the same
-        collective result): gather each rank's log and raise one message."""
+        """Called on every rank of ``group`` together: gather the logs, raise."""
         log = list(self._logs.get(id(group.process_group), ()))
         logs: list = [None] * group.world_size
         dist.all_gather_object(logs, [c.code for c in log], group=group.process_group)
@@ -418,7 +294,7 @@ class DivergenceMonitor(CollectiveObserver):
             where = ("after the root's forward, by comparing forward orders" if self.verifying
                      and any(first < len(e) and e[first].kind is Kind.FORWARD for e in logs) else
                      "at the end of backward, by the fingerprint of the collective sequence")
-        advice = _advice(forward)
+        advice = divergence_advice(forward)
         raise RuntimeError(
             f"[rank {group.rank}] fully_shard ranks diverged: they were about to pair "
             f"collectives of different units (detected {where}; rank-dependent control flow "
@@ -427,23 +303,8 @@ class DivergenceMonitor(CollectiveObserver):
             "set_check_rank_divergence(True) on the root) to check every iteration.")
 
 
-def _advice(forward: bool) -> str:
-    """The fix, for divergence in forward (``forward``) or in backward."""
-    if forward:
-        return ("A unit's forward ran on some ranks only (or in a different order): every rank "
-                "must run the forward of every unit, in the same order, in every iteration (e.g. "
-                "call a unit a rank would skip on an empty or zero-weighted input). "
-                "set_reduce_scatter_unused_params(True) cannot fix forward-side divergence.")
-    return ("A unit's backward (or reduction) ran on some ranks only: run every unit on every "
-            "rank with its output reaching the loss (e.g. add 0 * output.sum()), or call "
-            "set_reduce_scatter_unused_params(True) on those units (or the root) so every "
-            "rank reduces them at the end of backward.")
-
-
 def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
-    """The ranks ran the same units in a root forward, some with gradients
-    and some without (``codes``: each rank's compared value, grad mode in
-    bit 0)."""
+    """Some ranks ran the forward with gradients, some without (bit 0)."""
     ranks = dist.get_process_group_ranks(group.process_group)
     without = [ranks[i] for i, code in enumerate(codes) if not code & 1]
     with_grad = [ranks[i] for i, code in enumerate(codes) if code & 1]
@@ -458,172 +319,6 @@ def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
         "root) to check every iteration.")
 
 
-class _Agreement:
-    """The ranks of one model and the store keys their forward agreements
-    use (numbered by forward: ``<prefix>/<forward>/<rank>``)."""
-
-    _models: dict[tuple[int, ...], int] = {}
-    """ranks -> models set up over them so far in this process."""
-
-    def __init__(self, ranks: list[int], prefix: str) -> None:
-        self.ranks: list[int] = ranks
-        self.prefix: str = prefix
-        self.me: int = dist.get_rank()
-        self.forwards: int = 0
-        self.last_key: Optional[str] = None
-        self.last_end_key: Optional[str] = None
-        self.moment: str = "starts"
-        """Where the current meeting is: at the start or the end of a forward."""
-        self.stalls: int = 0
-        """Flight-log comparisons made while waiting at the current forward."""
-
-    @classmethod
-    def of(cls, group: ShardGroup) -> Optional["_Agreement"]:
-        """The agreement of a model whose root shards over ``group`` (and
-        its replicas), or ``None`` over one rank or without a store. One
-        tiny all-gather (at the root's lazy init) makes the model's number
-        the same on every rank, whatever each rank set up before."""
-        ranks = sorted(group.mesh.mesh.flatten().tolist())  # every shard group and replica
-        if len(ranks) == 1:
-            return None
-        try:
-            default_store()
-        except (RuntimeError, ValueError):
-            return None  # no default group: nothing to meet through
-        members = tuple(ranks)
-        number = agreed_max(cls._models.get(members, 0), group)
-        cls._models[members] = number + 1
-        return cls(ranks, f"fsdp_compose/agree/{'-'.join(map(str, members))}/{number}")
-
-    def exchange_after_forward(self, row: list[int], waiting) -> list[list[int]]:
-        """Every rank's ``row`` at the end of the current training forward
-        (keys ``<prefix>/<forward>/end/<rank>``)."""
-        key = f"{self.prefix}/{self.forwards}/end"
-        self.moment, self.stalls = "ends", 0
-        values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
-                      f"the end of root forward #{self.forwards}", waiting, self.last_end_key)
-        self.last_end_key = f"{key}/{self.me}"
-        left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
-                if value.startswith(LEFT)}
-        if left:
-            _raise_waiting_elsewhere(self.forwards, left, self.moment)
-        return [[int(v) for v in value.split(",")] for value in values]
-
-    def exchange(self, row: list[int], waiting) -> list[list[int]]:
-        """Every rank's ``row`` for the next forward, in ``ranks`` order
-        (``waiting`` as ``rendezvous.meet``'s)."""
-        self.forwards += 1
-        self.moment, self.stalls = "starts", 0
-        key = f"{self.prefix}/{self.forwards}"
-        values = meet(key, self.ranks, self.me, ",".join(map(str, row)),
-                      f"the forward agreement of root forward #{self.forwards}", waiting,
-                      self.last_key)
-        self.last_key = f"{key}/{self.me}"
-        left = {rank: value[len(LEFT):] for rank, value in zip(self.ranks, values)
-                if value.startswith(LEFT)}
-        if left:
-            _raise_waiting_elsewhere(self.forwards, left)
-        return [[int(v) for v in value.split(",")] for value in values]
-
-
-def _raise_waiting_elsewhere(forward: int, where: dict[int, str], moment: str = "starts") -> None:
-    """Other ranks wait at (or raised at) another meeting of the library
-    while this rank ``moment`` (starts, ends) root forward #``forward``."""
-    lines = "\n".join(f"  rank {rank} waits at {what}" for rank, what in where.items())
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
-        f"#{forward} while other ranks wait at a collective call of fsdp_compose:\n{lines}\n"
-        "Collective calls (state_dict() values, clip_grad_norm_, unshard(), checkpoint saves, "
-        "...) must be made on every rank, at the same point of training.")
-
-
-def _raise_blocked(forward: int, blocked: dict[int, Doing], moment: str) -> None:
-    """Other ranks are blocked in a torch collective that waits for this rank
-    ([Note: blocked is not late]) while this rank ``moment`` root forward #``forward``."""
-    lines = "\n".join("  " + d.blocks(rank) for rank, d in sorted(blocked.items()))
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: this rank {moment} root forward "
-        f"#{forward} while other ranks are blocked in a collective of torch.distributed:\n"
-        f"{lines}\nNeither can go on (this rank raises at once, before the forward "
-        "communicated anything; the blocked collective fails when this process exits). Make "
-        "that collective (a barrier, an all-reduce, a torch.distributed.checkpoint call, ...) "
-        "on every rank at the same point, or run the forward on every rank before it.")
-
-
-def _raise_forward_disagreement(ranks: Sequence[int], rows: Sequence[Sequence[int]],
-                                units: Sequence[ObservedUnit]) -> None:
-    """The forward agreement found ranks about to run different forwards
-    (each row: grad mode, root forwards, last backwards, collectives digest,
-    training modes)."""
-    me = dist.get_rank()
-    grad = [row[0] for row in rows]
-    if len(set(grad)) == 1 and all(row[:4] == rows[0][:4] for row in rows):
-        _raise_training_modes(ranks, rows, units)
-    if len(set(grad)) > 1 and all(row[1:4] == rows[0][1:4] for row in rows):
-        without = [r for r, g in zip(ranks, grad) if not g]
-        with_grad = [r for r, g in zip(ranks, grad) if g]
-        raise RuntimeError(
-            f"[rank {me}] fully_shard ranks diverged: ranks {without} are starting a forward of "
-            f"the root without gradients (torch.no_grad(), e.g. an evaluation) where ranks "
-            f"{with_grad} start one with gradients (training), at root forward #{rows[0][1]}; "
-            "their collectives would pair a forward with a backward (detected before the "
-            "forward, nothing was communicated). Every rank must run the same forwards: run the "
-            "evaluation on every rank (each on its part of the data, then reduce the metric), "
-            "or on a separate, unsharded copy of the model.")
-    lines = [f"  rank {r}: root forward #{row[1]} "
-             f"{'with' if row[0] else 'without'} gradients, root in "
-             f"{'training' if row[4] & 1 else 'eval'} mode, after {row[2]} finished backwards, "
-             f"collectives since the last forward {row[3]:#x}" for r, row in zip(ranks, rows)]
-    raise RuntimeError(
-        f"[rank {me}] fully_shard ranks diverged before a forward of the root (detected "
-        "before it communicated anything, by comparing what each rank ran since the last "
-        "forward):\n" + "\n".join(lines) + "\nEvery rank must run the same forwards and "
-        "backwards of the model, in the same order (an evaluation, an extra forward or a "
-        "skipped backward on some ranks only). Set "
-        f"{CHECK_ENV}=1 (or call set_check_rank_divergence(True) on the root) to find the "
-        "first collective that differs.")
-
-
-def _raise_training_modes(ranks: Sequence[int], rows: Sequence[Sequence[int]],
-                          units: Sequence[ObservedUnit]) -> None:
-    """The ranks start the same forward, some with modules in eval mode
-    where others train (row[4]: the units' training flags, the root's in bit 0)."""
-    modes = [row[4] for row in rows]
-    if all(m & 1 == modes[0] & 1 for m in modes):  # the root agrees, some unit does not
-        differing = [u for u in range(min(len(units), MODE_BITS))
-                     if len({(m >> u) & 1 for m in modes}) > 1]
-        what = "modules " + ", ".join(units[u].name for u in differing)
-        by_rank = "; ".join(
-            f"rank {r}: {', '.join(units[u].name for u in differing if not (m >> u) & 1) or 'none'}"
-            for r, m in zip(ranks, modes))
-        detail = f"{what} are in eval mode on some ranks only (in eval mode: {by_rank})"
-    else:
-        evaluating = [r for r, m in zip(ranks, modes) if not m & 1]
-        training = [r for r, m in zip(ranks, modes) if m & 1]
-        detail = (f"ranks {evaluating} have the model in eval mode (model.eval(), e.g. left "
-                  f"from an evaluation) where ranks {training} have it in training mode")
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: at root forward #{rows[0][1]}, "
-        f"{detail}, so the ranks would compute different functions (dropout, batch norm: "
-        "nothing was computed yet). Call model.train() on every rank before training (after an "
-        "evaluation on some ranks), or model.eval() on every rank for an evaluation on all of "
-        "them.")
-
-
-def _raise_forward_orders(ranks: Sequence[int], rows: Sequence[Sequence[int]],
-                          units: Sequence[ObservedUnit]) -> None:
-    """The ranks ended a training forward having run different units
-    (each row: root forward number, then the units' indices in forward order)."""
-    def names(row: Sequence[int]) -> str:
-        return "[" + ", ".join(units[u].name if u < len(units) else f"unit #{u}"
-                               for u in row[1:]) + "]"
-    lines = [f"  rank {r} ran {names(row)}" for r, row in zip(ranks, rows)]
-    raise RuntimeError(
-        f"[rank {dist.get_rank()}] fully_shard ranks diverged: the ranks ran different units "
-        f"in root forward #{rows[0][0]} (detected at the end of the forward, before the "
-        "backward communicated anything):\n" + "\n".join(lines) + "\n" + _advice(True))
-
-
 def _mix(fingerprint: int, code: int) -> int:
     return ((fingerprint ^ code) * _FNV_PRIME) & _MASK
 
@@ -636,7 +331,6 @@ def _first_difference(logs: list[list[Collective]]) -> int:
 
 
 def _groups_of(units: Sequence[ObservedUnit]) -> list[ShardGroup]:
-    """One ShardGroup per process group of ``units``, in unit order."""
     seen: dict[int, ShardGroup] = {}
     for unit in units:
         seen.setdefault(id(unit.group.process_group), unit.group)

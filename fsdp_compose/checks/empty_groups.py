@@ -1,27 +1,14 @@
 """Empty optimizer parameter groups: named once, and a resume that works.
 
-A group filled by a selection rule (``[p for p in params if p.dim() >= 2]``,
-Muon's ``p.ndim == 2``) that picks nothing is legal for torch's optimizers,
-but it usually means the rule did not see what the user expected (under
-``placement="flat"`` every parameter is 1-D between steps), and it breaks a
-resume: torch's ``set_optimizer_state_dict`` (and so every
-``torch.distributed.checkpoint`` resume) keys hyperparameters by parameter
-FQN, so an empty group comes back without them and the next ``step()``
-fails far from the cause (AdamW: ``KeyError: 'betas'``).
-
-For an optimizer that holds parameters of ``fully_shard`` units, a step
-pre-hook (installed once per process by ``fully_shard``):
-
-* warns once, on rank 0, at the first step, naming each empty group by its
-  index and hyperparameters, unless the groups were filled by a rule on
-  parameter names (:func:`groups_chosen_by_name`: a name is the same
-  whatever the placement, so an empty group there is the rule's intent,
-  e.g. Hugging Face's no-decay group for a LoRA model);
-* before every step, gives an empty group that lacks a hyperparameter the
-  optimizer's ``defaults`` (a group of no parameter changes no number; this
-  only lets ``step()`` run).
-
-Cost per step: one pass over the optimizer's groups.
+A group whose selection rule picked nothing (``p.dim() >= 2`` under
+``placement="flat"``) usually means the rule missed, and it breaks a
+resume: ``set_optimizer_state_dict`` keys hyperparameters by parameter
+FQN, so an empty group comes back without them and ``step()`` fails far
+from the cause (AdamW: ``KeyError: 'betas'``). For an optimizer holding
+managed parameters, a step pre-hook warns once on rank 0 naming each empty
+group (unless :func:`groups_chosen_by_name`), and before every step fills
+an empty group's missing hyperparameters from ``defaults`` (a group of no
+parameter changes no number).
 """
 
 from __future__ import annotations
@@ -37,19 +24,17 @@ from ..runtime.owners import owner_of
 
 _installed: list[object] = []
 _seen: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
-"""Optimizer -> whether it holds managed parameters (looked at once)."""
+"""Optimizer -> whether it holds managed parameters."""
 _chosen_by_name: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 
 
 def groups_chosen_by_name(optimizer: Optimizer) -> None:
-    """Tell the check that ``optimizer``'s groups were filled by a rule on
-    parameter names, which sharding cannot mislead: an empty group is not
-    warned about (its hyperparameters are still filled before each step)."""
+    """Declare that ``optimizer``'s groups were filled by a rule on parameter
+    names (which sharding cannot mislead): no warning for an empty group."""
     _chosen_by_name.add(optimizer)
 
 
 def install_empty_group_check() -> None:
-    """Install the step pre-hook (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_before_step))
 
@@ -82,8 +67,8 @@ def _warn_empty(optimizer: Optimizer) -> None:
 
 
 def _differing(group: dict, defaults: dict) -> str:
-    """The group's hyperparameters that differ from the defaults (the
-    learning rate aside: a scheduler or an initialisation step changes it)."""
+    """The group's hyperparameters that differ from the defaults (not the
+    learning rate: schedulers change it)."""
     differing = [f"{key}={value}" for key, value in group.items()
                  if key not in ("params", "lr") and defaults.get(key) != value]
     return f" ({', '.join(differing)})" if differing else ""

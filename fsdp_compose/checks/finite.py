@@ -1,15 +1,7 @@
-"""Which parameter's gradient went non-finite first, agreed by every rank.
-
-Each rank sees only its shards of the gradients, so a NaN may sit on one
-rank alone; an error raised there alone would leave the others waiting in
-the next collective. :func:`check_finite_gradients` checks the local
-shards, then one all-reduce (MIN) of a single integer gives every rank the
-first offending parameter (in ``named_parameters()`` order) and the rank
-that holds its bad elements, and every rank raises the same error.
-
-Cost per call: one max-abs per gradient (``torch._foreach_norm`` with
-``ord=inf``: it is inf or nan exactly when a non-finite element exists, and
-never overflows), one all-reduce of one ``int64``, one host sync.
+"""Which parameter's gradient went non-finite first, agreed by every rank:
+a NaN may sit on one rank's shard alone, and an error there alone would
+leave the others waiting. One MIN all-reduce of one integer gives every
+rank the first offending parameter and the rank holding it.
 """
 
 from __future__ import annotations
@@ -23,12 +15,10 @@ from ..runtime.owners import owner_of
 
 
 def check_finite_gradients(module: nn.Module) -> None:
-    """Raise ``RuntimeError`` on every rank, naming the first parameter of
-    ``module`` (in ``named_parameters()`` order) whose gradient holds a nan
-    or inf on some rank. Collective when ``module`` has parameters managed
-    by ``fully_shard``: call it on every rank, after backward (the root's
-    ``set_check_finite_gradients(True)`` calls it at the end of every last
-    backward)."""
+    """Raise ``RuntimeError`` on every rank naming the first parameter of
+    ``module`` (``named_parameters()`` order) whose gradient holds a nan or
+    inf on some rank. Collective when ``module`` has managed parameters: call
+    it on every rank after backward."""
     named = list(module.named_parameters())
     group = next((entry.unit.group for _, p in named if (entry := owner_of(p)) is not None), None)
     world, rank = (group.world_size, group.rank) if group is not None else (1, 0)

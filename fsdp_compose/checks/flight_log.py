@@ -1,13 +1,7 @@
 """Each rank's recent collectives, compared through the rendezvous store
-when a collective stalls or fails (see [Note: flight log] in
-``comm/watched_wait.py``).
-
-The ring buffer is always on and costs no collective: the model's
-``DivergenceMonitor`` records (iteration, code) for every collective it is
-told about, per process group. Only when a wait of the step stalls for
-``FSDP_COMPOSE_STALL_SECONDS`` or fails does a rank write its ring to the
-store (one key per rank) and read the others'; the first position where
-they disagree is what the error names, with the fix.
+when a wait stalls or fails ([Note: flight log] in ``comm/watched_wait.py``).
+Always on, no collective: only a stalled or failed wait writes the ring to
+the store and reads the others'; the error names the first difference.
 """
 
 from __future__ import annotations
@@ -24,17 +18,14 @@ from .._torch_private import default_store
 from ..comm.watched_wait import stall_seconds, watch
 
 RING_SIZE = 256
-"""Collectives remembered per process group (the last few iterations)."""
+"""Collectives remembered per process group."""
 _PREFIX = "fsdp_compose/flight"
 _models: dict[str, int] = {}
-"""process group name -> models attached to it so far in this process (the
-same on every rank that builds the same models: names one model's keys, so a
-stale key of an earlier model on the group is never compared)."""
+"""process group name -> models attached to it in this process (names one
+model's keys, so an earlier model's stale key is never compared)."""
 
 Describe = Callable[[int], str]
-"""A collective's code -> its description ("all-gather of 'layers.3' ...")."""
 Advice = Callable[[list[int]], str]
-"""The codes the ranks disagree on -> the fix to suggest."""
 
 
 class Ring(NamedTuple):
@@ -55,13 +46,10 @@ class FlightRecorder:
         self._describe: Describe = describe
         self._advice: Advice = advice
         self._keys: dict[str, str] = {}
-        """process group name -> the prefix of this model's keys on it."""
 
     def attach(self, process_group: dist.ProcessGroup) -> Ring:
-        """Watch ``process_group``'s waits (the root's lazy init, once per
-        group) and return its ring, which the monitor records each
-        collective into before it is issued (the hot path: an append and a
-        count, both C calls, no code of this module)."""
+        """Watch ``process_group``'s waits (once per group) and return its ring, which the
+        monitor appends each collective to before it is issued (C calls only: the hot path)."""
         name = process_group.group_name
         number = _models.get(name, 0)
         _models[name] = number + 1
@@ -69,13 +57,11 @@ class FlightRecorder:
         watch(process_group, self)
         return self._rings.setdefault(id(process_group), Ring(deque(maxlen=RING_SIZE), count()))
 
-    # ------------------------------------------------------------ stalls
     def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
                 waited: float) -> None:
-        """Publish this rank's ring, read the others'; raise where they
-        disagree. With ``error`` (the wait failed), wait a little for the
-        others (they publish when their own waits stall) and raise what is
-        known, naming the ranks that published nothing."""
+        """Publish this rank's ring, read the others', raise where they disagree.
+        With ``error`` (the wait failed), wait briefly for the others and raise
+        what is known, naming the ranks that published nothing."""
         try:
             store = default_store()
         except (RuntimeError, ValueError):
@@ -105,7 +91,7 @@ class FlightRecorder:
                                          [r for r in ranks if r not in logs])) from error
 
     def recovered(self, process_group: dist.ProcessGroup) -> None:
-        """The stalled wait finished: withdraw the published ring (stale)."""
+        """The stalled wait finished: withdraw the published ring."""
         try:
             store = default_store()
             prefix = self._keys.get(process_group.group_name,
@@ -158,9 +144,8 @@ def _read(store: dist.Store, key: str) -> Optional[tuple[int, list[tuple[int, in
 
 
 def _first_difference(logs: dict, complete: bool) -> Optional[int]:
-    """The first collective number at which the published rings disagree:
-    two ranks with different entries, or (every rank published, so every
-    rank is stuck) one rank with an entry where another has none."""
+    """The first position where the rings disagree: two different entries,
+    or (every rank published, so all are stuck) an entry against none."""
     if len(logs) < 2:
         return None
     low = max(start for start, _ in logs.values())

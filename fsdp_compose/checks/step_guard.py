@@ -1,14 +1,7 @@
 """Refuse ``optimizer.step()`` over sharded parameters whose gradients are
-not ready: it would silently apply stale or missing gradients.
-
-One global optimizer step pre-hook (installed by the first ``fully_shard``)
-looks at the flat buffers of the parameters the optimizer holds. The state
-it reads is the same on every rank (every rank ran the same forward and
-backward), so every rank raises together, before any collective. A step
-given a closure computes its gradients after the hook: only the units'
-states are checked then. Cost per
-step: a few attribute reads per flat buffer (the buffers of an optimizer
-are found once and cached while its parameter count stays the same).
+not ready (it would silently apply stale or missing gradients). The state
+read is equal on every rank, so every rank raises together, before any
+collective.
 """
 
 from __future__ import annotations
@@ -24,18 +17,15 @@ from ..runtime.owners import owner_of
 from ..runtime.training_state import TrainingState
 from ..runtime.unit import Unit
 
-_installed: list[object] = []  # the hook handle, once installed
+_installed: list[object] = []
 _buffers_of: "weakref.WeakKeyDictionary[Optimizer, tuple[int, list[weakref.ref[Unit]], list[FlatBuffer]]]" \
     = weakref.WeakKeyDictionary()
-"""Per optimizer: its parameter count when last looked at, and the unit (weakly) and
-the index of every buffer that holds one of its annotated parameters. Weakly, so
-that this cache never keeps a model alive: an optimizer dropped with its model
-(a cycle each) would otherwise hold the model through the collection that frees
-the optimizer, and a single ``gc.collect()`` would leave the model in memory."""
+"""Per optimizer: its parameter count when last looked at, and (unit
+weakly, buffer index) of each buffer holding its parameters. Weak, so the
+cache never keeps a dropped model alive past one ``gc.collect()``."""
 
 
 def install_step_guard() -> None:
-    """Install the step pre-hook (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_check_step))
 
@@ -58,17 +48,15 @@ def _managed_buffers(optimizer: Optimizer) -> list[tuple[Unit, FlatBuffer]]:
     managed = []
     for unit_ref, index in zip(units, indices):
         unit = unit_ref()
-        if unit is not None:  # else its model was dropped: nothing of it to check
+        if unit is not None:  # else its model was dropped
             managed.append((unit, unit.buffers[index]))
     return managed
 
 
 def _check_step(optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
     in_backward = current_graph_task_id() != -1  # e.g. optimizer in backward hooks
-    # optimizer.step(closure) (LBFGS; Lightning's automatic optimization) runs
-    # the step's forward and backward inside step(), after this hook: the
-    # gradients are made there, so only the units' states can be checked now
-    # (``args`` are step()'s own, the optimizer first)
+    # step(closure) (LBFGS) makes the gradients inside step(), after this
+    # hook: only the units' states can be checked now
     gradients_come_later = kwargs.get("closure", args[1] if len(args) > 1 else None) is not None
     for unit, buffer in _managed_buffers(optimizer):
         fqn = buffer.records[0].fqn

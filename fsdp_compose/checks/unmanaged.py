@@ -1,29 +1,9 @@
-"""Refuse the forgotten root: parameters the optimizer would update from
-each rank's own gradient.
-
-``fully_shard`` on every block but not on the root leaves the embeddings,
-final norm and head as plain parameters: each rank's backward gives them
-its own local gradient, the optimizer steps on it, and the replicas drift
-apart silently (torch FSDP2 is silent too). At an optimizer's first step
-with gradients, before it updates anything, if it holds parameters of
-``fully_shard`` units, every parameter with a gradient that
-
-* no unit manages,
-* is not a ``DTensor`` (tensor parallelism, ``replicate``'s DTensor form),
-* no DDP (``DistributedDataParallel``) or ``replicate`` module holds, and
-* was not passed to :func:`mark_reduced_elsewhere` (nor in
-  ``fully_shard``'s ``ignored_params``)
-
-is named in a ``RuntimeError``. The look is local, with no collective: a
-step pre-hook cannot know that every rank steps the same optimizer over
-the same parameters (Muon over owned matrices gives each rank its own, and
-a rank whose optimizer holds nothing with a gradient looks later), so a
-collective here could pair with nothing on another rank. Models and
-optimizers built alike on every rank (the SPMD script) decide alike, so
-every rank raises; where they differ, the rank that raises alone ends the
-job (torchrun stops the others). Cost: one look per optimizer, at its first
-step with gradients; a walk up from the units to the user's model
-(``_naming.py``) only when such parameters exist.
+"""Refuse the forgotten root: at an optimizer's first step with gradients,
+before any update, name every parameter with a gradient that no unit
+manages, is not a ``DTensor``, no DDP or ``replicate`` module holds, and
+was not passed to :func:`mark_reduced_elsewhere` (each rank would step on
+its own gradient and the replicas drift silently). Local, no collective: a
+step pre-hook cannot know every rank steps the same optimizer.
 """
 
 from __future__ import annotations
@@ -47,20 +27,16 @@ from .replicate import is_replicated
 _installed: list[object] = []
 _looked_at: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
 _reduced_elsewhere: dict[int, torch.Tensor] = {}
-"""The parameters marked by the user, by id, held strongly while anything
-else holds them: a weak reference would stop ``torch.utils.swap_tensors``
-(which keeps a parameter's identity through ``to_empty``), and an id alone
-could be reused by a later model's parameter, which the check would then
-skip. :func:`_forget_dropped` lets go of those only this dict still holds."""
+"""Parameters the user marked, held strongly (a weak reference would stop
+``swap_tensors``; a bare id could be reused)."""
 _SHOWN = 8  # parameters named in the message
 
 
 def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> None:
-    """Tell fsdp_compose that these parameters (a module's, or the given
-    ones), which no ``fully_shard`` unit manages, have their gradients
-    reduced across ranks by other code (by hand, or an API it does not
-    recognise), so the optimizer's first step does not refuse to update
-    them. Call it on every rank, before the first ``optimizer.step()``."""
+    """Declare that these parameters (a module's, or those given), which no
+    ``fully_shard`` unit manages, have their gradients reduced across ranks
+    by other code, so the optimizer's first step does not refuse them. Call
+    it on every rank before the first ``optimizer.step()``."""
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
         else module_or_params
     _forget_dropped()
@@ -69,15 +45,12 @@ def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Ten
 
 
 def _forget_dropped() -> None:
-    """Drop the marks of parameters nothing but this module holds any more
-    (a dropped model's), so their ids cannot be taken for a new one's."""
     for key in list(_reduced_elsewhere):
         if sys.getrefcount(_reduced_elsewhere[key]) <= 2:  # the dict and this call's argument
             del _reduced_elsewhere[key]
 
 
 def install_unmanaged_check() -> None:
-    """Install the step pre-hook (once per process)."""
     if not _installed:
         _installed.append(register_optimizer_step_pre_hook(_look_once))
 
@@ -110,7 +83,6 @@ def _look_once(optimizer: Optimizer, args: object, kwargs: object) -> None:
 
 
 def _reduced_by_other_apis(tops: list[nn.Module]) -> set[int]:
-    """ids of the parameters a DDP or a ``replicate``-annotated module holds."""
     reduced: set[int] = set()
     for top in tops:
         for module in top.modules():

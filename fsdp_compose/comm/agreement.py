@@ -1,5 +1,7 @@
-"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints, so every rank raises the same
-error together.
+"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints (of a
+model's layout before its first data collective, of initialised values,
+of the divergence checks). Every rank sees the same gathered values, so
+all raise the same error together instead of one raising while others hang.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from .groups import ShardGroup
 
 
 def fingerprint_of(text: str) -> int:
+    """A 63-bit fingerprint of ``text`` (the same on every rank for the same text)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 class Disagreement(NamedTuple):
+    """Which global ranks hold a fingerprint other than the reference rank's."""
 
     differing: list[int]
     reference: int
 
 
 def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
-    """``None`` when every rank holds the same ``fingerprint``, else the global ranks that differ
-    from the first."""
+    """``None`` when every rank of ``group`` (shard group, then replicas)
+    holds the same ``fingerprint``, else the global ranks that differ from
+    the first. Collective."""
     every = all_gather_fingerprints(fingerprint, group)
     if len(set(every)) == 1:
         return None
@@ -37,7 +42,8 @@ def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
 
 def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
                             include_replicas: bool = True) -> list[int]:
-    """Every rank's ``fingerprint``: the shard group's, then the replicas'."""
+    """Every rank's ``fingerprint``: the shard group's in rank order, then
+    (hybrid, if ``include_replicas``) this rank's replicas'. Collective."""
     every = _gather_int(fingerprint, group.process_group, group.world_size, group.device)
     replicate = group.replicate_process_group
     if include_replicas and replicate is not None and group.replicate_size > 1:
@@ -46,6 +52,7 @@ def all_gather_fingerprints(fingerprint: int, group: ShardGroup,
 
 
 def agreed_max(value: int, group: ShardGroup) -> int:
+    """The largest ``value`` over ``group``'s mesh, equal on every rank. Collective."""
     largest = max(_gather_int(value, group.process_group, group.world_size, group.device))
     replicate = group.replicate_process_group
     if replicate is not None and group.replicate_size > 1:
@@ -54,6 +61,7 @@ def agreed_max(value: int, group: ShardGroup) -> int:
 
 
 def fingerprint_ranks(group: ShardGroup, include_replicas: bool = True) -> list[int]:
+    """The global rank behind each entry of :func:`all_gather_fingerprints`."""
     ranks = dist.get_process_group_ranks(group.process_group)
     replicate = group.replicate_process_group
     if include_replicas and replicate is not None and group.replicate_size > 1:
@@ -71,13 +79,3 @@ def _gather_int(value: int, process_group: dist.ProcessGroup, size: int,
     values = every.tolist()
     release_after_collective(mine, every)  # tiny, but at every root forward
     return values
-
-
-
-# [Note: forward agreement]
-# Collectives pair by issue order and gloo aborts a process that receives a message of another size,
-# so a rank running one more forward (an evaluation on rank 0 only) would pair its collectives with
-# the others' backward. Every root forward over several ranks starts with an agreement through the
-# rendezvous store (``rendezvous.meet``: no collective to mis-pair) on what each rank is about to
-# do; a training forward also ends with one on the units it ran.
-

@@ -1,1 +1,1 @@
-"""Whole-value features over the units' parameters: deferred init, materialization, full values."""
+"""Whole-value features: deferred init, full values."""

@@ -1,38 +1,14 @@
 """``full_params``: every managed parameter whole, in its original shape,
 inside a ``with`` block (FSDP1's ``summon_full_params``).
 
-For code that reads or writes whole parameters between iterations::
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cuda")
-    with torch.no_grad(), fsdp_compose.params.full_params(model):
-        model.init_weights()            # nn.init.trunc_normal_(p), p.copy_(full_value), ...
-
-also EMA copies (``ema[n].lerp_(p, 0.01)`` on whole values), weight surgery
-(``model.head.weight[:k].copy_(...)``), and generation or evaluation under
-``torch.no_grad()`` (forward reads the whole parameters as they are: no
-all-gather, no mixed-precision casts, each rank may run different inputs).
-
 [Note: full_params]
-Entering all-gathers every flat buffer of the held units in the parameters'
-own dtype (not the compute dtype: fp32 stays fp32) and points each original
-``nn.Parameter``'s ``.data`` at its whole view, so identity, names and
-``requires_grad`` are kept and whatever the block writes (through the
-parameter or its ``.data``) lands in that whole copy. Leaving with
-``writeback=True`` first checks, with one tiny all-gather per unit, that
-every rank holds the same whole values (a rank that wrote something else
-would otherwise silently keep its slice of different values); then each
-rank copies its own slice into its shard. ``writeback=False`` or an
-exception leaving the block restores the shards as they were, without any
-collective (a rank raising alone must not leave the others waiting).
-All held units are whole at once, so the whole model must fit on one rank
-(at most twice over with ``offload_to_cpu`` while a buffer is moved); for
-larger models initialise with :func:`fsdp_compose.materialize`, which holds
-one unit at a time. Gradients (``.grad``) stay the sharded views they were.
+Entering all-gathers the held units' buffers in the parameters' own dtype
+and points each ``.data`` at its whole view (identity and names kept).
+Leaving with ``writeback=True`` first checks, with one tiny all-gather per
+unit, that every rank holds the same values, then each rank copies its
+slice into its shard. ``writeback=False`` or an exception restores the
+shards without any collective (a rank raising alone must not leave the
+others waiting). The whole model must fit on one rank.
 """
 
 from __future__ import annotations
@@ -56,49 +32,34 @@ __all__ = ["full_params"]
 
 
 class _Held(NamedTuple):
-    """One unit held whole: its whole values per buffer (``None`` where this
-    rank does not hold them: ``rank0_only`` on other ranks)."""
+    """One unit held whole (values ``None`` on ranks ``rank0_only`` leaves out)."""
 
     unit: Unit
     full: list[Optional[torch.Tensor]]
     assembled: list[Assembled]
-    """Per buffer, the copies :func:`point_params_at` handed out."""
 
 
 @contextlib.contextmanager
 def full_params(module: nn.Module, *, writeback: bool = True, recurse: bool = True,
                 rank0_only: bool = False, offload_to_cpu: bool = False) -> Iterator[None]:
     """Inside the block, every parameter managed by the units of ``module``
-    has its whole shape and values (see [Note: full_params]).
+    has its whole shape and values ([Note: full_params]). Collective: enter
+    and leave on every rank. Options are keyword-only.
 
     Args:
-        module: an annotated module, or any module with annotated modules
-            below it.
-        writeback: keep what the block wrote: on exit each rank keeps its
-            own slice of the whole values. Every rank must hold the same
-            whole values then (write the same thing on every rank); if not,
-            every rank raises ``RuntimeError`` naming the parameter and the
-            ranks, and nothing is written back. ``False``: the shards are
-            restored as they were.
-        recurse: hold every unit in ``module``'s subtree; ``False``: only
-            ``module``'s own unit (``module`` must be annotated).
-        rank0_only: only global rank 0 gets whole parameters (the others
-            take part in the all-gathers and keep their shards); needs
-            ``writeback=False``. A forward inside the block raises on the
-            other ranks.
-        offload_to_cpu: hold the whole values on the CPU (each buffer is
-            moved right after its all-gather).
-
-    All options are keyword-only (FSDP1's ``summon_full_params`` takes
-    ``recurse`` second). Collective: enter and leave on every rank.
+        module: an annotated module, or one with annotated modules below.
+        writeback: on exit each rank keeps its slice of the whole values,
+            which must be equal on every rank. ``False``: shards restored.
+        recurse: every unit in the subtree; ``False``: ``module``'s own only.
+        rank0_only: only global rank 0 gets whole parameters (needs
+            ``writeback=False``; a forward on other ranks raises).
+        offload_to_cpu: hold the whole values on the CPU.
 
     Raises:
-        ValueError: ``rank0_only`` with ``writeback``; ``recurse=False`` on
-            a module that is not annotated.
-        RuntimeError: a unit is in a forward or backward, already held by
-            an enclosing ``full_params``, or still on the meta device; a
-            forward inside the block with gradients enabled (its backward
-            would produce whole-shape gradients); ranks that wrote
+        ValueError: ``rank0_only`` with ``writeback``; ``recurse=False`` on an
+            unannotated module.
+        RuntimeError: a unit in a forward or backward, already held, or on
+            meta; a forward with gradients inside the block; ranks that wrote
             different values (``writeback``).
     """
     if rank0_only and writeback:
@@ -123,14 +84,13 @@ def full_params(module: nn.Module, *, writeback: bool = True, recurse: bool = Tr
         raise
     if writeback:
         try:
-            _check_same_values(held)  # before anything is written back: all or nothing
+            _check_same_values(held)  # all or nothing
         except BaseException:
             _release(held, hooks, writeback=False)
             raise
     _release(held, hooks, writeback=writeback)
 
 
-# ----------------------------------------------------------------- helpers
 def _units(module: nn.Module, recurse: bool) -> list[Unit]:
     if recurse:
         return units_below(module)
@@ -148,7 +108,7 @@ def _first_fqn(unit: Unit) -> str:
 
 
 def _check_can_hold(units: list[Unit]) -> None:
-    """Raise (on every rank: the states are the same everywhere) before any collective."""
+    """Raise on every rank before any collective."""
     for unit in units:
         state = state_of(unit.modules[0])
         if state is not None and state.held_whole:
@@ -163,8 +123,7 @@ def _check_can_hold(units: list[Unit]) -> None:
                 "between iterations (after backward and the optimizer step), not inside a "
                 "forward or backward.")
         if unit.is_unsharded and unit.backward_possible:
-            # e.g. the root after a forward: autograd saved views of its unsharded
-            # storage, which holding it whole would free (reshard) under the backward
+            # e.g. the root after a forward: autograd saved views of its unsharded storage
             raise RuntimeError(
                 f"full_params: {unit.name} (parameter '{_first_fqn(unit)}') is unsharded after "
                 "a forward that recorded a graph, whose backward may still read it. Run the "
@@ -180,13 +139,11 @@ def _check_can_hold(units: list[Unit]) -> None:
 
 
 def _hold(unit: Unit, holds_values: bool, offload_to_cpu: bool) -> _Held:
-    """All-gather the unit's buffers and point its parameters at the whole
-    values (where this rank holds them)."""
     unit.reshard()  # e.g. kept unsharded by set_reshard_after_backward(False)
     fulls: list[Optional[torch.Tensor]] = []
     assembled: list[Assembled] = []
     for buffer in unit.buffers:
-        buffer.drop_post_forward_copy()  # its values may be rewritten: never reuse it
+        buffer.drop_post_forward_copy()  # its values may be rewritten
         full = gather_values(buffer)
         if offload_to_cpu:
             full = full.cpu()
@@ -203,8 +160,8 @@ def _hold(unit: Unit, holds_values: bool, offload_to_cpu: bool) -> _Held:
 
 
 def _forward_guards(unit: Unit, holds_values: bool) -> list[RemovableHandle]:
-    """Forward pre-hooks (removed on exit) that refuse a forward the held
-    unit cannot run: one recording a graph, or one on a rank without values."""
+    """Forward pre-hooks refusing a forward that records a graph or runs
+    on a rank without values."""
     params = [r.param for b in unit.buffers for r in b.records]
 
     def guard(module: nn.Module, args: tuple) -> None:
@@ -224,14 +181,14 @@ def _forward_guards(unit: Unit, holds_values: bool) -> list[RemovableHandle]:
 
 
 def _release(held: list[_Held], hooks: list[RemovableHandle], writeback: bool) -> None:
-    """Each rank keeps its own slice of the whole values (``writeback``) or
-    its shard as it was; parameters are their local shard views again."""
+    """Each rank keeps its slice of the whole values (``writeback``) or its
+    shard as it was."""
     for hook in hooks:
         hook.remove()
     for unit, fulls, assembled in held:
         for buffer, full, copies in zip(unit.buffers, fulls, assembled):
             if full is None:
-                continue  # rank0_only, another rank: the parameters never left their shard
+                continue  # rank0_only: never left their shard
             if writeback:
                 keep_own_slice(buffer, full, copies)
             else:
@@ -242,8 +199,6 @@ def _release(held: list[_Held], hooks: list[RemovableHandle], writeback: bool) -
 
 
 def _fingerprint(full: list[Optional[torch.Tensor]]) -> int:
-    """Of sums over all elements and every other one, in the values' own
-    dtype: identical values give identical sums."""
     return fingerprint_of(repr([(float(t.sum()), float(t[::2].sum()))
                                 for t in full if t is not None]))
 

@@ -1,34 +1,17 @@
 """Models larger than one rank: deferred (meta-device) initialisation and
-making ranks agree on initial values.
-
-Recipe (every rank)::
-
-    with torch.device("meta"):
-        model = Transformer(cfg)            # shapes only, no memory
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)                      # shards stay on the meta device
-    torch.manual_seed(0)                    # the same seed on every rank
-    materialize(model)                      # allocate shards, initialise unit by unit
+making ranks agree on initial values (annotate on ``meta``, seed every
+rank alike, then :func:`materialize`).
 
 [Note: initialising as if eagerly]
-``materialize`` visits modules in ``model.modules()`` order (pre-order, which
-is construction order for the usual ``__init__`` that creates children in
-the order it registers them) and calls each one's ``reset_parameters()``
-(or ``init_fn(module)``) with that module's own parameters whole: the unit
-that holds them is all-gathered into a buffer of the parameters' dtype and
-every parameter's ``.data`` points into it, so initialisers that look at
-the full shape (``kaiming_uniform_`` fan-in) are right. Every rank runs the
-same initialisers in the same order from the same random state, so every
-rank computes the same full values and keeps its slice: with the same seed,
-the result equals the eagerly built model's values exactly (on the same
-device type: CUDA and CPU generators differ). A unit is closed (each rank
-keeps its slice, the buffer is freed) when the walk moves on to another
-unit and re-gathered if the walk comes back (the root unit holds the
-embedding at the start and the head at the end), so at most one unit is
-whole at a time. When a unit is closed, one small all-gather compares a
-checksum of its values across ranks: ranks seeded differently raise on
-every rank instead of silently mixing slices of different initialisations.
+``materialize`` calls each module's ``reset_parameters()`` (or
+``init_fn``) in ``model.modules()`` order with the module's own
+parameters whole (its unit all-gathered in the parameters' dtype), so
+fan-in initialisers see the full shape. Every rank runs the same
+initialisers from the same random state and keeps its slice: with the same
+seed the values equal the eager model's exactly (same device type). A unit
+is closed when the walk moves to another (re-gathered if it comes back),
+so at most one is whole; closing compares a checksum across ranks
+(differently seeded ranks raise).
 """
 
 from __future__ import annotations
@@ -58,24 +41,20 @@ InitFn = Callable[[nn.Module], None]
 def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
                 init_fn: Optional[InitFn] = None) -> nn.Module:
     """Allocate what ``module`` holds on the meta device and initialise it
-    unit by unit (see [Note: initialising as if eagerly]).
+    unit by unit ([Note: initialising as if eagerly]). Collective: call on
+    every rank with the same seed.
 
     Args:
-        module: a model whose units were annotated by ``fully_shard`` while
-            its parameters were on the meta device (unannotated parts are
-            materialised whole).
+        module: a model annotated while on the meta device (unannotated parts
+            are materialised whole).
         device: where unannotated parameters and buffers go (default: the
             units' compute device; CPU without units). Shards go where
-            ``fully_shard`` keeps them (its mesh's device, or the CPU with a
-            ``CPUOffloadPolicy``).
-        init_fn: called as ``init_fn(m)`` for every module ``m`` in
-            ``module.modules()`` order with ``m``'s own parameters whole
-            (e.g. a Hugging Face model's ``model._init_weights``). Default:
-            ``m.reset_parameters()`` where ``m`` has one.
+            ``fully_shard`` keeps them.
+        init_fn: called as ``init_fn(m)`` for every module in order with its
+            own parameters whole. Default: ``m.reset_parameters()``.
 
     Returns:
-        ``module``. Parameters keep their identity (an optimizer may be built
-        before or after). Collective: call on every rank, with the same seed.
+        ``module``; parameters keep their identity.
     """
     units = units_below(module)
     arrive(units[0].group.process_group if units else None, "fsdp_compose.materialize",
@@ -92,7 +71,7 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
                 uninitialised.append(f"'{name}' ({type(sub).__name__})")
             continue
         if any(p is not None for p in sub._parameters.values()):
-            walk.enter(walk.unit_holding(sub))  # else: keep the open unit (no switch for buffers)
+            walk.enter(walk.unit_holding(sub))  # else keep the open unit
         with torch.no_grad():
             init()
     walk.enter(None)
@@ -106,18 +85,12 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
 
 def sync_module_states(module: nn.Module, src: int = 0,
                        group: Optional[dist.ProcessGroup] = None) -> nn.Module:
-    """Give every rank ``src``'s parameters and buffers (FSDP1's
-    ``sync_module_states``): one broadcast per tensor, in place (parameters
-    keep their identity). Call it *before* ``fully_shard``, when ``src``
-    still holds whole parameters; ranks other than ``src`` may hold meta
-    tensors, which are allocated on ``src``'s device. Collective.
-
-    After ``fully_shard`` no rank holds whole parameters any more: load
-    values with ``fsdp_compose.checkpoint.scatter_full_state_dict`` (each
-    rank receives only its shards) or torch's ``set_model_state_dict``.
+    """Give every rank ``src``'s parameters and buffers in place (FSDP1's
+    ``sync_module_states``). Call it before ``fully_shard``; other ranks may
+    hold meta tensors. Collective.
     """
     managed = [name for name, p in module.named_parameters() if owner_of(p) is not None]
-    if managed:  # the same on every rank: raised everywhere
+    if managed:  # raised on every rank
         raise ValueError(
             f"sync_module_states got a module whose parameters are already sharded by "
             f"fully_shard (e.g. '{managed[0]}'), so no rank holds their whole values. Call "
@@ -139,7 +112,6 @@ def sync_module_states(module: nn.Module, src: int = 0,
     return module
 
 
-# ----------------------------------------------------------------- helpers
 class _InitWalk:
     """Keeps at most one unit whole while modules are initialised in order."""
 
@@ -147,21 +119,20 @@ class _InitWalk:
         self.unit: Optional[Unit] = None
         self.full: list[torch.Tensor] = []
         self.assembled: list[Assembled] = []
-        """Per buffer of the open unit, the copies :func:`point_params_at` handed out."""
         self.shown: list[tuple[nn.Module, str, nn.Parameter]] = []
-        """Slots showing a tensor-parallel parameter as a ``DTensor`` while
-        its unit is whole: (module, name, the parameter to put back)."""
+        """Slots showing a tensor-parallel parameter as a ``DTensor`` while its
+        unit is whole: (module, name, parameter to put back)."""
 
     def unit_holding(self, module: nn.Module) -> Optional[Unit]:
-        """The unit that manages ``module``'s own parameters: the open one if
-        its slots show a ``DTensor`` of it now, else by owner."""
+        """The unit managing ``module``'s own parameters (the open one if it
+        shows a ``DTensor`` of it)."""
         if any(m is module for m, _, _ in self.shown):
             return self.unit
         return _unit_holding(module)
 
     def enter(self, unit: Optional[Unit]) -> None:
         if unit is self.unit:
-            return  # still inside the unit that is whole
+            return
         if self.unit is not None:
             self._close()
         self.unit = unit
@@ -187,20 +158,16 @@ class _InitWalk:
 
 
 def _checksum(values: torch.Tensor) -> tuple[float, float]:
-    """Sums over all elements and every other one, in the values' own dtype:
-    reductions that make no unit-sized copy (a cast to a wider dtype would).
-    Identical values give identical sums; differently seeded ones do not."""
+    """Sums over all elements and every other one, in the values' dtype (no
+    unit-sized copy); differently seeded values differ."""
     values = values.detach()
     return float(values.sum()), float(values[::2].sum())
 
 
 def _show_tensor_parallel(buffer: FlatBuffer) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Initialisers see a tensor- or expert-parallel parameter as the
-    ``DTensor`` it was, over its TP-local whole values (as forward does), so
-    they compute fan-in from the global shape and DTensor's random ops
-    decide how each piece is drawn (torch's RNG tracker on CUDA draws the
-    pieces of one global stream; on the CPU each piece draws from the local
-    generator, so tp ranks draw alike). Returns what to put back."""
+    """Show tensor- or expert-parallel parameters to initialisers as the
+    ``DTensor`` they were (fan-in from the global shape, DTensor's random
+    ops). Returns what to put back."""
     shown = []
     for record in buffer.records:
         if record.tp is None:
@@ -237,7 +204,6 @@ def _initialiser(module: nn.Module, init_fn: Optional[InitFn]) -> Optional[Calla
 
 
 def _unit_holding(module: nn.Module) -> Optional[Unit]:
-    """The unit that manages ``module``'s own parameters (``None``: none do)."""
     for param in module._parameters.values():
         if param is not None:
             owner = owner_of(param)
@@ -248,10 +214,9 @@ def _unit_holding(module: nn.Module) -> Optional[Unit]:
 
 def _allocate(module: nn.Module, table: dict, name: str, tensor: torch.Tensor,
               device: torch.device) -> torch.Tensor:
-    """Replace a meta parameter's data (identity kept) or a meta buffer by
-    uninitialised memory on ``device``."""
+    """A meta parameter's data (identity kept) or buffer, allocated on ``device``."""
     fresh = torch.empty_like(tensor, device=device)
-    if isinstance(tensor, nn.Parameter):  # a meta tensor cannot take `.data = ...`
+    if isinstance(tensor, nn.Parameter):  # no `.data =` on meta
         torch.utils.swap_tensors(tensor, nn.Parameter(fresh, requires_grad=tensor.requires_grad))
         return tensor
     table[name] = fresh

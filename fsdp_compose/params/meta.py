@@ -1,6 +1,5 @@
-"""Allocating a meta-device model: annotated units get their shards only,
-everything else its whole tensors, all uninitialised (``materialize`` and
-the full-state-dict load start here)."""
+"""Allocating a meta-device model: units get their shards only, the rest
+whole tensors, uninitialised."""
 
 from __future__ import annotations
 
@@ -14,17 +13,15 @@ from ..runtime.tensors import swapping_params_on_conversion
 
 
 def allocate_meta(module: nn.Module, device: Optional[torch.device] = None) -> None:
-    """``module.to_empty(device=...)`` if it holds meta tensors: annotated
-    units allocate only their shards (where ``fully_shard`` keeps them),
-    the rest goes to ``device`` (default: the units' compute device; CPU
-    without units). Values are uninitialised."""
+    """``module.to_empty(device=...)`` if it holds meta tensors: units allocate
+    only their shards, the rest goes to ``device`` (default: the units'
+    compute device; CPU without units)."""
     if not any(t.is_meta for t in module.parameters()) and \
             not any(t.is_meta for t in module.buffers()):
         return
     if device is None:
         units = units_below(module)
         device = units[0].group.device if units else torch.device("cpu")
-    # A meta Parameter cannot take `.data = <real tensor>`: without swapping,
-    # torch would register new Parameter objects for unannotated parameters.
+    # swapping keeps unannotated Parameters' identity (no `.data =` on meta)
     with swapping_params_on_conversion():
         module.to_empty(device=device)

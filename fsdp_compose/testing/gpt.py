@@ -1,8 +1,5 @@
-"""A small GPT-style decoder and synthetic next-token data.
-
-Used by the tests (parity against a single process), the examples and the
-benchmarks, so that all three train the same model on the same data.
-"""
+"""A small GPT-style decoder and synthetic next-token data, shared by the
+tests, examples and benchmarks."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Model size. The defaults are tiny and deliberately uneven (97-token
-    vocabulary, width 24) so that flat buffers need padding."""
+    """Model size; tiny and uneven (97-token vocabulary) so buffers pad."""
 
     vocab_size: int = 97
     seq_len: int = 16
@@ -32,8 +28,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        # No qkv bias: the key bias has an exactly-zero gradient, which Adam turns
-        # into updates of pure rounding noise.
+        # no qkv bias: the key bias's gradient is exactly zero (Adam amplifies noise)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -60,8 +55,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, ``n_layers`` pre-norm blocks, a final
-    norm and an output head (tied to the token embedding if asked)."""
+    """Embeddings, ``n_layers`` pre-norm blocks, final norm and head (tied if asked)."""
 
     def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
         super().__init__()
@@ -88,9 +82,8 @@ class GPT(nn.Module):
 
 def synthetic_tokens(step: int, batch: int, seq_len: int, vocab_size: int,
                      seed: int = 0, noise: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
-    """A deterministic global batch of next-token data: each row repeats a
-    period-5 pattern from a random start, with ``noise`` of the tokens
-    replaced at random. Returns ``(inputs, targets)``, each ``batch x seq_len``."""
+    """A deterministic global batch ``(inputs, targets)`` of period-5 token
+    patterns with ``noise`` of the tokens random."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     pattern = torch.randint(vocab_size, (5,), generator=torch.Generator().manual_seed(seed))
     start = torch.randint(5, (batch, 1), generator=g)
@@ -103,10 +96,8 @@ def synthetic_tokens(step: int, batch: int, seq_len: int, vocab_size: int,
 
 def train_losses(model: GPT, optimizer: torch.optim.Optimizer,
                  batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    """Train ``model`` one step per ``(inputs, targets)`` of ``batches``
-    (loss, backward, ``optimizer.step()``, ``zero_grad(set_to_none=True)``)
-    and return each step's loss: the plain loop that a sharded run's losses
-    are compared with."""
+    """Train one step per batch and return each step's loss (the plain loop
+    sharded runs are compared with)."""
     losses = []
     for inputs, targets in batches:
         loss = model.loss(inputs, targets)

@@ -11,15 +11,10 @@ import torch.distributed as dist
 
 def init_from_torchrun(timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> torch.device:
     """Initialise the default process group from torchrun's environment and
-    return the device this rank computes on: NCCL and this rank's GPU when
-    CUDA is available, else gloo on the CPU with the cores split between the
-    local ranks. ``timeout`` bounds every collective, so a rank that dies does
-    not leave the others waiting forever."""
+    return this rank's device (NCCL and its GPU with CUDA, else gloo on CPU).
+    ``timeout`` bounds every collective."""
     use_cuda = torch.cuda.is_available()
-    # torchrun keeps one store for the whole job across restarts
-    # (--max-restarts); keys of a failed attempt would be read by the next
-    # one (a restarted rank then dials its dead peer's address), so every
-    # attempt gets its own key prefix.
+    # one store serves every restart (--max-restarts): a key prefix per attempt
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"fsdp_compose/attempt_{attempt}", store)

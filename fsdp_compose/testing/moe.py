@@ -1,17 +1,8 @@
-"""A small mixture-of-experts language model (the expert-parallel tests,
-and the recipe in docs/parallelism.md, "Mixture of experts").
-
-Each block is a dense residual layer followed by a routed MoE layer (router,
-top-k, experts as one 3-D parameter per weight: ``w1[e]`` is expert ``e``'s
-``(D, HIDDEN)`` matrix). Without expert parallelism every rank runs every
-expert on its own tokens (the one-process reference). With it
-(:func:`enable_expert_parallel`), each rank of an ``ep`` group holds
-``N_EXPERTS / ep`` consecutive experts as ``DTensor`` parameters sharded on
-dim 0 over the ``ep`` mesh, and tokens travel to the rank of their expert
-and back with ``all_to_all_single`` (differentiable, :class:`_AllToAll`),
-as torchtitan's expert-parallel MoE does.
-
-Shapes are uneven (width 6, hidden 10, vocabulary 29) so flat buffers pad.
+"""A small mixture-of-experts language model (expert-parallel tests and
+docs/parallelism.md). Each block: a dense layer, then routed experts as 3-D
+parameters; with :func:`enable_expert_parallel` each ``ep`` rank holds
+``N_EXPERTS / ep`` experts as ``DTensor`` shards and tokens travel by
+``all_to_all_single``, as torchtitan does. Uneven shapes, so buffers pad.
 """
 
 from __future__ import annotations
@@ -28,13 +19,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 VOCAB, D, HIDDEN, SEQ = 29, 6, 10, 5
 N_EXPERTS, TOP_K = 4, 2
 N_BLOCKS = 2
-PER_RANK = 3  # sequences per rank and step
+PER_RANK = 3
 SEED = 4321
 
 
 class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` whose backward sends the gradients back
-    the way the values came."""
+    """``all_to_all_single`` whose backward sends gradients back."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],
@@ -57,8 +47,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """``N_EXPERTS`` two-layer MLPs stored as ``w1 (E, D, HIDDEN)`` and
-    ``w2 (E, HIDDEN, D)``; ``forward`` takes tokens grouped by (local) expert."""
+    """``N_EXPERTS`` MLPs as ``w1 (E, D, HIDDEN)``, ``w2 (E, HIDDEN, D)``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,10 +93,10 @@ class MoE(nn.Module):
         send = counts.view(ep, local_n).sum(dim=1).tolist()
         receive = by_source.sum(dim=1).tolist()
         received = _AllToAll.apply(routed, receive, send, self.ep_group)
-        pieces = torch.split(received, by_source.reshape(-1).tolist())  # source-major
+        pieces = torch.split(received, by_source.reshape(-1).tolist())
         by_expert = torch.cat([pieces[s * local_n + e] for e in range(local_n) for s in range(ep)])
         done = self.experts(by_expert, by_source.sum(dim=0).tolist())
-        done_pieces = torch.split(done, by_source.t().reshape(-1).tolist())  # expert-major
+        done_pieces = torch.split(done, by_source.t().reshape(-1).tolist())
         back = torch.cat([done_pieces[e * ep + s] for s in range(ep) for e in range(local_n)])
         return _AllToAll.apply(back, send, receive, self.ep_group)
 
@@ -146,9 +135,8 @@ def build_moe() -> TinyMoELM:
 
 
 def enable_expert_parallel(model: TinyMoELM, ep_mesh: DeviceMesh) -> None:
-    """Each rank keeps its ``ep`` rank's experts: ``w1``/``w2`` become
-    ``DTensor`` parameters ``Shard(0)`` over ``ep_mesh`` (every rank built
-    the same global values from the seed, so each slices its own)."""
+    """``w1``/``w2`` become ``DTensor`` parameters ``Shard(0)`` over
+    ``ep_mesh`` (every rank built the same global values)."""
     for block in model.blocks:
         experts = block.moe.experts
         for name in ("w1", "w2"):

@@ -14,8 +14,7 @@ def format_bytes(n: int) -> str:
 
 
 def module_paths(model: nn.Module) -> dict[int, list[str]]:
-    """Every path (relative to ``model``) of every module, by id (a module
-    registered twice has two)."""
+    """Every path of every module, by id."""
     paths: dict[int, list[str]] = {}
     for name, sub in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(sub), []).append(name)

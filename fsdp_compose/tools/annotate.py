@@ -1,29 +1,14 @@
 """``fully_shard_by(model, match)``: annotate every matching module bottom-up,
-then the model itself.
-
-Usage::
-
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    fully_shard_by(model, LlamaDecoderLayer)              # = each layer, then the model
-    fully_shard_by(model, (Block, nn.Embedding), mp_policy=bf16)
-    fully_shard_by(model, lambda fqn, m: fqn.startswith("encoder.layers."))
-
-It walks the model once, so it finds matches wherever they sit (inside a
-``PeftModel``'s ``base_model.model...``, inside checkpoint wrappers) and
-annotates them children before parents, as ``fully_shard`` requires.
+then the model itself; matches are found wherever they sit (inside a
+``PeftModel``, inside checkpoint wrappers).
 
 [Note: shared parameters in fully_shard_by]
-A parameter registered both inside a matched module and outside it (tied
-input embedding and output head) lives in one buffer that is unsharded
-wherever it is used. ``fully_shard`` accepts the module alone (the other
-use borrows it, [Note: tied parameters across units] in
-``runtime/tied.py``), but its buffer is then freed between the two uses and
-gathered again; ``fully_shard_by`` instead skips such a module with a
-``UserWarning`` naming both FQNs, so its parameters go to the nearest
-annotated ancestor (at the latest the model itself, which sees every use
-and gathers them once).
-``warnings.simplefilter("error")`` turns the skip into an error. Every rank
-takes the same decision: it depends only on the module structure.
+A parameter registered inside a matched module and outside it (tied
+embedding and head) would be freed and gathered again between its uses
+([Note: tied parameters across units] in ``runtime/tied.py``), so
+``fully_shard_by`` skips such a module with a ``UserWarning`` naming both
+FQNs: its parameters go to the nearest annotated ancestor, which gathers
+them once. The decision depends only on module structure: alike on every rank.
 """
 
 from __future__ import annotations
@@ -44,23 +29,18 @@ Match = Union[type, tuple[type, ...], Callable[[str, nn.Module], bool]]
 
 def fully_shard_by(model: nn.Module, match: Match, **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard`` every module of ``model`` that ``match`` selects,
-    children before their parents, then ``model`` itself (the root), whether
-    or not it matched.
+    children before parents, then ``model`` itself.
 
     Args:
         model: the whole model.
-        match: a module class, a tuple of classes (``isinstance``), or a
-            predicate ``(fqn, module) -> bool`` (``fqn`` relative to
-            ``model``).
-        **fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``,
-            ``mp_policy``, ``reshard_after_forward``, ``ignored_params``...).
+        match: a module class, a tuple of classes, or a predicate
+            ``(fqn, module) -> bool`` (``fqn`` relative to ``model``).
+        **fully_shard_kwargs: passed to every ``fully_shard`` call.
 
     Returns:
-        ``model``, annotated in place.
-
-    Modules annotated already are left as they are. A matched module that
-    shares a parameter with a module outside it is skipped with a
-    ``UserWarning`` (see [Note: shared parameters in fully_shard_by]).
+        ``model``, annotated in place. Modules annotated already are left
+        alone; one sharing a parameter outside it is skipped with a
+        ``UserWarning`` ([Note: shared parameters in fully_shard_by]).
 
     Raises:
         TypeError: ``match`` is not a class, a tuple of classes or a callable.
@@ -93,7 +73,6 @@ def fully_shard_by(model: nn.Module, match: Match, **fully_shard_kwargs: Any) ->
 
 
 def _selector(match: Match) -> Callable[[str, nn.Module], bool]:
-    """``match`` as a predicate, or a TypeError saying what is accepted."""
     if isinstance(match, type):
         return lambda _fqn, module: isinstance(module, match)
     if isinstance(match, tuple) and match and all(isinstance(c, type) for c in match):
@@ -114,8 +93,7 @@ def _selector(match: Match) -> Callable[[str, nn.Module], bool]:
 
 
 def _bottom_up(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every module once with its first FQN, children before their parent
-    (post-order: siblings keep module order)."""
+    """Every module once with its first FQN, in post-order."""
     order: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
 
@@ -131,7 +109,6 @@ def _bottom_up(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _param_paths(model: nn.Module) -> dict[int, list[str]]:
-    """Every FQN under which each parameter is registered (tied ones have several)."""
     paths: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         paths.setdefault(id(param), []).append(name)
@@ -140,13 +117,13 @@ def _param_paths(model: nn.Module) -> dict[int, list[str]]:
 
 def _shared_outside(module: nn.Module, prefixes: list[str], param_paths: dict[int, list[str]],
                     ignored: set[int]) -> tuple[str, str] | None:
-    """A parameter ``fully_shard(module)`` would take that is also registered
-    outside every occurrence of ``module``: ``(name inside, name outside)``."""
+    """``(name inside, name outside)`` of a parameter ``fully_shard(module)``
+    would take that is registered outside ``module`` too."""
 
     def inside(name: str) -> bool:
         return any(not p or name.startswith(p + ".") for p in prefixes)
 
-    for sub in managed_modules([module], taken):  # exactly the modules fully_shard takes from
+    for sub in managed_modules([module], taken):
         for param in sub._parameters.values():
             if param is None or id(param) in ignored or owner_of(param) is not None:
                 continue

@@ -1,22 +1,9 @@
-"""``describe(model)``: what ``fully_shard`` did to a model, as one report.
-
-Usage, on any rank, before or after the first forward (no collectives)::
-
-    import fsdp_compose
-    report = fsdp_compose.describe(model)
-    print(report)                        # a table per unit, then totals
-    json.dumps(report.to_dict())         # the same, as plain JSON types
-
-The report lists every unit (the modules of one ``fully_shard`` call), its
-resolved policies, and per flat buffer the original parameters it holds:
-where each one starts in the unsharded buffer, which ranks own part of it
-and which elements this rank owns. This is the parameter assignment that
-FSDP's users must otherwise reconstruct from the layout rules (see
-``buffers/layout.py``). Every FQN is relative to the ``model`` passed in.
-
-Before the first forward no root has been chosen yet: the report predicts
-it (the outermost annotated unit, as the first forward will decide), the
-execution order is empty and so is the order-based prefetch plan.
+"""``describe(model)``: what ``fully_shard`` did to a model, as one report
+(``print(report)``, or ``report.to_dict()`` as plain JSON types). Local, on
+any rank, before or after the first forward: every unit, its policies, and
+per flat buffer which ranks own which elements of each parameter. FQNs are
+relative to ``model``. Before the first forward the root is predicted (the
+outermost annotated unit) and the execution order is empty.
 """
 
 from __future__ import annotations
@@ -44,27 +31,21 @@ from ..runtime.unit import Unit
 from ._format import format_bytes, module_paths
 
 
-# ------------------------------------------------------------------ report
 @dataclass(frozen=True)
 class ParamReport:
     """One original parameter inside a flat buffer.
 
     Attributes:
-        fqn: its name relative to the described model (the first name a
-            module registers it under).
-        aliases: its other names (a tied weight registered twice in the unit).
-        shape: original shape.
-        numel: original number of elements.
+        fqn: its name relative to the model (first registration).
+        aliases: its other names (a weight tied within the unit).
+        shape, numel: original shape and elements.
         requires_grad: as the parameter says now.
         flat_offset: where it starts in the unsharded flat buffer.
-        owner_ranks: the ranks that own at least one of its elements.
-        local_numel: elements this rank owns (``param.numel()`` between
-            iterations; as ``param_info(p).local_numel``).
-        local_offset: index of the first of them in the flattened original
-            (as ``param_info(p).local_offset``; meaningless when
-            ``local_numel == 0``).
-        placement: how it is cut (``"flat"``, ``"rows"``, ``"Blocks(n)"``,
-            ``"owned"``, ``"Shard(d)"``; see docs/placements.md).
+        owner_ranks: ranks owning at least one of its elements.
+        local_numel, local_offset: the elements this rank owns and the first's
+            index in the flattened original (``param_info(p)``'s).
+        placement: ``"flat"``, ``"rows"``, ``"Blocks(n)"``, ``"owned"`` or
+            ``"Shard(d)"`` (docs/placements.md).
     """
 
     fqn: str
@@ -84,36 +65,22 @@ class BufferReport:
     """One flat buffer of a unit.
 
     Attributes:
-        trainable: whether some parameter in it trains (frozen buffers get no
-            gradient memory and no reduce-scatter).
-        dtype: the parameters' (and sharded gradients') dtype.
-        compute_dtype: dtype of the unsharded buffer and the all-gather.
-        reduce_dtype: dtype of the reduce-scatter.
+        trainable: some parameter in it trains (else no gradient, no reduce-scatter).
+        dtype, compute_dtype, reduce_dtype: of the shard, of the all-gather and
+            unsharded buffer, of the reduce-scatter.
         storage_device: where the shard lives (the CPU when offloaded).
-        params: the original parameters, in flat-buffer order.
-        numel: sum of their numels (no padding).
-        padding: elements added so that every rank's chunk is equal and 16-byte
-            aligned (at the end under "flat"; also between parameters under
-            the other placements).
-        unsharded_numel: ``numel + padding``, the all-gathered buffer.
-        unsharded_bytes: its size in ``compute_dtype``.
-        shard_numel: elements per rank (``unsharded_numel / world_size``,
-            the same on every rank, padding included).
-        shard_bytes: per-rank shard size in ``dtype`` (a trainable buffer's
-            sharded gradient has the same size).
-        rank_numels: parameter elements (no padding) in each rank's chunk;
-            equal up to one element under "flat", uneven under the other
-            placements, which cut only at rows or whole parameters.
-        imbalance: ``max(rank_numels) / mean - 1`` (0: perfectly even): how
-            much more optimizer state and compute the most loaded rank has.
-        ranks: the global ranks it shards over (its unit's mesh, or the
-            mesh ``shard_placement_fn`` chose, :class:`OnMesh`).
-        own_buffer: the default placement put its one parameter alone in it
-            (on a CPU mesh, so that no rank holds much more of it than
-            FSDP2's ``Shard(0)``: ``default_placement.split_whole_pieces``).
-        kept_unsharded: its unsharded storage is kept between uses
-            (``set_keep_unsharded_storage``): ``unsharded_bytes`` held for
-            the whole run, sharded or not.
+        params: its parameters, in flat-buffer order.
+        numel, padding: their elements, and those added for equal 16-byte-aligned
+            chunks; ``unsharded_numel`` is the sum, ``unsharded_bytes`` its size
+            in ``compute_dtype``.
+        shard_numel, shard_bytes: per rank, padding included (the sharded
+            gradient has the same size).
+        rank_numels: parameter elements in each rank's chunk (uneven except
+            under "flat"); ``imbalance``: ``max / mean - 1``.
+        ranks: the global ranks it shards over.
+        own_buffer: the default placement put its one parameter alone in it.
+        kept_unsharded: ``set_keep_unsharded_storage`` keeps ``unsharded_bytes``
+            for the whole run.
     """
 
     trainable: bool
@@ -140,24 +107,17 @@ class UnitReport:
     """One unit (one ``fully_shard`` call).
 
     Attributes:
-        fqns: the annotated module(s) (``""``: the described model itself).
-        module_types: their class names.
-        label: how the report names the unit elsewhere (execution order,
-            prefetch plan): the FQNs joined, ``<root>`` for ``""``.
+        fqns, module_types: the annotated module(s) (``""``: the model itself).
+        label: its name elsewhere in the report (``<root>`` for ``""``).
         is_root: the root of its model (predicted before the first forward).
-        reshard_after_forward: resolved (``None`` given: not for the root).
-        mp_policy / offload_policy: as given to ``fully_shard``.
-        world_size / rank: the unit's mesh, and this process's rank in it.
-        buffers: its flat buffers (one per dtype and ``requires_grad``).
-        forward_prefetch: labels of the units whose all-gather the next
-            forward issues before this unit's (explicit, or by the recorded
-            order under the prefetch policy; empty before a forward).
-        backward_prefetch: the same when this unit's backward starts.
-        unsharded_bytes / shard_bytes: sums over the buffers.
-        tied: the parameters this unit shares with another unit (tied
-            weights), one line each: ``"'lm_head.weight' is
-            'model.embed_tokens.weight' of <owner unit>"``; the owner's
-            buffer holds it (its table lists the borrowing name as an alias).
+        reshard_after_forward, mp_policy, offload_policy: resolved policies.
+        world_size, rank: the unit's mesh and this process's rank in it.
+        buffers: its flat buffers.
+        forward_prefetch, backward_prefetch: labels of the units the next
+            forward (backward) all-gathers before this one's (empty before a forward).
+        unsharded_bytes, shard_bytes: sums over the buffers.
+        tied: the parameters it shares with another unit, one line each; the
+            owner's buffer holds them.
     """
 
     fqns: tuple[str, ...]
@@ -182,22 +142,15 @@ class Totals:
     """Sums over the whole report.
 
     Attributes:
-        parameters: elements of every parameter of the model (managed or not;
-            a tied weight counts once).
-        trainable: those of them that require grad.
-        unmanaged: elements of parameters no unit manages (``ignored_params``,
-            ``replicate``): replicated, whole on every rank.
-        sharded_bytes_per_rank: this rank's shards of every buffer.
-        gradient_bytes_per_rank: this rank's sharded gradients (trainable
-            buffers only).
+        parameters, trainable: elements of every parameter (a tied one once),
+            and of those requiring grad.
+        unmanaged: elements no unit manages (whole on every rank).
+        sharded_bytes_per_rank, gradient_bytes_per_rank: this rank's shards and
+            sharded gradients.
         padding: padding elements over all buffers.
-        largest_unit: label of the unit with the most unsharded bytes ("" if
-            there is no unit); roughly the peak parameter memory is the root
-            plus two such units during forward.
-        largest_unit_unsharded_bytes: its unsharded size.
-        kept_unsharded_bytes: unsharded bytes held for the whole run by
-            buffers that keep their unsharded storage
-            (``set_keep_unsharded_storage``), on top of the shards.
+        largest_unit, largest_unit_unsharded_bytes: the unit with the most
+            unsharded bytes ("" if none) and its size.
+        kept_unsharded_bytes: unsharded bytes kept for the whole run.
     """
 
     parameters: int
@@ -216,21 +169,16 @@ class ModelReport:
     """What ``fully_shard`` did to one model, as seen from one rank.
 
     Attributes:
-        model_type: class name of the described model.
-        rank: this process's global rank (0 without ``torch.distributed``).
-        initialized: whether the first forward (the root's lazy init) ran.
-        units: every unit in the model, in module order.
-        execution_order: unit labels in the order their forward started in
-            the last forward (empty before the first one).
+        model_type, rank: the model's class name, this process's global rank.
+        initialized: whether the root's lazy init ran.
+        units: every unit, in module order.
+        execution_order: unit labels in the last forward's order.
         prefetch_policy: the root's :class:`PrefetchPolicy` (``None``: no unit).
-        buckets: the units whose collectives the next iteration coalesces,
-            one tuple of unit labels per bucket (``set_bucket_cap_mb``;
-            empty before the first backward and with bucketing off).
-        buckets_gathered_alone_in_backward: the buckets (as in ``buckets``)
-            whose members are all-gathered one by one in backward: the
-            first bucket backward reaches, the last of each root's.
+        buckets: the next iteration's coalesced units, a tuple of labels per
+            bucket (empty before the first backward or without bucketing).
+        buckets_gathered_alone_in_backward: those all-gathered one by one in backward.
         unmanaged: FQNs of parameters no unit manages.
-        totals: sums, see :class:`Totals`.
+        totals: :class:`Totals`.
     """
 
     model_type: str
@@ -245,19 +193,17 @@ class ModelReport:
     buckets_gathered_alone_in_backward: tuple[tuple[str, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as plain JSON types (dtypes as strings like
-        ``"float32"``, tuples as lists)."""
+        """The report as plain JSON types (dtypes as strings, tuples as lists)."""
         return _jsonable(dataclasses.asdict(self))
 
     def __str__(self) -> str:
         return _render(self)
 
 
-# --------------------------------------------------------------- building
 def describe(model: nn.Module) -> ModelReport:
     """Report the units, flat buffers and parameter assignment of ``model``
-    (annotated by ``fully_shard`` in place). Local: no collectives, so any
-    rank may call it, alone, at any time between or after iterations."""
+    (annotated in place). No collectives: any rank, alone, at any time
+    outside an iteration."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"describe takes an nn.Module, got {type(model).__name__}")
     units = units_below(model)
@@ -304,8 +250,7 @@ def _initialized(unit: Unit) -> bool:
 
 def _roots(model: nn.Module, units: list[Unit], initialized: bool) -> set[int]:
     """ids of the units that are (or, before the first forward, will be)
-    roots: after lazy init, as recorded; before it, the outermost annotated
-    units (the first forward makes the outermost annotated module the root)."""
+    roots: the outermost annotated ones."""
     if initialized:
         return {id(u) for u in units if u.is_root}
     roots: set[int] = set()
@@ -321,8 +266,7 @@ def _roots(model: nn.Module, units: list[Unit], initialized: bool) -> set[int]:
 
 
 def _prefetch_orders(units: list[Unit], roots: set[int]) -> list[PrefetchOrder]:
-    """The roots' orders (every unit shares its root's after lazy init);
-    for a submodule whose root lies outside it, its units' orders."""
+    """The roots' orders, or a submodule's units' own."""
     found: dict[int, PrefetchOrder] = {}
     for unit in [u for u in units if id(u) in roots] or units:
         prefetch_order = _prefetch_order(unit)
@@ -331,8 +275,7 @@ def _prefetch_orders(units: list[Unit], roots: set[int]) -> list[PrefetchOrder]:
 
 
 def _queues(units: list[Unit], roots: set[int]) -> list[CollectiveQueue]:
-    """The roots' collective queues (none before the lazy init), as
-    :func:`_prefetch_orders` finds the orders."""
+    """The roots' collective queues (none before the lazy init)."""
     found: dict[int, CollectiveQueue] = {}
     for unit in [u for u in units if id(u) in roots] or units:
         if unit.collectives is not None:
@@ -341,18 +284,14 @@ def _queues(units: list[Unit], roots: set[int]) -> list[CollectiveQueue]:
 
 
 def _prefetch_order(unit: Unit) -> PrefetchOrder:
-    """The unit's prefetch order; before the root's lazy init, the one it will
-    get: the policy set on any module of its subtree (else the default),
-    nothing recorded yet."""
+    """The unit's prefetch order, or before the lazy init the one it will get."""
     if unit.prefetch_order is not None:
         return unit.prefetch_order
     return PrefetchOrder(pending_model_settings(states_below(unit.modules)))
 
 
 def _prefetch_plan(unit: Unit) -> tuple[list[Unit], list[Unit]]:
-    """What the next iteration prefetches around ``unit``: the prefetch order's
-    own choice with the recorded order (the in-flight limit may still hold
-    some back)."""
+    """What the next iteration prefetches around ``unit``."""
     prefetch_order = _prefetch_order(unit)
     order = prefetch_order.recorded_order()
     return prefetch_order.forward_targets(unit, order), prefetch_order.backward_targets(unit, order)
@@ -384,7 +323,6 @@ def _unit_report(unit: Unit, paths: dict[int, list[str]], labels: dict[int, str]
 
 
 def _tied_line(tie: TiedParameter, unit: Unit, labels: dict[int, str]) -> str:
-    """One tie as the unit sees it: borrowed (lives in the owner) or lent."""
     if tie.borrower is unit:
         owner = labels.get(id(tie.owner), tie.owner.name)
         return f"'{tie.fqn}' is '{tie.owner_fqn}' of unit {owner} (its buffer holds it)"
@@ -437,8 +375,7 @@ def _imbalance(loads: tuple[int, ...]) -> float:
 
 
 def _unmanaged(model: nn.Module, units: list[Unit]) -> list[tuple[str, nn.Parameter]]:
-    """Parameters of ``model`` that no unit manages, once each. While a unit
-    is unsharded its slots hold plain-tensor views, never ``nn.Parameter``s."""
+    """Parameters of ``model`` no unit manages, once each."""
     slots = {(id(m), attr) for u in units for b in u.buffers for r in b.records
              for m, attr in r.slots}
     found: dict[int, tuple[str, nn.Parameter]] = {}
@@ -485,9 +422,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-# ---------------------------------------------------------------- rendering
 def _render(report: ModelReport) -> str:
-    """The text report: a header, one table per unit, order and totals."""
     units, totals = report.units, report.totals
     n_buffers = sum(len(u.buffers) for u in units)
     world = ", ".join(sorted({f"{u.rank} of {u.world_size}" for u in units})) or "-"
@@ -595,9 +530,8 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 def _sized(nbytes: int, dtypes: list[torch.dtype]) -> str:
-    """Bytes with the dtype(s) they are counted in (unsharded and sharded
-    sizes differ in dtype under mixed precision: side by side they must not
-    read as one)."""
+    """Bytes with the dtype(s) they are counted in (mixed precision makes
+    unsharded and sharded dtypes differ)."""
     named = sorted({_dtype(d) for d in dtypes})
     return f"{format_bytes(nbytes)} {'/'.join(named)}" if named else format_bytes(nbytes)
 

@@ -2,24 +2,16 @@
 split where they are used.
 
 [Note: split root]
-The parameters left to the root (a GPT's embeddings before the blocks, its
-final norm and head after them) are one unit if ``fully_shard(model)`` takes
-them all: one all-gather before the first block that forward waits for, and
-one reduction when the last backward node (the embedding's) is done, which
-nothing overlaps. ``fully_shard_root`` first annotates, as units of their
-own, the run of the model's direct children before its first child that
-holds annotated units (the *prologue*) and the run after its last one (the
-*epilogue*), then the model. Both keep their parameters from forward to
-backward (``reshard_after_forward=False``, as the root would), so no
-collective is added beyond one all-gather and one reduction per run; in
-exchange the epilogue's all-gather is prefetched during the blocks instead
-of delaying the first one, and the epilogue's reduction starts right after
-its backward (the first of all) and overlaps the blocks' backward.
-
-Module order stands for use order: children are grouped by where they are
-registered. A parameter shared between the groups (tied embedding and head)
-must stay in one unit used in both places: then nothing is split (with a
-``UserWarning``), as ``fully_shard_by`` does for shared parameters.
+The root's leftover parameters (a GPT's embeddings before the blocks, its
+final norm and head after) as one unit are gathered before the first block,
+which waits for it, and reduced after the last backward node, overlapping
+nothing. ``fully_shard_root`` first annotates the run of direct children
+before the first child holding units (the prologue) and the run after the
+last (the epilogue) as units of their own, kept unsharded from forward to
+backward, then the model: the epilogue's all-gather is prefetched during
+the blocks and its reduction overlaps their backward. Module order stands
+for use order; a parameter shared between the runs (tied embedding and
+head) splits nothing (a ``UserWarning``).
 """
 
 from __future__ import annotations
@@ -36,14 +28,10 @@ from ..runtime.state import state_of
 
 
 def fully_shard_root(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
-    """``fully_shard(model)`` after annotating the prologue and the
-    epilogue of its leftover parameters as units of their own (see
-    [Note: split root]). Call it where ``fully_shard(model)`` would go:
-    after the blocks. ``fully_shard_kwargs`` go to every call
-    (``reshard_after_forward`` is ``False`` for the prologue and epilogue).
-
-    Returns ``model``, annotated in place; with no annotated child to split
-    around it is plain ``fully_shard(model, ...)``.
+    """``fully_shard(model)`` after annotating the prologue and epilogue of its
+    leftover parameters as units ([Note: split root]). Call it where
+    ``fully_shard(model)`` would go, after the blocks; ``fully_shard_kwargs``
+    go to every call. Returns ``model``, annotated in place.
     """
     children = list(model.children())
     holds_units = [i for i, child in enumerate(children)
@@ -68,12 +56,10 @@ def fully_shard_root(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
 
 
 def _untaken(children: list[nn.Module]) -> list[nn.Module]:
-    """Those of ``children`` holding parameters no unit owns yet."""
     return [c for c in children if state_of(c) is None and _params(c)]
 
 
 def _params(module: nn.Module) -> dict[int, str]:
-    """The parameters ``fully_shard(module)`` would take (id -> name)."""
     found = {}
     for sub in managed_modules([module], taken):
         for name, param in sub._parameters.items():
@@ -83,8 +69,7 @@ def _params(module: nn.Module) -> dict[int, str]:
 
 
 def _shared_between(parts: list[list[nn.Module]]) -> str | None:
-    """A parameter of two of ``parts`` (the last one: the model's own
-    parameters and its other children), by name; ``None`` if none."""
+    """A parameter of two of ``parts``, by name; ``None`` if none."""
     seen: dict[int, int] = {}
     for index, part in enumerate(parts):
         for module in part:

@@ -1,5 +1,5 @@
 """Every root forward starts with an agreement through the rendezvous store
-([Note: forward agreement] in ``fsdp_compose/comm/agreement.py``): an
+([Note: forward agreement] in ``fsdp_compose/checks/forward_agreement.py``): an
 evaluation forward on one rank only, at any step, ends in the library's
 message on every rank before anything is communicated, instead of gloo
 aborting the process that receives a collective of another size.

@@ -1,21 +1,9 @@
 """The model the trainer got, annotated as accelerate's FSDP2 plugin would
-shard it, from the keys its users already write in ``fsdp_config``.
-
-Read (the rest of ``fsdp_config`` is accelerate's and refused here, except
-``version`` and ``state_dict_type``, which have nothing to choose under
-fsdp_compose: the model is always saved as full tensors, the optimizer as
-a DCP directory):
-
-* ``transformer_layer_cls_to_wrap``: the layer classes (names) to annotate,
-  each module of them a unit; without it the model's ``_no_split_modules``
-  (what accelerate falls back to); then the root;
-* ``reshard_after_forward``: passed to every ``fully_shard`` call;
-* ``cpu_offload``: ``CPUOffloadPolicy()`` on every unit;
-* ``activation_checkpointing``: torch's composable ``checkpoint`` on each
-  layer (no FQN change; its hooks nest inside the unit's).
-
-The mixed-precision policy comes from the trainer's ``bf16`` / ``fp16``
-flags (``_precision.py``).
+shard it, from ``fsdp_config``'s keys: ``transformer_layer_cls_to_wrap``
+(else ``_no_split_modules``), ``reshard_after_forward``, ``cpu_offload``,
+``activation_checkpointing`` (torch's composable ``checkpoint`` per
+layer). Other keys are refused, except ``version`` and
+``state_dict_type``, which have nothing to choose here.
 """
 
 from __future__ import annotations
@@ -35,10 +23,8 @@ _DEFAULT_WRAP = "TRANSFORMER_BASED_WRAP"
 
 
 def fsdp_config(args: Any) -> dict[str, Any]:
-    """``args.fsdp_config`` as a dict with accelerate's spellings (a JSON
-    file read, ``fsdp_`` prefixes dropped, one layer name made a list);
-    raises ``ValueError`` naming a key that has a meaning fsdp_compose does
-    not give it."""
+    """``args.fsdp_config`` as a dict with accelerate's spellings; raises
+    ``ValueError`` naming a key fsdp_compose does not give its meaning."""
     raw = getattr(args, "fsdp_config", None) or {}
     if isinstance(raw, str):
         with open(raw, encoding="utf-8") as f:
@@ -47,7 +33,6 @@ def fsdp_config(args: Any) -> dict[str, Any]:
               for key, value in raw.items()}
     if isinstance(config.get(LAYER_KEY), str):
         config[LAYER_KEY] = [config[LAYER_KEY]]
-    # what TrainingArguments fills in itself (or a user copies from accelerate) with no effect
     defaults = {"auto_wrap_policy": _DEFAULT_WRAP, "min_num_params": 0, "xla": False,
                 "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
     unknown = sorted(key for key in config if key not in _USED + _NOTHING_TO_CHOOSE
@@ -62,9 +47,9 @@ def fsdp_config(args: Any) -> dict[str, Any]:
 
 def annotate(model: nn.Module, config: dict[str, Any],
              mp_policy: Optional[MixedPrecisionPolicy]) -> list[str]:
-    """``fully_shard`` each module of the layer classes, then the root, in
-    place. Returns the class names used. Raises ``ValueError`` when no layer
-    class is known or a named class is not in the model."""
+    """``fully_shard`` each module of the layer classes, then the root;
+    returns the class names. ``ValueError`` when no layer class is known or
+    one is not in the model."""
     names = list(config.get(LAYER_KEY) or _no_split_modules(model))
     if not names:
         raise ValueError(
@@ -94,12 +79,10 @@ def annotate(model: nn.Module, config: dict[str, Any],
 
 
 def _no_split_modules(model: nn.Module) -> list[str]:
-    """The layer classes transformers keeps whole on one device (a PEFT
-    model's from its base model)."""
+    """The layer classes transformers keeps whole (a PEFT model's base's)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return sorted(getattr(base, "_no_split_modules", None) or [])
 
 
 def _true(value: Any) -> bool:
-    """accelerate's reading of a config value: a bool, or a string such as "true"."""
     return str(value).lower() in ("true", "1", "yes")

@@ -1,16 +1,8 @@
-"""What the Trainer's ``bf16`` / ``fp16`` flags mean under fsdp_compose.
-
-accelerate implements the flags by autocasting the model's forward while
-preparing it, which the mixin skips (it hands the model over prepared).
-Here a flag becomes the unit's ``MixedPrecisionPolicy``: compute and
-all-gather in the flag's dtype, reduce gradients in fp32, the shards (the
-optimizer's master copy) stay in the parameters' dtype, as accelerate's
-FSDP2 plugin does with ``mixed_precision="bf16"``.
-
-* An unannotated model: annotated with that policy (:func:`policy_for`).
-* An annotated model: its units' ``mp_policy`` wins; a flag that asks for
-  another compute dtype than the units' is refused naming both
-  (:func:`check_agrees`).
+"""The Trainer's ``bf16`` / ``fp16`` flags under fsdp_compose: the units'
+``MixedPrecisionPolicy`` (compute and all-gather in the flag's dtype,
+reduce in fp32), as accelerate's FSDP2 plugin does, instead of
+accelerate's autocast. An annotated model's own ``mp_policy`` wins; a flag
+asking another dtype is refused (:func:`check_agrees`).
 """
 
 from __future__ import annotations
@@ -34,7 +26,6 @@ def flag_dtype(args: Any) -> Optional[torch.dtype]:
 
 
 def policy_for(dtype: Optional[torch.dtype]) -> Optional[MixedPrecisionPolicy]:
-    """The policy a flag's dtype stands for (``None``: full precision)."""
     if dtype is None:
         return None
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -48,8 +39,7 @@ def describe(policy: Optional[MixedPrecisionPolicy]) -> str:
 
 
 def check_agrees(trainer: str, model: nn.Module, dtype: Optional[torch.dtype]) -> None:
-    """Raises ``ValueError`` when a flag asks for ``dtype`` and a unit of the
-    annotated ``model`` computes in another dtype (or in full precision)."""
+    """``ValueError`` when a flag asks for ``dtype`` and a unit computes in another."""
     if dtype is None:
         return  # no flag: the units' mp_policy decides
     computes = {unit.settings.mp_policy.param_dtype for unit in units_below(model)}

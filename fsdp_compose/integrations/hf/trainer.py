@@ -1,38 +1,15 @@
 """Hugging Face's ``Trainer`` training a model annotated by ``fully_shard``.
 
-Outside FSDP and DeepSpeed, accelerate wraps every multi-process model in
-``DistributedDataParallel``, and the Trainer saves the model and the
-optimizer from rank 0 alone. On an fsdp_compose model both are wrong: each
-rank holds different rows of every parameter (DDP would all-reduce and
-broadcast unrelated shards) and of the optimizer state. The mixin keeps the
-Trainer's loop, logging, data loading and file layout, and changes only
-what touches the shards:
-
-* the model the trainer built (TRL's ``SFTTrainer`` loads a model path and
-  applies ``peft_config`` in its constructor) is annotated after the
-  trainer's constructor, unless it came annotated: each layer, then the
-  root (``_annotate.py``), in the precision of ``bf16`` / ``fp16``
-  (``_precision.py``);
-* the optimizer's groups are the Trainer's name-based decay / no-decay
-  split, so an empty one is not warned about; ``floating_point_ops`` counts
-  whole parameters, not this rank's pieces;
-* the model is handed to accelerate already prepared (no DDP wrapper; the
-  gradients are reduce-scattered by the units' own hooks);
-* gradient accumulation skips the reduction on the micro-batches before the
-  last (accelerate's ``no_sync`` finds the root's ``no_sync``);
-* clipping and the logged gradient norm need nothing: the Trainer calls
-  ``torch.nn.utils.clip_grad_norm_``, which fsdp_compose routes to the norm
-  over all ranks (``gradients/torch_norms.py``);
-* ``save_model`` gathers full tensors on every rank (trainable ones only for
-  a PEFT model) and rank 0 writes them with ``save_pretrained``: a
-  ``model.safetensors`` or a PEFT adapter, in the usual format;
-* the optimizer state of a checkpoint is a torch.distributed.checkpoint
-  directory ``optimizer/`` (each rank writes its shard; keyed by parameter
-  name); the scheduler, RNG and trainer state are the Trainer's files.
-
-Resuming reads the model's weights through the Trainer's own code (full
-tensors into ``load_state_dict``, which fsdp_compose's hooks slice into the
-shards) and the optimizer from ``optimizer/``.
+accelerate wraps a multi-process model in DDP and the Trainer saves model
+and optimizer from rank 0 alone: both wrong when each rank holds different
+rows. The mixin keeps the Trainer's loop and files and changes what touches
+the shards: the built model is annotated after the constructor (each layer,
+then the root, in the ``bf16`` / ``fp16`` precision) unless it came
+annotated; no DDP wrapper; gradient accumulation skips the reduction via
+the root's ``no_sync``; ``floating_point_ops`` counts whole parameters;
+``save_model`` gathers full tensors and rank 0 writes ``save_pretrained``'s
+files; the optimizer state is a DCP directory ``optimizer/``. Clipping
+needs nothing (``clip_grad_norm_`` is routed, ``gradients/torch_norms.py``).
 """
 
 from __future__ import annotations
@@ -58,34 +35,27 @@ from . import _annotate, _precision
 logger = logging.get_logger(__name__)
 
 OPTIMIZER_DIR = "optimizer"
-"""The checkpoint's subdirectory holding the sharded optimizer state."""
 SCHEDULER_FILE = "scheduler.pt"
-"""The Trainer's name for the learning-rate scheduler's state."""
 
 _OVERRIDDEN = ("_wrap_model", "save_model", "_save", "_save_optimizer_and_scheduler",
                "_load_optimizer_and_scheduler", "create_optimizer", "floating_point_ops")
-"""The Trainer methods the mixin overrides or calls: checked at construction,
-so a transformers release that renames one fails loudly instead of
-silently saving rank 0's shards."""
+"""Trainer methods the mixin overrides or calls, checked at construction
+so a renaming release fails loudly instead of saving rank 0's shards."""
 
 
 
 class ShardedTrainerMixin:
-    """Put in front of ``transformers.Trainer`` or a subclass of it
+    """Put in front of ``transformers.Trainer`` or a subclass
     (``class ShardedSFTTrainer(ShardedTrainerMixin, SFTTrainer)``) and build
-    the trainer as usual: a model object or, for trainers that load one
-    (TRL's), a model path, with ``peft_config=`` where the trainer takes it.
+    the trainer as usual (a model or, for TRL's, a path; ``peft_config=``).
 
-    The model the trainer holds after its constructor is annotated by
-    ``fully_shard``: each module of ``fsdp_config["transformer_layer_cls_to_wrap"]``
-    (else of the model's ``_no_split_modules``), then the root, with
-    ``reshard_after_forward``, ``cpu_offload`` and ``activation_checkpointing``
-    from the same ``fsdp_config``; ``bf16=True`` / ``fp16=True`` become
-    ``MixedPrecisionPolicy(param_dtype=bf16 or fp16, reduce_dtype=fp32)``.
-    A model that comes annotated (its root included) is used as it is, its
-    units' ``mp_policy`` deciding the precision; a flag asking for another
-    precision, or ``peft_config=`` (PEFT would add parameters to annotated
-    modules), is refused."""
+    After the constructor the model is annotated by ``fully_shard``: each
+    module of ``fsdp_config["transformer_layer_cls_to_wrap"]`` (else
+    ``_no_split_modules``), then the root, with ``reshard_after_forward``,
+    ``cpu_offload`` and ``activation_checkpointing`` from ``fsdp_config``;
+    ``bf16``/``fp16`` become ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)``.
+    A model that comes annotated is used as it is; a flag asking for another
+    precision, or ``peft_config=``, is then refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         name = type(self).__name__
@@ -94,8 +64,7 @@ class ShardedTrainerMixin:
             raise RuntimeError(f"{name} overrides Trainer.{', Trainer.'.join(missing)}, "
                                "which this transformers release lacks; install the tested range "
                                "(pip install 'fsdp_compose[hf]').")
-        # checked before the trainer's constructor, which applies PEFT and fixes accelerate's
-        # process-wide state
+        # checked before the constructor, which applies PEFT and sets accelerate's state
         if kwargs.get("model_init") is not None:
             raise ValueError(f"{name} does not take model_init=: the Trainer calls it again inside "
                              "train() for a fresh model, which would not be annotated. Build the "
@@ -117,7 +86,7 @@ class ShardedTrainerMixin:
                              "FSDP / DeepSpeed (TrainingArguments fsdp=..., deepspeed=...).")
         dtype = _precision.flag_dtype(self.args)
         if annotated:
-            _precision.check_agrees(name, self.model, dtype)  # the trainer's default arguments
+            _precision.check_agrees(name, self.model, dtype)
         else:
             policy = _precision.policy_for(dtype)
             layers = _annotate.annotate(self.model, _annotate.fsdp_config(self.args), policy)
@@ -125,20 +94,16 @@ class ShardedTrainerMixin:
                 logger.warning(f"{name}: fully_shard on each {' / '.join(layers)} and the root, "
                                f"{_precision.describe(policy)}.")
         if getattr(self.accelerator, "scaler", None) is not None:
-            # fp16: skip or take a step on every rank together (each holds other gradients)
             self.accelerator.scaler = ShardedGradScaler(self.args.device.type)
 
-    # ------------------------------------------------------------ training
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        # accelerate skips what it has prepared: no DistributedDataParallel around the shards
+        # accelerate skips what it has prepared: no DDP around the shards
         model._is_accelerate_prepared = True
         return model
 
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer; its decay / no-decay groups are chosen by
-        parameter name, so one left empty (a LoRA model's no-decay group) is
-        the rule's intent, not a shard's shape misleading it. An optimizer
-        passed in (``optimizers=``) keeps the check."""
+        """The Trainer's optimizer; its groups are chosen by parameter name, so
+        an empty one is intended (not warned about)."""
         builds = self.optimizer is None
         optimizer = super().create_optimizer(model)  # type: ignore[misc]
         if builds:
@@ -146,17 +111,14 @@ class ShardedTrainerMixin:
         return optimizer
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """The Trainer's count (6 x tokens x non-embedding parameters), with
-        each parameter's whole size: ``p.numel()`` is this rank's piece."""
+        """The Trainer's count with whole parameter sizes."""
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(self.model, "num_parameters"):
             return 0
         return 6 * inputs[main_input].numel() * _whole_parameters(self.model, exclude_embeddings=True)
 
-    # ---------------------------------------------------------- checkpoints
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Every rank gathers; rank 0 writes ``save_pretrained``'s files (the
-        adapters only, for a PEFT model)."""
+        """Every rank gathers; rank 0 writes ``save_pretrained``'s files."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                    ignore_frozen_params=_is_peft(self.model))
@@ -196,8 +158,8 @@ class ShardedTrainer(ShardedTrainerMixin, Trainer):
 
 
 def _check_annotation(trainer: str, model: Any) -> bool:
-    """Whether ``model`` comes annotated; raises ``ValueError`` for one whose
-    layers are annotated but not its root."""
+    """Whether ``model`` comes annotated; ``ValueError`` if its layers are but
+    not its root."""
     if not isinstance(model, nn.Module) or isinstance(model, ShardedModule):
         return isinstance(model, ShardedModule)
     below = [n for n, m in model.named_modules() if isinstance(m, ShardedModule)]
@@ -210,8 +172,7 @@ def _check_annotation(trainer: str, model: Any) -> bool:
 
 
 def _whole_parameters(model: nn.Module, exclude_embeddings: bool) -> int:
-    """Elements of the model's parameters at their original sizes (each
-    shared parameter once)."""
+    """Elements of the parameters at original sizes, shared ones once."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     total = 0
     for p in model.parameters():
@@ -223,7 +184,6 @@ def _whole_parameters(model: nn.Module, exclude_embeddings: bool) -> int:
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """accelerate's ``AcceleratedOptimizer`` holds the user's optimizer."""
     return getattr(optimizer, "optimizer", optimizer)
 
 

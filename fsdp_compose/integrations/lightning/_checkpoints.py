@@ -1,9 +1,6 @@
-"""Lightning's checkpoint formats for fsdp_compose models, shared by the
-Fabric and Trainer strategies: a directory of torch.distributed.checkpoint
-shards plus ``meta.pt`` (the non-tensor state), or one file of full tensors
-that rank 0 writes. Tensors go through torch's ``get_model_state_dict`` /
-``get_optimizer_state_dict``, keyed by parameter name, so what FSDP2 wrote
-under Lightning loads here and the other way round.
+"""Lightning's checkpoint formats for fsdp_compose models (Fabric and
+Trainer): a DCP directory plus ``meta.pt``, or one file of full tensors
+rank 0 writes; keyed by parameter name, so FSDP2's load here and back.
 """
 
 from __future__ import annotations
@@ -24,10 +21,8 @@ from torch.optim import Optimizer
 from ...module_methods.sharded_module import ShardedModule
 
 METADATA_FILENAME = "meta.pt"
-"""What Lightning names the file of a sharded checkpoint's non-tensor state."""
 
 TRAINER_OPTIMIZERS = "optimizer_states"
-"""Where the Lightning Trainer's full checkpoint lists its optimizers' states."""
 
 State = dict[str, Any]
 Filter = dict[str, Callable[[str, Any], bool]]
@@ -35,10 +30,8 @@ Filter = dict[str, Callable[[str, Any], bool]]
 
 def save(path: Path, state: State, model: nn.Module, *, sharded: bool, rank: int,
          filter: Optional[Filter] = None) -> None:
-    """Write ``state`` as Lightning does: modules and optimizers as tensors
-    (sharded: a torch.distributed.checkpoint directory; else full tensors in
-    one file that rank 0 writes), everything else as metadata (``state_dict()``
-    of what has one). Called on every rank."""
+    """Write ``state`` as Lightning does (modules and optimizers as tensors,
+    the rest as metadata). Called on every rank."""
     if not sharded and path.is_dir() and not is_sharded_checkpoint(path):
         raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
     options = StateDictOptions(full_state_dict=not sharded, cpu_offload=True)
@@ -73,9 +66,8 @@ def save(path: Path, state: State, model: nn.Module, *, sharded: bool, rank: int
 
 def load(path: Path, state: State, model: nn.Module, *, strict: bool = True,
          weights_only: Optional[bool] = None) -> State:
-    """Restore ``state`` in place from a checkpoint :func:`save` (or
-    Lightning) wrote, sharded or full; returns the metadata that ``state``
-    did not ask for. Called on every rank."""
+    """Restore ``state`` in place from a sharded or full checkpoint; returns
+    the metadata ``state`` did not ask for. Called on every rank."""
     model_key = next(key for key, obj in state.items() if obj is model)
     optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
     if is_sharded_checkpoint(path):
@@ -116,8 +108,7 @@ def load(path: Path, state: State, model: nn.Module, *, strict: bool = True,
 
 def load_full_model(path: Path, model: nn.Module, *, strict: bool = True,
                     weights_only: Optional[bool] = None) -> None:
-    """``fabric.load_raw(path, model)``: full tensors from one file (every
-    rank reads it, memory-mapped) into the sharded model."""
+    """``fabric.load_raw(path, model)``: full tensors from one file."""
     if not path.is_file():
         raise ValueError(f"load_raw needs a file of full tensors; {str(path)!r} is not a file.")
     state_dict = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
@@ -130,7 +121,6 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def sharded_model(objects: Any) -> Optional[nn.Module]:
-    """The fsdp_compose model among ``objects`` (``None``: none is)."""
     models = [obj for obj in objects if isinstance(obj, nn.Module) and is_sharded(obj)]
     if len(models) > 1:
         raise ValueError("fabric.save/load: the state holds several fsdp_compose models; a checkpoint "
@@ -139,10 +129,8 @@ def sharded_model(objects: Any) -> Optional[nn.Module]:
 
 
 def keyed_by_name(optim_state: State, model: nn.Module) -> State:
-    """An optimizer state dict keyed by parameter index (the position in
-    ``model.parameters()``, as FSDP's ``rekey_optim_state_dict`` numbers them
-    for the Trainer's full checkpoint) keyed by parameter name instead, as
-    ``set_optimizer_state_dict`` reads it; one keyed by name is returned as is."""
+    """An optimizer state dict keyed by parameter index (the Trainer's full
+    checkpoint) rekeyed by name; one keyed by name is returned as is."""
     if not optim_state["state"] or not isinstance(next(iter(optim_state["state"])), int):
         if all(isinstance(p, str) for g in optim_state["param_groups"] for p in g["params"]):
             return optim_state

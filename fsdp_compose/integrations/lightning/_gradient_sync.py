@@ -13,9 +13,8 @@ from ...module_methods.sharded_module import ShardedModule
 
 @contextlib.contextmanager
 def gradient_sync_off(module: nn.Module) -> Iterator[None]:
-    """Every unit of ``module`` (fsdp_compose's or FSDP2's) keeps its
-    gradients unreduced inside; after, each synchronises again (the next
-    backward reduces the sum)."""
+    """Every unit of ``module`` (ours or FSDP2's) keeps its gradients
+    unreduced inside (the next backward after reduces the sum)."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in module.modules() if isinstance(m, (ShardedModule, FSDPModule))]
     for unit in units:

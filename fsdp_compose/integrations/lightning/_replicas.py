@@ -1,12 +1,6 @@
-"""The check that a model set up by Lightning's ``ModelParallelStrategy``
-synchronises across its ranks.
-
-Lightning's default mesh sizes put every device on ``"tensor_parallel"``
-(``data_parallel_size=1``). A ``parallelize_fn`` / ``configure_model`` that
-then shards over ``device_mesh["data_parallel"]`` and applies no tensor
-parallelism gives every rank its own copy of every parameter, reduced over
-one rank: each rank trains an independent replica on its own batches, with
-no error, under FSDP2 as under fsdp_compose.
+"""Lightning's default mesh puts every device on ``"tensor_parallel"``:
+sharding over ``"data_parallel"`` then trains an independent replica per
+rank, silently. This check refuses it.
 """
 
 from __future__ import annotations
@@ -19,9 +13,8 @@ from ...runtime.state import units_below
 
 
 def check_ranks_synchronise(module: nn.Module) -> None:
-    """Raise (on every rank: each computes the same answer) if ``module``
-    has fsdp_compose units, the job has several ranks, and no parameter is
-    sharded, replicated or tensor-parallel over more than one rank."""
+    """Raise on every rank if ``module`` has units, the job several ranks, and
+    no parameter is sharded, replicated or tensor-parallel over several."""
     units = units_below(module)
     if not units or not dist.is_initialized() or dist.get_world_size() == 1:
         return

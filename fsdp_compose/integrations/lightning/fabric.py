@@ -1,22 +1,9 @@
-"""fsdp_compose under Lightning Fabric: the strategy to pass to ``Fabric``.
-
-Lightning's ``ModelParallelStrategy`` runs the user's ``parallelize_fn``
-(where FSDP2's recipe calls torch's ``fully_shard``) and then recognises the
-sharded model by what FSDP2 leaves on it: ``DTensor`` parameters to save and
-load, ``FSDPModule`` to skip gradient synchronisation. fsdp_compose keeps the
-original parameters as plain tensors, so with Lightning's own strategy
-``fabric.save`` finds no model and ``fabric.no_backward_sync`` does nothing.
-
-:class:`ModelParallelStrategy` is Lightning's strategy with those three
-places made to recognise fsdp_compose models (any module of the model is a
-:class:`~fsdp_compose.ShardedModule`); everything else, FSDP2 models
-included, is Lightning's. The checkpoints are Lightning's formats
-(``_checkpoints.py``): sharded by default, one file of full tensors with
-``save_distributed_checkpoint=False``.
-
-Gradient clipping needs nothing here: Lightning calls
-``torch.nn.utils.clip_grad_norm_``, which fsdp_compose routes to the norm
-over all ranks (``route_torch_grad_norms``).
+"""fsdp_compose under Lightning Fabric. Lightning's
+``ModelParallelStrategy`` recognises a sharded model by FSDP2's marks
+(``DTensor`` parameters, ``FSDPModule``), so ``fabric.save`` and
+``fabric.no_backward_sync`` would miss fsdp_compose models;
+:class:`ModelParallelStrategy` recognises them too, with Lightning's
+checkpoint formats (``_checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -38,15 +25,10 @@ __all__ = ["ModelParallelStrategy"]
 
 
 class ModelParallelStrategy(_LightningModelParallelStrategy):
-    """``lightning.fabric.strategies.ModelParallelStrategy`` for models that
-    ``parallelize_fn`` shards with :func:`fsdp_compose.fully_shard`. Takes
-    the same arguments; the device mesh Lightning builds has the dims
-    ``"data_parallel"`` and ``"tensor_parallel"`` (shard over
-    ``mesh["data_parallel"]``; note that Lightning's default sizes put every
-    device on ``"tensor_parallel"``).
-
-    Invariant: for a state without an fsdp_compose model every method is
-    Lightning's own."""
+    """Lightning Fabric's ``ModelParallelStrategy`` (same arguments) for models
+    ``parallelize_fn`` shards with :func:`fsdp_compose.fully_shard`; shard over
+    ``mesh["data_parallel"]`` (Lightning's default sizes put every device on
+    ``"tensor_parallel"``). Without an fsdp_compose model, Lightning's own."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,10 +71,8 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
 
 
 class _GradientSyncControl(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model, enabled)``: while ``enabled``, every
-    sharded unit of ``model`` (fsdp_compose's or FSDP2's) keeps its
-    gradients unreduced; on exit they synchronise again (the backward after
-    the context reduces the sum)."""
+    """``fabric.no_backward_sync(model, enabled)``: while ``enabled``, the
+    units keep their gradients unreduced."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         return gradient_sync_off(module) if enabled else contextlib.nullcontext()

@@ -1,19 +1,8 @@
-"""fsdp_compose under the Lightning Trainer: the strategy to pass to
-``Trainer(strategy=...)``, with ``configure_model()`` calling
-:func:`fsdp_compose.fully_shard` where FSDP2's recipe calls torch's.
-
-Lightning's Trainer saves an FSDP2 model through torch's state-dict
-functions, which fsdp_compose models answer too, but it loads a checkpoint
-only into a model whose parameters are ``DTensor``\\ s: with Lightning's own
-strategy ``Trainer.fit(ckpt_path=...)`` raises "Could not find a distributed
-model". :class:`ModelParallelStrategy` is Lightning's Trainer strategy whose
-``load_checkpoint`` also takes fsdp_compose models, from either of
-Lightning's formats (``_checkpoints.py``), and whose
-``block_backward_sync`` (what ``accumulate_grad_batches`` enters for every
-micro-batch but the last) turns gradient reduction off on fsdp_compose's
-units; Lightning's reduces every micro-batch (for FSDP2 too). Gradient clipping
-(``gradient_clip_val``) calls ``torch.nn.utils.clip_grad_norm_``, which
-fsdp_compose routes to the norm over all ranks.
+"""fsdp_compose under the Lightning Trainer. Lightning's strategy loads a
+checkpoint only into ``DTensor`` parameters and reduces every micro-batch;
+:class:`ModelParallelStrategy` also loads fsdp_compose models (either
+format, ``_checkpoints.py``) and turns reduction off in
+``block_backward_sync``.
 """
 
 from __future__ import annotations
@@ -32,12 +21,9 @@ __all__ = ["ModelParallelStrategy"]
 
 
 class ModelParallelStrategy(_LightningModelParallelStrategy):
-    """``lightning.pytorch.strategies.ModelParallelStrategy`` for models that
-    ``configure_model()`` shards with :func:`fsdp_compose.fully_shard` (over
-    ``self.device_mesh["data_parallel"]``). Takes the same arguments.
-
-    Invariant: for a model without fsdp_compose units every method is
-    Lightning's own."""
+    """The Lightning Trainer's ``ModelParallelStrategy`` (same arguments) for
+    models ``configure_model()`` shards with :func:`fsdp_compose.fully_shard`.
+    Without fsdp_compose units, Lightning's own."""
 
     def setup(self, trainer: Any) -> None:
         if self.model is not None:  # configure_model() has run

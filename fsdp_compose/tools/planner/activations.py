@@ -14,8 +14,7 @@ BatchFn = Callable[[nn.Module], Any]
 
 
 class _ScalarReads(TorchDispatchMode):
-    """``.item()``/``bool(t)`` of a fake tensor reads 1 (True): models
-    branch on values (Hugging Face: "is the attention mask all ones?")."""
+    """``.item()`` of a fake tensor reads 1 (models branch on values)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is local_scalar_dense_op():
@@ -26,12 +25,9 @@ class _ScalarReads(TorchDispatchMode):
 
 def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
                   batch_fn: BatchFn) -> tuple[list[int], list[int], list[int]]:
-    """Run ``batch_fn(model)`` with every parameter and buffer swapped for a
-    fake CPU tensor (so inputs may be small CPU tensors; CUDA's attention
-    kernels may save somewhat different tensors). Returns the units (by index) in the order
-    their forward first ran, the bytes of the distinct storages autograd
-    saved while each unit was the innermost one running, and the root's
-    saved bytes by position (``[p]``: after ``p`` units had started)."""
+    """Run ``batch_fn(model)`` with parameters and buffers swapped for fake CPU
+    tensors. Returns the units' first-forward order, the saved bytes while
+    each unit was the innermost running, and the root's by position."""
     owner = {id(m): i for i, modules in enumerate(unit_modules) for m in modules}
     running: list[int] = []
     order: list[int] = []
@@ -45,7 +41,7 @@ def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
             order.append(running[-1])
 
     def post(module, args, output):
-        running.pop()  # returns None: the output stays as it is
+        running.pop()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t.untyped_storage())

@@ -47,51 +47,27 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
     """Estimate one rank's memory for training ``model`` annotated by ``units``.
 
     Args:
-        model: the whole model on any device (``meta`` is enough: only
-            shapes, dtypes and ``requires_grad`` are read).
+        model: the whole model, on any device (``meta`` is enough).
         world_size: ranks the units shard over.
         units: the ``fully_shard`` calls in order, ending with ``model`` (a
-            list entry is one unit of sibling modules). Default: :func:`default_units`.
+            list entry is one unit of siblings). Default: :func:`default_units`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum) or ``"none"``.
-        mp_policy: every unit's mixed precision: what ``fully_shard`` takes
-            (ours, or torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
-            converted as ``fully_shard`` converts it: ``torch_policies.py``).
-        offload: CPU offloading on every unit: ``True``/``False``, or an
-            ``offload_policy`` as ``fully_shard`` takes it (ours or torch's
-            ``CPUOffloadPolicy``; torch's ``OffloadPolicy()`` means none).
-        prefetch: units all-gathered ahead of the running one (the library's
-            default schedule prefetches one).
-        batch_fn: runs one forward of one rank's batch, e.g.
-            ``lambda m: m.loss(x, y)``, on fake tensors (``FakeTensorMode``:
-            tensors take no memory; ``.item()`` reads 1), to measure the
-            saved activations and the units' forward order.
-        reshard_after_forward: ``fully_shard``'s, for every unit.
-        backend: ``"nccl"`` (CUDA) or ``"gloo"`` (CPU); ``None`` (default):
-            the one this machine would use (``"nccl"`` where CUDA is
-            available, else ``"gloo"``); the report says which was assumed.
-        placement, shard_placement_fn: ``fully_shard``'s, for every unit
-            (``"flat"``, ``"rows"``, ``Blocks(n)``, ``"owned"``, or per
-            parameter); the layouts are ``fully_shard``'s own. Optimizer
-            state counts the most loaded rank of each unit (under ``"owned"``
-            ranks differ), so the sum is an upper bound for any one rank.
-        bucket_cap_mb: ``set_bucket_cap_mb``'s; ``None`` (default): the
-            library's default (``runtime/buckets.py``'s
-            ``DEFAULT_BUCKET_CAP_MB``, read at the call). Consecutive small
-            units in forward order share one all-gather and one
-            reduce-scatter by ``BucketPlan``'s rule (``buckets.py`` here);
-            the report names the buckets.
-        split_root: plan ``fully_shard_root(model)`` in place of
-            ``fully_shard(model)``: the model's children with parameters
-            left to the root before its first unit (embeddings) and after
-            its last (final norm and head) become a unit each, kept
-            unsharded from forward to backward (``split.py`` here).
+        mp_policy: every unit's mixed precision, ours or torch's.
+        offload: ``True``/``False`` or an ``offload_policy`` (ours or torch's).
+        prefetch: units all-gathered ahead of the running one.
+        batch_fn: one forward of one rank's batch (``lambda m: m.loss(x, y)``),
+            run on fake tensors to measure saved activations and forward order.
+        reshard_after_forward, placement, shard_placement_fn: ``fully_shard``'s,
+            for every unit (optimizer state counts each unit's most loaded rank).
+        backend: ``"nccl"`` or ``"gloo"``; ``None``: this machine's (reported).
+        bucket_cap_mb: ``set_bucket_cap_mb``'s; ``None``: the library default.
+        split_root: plan ``fully_shard_root(model)`` instead of ``fully_shard(model)``.
         keep_unsharded_storage: plan ``set_keep_unsharded_storage(True)`` on
-            every unit: every unsharded buffer is held at every moment
-            (``MemoryEstimate.kept_unsharded``; the CPU pool does not apply).
+            every unit.
 
     Raises:
-        ValueError: an unknown option, units that do not end with ``model``,
-            or a parameter shared by two units (naming it).
+        ValueError: an unknown option, units not ending with ``model``, or a
+            parameter shared by two units (naming it).
     """
     mp_policy = as_mp_policy(mp_policy, "estimate_memory")
     if not isinstance(offload, bool):
@@ -124,10 +100,10 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
     if batch_fn is not None:
         ran, unit_acts, root_acts = fake_forward(model, [s.modules for s in specs[:-1]],
                                                   batch_fn)
-        order = ran + [i for i in order if i not in ran]  # units the batch did not run last
+        order = ran + [i for i in order if i not in ran]
     forward = [plans[-1]] + [plans[i] for i in order]  # the root first
     kept = frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None)
-    # buckets follow the recorded forward order: the root and units that did not run stay alone
+    # buckets follow the recorded forward order; the root and units not run stay alone
     keys = [None] + [with_reshard(forward[j].bucket_key,
                                   reshard_after_forward is not False and j not in kept)
                      for j in range(1, len(ran) + 1)] + [None] * (len(order) - len(ran))
@@ -145,20 +121,17 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
 
 
 def module_order(model: nn.Module, specs: Sequence[UnitSpec]) -> list[int]:
-    """The units (indices into ``specs``) in the order their first module
-    is registered in ``model``: the forward order assumed without
-    ``batch_fn`` (as ``fully_shard_root`` assumes; call order is bottom-up,
-    e.g. embeddings and head after the blocks they surround)."""
+    """The units (indices into ``specs``) in the order their first module is
+    registered in ``model``: the forward order assumed without ``batch_fn``."""
     position = {id(m): k for k, m in enumerate(model.modules())}
     return sorted(range(len(specs)), key=lambda i: min(position[id(m)] for m in specs[i].modules))
 
 
 def _late_root_grads(model: nn.Module, units: Sequence[UnitModules], root: UnitSpec,
                      mp_policy: Optional[MixedPrecisionPolicy]) -> int:
-    """Bytes (compute dtype) of the root's parameter gradients that only
-    arrive at the end of backward: those of its children before the first
-    unit (a GPT's embeddings; ``split.root_parts``' prologue). Nothing when
-    a parameter is shared between the parts (tied embeddings)."""
+    """Bytes of the root's gradients that arrive only at the end of backward
+    (its children before the first unit; nothing when the parts share a
+    parameter)."""
     parts = root_parts(model, units)
     if parts.shared is not None:
         return 0
@@ -170,15 +143,13 @@ def _late_root_grads(model: nn.Module, units: Sequence[UnitModules], root: UnitS
 
 def propose_units(model: nn.Module, world_size: int, budget_bytes: int,
                   **estimate_kwargs: Any) -> Proposal:
-    """The coarsest annotation whose ``total_peak`` fits ``budget_bytes``:
-    the root alone, every block and the root, then finer and finer: each
-    step splits the units the step before added into their children with
-    parameters (the first also adds the root's modules outside the blocks,
-    e.g. embeddings and head). A module that shares a parameter with one
-    outside it is never a unit of its own.
+    """The coarsest annotation whose ``total_peak`` fits ``budget_bytes``: the
+    root alone, then every block and the root, then each step's new units
+    split into their children with parameters. A module sharing a parameter
+    with one outside it is never a unit of its own.
 
     Raises:
-        ValueError: nothing fits; the message shows the best estimate.
+        ValueError: nothing fits (the message shows the best estimate).
     """
     best: Optional[Proposal] = None
     for units in granularities(model):

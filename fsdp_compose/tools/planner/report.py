@@ -10,12 +10,11 @@ from .._format import format_bytes
 
 
 class PeakParts(NamedTuple):
-    """What the simulated step holds at its peak moment (bytes; sums to
-    ``total_peak``)."""
+    """What the peak moment holds (bytes; sums to ``total_peak``)."""
 
     sharded_state: int  # parameter shards + optimizer state (0 with offload)
     grads: int  # gradient shards of the units reduced so far
-    working_set: int  # unsharded parameters and gradients, copies, optimizer temporaries
+    working_set: int  # unsharded parameters and gradients, copies, temporaries
     comm_staging: int
     activations: int
 
@@ -25,48 +24,26 @@ class MemoryEstimate:
     """Estimated bytes on one rank (rank 0: it owns the most optimizer state).
 
     Attributes:
-        world_size: the sharding factor.
-        backend: ``"nccl"`` (CUDA) or ``"gloo"`` (CPU; see the module notes).
-        backend_assumed: ``True`` when no backend was given and ``backend``
-            is this machine's default (``"gloo"`` without CUDA).
-        num_units: ``fully_shard`` calls in the annotation.
+        world_size, num_units: the sharding factor, the ``fully_shard`` calls.
+        backend: ``"nccl"`` or ``"gloo"``; ``backend_assumed``: not given, this
+            machine's default.
         sharded_params: this rank's slice of every flat buffer, padding included.
-        grads: the gradient shards of the trainable buffers (all alive at
-            the optimizer step).
-        optimizer_state: per-element state of the trainable elements this
-            rank owns (AdamW 2 tensors, SGD momentum 1), plus Adam's 4-byte
-            ``step`` per parameter.
-        persistent: ``sharded_params + grads + optimizer_state``.
-        transient_unsharded_peak: peak of the working set: unsharded
-            parameters (compute dtype), the gradients of the unit in backward
-            and of the reduce-scatter in flight, extra reduce-scatter outputs,
-            cast shard copies, optimizer temporaries (gloo: the pool's
-            high-water mark instead of the unsharded parameters in use).
-        comm_staging: peak of the copies the backend makes of what it
-            communicates (gloo; 0 for nccl; see the module notes for the
-            copies gloo may keep longer, not counted).
-        activations: bytes autograd saves in one ``batch_fn`` forward
-            (measured on fake tensors); ``None`` without ``batch_fn``.
-        state_peak: the largest moment of sharded state, gradients and
-            working set alone (no staging, no activations).
-        total_peak: the largest moment of the step on the compute device
-            (parts in ``peak_parts``; less than the sum of the fields, which
-            peak at different moments). Without ``batch_fn`` activations
-            count 0. With offload it excludes ``cpu_bytes``. Not modelled:
-            activation gradients, kernel workspaces, fragmentation.
-        peak_at: that moment, e.g. "backward of 'blocks.3': reduce-scatter".
-        peak_parts: what the peak moment holds.
-        cpu_bytes: persistent bytes in host memory through offload (0
-            without it, and with gloo, where offload changes nothing).
-        largest_unit: the unit with the most unsharded bytes, and
-        largest_unit_bytes: those bytes (compute dtype).
-        bucket_cap_mb: the bucket cap the step was planned with
-            (``set_bucket_cap_mb``; 0: bucketing off).
-        buckets: the units that share their collectives, one tuple of unit
-            names per bucket (forward order); ``()``: none is bucketed.
-        kept_unsharded: unsharded bytes held at every moment because every
-            unit keeps its unsharded storage (``keep_unsharded_storage=True``,
-            ``set_keep_unsharded_storage``); 0 otherwise.
+        grads: the trainable buffers' gradient shards.
+        optimizer_state: per-element state of this rank's trainable elements
+            (plus Adam's ``step``); ``persistent``: the sum of these three.
+        transient_unsharded_peak: peak of the working set (unsharded
+            parameters, gradients in flight, copies, optimizer temporaries).
+        comm_staging: peak of the backend's copies (gloo; 0 for nccl).
+        activations: bytes saved in one ``batch_fn`` forward (``None`` without).
+        state_peak: the largest moment without staging and activations.
+        total_peak: the largest moment on the compute device (parts in
+            ``peak_parts``, moment in ``peak_at``), excluding ``cpu_bytes``. Not
+            modelled: activation gradients, workspaces, fragmentation.
+        cpu_bytes: persistent bytes offloaded to host memory.
+        largest_unit, largest_unit_bytes: the unit with the most unsharded bytes.
+        bucket_cap_mb, buckets: the cap planned with (0: off) and the units
+            sharing collectives, a tuple of names per bucket.
+        kept_unsharded: unsharded bytes held always (``keep_unsharded_storage``).
     """
 
     world_size: int
@@ -95,8 +72,7 @@ class MemoryEstimate:
         return {**dataclasses.asdict(self), "peak_parts": self.peak_parts._asdict()}
 
     def _buckets_row(self) -> str:
-        """Which units share their collectives, e.g. "2 (8 of 12 units) at
-        4 MiB: [blocks.0 .. blocks.3], [blocks.4 .. blocks.7]"."""
+        """Which units share their collectives."""
         if self.bucket_cap_mb <= 0:
             return "off (bucket_cap_mb=0)"
         cap = f"{self.bucket_cap_mb:g} MiB"
@@ -108,8 +84,7 @@ class MemoryEstimate:
         return f"{len(self.buckets)} ({count} of {self.num_units} units) at {cap}: {names}"
 
     def __str__(self) -> str:
-        """The table: what persists, what peaks, and the peak moment with
-        its parts (which add up to the total peak)."""
+        """The table: what persists, what peaks, and the peak's parts."""
         acts = "-- (pass batch_fn)" if self.activations is None else \
             f"{format_bytes(self.activations)} (saved by one batch's forward)"
         parts = self.peak_parts

@@ -1,14 +1,5 @@
-"""The split root in a planned annotation: what ``fully_shard_root`` would
-annotate before the model ([Note: split root] in ``tools/split_root.py``).
-
-``fully_shard_root`` reads the annotations of a live model; the planner has
-only the list of planned units, so the rule is restated over it: the
-model's direct children before the first child holding a planned unit (the
-*prologue*) and after the last one (the *epilogue*) that hold parameters no
-planned unit takes become one unit each, kept unsharded from forward to
-backward. A parameter used by two of the parts keeps the root whole, with
-the same ``UserWarning``. ``tests/tools/test_planner.py`` checks the split against
-``fully_shard_root`` on a real model.
+"""The split root in a planned annotation ([Note: split root] in
+``tools/split_root.py``), restated over the planned units.
 """
 
 from __future__ import annotations
@@ -23,9 +14,8 @@ from .units import UnitModules
 
 
 class SplitRoot(NamedTuple):
-    """The annotation with the root split: ``units`` in call order (the
-    prologue and epilogue right before the model); ``prologue`` and
-    ``epilogue`` are their indices in ``units`` (``None``: no such part)."""
+    """The annotation with the root split: ``units`` in call order; ``prologue``
+    and ``epilogue`` index them (``None``: no such part)."""
 
     units: list[UnitModules]
     prologue: Optional[int]
@@ -33,9 +23,8 @@ class SplitRoot(NamedTuple):
 
 
 class RootParts(NamedTuple):
-    """The model's children that ``fully_shard_root`` would make units:
-    before the first child holding a unit, after the last one; ``shared``:
-    a parameter used by two parts (then nothing is split), else ``None``."""
+    """The children ``fully_shard_root`` would make units; ``shared``: a
+    parameter used by two parts (then nothing is split)."""
 
     prologue: list[nn.Module]
     epilogue: list[nn.Module]
@@ -43,8 +32,6 @@ class RootParts(NamedTuple):
 
 
 def root_parts(model: nn.Module, units: Sequence[UnitModules]) -> RootParts:
-    """The parts of the root's parameters around the units of ``units``
-    (ending with ``model``); empty when no child holds a unit."""
     earlier = list(units[:-1])
     annotated = {id(m) for u in earlier for m in ([u] if isinstance(u, nn.Module) else u)}
     owned = {id(p) for u in earlier for m in ([u] if isinstance(u, nn.Module) else u)
@@ -55,7 +42,7 @@ def root_parts(model: nn.Module, units: Sequence[UnitModules]) -> RootParts:
     if not holds:
         return RootParts([], [], None)
 
-    def params(module: nn.Module) -> dict[int, str]:  # what fully_shard(module) would take
+    def params(module: nn.Module) -> dict[int, str]:
         return {id(p): name for sub in managed_modules([module], lambda m: id(m) in annotated)
                 for name, p in sub._parameters.items() if p is not None and id(p) not in owned}
 
@@ -76,8 +63,7 @@ def root_parts(model: nn.Module, units: Sequence[UnitModules]) -> RootParts:
 
 
 def split_root(model: nn.Module, units: Sequence[UnitModules]) -> SplitRoot:
-    """``units`` (ending with ``model``) as ``fully_shard_root(model)`` in
-    place of ``fully_shard(model)`` would annotate it."""
+    """``units`` as ``fully_shard_root(model)`` would annotate it."""
     parts = root_parts(model, units)
     if parts.shared is not None:
         warnings.warn(

@@ -1,9 +1,5 @@
-"""Which parameters each unit of a planned annotation takes, and the
-annotations :func:`~fsdp_compose.tools.planner.propose_units` tries.
-
-The parameters are found by ``fully_shard``'s own setup code
-(``fsdp_compose/setup/units.py``), run on a model that needs no process group.
-"""
+"""Which parameters each planned unit takes (``fully_shard``'s own setup
+code), and the annotations :func:`propose_units` tries."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ UnitModules = Union[nn.Module, Sequence[nn.Module]]
 
 
 class UnitSpec(NamedTuple):
-    """One planned ``fully_shard`` call: a label, its modules, the
-    parameters it takes (in the order ``fully_shard`` takes them)."""
+    """One planned ``fully_shard`` call: label, modules, parameters taken."""
 
     name: str
     modules: tuple[nn.Module, ...]
@@ -29,8 +24,7 @@ class UnitSpec(NamedTuple):
 
 
 def default_units(model: nn.Module) -> list[UnitModules]:
-    """Every child of every ``nn.ModuleList`` in ``model`` (the blocks, in
-    module order), then ``model``: "every block, then the root"."""
+    """Every child of every ``nn.ModuleList`` in ``model``, then ``model``."""
     return [child for m in model.modules() if isinstance(m, nn.ModuleList)
             for child in m.children()] + [model]
 
@@ -38,9 +32,7 @@ def default_units(model: nn.Module) -> list[UnitModules]:
 
 
 def resolve_units(model: nn.Module, units: Sequence[UnitModules]) -> list[UnitSpec]:
-    """The parameters each unit takes: its modules' subtrees minus those of
-    earlier units, each parameter once (``setup/units.managed_modules`` and
-    ``setup/units.collect_records``, as ``fully_shard`` does)."""
+    """The parameters each unit takes, as ``fully_shard`` does."""
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
     if not groups or groups[-1] != [model]:
@@ -87,7 +79,7 @@ def granularities(model: nn.Module) -> Iterator[list[UnitModules]]:
             refined += kids
             new += kids
             if not kids or _keeps_params(m, kids):
-                refined.append(m)  # after its children: it takes what they left
+                refined.append(m)
         units, frontier = refined, new
         if new or len(units) != count:
             count = len(units)
@@ -95,7 +87,6 @@ def granularities(model: nn.Module) -> Iterator[list[UnitModules]]:
 
 
 def _unit_children(module: nn.Module) -> list[nn.Module]:
-    """Children that can be units: containers opened, parameterless skipped."""
     out = []
     for child in module.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
@@ -110,8 +101,7 @@ def _parts(model: nn.Module, module: nn.Module) -> list[nn.Module]:
 
 
 def _outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The highest modules below ``model`` with parameters that neither are
-    nor hold a block."""
+    """The highest modules with parameters that neither are nor hold a block."""
     out = []
     for child in _unit_children(model):
         if any(child is b for b in blocks):
@@ -124,7 +114,6 @@ def _outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
 
 
 def _self_contained(model: nn.Module, module: nn.Module) -> bool:
-    """No parameter of ``module`` is also registered outside it."""
     inside = {id(m) for m in module.modules()}
     mine = {id(p) for p in module.parameters()}
     return not any(id(p) in mine for m in model.modules() if id(m) not in inside
