@@ -1,7 +1,9 @@
-"""The design pages stay short enough to read: no table cell of
-``docs/design.md`` or ``docs/decisions.md`` holds more than
-:data:`MAX_CELL_WORDS` words. A cell that needs more is prose, and belongs
-in a Note at the code or an entry of ``docs/decisions.md``.
+"""The design pages stay short enough to read: ``docs/design.md`` has at
+most :data:`MAX_DESIGN_LINES` lines, and no table cell of it or of
+``docs/decisions.md`` holds more than :data:`MAX_CELL_WORDS` words. A cell
+that needs more is prose, and belongs in a Note at the code or an entry of
+``docs/decisions.md``; every link to a section of either page names a
+heading it has.
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/repository/test_design_page.py``."""
 
@@ -14,6 +16,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MAX_CELL_WORDS = 60
+MAX_DESIGN_LINES = 450
 SEPARATOR_ROW = re.compile(r"^\|[\s:|-]+\|$")
 
 
@@ -46,15 +49,8 @@ def long_cells(text: str) -> list[str]:
 
 
 def _cases() -> list:
-    cases = []
-    for page in ("design.md", "decisions.md"):
-        for heading in sections(page):
-            marks = []
-            if heading == "## 5. Layers of the package":
-                marks = [pytest.mark.xfail(strict=True, reason="the layers table is not condensed "
-                                                               "to one line per folder yet")]
-            cases.append(pytest.param(page, heading, marks=marks, id=f"{page}:{heading[:14]}"))
-    return cases
+    return [pytest.param(page, heading, id=f"{page}:{heading[:14]}")
+            for page in ("design.md", "decisions.md") for heading in sections(page)]
 
 
 @pytest.mark.parametrize("page, heading", _cases())
@@ -68,3 +64,40 @@ def test_the_cell_check_can_fail() -> None:
     wide = "| a | " + "word " * 61 + "|\n| --- | --- |\n| `x | y` | b |"
     assert long_cells(wide) == [f"61 words: {('word ' * 61).strip()[:60]}..."]
     assert cells("| `x | y` | b |") == [" `x | y` ", " b "]
+
+
+def test_the_design_page_is_short_enough_to_read_end_to_end() -> None:
+    lines = len((DOCS / "design.md").read_text().splitlines())
+    assert lines <= MAX_DESIGN_LINES, (
+        f"docs/design.md has {lines} lines, more than {MAX_DESIGN_LINES}: move a decision's "
+        "reasoning to docs/decisions.md or a Note at the code, and cut restatements")
+
+
+SECTION_LINK = re.compile(r"\]\((design|decisions)\.md#([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading's text."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: str) -> set[str]:
+    return {anchor(h) for h in re.findall(r"^#{1,6} (.*)$", (DOCS / page).read_text(), re.M)}
+
+
+def test_every_link_to_a_design_page_section_resolves() -> None:
+    """A reference to a decision (``decisions.md#<title>``) or to a section
+    of the design names a heading the page has."""
+    pages = {"design": anchors("design.md"), "decisions": anchors("decisions.md")}
+    broken = [f"{doc.name}: {page}.md#{target}" for doc in sorted(DOCS.glob("*.md"))
+              for page, target in SECTION_LINK.findall(doc.read_text())
+              if target not in pages[page]]
+    assert not broken, "links to headings the page does not have:\n" + "\n".join(broken)
+
+
+def test_the_anchor_is_github_s() -> None:
+    assert anchor("The objects the hooks read declare `__slots__`") == \
+        "the-objects-the-hooks-read-declare-__slots__"
+    assert anchor("Checkpoint layout: `Shard(0)` DTensors, one all-to-all per buffer") == \
+        "checkpoint-layout-shard0-dtensors-one-all-to-all-per-buffer"
+    assert anchor("9. Glossary") == "9-glossary"
