@@ -5,7 +5,7 @@
 
 A test's CPU is this process's, plus what the harness's workers (``tests/harness.py``)
 used meanwhile, plus what the children reaped meanwhile used (torchrun jobs, ``python -c``
-probes, a pool killed and replaced). Wall-clock time on a shared machine measures the
+probes, a pool killed and replaced) and what ``harness.run_fresh``'s processes used. Wall-clock time on a shared machine measures the
 neighbours; CPU seconds barely move with them. A pool's start is charged to the test
 that starts it. The terminal summary ranks the files; ``FSDP_COMPOSE_CPUTIME`` names a
 file that gets one line per test (node id, CPU seconds, wall seconds), appended.
@@ -50,9 +50,11 @@ def _workers() -> dict[int, float]:
 
 
 def _own_and_reaped() -> tuple[float, float]:
+    """This process's CPU; its reaped children's, plus ``run_fresh``'s processes (the fork
+    server's children, which it reaps)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime
+    return own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime + harness.fresh_cpu_seconds
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -41,6 +41,9 @@ runs ``gc.collect()`` (then ``gc.freeze()``: what survived is never scanned agai
 ``random``/``torch`` with 0, sets one thread, enables grad and resets the default dtype, so
 tests do not depend on their order.
 
+``run_fresh(fn, *args)`` runs ``fn`` once in a new process forked from the same server: a fresh
+interpreter's state (torch and ``fsdp_compose`` imported, nothing run) without importing torch again.
+
 Failures raise ``DistributedTestError`` (an ``AssertionError``) with a ``[rank N]`` section per rank:
 * a rank raised: its traceback.  If the others finished, a quick all-reduce health check keeps
   the pool (recreated if the check fails);
@@ -50,6 +53,8 @@ Failures raise ``DistributedTestError`` (an ``AssertionError``) with a ``[rank N
   for it in a collective), so a rank failing alone is reported in seconds, not at ``timeout``;
 * a worker died (``WorkerDiedError``): its exit code (and crash dump, if any), reported as soon
   as the death is seen; the pool is killed and recreated on next use.
+Every timeout here (a call's, a pool's start, the workers' collectives) is multiplied by
+``FSDP_COMPOSE_TEST_TIMEOUT_SCALE`` (default 1), for machines loaded several times over.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ import multiprocessing.forkserver
 import os
 import pickle
 import random
+import resource
 import shutil
 import signal
 import sys
@@ -87,16 +93,21 @@ __all__ = [
     "WorkerDiedError",
     "pool_pids",
     "run_distributed",
+    "run_fresh",
     "run_nccl",
     "shutdown_pools",
 ]
 
-DEFAULT_TIMEOUT = 90.0  # seconds per run_distributed call
-STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 cores takes a while
+# Every timeout of the harness (a call's, the pool's start) is multiplied by this: on a
+# machine loaded several times over, FSDP_COMPOSE_TEST_TIMEOUT_SCALE=3 keeps a slow rank
+# from reading as a hung one. Collective timeouts inside the workers scale with it.
+TIMEOUT_SCALE = float(os.environ.get("FSDP_COMPOSE_TEST_TIMEOUT_SCALE", "1"))
+DEFAULT_TIMEOUT = 90.0  # seconds per run_distributed call, before TIMEOUT_SCALE
+STARTUP_TIMEOUT = 180.0 * TIMEOUT_SCALE  # forking and joining 4 workers on a loaded machine
 HEALTH_CHECK_TIMEOUT = 10.0
 DEATH_GRACE = 1.0  # after a worker dies, how long the others get to report
 FAILURE_GRACE = 5.0  # after a rank raises, how long the others get to report
-PG_TIMEOUT = timedelta(seconds=60)  # gloo collective timeout inside the workers
+PG_TIMEOUT = timedelta(seconds=60 * TIMEOUT_SCALE)  # gloo collective timeout inside the workers
 # Where the tests compute: "cpu" (the default suite) or "cuda" (make test-gpu).
 TEST_DEVICE = torch.device(os.environ.get("FSDP_COMPOSE_TEST_DEVICE", "cpu"))
 if TEST_DEVICE.type == "cuda":
@@ -520,6 +531,7 @@ def _run_on_pool(world_size: int, backend: str, fn: Callable[..., Any], args: tu
     pool = _pools.get(key)
     if pool is None:
         pool = _pools[key] = _Pool(world_size, backend)
+    timeout *= TIMEOUT_SCALE
     try:
         out = pool.call(fn, args, kwargs, timeout)
     except TypeError:
@@ -532,6 +544,63 @@ def _run_on_pool(world_size: int, backend: str, fn: Callable[..., Any], args: tu
     if out.failed:
         raise _make_error(f"{_describe_fn(fn)} on {world_size} rank(s)", out, timeout)
     return [out.replies[r][1] for r in range(world_size)]
+
+
+fresh_cpu_seconds = 0.0  # CPU used by run_fresh's processes so far (tests/_cputime.py adds it)
+
+
+def _fresh_main(conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                sys_path: list[str], environ: dict[str, str], origins: dict[str, str | None]) -> None:
+    sys.path[:] = sys_path
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _check_preloaded(origins)
+        torch.set_num_threads(1)
+        reply: tuple[bool, Any] = (True, _to_cpu(fn(*args, **kwargs)))
+    except BaseException:
+        reply = (False, traceback.format_exc())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    conn.send_bytes(pickle.dumps((*reply, usage.ru_utime + usage.ru_stime)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_fresh(fn: Callable[..., Any], /, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a new process forked from the fork server; its result.
+
+    The process is in a fresh interpreter's state at a fork's cost: torch, ``torch.distributed``
+    and ``fsdp_compose`` imported (``_PRELOAD``), nothing else run: no model built, no process
+    group, no step taken, ``torch._dynamo`` not imported. For what a process does once (its first
+    model, a process-wide setting). Raises as ``run_distributed`` does."""
+    global fresh_cpu_seconds
+    ctx = _context()
+    parent_conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_fresh_main, name="fresh",
+                       args=(child_conn, fn, args, kwargs, list(sys.path), dict(os.environ), _origins()))
+    proc.start()
+    child_conn.close()
+    what = f"{_describe_fn(fn)} in a fresh process"
+    timeout *= TIMEOUT_SCALE
+    try:
+        if not parent_conn.poll(timeout):
+            raise DistributedTimeoutError(f"{what} still running after {timeout:g} s")
+        try:
+            ok, value, cpu = pickle.loads(parent_conn.recv_bytes())
+        except EOFError:
+            proc.join(5.0)
+            raise WorkerDiedError(f"{what}: the process died, {_exit_description(proc.exitcode)}") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5.0)
+        parent_conn.close()
+    fresh_cpu_seconds += cpu
+    if not ok:
+        raise DistributedTestError(f"{what} failed:\n{value}")
+    return value
 
 
 def pool_pids(world_size: int) -> list[int | None]:

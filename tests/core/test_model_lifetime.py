@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests._models import tiny_gpt
-from tests.harness import run_distributed
+from tests.harness import run_distributed, run_fresh
 
 
 def _train_and_drop(mode: str, checkpoint_root: str) -> tuple:
@@ -94,17 +94,23 @@ def test_a_dropped_model_is_freed_by_one_collection(world_size: int, mode: str,
             f"rank {rank}: after one gc.collect(), model / block / optimizer freed: {freed}")
 
 
-FRESH_PROCESS = """
-import os, sys, tempfile
-import torch.distributed as dist
-sys.path.insert(0, os.getcwd())
-from tests.core.test_model_lifetime import dropped_after_one_collection
-with tempfile.TemporaryDirectory() as tmp:
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
-                            rank=0, world_size=1)
-    print(dropped_after_one_collection(sys.argv[1], os.path.join(tmp, "ckpt")))
-    dist.destroy_process_group()
-"""
+def first_model_of_this_process(mode: str) -> tuple[bool, bool, bool]:
+    """``dropped_after_one_collection`` in a process that has built no model
+    yet, on its own gloo group of one rank."""
+    import os
+    import sys
+    import tempfile
+
+    import torch.distributed as dist
+
+    assert "torch._dynamo" not in sys.modules  # imported by the first zero_grad: the case checked
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"),
+                                rank=0, world_size=1)
+        try:
+            return dropped_after_one_collection(mode, os.path.join(tmp, "ckpt"))
+        finally:
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["plain", "frozen"])
@@ -114,14 +120,8 @@ def test_the_first_model_of_a_process_is_freed_by_one_collection(mode: str) -> N
     wrappers); done while the step's graph is alive, a hook that holds the
     model strongly from autograd's C++ side then keeps it through a
     collection (plain torch does the same). The pool's workers have
-    imported it long before, hence a fresh interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, mode], capture_output=True,
-                            text=True, timeout=180, cwd=repository)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "(True, True, True)", (
-        f"after one gc.collect(), model / block / optimizer freed: {result.stdout.strip()}")
+    imported it long before, hence a fresh process (``run_fresh``: forked
+    from the harness's server, which has not imported it)."""
+    freed = run_fresh(first_model_of_this_process, mode, timeout=180)
+    assert freed == (True, True, True), (
+        f"after one gc.collect(), model / block / optimizer freed: {freed}")
