@@ -60,7 +60,11 @@ def chunks_to_flat(chunks: dict[int, torch.Tensor], layout: FlatLayout, group: S
 
 
 def checkpoint_placements(group: ShardGroup) -> tuple[Placement, ...]:
-    return (Replicate(), Shard(0)) if group.is_hybrid else (Shard(0),)
+    return _HYBRID_SHARD0 if group.is_hybrid else _SHARD0
+
+
+_SHARD0: tuple[Placement, ...] = (Shard(0),)  # placements are immutable: made once
+_HYBRID_SHARD0: tuple[Placement, ...] = (Replicate(), Shard(0))
 
 
 def as_checkpoint_value(chunk: torch.Tensor, shape: torch.Size, group: ShardGroup) -> torch.Tensor:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Iterator, Optional
+import functools
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
@@ -41,25 +42,26 @@ def has_pieces(buffer: FlatBuffer, index: int) -> bool:
 
 
 class ShardPieces:
-    """This rank's piece of one parameter's values, as DCP boxes over views of ``local``.
+    """This rank's piece of one parameter's values, as DCP boxes over ``local``; a box's view
+    is made only when DCP asks for it (:meth:`view_at`).
 
     Attributes:
         shape: the parameter's global shape.
         dtype: the values' dtype.
         local: the tensor holding the piece; ``None``: no state here.
-        boxes: ``(box, view of local)``, in increasing order.
+        boxes: ``(box, where)``, in increasing order: ``where`` is the box's first element in
+            ``local`` flattened, or ``None`` where the box is ``local`` itself (``Shard(d)``).
 
     Pickling raises: DCP's default planners would store it as bytes."""
 
-    __slots__ = ("shape", "dtype", "local", "boxes", "_at")
+    __slots__ = ("shape", "dtype", "local", "boxes")
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, local: Optional[torch.Tensor],
-                 boxes: list[tuple[Box, torch.Tensor]]) -> None:
+                 boxes: Sequence[tuple[Box, Optional[int]]]) -> None:
         self.shape: torch.Size = torch.Size(shape)
         self.dtype: torch.dtype = dtype
         self.local: Optional[torch.Tensor] = local
-        self.boxes: list[tuple[Box, torch.Tensor]] = boxes
-        self._at: dict[tuple[int, ...], torch.Tensor] = {b.offsets: t for b, t in boxes}
+        self.boxes: Sequence[tuple[Box, Optional[int]]] = boxes
 
     @classmethod
     def of(cls, buffer: FlatBuffer, index: int, local: Optional[torch.Tensor],
@@ -73,21 +75,18 @@ class ShardPieces:
             return cls(shape, dtype, None, [])
         s = buffer.local_slices()[index]
         if shape.numel() == 0:
-            return cls(shape, local.dtype, local, [(Box((0,) * len(shape), tuple(shape), 0),
-                                                    local.reshape(-1)[:0].view(shape))] if lead else [])
+            return cls(shape, local.dtype, local,
+                       [(Box((0,) * len(shape), tuple(shape), 0), 0)] if lead else [])
         dim = shard_dim(record)
         if dim is not None:  # Shard(d): one box in the parameter's own dim order
             lo = s.param_start // buffer.layout.row_numel(index) if s.length else 0
             rows = local.shape[dim] if s.length else 0
             return cls(shape, local.dtype, local,
-                       [(dim_box(shape, dim, lo, lo + rows), local)] if rows else [])
+                       [(dim_box(shape, dim, lo, lo + rows), None)] if rows else [])
         if s.length and not local.is_contiguous():
             raise AssertionError(f"[rank {buffer.group.rank}] the piece of '{record.fqn}' is not "
                                  "contiguous; it cannot be cut into box views")
-        flat = local.reshape(-1)
-        return cls(shape, local.dtype, local, [
-            (box, flat.narrow(0, box.flat_start - s.param_start, box.numel).view(box.sizes))
-            for box in range_boxes(shape, s.param_start, s.param_start + s.length)])
+        return cls(shape, local.dtype, local, _boxes_at(tuple(shape), s.param_start, s.length))
 
     def size(self) -> torch.Size:
         return self.shape
@@ -115,14 +114,26 @@ class ShardPieces:
         if local.stride() != self.local.stride():
             raise AssertionError(f"a staged copy has strides {local.stride()}, "
                                  f"not {self.local.stride()}")
-        base = self.local.storage_offset()
-        return ShardPieces(self.shape, self.dtype, local, [
-            (box, local.as_strided(t.shape, t.stride(),
-                                   local.storage_offset() + t.storage_offset() - base))
-            for box, t in self.boxes])
+        return ShardPieces(self.shape, self.dtype, local, self.boxes)
+
+    def views(self) -> Iterator[tuple[Box, torch.Tensor]]:
+        """``(box, view of local in the box's shape)``, in increasing order."""
+        for box, where in self.boxes:
+            yield box, self._view(box, where)
 
     def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
-        return exact_storage(self._at[tuple(offsets)])
+        """The box at ``offsets`` as a view of ``local``, of its own storage on the CPU
+        (:func:`exact_storage`)."""
+        offsets = tuple(offsets)
+        for box, where in self.boxes:
+            if box.offsets == offsets:
+                return exact_storage(self._view(box, where))
+        raise KeyError(f"no box of {self!r} starts at {offsets}")
+
+    def _view(self, box: Box, where: Optional[int]) -> torch.Tensor:
+        if where is None:  # Shard(d): the piece itself
+            return self.local
+        return self.local.reshape(-1).narrow(0, where, box.numel).view(box.sizes)
 
     def __reduce__(self):
         raise TypeError(
@@ -135,6 +146,15 @@ class ShardPieces:
     def __repr__(self) -> str:
         return (f"ShardPieces(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"boxes={[(b.offsets, b.sizes) for b, _ in self.boxes]})")
+
+
+@functools.lru_cache(maxsize=4096)
+def _boxes_at(shape: tuple[int, ...], start: int, length: int) -> tuple[tuple[Box, int], ...]:
+    """:func:`range_boxes` of elements ``[start, start + length)``, each with
+    its first element's offset in the piece (the same for every call of
+    ``state_dict()``: the layout does not change)."""
+    return tuple((box, box.flat_start - start)
+                 for box in range_boxes(shape, start, start + length))
 
 
 def exact_storage(view: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ def _shares_shard_memory(model_sd: dict) -> bool:
     pieces = [v for v in model_sd.values() if isinstance(v, ShardPieces)]
     storages = {p.local.untyped_storage().data_ptr() for p in pieces}
     views = all(t.untyped_storage().data_ptr() == p.local.untyped_storage().data_ptr()
-                for p in pieces for _, t in p.boxes)
+                for p in pieces for _, t in p.views())
     return bool(pieces) and views and len(storages) < len(pieces)
 
 
