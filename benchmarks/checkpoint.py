@@ -6,10 +6,16 @@ blocks the training loop.
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint            # default model
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint --rounds 2 --layers 2
     torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint --same-model --rounds 3
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint --same-model --model large-vocab
+
+``--model`` (:data:`MODELS`): ``default``, the 36M-parameter GPT (6 blocks
+of width 512, vocabulary 16,384: the embedding and the head are 47% of the
+parameters, ``benchmarks.run``'s default); ``large-vocab``, the same blocks
+with GPT-2's vocabulary (50,304: 74%); ``many-small``, ``benchmarks.run``'s
+48 blocks of width 64 (per-parameter work dominates).
 
 ``--same-model``: the saves of a training job instead: each implementation
-is built once (the 36M-parameter GPT: 6 blocks of width 512, vocabulary
-16,384) and trained one AdamW step, then each round times
+is built once and trained one AdamW step, then each round times
 ``get_state_dict`` + ``dcp.save`` to a fresh directory, the implementations
 alternating (the order turning each round); median over rounds and ranks,
 with the ``get_state_dict`` part apart and each part's CPU time (the
@@ -27,7 +33,8 @@ rotating), trains one step so AdamW has state, then times
   ``flat_state_dict`` + ``dcp.load(..., planner=FlatLoadPlanner())`` +
   ``set_state_dict``),
 
-and the per-rank memory each adds: torch-allocated bytes are not tracked on
+each one's wall and CPU time (the process's, which machine load moves less
+than the wall clock; medians over rounds and ranks), and the per-rank memory each adds: torch-allocated bytes are not tracked on
 the CPU, so the measure is the process's resident-set high-water mark
 (``VmHWM``, reset through ``/proc/self/clear_refs`` before each operation)
 minus the resident set just before it, the median over rounds of the
@@ -56,8 +63,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +77,15 @@ from fsdp_compose.checkpoint import (CheckpointStore, FlatLoadPlanner, FlatSaveP
 from fsdp_compose.testing import GPT, GPTConfig
 from benchmarks.impls import BUILDERS
 
+MODELS: dict[str, GPTConfig] = {
+    # benchmarks.run's default: the 36M GPT, 6 blocks of width 512; the embedding
+    # and the head are 47% of the parameters
+    "default": GPTConfig(vocab_size=16384, seq_len=128, d_model=512, n_heads=8, n_layers=6),
+    # GPT-2's vocabulary (padded to 64) on the same blocks: 70M, embedding and head 74%
+    "large-vocab": GPTConfig(vocab_size=50304, seq_len=128, d_model=512, n_heads=8, n_layers=6),
+    # benchmarks.run's many-small: 48 blocks of width 64, where per-parameter work dominates
+    "many-small": GPTConfig(vocab_size=512, seq_len=128, d_model=64, n_heads=4, n_layers=48),
+}
 IMPLS = ("fsdp_compose", "fsdp_compose flat", "fsdp2")
 FLAT = "fsdp_compose flat"
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint.json"
@@ -82,19 +99,26 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measured(fn: Callable[[], object]) -> tuple[float, int]:
-    """(seconds, resident-set growth in bytes) of ``fn`` on this rank, after
-    every rank is ready (the barrier is not timed)."""
+class Measured(NamedTuple):
+    seconds: float  # wall clock, the closing barrier included
+    cpu_seconds: float  # this process's CPU time (machine load moves it less)
+    rss_growth: int  # bytes
+
+
+def measured(fn: Callable[[], object]) -> Measured:
+    """Wall and CPU seconds and resident-set growth of ``fn`` on this rank,
+    after every rank is ready (the opening barrier is not timed)."""
     gc.collect()
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current VmRSS
     before = _status_kib("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - cpu
     dist.barrier()
     seconds = time.perf_counter() - start
-    return seconds, (_status_kib("VmHWM") - before) * 1024
+    return Measured(seconds, cpu, (_status_kib("VmHWM") - before) * 1024)
 
 
 def build(cfg: GPTConfig, name: str, seed: int):
@@ -135,7 +159,7 @@ def one_round(cfg: GPTConfig, name: str, root: Path) -> dict[str, float]:
         msd, osd = get_state_dict(model, optim)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
 
-    save_s, save_bytes = measured(save)
+    saved_run = measured(save)
     saved = full_values(model)
     fresh, fresh_optim = build(cfg, name, seed=2)
 
@@ -149,12 +173,14 @@ def one_round(cfg: GPTConfig, name: str, root: Path) -> dict[str, float]:
             dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path))
         set_state_dict(fresh, fresh_optim, model_state_dict=msd, optim_state_dict=osd)
 
-    load_s, load_bytes = measured(load)
+    loaded_run = measured(load)
     loaded = full_values(fresh)
     if any(not torch.equal(loaded[k], saved[k]) for k in saved):
         raise AssertionError(f"{name}: loaded values differ from the saved ones")
-    return {"save_s": save_s, "save_rss_growth": save_bytes,
-            "load_s": load_s, "load_rss_growth": load_bytes}
+    return {"save_s": saved_run.seconds, "save_cpu_s": saved_run.cpu_seconds,
+            "save_rss_growth": saved_run.rss_growth,
+            "load_s": loaded_run.seconds, "load_cpu_s": loaded_run.cpu_seconds,
+            "load_rss_growth": loaded_run.rss_growth}
 
 
 def async_round(cfg: GPTConfig, root: Path, stores: tuple[CheckpointStore, CheckpointStore],
@@ -169,11 +195,11 @@ def async_round(cfg: GPTConfig, root: Path, stores: tuple[CheckpointStore, Check
         msd, osd = flat_state_dict(model, optim)
         return {"model": msd, "optim": osd}
 
-    sync_s, _ = measured(lambda: sync_store.save(step, state()))
-    block_s, block_bytes = measured(lambda: async_store.save(step, state()))
-    wait_s, _ = measured(async_store.wait)
-    return {"sync_save_s": sync_s, "async_block_s": block_s, "async_block_rss_growth": block_bytes,
-            "async_wait_s": wait_s}
+    sync = measured(lambda: sync_store.save(step, state()))
+    block = measured(lambda: async_store.save(step, state()))
+    wait = measured(async_store.wait)
+    return {"sync_save_s": sync.seconds, "async_block_s": block.seconds,
+            "async_block_rss_growth": block.rss_growth, "async_wait_s": wait.seconds}
 
 
 def same_model_saves(cfg: GPTConfig, root: Path, rounds: int) -> dict[str, list[dict[str, float]]]:
@@ -233,9 +259,11 @@ def _same_model_main(args: argparse.Namespace, cfg: GPTConfig, root: Path) -> No
         print("| " + " | ".join(row) + " |")
     if args.record:
         from benchmarks.record import write_record
+        suffix = "" if args.model == "default" else f"-{args.model}"
         write_record(
-            "checkpoint-same-model", order=5,
-            question="Checkpoint save of one trained model, round after round (the 36M GPT)",
+            "checkpoint-same-model" + suffix, order=5,
+            question="Checkpoint save of one trained model, round after round "
+                     f"(GPT {cfg.n_layers} x {cfg.d_model}, vocabulary {cfg.vocab_size})",
             command="torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint "
                     + " ".join(sys.argv[1:]),
             calibration="not measured with this run; the ratios are to FSDP2 in the same rounds",
@@ -248,7 +276,9 @@ def _same_model_main(args: argparse.Namespace, cfg: GPTConfig, root: Path) -> No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--model", choices=list(MODELS), default="default",
+                   help="default: the 36M GPT (vocabulary 16,384); large-vocab: 50,304")
+    p.add_argument("--layers", type=int, default=None, help="overrides the model's blocks")
     p.add_argument("--same-model", action="store_true",
                    help="build each implementation once and time its saves round after round "
                         "(get_state_dict + dcp.save to a fresh directory; no load)")
@@ -259,7 +289,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab_size=16384, seq_len=128, d_model=512, n_heads=8, n_layers=args.layers)
+    cfg = replace(MODELS[args.model], n_layers=args.layers or MODELS[args.model].n_layers)
     root = Path(tempfile.gettempdir()) / f"fsdp_compose_ckpt_bench_{os.getppid()}"
     if args.same_model:
         _same_model_main(args, cfg, root)
@@ -286,7 +316,7 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
             "torch": torch.__version__, "summary": summary, "per_rank": per_rank}, indent=1))
         if args.record:
-            _record(summary)
+            _record(summary, args.model)
     dist.destroy_process_group()
 
 
@@ -305,8 +335,10 @@ def summarize(per_rank: list[dict[str, list[dict[str, float]]]]) -> dict[str, di
                        for runs in per_rank) / 2**20
         out[name] = {
             "save_ms": statistics.median(s["save_s"] for s in samples) * 1e3,
+            "save_cpu_ms": statistics.median(s["save_cpu_s"] for s in samples) * 1e3,
             "save_rss_growth_mib": growth("save_rss_growth"),
             "load_ms": statistics.median(s["load_s"] for s in samples) * 1e3,
+            "load_cpu_ms": statistics.median(s["load_cpu_s"] for s in samples) * 1e3,
             "load_rss_growth_mib": growth("load_rss_growth"),
         }
     samples = [run for runs in per_rank for run in runs["async"]]
@@ -317,18 +349,21 @@ def summarize(per_rank: list[dict[str, list[dict[str, float]]]]) -> dict[str, di
     return out
 
 
-def _record(summary: dict[str, dict[str, float]]) -> None:
+def _record(summary: dict[str, dict[str, float]], model: str) -> None:
     from benchmarks.record import write_record
     base, a = summary["fsdp2"], summary["async"]
     write_record(
-        "checkpoint", order=5,
-        question="Checkpoint save and load through DCP (default model after one AdamW step)",
+        "checkpoint" + ("" if model == "default" else f"-{model}"), order=5,
+        question=f"Checkpoint save and load through DCP ({model} model after one AdamW step)",
         command="torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint " + " ".join(sys.argv[1:]),
         calibration="not measured with this run; the ratios are to FSDP2 in the same rounds",
-        columns=["", "save", "save: RSS growth", "load", "load: RSS growth"],
+        columns=["", "save", "save: CPU", "save: RSS growth", "load", "load: CPU",
+                 "load: RSS growth"],
         rows=[[name, f"{m['save_ms']:.0f} ms ({m['save_ms'] / base['save_ms']:.2f}x)",
+               f"{m['save_cpu_ms']:.0f} ms ({m['save_cpu_ms'] / base['save_cpu_ms']:.2f}x)",
                f"{m['save_rss_growth_mib']:.0f} MiB",
                f"{m['load_ms']:.0f} ms ({m['load_ms'] / base['load_ms']:.2f}x)",
+               f"{m['load_cpu_ms']:.0f} ms ({m['load_cpu_ms'] / base['load_cpu_ms']:.2f}x)",
                f"{m['load_rss_growth_mib']:.0f} MiB"] for name, m in summary.items() if name != "async"],
         notes=["RSS growth: after a warm-up round, the median over rounds of the largest "
                "rank; it moves with what the allocator kept from earlier work. In tensor bytes "
@@ -344,13 +379,16 @@ def _record(summary: dict[str, dict[str, float]]) -> None:
 def _print_table(summary: dict[str, dict[str, float]], cfg: GPTConfig, world: int) -> None:
     print(f"checkpoint save/load, GPT {cfg.n_layers} layers d{cfg.d_model} vocab "
           f"{cfg.vocab_size}, {world} ranks, AdamW state, DCP to local disk")
-    print(f"{'':18}{'save ms (/fsdp2)':>18}{'+RSS':>12}{'load ms (/fsdp2)':>17}{'+RSS':>12}")
+    print(f"{'':18}{'save ms (/fsdp2)':>18}{'CPU ms (/fsdp2)':>18}{'+RSS':>12}"
+          f"{'load ms (/fsdp2)':>17}{'CPU ms (/fsdp2)':>18}{'+RSS':>12}")
     base = summary["fsdp2"]
     for name in IMPLS:
         m = summary[name]
         print(f"{name:18}{m['save_ms']:9.0f} ({m['save_ms'] / base['save_ms']:.2f}x)"
+              f"{m['save_cpu_ms']:11.0f} ({m['save_cpu_ms'] / base['save_cpu_ms']:.2f}x)"
               f"{m['save_rss_growth_mib']:8.0f} MiB"
               f"{m['load_ms']:9.0f} ({m['load_ms'] / base['load_ms']:.2f}x)"
+              f"{m['load_cpu_ms']:11.0f} ({m['load_cpu_ms'] / base['load_cpu_ms']:.2f}x)"
               f"{m['load_rss_growth_mib']:8.0f} MiB")
     a = summary["async"]
     print(f"CheckpointStore (zero-copy state): synchronous save {a['sync_save_ms']:.0f} ms; "
