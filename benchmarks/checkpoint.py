@@ -316,7 +316,7 @@ def main() -> None:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
             "torch": torch.__version__, "summary": summary, "per_rank": per_rank}, indent=1))
         if args.record:
-            _record(summary, args.model)
+            _record(summary, args.model, cfg)
     dist.destroy_process_group()
 
 
@@ -349,12 +349,13 @@ def summarize(per_rank: list[dict[str, list[dict[str, float]]]]) -> dict[str, di
     return out
 
 
-def _record(summary: dict[str, dict[str, float]], model: str) -> None:
+def _record(summary: dict[str, dict[str, float]], model: str, cfg: GPTConfig) -> None:
     from benchmarks.record import write_record
     base, a = summary["fsdp2"], summary["async"]
     write_record(
         "checkpoint" + ("" if model == "default" else f"-{model}"), order=5,
-        question=f"Checkpoint save and load through DCP ({model} model after one AdamW step)",
+        question=f"Checkpoint save and load through DCP (GPT {cfg.n_layers} x {cfg.d_model}, "
+                 f"vocabulary {cfg.vocab_size}, after one AdamW step)",
         command="torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint " + " ".join(sys.argv[1:]),
         calibration="not measured with this run; the ratios are to FSDP2 in the same rounds",
         columns=["", "save", "save: CPU", "save: RSS growth", "load", "load: CPU",
@@ -369,8 +370,7 @@ def _record(summary: dict[str, dict[str, float]], model: str) -> None:
                "rank; it moves with what the allocator kept from earlier work. In tensor bytes "
                "the load allocates the optimizer state and nothing else, FSDP2's also its zero "
                "step's gradients and temporaries: 71,000 vs 177,920 bytes on rank 0 of "
-               "`tests/checkpoint/test_checkpoint_load_memory.py` (3 ranks, uneven shapes), 136 vs 237 MiB "
-               "at the peak on this model (the profiler's allocation events).",
+               "`tests/checkpoint/test_checkpoint_load_memory.py` (3 ranks, uneven shapes).",
                f"Async (`CheckpointStore(async_save=True)`): a synchronous save took "
                f"{a['sync_save_ms']:.0f} ms; the async save blocked for {a['async_block_ms']:.0f} ms "
                f"and finished {a['async_wait_ms']:.0f} ms later."])
