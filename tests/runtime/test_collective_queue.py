@@ -3,7 +3,10 @@ every all-gather and reduce-scatter the backend runs was issued as one
 ``InFlight`` (an ``issue`` in the queue's event log) and told to the observer first, bucketed, prefetched or
 called by hand (``module.unshard()``)."""
 
+import ast
+import re
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -115,3 +118,32 @@ def test_a_manual_unshard_stays_within_the_in_flight_limit():
                                                             limit):
             assert 0 < in_flight <= limit, (limit, in_flight)
             assert unsharded and shapes == reference
+
+
+WIRE_WORDS = re.compile(r"custom|comms|quantiz", re.I)
+"""How the queue's code would name a wire format: a user's collectives
+(``set_custom_all_gather``, ``CommPolicy``'s comms) or a quantized one."""
+
+
+def wire_decisions(source: str) -> list[int]:
+    """The lines of ``source`` whose condition (``if``, ``while``, a
+    conditional expression, ``match``) names a wire format."""
+    tree = ast.parse(source)
+    return sorted({node.test.lineno if hasattr(node, "test") else node.subject.lineno
+                   for node in ast.walk(tree)
+                   if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Match))
+                   and WIRE_WORDS.search(ast.get_source_segment(
+                       source, node.test if hasattr(node, "test") else node.subject) or "")})
+
+
+def test_the_queue_never_asks_how_a_collective_goes_on_the_wire() -> None:
+    """The buffer's wire (``comm/wire.py``) issues every collective; the
+    queue holds no branch on the format (19 such lines before the wires)."""
+    import fsdp_compose.runtime.collective_queue as queue
+
+    planted = "if buffer.custom_all_gather is not None:\n    pass\nx = a if quantized else b\n"
+    assert wire_decisions(planted) == [1, 3]  # the count can fail
+    source = Path(queue.__file__).read_text()
+    assert wire_decisions(source) == [], (
+        f"runtime/collective_queue.py decides the wire format at lines {wire_decisions(source)}: "
+        "let the buffer's wire (comm/wire.py) decide")
