@@ -50,17 +50,20 @@ class ShardedCommMethods:
 
     def set_custom_all_gather(self, comm: object) -> None:
         """Route every all-gather of this unit through ``comm``, which has the
-        protocol of torch's private ``AllGather`` (``allocate(size, *, dtype,
-        device)``, ``__call__(output_tensor, input_tensor, group, async_op)``;
-        subclassing is optional). See [Note: custom collectives]. ``TypeError``
-        without that protocol, ``ValueError`` on a unit with quantized collectives."""
+        protocol of torch's ``AllGather`` (``allocate(size, *, dtype, device)``,
+        ``__call__(output_tensor, input_tensor, group, async_op)``); torch keeps
+        it private, as ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``,
+        and subclassing it is optional. See [Note: custom collectives].
+        ``TypeError`` without that protocol, ``ValueError`` on a unit with
+        quantized collectives."""
         comms = _custom_slot(self, comm, "set_custom_all_gather")
         comms.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: object) -> None:
         """The same for gradient reduce-scatters, with the protocol of torch's
-        private ``ReduceScatter`` (``__call__(output_tensor, input_tensor, group,
-        op, async_op)``, op ``SUM`` or ``AVG``)."""
+        private ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``
+        (``__call__(output_tensor, input_tensor, group, op, async_op)``, op
+        ``SUM`` or ``AVG``)."""
         comms = _custom_slot(self, comm, "set_custom_reduce_scatter")
         comms.reduce_scatter = comm
 
