@@ -1,15 +1,15 @@
 """Stretches of a shard that the flat optimizer step updates as one tensor.
 
-A *segment* is a stretch of one flat buffer's shard holding parameters of one family back to
-back, its per-element state one flat tensor per state name, each parameter's state a view of
-it. Each step cuts a segment into *runs* of parameters whose ``.grad`` is their piece of one
-flat gradient, whose state is this segment's views (other state is copied in: *adopted*), and
-that took the same number of steps. Padding between members is stepped with them and stays
-zero.
+A *segment* is a stretch of one shard holding parameters of one family back
+to back, its state one flat tensor per state name, each parameter's state a
+view of it. Each step cuts a segment into *runs* of parameters whose
+``.grad`` is a piece of one flat gradient, whose state is the segment's
+views (other state is copied in: *adopted*), and of one step count.
+Padding between members is stepped with them and stays zero.
 
-Invariant: for every member ``i`` with ``installed[i]``, ``optimizer.state[param] is
-installed[i]``, its values view ``flats``, and ``ages[i]`` is its ``step``; other state is
-adopted again or left to torch.
+Invariant: for every member ``i`` with ``installed[i]``,
+``optimizer.state[param] is installed[i]``, its values view ``flats``, and
+``ages[i]`` is its ``step``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from .rules import Rule, RunTensors
 _grad_of = operator.attrgetter("grad")
 
 CPU_RUN_CAP = 1 << 18
-"""CPU runs of several parameters stop at 2^18 elements: a for-loop step passes over whole-run
-temporaries several times, fastest while they fit the caches."""
+"""CPU runs of several parameters stop at 2^18 elements: a for-loop step
+passes over whole-run temporaries several times, fastest in cache."""
 
 
 class Run(NamedTuple):
@@ -119,10 +119,9 @@ class Segment:
         return self.ages[member]
 
     def lay_first_state(self, member: int, names: tuple[str, ...], opt_state: dict) -> None:
-        """Give the member the state torch's first step starts from (zeros,
-        ``step`` 0) as views of the flat state, not installed: torch's own
-        first step writes into them, and the next flat step adopts them
-        without a copy (``_adopt`` finds its own views)."""
+        """Give the member torch's first-step state (zeros, ``step`` 0) as views
+        of the flat state, not installed: torch's first step writes into them and
+        the next flat step adopts them without a copy."""
         self._allocate(names)
         state = {"step": torch.tensor(0.0, dtype=optimizer_scalar_dtype())}
         state.update((name, self.state_view(name, member)) for name in names)
