@@ -2,13 +2,12 @@
 inside a ``with`` block (FSDP1's ``summon_full_params``).
 
 [Note: full_params]
-Entering all-gathers the held units' buffers in the parameters' own dtype
-and points each ``.data`` at its whole view (identity and names kept).
-Leaving with ``writeback=True`` first checks, with one tiny all-gather per
-unit, that every rank holds the same values, then each rank copies its
-slice into its shard. ``writeback=False`` or an exception restores the
-shards without any collective (a rank raising alone must not leave the
-others waiting). The whole model must fit on one rank.
+Entering all-gathers the held units in the parameters' own dtype and points
+each ``.data`` at its whole view (identity kept). Leaving with
+``writeback=True`` first checks, with one small all-gather per unit, that
+every rank holds the same values, then each rank copies its slice into its
+shard. ``writeback=False`` or an exception restores the shards without any
+collective (a rank raising alone must not leave the others waiting).
 """
 
 from __future__ import annotations
