@@ -7,18 +7,17 @@ With ``set_manual_backward_finalization(True)`` on the root, every backward
 ends as under ``set_is_last_backward(False)``: units reshard, reductions stay
 in flight, nothing reaches ``.grad``. ``finalize_backward()``, on every rank
 at the same point, waits the reduce-scatters, issues per buffer the one
-replica all-reduce that ``set_requires_all_reduce(False)`` deferred (FSDP2
-refuses this case), and then (at once, or at the ``wait()`` of the handle
-``async_op=True`` returns) waits those, publishes the gradients and ends the
-step. Until then the gradients are not readable. With no backward since the
-last finalization it does nothing.
+replica all-reduce that ``set_requires_all_reduce(False)`` deferred, and
+then (at once, or at the returned handle's ``wait()``) publishes the
+gradients and ends the step. With no backward since the last finalization
+it does nothing.
 
 [Note: pending gradients]
 Between a step's backwards the unreduced gradients are readable and
-writable in place, without communication (:func:`pending_gradients`): one
-kept by ``set_requires_gradient_sync(False)`` is this rank's sum over its
-micro-batches, full shape; one kept by ``set_requires_all_reduce(False)`` is
-this rank's reduce-scattered piece, not yet all-reduced over replicas.
+writable in place, without communication: one kept by
+``set_requires_gradient_sync(False)`` is this rank's full-shape sum over its
+micro-batches; one kept by ``set_requires_all_reduce(False)`` is this rank's
+reduce-scattered piece, not yet all-reduced over replicas.
 ``synchronize_gradients`` reduces and publishes both; ``zero_grad`` drops
 both.
 """

@@ -1,13 +1,11 @@
 """The flat optimizer step: each flat buffer's shard is stepped as a few tensors instead of one
 per parameter, bitwise with torch's numbers (the default from an optimizer's second step on).
 
-Parameters of a family of param groups (``rules.py``) lying back to back in a shard are
-stepped as one tensor per run (``segments.py``) by one call into torch's own functional
-optimizer, with the kernels torch would choose. The state stays per parameter (views of flat
-state tensors), so state dicts are unchanged. What it cannot take (unmanaged parameters, a
-``.grad`` set by hand, ``fused``/``capturable``/``differentiable`` groups, a tensor ``lr``,
-other classes...) goes to torch's step. The default's first step is torch's own, into flat
-state laid out beforehand, adopted at the second without a copy.
+Parameters of a family of param groups (``rules.py``) lying back to back are stepped as one
+tensor per run (``segments.py``) by one call into torch's own functional optimizer. The state
+stays per parameter (views of flat state tensors), so state dicts are unchanged. What it
+cannot take goes to torch's step (:attr:`StepReport.reasons`). The default's first step is
+torch's own, into flat state laid out beforehand.
 """
 
 from __future__ import annotations

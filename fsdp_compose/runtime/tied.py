@@ -2,27 +2,18 @@
 units (a tied input embedding and output head in units of their own).
 
 [Note: tied parameters across units]
-The unit annotated first (the *owner*) takes the parameter into its buffer;
-a later unit whose modules also hold it (the *borrower*) adds the borrowing
-module's attribute as one more slot of the owner's buffer
-(``FlatBuffer.add_slot``), as a weight tied inside one unit has two slots, so
-one ``nn.Parameter`` stays registered in both modules. The borrowing
-module's forward hooks unshard the owner through its own idempotent path
-and hold it (``Unit.tied_holds``) until the module's forward ends; a
-recorded forward makes the views node anew first, so every use's gradient
-arrives in the owner's one flat gradient.
-
-Backward needs no counting: every use feeds the same leaf, and autograd
-runs a leaf's accumulation once, after every node that feeds it, so the
-owner's post-backward hook runs once, after the last use, with the sum. The
-borrower's output carries a pre-backward hook that unshards the owner again
-if needed.
-
-When the borrowing forward ends, the owner reshards as its own forward's
-end would (``Unit.release_after_tied_use``), except while the owner keeps
-its parameters for backward, or where the borrower (the root) keeps its own
-for backward, next: one all-gather then serves both. A borrower's
-all-gather is not prefetched.
+The unit annotated first (the *owner*) holds the parameter; a later unit's
+module registering it too (the *borrower*) becomes one more slot of the
+owner's buffer (``FlatBuffer.add_slot``), as a weight tied inside one unit,
+so one ``nn.Parameter`` stays registered in both modules. The borrowing
+module's forward hooks unshard the owner (idempotent) and hold it until the
+module's forward ends; a recorded forward makes the views node anew, so
+every use's gradient reaches the owner's one flat gradient. Backward needs
+no counting: autograd accumulates a leaf once, after every node feeding it,
+so the owner's post-backward hook runs once with the sum. After the
+borrowing forward the owner reshards as its own forward's end would, unless
+either unit keeps its parameters for backward (one all-gather then serves
+both). A borrower's all-gather is not prefetched.
 """
 
 from __future__ import annotations
