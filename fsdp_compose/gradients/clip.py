@@ -256,7 +256,7 @@ def _all_reduce(vec: torch.Tensor, op: dist.ReduceOp, group: ShardGroup) -> torc
 
 
 def _max_with_nan_flag(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``[max ignoring nan, 1 if any nan]`` (gloo's MAX does not propagate nan reliably)."""
+    """``[max ignoring nan, 1 if any nan]`` (gloo's MAX does not propagate nan)."""
     acc = _acc_dtype(device)
     if not norms:
         return torch.zeros(2, dtype=acc, device=device)
@@ -323,7 +323,7 @@ def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
 def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Tensor]],
                      p: float, foreach: Optional[bool],
                      need_presence: bool) -> list[Optional[torch.Tensor]]:
-    """Full norm of each ``tensors[i]``; one all-reduce per distinct process group."""
+    """Full norm of each ``tensors[i]``; one all-reduce per process group."""
     groups, unmanaged = _partition(params)
     _meet(groups, "fsdp_compose.param_norms")
     inf = math.isinf(p)

@@ -3,17 +3,16 @@
 [Note: the simulated step]
 A step is a list of moments in the library's order; ``total_peak`` is the
 largest. Forward of unit i holds the root, the kept units, unit i and the
-next ``prefetch`` units in flight; backward, in reverse, the same plus unit
-i's per-parameter gradients, the flat gradient they are concatenated into,
-and one reduce-scatter in flight. A bucket ([Note: bucketing]) gathers all
-members at once, counted as one prefetch; in backward the first bucket
-reached is gathered unit by unit. Assembled copies ([Note: assembled
-copies]) count while their unit is unsharded; gradient shards from their
-reduce-scatter on, activations from a unit's forward to its backward. Under
-gloo each all-gather in flight stages a copy of its output, and the staging
-pool keeps each unsharded size at its high-water mark until its last
-all-gather ([Note: releasing what no fill will take]). Not estimated:
-clones gloo sometimes keeps into the next step.
+next ``prefetch`` units; backward, in reverse, the same plus unit i's
+per-parameter and flat gradients and one reduce-scatter in flight. A bucket
+([Note: bucketing]) is gathered at once and counts as one prefetch; in
+backward the first bucket reached is gathered unit by unit. Assembled
+copies ([Note: assembled copies]) count while their unit is unsharded,
+gradient shards from their reduce-scatter on, activations from a unit's
+forward to its backward. Under gloo each all-gather in flight stages a copy
+of its output, and the staging pool keeps each unsharded size at its
+high-water mark until its last all-gather ([Note: releasing what no fill
+will take]). Not estimated: clones gloo sometimes keeps into the next step.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .units import UnitSpec
 
 
 class UnitPlan(NamedTuple):
-    """Bytes of one unit on rank 0 ([Note: the simulated step])."""
+    """Bytes of one unit on rank 0."""
 
     name: str
     sharded: int
@@ -208,7 +207,7 @@ class Step:
         return sum(sum(self.plans[j].unsharded) for j in group)
 
     def _reducing(self, group: list[int]) -> int:
-        """What ``group``'s reduce-scatter keeps alive while in flight."""
+        """What ``group``'s reduce-scatter keeps alive in flight."""
         plans = self.plans
         extra = sum(plans[j].reduce_extra for j in group)
         if len(group) == 1:
