@@ -27,17 +27,13 @@ class ParamRecord:
     Attributes:
         param: the original ``nn.Parameter`` (identity kept).
         slots: every ``(module, attribute)`` registering it in the unit.
-        fqn: its name relative to the outermost annotated module seen so far.
+        fqn: its name relative to the outermost annotated module so far.
         shape: its original shape (TP-local for a tensor-parallel parameter).
-        tp: what a tensor-parallel parameter needs to be presented as a
-            ``DTensor`` again (``tensor_parallel.py``); else ``None``.
+        tp: how to present a tensor-parallel parameter as a ``DTensor`` again.
         placement: where rank boundaries may fall in it (``layout.py``).
-        group: the ranks its buffer shards over when not its unit's
-            (``shard_placement_fn`` named another mesh).
-        own_buffer: it has a flat buffer of its own
-            (``setup/default_placement.split_whole_pieces``).
-        keeps_dtype: computed in its own dtype, not ``param_dtype``
-            (:func:`apply_dtype_overrides`)."""
+        group: the ranks its buffer shards over when not its unit's.
+        own_buffer: it has a flat buffer of its own.
+        keeps_dtype: computed in its own dtype, not ``param_dtype``."""
 
     param: nn.Parameter
     slots: list[tuple[nn.Module, str]]

@@ -34,12 +34,11 @@ class ShardedFinalizationMethods:
         state.change_model_setting("manual_finalization", bool(enabled))
 
     def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
-        """Complete every reduction of the step's backwards (under hybrid sharding
-        also the replica all-reduce ``set_requires_all_reduce(False)`` deferred)
-        and publish ``.grad``. With ``async_op=True``, return a
+        """Complete every reduction of the step's backwards and publish ``.grad``
+        ([Note: manual finalization]). With ``async_op=True``, return a
         :class:`GradientReductionHandle` to ``wait()`` on before reading the
-        gradients; else ``None``. On the root, after the step's last backward,
-        on every rank. ``RuntimeError`` without
+        gradients; else ``None``. On the root, after the step's last backward, on
+        every rank. ``RuntimeError`` without
         ``set_manual_backward_finalization(True)`` or while the previous handle
         is not waited."""
         context = check_root_between_backwards(own_state(self), "finalize_backward")

@@ -129,11 +129,10 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
 
     def set_bucket_cap_mb(self, bucket_cap_mb: float) -> None:
         """Gather and reduce consecutive units (forward order) of at most
-        ``bucket_cap_mb`` MiB unsharded in one collective each, in buckets of
-        at most that size, for the whole model (default
-        ``DEFAULT_BUCKET_CAP_MB``, 2; ``0`` turns it off). Same numbers bit
-        for bit (docs/performance.md). Call it on every rank; it takes effect
-        at the next root forward, after the two verified first steps."""
+        ``bucket_cap_mb`` MiB unsharded together, in buckets of at most that size,
+        for the whole model (default ``DEFAULT_BUCKET_CAP_MB``, 2; ``0``: off).
+        Same numbers bit for bit. Call it on every rank; it applies from the next
+        root forward after the two verified first steps."""
         cap = float(bucket_cap_mb)
         cap_bytes(cap, where=f"set_bucket_cap_mb on {_own_state(self).unit.name}: ")
         _own_state(self).change_model_setting("bucket_cap_mb", cap)
@@ -179,8 +178,8 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
             state.change_unit_setting("force_sum", bool(enable))
 
     def reset_iter_state(self) -> None:
-        """Recover from an exception that aborted a forward or backward on
-        every rank. Call it on the root before the next iteration::
+        """Recover from an exception that aborted a forward or backward on every
+        rank. Call it on the root before the next iteration::
 
             try:
                 model.loss(x, y).backward()
@@ -188,45 +187,40 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
                 model.reset_iter_state()
                 optim.zero_grad()
 
-        Waits for the collectives in flight, reshards every unit and clears
-        the iteration's state (training states, partial forward order,
-        unreduced and pending gradients). ``.grad`` keeps what earlier
-        iterations published, possibly plus a reduction that completed
-        before the exception: zero it. Uncalled, the root's next forward
-        does it with a warning; ``optimizer.step()`` before either raises."""
+        Waits for the collectives in flight, reshards every unit and clears the
+        iteration's state. ``.grad`` keeps what earlier iterations published,
+        possibly plus a reduction completed before the exception: zero it.
+        Uncalled, the root's next forward does it with a warning;
+        ``optimizer.step()`` before either raises."""
         _own_state(self).reset_iter_state()
 
     def set_check_finite_gradients(self, enabled: bool) -> None:
-        """With ``True`` (default off), every last backward checks the whole
-        model's gradients and raises ``RuntimeError`` on every rank naming
-        the first parameter whose gradient holds a nan or inf on some rank
-        (one all-reduce and one host sync per step). The model stays usable:
-        zero the gradients and skip the step. On demand:
-        :func:`fsdp_compose.check_finite_gradients`."""
+        """With ``True`` (default off), every last backward checks the model's
+        gradients and raises ``RuntimeError`` on every rank naming the first
+        parameter holding a nan or inf on some rank (one all-reduce and host sync
+        per step). The model stays usable: zero the gradients, skip the step."""
         _own_state(self).change_model_setting(
             "after_last_backward", check_finite_gradients if enabled else None)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
-        """With ``True``, every rank reduces all of these units' gradients in
-        every synced backward (zero where its backward gave none), so a unit
-        whose output reaches the loss on some ranks only (mixture of experts)
-        stays correct. The reductions wait for the end of backward and the
-        units stay unsharded until then (no backward all-gather). Parameters
+        """With ``True``, every rank reduces all of these units' gradients in every
+        synced backward (zero where its backward gave none), so a unit reaching
+        the loss on some ranks only (mixture of experts) stays correct. The units
+        stay unsharded until the end of backward, where they reduce. Parameters
         no rank used keep ``.grad is None``. Every rank must still run every
-        unit's forward (``set_check_rank_divergence`` detects otherwise)."""
+        unit's forward."""
         for state in _states(self, recurse):
             state.change_unit_setting("reduce_scatter_unused_params",
                                       bool(reduce_scatter_unused_params))
 
     def set_check_rank_divergence(self, enable: Optional[bool]) -> None:
-        """Whether to verify before every collective that all ranks issue it
-        for the same unit (one small blocking all-gather each), raising on
-        every rank with what each was about to run. ``None`` (default): for
-        the first two training iterations (at most 8 root forwards without
-        gradients), or always with ``FSDP_COMPOSE_CHECK_ORDER=1``; ``True``:
-        always; ``False``: never, and no [Note: forward agreement] either.
-        Call it on the root; it takes effect at its next forward. Anything
+        """Whether to verify before every collective that all ranks issue it for
+        the same unit (one small blocking all-gather each), raising on every rank
+        with what each was about to run. ``None`` (default): for the first two
+        training iterations, or always with ``FSDP_COMPOSE_CHECK_ORDER=1``;
+        ``True``: always; ``False``: never, and no [Note: forward agreement]
+        either. Call it on the root; it applies from its next forward. Anything
         else raises ``TypeError``. See [Note: rank divergence]."""
         if enable is not None and not isinstance(enable, bool):
             raise TypeError(f"set_check_rank_divergence expects a bool or None, got {enable!r}")
