@@ -63,17 +63,16 @@ class BufferReport:
 
     Attributes:
         trainable: some parameter in it trains.
-        dtype, compute_dtype, reduce_dtype: of the shard, of the unsharded
-            buffer, of the reduce-scatter.
+        dtype, compute_dtype, reduce_dtype: of the shard, the unsharded
+            buffer, the reduce-scatter.
         storage_device: where the shard lives.
         params: its parameters, in flat-buffer order.
-        numel, padding: their elements, and the padding; ``unsharded_numel``
-            is the sum, ``unsharded_bytes`` its size in ``compute_dtype``.
+        numel, padding, unsharded_numel: parameter elements, padding, their
+            sum; ``unsharded_bytes`` in ``compute_dtype``.
         shard_numel, shard_bytes: per rank, padding included.
-        rank_numels: parameter elements per rank; ``imbalance``:
-            ``max / mean - 1``.
+        rank_numels: parameter elements per rank; ``imbalance``: ``max / mean - 1``.
         ranks: the global ranks it shards over.
-        own_buffer: the default placement gave its one parameter a buffer alone.
+        own_buffer: the default placement gave its parameter a buffer alone.
         kept_unsharded: ``set_keep_unsharded_storage`` holds ``unsharded_bytes``."""
 
     trainable: bool
@@ -104,11 +103,10 @@ class UnitReport:
         label: its name in the report (``<root>`` for ``""``).
         is_root: root of its model (predicted before the first forward).
         reshard_after_forward, mp_policy, offload_policy: resolved policies.
-        world_size, rank: the unit's mesh size and this process's rank in it.
-        buffers: its flat buffers.
+        world_size, rank: its mesh size and this process's rank in it.
+        buffers: its flat buffers; ``unsharded_bytes``, ``shard_bytes``: sums.
         forward_prefetch, backward_prefetch: labels of the units prefetched at
-            this one's forward (backward).
-        unsharded_bytes, shard_bytes: sums over the buffers.
+            its forward (backward).
         tied: the parameters it shares with another unit, one line each."""
 
     fqns: tuple[str, ...]
@@ -134,10 +132,9 @@ class Totals:
 
     Attributes:
         parameters, trainable: elements of every parameter (a tied one once),
-            and of those requiring grad.
-        unmanaged: elements no unit manages.
-        sharded_bytes_per_rank, gradient_bytes_per_rank: this rank's shards and
-            sharded gradients.
+            and of those requiring grad; ``unmanaged``: of those no unit holds.
+        sharded_bytes_per_rank, gradient_bytes_per_rank: this rank's shards
+            and sharded gradients.
         padding: padding elements over all buffers.
         largest_unit, largest_unit_unsharded_bytes: the unit with the most
             unsharded bytes ("" if none) and its size.
