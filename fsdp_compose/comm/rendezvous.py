@@ -42,8 +42,9 @@ def call_timeout() -> float:
 
 
 def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> None:
-    """Meet every rank of ``process_group`` (``None``: the default group) at ``call``, or raise
-    :class:`CallMismatchError` naming the ranks that did not come, ending with ``fix``."""
+    """Meet every rank of ``process_group`` (``None``: the default group) at
+    ``call``, or raise :class:`CallMismatchError` naming the missing ranks,
+    ending with ``fix``."""
     if not dist.is_initialized():
         return
     group = process_group if process_group is not None else dist.group.WORLD
@@ -103,8 +104,8 @@ def poll_seconds() -> float:
 
 
 Waiting = Callable[[float, dict[int, str], dict[int, Doing]], None]
-"""Told while a meeting waits: (seconds waited, {missing rank: meeting it waits at}, {missing
-rank: what it does})."""
+"""Told while a meeting waits: (seconds waited, {missing rank: meeting it
+waits at}, {missing rank: what it does})."""
 
 
 def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,

@@ -37,22 +37,20 @@ InitFn = Callable[[nn.Module], None]
 
 def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
                 init_fn: Optional[InitFn] = None) -> nn.Module:
-    """Allocate what ``module`` holds on the meta device and initialise it
-    unit by unit ([Note: initialising as if eagerly]). Collective: call on
-    every rank with the same seed.
+    """Allocate what ``module`` holds on the meta device and initialise it unit
+    by unit ([Note: initialising as if eagerly]). Collective: call on every
+    rank with the same seed.
 
     Args:
-        module: a model annotated while on the meta device (unannotated parts
-            are materialised whole).
+        module: a model annotated on the meta device (unannotated parts are
+            materialised whole).
         device: where unannotated parameters and buffers go (default: the
-            units' compute device; CPU without units). Shards go where
-            ``fully_shard`` keeps them.
+            units' compute device; CPU without units).
         init_fn: called as ``init_fn(m)`` for every module in order with its
             own parameters whole. Default: ``m.reset_parameters()``.
 
     Returns:
-        ``module``; parameters keep their identity.
-    """
+        ``module``; parameters keep their identity."""
     units = units_below(module)
     arrive(units[0].group.process_group if units else None, "fsdp_compose.materialize",
            "Call it on every rank, with the same seed.")
@@ -83,9 +81,8 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
 def sync_module_states(module: nn.Module, src: int = 0,
                        group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """Give every rank ``src``'s parameters and buffers in place (FSDP1's
-    ``sync_module_states``). Call it before ``fully_shard``; other ranks may
-    hold meta tensors. Collective.
-    """
+    ``sync_module_states``), before ``fully_shard``; other ranks may hold
+    meta tensors. Collective."""
     managed = [name for name, p in module.named_parameters() if owner_of(p) is not None]
     if managed:  # raised on every rank
         raise ValueError(
