@@ -40,11 +40,11 @@ class Doing(NamedTuple):
 
     Attributes:
         kind: ``"collective"``, ``"meeting"`` or ``"code"``.
-        what: the call it is in, or the function it runs.
-        where: ``file:line`` of the user's code.
-        group: the collective's process group name.
-        members: global ranks the collective waits for.
-        issued: collectives the group had issued (-1: unknown).
+        what, where: the call it is in (or function it runs), and ``file:line``
+            of the user's code.
+        group, members, issued: the collective's process group name, the
+            global ranks it waits for, and how many the group had issued (-1:
+            unknown).
         token: the same while the same call is in progress.
         ours: the library issued the collective."""
 

@@ -25,7 +25,7 @@ from .rules import Rule, choose_foreach, rule_for
 from .segments import Member, Segment, build_segments, is_flat_view, member_ids
 
 _HANDLE_ATTRIBUTE = "_fsdp_compose_flat_step"
-"""On the instance: the handle dies with the optimizer in one garbage collection."""
+"""On the instance, so the handle dies with the optimizer."""
 
 
 def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
@@ -64,7 +64,7 @@ class FlatStep:
         self.last: Optional[StepReport] = None
         step = type(optimizer).step
         self._torch_step: Callable[..., Any] = getattr(step, "__wrapped__", step)
-        """torch's step without its hook wrapper (the flat step's wrapper runs the hooks)."""
+        """torch's step without its hook wrapper (ours runs the hooks)."""
         self._params_signature: Optional[tuple] = None
         self._signature: Optional[tuple] = None
         self._families: tuple[tuple[int, ...], ...] = ()
@@ -273,7 +273,7 @@ def _install(optimizer: Optimizer) -> FlatStep:
 
 
 def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
-    """Back to torch's step (a scheduler's wrapper made before wraps torch's)."""
+    """Back to torch's step."""
     if optimizer.__dict__.get("step") is not handle.installed:
         return  # other code replaced it since: leave theirs
     if handle.after_scheduler:

@@ -35,8 +35,8 @@ class ParamReport:
     """One original parameter inside a flat buffer.
 
     Attributes:
-        fqn: its name in the model (first registration); ``aliases``: its
-            other names (tied within the unit).
+        fqn, aliases: its name in the model (first registration) and its other
+            names (tied within the unit).
         shape, numel, requires_grad: of the original.
         flat_offset: where it starts in the unsharded flat buffer.
         owner_ranks: ranks owning at least one of its elements.
@@ -161,9 +161,9 @@ class ModelReport:
         units: every unit, in module order.
         execution_order: unit labels in the last forward's order.
         prefetch_policy: the root's :class:`PrefetchPolicy` (``None``: no unit).
-        buckets: the next iteration's coalesced units, labels per bucket.
-        buckets_gathered_alone_in_backward: those all-gathered unit by unit in
-            backward.
+        buckets: the next iteration's coalesced units, labels per bucket;
+            ``buckets_gathered_alone_in_backward``: those gathered unit by unit
+            in backward.
         unmanaged: FQNs of parameters no unit manages.
         totals: :class:`Totals`."""
 
