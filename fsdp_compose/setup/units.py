@@ -1,10 +1,8 @@
 """From ``fully_shard``'s arguments to a running unit: which modules and
 parameters a unit takes, how they group into flat buffers, and wiring the
-unit into the runtime and the checks.
-
-``tools/planner`` calls :func:`managed_modules`, :func:`collect_records` and
-:func:`plan_buffers` without a process group, as :func:`setup_unit` does, so
-an estimate cannot disagree with what the library builds.
+unit into the runtime and the checks. ``tools/planner`` runs the same
+planning functions without a process group, so an estimate cannot disagree
+with what the library builds.
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ PlacementFn = Callable[[nn.Parameter], Optional[object]]
 
 def placement_choices(records: list[ParamRecord],
                       shard_placement_fn: Optional[PlacementFn]) -> list[object]:
-    """``shard_placement_fn`` of each record's parameter as the user built it,
-    called once; ``None`` for each without a function."""
+    """``shard_placement_fn`` of each record's parameter, called once; ``None``
+    for each without a function."""
     return [None if shard_placement_fn is None else shard_placement_fn(r.param) for r in records]
 
 
@@ -121,9 +119,9 @@ def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
 
 def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
                     ignored: set[int], check_owner: OwnerCheck) -> list[ParamRecord]:
-    """One record per distinct parameter of ``managed`` in module order (a
-    parameter registered twice gets two slots), skipping ``ignored`` ids and
-    those ``check_owner`` borrows."""
+    """One record per distinct parameter of ``managed`` in module order (one
+    registered twice gets two slots), skipping ``ignored`` ids and those
+    ``check_owner`` borrows."""
     names = module_names(modules)
     records: dict[int, ParamRecord] = {}
     for m in managed:
@@ -228,10 +226,10 @@ def check_unit_placement(placement: object) -> None:
 def assign_placements(records: list[ParamRecord], placement: object,
                       choices: Optional[Sequence[Any]],
                       world_size: int, steps_on_cpu: bool = False) -> list[ParamRecord]:
-    """Each record's placement: its choice, else the unit's; checked against
-    its shape (a unit-wide placement a 0-dim parameter cannot take leaves it
-    ``"flat"``; a chosen one raises). ``None`` for the unit is the default
-    rule of ``setup/default_placement.py``. Returns the multi-dimensional
+    """Each record's placement: its choice, else the unit's, checked against its
+    shape (a unit-wide placement a 0-dim parameter cannot take leaves it
+    ``"flat"``; a chosen one raises); the unit's ``None`` is
+    ``setup/default_placement.py``'s rule. Returns the multi-dimensional
     parameters the default made ``"flat"``."""
     defaulted = placement is None
     unit_placement = DEFAULT_PLACEMENT if defaulted else placement
