@@ -3,13 +3,13 @@ silently stay unsharded: every forward checks that nothing was added (nor
 ``replicate`` applied) and names what was. Buffers are not looked at.
 
 [Note: the late-parameter fast check]
-The full comparison of every managed module's parameters and children runs
-only when one of two cheap things changed: the count of registrations
-through ``nn.Module``'s API (torch's global hooks), or the sizes of the
-dicts a late addition lands in otherwise (``_parameters``, ``_modules``,
-``__dict__``, composable-API registries). A passing full check is the new
-baseline. An ``nn.Parameter`` written straight into ``_parameters`` under a
-managed name is caught by ``ParamSlots.swap_in_views`` instead.
+The full comparison runs only when one of two cheap things changed: the
+count of registrations through ``nn.Module``'s API (torch's global hooks),
+or the sizes of the dicts a late addition lands in otherwise
+(``_parameters``, ``_modules``, ``__dict__``, composable-API registries). A
+passing full check is the new baseline. A parameter written straight into
+``_parameters`` under a managed name is caught by
+``ParamSlots.swap_in_views``.
 """
 
 from __future__ import annotations

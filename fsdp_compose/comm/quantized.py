@@ -3,16 +3,16 @@
 [Note: block-quantized wire format]
 A flat tensor is cut into blocks of ``B`` elements (the last zero-padded),
 each with one fp32 scale ``absmax / qmax`` and codes ``x / scale`` (int8 or
-fp8 e4m3); the payload (codes, then scales) has a size equal on every rank.
-Decoding errs by at most half a code step; a non-finite block decodes to
-non-finite values, so overflow still reaches a grad scaler. Every rank
-decodes the same payload, own chunk included, so all compute with identical
-parameters; the sharded master copy is never quantized.
+fp8 e4m3); the payload's size is equal on every rank. Decoding errs by at
+most half a code step; a non-finite block decodes to non-finite values, so
+overflow still reaches a grad scaler. Every rank decodes the same payload,
+own chunk included, so all compute with identical parameters; the sharded
+master copy is never quantized.
 
 [Note: quantized reduce-scatter]
-Codes with different scales cannot be summed by a reduce-scatter, so the
-quantized reduction is an all-to-all (ZeRO++'s qgZ): each rank decodes the
-``F`` chunks it received to fp32 and sums them in rank order.
+Codes with different scales cannot be summed in a reduce-scatter, so the
+quantized reduction is an all-to-all (ZeRO++'s qgZ), each rank summing the
+decoded chunks in fp32, in rank order.
 """
 
 from __future__ import annotations

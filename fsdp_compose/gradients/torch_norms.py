@@ -2,22 +2,18 @@
 
 Each rank holds only its gradient shards, so torch's ``clip_grad_norm_`` and
 ``get_total_norm`` would clip every rank by a different factor. Once
-``fully_shard`` runs (:func:`install`), both compute what
-:func:`fsdp_compose.clip_grad_norm_` does for calls involving a managed
-tensor, and run torch's code unchanged otherwise.
+``fully_shard`` runs, calls involving a managed tensor compute what
+:func:`fsdp_compose.clip_grad_norm_` does; others run torch's code.
 
 [Note: torch's norm functions]
-``clip_grad_norm_`` calls the module global ``_get_total_norm`` (which is
-``get_total_norm``); both are ``_no_grad`` wrappers whose closure cell holds
-the working function. Swapping those cells' contents reaches every
-reference, including imports made before ours; without such a cell the
-module attributes are patched instead (with a warning).
-
-Recognised: a managed parameter, or its current ``.grad`` (not a tensor
-derived from one, such as ``g.float()``), or an empty list while a unit
-sharded over several ranks exists (a rank holding none of the gradients
-still joins). Other tensors count as replicated. Ranks meet under the entry
-point's name, so mixed entry points raise instead of pairing all-reduces.
+Both are ``_no_grad`` wrappers whose closure cell holds the working
+function (``clip_grad_norm_`` calls the module global ``_get_total_norm``).
+Swapping those cells' contents reaches every reference, including earlier
+imports; without such a cell the module attributes are patched (with a
+warning). Recognised: a managed parameter or its current ``.grad`` (not
+``g.float()``), or an empty list while a multi-rank unit exists (a rank
+holding no gradient still joins). Ranks meet under the entry point's name,
+so mixed entry points raise instead of pairing all-reduces.
 """
 
 from __future__ import annotations
