@@ -1,12 +1,12 @@
 """Reducing only the parameters that train, when a buffer also holds frozen ones.
 
 [Note: reducing a subset of a buffer]
-A parameter frozen after annotation stays in its trainable buffer, and
-reducing the whole flat gradient would move its zeros. So the reduce-scatter
-moves a *packed* gradient: each rank's training positions, zero-padded to
-the longest rank's count, spread back over the shard after. Sizes depend
-only on the layout and the flags, so every rank issues the same collective.
-A parameter trains if it trained at any forward since the last reduction.
+A parameter frozen after annotation stays in its trainable buffer. Rather
+than moving its zeros, the reduce-scatter moves a *packed* gradient: each
+rank's training positions, zero-padded to the longest rank's count, spread
+back over the shard after. Sizes depend only on the layout and the flags,
+so every rank issues the same collective. A parameter trains if it trained
+at any forward since the last reduction.
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@
         if step % save_every == 0:
             store.save(step, state)
 
-Layout: ``root/step_<8 digits>/`` are committed DCP checkpoints, ``latest``
-names the newest (for humans), anything else is garbage rank 0 deletes
-after the next save.
-
-Invariant, whenever a rank is killed: a directory named ``step_<N>`` is
-complete (every rank's files and ``.metadata`` fsynced before one atomic
-rename) and never modified afterwards. Assumes a file system every rank
-sees and one job writing to it.
+``root/step_<8 digits>/`` are committed DCP checkpoints, ``latest`` names
+the newest (for humans), anything else is garbage deleted after the next
+save. Invariant, whenever a rank is killed: a directory named
+``step_<N>`` is complete (fsynced before one atomic rename) and never
+modified afterwards. Assumes a file system every rank sees and one job
+writing to it.
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 [Note: call rendezvous]
 A user-facing collective call (``state_dict()``, ``clip_grad_norm_``,
-checkpoint saves) that one rank skips would leave the others waiting until
-the backend's timeout. So :func:`arrive` runs before the call's first
+checkpoint saves) one rank skips would leave the others waiting until the
+backend's timeout. So :func:`arrive` runs before the call's first
 collective: every rank writes one key to the default store and waits for
 every member's, raising at once for a member waiting elsewhere or blocked,
-waiting up to :func:`call_timeout` for a late one. Keys are numbered by the
-group's collective sequence number, so calls pair by order like
-collectives.
+and waiting up to :func:`call_timeout` for a late one. Keys are numbered by
+the group's collective sequence number, so calls pair in order.
 """
 
 from __future__ import annotations

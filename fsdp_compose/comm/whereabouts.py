@@ -3,12 +3,12 @@
 [Note: blocked is not late]
 The store cannot tell a late rank from one blocked in a collective that
 waits for the waiting rank (``if rank == 0: torch.save(model.state_dict(),
-f)`` then ``dist.barrier()``). So every rank runs a watcher thread, asleep
-in a store wait; asked, it reads where its main thread is
-(``sys._current_frames()``) and answers with a :class:`Doing`. A rank is
-*blocked* when that is a collective including the waiting rank, whose group
-issued more collectives there than on the waiting rank, and two answers a
-poll apart name the same call; else it is *late*.
+f)`` then ``dist.barrier()``). So every rank runs a watcher thread that,
+asked, reads where its main thread is (``sys._current_frames()``) and
+answers with a :class:`Doing`. A rank is *blocked* when that is a
+collective including the waiting rank, whose group issued more collectives
+there than on the waiting rank, and two answers a poll apart name the same
+call; else it is *late*.
 """
 
 from __future__ import annotations
