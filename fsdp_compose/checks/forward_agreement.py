@@ -6,10 +6,10 @@ Collectives pair by issue order, and gloo aborts a process receiving a
 message of another size than it posted: a rank running one more forward (an
 evaluation on rank 0 only) would pair its collectives with the others'
 backward. So every root forward over several ranks starts with a meeting
-through the rendezvous store (which cannot mis-pair or abort): each rank
-writes what it is about to do and did since the last meeting, and compares
-the others' rows. A training forward also ends with a meeting on the units
-it ran, in order, so a skipped or reordered unit is caught before backward.
+through the rendezvous store (which cannot mis-pair or abort), comparing
+what each rank is about to do and did since the last meeting. A training
+forward also ends with a meeting on the units it ran, in order, so a
+skipped or reordered unit is caught before backward.
 """
 
 from __future__ import annotations

@@ -3,12 +3,11 @@ ranks agreeing on initial values.
 
 [Note: initialising as if eagerly]
 ``materialize`` calls each module's ``reset_parameters()`` (or ``init_fn``)
-in ``model.modules()`` order with the module's own parameters whole, so
-fan-in initialisers see the full shape. Every rank runs the same
-initialisers from the same random state and keeps its slice: with the same
-seed the values equal the eager model's (same device type). At most one
-unit is whole at a time; closing one compares a checksum across ranks
-(differently seeded ranks raise).
+in ``model.modules()`` order with its own parameters whole, so fan-in
+initialisers see the full shape. Every rank runs the same initialisers from
+the same random state and keeps its slice: with the same seed the values
+equal the eager model's (same device type). At most one unit is whole at a
+time; closing one compares a checksum across ranks.
 """
 
 from __future__ import annotations

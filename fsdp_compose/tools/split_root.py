@@ -6,12 +6,11 @@ The root's leftover parameters (a GPT's embeddings, final norm and head)
 as one unit are gathered before the first block and reduced after the last
 backward node, overlapping nothing. ``fully_shard_root`` first annotates
 the direct children before the first child holding units (the prologue)
-and those after the last (the epilogue) as units of their own, kept
-unsharded from forward to backward, then the model: the epilogue's
-all-gather is prefetched during the blocks and its reduction overlaps
-their backward. Module order stands for use order; a parameter shared
-between the runs (tied embedding and head) splits nothing (a
-``UserWarning``).
+and after the last (the epilogue) as units of their own, kept unsharded
+from forward to backward, then the model: the epilogue's all-gather is
+prefetched and its reduction overlaps the blocks' backward. Module order
+stands for use order; a parameter shared between the parts splits nothing
+(a ``UserWarning``).
 """
 
 from __future__ import annotations
