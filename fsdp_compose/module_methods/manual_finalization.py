@@ -38,7 +38,7 @@ from ..runtime.unit import Unit
 
 class GradientReductionHandle:
     """Returned by ``finalize_backward(async_op=True)``. ``wait()``, on every
-    rank, completes the reductions, publishes ``.grad`` and reshards; a second
+    rank, completes the reductions and publishes ``.grad``; a second
     ``wait()`` does nothing; ``RuntimeError`` if ``reset_iter_state()``
     dropped the reductions since."""
 
@@ -150,9 +150,9 @@ def synchronize_gradients(context: ModelContext) -> None:
 
 
 def pending_gradients(units: list[Unit]) -> dict[str, torch.Tensor]:
-    """[Note: pending gradients]: by FQN, each parameter's pending gradient;
-    parameters without one are left out. Writes to the views count (a
-    ``ShardDim(d)``, ``d > 0``, parameter's unreduced one is a copy)."""
+    """[Note: pending gradients], by FQN; parameters without one are left out.
+    Writes to the views count (a ``ShardDim(d)``, ``d > 0``, parameter's
+    unreduced one is a copy)."""
     out: dict[str, torch.Tensor] = {}
     for unit in units:
         for buffer in unit.trainable_buffers:

@@ -7,7 +7,8 @@ in ``model.modules()`` order with its own parameters whole, so fan-in
 initialisers see the full shape. Every rank runs the same initialisers from
 the same random state and keeps its slice: with the same seed the values
 equal the eager model's (same device type). At most one unit is whole at a
-time; closing one compares a checksum across ranks.
+time; closing one compares a checksum across ranks (differently seeded
+ranks raise).
 """
 
 from __future__ import annotations

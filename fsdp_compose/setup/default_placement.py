@@ -72,9 +72,8 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     Returns those split.
 
     Why: torch's CPU optimizers (no ``foreach``) make temporaries the size of
-    each piece, and rank boundaries can put a whole parameter on one rank. On
-    CUDA (``foreach``) the layout does not change the peak, so the rule is not
-    applied there.
+    each piece, and rank boundaries can put a whole parameter on one rank; on
+    CUDA (``foreach``) the layout does not change the peak.
 
     Post-condition: every candidate's largest piece is at most that
     ``Shard(0)`` piece (plus the slack if nothing was split), or what it would

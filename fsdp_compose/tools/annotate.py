@@ -38,12 +38,11 @@ def fully_shard_by(model: nn.Module, match: Match, **fully_shard_kwargs: Any) ->
 
     Returns:
         ``model``, annotated in place. Modules annotated already are left
-        alone; one sharing a parameter outside it is skipped with a
+        alone; one sharing a parameter with the outside is skipped with a
         ``UserWarning`` ([Note: shared parameters in fully_shard_by]).
 
     Raises:
-        TypeError: ``match`` is not a class, a tuple of classes or a callable.
-    """
+        TypeError: ``match`` is not a class, a tuple of classes or a callable."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fully_shard_by takes an nn.Module, got {type(model).__name__}")
     selects = _selector(match)
