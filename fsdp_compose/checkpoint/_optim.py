@@ -41,7 +41,7 @@ def register_optimizer(optimizer: Optimizer) -> None:
     """Make ``optimizer.state_dict()`` / ``load_state_dict()`` speak the
     checkpoint layout for managed parameters. Idempotent. For AdamW, Adam and
     SGD that never stepped, ``state_dict()`` first makes their first step's
-    state, so loading a checkpoint through it resumes exactly."""
+    state, so loading into it resumes exactly."""
     _SEEN.add(optimizer)
     if optimizer in _ATTACHED or not any(owner_of(p) is not None for p in _params(optimizer)):
         return
@@ -240,7 +240,7 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
     """Make the collective conversions agree: one object all-gather makes the
     plan the union over ranks. Only state a rank cannot have (a ``.grad``
     that stays ``None`` there) may differ; anything else raises on every
-    rank. Also returns a holder's ``step`` for parameters without state here."""
+    rank. Also returns a holder's ``step`` where this rank has no state."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return plan, {}
     keys: dict[tuple[str, int], tuple[Any, FlatBuffer]] = {}  # (buffer, index) -> state key

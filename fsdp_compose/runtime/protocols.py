@@ -110,10 +110,8 @@ class ObservedUnit(Protocol):
 
 class CollectiveObserver:
     """Sees one model's collectives; this base observes nothing. Called on every
-    rank in the same order when the ranks behave alike.
-
-    Invariant: ``before_*`` comes right before the collective it names, for
-    every one issued ([Note: the life of a collective])."""
+    rank in the same order when the ranks behave alike, ``before_*`` right
+    before each collective issued ([Note: the life of a collective])."""
 
     def bind(self, units: Sequence[ObservedUnit], settings: ObservedSettings) -> None:
         """The root's lazy init: the units, in the same order on every rank, and

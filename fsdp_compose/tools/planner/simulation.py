@@ -40,11 +40,11 @@ class UnitPlan(NamedTuple):
     name: str
     sharded: int
     grads: int
-    state: int  # one optimizer state tensor per trainable element, most loaded rank
+    state: int  # one state tensor per trainable element, most loaded rank
     trainable_params: int
     unsharded: tuple[int, ...]  # per buffer, compute dtype
     copies: int  # assembled copies beside a buffer read in place
-    view_grads: int  # per-parameter gradients before the split's backward
+    view_grads: int  # per-parameter gradients
     flat_grad: int  # compute dtype
     flat_reduce: int  # reduce dtype
     reduce_extra: int  # reduce-scatter outputs that are not the shard
@@ -79,7 +79,7 @@ def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: boo
     ``setup/units.plan_buffers`` as ``fully_shard`` does."""
     policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
     buffers, train, compute, reduce_comm = [], [], [], []
-    apply_dtype_overrides(spec.records, mp)  # per parameter, before grouping, as fully_shard
+    apply_dtype_overrides(spec.records, mp)  # before grouping, as fully_shard
     for plan in plan_buffers(spec.records, world, policy):
         dtypes = plan.dtypes
         compute.append(dtypes.compute)
@@ -222,7 +222,7 @@ class Step:
         kept = set(range(n)) if raf is False else \
             set(self.kept) | ({0} if raf is not True else set())
         groups = self._groups()
-        # backward gathers the first bucket it reaches (the last) member by member
+        # backward gathers the first bucket it reaches member by member
         gathered = self._groups(backward=True)
 
         def acts(i: int, own: bool) -> int:
@@ -271,7 +271,7 @@ class Step:
                 continue  # frozen only: no gradient, no reduce-scatter
             cast = p.flat_reduce if p.flat_reduce != p.flat_grad else 0
             if pending is not None:
-                # the reduction in flight is waited before these are concatenated
+                # the reduction in flight is waited before concatenating
                 yield _Moment(_label("backward", p, "gradients computed"), live,
                               held + p.view_grads, comm, frozenset(reduced), acts(i, False))
                 reduced.update(pending)
@@ -294,7 +294,7 @@ class Step:
                           frozenset(reduced), acts(i, False))
             pending = group
         temp = 0
-        if self.adam and not self.offload:  # sqrt and division temporaries of the update
+        if self.adam and not self.offload:  # the update's temporaries
             temp = 2 * max(p.largest_slice for p in plans) if self.pool else \
                 sum(p.grads for p in plans)
         yield _Moment("optimizer step", none, temp, 0, frozenset(range(n)), 0)
