@@ -330,5 +330,5 @@ def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None
                       "tensor per parameter (fsdp_compose.flat_step(optimizer, enabled=False) "
                       "before its first step silences this).", stacklevel=4)
         return
-    # flat from the next step on; this one (torch's) already lays flat state
+    # flat from the next step on; this one (torch's, under way) writes into flat state
     _install(optimizer).lay_state_for_torchs_first_step(optimizer)
