@@ -54,12 +54,12 @@ class CheckpointError(RuntimeError):
 class CheckpointStore:
     """Atomic, rotating DCP checkpoints of a run under ``root``.
 
-    ``keep`` (>= 1): committed checkpoints retained, the newest included.
-    ``group``: the process group of the collective calls (default: the
-    default group). ``async_save``: ``save`` returns once ``state`` is staged
-    in host memory and commits in a background thread over a gloo group of
-    its own (the constructor is then collective); the next ``save``,
-    ``load*`` or :meth:`wait` waits for it and raises its error."""
+    ``keep`` (>= 1): committed checkpoints retained. ``group``: the process
+    group of the collective calls (default: the default group).
+    ``async_save``: ``save`` returns once ``state`` is staged in host memory
+    and commits in a background thread over a gloo group of its own (the
+    constructor is then collective); the next ``save``, ``load*`` or
+    :meth:`wait` waits for it and raises its error."""
 
     def __init__(self, root: Union[str, os.PathLike], keep: int = 2, *,
                  group: Optional[dist.ProcessGroup] = None, async_save: bool = False) -> None:
@@ -100,7 +100,7 @@ class CheckpointStore:
         """Save ``state`` as checkpoint ``step``; collective. Commits by renaming a
         ``.partial-*`` directory once complete, then deletes old checkpoints;
         ``CheckpointError`` on every rank if the commit failed. Returns the
-        committed path (with ``async_save``: once :meth:`wait` returns)."""
+        committed path (``async_save``: once :meth:`wait` returns)."""
         self._arrive("CheckpointStore.save")
         self.wait()
         if not self.async_save:

@@ -34,9 +34,9 @@ _SHOWN = 8  # parameters named in the message
 
 def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> None:
     """Declare that these parameters (a module's, or those given), which no
-    unit manages, have their gradients reduced across ranks by other code, so
-    the optimizer's first step does not refuse them. Call it on every rank
-    before the first ``optimizer.step()``."""
+    unit manages, have their gradients reduced across ranks by other code,
+    so the optimizer's first step does not refuse them. Call it on every rank
+    before the first step."""
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
         else module_or_params
     _forget_dropped()

@@ -29,12 +29,11 @@ class ShardedCommMethods:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: Optional[object] = None) -> None:
         """Call ``hook(reduce_output)`` on each gradient reduction of this unit
-        (the reduce-scatter's output, or the replica all-reduce's under hybrid
-        sharding) before it is added to the sharded gradient; in-place changes
-        count. It sees the sum where the division comes afterwards, else the mean.
-
-        ``stream``: only ``None`` (``ValueError`` under hybrid sharding, as FSDP2,
-        else ``NotImplementedError``). ``TypeError`` for a non-callable ``hook``."""
+        (under hybrid sharding, the replica all-reduce's output) before it is
+        added to the sharded gradient; in-place changes count. It sees the sum
+        where the division comes afterwards, else the mean. ``stream``: only
+        ``None`` (``ValueError`` under hybrid sharding, as FSDP2, else
+        ``NotImplementedError``). ``TypeError`` for a non-callable ``hook``."""
         unit = own_state(self).unit
         if stream is not None:
             if unit.group.replicate_size > 1:
@@ -70,8 +69,8 @@ class ShardedCommMethods:
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
         """At most ``max_input_buffers`` reduce-scatters in flight (a positive int,
-        default 1; ``TypeError``/``ValueError`` otherwise), for the whole model
-        (``PrefetchPolicy.max_pending_reduces``). ``recurse`` is FSDP2's signature."""
+        default 1; ``TypeError``/``ValueError`` otherwise), for the whole model.
+        ``recurse`` is FSDP2's signature."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
