@@ -1,8 +1,8 @@
 """``state_dict()`` / ``load_state_dict()`` of annotated modules in torch FSDP2's checkpoint
 layout: every managed parameter is a ``DTensor`` of its original shape placed as FSDP2 places
-it; loading accepts those, other ``DTensor`` layouts and full tensors, written into the shards
-in place. The first hook reached converts the unit's parameters below it (lazily where the
-layout allows: [Note: lazy checkpoint values]).
+it; loading also takes other ``DTensor`` layouts and full tensors, written into the shards in
+place. The first hook reached converts the unit's parameters (lazily where the layout allows:
+[Note: lazy checkpoint values]).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ them straight back::
              planner=FlatLoadPlanner())
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
-The files are ordinary DCP checkpoints cut into other boxes: FSDP2, unsharded models and any
-world size or placement load them, and this path loads theirs.
+The files are ordinary DCP checkpoints, loadable by FSDP2, unsharded models
+and any world size or placement, and this path loads theirs.
 """
 
 from __future__ import annotations
