@@ -56,10 +56,8 @@ class BufferPolicy(NamedTuple):
             ``compute_dtype``).
         reduce_comm_dtype: what the reduce-scatter moves (``None``:
             ``reduce_dtype``).
-        offload_to_cpu, pin_memory: keep (pinned) shards and gradients on the
-            CPU.
-        gather_quantizer, reduce_quantizer: wire formats (``CommPolicy``;
-            ``None``: exact), floating-point buffers only."""
+        offload_to_cpu, pin_memory: keep (pinned) shards and gradients on the CPU.
+        gather_quantizer, reduce_quantizer: wire formats (``None``: exact)."""
 
     compute_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -107,8 +105,8 @@ def policy_for(records: list[ParamRecord], policy: BufferPolicy) -> BufferPolicy
 def apply_dtype_overrides(records: list[ParamRecord], mp_policy: Optional[MixedPrecisionPolicy]
                           ) -> None:
     """Call ``mp_policy.param_dtype_override_fn`` once per parameter and mark
-    those it keeps in their own dtype. ``ValueError`` naming the parameter for
-    any dtype but ``None``, ``param_dtype`` and its own (as torch)."""
+    those it keeps in their own dtype; ``ValueError`` naming the parameter
+    for any dtype but ``None``, ``param_dtype`` and its own."""
     override = mp_policy.param_dtype_override_fn if mp_policy is not None else None
     if override is None or mp_policy is None:
         return

@@ -1,12 +1,12 @@
 """What torch's tracers see of the hooks.
 
 The profiler: ranges ``fsdp_compose::<moment> <subject>`` around each hook
-and each collective's issue and wait; with no profiler recording, callers
-test ``profiler_active()`` first and nothing here runs.
+and each collective's issue and wait; callers test ``profiler_active()``
+first, so nothing here runs without one.
 
 ``torch.compile``: the hooks resize storages, run collectives and swap
-module attributes, which dynamo must not trace, so under compilation each
-is a graph break run eagerly (:func:`run_eagerly`).
+module attributes, which dynamo must not trace, so each is a graph break
+run eagerly (:func:`run_eagerly`).
 """
 
 from __future__ import annotations

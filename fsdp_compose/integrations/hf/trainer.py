@@ -1,11 +1,10 @@
 """Hugging Face's ``Trainer`` training a model annotated by ``fully_shard``.
 
-accelerate wraps the model in DDP and the Trainer saves model and optimizer
-from rank 0 alone: both wrong when ranks hold different shards. The mixin
-keeps the Trainer's loop and files and changes what touches the shards: no
-DDP wrapper; accumulation through the root's ``no_sync``; whole-parameter
-``floating_point_ops``; ``save_model`` gathers and rank 0 writes
-``save_pretrained``'s files; the optimizer state is a DCP directory
+accelerate wraps the model in DDP and the Trainer saves from rank 0 alone,
+both wrong when ranks hold different shards. The mixin keeps the Trainer's
+loop and files and changes what touches the shards: no DDP wrapper,
+accumulation through ``no_sync``, whole-parameter ``floating_point_ops``,
+gathered ``save_model``, and the optimizer state as a DCP directory
 ``optimizer/``.
 """
 
