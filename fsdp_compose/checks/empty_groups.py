@@ -2,11 +2,10 @@
 
 A group whose rule picked nothing (``p.dim() >= 2`` under
 ``placement="flat"``) usually means the rule missed, and breaks a resume:
-``set_optimizer_state_dict`` keys hyperparameters by parameter FQN, so the
-empty group comes back without them (AdamW: ``KeyError: 'betas'``). A step
-pre-hook warns once on rank 0 naming each empty group (unless
-:func:`groups_chosen_by_name`), and fills an empty group's missing
-hyperparameters from ``defaults`` before every step.
+hyperparameters are keyed by parameter FQN, so the empty group comes back
+without them (AdamW: ``KeyError: 'betas'``). A step pre-hook warns once on
+rank 0 naming each empty group (unless :func:`groups_chosen_by_name`), and
+fills an empty group's missing hyperparameters from ``defaults``.
 """
 
 from __future__ import annotations
