@@ -1,12 +1,11 @@
-"""How messages name modules: the user's class name behind an annotated
-module's dynamic ``Sharded...`` class, and the modules that hold a given
-module, found without a root (messages name a unit within the whole model).
+"""How messages name modules: the user's class behind an annotated module's
+dynamic ``Sharded...`` class, and the modules holding a given module, found
+without a root.
 
-Parents are found through referrers (the parent's ``_modules`` dict),
-tested by exact ``type(obj)``, never ``isinstance``, which reads
-``__class__`` of arbitrary objects (some warn). ``gc.get_referrers`` scans
-the heap: error paths and once per optimizer only, never per step. A leaf
-module (no package imports), below every layer that names a unit.
+Parents are found through referrers (a parent's ``_modules`` dict), tested
+by exact ``type(obj)``: ``isinstance`` reads ``__class__`` of arbitrary
+objects (some warn). ``gc.get_referrers`` scans the heap, so only on error
+paths and once per optimizer. A leaf module (no package imports).
 """
 
 from __future__ import annotations

@@ -36,13 +36,11 @@ class ShardedParamInfo(NamedTuple):
 
     Attributes:
         fqn: original name, relative to the outermost module annotated so far.
-        shape: original shape (``param`` itself is this rank's local piece).
-        numel: original number of elements.
+        shape, numel: original shape and elements (``param`` is this rank's piece).
         local_numel: elements this rank owns (``param.numel()``).
-        local_offset: index of the first owned element in the flattened original
-            (for ``Shard(d)``, ``d > 0``: of ``param.movedim(d, 0)``;
-            meaningless when ``local_numel == 0``).
-    """
+        local_offset: index of the first owned element in the flattened
+            original (``Shard(d)``, ``d > 0``: of ``param.movedim(d, 0)``;
+            meaningless when ``local_numel == 0``)."""
 
     fqn: str
     shape: torch.Size
@@ -66,31 +64,30 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         module: one module, or a list of sibling modules forming one unit.
         mesh: a 1-D ``DeviceMesh`` (full sharding) or a 2-D one with dims
             ``(replicate, shard)`` (hybrid: reduce-scattered within a shard
-            group, all-reduced across). Default: 1-D over every rank of the
-            default group, on CUDA when the parameters are or the backend is
-            NCCL, else on CPU. The same on every rank for a model.
-        reshard_after_forward: free the unsharded parameters after forward and
-            gather them again for backward. ``None`` (default): every unit but
-            the root; ``True``: the root too; ``False``: keep them until
+            group, all-reduced across). Default: 1-D over the default group,
+            on CUDA when the parameters are or the backend is NCCL, else on
+            CPU. The same on every rank for a model.
+        reshard_after_forward: free the unsharded parameters after forward
+            and gather them again for backward. ``None`` (default): every unit
+            but the root; ``True``: the root too; ``False``: keep them until
             backward; an int ``k`` dividing the shard group size: keep them
             sharded over ``k`` consecutive ranks in between.
         mp_policy: :class:`MixedPrecisionPolicy` (or torch's); ``None``: full
             precision.
-        offload_policy: :class:`CPUOffloadPolicy` keeps shards, gradients and
-            optimizer state on the CPU (torch's policies accepted too).
-        ignored_params: parameters not sharded nor reduced (see
+        offload_policy: :class:`CPUOffloadPolicy` (or torch's) keeps shards,
+            gradients and optimizer state on the CPU.
+        ignored_params: parameters neither sharded nor reduced (see
             :func:`mark_reduced_elsewhere`).
         placement: where rank boundaries may fall (``docs/placements.md``):
             ``None`` (default): ``"rows"``, or ``"flat"`` where whole rows
             would pad over 1% more and for 0-dim parameters; ``"rows"``
-            (local piece ``(rows_here, *rest)``); ``"flat"`` (1-D pieces);
+            (pieces ``(rows_here, *rest)``); ``"flat"`` (1-D pieces);
             ``Blocks(n)``; ``"owned"`` (each parameter whole on one rank);
-            FSDP2's ``Shard(dim)``. One all-gather and one reduce-scatter per
-            buffer either way.
+            FSDP2's ``Shard(dim)``.
         shard_placement_fn: FSDP2's hook: called with each parameter, returns
             a placement, ``None`` for ``placement``, or :class:`OnMesh`
-            ``(mesh, placement)`` (or FSDP2's ``ShardPlacementResult``) to shard
-            it over another mesh in a buffer of its own.
+            ``(mesh, placement)`` (or FSDP2's ``ShardPlacementResult``) to
+            shard it over another mesh in a buffer of its own.
         dp_mesh_dims: FSDP2's: ``mesh`` is the whole SPMD mesh and these dims
             (torch's ``DataParallelMeshDims``) the data-parallel ones; every
             parameter is a ``DTensor`` on it, ``Replicate()`` on those dims.
@@ -102,9 +99,8 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
         their identity and FQNs; each ``.data`` becomes this rank's piece.
 
     Raises:
-        ValueError / RuntimeError naming the module or parameter and the fix
-        (``docs/errors.md``).
-    """
+        TypeError, ValueError, RuntimeError naming the module or parameter and
+        the fix (``docs/errors.md``)."""
     modules = _as_module_list(module)
     check_reshard_after_forward(reshard_after_forward)
     mp_policy = as_mp_policy(mp_policy)  # torch FSDP2's policies converted
@@ -143,8 +139,7 @@ def fully_shard(module: ModuleOrModules, *, mesh: Optional[DeviceMesh] = None,
 
 def param_info(param: nn.Parameter) -> Optional[ShardedParamInfo]:
     """Original FQN and shape of a parameter sharded by ``fully_shard``
-    (``None`` if unmanaged): for code reading ``param.ndim`` or names, e.g.
-    weight-decay groups."""
+    (``None`` if unmanaged), for code reading ``param.ndim`` or names."""
     entry = owner_of(param)
     if entry is None:
         return None
@@ -172,13 +167,8 @@ def _as_module_list(module: ModuleOrModules) -> list[nn.Module]:
 
 
 def _install_process_wide_changes() -> None:
-    """Every change fsdp_compose makes to the process beyond the modules it
-    annotates, each once, at the first ``fully_shard``: ``clip_grad_norm_``
-    and ``get_total_norm`` reduce over the ranks; five optimizer step
-    pre-hooks (checkpoint layout, step guard, forgotten root, empty groups,
-    flat step); ``Optimizer.zero_grad`` frees kept sharded gradients; DCP's
-    optimizer state initialisation skips the zero step for AdamW, Adam, SGD.
-    """
+    """Every change made to the process beyond the annotated modules, each
+    once, at the first ``fully_shard``."""
     torch_norms.install()
     torch_zero_grad.install()
     install_optimizer_layout_hooks()

@@ -14,31 +14,30 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """How a unit computes and communicates in lower precision. The sharded
-    parameters and gradients always keep the parameters' dtype; only the
-    unsharded copy, the collectives and the compute change. The first four
-    fields are FSDP2's, in its order; the others are keyword-only.
+    """How a unit computes and communicates in lower precision. Sharded
+    parameters and gradients keep the parameters' dtype; only the unsharded
+    copy, the collectives and the compute change. The first four fields are
+    FSDP2's, in its order; the others are keyword-only.
 
     Attributes:
-        param_dtype: dtype of the unsharded parameters and the all-gather (the
-            shard is cast before it). ``None``: no cast. Floating point only.
+        param_dtype: dtype of the unsharded parameters and the all-gather.
+            ``None``: no cast. Floating point only.
         reduce_dtype: dtype gradients are reduced and accumulated in without
-            sync. ``None``: ``param_dtype`` if set, else the parameter's dtype
-            (with ``reduce_follows_grad_dtype``, the parameter's).
-        output_dtype: cast floating-point outputs of the forward. ``None``: no cast.
+            sync. ``None``: ``param_dtype`` if set, else the parameter's (with
+            ``reduce_follows_grad_dtype``, always the parameter's).
+        output_dtype: cast floating-point forward outputs. ``None``: no cast.
         cast_forward_inputs: cast floating-point inputs to ``param_dtype``.
-        reduce_comm_dtype: dtype the reduce-scatter communicates in, narrower
-            than ``reduce_dtype`` (cast just before the collective, widened
-            before the division and accumulation). ``None``: ``reduce_dtype``.
+        reduce_comm_dtype: a narrower dtype the reduce-scatter moves (cast
+            just before it, widened before division and accumulation).
+            ``None``: ``reduce_dtype``.
         buffer_dtype: dtype the unit's floating-point module buffers are
             converted to at creation. ``None``: keep.
         param_dtype_override_fn: torch 2.15's: called once per parameter;
-            returning its own dtype keeps it in that dtype (norms in fp32),
-            ``None`` or ``param_dtype`` casts; any other dtype raises
-            ``ValueError``. Must agree on every rank.
+            returning its own dtype keeps it (norms in fp32), ``None`` or
+            ``param_dtype`` casts; any other dtype raises ``ValueError``. Must
+            agree on every rank.
         reduce_follows_grad_dtype: with ``reduce_dtype=None``, reduce in the
-            parameter's dtype (torch 2.15's meaning). Default ``False``.
-    """
+            parameter's dtype (torch 2.15's meaning). Default ``False``."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -68,11 +67,10 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep the sharded parameters, gradients and optimizer state on the CPU,
     copied to the compute device before each all-gather and back after each
-    reduce-scatter (nothing changes on a CPU mesh). FSDP2's field and default.
+    reduce-scatter (no effect on a CPU mesh).
 
     Attributes:
-        pin_memory: pin the CPU shards (with CUDA) for asynchronous copies.
-    """
+        pin_memory: pin the CPU shards (with CUDA) for asynchronous copies."""
 
     pin_memory: bool = True
 
@@ -80,22 +78,21 @@ class CPUOffloadPolicy(OffloadPolicy):
 @dataclass(frozen=True)
 class CommPolicy:
     """Block-quantized collectives (opt-in, per unit; ZeRO++'s qwZ and qgZ):
-    the sharded parameters and gradients stay exact, what the collectives
-    move is quantized with one fp32 scale per ``block_size`` elements
+    sharded parameters and gradients stay exact; what the collectives move
+    is quantized with one fp32 scale per ``block_size`` elements
     (``docs/performance.md``).
 
     Attributes:
         all_gather: code dtype of the all-gather, ``torch.int8`` or
             ``torch.float8_e4m3fn``; every rank decodes the same values, its
-            own shard's included. ``None``: exact.
-        reduce_scatter: code dtype of the gradient reduction (an all-to-all of
-            quantized chunks, summed in fp32). ``None``: exact.
+            own included. ``None``: exact.
+        reduce_scatter: code dtype of the gradient reduction (an all-to-all,
+            summed in fp32). ``None``: exact.
         block_size: elements per scale, a multiple of 4.
 
     Applies to floating-point buffers over more than one rank; the regather
     of a ``reshard_after_forward=k`` group and the replicas' all-reduce stay
-    exact.
-    """
+    exact."""
 
     all_gather: Optional[torch.dtype] = None
     reduce_scatter: Optional[torch.dtype] = None

@@ -1,3 +1,4 @@
-"""Storage: the flat layout math, parameter records and dtype rules, one flat
-buffer (values and views), its gradient, the CPU staging pool and the
-tensor-parallel boundary. Knows nothing of units or of the iteration."""
+"""Storage: layout math, parameter records and dtype rules, flat buffers,
+their views and gradients, the CPU staging pool, the tensor-parallel
+boundary. Knows nothing of units or of the iteration.
+"""

@@ -1,12 +1,13 @@
 """Flat layout math: where each parameter and the padding sit in a flat buffer and which piece
 each rank owns; pure functions, property-tested alone.
 
-Placements (docs/placements.md) move parameters and padding only: the buffer stays ``F``
-chunks of ``S`` elements, rank ``r`` owning ``[r*S, (r+1)*S)``, ``S`` a multiple of the
-alignment. ``"flat"``, ``"rows"`` and :class:`Blocks` are a *stream* (each parameter one
-contiguous range); ``"owned"`` and :class:`ShardDim` are *fixed* to ranks; one layout holds
-one kind. A rank's piece of a parameter is one contiguous range of its flattened stored shape,
-whole rows under every placement but ``"flat"``.
+The buffer is ``F`` chunks of ``S`` elements, rank ``r`` owning
+``[r*S, (r+1)*S)``, ``S`` a multiple of the alignment; placements
+(docs/placements.md) move only parameters and padding. ``"flat"``,
+``"rows"`` and :class:`Blocks` are a *stream* (each parameter one contiguous
+range); ``"owned"`` and :class:`ShardDim` are *fixed* to ranks; a layout
+holds one kind. A rank's piece of a parameter is one contiguous range of
+its flattened stored shape, whole rows under every placement but ``"flat"``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from ..placements import Blocks
 
 FLAT, ROWS, OWNED = "flat", "rows", "owned"
 DEFAULT_PLACEMENT = ROWS
-"""The default placement: whole rows, so every parameter but a 0-dim one keeps ``p.dim()`` (a
-scalar is ``"flat"``)."""
+"""Whole rows: every parameter but a 0-dim one keeps ``p.dim()``."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,9 @@ def is_fixed(placement: Placement) -> bool:
 
 def check_placement(placement: object, shape: Sequence[int], name: str,
                     explicit: bool = True) -> Placement:
-    """``placement`` checked for parameter ``name``; raises ``ValueError`` naming it. A unit-wide
-    one (``explicit=False``) falls back to ``"flat"`` for a 0-dim parameter."""
+    """``placement`` checked for parameter ``name`` (``ValueError`` naming it);
+    a unit-wide one (``explicit=False``) falls back to ``"flat"`` for a 0-dim
+    parameter."""
     if isinstance(placement, str):
         if placement not in PLACEMENT_NAMES:
             raise ValueError(f"parameter '{name}': unknown placement {placement!r}; use one of "
@@ -83,9 +84,9 @@ def alignment(*itemsizes: int) -> int:
 
 
 class ShardSlice(NamedTuple):
-    """The part of one parameter that one rank owns: ``length`` elements from ``param_start`` of
-    the flattened *stored* parameter, at ``shard_start`` of the rank's shard (``length == 0``:
-    none; starts clamped)."""
+    """The part of one parameter one rank owns: ``length`` elements from
+    ``param_start`` of the flattened *stored* parameter, at ``shard_start`` of
+    the shard (``length == 0``: none; starts clamped)."""
 
     param_index: int
     param_start: int
@@ -290,9 +291,9 @@ def _plan_stream(layout: FlatLayout, world: int, align: int) -> tuple[int, list[
 
 def _plan_fixed(layout: FlatLayout, world: int,
                 align: int) -> tuple[int, list[list[Segment]], list[int]]:
-    """Chunk size, pieces and offsets of fixed parameters: ``ShardDim`` rows to their ranks
-    first, then owned ones largest first onto the least loaded rank; pieces in parameter
-    order, padding ends each chunk."""
+    """Chunk size, pieces and offsets of fixed parameters: ``ShardDim`` rows to
+    their ranks, then owned ones largest first onto the least loaded rank;
+    padding ends each chunk."""
     count = len(layout.numels)
     loads = [0] * world
     placed: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
@@ -334,8 +335,9 @@ def _plan_fixed(layout: FlatLayout, world: int,
 
 def _rebalance(placed: list[list[tuple[int, int, int]]], loads: list[int],
                movable: set[int]) -> None:
-    """Improve a largest-first assignment by moves or swaps of owned parameters that narrow a
-    pair's spread; each step lowers the sum of squared loads, so it ends. Deterministic."""
+    """Improve a largest-first assignment by moves or swaps of owned parameters
+    that narrow a pair's spread; each lowers the sum of squared loads, so it
+    ends. Deterministic."""
     world = len(loads)
     while True:
         hi = max(range(world), key=lambda k: (loads[k], -k))

@@ -1,9 +1,8 @@
 """What one flat buffer holds and in which dtypes: parameter records, the
 grouping of a unit's parameters into buffers, and the dtype rules.
 
-Pure functions of shapes, dtypes and policies (no process group): the same
-code serves ``fully_shard`` and the memory planner (``tools/planner``), so
-the two cannot disagree on which buffers a unit gets or what they weigh.
+Pure functions of shapes, dtypes and policies, shared by ``fully_shard``
+and the memory planner so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -26,27 +25,15 @@ class ParamRecord:
     """One original parameter managed by a flat buffer.
 
     Attributes:
-        param: the original ``nn.Parameter`` (identity kept for the user).
-        slots: every ``(module, attribute name)`` that registers it within
-            the unit (more than one when a parameter is shared inside a unit).
-        fqn: its fully-qualified name relative to the outermost annotated
-            module seen so far (updated when an ancestor is annotated).
-        shape: its original shape (the TP-local shape for a tensor-parallel
-            parameter: what the flat layout holds).
-        tp: for a tensor-parallel parameter (a ``DTensor`` before
-            ``fully_shard``), what forward and state dicts need to present
-            it as one again (see ``tensor_parallel.py``); else ``None``.
-        placement: where rank boundaries may fall in it (``layout.py``):
-            ``"flat"``, ``"rows"``, ``"owned"``, ``Blocks(n)`` or ``ShardDim(d)``.
-        group: the ranks its buffer shards over when not its unit's
-            (``shard_placement_fn`` returned another mesh); ``None``: the
-            unit's.
-        own_buffer: it has a flat buffer of its own (the default
-            placement's rule on a CPU mesh,
-            ``setup/default_placement.split_whole_pieces``).
-        keeps_dtype: it is computed in its own dtype, not the policy's
-            ``param_dtype`` (:func:`apply_dtype_overrides`).
-    """
+        param: the original ``nn.Parameter`` (identity kept).
+        slots: every ``(module, attribute)`` registering it in the unit.
+        fqn: its name relative to the outermost annotated module so far.
+        shape: its original shape (TP-local for a tensor-parallel parameter).
+        tp: how to present a tensor-parallel parameter as a ``DTensor`` again.
+        placement: where rank boundaries may fall in it (``layout.py``).
+        group: the ranks its buffer shards over when not its unit's.
+        own_buffer: it has a flat buffer of its own.
+        keeps_dtype: computed in its own dtype, not ``param_dtype``."""
 
     param: nn.Parameter
     slots: list[tuple[nn.Module, str]]
@@ -60,22 +47,17 @@ class ParamRecord:
 
 
 class BufferPolicy(NamedTuple):
-    """Precision and placement of one flat buffer (derived from the unit's
-    ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy`` by :func:`buffer_policy`).
+    """Precision and placement of one flat buffer (:func:`buffer_policy`).
 
     Attributes:
-        compute_dtype: dtype of the unsharded buffer and the all-gather
-            (``None``: the parameters' dtype).
-        reduce_dtype: dtype of the reduction and of accumulation without
-            sync (``None``: ``compute_dtype``).
-        reduce_comm_dtype: dtype the reduce-scatter communicates in
-            (``None``: ``reduce_dtype``).
-        offload_to_cpu: keep ``sharded``/``sharded_grad`` on the CPU.
-        pin_memory: pin them (only meaningful with CUDA).
-        gather_quantizer: the wire format of the all-gather (``CommPolicy``;
-            ``None``: exact). Floating-point buffers only.
-        reduce_quantizer: the wire format of the gradient reduction.
-    """
+        compute_dtype: of the unsharded buffer and the all-gather (``None``:
+            the parameters').
+        reduce_dtype: of the reduction and unsynced accumulation (``None``:
+            ``compute_dtype``).
+        reduce_comm_dtype: what the reduce-scatter moves (``None``:
+            ``reduce_dtype``).
+        offload_to_cpu, pin_memory: keep (pinned) shards and gradients on the CPU.
+        gather_quantizer, reduce_quantizer: wire formats (``None``: exact)."""
 
     compute_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -85,20 +67,15 @@ class BufferPolicy(NamedTuple):
     gather_quantizer: Optional[BlockQuantizer] = None
     reduce_quantizer: Optional[BlockQuantizer] = None
     reduce_follows_param: bool = False
-    """``reduce_dtype=None`` reduces in the parameters' dtype, not the
-    compute dtype (``MixedPrecisionPolicy.reduce_follows_grad_dtype``)."""
+    """``reduce_dtype=None`` reduces in the parameters' dtype
+    (``MixedPrecisionPolicy.reduce_follows_grad_dtype``)."""
 
 
 class BufferDtypes(NamedTuple):
-    """The dtypes of one flat buffer, resolved (no ``None``).
-
-    Attributes:
-        param: the parameters' own dtype: shards and sharded gradients.
-        compute: the unsharded buffer and the all-gather.
-        reduce: the reduction and accumulation without sync.
-        reduce_comm: what the reduce-scatter moves (narrower than
-            ``reduce`` only with ``reduce_comm_dtype``).
-    """
+    """The dtypes of one flat buffer, resolved: ``param`` (shards and sharded
+    gradients), ``compute`` (unsharded buffer, all-gather), ``reduce``
+    (reduction, unsynced accumulation), ``reduce_comm`` (what the
+    reduce-scatter moves)."""
 
     param: torch.dtype
     compute: torch.dtype
@@ -120,18 +97,16 @@ def buffer_policy(mp_policy: MixedPrecisionPolicy, offload_policy: Optional[CPUO
 
 
 def policy_for(records: list[ParamRecord], policy: BufferPolicy) -> BufferPolicy:
-    """The policy of the buffer of ``records`` (one group of
-    :func:`group_records`): parameters that keep their dtype are gathered
-    and computed in it."""
+    """The policy of one group's buffer: parameters that keep their dtype are
+    gathered and computed in it."""
     return policy._replace(compute_dtype=None) if records[0].keeps_dtype else policy
 
 
 def apply_dtype_overrides(records: list[ParamRecord], mp_policy: Optional[MixedPrecisionPolicy]
                           ) -> None:
-    """Call ``mp_policy.param_dtype_override_fn`` once per floating-point
-    parameter and mark those it keeps in their own dtype (``keeps_dtype``).
-    ``ValueError`` naming the parameter for any dtype but ``None``,
-    ``param_dtype`` and the parameter's own (as torch's ``fully_shard``)."""
+    """Call ``mp_policy.param_dtype_override_fn`` once per parameter and mark
+    those it keeps in their own dtype; ``ValueError`` naming the parameter
+    for any dtype but ``None``, ``param_dtype`` and its own."""
     override = mp_policy.param_dtype_override_fn if mp_policy is not None else None
     if override is None or mp_policy is None:
         return
@@ -157,8 +132,8 @@ def _quantizer(code_dtype: Optional[torch.dtype], block: int) -> Optional[BlockQ
 
 
 def resolve_dtypes(dtype: torch.dtype, policy: BufferPolicy) -> BufferDtypes:
-    """The dtypes of a buffer of ``dtype`` parameters under ``policy``;
-    mixed precision applies to floating-point buffers only."""
+    """The dtypes of a buffer of ``dtype`` parameters; mixed precision applies
+    to floating-point buffers only."""
     floating = dtype.is_floating_point
     compute = (policy.compute_dtype if floating else None) or dtype
     fallback = dtype if policy.reduce_follows_param else compute
@@ -168,20 +143,17 @@ def resolve_dtypes(dtype: torch.dtype, policy: BufferPolicy) -> BufferDtypes:
 
 
 def is_aliased(world_size: int, dtypes: BufferDtypes, stored_where_computed: bool) -> bool:
-    """One rank, same dtype, shards on the compute device: the unsharded
-    buffer *is* the shard's storage (nothing is ever gathered or freed)."""
+    """The unsharded buffer *is* the shard's storage: one rank, same dtype,
+    shards on the compute device."""
     return world_size == 1 and dtypes.compute == dtypes.param and stored_where_computed
 
 
 def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
     """One group (one flat buffer) per ``(dtype, requires_grad, fixed,
     shard group, own buffer, keeps its dtype)``, in order of first
-    appearance, so frozen parameters never cost gradient memory or
-    reduce-scatter volume; parameters pinned to ranks (``"owned"``,
-    ``ShardDim``) and the others (a stream of flat/rows/blocks) never share
-    a layout (``layout.py``); parameters on another mesh than their unit's,
-    those marked ``own_buffer`` and those ``param_dtype_override_fn`` keeps
-    in their own dtype have buffers of their own."""
+    appearance: frozen parameters never cost gradient memory, pinned and
+    stream placements never share a layout, and the rest get buffers of
+    their own."""
     groups: dict[tuple[torch.dtype, bool, bool, int, int, bool], list[ParamRecord]] = {}
     for r in records:
         key = (r.param.dtype, r.param.requires_grad, is_fixed(r.placement), id(r.group),
@@ -191,9 +163,9 @@ def group_records(records: list[ParamRecord]) -> list[list[ParamRecord]]:
 
 
 def buffer_layout(records: list[ParamRecord], world_size: int, policy: BufferPolicy) -> FlatLayout:
-    """The layout of one group's flat buffer: its placements, with chunks
-    16-byte aligned in the shard's, the gathered and the reduced dtype (and
-    in 2-byte dtypes, so that ``module.to(torch.bfloat16)`` keeps them so)."""
+    """The layout of one group's flat buffer, chunks 16-byte aligned in every
+    dtype it is held in (and in 2-byte dtypes, so ``module.to(bfloat16)``
+    keeps them so)."""
     dtypes = resolve_dtypes(records[0].param.dtype, policy_for(records, policy))
     align = alignment(dtypes.param.itemsize, dtypes.compute.itemsize,
                       dtypes.reduce_comm.itemsize, 2)

@@ -1,11 +1,12 @@
 """Reducing only the parameters that train, when a buffer also holds frozen ones.
 
 [Note: reducing a subset of a buffer]
-A parameter frozen after annotation stays in its trainable buffer, and reducing the whole flat
-gradient would move its zeros. So the reduce-scatter moves a *packed* gradient: each rank's
-training positions, zero-padded to the longest rank's count, spread back over the shard after.
-Sizes depend only on the layout and the flags, so every rank issues the same collective. A
-parameter trains if it trained at any forward since the last reduction.
+A parameter frozen after annotation stays in its trainable buffer. Rather
+than moving its zeros, the reduce-scatter moves a *packed* gradient: each
+rank's training positions, zero-padded to the longest rank's count, spread
+back over the shard after. Sizes depend only on the layout and the flags,
+so every rank issues the same collective. A parameter trains if it trained
+at any forward since the last reduction.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ Ranges = tuple[tuple[int, int], ...]
 
 
 class ReduceSubset:
-    """Which positions of a flat gradient a reduce-scatter moves ([Note: reducing a subset of a
-    buffer]): each rank's runs then zeros up to ``chunk``, rank-major."""
+    """Which positions of a flat gradient a reduce-scatter moves: each rank's
+    runs then zeros up to ``chunk``, rank-major."""
 
     def __init__(self, layout: FlatLayout, runs: Sequence[Ranges], rank: int) -> None:
         self.chunk: int = max(sum(n for _, n in r) for r in runs)
@@ -81,8 +82,8 @@ def _training_runs(layout: FlatLayout, training: Sequence[bool], rank: int) -> R
 
 
 class SubsetPlans(dict[tuple[bool, ...], Optional[ReduceSubset]]):
-    """:func:`plan_subset` per tuple of flags, planned on first lookup (a ``dict``: a hit runs no
-    Python)."""
+    """:func:`plan_subset` per tuple of flags, planned on first lookup (a
+    ``dict``: a hit runs no Python)."""
 
     __slots__ = ("layout", "rank")
 

@@ -1,8 +1,7 @@
-"""Composition with tensor parallelism: data-parallel sharding over ``mesh["dp"]`` of modules
-``parallelize_module`` made ``DTensor`` parameters on ``mesh["tp"]``. The flat buffers hold
-the TP-local tensors and the original names register plain parameters between iterations
-(build the optimizer after ``fully_shard``); forward sees a ``DTensor`` again, so TP's
-collectives run as usual; state dicts are FSDP2's (docs/decisions.md, "Tensor parallelism").
+"""Composition with tensor parallelism: data-parallel sharding over ``mesh["dp"]`` of
+``DTensor`` parameters on ``mesh["tp"]``. The flat buffers hold the TP-local tensors and the
+original names register plain parameters between iterations (build the optimizer after
+``fully_shard``); forward sees a ``DTensor`` again, so TP's collectives run as usual.
 """
 
 from __future__ import annotations
@@ -25,17 +24,12 @@ class TensorParallelSpec:
     """What a tensor-parallel parameter was, so that forward can see it again.
 
     Attributes:
-        mesh: the mesh forward's ``DTensor`` is on: the tensor-parallel mesh, or with
-            ``dp_mesh_dims`` the whole SPMD mesh.
-        placements: its placements on ``mesh``.
-        tp_mesh: the 1-D mesh its pieces are split over (``None``: replicated on every
-            non-data-parallel dim).
-        dp_dims: ``mesh``'s data-parallel dims (SPMD only), where the gradient keeps its
-            placements.
-        shape: its global shape.
-        stride: its global stride.
-        checkpoint_mesh: the data-parallel dims then ``mesh``'s, as one mesh.
-        checkpoint_placements: FSDP2's placements on ``checkpoint_mesh``."""
+        mesh: the mesh of forward's ``DTensor`` (with ``dp_mesh_dims``: the
+            whole SPMD mesh); ``placements``: its placements there.
+        tp_mesh: the 1-D mesh its pieces are split over (``None``: replicated).
+        dp_dims: ``mesh``'s data-parallel dims (SPMD only).
+        shape, stride: global.
+        checkpoint_mesh, checkpoint_placements: FSDP2's state-dict layout."""
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -93,8 +87,8 @@ def _local_parameter(param: DTensor) -> nn.Parameter:
 
 def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
                    spmd_mesh: DeviceMesh) -> tuple[nn.Parameter, TensorParallelSpec]:
-    """``dp_mesh_dims``: ``param`` is ``Replicate()`` on the data-parallel dims and split over at
-    most one other."""
+    """``dp_mesh_dims``: ``param`` is ``Replicate()`` on the data-parallel dims
+    and split over at most one other."""
     if param.device_mesh != spmd_mesh:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on {param.device_mesh}, not on the mesh passed to "
@@ -136,9 +130,9 @@ def _localize_spmd(param: DTensor, fqn: str, group: ShardGroup,
 
 def _checkpoint_layout(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh,
                        tp_placement: Placement) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The state-dict mesh and placements of a TP (or EP) parameter, as torch FSDP2's: dp
-    ``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too ("tp first, then dp"),
-    else ``Shard(0)``."""
+    """The state-dict mesh and placements of a TP (or EP) parameter, as FSDP2's:
+    dp ``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too, else
+    ``Shard(0)``."""
     def refuse(why: str) -> ValueError:
         return ValueError(
             f"parameter '{fqn}' is a DTensor on a mesh that cannot be combined with the data-"
@@ -173,8 +167,8 @@ def as_dtensor(view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
 
 
 class _SpmdView(torch.autograd.Function):
-    """``DTensor.from_local`` whose backward leaves the data-parallel dims as they come (the
-    reduce-scatter sums them), as FSDP2 does with ``dp_mesh_dims``."""
+    """``DTensor.from_local`` whose backward leaves the data-parallel dims as
+    they come (the reduce-scatter sums them), as FSDP2."""
 
     @staticmethod
     def forward(ctx, view: torch.Tensor, spec: TensorParallelSpec) -> DTensor:

@@ -1,16 +1,12 @@
 """Checkpointing of annotated models in torch FSDP2's layout (docs/checkpointing.md).
 
-``model.state_dict()`` returns every managed parameter as a ``DTensor`` of its original shape
-placed as FSDP2 places it, and ``optimizer.state_dict()`` does the same for per-element state,
-so DCP and its ``state_dict`` functions work unchanged, and checkpoints load across world
-sizes, into torch FSDP2 and into unsharded models. Values are converted only when first used
-(``_lazy.py``). :func:`flat_state_dict` with :class:`FlatSavePlanner` /
-:class:`FlatLoadPlanner` writes and reads the shards' pieces as they lie.
-
-Also: :class:`CheckpointStore` (crash-safe, rotating DCP directories),
-:func:`scatter_full_state_dict` and :func:`load_safetensors` (whole weights into shards;
-docs/large-models.md), :func:`register_optimizer` (``load_state_dict`` before an optimizer's
-first step). ``fully_shard`` installs the rest itself.
+``model.state_dict()`` and ``optimizer.state_dict()`` return managed values
+as ``DTensor``s placed as FSDP2 places them, so DCP works unchanged and
+checkpoints load across world sizes, into FSDP2 and into unsharded models.
+Values are converted only when first used (``_lazy.py``).
+:func:`flat_state_dict` with the flat planners writes the shards' pieces as
+they lie. Also :class:`CheckpointStore`, :func:`scatter_full_state_dict`,
+:func:`load_safetensors` and :func:`register_optimizer`.
 """
 
 from ._full import load_safetensors, scatter_full_state_dict

@@ -1,8 +1,8 @@
-"""Pure math for the zero-copy checkpoint path: a rank's piece of a parameter as DCP *boxes*
-(offsets and sizes in the global shape). DCP reads the intersections of the boxes it wants
-with those on disk, whoever wrote them, so a piece may be written as it lies. A contiguous
-range of a row-major ``n``-dim parameter is at most ``2n - 1`` contiguous boxes
-(:func:`range_boxes`).
+"""Pure math for the zero-copy checkpoint path: a rank's piece of a parameter
+as DCP *boxes* (offsets and sizes in the global shape). DCP reads the
+intersections of the boxes it wants with those on disk, whoever wrote
+them, so a piece may be written as it lies. A contiguous range of an
+``n``-dim parameter is at most ``2n - 1`` boxes (:func:`range_boxes`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Pure math between the flat layout and torch FSDP2's per-parameter ``Shard(0)`` layout,
-property-tested alone. Rank ``j``'s chunks of the selected parameters are increasing ranges of
-the flat buffer, so one all-to-all converts: each rank sends rank ``j`` the parts of ``j``'s
-ranges in its shard, in order, and what ``j`` receives *is* its chunks back to back; the
-reverse is the same exchange backwards.
+"""Pure math between the flat layout and FSDP2's per-parameter ``Shard(0)``
+layout. Rank ``j``'s chunks of the selected parameters are increasing
+ranges of the flat buffer, so one all-to-all converts: each rank sends
+``j`` the parts of ``j``'s ranges in its shard, in order, and what ``j``
+receives *is* its chunks back to back; the reverse runs it backwards.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Moving values between a flat buffer's layout and dim-0 chunks (one all-to-all moving this
-rank's ``1/F`` share: no rank holds a whole parameter), and between chunks and ``DTensor``
-values. Every function is collective over the buffer's group, with the same ``selected`` on
-every rank.
+"""Moving values between a flat buffer's layout and dim-0 chunks (one
+all-to-all: no rank holds a whole parameter), and between chunks and
+``DTensor`` values. Every function is collective over the buffer's group,
+with the same ``selected`` on every rank.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ Reader = Callable[[int, int], torch.Tensor]
 def flat_to_chunks(flat: Union[torch.Tensor, Reader], layout: FlatLayout, group: ShardGroup,
                    selected: Sequence[int], *, dtype: Optional[torch.dtype] = None,
                    home: Optional[torch.device] = None) -> dict[int, torch.Tensor]:
-    """This rank's dim-0 chunk of each selected parameter, from ``flat`` (this rank's shard) or a
-    :data:`Reader`. Each chunk has storage of its own (a view of one buffer would break
-    deepcopy and be copied again by DCP's writer)."""
+    """This rank's dim-0 chunk of each selected parameter, from ``flat`` or a
+    :data:`Reader`, each with storage of its own (a view of one buffer would
+    break deepcopy and be copied again by DCP)."""
     if isinstance(flat, torch.Tensor):
         read, dtype, home = functools.partial(flat.narrow, 0), flat.dtype, home or flat.device
     else:

@@ -1,9 +1,7 @@
-"""Optimizer state made without a step, for torch's AdamW, Adam and SGD over managed parameters:
-torch's own ``_init_group`` on each group, given a stand-in gradient that holds no memory (a
-zero scalar expanded), creates what the first step creates; SGD with momentum gets a zero
-``momentum_buffer``. Used for torch's state initialisation without its zero step
-(``_init_state.py``) and for a never-stepped registered optimizer's ``state_dict()``
-(:func:`make_first_step_state`), so a checkpoint has entries to land in.
+"""Optimizer state made without a step, for torch's AdamW, Adam and SGD over
+managed parameters: torch's own ``_init_group``, given stand-in gradients
+that hold no memory, creates what the first step creates (SGD with momentum
+gets a zero ``momentum_buffer``), so a checkpoint has entries to land in.
 """
 
 from __future__ import annotations
@@ -19,10 +17,10 @@ _LISTS = {torch.optim.AdamW: 6, torch.optim.Adam: 6, torch.optim.SGD: 3}
 
 
 def make_first_step_state(optim: Optimizer) -> bool:
-    """Give a never-stepped ``optim`` the state its first step would make before computing (zero
-    moments, ``step`` 0; SGD: a zero ``momentum_buffer``), so its ``state_dict()`` has entries
-    to load into; stepping from it is stepping a fresh optimizer. Returns whether state was
-    made (not for another class, or an SGD with dampening)."""
+    """Give a never-stepped ``optim`` its first step's state before computing
+    (zero moments, ``step`` 0); stepping from it is stepping a fresh
+    optimizer. Returns whether state was made (not for another class, or an
+    SGD with dampening)."""
     params = [p for group in optim.param_groups for p in group["params"]]
     if optim.state or any(p.grad is not None for p in params):
         return False  # stepped (or being stepped)
@@ -39,8 +37,8 @@ def makes_state_directly(optim: Optimizer, params: list[torch.Tensor]) -> bool:
 
 
 def make_state(optim: Optimizer, zero_step: bool) -> None:
-    """torch's ``_init_group`` over stand-in gradients, plus SGD's zero ``momentum_buffer``;
-    ``zero_step``: ``step`` 1, as torch's initialisation leaves it."""
+    """torch's ``_init_group`` over stand-in gradients, plus SGD's zero
+    ``momentum_buffer``; ``zero_step``: ``step`` 1."""
     lists = _LISTS[type(optim)]
     trained = [p for group in optim.param_groups for p in group["params"] if p.requires_grad]
     zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

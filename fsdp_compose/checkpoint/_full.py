@@ -1,5 +1,5 @@
-"""Loading whole weights into a sharded model without a whole copy on every rank: from one rank's
-state dict (scatter) or from ``safetensors`` files (each rank reads its rows).
+"""Loading whole weights into a sharded model without a whole copy on every
+rank: from one rank's state dict, or from ``safetensors`` files.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
 
     Args:
         module: a ``fully_shard`` model (meta shards are allocated first).
-        state_dict: on ``src``, full tensors under ``module.state_dict()``'s keys; ``None``
-            elsewhere.
+        state_dict: on ``src``, full tensors under ``module.state_dict()``'s
+            keys; ``None`` elsewhere.
         src: the rank that holds ``state_dict``.
-        strict: raise on every rank for missing or unexpected keys; mis-shaped keys always
-            raise.
+        strict: raise on every rank for missing or unexpected keys;
+            mis-shaped keys always raise.
 
-    One ``scatter`` per flat buffer; buffers and unmanaged parameters are broadcast.
-    Parameters keep their identity."""
+    One ``scatter`` per flat buffer; buffers and unmanaged parameters are
+    broadcast. Parameters keep their identity."""
     arrive(None, "fsdp_compose.scatter_full_state_dict",
            "Call it on every rank, with the state dict on `src` and None elsewhere.")
     rank = dist.get_rank()
@@ -61,9 +61,10 @@ def scatter_full_state_dict(module: nn.Module, state_dict: Optional[StateDict], 
 
 def load_safetensors(module: nn.Module, files: Union[str, Path, Iterable[Union[str, Path]]],
                      *, strict: bool = True) -> None:
-    """Load ``safetensors`` files (keys as ``module.state_dict()``'s) into a sharded model: each
-    rank reads only the rows of its slices, plus buffers and unmanaged parameters. No
-    communication. Non-persistent buffers are left as they are."""
+    """Load ``safetensors`` files (keys as ``module.state_dict()``'s) into a
+    sharded model: each rank reads only its slices' rows, plus buffers and
+    unmanaged parameters. No communication; non-persistent buffers are left
+    alone. ``strict`` as in :func:`scatter_full_state_dict`."""
     from safetensors import safe_open
 
     paths = [files] if isinstance(files, (str, Path)) else list(files)
@@ -138,7 +139,8 @@ def _entries(module: nn.Module) -> _Entries:
 
 
 def _check_keys(entries: _Entries, available: dict, strict: bool) -> None:
-    """Raise on every rank for mis-shaped keys, and missing or unexpected ones when ``strict``."""
+    """Raise on every rank for mis-shaped keys, and missing or unexpected ones
+    when ``strict``."""
     errors = [f"size mismatch for {key}: copying a param with shape {available[key][0]} from "
               f"checkpoint, the shape in current model is {torch.Size(shape)}."
               for key, shape in entries.shape_of.items()

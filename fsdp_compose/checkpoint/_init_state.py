@@ -1,13 +1,12 @@
 """A fresh optimizer's state made directly where torch's state-dict functions would take a zero
 step.
 
-``torch.distributed.checkpoint.state_dict`` gives an optimizer without state its state through
-``_init_optim_state``: a zero gradient per parameter (the parameters' size in memory), ``lr``
-0, one ``step()``. The first ``fully_shard`` replaces that function by one that, for torch's
-AdamW, Adam and SGD over managed parameters, makes the same state without the step
-(``_fresh_state.make_state``, ``step`` 1 as the zero step leaves it) and registers the
-optimizer as zero-initialised (``_optim._drop_zero_step_state`` relies on it). Anything else
-goes to torch's function, unchanged.
+``torch.distributed.checkpoint.state_dict`` initialises an optimizer's state
+with a zero gradient per parameter (the parameters' size), ``lr`` 0 and one
+``step()``. The first ``fully_shard`` replaces that function: for torch's
+AdamW, Adam and SGD over managed parameters it makes the same state without
+the step (``step`` 1, as the zero step leaves it) and registers the
+optimizer as zero-initialised; anything else goes to torch's function.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """State-dict values in torch FSDP2's layout converted only when used.
 
 [Note: lazy checkpoint values]
-``state_dict()`` returns, for each parameter and per-element optimizer state of the flat
-layouts, a ``DTensor`` whose local tensor is a :class:`LazyChunk` holding no memory. DCP,
-through DTensor's ``__create_write_items__`` / ``__create_chunk_list__`` /
-``__get_tensor_shard__``, gets the boxes of this rank's piece of the flat shard: ``dcp.save``
-writes the shard as it lies and ``dcp.load`` reads into it. Any other use *materialises* the
-chunk once by the usual exchange, collectively: ranks must use the values in the same order,
-as they must call ``full_tensor()``.
+``state_dict()`` returns, for each parameter and per-element optimizer
+state of the flat layouts, a ``DTensor`` whose local tensor is a
+:class:`LazyChunk` holding no memory. Through DTensor's DCP protocol
+(``__create_write_items__`` and kin) DCP gets the boxes of this rank's piece
+of the flat shard: ``dcp.save`` writes the shard as it lies and ``dcp.load``
+reads into it. Any other use *materialises* the chunk once, collectively:
+ranks must use the values in the same order, as with ``full_tensor()``.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ _FIX = ("Values of fsdp_compose's state dicts are converted to FSDP2's layout wh
 
 
 class LazyChunk(torch.Tensor):
-    """This rank's chunk of one value, computed when first used ([Note: lazy checkpoint values]).
+    """This rank's chunk of one value, computed when first used.
 
     Attributes:
         pieces: this rank's piece in the flat layout, as boxes.
-        source: the tensor the piece lives in (checked for "loaded in place")."""
+        source: the tensor the piece lives in."""
 
     pieces: ShardPieces
     source: torch.Tensor
@@ -97,8 +97,7 @@ class LazyChunk(torch.Tensor):
         return f"LazyChunk({tuple(self.shape)}, {self.dtype}, {state})"
 
     def staged(self, value: DTensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
-        """``value`` over a copy of this rank's pieces, for an async save; it cannot be
-        converted."""
+        """``value`` over a copy of this rank's pieces, for an async save."""
         pieces = self.pieces.staged(copy)
 
         def unavailable() -> torch.Tensor:
@@ -135,8 +134,8 @@ def lazy_value(shape: torch.Size, chunk_shape: tuple[int, ...], pieces: ShardPie
 
 _PLACED: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple[int, ...], Any]]]" = \
     weakref.WeakKeyDictionary()
-"""Per mesh and (shape, dtype, placements): chunk offsets and ``DTensorSpec``, made once (specs
-are never modified)."""
+"""Per mesh and (shape, dtype, placements): chunk offsets and
+``DTensorSpec``, made once."""
 
 
 def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
@@ -154,8 +153,8 @@ def _placed(mesh: Any, shape: torch.Size, dtype: torch.dtype, placements: tuple
 
 
 def is_lazy(buffer: FlatBuffer, index: int) -> bool:
-    """Lazy: every non-scalar parameter of the flat layouts but tensor-parallel and ``Shard(d)``
-    ones."""
+    """Every non-scalar parameter of the flat layouts but tensor-parallel and
+    ``Shard(d)`` ones."""
     record = buffer.records[index]
     return has_pieces(buffer, index) and shard_dim(record) is None and len(record.shape) > 0
 

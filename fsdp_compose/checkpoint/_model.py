@@ -1,8 +1,7 @@
 """``state_dict()`` / ``load_state_dict()`` of annotated modules in torch FSDP2's checkpoint
 layout: every managed parameter is a ``DTensor`` of its original shape placed as FSDP2 places
-it (DCP checkpoints of the two are interchangeable); loading accepts those, other ``DTensor``
-layouts and full tensors, written into the shards in place. Hooks sit on every managed module:
-the first one reached converts the unit's parameters below it (lazily where the layout allows:
+it; loading also takes other ``DTensor`` layouts and full tensors, written into the shards in
+place. The first hook reached converts the unit's parameters (lazily where the layout allows:
 [Note: lazy checkpoint values]).
 """
 
@@ -34,8 +33,8 @@ _STATE_DICT_FIX = (
 
 
 _MET: list[tuple["UnitStateDictHooks", nn.Module, Any]] = []
-"""The ``state_dict()`` call in progress whose first unit met the other ranks ([Note: call
-rendezvous]); later units over the same group do not meet again."""
+"""The ``state_dict()`` call in progress whose first unit met the other
+ranks ([Note: call rendezvous]); later units of the same group do not."""
 
 
 def _met_in_this_call(group: Any) -> bool:
@@ -54,8 +53,8 @@ class _Stash(NamedTuple):
 
 
 class UnitStateDictHooks:
-    """The state-dict hooks of one unit on its managed modules, and on a module of another unit
-    borrowing one of its parameters (a tied weight)."""
+    """The state-dict hooks of one unit on its managed modules, and on another
+    unit's module borrowing one of its parameters."""
 
     def __init__(self, unit: Unit, borrowed_at: Optional[tuple[nn.Module, str]] = None) -> None:
         self.unit: Unit = unit
@@ -216,8 +215,8 @@ def _lazy_param(buffer: FlatBuffer, index: int) -> torch.Tensor:
 
 
 def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
-    """Write checkpoint values of the given parameters into this rank's slices (full tensors
-    sliced locally, ``DTensor`` by one all-to-all). Pre-condition: resharded."""
+    """Write checkpoint values into this rank's slices (full tensors sliced
+    locally, ``DTensor`` by one all-to-all). Pre-condition: resharded."""
     group, slices = buffer.group, buffer.local_slices()
     chunks: dict[int, torch.Tensor] = {}
     full: dict[int, torch.Tensor] = {}
@@ -242,9 +241,8 @@ def _load_into(buffer: FlatBuffer, values: dict[int, torch.Tensor]) -> None:
 
 
 def _torch_drops_frozen_params() -> bool:
-    """Inside torch's ``get_model_state_dict(ignore_frozen_params=True)``, which drops frozen
-    parameters: they are not converted (a frozen base model under LoRA). Read from torch's
-    frame."""
+    """Inside torch's ``get_model_state_dict(ignore_frozen_params=True)``:
+    frozen parameters are dropped, so not converted. Read from torch's frame."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_get_model_state_dict" and \

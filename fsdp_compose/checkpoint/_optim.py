@@ -1,8 +1,8 @@
-"""Optimizer state of managed parameters in torch FSDP2's checkpoint layout: a ``state_dict()``
-post-hook turns each per-element state tensor into a ``DTensor`` placed as the parameter, and
-a ``load_state_dict()`` pre-hook turns such values (or full tensors) back into local pieces,
-so torch's ``state_dict`` functions work unchanged. A global step pre-hook attaches them at
-every optimizer's first step (:func:`register_optimizer` to load into one that never stepped).
+"""Optimizer state of managed parameters in torch FSDP2's checkpoint layout:
+a ``state_dict()`` post-hook makes each per-element state a ``DTensor``
+placed as the parameter, a ``load_state_dict()`` pre-hook turns such values
+(or full tensors) back into local pieces. A global step pre-hook attaches
+them at every optimizer's first step.
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ from ._pieces import ShardPieces, flat_values_requested, has_pieces
 _SEEN: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 _ATTACHED: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 _ZERO_STEPPED: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
-"""Optimizers whose last step was torch's state initialisation (every ``lr`` 0), not training."""
+"""Optimizers whose last step was torch's state initialisation (``lr`` 0)."""
 
 
 def register_optimizer(optimizer: Optimizer) -> None:
-    """Make ``optimizer.state_dict()`` / ``load_state_dict()`` speak the checkpoint layout for
-    the parameters ``fully_shard`` manages. Idempotent.
-
-    For AdamW, Adam and SGD that never stepped, ``state_dict()`` first makes the state their
-    first step starts from, so ``sd = optim.state_dict()``, loading a checkpoint into ``sd``,
-    ``optim.load_state_dict(sd)`` resumes exactly in a fresh job."""
+    """Make ``optimizer.state_dict()`` / ``load_state_dict()`` speak the
+    checkpoint layout for managed parameters. Idempotent. For AdamW, Adam and
+    SGD that never stepped, ``state_dict()`` first makes their first step's
+    state, so loading into it resumes exactly."""
     _SEEN.add(optimizer)
     if optimizer in _ATTACHED or not any(owner_of(p) is not None for p in _params(optimizer)):
         return
@@ -72,8 +70,8 @@ def note_zero_initialisation(optimizer: Optimizer) -> None:
 
 
 def _is_zero_initialisation(optimizer: Optimizer) -> bool:
-    """The step torch's ``get_state_dict`` takes on an optimizer without state; on one rank alone
-    it makes state one process would not save (:func:`_drop_zero_step_state`)."""
+    """The step torch's ``get_state_dict`` takes on an optimizer without state
+    (on one rank alone it makes state one process would not save)."""
     if any(float(group.get("lr", 1.0)) != 0.0 for group in optimizer.param_groups):
         return False
     return all(p.grad is not None and not bool(p.grad.any())
@@ -173,8 +171,7 @@ def _to_checkpoint_layout(optimizer: Optimizer, state_dict: dict[str, Any]) -> N
                 state[key][name] = shard_dim_value(local, record, buffer.group)
                 continue
             state[key][name] = record_value(chunks[index], record, buffer.group)
-    # The same order on every rank: values used in dict order (deepcopy) convert collectively in
-    # that order.
+    # the same order on every rank: lazy values convert collectively in dict order
     state_dict["state"] = {key: dict(sorted(state[key].items())) if isinstance(state[key], dict)
                            else state[key] for key in sorted(state, key=repr)}
 
@@ -195,9 +192,9 @@ def _lazy_state(buffer: FlatBuffer, index: int, name: str, local: Optional[torch
 
 
 def _drop_zero_step_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-    """Undo torch's state initialisation on ranks that took it while others hold trained state:
-    under "rows" or "owned" a rank holding none of the trained parameters would otherwise save
-    ``step`` 1 beside the holders' counts. Collective."""
+    """Undo torch's state initialisation on ranks that took it while others hold
+    trained state (a rank holding none of the trained parameters would save
+    ``step`` 1). Collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     initialised = optimizer in _ZERO_STEPPED
@@ -240,10 +237,10 @@ def _refuse_scalar_params(buffer: FlatBuffer, name: str, entries: list[tuple[Any
 
 def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
                         state: dict[Any, dict[str, Any]]) -> tuple[list, dict[Any, dict]]:
-    """Make the collective conversions agree: one object all-gather makes the plan the union over
-    ranks. The only difference allowed is state a rank cannot have (a parameter whose
-    ``.grad`` stays ``None`` there); any other raises on every rank. Also returns a holder's
-    ``step`` for parameters without state here, so every rank saves the same keys."""
+    """Make the collective conversions agree: one object all-gather makes the
+    plan the union over ranks. Only state a rank cannot have (a ``.grad``
+    that stays ``None`` there) may differ; anything else raises on every
+    rank. Also returns a holder's ``step`` where this rank has no state."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return plan, {}
     keys: dict[tuple[str, int], tuple[Any, FlatBuffer]] = {}  # (buffer, index) -> state key
@@ -304,8 +301,7 @@ def _same_on_every_rank(plan: list, params: dict[Any, torch.Tensor],
 
 
 class _Scalar(NamedTuple):
-    """A 0-dim CPU tensor as the all-gather carries it (pickling a tensor costs a
-    ``torch.save``)."""
+    """A 0-dim CPU tensor as the all-gather carries it (cheaper than pickling)."""
 
     number: Union[int, float, bool]
     dtype: torch.dtype

@@ -1,6 +1,5 @@
-"""A rank's piece of one parameter or per-element state as a value DCP writes and reads in place
-(:class:`ShardPieces`, inside :func:`flat_values`): it shares the flat shard's memory and
-names its boxes (``_boxes.py``); the flat planners hand DCP the box views.
+"""A rank's piece of one parameter or per-element state as a value DCP writes
+and reads in place: it shares the flat shard's memory and names its boxes.
 """
 
 from __future__ import annotations
@@ -42,15 +41,15 @@ def has_pieces(buffer: FlatBuffer, index: int) -> bool:
 
 
 class ShardPieces:
-    """This rank's piece of one parameter's values, as DCP boxes over ``local``; a box's view
-    is made only when DCP asks for it (:meth:`view_at`).
+    """This rank's piece of one parameter's values, as DCP boxes over ``local``;
+    a box's view is made only when DCP asks (:meth:`view_at`).
 
     Attributes:
         shape: the parameter's global shape.
         dtype: the values' dtype.
         local: the tensor holding the piece; ``None``: no state here.
-        boxes: ``(box, where)``, in increasing order: ``where`` is the box's first element in
-            ``local`` flattened, or ``None`` where the box is ``local`` itself (``Shard(d)``).
+        boxes: ``(box, where)`` in increasing order: the box's first element in
+            ``local`` flattened, or ``None`` where the box is ``local`` itself.
 
     Pickling raises: DCP's default planners would store it as bytes."""
 
@@ -66,9 +65,9 @@ class ShardPieces:
     @classmethod
     def of(cls, buffer: FlatBuffer, index: int, local: Optional[torch.Tensor],
            *, dtype: Optional[torch.dtype] = None, lead: bool = False) -> "ShardPieces":
-        """The pieces of parameter ``index`` held in ``local`` (``None``: none here). ``lead``:
-        this rank writes the empty box of a parameter with no elements, so its key reaches the
-        metadata."""
+        """The pieces of parameter ``index`` held in ``local``. ``lead``: this rank
+        writes the empty box of a parameter with no elements, so its key reaches
+        the metadata."""
         record = buffer.records[index]
         shape = torch.Size(record.shape)
         if local is None:
@@ -92,7 +91,7 @@ class ShardPieces:
         return self.shape
 
     def write_items(self, fqn: str) -> list[WriteItem]:
-        """One write item per box (not the ``__create_write_items__`` protocol: DCP's default
+        """One write item per box (not ``__create_write_items__``: DCP's default
         planner must reach ``__reduce__``'s message)."""
         properties = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(box.offsets)),
@@ -122,8 +121,8 @@ class ShardPieces:
             yield box, self._view(box, where)
 
     def view_at(self, offsets: tuple[int, ...]) -> torch.Tensor:
-        """The box at ``offsets`` as a view of ``local``, of its own storage on the CPU
-        (:func:`exact_storage`)."""
+        """The box at ``offsets`` as a view of ``local``, of its own storage on the
+        CPU."""
         offsets = tuple(offsets)
         for box, where in self.boxes:
             if box.offsets == offsets:
@@ -151,15 +150,14 @@ class ShardPieces:
 @functools.lru_cache(maxsize=4096)
 def _boxes_at(shape: tuple[int, ...], start: int, length: int) -> tuple[tuple[Box, int], ...]:
     """:func:`range_boxes` of elements ``[start, start + length)``, each with
-    its first element's offset in the piece (the same for every call of
-    ``state_dict()``: the layout does not change)."""
+    its first element's offset in the piece."""
     return tuple((box, box.flat_start - start)
                  for box in range_boxes(shape, start, start + length))
 
 
 def exact_storage(view: torch.Tensor) -> torch.Tensor:
-    """``view`` (contiguous, CPU) with a storage of exactly its bytes, through DLPack: DCP's file
-    writer clones every CPU tensor whose storage is larger."""
+    """``view`` (contiguous, CPU) with a storage of exactly its bytes, through
+    DLPack: DCP's writer clones every CPU tensor whose storage is larger."""
     if view.device.type != "cpu" or not view.is_contiguous() or \
             view.untyped_storage().nbytes() == view.nbytes:
         return view

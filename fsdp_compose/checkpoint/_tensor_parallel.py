@@ -1,5 +1,5 @@
-"""The state-dict form of tensor-parallel parameters: this rank's chunk of the TP-local tensor as
-a ``DTensor`` on the (dp, tp) mesh with FSDP2's placements, and back.
+"""The state-dict form of tensor-parallel parameters: this rank's chunk of the
+TP-local tensor as a ``DTensor`` on the (dp, tp) mesh, and back.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ def checkpoint_value(chunk: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
 
 def shard_dim_layout(spec: TensorParallelSpec, dim: int) -> tuple[DeviceMesh,
                                                                   tuple[Placement, ...]]:
-    """The state-dict mesh and placements of a TP parameter placed ``Shard(dim)``: the dp dim's
-    ``Shard(dim)``, or ``_StridedShard(dim, split_factor=tp)`` where TP splits ``dim`` too."""
+    """The state-dict mesh and placements of a TP parameter placed
+    ``Shard(dim)``: dp's ``Shard(dim)``, or ``_StridedShard(dim,
+    split_factor=tp)`` where TP splits ``dim`` too."""
     placements = list(spec.checkpoint_placements)
     if spec.tp_mesh is None:  # an SPMD parameter replicated on its other dim
         placements[-1] = Shard(dim)

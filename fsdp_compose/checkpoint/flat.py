@@ -10,8 +10,8 @@ them straight back::
              planner=FlatLoadPlanner())
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
-The files are ordinary DCP checkpoints cut into other boxes: FSDP2, unsharded models and any
-world size or placement load them, and this path loads theirs.
+The files are ordinary DCP checkpoints, loadable by FSDP2, unsharded models
+and any world size or placement, and this path loads theirs.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from ._pieces import ShardPieces, flat_values
 def flat_state_dict(model: nn.Module, optimizers: Union[Optimizer, Iterable[Optimizer], None] = None,
                     *, options: Optional[StateDictOptions] = None
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``get_state_dict(model, optimizers)`` whose managed values share the flat shards' memory
-    (:class:`ShardPieces`). Collective. Save with ``planner=FlatSavePlanner()``, load with
-    ``planner=FlatLoadPlanner()``. Units must be between iterations; ``full_state_dict`` and
-    ``cpu_offload`` are refused (use ``get_state_dict``)."""
+    """``get_state_dict(model, optimizers)`` whose managed values share the
+    flat shards' memory. Collective; units between iterations. Save with
+    ``planner=FlatSavePlanner()``, load with ``planner=FlatLoadPlanner()``;
+    ``full_state_dict`` and ``cpu_offload`` are refused."""
     if options is not None and (options.full_state_dict or options.cpu_offload):
         raise ValueError("flat_state_dict writes each rank's shards as they lie; for "
                          "full_state_dict / cpu_offload use torch's get_state_dict")
@@ -70,15 +70,15 @@ class FlatSavePlanner(DefaultSavePlanner):
 
 
 class FlatLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner that also reads into :class:`ShardPieces`. Raises
-    ``ValueError`` on every rank for an optimizer state dict without state whose parameters'
-    state the checkpoint holds (a never-stepped optimizer would stay fresh, silently)."""
+    """DCP's default load planner that also reads into :class:`ShardPieces`.
+    ``ValueError`` on every rank for an optimizer state dict without state
+    whose parameters' state the checkpoint holds (it would stay fresh)."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
                        is_coordinator: bool = False) -> None:
         if metadata is not None:
             _refuse_stateless_optimizers(state_dict, metadata)
-        # DCP's set-up replaces values it does not know by None: keep ours aside and put them back.
+        # DCP's set-up replaces unknown values by None: keep ours aside
         ours = _take_pieces(state_dict)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         for container, key, value in ours:

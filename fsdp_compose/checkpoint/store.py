@@ -7,14 +7,12 @@
         if step % save_every == 0:
             store.save(step, state)
 
-Layout: ``root/step_<8 digits>/`` are committed DCP checkpoints, ``latest`` names the newest
-(for humans; the store trusts the directory names), anything else is garbage never loaded and
-deleted by rank 0 after the next save.
-
-Invariant, whenever a rank is killed: a directory named exactly ``step_<N>`` is complete:
-every rank's files and DCP's ``.metadata`` were written and fsynced before one atomic rename
-gave it that name, and it is never modified afterwards (retention and re-saves rename it aside
-first). Assumes a file system every rank sees and one job writing to it.
+``root/step_<8 digits>/`` are committed DCP checkpoints, ``latest`` names
+the newest (for humans), anything else is garbage deleted after the next
+save. Invariant, whenever a rank is killed: a directory named
+``step_<N>`` is complete (fsynced before one atomic rename) and never
+modified afterwards. Assumes a file system every rank sees and one job
+writing to it.
 """
 
 from __future__ import annotations
@@ -49,19 +47,19 @@ _MANIFEST = "latest"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory could not be loaded (missing, torn or mismatched); raised on every
-    rank with the same message, naming the directory and each failing rank's reason."""
+    """A checkpoint could not be loaded (missing, torn or mismatched); raised on
+    every rank alike, naming the directory and each failing rank's reason."""
 
 
 class CheckpointStore:
     """Atomic, rotating DCP checkpoints of a run under ``root``.
 
-    ``keep`` (>= 1): committed checkpoints retained, the one just saved included. ``group``:
-    the process group of the collective calls (``save``, ``load*``; default: the default
-    group). ``async_save``: ``save`` returns once ``state`` is staged in host memory and
-    commits in a background thread over a gloo group of its own (the constructor is then
-    collective); the next ``save``, ``load*`` or :meth:`wait` waits for it and raises its
-    error."""
+    ``keep`` (>= 1): committed checkpoints retained. ``group``: the process
+    group of the collective calls (default: the default group).
+    ``async_save``: ``save`` returns once ``state`` is staged in host memory
+    and commits in a background thread over a gloo group of its own (the
+    constructor is then collective); the next ``save``, ``load*`` or
+    :meth:`wait` waits for it and raises its error."""
 
     def __init__(self, root: Union[str, os.PathLike], keep: int = 2, *,
                  group: Optional[dist.ProcessGroup] = None, async_save: bool = False) -> None:
@@ -72,7 +70,7 @@ class CheckpointStore:
         self.group = group
         self.async_save = async_save
         self._save_group: Optional[dist.ProcessGroup] = group
-        """The saves' group: ``group``, or for async saves a gloo group of the same ranks."""
+        """``group``, or for async saves a gloo group of the same ranks."""
         if async_save and self._distributed():
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
             self._save_group = dist.new_group(ranks, backend="gloo")
@@ -99,10 +97,10 @@ class CheckpointStore:
         return steps[-1] if steps else None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Save ``state`` as checkpoint ``step``; collective. Writes into a ``.partial-*``
-        directory, renames it once every rank's files are complete, then deletes old
-        checkpoints; raises ``CheckpointError`` on every rank if the commit failed. Returns
-        the committed path (with ``async_save``: once :meth:`wait` returns)."""
+        """Save ``state`` as checkpoint ``step``; collective. Commits by renaming a
+        ``.partial-*`` directory once complete, then deletes old checkpoints;
+        ``CheckpointError`` on every rank if the commit failed. Returns the
+        committed path (``async_save``: once :meth:`wait` returns)."""
         self._arrive("CheckpointStore.save")
         self.wait()
         if not self.async_save:
@@ -153,10 +151,10 @@ class CheckpointStore:
         return final
 
     def load_latest(self, state: dict[str, Any]) -> Optional[int]:
-        """Load the newest committed checkpoint into ``state`` in place; collective. Returns its
-        step, or ``None`` (``state`` untouched) when there is none. Raises ``CheckpointError``
-        on every rank if it is torn or does not match ``state``; it does not fall back to an
-        older one."""
+        """Load the newest committed checkpoint into ``state`` in place;
+        collective. Returns its step, or ``None`` when there is none.
+        ``CheckpointError`` on every rank if it is torn or does not match
+        ``state`` (no fallback to an older one)."""
         self._arrive("CheckpointStore.load_latest")
         self.wait()
         step = [self.latest_step() if self._rank() == 0 else None]
@@ -168,8 +166,8 @@ class CheckpointStore:
         return step[0]
 
     def load(self, step: int, state: dict[str, Any]) -> None:
-        """Load committed checkpoint ``step`` into ``state`` in place; collective. Raises
-        ``CheckpointError`` on every rank if it is missing, torn or does not match."""
+        """Load committed checkpoint ``step`` into ``state`` in place; collective.
+        ``CheckpointError`` on every rank if it is missing, torn or mismatched."""
         self._arrive("CheckpointStore.load")
         self.wait()
         self._load(step, state)
@@ -262,7 +260,7 @@ class CheckpointStore:
     def _collect_garbage(self, saved: int) -> None:
         others = [s for s in self.steps() if s != saved]
         for old in sorted(others, reverse=True)[self.keep - 1:]:
-            # renamed first: a crash mid-deletion leaves garbage, not a half-deleted committed step
+            # renamed first: a crash mid-deletion leaves garbage, not a torn step
             path = self.path(old)
             os.replace(path, path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:12]}"))
         for entry in self.root.iterdir():
@@ -291,8 +289,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _staged(state: Any) -> Any:
-    """A copy of ``state`` training cannot change, for an async save (tensors in host memory,
-    ``Stateful`` objects as state dicts)."""
+    """A copy of ``state`` training cannot change, for an async save."""
     if isinstance(state, Stateful) and not isinstance(state, torch.Tensor):
         return _staged(state.state_dict())
     if isinstance(state, dict):

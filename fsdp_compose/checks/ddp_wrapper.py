@@ -1,8 +1,7 @@
 """Refuse ``DistributedDataParallel`` around a module annotated by
-``fully_shard``: its parameters are this rank's shards, which DDP would
-compare, broadcast and all-reduce again. The error is raised by
-``ShardedModule._ddp_params_and_buffers_to_ignore``, the attribute DDP's
-constructor reads first, on every rank before any collective.
+``fully_shard`` (DDP would all-reduce the shards again), from the
+attribute DDP's constructor reads first, on every rank before any
+collective.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Empty optimizer parameter groups: named once, and a resume that works.
 
-A group whose selection rule picked nothing (``p.dim() >= 2`` under
-``placement="flat"``) usually means the rule missed, and it breaks a
-resume: ``set_optimizer_state_dict`` keys hyperparameters by parameter
-FQN, so an empty group comes back without them and ``step()`` fails far
-from the cause (AdamW: ``KeyError: 'betas'``). For an optimizer holding
-managed parameters, a step pre-hook warns once on rank 0 naming each empty
-group (unless :func:`groups_chosen_by_name`), and before every step fills
-an empty group's missing hyperparameters from ``defaults`` (a group of no
-parameter changes no number).
+A group whose rule picked nothing (``p.dim() >= 2`` under
+``placement="flat"``) usually means the rule missed, and breaks a resume:
+hyperparameters are keyed by parameter FQN, so the empty group comes back
+without them (AdamW: ``KeyError: 'betas'``). A step pre-hook warns once on
+rank 0 naming each empty group (unless :func:`groups_chosen_by_name`), and
+fills an empty group's missing hyperparameters from ``defaults``.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ _chosen_by_name: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
 
 
 def groups_chosen_by_name(optimizer: Optimizer) -> None:
-    """Declare that ``optimizer``'s groups were filled by a rule on parameter
-    names (which sharding cannot mislead): no warning for an empty group."""
+    """Declare that ``optimizer``'s groups were chosen by parameter name (which
+    sharding cannot mislead): no warning for an empty group."""
     _chosen_by_name.add(optimizer)
 
 

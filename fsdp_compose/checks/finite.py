@@ -1,7 +1,6 @@
-"""Which parameter's gradient went non-finite first, agreed by every rank:
-a NaN may sit on one rank's shard alone, and an error there alone would
-leave the others waiting. One MIN all-reduce of one integer gives every
-rank the first offending parameter and the rank holding it.
+"""Which parameter's gradient went non-finite first, agreed by every rank (a
+NaN on one rank's shard alone must not raise there alone): one MIN
+all-reduce of one integer.
 """
 
 from __future__ import annotations

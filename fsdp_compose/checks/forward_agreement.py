@@ -2,19 +2,14 @@
 every rank before anything pairs wrongly.
 
 [Note: forward agreement]
-Collectives pair by issue order, and gloo aborts a process that receives a
+Collectives pair by issue order, and gloo aborts a process receiving a
 message of another size than it posted: a rank running one more forward (an
 evaluation on rank 0 only) would pair its collectives with the others'
 backward. So every root forward over several ranks starts with a meeting
-through the rendezvous store (not a collective: it cannot mis-pair or
-abort): each rank writes a row (what it is about to do, what it did since
-the last meeting) and compares the others' (``rendezvous.meet``). A rank
-waiting at a collective call is named at once ([Note: where each rank
-waits]), one blocked in a user's torch collective within two polls ([Note:
-blocked is not late]), a late one is waited for, one stuck in a data
-collective is named by the flight log. A training forward also ends with a
-meeting on the units it ran, in order, so a unit skipped or reordered is
-caught before the backward pairs units of different sizes.
+through the rendezvous store (which cannot mis-pair or abort), comparing
+what each rank is about to do and did since the last meeting. A training
+forward also ends with a meeting on the units it ran, in order, so a
+skipped or reordered unit is caught before backward.
 """
 
 from __future__ import annotations
@@ -62,9 +57,8 @@ class ForwardAgreement:
     @classmethod
     def of(cls, units: Sequence[ObservedUnit], flight: FlightRecorder,
            groups: Sequence[ShardGroup]) -> Optional["ForwardAgreement"]:
-        """The agreement of a model whose root is ``units[0]``, or ``None`` over
-        one rank or without a store. Collective: one tiny all-gather makes the
-        model's number equal on every rank."""
+        """The agreement of a model whose root is ``units[0]``, or ``None`` over one
+        rank or without a store. Collective (one small all-gather)."""
         group = units[0].group
         ranks = sorted(group.mesh.mesh.flatten().tolist())  # every shard group and replica
         if len(ranks) == 1:
@@ -80,17 +74,15 @@ class ForwardAgreement:
                    units, flight, groups)
 
     def before_forward(self, row: list[int]) -> None:
-        """At the root's pre-forward: exchange ``row`` (grad mode, root forwards,
-        last backwards, collectives digest, training modes); raise on every rank
-        if they differ."""
+        """At the root's pre-forward: exchange ``row``; raise on every rank if the
+        rows differ."""
         rows = self.exchange(row)
         if any(other != rows[0] for other in rows):
             _raise_forward_disagreement(self.ranks, rows, self._units)
 
     def after_forward(self, forward: int, order: Sequence[int]) -> None:
         """A training forward ended outside the verified iterations: agree on the
-        units it ran (``order``) before the backward's first collective (forward
-        prefetch may have paired the forward's all-gathers anyway)."""
+        units it ran before the backward's first collective."""
         rows = self.exchange_after_forward([forward, *order])
         if any(row != rows[0] for row in rows):
             _raise_forward_orders(self.ranks, rows, self._units)
@@ -124,9 +116,9 @@ class ForwardAgreement:
 
     def _waiting(self, waited: float, elsewhere: dict[int, str],
                  doing: dict[int, Doing]) -> None:
-        """``rendezvous.meet``'s callback: raise if a rank waits at a collective
-        call of the library or is blocked in a user's collective (it will never
-        come); every :func:`stall_seconds`, compare the flight logs."""
+        """``rendezvous.meet``'s callback: raise if a missing rank waits at another
+        library call or is blocked in a user's collective; every
+        :func:`stall_seconds`, compare the flight logs."""
         other = {rank: what for rank, what in elsewhere.items() if what}
         moment = self.moment
         if other:

@@ -3,14 +3,13 @@ silently stay unsharded: every forward checks that nothing was added (nor
 ``replicate`` applied) and names what was. Buffers are not looked at.
 
 [Note: the late-parameter fast check]
-A forward runs the full comparison of every managed module's parameters
-and children only when one of two cheap things changed: the count of
-registrations through ``nn.Module``'s API (torch's global registration
-hooks), or the sizes of the dicts a late addition lands in past them (each
-managed module's ``_parameters``, ``_modules``, ``__dict__``, and each
-composable-API registry). A passing full check becomes the new baseline.
-An ``nn.Parameter`` written straight into ``module._parameters`` under a
-managed name is caught by ``ParamSlots.swap_in_views`` instead.
+The full comparison runs only when one of two cheap things changed: the
+count of registrations through ``nn.Module``'s API (torch's global hooks),
+or the sizes of the dicts a late addition lands in otherwise
+(``_parameters``, ``_modules``, ``__dict__``, composable-API registries). A
+passing full check is the new baseline. A parameter written straight into
+``_parameters`` under a managed name is caught by
+``ParamSlots.swap_in_views``.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class ModuleSnapshot(NamedTuple):
 
 class Snapshot:
     """What one unit's managed modules registered at annotation, and what the
-    fast check compares ([Note: the late-parameter fast check])."""
+    fast check compares."""
 
     __slots__ = ("modules", "watched", "sizes", "registrations")
 
@@ -82,9 +81,9 @@ def snapshot_modules(managed_modules: Iterable[nn.Module]) -> Snapshot:
 
 
 def check_no_late_parameters(snapshot: Snapshot, root: Optional[nn.Module]) -> None:
-    """Raise if a managed module holds a parameter, or a child with
-    unmanaged parameters, it did not hold at annotation, or was annotated by
-    ``replicate`` since ([Note: the late-parameter fast check])."""
+    """Raise if a managed module holds a parameter, or a child with unmanaged
+    parameters, it did not hold at annotation, or was annotated by
+    ``replicate`` since."""
     if _registrations == snapshot.registrations and \
             tuple(map(len, snapshot.watched)) == snapshot.sizes:
         return

@@ -1,9 +1,9 @@
 """Refuse the forgotten root: at an optimizer's first step with gradients,
-before any update, name every parameter with a gradient that no unit
-manages, is not a ``DTensor``, no DDP or ``replicate`` module holds, and
-was not passed to :func:`mark_reduced_elsewhere` (each rank would step on
-its own gradient and the replicas drift silently). Local, no collective: a
-step pre-hook cannot know every rank steps the same optimizer.
+name every parameter with a gradient that nothing reduces across ranks (no
+unit, no ``DTensor``, no DDP or ``replicate``, not
+:func:`mark_reduced_elsewhere`): each rank would step on its own gradient
+and the replicas drift silently. Local: a step pre-hook cannot know every
+rank steps the same optimizer.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ _installed: list[object] = []
 _looked_at: "weakref.WeakKeyDictionary[Optimizer, bool]" = weakref.WeakKeyDictionary()
 _reduced_elsewhere: dict[int, torch.Tensor] = {}
 """Parameters the user marked, held strongly (a weak reference would stop
-``swap_tensors``; a bare id could be reused)."""
+``swap_tensors``; an id could be reused)."""
 _SHOWN = 8  # parameters named in the message
 
 
 def mark_reduced_elsewhere(module_or_params: Union[nn.Module, Iterable[torch.Tensor]]) -> None:
     """Declare that these parameters (a module's, or those given), which no
-    ``fully_shard`` unit manages, have their gradients reduced across ranks
-    by other code, so the optimizer's first step does not refuse them. Call
-    it on every rank before the first ``optimizer.step()``."""
+    unit manages, have their gradients reduced across ranks by other code,
+    so the optimizer's first step does not refuse them. Call it on every rank
+    before the first step."""
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
         else module_or_params
     _forget_dropped()

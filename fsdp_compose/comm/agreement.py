@@ -1,7 +1,6 @@
-"""Ranks agree or raise: tiny all-gathers of 63-bit fingerprints (of a
-model's layout before its first data collective, of initialised values,
-of the divergence checks). Every rank sees the same gathered values, so
-all raise the same error together instead of one raising while others hang.
+"""Ranks agree or raise: small all-gathers of 63-bit fingerprints. Every rank
+sees the same gathered values, so all raise the same error together instead
+of one raising while others hang.
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ class Disagreement(NamedTuple):
 
 
 def disagreement(fingerprint: int, group: ShardGroup) -> Optional[Disagreement]:
-    """``None`` when every rank of ``group`` (shard group, then replicas)
-    holds the same ``fingerprint``, else the global ranks that differ from
-    the first. Collective."""
+    """``None`` when every rank of ``group`` (shard group, then replicas) holds
+    the same ``fingerprint``, else the global ranks differing from the first.
+    Collective."""
     every = all_gather_fingerprints(fingerprint, group)
     if len(set(every)) == 1:
         return None

@@ -1,11 +1,12 @@
-"""What a unit's data collectives may replace (FSDP2's custom comm setters): one
-:class:`UnitComms` per unit that set any.
+"""What a unit's data collectives may replace (FSDP2's custom comm setters):
+one :class:`UnitComms` per unit that set any.
 
 [Note: custom collectives]
-A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol: ``allocate(size, *,
-dtype, device)`` gives the memory it works in, which we never free and copy out of after the
-wait; ``__call__(output, input, group, [op,] async_op)`` returns a work or ``None``. Buckets
-join only units with equal :meth:`UnitComms.key`.
+A custom all-gather or reduce-scatter follows FSDP2's ``Comm`` protocol:
+``allocate(size, *, dtype, device)`` gives the memory it works in, never
+freed and copied out of after the wait; ``__call__(output, input, group,
+[op,] async_op)`` returns a work or ``None``. Buckets join only units with
+equal :meth:`UnitComms.key`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ class UnitComms:
     """The replaced parts of one unit's collectives.
 
     Attributes:
-        all_gather: a custom all-gather (``None``: the library's).
-        reduce_scatter: a custom reduce-scatter (``None``: the library's).
-        all_reduce_hook: called with each reduction's output before it is folded; may change
-            it in place.
+        all_gather, reduce_scatter: custom collectives (``None``: the library's).
+        all_reduce_hook: called with each reduction's output before it is
+            folded; may change it in place.
         requires_all_reduce: hybrid only: ``False`` defers the replica all-reduce.
         reduce_scatter_group: a process group for the reduce-scatters."""
 

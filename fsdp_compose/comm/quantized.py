@@ -1,17 +1,18 @@
 """Block-wise quantization of what the collectives move (``CommPolicy``).
 
 [Note: block-quantized wire format]
-A flat tensor is cut into blocks of ``B`` elements (the last zero-padded), each with one fp32
-scale ``absmax / qmax`` and codes ``x / scale`` (int8 or fp8 e4m3). The payload is codes then
-scales, its size a function of ``n`` and ``B`` only (equal on every rank). Decoding errs by at
-most half a code step; a non-finite block decodes to non-finite values, so overflow still
-reaches a grad scaler. Every rank decodes the same payload, own chunk included, so all compute
-with identical parameters; the sharded master copy is never quantized.
+A flat tensor is cut into blocks of ``B`` elements (the last zero-padded),
+each with one fp32 scale ``absmax / qmax`` and codes ``x / scale`` (int8 or
+fp8 e4m3); the payload's size is equal on every rank. Decoding errs by at
+most half a code step; a non-finite block decodes to non-finite values, so
+overflow still reaches a grad scaler. Every rank decodes the same payload,
+own chunk included, so all compute with identical parameters; the sharded
+master copy is never quantized.
 
 [Note: quantized reduce-scatter]
-Codes with different scales cannot be summed by a reduce-scatter, so the quantized reduction
-is an all-to-all (as ZeRO++'s qgZ): each rank decodes the ``F`` chunks it received to fp32 and
-sums them in rank order.
+Codes with different scales cannot be summed in a reduce-scatter, so the
+quantized reduction is an all-to-all (ZeRO++'s qgZ), each rank summing the
+decoded chunks in fp32, in rank order.
 """
 
 from __future__ import annotations
@@ -163,9 +164,10 @@ def reduce_scatter_quantized(output: torch.Tensor, flat: torch.Tensor, group: Sh
                              quantizer: BlockQuantizer, divide_factor: Optional[float] = None,
                              force_sum: bool = False,
                              segments: Optional[Sequence[int]] = None) -> QuantizedWork:
-    """``collectives.reduce_scatter_scaled``'s contract as an all-to-all of quantized chunks
-    ([Note: quantized reduce-scatter]); ``flat`` is encoded now. ``segments``: sizes of the
-    buffers in a chunk, each with its own blocks (results do not depend on bucketing)."""
+    """``collectives.reduce_scatter_scaled``'s contract as an all-to-all of
+    quantized chunks; ``flat`` is encoded now. ``segments``: sizes of the
+    buffers in a chunk, each with its own blocks (so bucketing changes no
+    result)."""
     world, chunk = group.world_size, output.numel()
     segments = list(segments) if segments is not None else [chunk]
     sizes = [quantizer.payload_bytes(n) for n in segments]

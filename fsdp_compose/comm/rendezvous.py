@@ -1,13 +1,13 @@
 """Collective calls made on some ranks only end in a message, not a hang.
 
 [Note: call rendezvous]
-A user-facing collective call (``state_dict()``, ``clip_grad_norm_``, checkpoint saves) that
-one rank skips would leave the others waiting until the backend's timeout, then fail naming no
-call. So :func:`arrive` runs before the call's first collective: every rank writes one key to
-the default store and waits for every member's, raising at once for a member that waits
-elsewhere or is blocked, waiting up to :func:`call_timeout` for a late one. Keys are numbered
-by the group's collective sequence number and the calls since, so calls pair by order like
-collectives.
+A user-facing collective call (``state_dict()``, ``clip_grad_norm_``,
+checkpoint saves) one rank skips would leave the others waiting until the
+backend's timeout. So :func:`arrive` runs before the call's first
+collective: every rank writes one key to the default store and waits for
+every member's, raising at once for a member waiting elsewhere or blocked,
+and waiting up to :func:`call_timeout` for a late one. Keys are numbered by
+the group's collective sequence number, so calls pair in order.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def call_timeout() -> float:
 
 
 def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> None:
-    """Meet every rank of ``process_group`` (``None``: the default group) at ``call``, or raise
-    :class:`CallMismatchError` naming the ranks that did not come, ending with ``fix``."""
+    """Meet every rank of ``process_group`` (``None``: the default group) at
+    ``call``, or raise :class:`CallMismatchError` naming the missing ranks,
+    ending with ``fix``."""
     if not dist.is_initialized():
         return
     group = process_group if process_group is not None else dist.group.WORLD
@@ -84,9 +85,9 @@ def arrive(process_group: Optional[dist.ProcessGroup], call: str, fix: str) -> N
 
 
 # [Note: where each rank waits]
-# A rank waiting at a meeting writes what it waits at under ``fsdp_compose/where/<rank>`` until it
-# leaves; a missing rank waiting at *another* meeting will never come. We poll ``check``: the
-# store's blocking ``wait`` logs socket warnings first.
+# A rank at a meeting writes what it waits at under ``fsdp_compose/where/<rank>`` until it leaves;
+# a missing rank waiting at *another* meeting will never come. Polled with ``check`` (the store's
+# blocking ``wait`` logs socket warnings).
 _WHERE = "fsdp_compose/where"
 POLL_ENV = "FSDP_COMPOSE_POLL_SECONDS"
 """Seconds between looks at the missing ranks (``FSDP_COMPOSE_POLL_SECONDS``)."""
@@ -102,16 +103,16 @@ def poll_seconds() -> float:
 
 
 Waiting = Callable[[float, dict[int, str], dict[int, Doing]], None]
-"""Told while a meeting waits: (seconds waited, {missing rank: meeting it waits at}, {missing
-rank: what it does})."""
+"""Told while a meeting waits: (seconds waited, {missing rank: meeting it
+waits at}, {missing rank: what it does})."""
 
 
 def meet(prefix: str, ranks: Sequence[int], me: int, value: str, what: str,
          waiting: Waiting,
          previous: Optional[str] = None) -> list[str]:
-    """Every rank's ``value`` in the order of ``ranks``, through the default store; calls
-    ``waiting`` (which may raise) while some are missing, and deletes ``previous``, this
-    rank's key of the last meeting."""
+    """Every rank's ``value`` in the order of ``ranks``, through the default
+    store; calls ``waiting`` (which may raise) while some are missing, and
+    deletes ``previous``, this rank's key of the last meeting."""
     store = default_store()
     start_watcher()
     if not _exit_marked:
@@ -171,8 +172,8 @@ class _Asking:
         self.said: dict[int, Doing] = {}
 
     def look(self, ranks: list[int]) -> dict[int, Doing]:
-        """Ask ``ranks`` again; an answer is ``"blocked"`` where two in a row name the same
-        collective waiting for this rank."""
+        """Ask ``ranks`` again; ``"blocked"`` where two answers in a row name the
+        same collective waiting for this rank."""
         for rank in ranks:
             number = self.asked.get(rank)
             if number is not None:

@@ -1,13 +1,14 @@
 """What a rank's main thread is doing, told on request to ranks waiting for it at a meeting.
 
 [Note: blocked is not late]
-The store cannot tell whether a missing rank is late or blocked in a collective that waits for
-the waiting rank (``if rank == 0: torch.save(model.state_dict(), f)`` then
-``dist.barrier()``). So every rank runs a watcher thread, asleep in a blocking store wait on
-its next question's key; asked, it reads where its main thread is (``sys._current_frames()``)
-and answers with a :class:`Doing`. A rank is *blocked* when that is a collective whose members
-include the waiting rank, whose group issued more collectives there than on the waiting rank,
-and two answers a poll apart name the same call; else it is *late*.
+The store cannot tell a late rank from one blocked in a collective that
+waits for the waiting rank (``if rank == 0: torch.save(model.state_dict(),
+f)`` then ``dist.barrier()``). So every rank runs a watcher thread that,
+asked, reads where its main thread is (``sys._current_frames()``) and
+answers with a :class:`Doing`. A rank is *blocked* when that is a
+collective including the waiting rank, whose group issued more collectives
+there than on the waiting rank, and two answers a poll apart name the same
+call; else it is *late*.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ class Doing(NamedTuple):
 
     Attributes:
         kind: ``"collective"``, ``"meeting"`` or ``"code"``.
-        what: the call it is in, or the function it runs.
-        where: ``file:line`` of the user's code.
-        group: the collective's process group name.
-        members: global ranks the collective waits for.
-        issued: collectives the group had issued (-1: unknown).
+        what, where: the call it is in (or function it runs), and ``file:line``
+            of the user's code.
+        group, members, issued: the collective's process group name, the
+            global ranks it waits for, and how many the group had issued (-1:
+            unknown).
         token: the same while the same call is in progress.
         ours: the library issued the collective."""
 

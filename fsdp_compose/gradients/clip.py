@@ -1,13 +1,11 @@
 """Gradient norms over sharded parameters: clipping and per-parameter norms.
 
-Each element of a managed parameter is owned by exactly one rank, so a p-norm over the whole
-model is ``(sum over ranks of the local sums of |g|^p) ** (1/p)`` and the inf-norm the maximum
-of the local maxima: one scalar all-reduce gives every rank the norm
-``torch.nn.utils.clip_grad_norm_`` computes on the unsharded model. Parameters ``fully_shard``
-does not manage are replicated and counted once (rank 0 adds their ``|g|^p``). There is one
-all-reduce per distinct set of member ranks, one more over tp for TP-sharded parameters
-(TP-replicated ones count once). Per-tensor norms are float32 (float64 for float64 tensors);
-sums and the all-reduce use float64 where the device has it.
+Each element of a managed parameter is owned by one rank, so a p-norm is
+``(sum over ranks of local sums of |g|^p) ** (1/p)`` (the inf-norm: the max
+of local maxima), one scalar all-reduce per distinct set of ranks (plus one
+over tp for TP-sharded parameters). Unmanaged parameters are replicated and
+counted once (rank 0 adds them). Per-tensor norms are float32 (float64 for
+float64 tensors); sums use float64 where the device has it.
 """
 
 from __future__ import annotations
@@ -36,27 +34,25 @@ ParamsArg = Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]]
 def clip_grad_norm_(module_or_params: ParamsArg, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False,
                     foreach: Optional[bool] = None) -> torch.Tensor:
-    """Clip the gradients of (sharded) parameters by their total norm, in place: the drop-in for
-    :func:`torch.nn.utils.clip_grad_norm_` on a ``fully_shard`` model. Every gradient is
-    multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``.
+    """Clip the gradients of (sharded) parameters by their total norm, in
+    place: the drop-in for :func:`torch.nn.utils.clip_grad_norm_`. Every
+    gradient is multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``.
 
     Args:
-        module_or_params: a module, one tensor, or an iterable of parameters; managed and
-            plain parameters may be mixed; a parameter listed twice counts once.
+        module_or_params: a module, one tensor, or an iterable of parameters,
+            managed or not; a parameter listed twice counts once.
         max_norm: the largest total norm allowed.
         norm_type: ``p > 0`` of the p-norm, or ``inf``.
-        error_if_nonfinite: raise ``RuntimeError`` if the total norm is nan or inf (on every
-            rank or none).
-        foreach: use ``torch._foreach_*`` kernels (``None``: where the device supports them).
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank or none) if
+            the total norm is nan or inf.
+        foreach: use ``torch._foreach_*`` kernels (``None``: where supported).
 
     Returns:
-        The total norm of all original parameters' gradients, as on the unsharded model up to
-            rounding, bitwise equal on every rank: a float32 0-d tensor on the process group's
-            device.
+        The total norm, as on the unsharded model up to rounding, bitwise
+        equal on every rank: a float32 0-d tensor on the group's device.
 
-    Collective: every rank calls it with the same parameters. One scalar all-reduce per
-    distinct process group (two scalars for the inf-norm); no host sync apart from
-    ``error_if_nonfinite``."""
+    Collective: every rank calls it with the same parameters; no host sync
+    apart from ``error_if_nonfinite``."""
     params = _as_param_list(module_or_params)
     grads = [t.grad for t in params if t.grad is not None]
     total = total_norm_over_ranks(params, norm_type, error_if_nonfinite, foreach)
@@ -77,9 +73,9 @@ def total_norm_over_ranks(params: list[torch.Tensor], norm_type: float = 2.0,
                           error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
                           tensors: Optional[list[Optional[torch.Tensor]]] = None,
                           call: str = "fsdp_compose.clip_grad_norm_") -> torch.Tensor:
-    """The total norm of :func:`clip_grad_norm_` without clipping, of ``tensors[i]`` (default:
-    ``params[i].grad``): the local part of a managed ``params[i]``, else a replicated tensor.
-    Not deduplicated. Collective when any is managed; the ranks meet as ``call`` first."""
+    """The total norm of :func:`clip_grad_norm_` without clipping, of
+    ``tensors[i]`` (default: ``params[i].grad``). Not deduplicated.
+    Collective when any is managed; the ranks meet as ``call`` first."""
     p = _check_norm_type(norm_type)
     total = _total_norm(params, p, foreach, tensors, call)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
@@ -95,8 +91,8 @@ def total_norm_over_ranks(params: list[torch.Tensor], norm_type: float = 2.0,
 def param_norms(module_or_params: ParamsArg, kind: str = "grad", norm_type: float = 2.0,
                 foreach: Optional[bool] = None
                 ) -> Union[dict[str, Optional[torch.Tensor]], list[Optional[torch.Tensor]]]:
-    """The full norm of every original parameter (or of its gradient), computed from the local
-    shards (trust-ratio optimizers, logging).
+    """The full norm of every original parameter (or of its gradient), from the
+    local shards.
 
     Args:
         module_or_params: a module, or an iterable of parameters.
@@ -105,13 +101,12 @@ def param_norms(module_or_params: ParamsArg, kind: str = "grad", norm_type: floa
         foreach: as in :func:`clip_grad_norm_`.
 
     Returns:
-        For a module, a dict from ``named_parameters()`` names to norms; for an iterable, a
-            list aligned with it. Float32 0-d tensors, the same on every rank, equal to
-            ``torch.linalg.vector_norm`` of the unsharded tensor up to rounding. With
-            ``kind="grad"``, ``None`` where the gradient is ``None`` on every rank.
+        For a module, a dict by ``named_parameters()`` name; for an iterable,
+        a list aligned with it. Float32 0-d tensors, the same on every rank;
+        with ``kind="grad"``, ``None`` where every rank's gradient is ``None``.
 
-    Collective: one all-reduce per distinct process group, whatever the number of parameters;
-    ``kind="grad"`` syncs the host once."""
+    Collective: one all-reduce per distinct process group; ``kind="grad"``
+    syncs the host once."""
     if kind not in ("grad", "weight"):
         raise ValueError(f"param_norms: kind must be 'grad' or 'weight', got {kind!r}")
     p = _check_norm_type(norm_type)
@@ -189,9 +184,8 @@ def _group_key(group: ShardGroup) -> tuple[int, ...]:
 
 
 def _partition(params: list[torch.Tensor]) -> tuple[list[_NormGroup], list[int]]:
-    """Indices of managed parameters per distinct set of ranks to sum over (process group by
-    member ranks, plus the tp group for TP-sharded ones), in order of first appearance, and of
-    unmanaged ones."""
+    """Indices of managed parameters per distinct set of ranks to sum over, in
+    order of first appearance, and of unmanaged ones."""
     groups: "OrderedDict[tuple, _NormGroup]" = OrderedDict()
     unmanaged: list[int] = []
     for i, t in enumerate(params):
@@ -262,7 +256,7 @@ def _all_reduce(vec: torch.Tensor, op: dist.ReduceOp, group: ShardGroup) -> torc
 
 
 def _max_with_nan_flag(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``[max ignoring nan, 1 if any nan]`` (gloo's MAX does not propagate nan reliably)."""
+    """``[max ignoring nan, 1 if any nan]`` (gloo's MAX does not propagate nan)."""
     acc = _acc_dtype(device)
     if not norms:
         return torch.zeros(2, dtype=acc, device=device)
@@ -329,7 +323,7 @@ def _total_norm(params: list[torch.Tensor], p: float, foreach: Optional[bool],
 def _per_param_norms(params: list[torch.Tensor], tensors: list[Optional[torch.Tensor]],
                      p: float, foreach: Optional[bool],
                      need_presence: bool) -> list[Optional[torch.Tensor]]:
-    """Full norm of each ``tensors[i]``; one all-reduce per distinct process group."""
+    """Full norm of each ``tensors[i]``; one all-reduce per process group."""
     groups, unmanaged = _partition(params)
     _meet(groups, "fsdp_compose.param_norms")
     inf = math.isinf(p)

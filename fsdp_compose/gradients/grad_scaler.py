@@ -1,6 +1,5 @@
-"""Loss scaling for sharded gradients: ``torch.amp.GradScaler`` finds inf/nan only in the
-gradients it sees, and each rank sees only its shard, so one rank alone would skip the step
-and lower its scale and the ranks would drift apart silently.
+"""Loss scaling for sharded gradients: ``torch.amp.GradScaler`` finds inf/nan
+only in this rank's shards, so the ranks' scales would drift apart.
 """
 
 from __future__ import annotations
@@ -14,27 +13,26 @@ __all__ = ["ShardedGradScaler"]
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` whose inf/nan verdict is agreed across ranks (a MAX all-reduce of
-    ``found_inf``), so a step is skipped, and the scale backed off, on every rank together;
-    the scale and state dict stay identical on every rank::
+    """``torch.amp.GradScaler`` whose inf/nan verdict is agreed across ranks (a
+    MAX all-reduce of ``found_inf``), so a step is skipped and the scale backed
+    off on every rank together::
 
         scaler = ShardedGradScaler("cuda")        # or "cpu" (gloo)
         scaler.scale(loss).backward()
-        scaler.unscale_(optim)                     # optional, e.g. before clipping
-        scaler.step(optim)                         # skipped on every rank if any saw inf/nan
+        scaler.unscale_(optim)                     # optional
+        scaler.step(optim)
         scaler.update()
 
     Args:
-        device: any device type torch's scaler takes; ``None``: ``"cuda"`` when available,
-            else ``"cpu"`` (never silently disabled without CUDA).
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in
-            ``torch.amp.GradScaler``.
-        process_group: the ranks that must agree; ``None``: the default group (none
-            initialised: plain ``GradScaler``).
+        device: any device type torch's scaler takes; ``None``: ``"cuda"`` when
+            available, else ``"cpu"``.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as
+            in ``torch.amp.GradScaler``.
+        process_group: the ranks that must agree; ``None``: the default group
+            (uninitialised: a plain ``GradScaler``).
 
-    A rank holding no gradient for the optimizer still joins the check. Cost: one scalar
-    all-reduce per optimizer per step. As in torch, ``unscale_`` refuses float16 gradients:
-    keep fp32 parameters (a ``MixedPrecisionPolicy`` computes in fp16 without fp16 gradients)."""
+    Every rank joins the check, with or without gradients. As in torch,
+    ``unscale_`` refuses float16 gradients: keep fp32 parameters."""
 
     def __init__(self, device: Optional[str] = None, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -50,8 +48,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        """Check and unscale the local gradients (torch's code), then agree on one flag; every
-        caller of the check goes through here."""
+        """Torch's check and unscale of the local gradients, then one agreed flag."""
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         agreed = torch.zeros((), dtype=torch.float32, device=found_inf.device)
         for flag in per_device.values():

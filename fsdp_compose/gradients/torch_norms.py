@@ -1,26 +1,19 @@
 """torch's gradient-norm functions give the global norm over managed gradients.
 
-Over a ``fully_shard`` model each rank holds only its shard of the gradients, so torch's
-``clip_grad_norm_`` and ``get_total_norm`` would return this rank's local norm and clip every
-rank by a different factor. Once the first ``fully_shard`` runs (:func:`install`), both
-recognise managed parameters and gradients and compute what
-:func:`fsdp_compose.clip_grad_norm_` computes; calls that involve no managed tensor run
-torch's code unchanged. ``route_torch_grad_norms(False)`` restores torch's functions.
+Each rank holds only its gradient shards, so torch's ``clip_grad_norm_`` and
+``get_total_norm`` would clip every rank by a different factor. Once
+``fully_shard`` runs, calls involving a managed tensor compute what
+:func:`fsdp_compose.clip_grad_norm_` does; others run torch's code.
 
 [Note: torch's norm functions]
-``get_total_norm`` *is* ``clip_grad._get_total_norm``, and ``clip_grad_norm_`` calls that
-module global; both are ``_no_grad`` wrappers whose closure cell holds the function doing the
-work. We swap the content of those cells, so every reference reaches the routing, including
-``from torch.nn.utils import clip_grad_norm_`` made before import. Without such a cell the
-module attributes are patched instead (with a warning).
-
-Recognised: in ``clip_grad_norm_``, a managed parameter; in ``get_total_norm``, the current
-``.grad`` of a managed parameter or a managed parameter itself (a tensor *derived* from one,
-``g.float()``, is not: call :func:`fsdp_compose.clip_grad_norm_`), or an empty list while a
-unit sharded over several ranks exists (a rank that holds none of the gradients joins the
-collective). Other tensors in the call count as replicated. Ranks meet under the entry point's
-name, so a rank in ``get_total_norm`` and another in ``clip_grad_norm_`` raise instead of
-pairing all-reduces.
+Both are ``_no_grad`` wrappers whose closure cell holds the working
+function (``clip_grad_norm_`` calls the module global ``_get_total_norm``).
+Swapping those cells' contents reaches every reference, including earlier
+imports; without such a cell the module attributes are patched (with a
+warning). Recognised: a managed parameter or its current ``.grad`` (not
+``g.float()``), or an empty list while a multi-rank unit exists (a rank
+holding no gradient still joins). Ranks meet under the entry point's name,
+so mixed entry points raise instead of pairing all-reduces.
 """
 
 from __future__ import annotations
@@ -46,9 +39,9 @@ _opted_out: list[bool] = []
 
 
 def route_torch_grad_norms(enabled: bool = True) -> None:
-    """Turn the routing of torch's ``clip_grad_norm_`` / ``get_total_norm`` through the global
-    norms on (the default once ``fully_shard`` ran) or off. Process-wide; call it alike on
-    every rank."""
+    """Turn the routing of torch's ``clip_grad_norm_`` / ``get_total_norm``
+    on (the default once ``fully_shard`` ran) or off. Process-wide; call it
+    alike on every rank."""
     if enabled:
         _opted_out.clear()
         _route()
@@ -105,8 +98,8 @@ def _sharded_params() -> list[nn.Parameter]:
 
 
 def _managed_params_of(tensors: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
-    """For each tensor, the managed parameter it is the ``.grad`` of (or is), else itself;
-    ``None`` when none is managed."""
+    """For each tensor, the managed parameter it is (or is the ``.grad`` of),
+    else itself; ``None`` when none is managed."""
     # by identity, never by shape
     if not any_owner():
         return None
@@ -133,8 +126,8 @@ _WRAPPERS = {"clip_grad_norm_": "clip_grad_norm_", "get_total_norm": "_get_total
 
 
 def _inner_cell(wrapper: Callable) -> Optional[types.CellType]:
-    """The closure cell of torch's ``_no_grad`` wrapper holding the function it calls (``None``:
-    built differently)."""
+    """The closure cell of torch's ``_no_grad`` wrapper holding the function it
+    calls (``None``: built differently)."""
     inner = getattr(wrapper, "__wrapped__", None)
     cells = [c for c in (getattr(wrapper, "__closure__", None) or ())
              if c.cell_contents is inner or c.cell_contents in _ROUTED.values()]

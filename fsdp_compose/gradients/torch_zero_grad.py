@@ -1,12 +1,10 @@
 """torch's ``Optimizer.zero_grad`` gives back the memory of the sharded gradients it clears.
 
-A buffer's last published sharded gradient is kept for the next reduction ([Note: the kept
-sharded gradient]) and given back once nothing but the library holds it: at the root's next
-pre-forward, and, once ``fully_shard`` ran (:func:`install`), as soon as
-``optimizer.zero_grad()`` (``set_to_none=True``) or ``model.zero_grad()`` cleared the
-``.grad``, where torch FSDP2 frees them too. ``Optimizer.zero_grad`` is replaced by a function
-that calls it and then releases each free kept gradient of the optimizer's buffers
-(``FlatGradient.release_if_free``); values never change.
+A buffer's last published gradient is kept for the next reduction ([Note:
+the kept sharded gradient]) and given back once only the library holds it:
+at the root's next pre-forward, or, once ``fully_shard`` ran
+(:func:`install`), right after ``optimizer.zero_grad()`` clears ``.grad``,
+as FSDP2 does. Values never change.
 """
 
 from __future__ import annotations
@@ -48,7 +46,8 @@ def install() -> None:
 
 
 def release_cleared_gradients(optimizer: Optimizer) -> None:
-    """Give back the memory of ``optimizer``'s kept gradients that nothing but the library holds."""
+    """Give back the memory of ``optimizer``'s kept gradients that only the
+    library holds."""
     for ref in _gradients_of(optimizer):
         gradient = ref()
         if gradient is not None:

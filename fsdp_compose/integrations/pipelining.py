@@ -1,15 +1,12 @@
-"""Pipeline parallelism over ``fully_shard``-annotated stages:
-:class:`PipelineStage`, torch's ``PipelineStage`` for an annotated stage
-module (build it with ``group=mesh["pp"].get_group()`` and annotate the
-stage over ``mesh["dp"]``).
+"""Pipeline parallelism over ``fully_shard``-annotated stages: build
+:class:`PipelineStage` with ``group=mesh["pp"].get_group()`` and annotate
+the stage over ``mesh["dp"]``.
 
-torch's stage drives data parallelism only for its own ``FSDPModule``: it
-turns sync and resharding off for each micro-batch's backward and then
-reaches into FSDP2's internals to reduce. This stage makes the same calls
-through :class:`~fsdp_compose.ShardedModule`'s public methods, except that
-the schedule's last backward of the step (``last_backward``) runs with
-sync, resharding and publication on, so the library's own hooks reduce the
-accumulated gradients.
+torch's stage drives data parallelism only for its own ``FSDPModule``,
+reaching into FSDP2's internals. This stage makes the same calls through
+:class:`~fsdp_compose.ShardedModule`'s public methods, except that the
+step's last backward runs with sync and resharding on, so the library's own
+hooks reduce the accumulated gradients.
 
 Invariants: between steps every unit is resharded, gradients are reduced
 once per step, and ``.grad`` holds the mean over micro-batches and ranks.

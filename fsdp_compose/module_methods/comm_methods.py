@@ -1,7 +1,6 @@
-"""FSDP2's module methods that change a unit's collectives, with FSDP2's
-arguments in FSDP2's order; mixed into :class:`ShardedModule`. A unit none
-of them touched keeps the plain path (``FlatBuffer.comms is None``;
-``comm/custom.py`` has the others).
+"""FSDP2's module methods that change a unit's collectives, mixed into
+:class:`ShardedModule`. A unit none of them touched keeps the plain path
+(``FlatBuffer.comms is None``).
 """
 
 from __future__ import annotations
@@ -21,29 +20,20 @@ class ShardedCommMethods:
     """The collective-changing methods of :class:`ShardedModule`."""
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Hybrid sharding: with ``False``, each backward reduce-scatters
-        and keeps the sum instead of all-reducing over the replicas; the
-        next backward with ``True`` all-reduces the sum once, and only then
-        are those gradients published to ``.grad``. Without replicas it
-        changes nothing; ``set_requires_gradient_sync(False)`` skips both
-        collectives."""
+        """Hybrid sharding: with ``False``, each backward reduce-scatters and keeps
+        the sum; the next backward with ``True`` all-reduces it over the replicas
+        once and publishes ``.grad``. No effect without replicas."""
         for state in states_at(self, recurse):
             state.unit.custom_comms().requires_all_reduce = bool(requires_all_reduce)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: Optional[object] = None) -> None:
-        """Call ``hook(reduce_output)`` on each gradient reduction of this
-        unit before it is added to the sharded gradient (in-place changes
-        count): the reduce-scatter's output, or under hybrid sharding the
-        replica all-reduce's (none for one kept by
-        ``set_requires_all_reduce(False)``). As in FSDP2 it sees the sum
-        where the division happens afterwards (``set_gradient_divide_factor``,
-        ``set_force_sum_reduction_for_comms``), else the mean.
-
-        ``stream``: only ``None``; the hook runs on the current stream,
-        where the result is ordered (``ValueError`` under hybrid sharding,
-        as FSDP2, else ``NotImplementedError``). ``TypeError`` for a
-        non-callable ``hook``."""
+        """Call ``hook(reduce_output)`` on each gradient reduction of this unit
+        (under hybrid sharding, the replica all-reduce's output) before it is
+        added to the sharded gradient; in-place changes count. It sees the sum
+        where the division comes afterwards, else the mean. ``stream``: only
+        ``None`` (``ValueError`` under hybrid sharding, as FSDP2, else
+        ``NotImplementedError``). ``TypeError`` for a non-callable ``hook``."""
         unit = own_state(self).unit
         if stream is not None:
             if unit.group.replicate_size > 1:
@@ -58,36 +48,29 @@ class ShardedCommMethods:
         unit.custom_comms().all_reduce_hook = hook
 
     def set_custom_all_gather(self, comm: object) -> None:
-        """Route every all-gather of this unit (a bucket's too) through
-        ``comm``, with the protocol of torch's ``AllGather``
-        (``allocate(size, *, dtype, device)``, ``__call__(output_tensor,
-        input_tensor, group, async_op)``); see [Note: custom collectives] in
-        ``comm/custom.py``. ``TypeError`` without that protocol,
-        ``ValueError`` on a unit with quantized collectives.
-
-        torch keeps the class private: ``from torch.distributed.fsdp import
-        AllGather`` is an ``ImportError``; in torch 2.13 to 2.15 it is
-        ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``, a
-        private module. Subclassing it is optional: any object with the two
-        methods works."""
+        """Route every all-gather of this unit through ``comm``, which has the
+        protocol of torch's ``AllGather`` (``allocate(size, *, dtype, device)``,
+        ``__call__(output_tensor, input_tensor, group, async_op)``); torch keeps
+        it private, as ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather``,
+        and subclassing it is optional. See [Note: custom collectives].
+        ``TypeError`` without that protocol, ``ValueError`` on a unit with
+        quantized collectives."""
         comms = _custom_slot(self, comm, "set_custom_all_gather")
         comms.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: object) -> None:
         """The same for gradient reduce-scatters, with the protocol of torch's
-        ``ReduceScatter`` (``__call__(output_tensor, input_tensor, group, op,
-        async_op)``, op ``SUM`` or ``AVG`` as the library's own reduction
-        would use); private in torch as ``AllGather`` is: in torch 2.13 to
-        2.15 ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``."""
+        private ``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``
+        (``__call__(output_tensor, input_tensor, group, op, async_op)``, op
+        ``SUM`` or ``AVG``)."""
         comms = _custom_slot(self, comm, "set_custom_reduce_scatter")
         comms.reduce_scatter = comm
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
-        """At most ``max_input_buffers`` (a positive int; default 1, as
-        FSDP2) reduce-scatters in flight, each keeping its input alive. A
-        model setting, ``PrefetchPolicy.max_pending_reduces`` (``recurse``:
-        FSDP2's signature)."""
+        """At most ``max_input_buffers`` reduce-scatters in flight (a positive int,
+        default 1; ``TypeError``/``ValueError`` otherwise), for the whole model.
+        ``recurse`` is FSDP2's signature."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
@@ -95,9 +78,8 @@ class ShardedCommMethods:
         own_state(self).change_model_setting(MAX_PENDING_REDUCES, max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """``True``: reduce-scatters run on a process group of their own
-        over the shard group's ranks (made now: call it on every rank), to
-        progress beside the all-gathers; ``False``: the shard group."""
+        """``True``: reduce-scatters run on a new process group over the shard
+        group's ranks (call it on every rank); ``False``: the shard group."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for state in states_at(self, recurse):
             unit = state.unit
@@ -113,15 +95,13 @@ class ShardedCommMethods:
             comms.reduce_scatter_group = made[ranks]
 
     def set_post_optim_event(self, event: object) -> None:
-        """Accepted and dropped: FSDP2's all-gather streams wait for
-        ``event``; ours run on the current stream, after the optimizer step
-        already."""
+        """Accepted and dropped: collectives run on the current stream, after the
+        optimizer step already."""
         own_state(self)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """FSDP2 all-gathers into symmetric memory. ``RuntimeError`` on a
-        CPU mesh (as FSDP2); ``NotImplementedError`` on CUDA, where the
-        all-gather writes into the unsharded buffer, not symmetric memory."""
+        """Not supported: ``RuntimeError`` on a CPU mesh (as FSDP2),
+        ``NotImplementedError`` on CUDA."""
         unit = own_state(self).unit
         if unit.group.device.type != "cuda":
             raise RuntimeError(f"set_symm_mem_for_comm on {unit.name}: SymmetricMemory does not "
@@ -132,9 +112,8 @@ class ShardedCommMethods:
             "buffers from symmetric memory; leave it unset")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """FSDP2 allocates staging buffers with the process group's
-        allocator. On the CPU nothing changes (gloo has none, as FSDP2);
-        ``NotImplementedError`` on CUDA."""
+        """No effect on the CPU (gloo has no allocator); ``NotImplementedError`` on
+        CUDA."""
         unit = own_state(self).unit
         if enable and unit.group.device.type != "cpu":
             raise NotImplementedError(

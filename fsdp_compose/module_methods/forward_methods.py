@@ -1,19 +1,15 @@
 """Methods other than ``forward`` that use the parameters like ``forward``.
 
-Only ``module(...)`` runs the hooks that unshard a unit, so a method such as
-Hugging Face's ``generate`` would see this rank's shards (rows of each
-parameter by default, 1-D pieces with ``placement="flat"``).
-:func:`register_forward_method` makes it behave like ``forward``::
+Only ``module(...)`` runs the hooks that unshard a unit; a method such as
+``generate`` would see this rank's shards unless registered::
 
-    for layer in model.layers:
-        fully_shard(layer)
     fully_shard(model)
     register_forward_method(model, "generate")
-    tokens = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+    tokens = model.generate(input_ids, max_new_tokens=8)
 
 The unit is all-gathered once before the method and, unless autograd needs
-the parameters, resharded after it; the method's own ``module(...)`` calls
-(and calls of itself) are part of that one pass.
+the parameters, resharded after it; its inner ``module(...)`` calls are part
+of that pass.
 """
 
 from __future__ import annotations
@@ -68,9 +64,9 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """FSDP2's name and contract for :func:`register_forward_method`: a
-    no-op on a module that is not annotated (so code runs with and without
-    sharding), ``ValueError`` where the module has no ``method_name``."""
+    """FSDP2's contract for :func:`register_forward_method`: a no-op on a
+    module that is not annotated; ``ValueError`` where it has no
+    ``method_name``."""
     if state_of(module) is None:
         return
     if not hasattr(module, method_name):

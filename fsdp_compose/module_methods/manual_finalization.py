@@ -1,38 +1,25 @@
-"""The caller ends the step's gradient reduction: FSDP2 2.15's manual
-backward finalization, the replica all-reduce that hybrid sharding
-deferred, and the pending gradients read between micro-batches.
+"""The caller ends the step's gradient reduction: manual backward
+finalization, the deferred replica all-reduce, and the pending gradients
+read between micro-batches.
 
 [Note: manual finalization]
-With ``set_manual_backward_finalization(True)`` on the root, the end of
-every backward does what it does under ``set_is_last_backward(False)``:
-the units reshard, their reductions stay in flight and nothing is
-published to ``.grad``. ``finalize_backward()`` then, on every rank at the
-same point:
-
-1. waits the reduce-scatters still in flight;
-2. issues, per buffer, the one replica all-reduce of what
-   ``set_requires_all_reduce(False)`` kept over the step (hybrid sharding;
-   FSDP2 2.15 refuses this case);
-3. returns, with ``async_op=True``, a :class:`GradientReductionHandle`
-   whose ``wait()`` (4) waits those all-reduces, publishes the gradients
-   and ends the step (the same end as a last backward's); without
-   ``async_op`` it does (4) at once.
-
-Between (3) and (4) the gradients are not readable; computation that does
-not touch them overlaps the all-reduces. Before the first forward, and
-when no backward ran since the last finalization, it does nothing and
-returns ``None``.
+With ``set_manual_backward_finalization(True)`` on the root, every backward
+ends as under ``set_is_last_backward(False)``: units reshard, reductions stay
+in flight, nothing reaches ``.grad``. ``finalize_backward()``, on every rank
+at the same point, waits the reduce-scatters, issues per buffer the one
+replica all-reduce that ``set_requires_all_reduce(False)`` deferred, and
+then (at once, or at the returned handle's ``wait()``) publishes the
+gradients and ends the step. With no backward since the last finalization
+it does nothing.
 
 [Note: pending gradients]
-Between the backwards of a step the gradients not yet reduced are
-readable and writable where they lie, without communication
-(:func:`pending_gradients`): a gradient kept unreduced by
-``set_requires_gradient_sync(False)`` is this rank's sum over its
-micro-batches, full shape; one kept by ``set_requires_all_reduce(False)``
-is this rank's piece of the sum over its replica's ranks (reduce-scattered,
-not all-reduced over the replicas). ``synchronize_gradients`` reduces both
-and publishes them; ``zero_grad`` drops both, as one process drops the
-gradients it accumulated.
+Between a step's backwards the unreduced gradients are readable and
+writable in place, without communication: one kept by
+``set_requires_gradient_sync(False)`` is this rank's full-shape sum over its
+micro-batches; one kept by ``set_requires_all_reduce(False)`` is this rank's
+reduce-scattered piece, not yet all-reduced over replicas.
+``synchronize_gradients`` reduces and publishes both; ``zero_grad`` drops
+both.
 """
 
 from __future__ import annotations
@@ -50,18 +37,16 @@ from ..runtime.unit import Unit
 
 
 class GradientReductionHandle:
-    """Returned by ``finalize_backward(async_op=True)``: the step's
-    reductions are in flight. ``wait()`` completes them: every gradient is
-    reduced and published to ``.grad``, every unit resharded. Call it on
-    every rank before reading the gradients or stepping the optimizer; a
-    second ``wait()`` does nothing. ``RuntimeError`` if
-    ``reset_iter_state()`` dropped the reductions since (as FSDP2)."""
+    """Returned by ``finalize_backward(async_op=True)``. ``wait()``, on every
+    rank, completes the reductions and publishes ``.grad``; a second
+    ``wait()`` does nothing; ``RuntimeError`` if ``reset_iter_state()``
+    dropped the reductions since."""
 
     def __init__(self, context: Optional[ModelContext] = None,
                  complete: Optional[Callable[[], None]] = None) -> None:
         self._context: Optional[ModelContext] = context
         self._complete: Optional[Callable[[], None]] = complete
-        """``None``: nothing to do (waited, or nothing was pending)."""
+        """``None``: nothing to do."""
 
     def wait(self) -> None:
         context, complete = self._context, self._complete
@@ -76,9 +61,8 @@ class GradientReductionHandle:
 
 
 def check_root_between_backwards(state: FullyShardState, method: str) -> Optional[ModelContext]:
-    """``state``'s model, checked to be called on its root and outside
-    backward (``None``: no forward ran yet). Raises on every rank alike:
-    the checks read only what every rank shares."""
+    """``state``'s model (``None`` before the first forward); raises, on every
+    rank alike, unless called on the root outside backward."""
     unit, context = state.unit, state.context
     if context is None:
         if state.annotated_parent is not None:
@@ -102,9 +86,7 @@ def check_root_between_backwards(state: FullyShardState, method: str) -> Optiona
 
 
 def finalize_backward(context: ModelContext, async_op: bool) -> Optional[GradientReductionHandle]:
-    """[Note: manual finalization]. A handle with ``async_op`` (one that
-    does nothing when no backward ran since the last finalization), else
-    ``None`` once done."""
+    """[Note: manual finalization]: a handle with ``async_op``, else ``None``."""
     if not context.settings.manual_finalization:
         raise RuntimeError(
             f"finalize_backward on {context.root.unit.name} requires manual backward "
@@ -142,9 +124,8 @@ def finalize_backward(context: ModelContext, async_op: bool) -> Optional[Gradien
 
 
 def synchronize_gradients(context: ModelContext) -> None:
-    """Reduce every pending gradient now (the reduce-scatter of those kept
-    unreduced, the replica all-reduce of those kept partial) and publish
-    them to ``.grad``, whatever the units' sync settings."""
+    """Reduce every pending gradient now and publish it to ``.grad``, whatever
+    the units' sync settings."""
     units = [state.unit for state in context.states]
     collectives = context.collectives
     previous = [unit.settings.requires_gradient_sync for unit in units]
@@ -169,11 +150,9 @@ def synchronize_gradients(context: ModelContext) -> None:
 
 
 def pending_gradients(units: list[Unit]) -> dict[str, torch.Tensor]:
-    """[Note: pending gradients]: by FQN, each parameter's gradient not yet
-    reduced (full shape) or not yet all-reduced over the replicas (this
-    rank's piece); parameters with neither are left out. The tensors are
-    views of what the next reduction reads: changes count (a parameter
-    placed with ``ShardDim(d)``, ``d > 0``, gets a copy when unreduced)."""
+    """[Note: pending gradients], by FQN; parameters without one are left out.
+    Writes to the views count (a ``ShardDim(d)``, ``d > 0``, parameter's
+    unreduced one is a copy)."""
     out: dict[str, torch.Tensor] = {}
     for unit in units:
         for buffer in unit.trainable_buffers:
@@ -202,8 +181,7 @@ def _views(buffer: FlatBuffer, unreduced: Optional[torch.Tensor],
 
 
 def drop_pending_gradients(units: list[Unit]) -> None:
-    """``zero_grad``: forget the gradients not yet reduced, as one process
-    forgets what it accumulated."""
+    """``zero_grad``: forget the gradients not yet reduced."""
     for unit in units:
         for buffer in unit.trainable_buffers:
             buffer.grad.drop_pending()

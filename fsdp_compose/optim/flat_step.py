@@ -1,16 +1,11 @@
 """The flat optimizer step: each flat buffer's shard is stepped as a few tensors instead of one
 per parameter, bitwise with torch's numbers (the default from an optimizer's second step on).
 
-A managed parameter views its buffer's shard and its ``.grad`` one flat sharded gradient, so
-parameters of a family of param groups (``rules.py``) lying back to back are stepped as one
-tensor per run (``segments.py``) by one call into torch's own functional optimizer, with the
-kernels torch would choose: only the per-tensor cost goes. The state stays per parameter
-(views of flat state tensors), so state dicts and checkpoints are unchanged. Whatever it
-cannot take (unmanaged parameters, a ``.grad`` set by hand, foreign state,
-``fused``/``capturable``/``differentiable`` groups, a tensor ``lr``, a GradScaler's fused
-unscale, other optimizer classes) goes to torch's own step. The default takes an optimizer over
-at its first step, which is torch's own into flat state laid out beforehand; the second step
-adopts that state without a copy. ``flat_step(optimizer, enabled=False)`` keeps torch's step.
+Parameters of a family of param groups (``rules.py``) lying back to back are stepped as one
+tensor per run (``segments.py``) by one call into torch's own functional optimizer. The state
+stays per parameter (views of flat state tensors), so state dicts are unchanged. What it
+cannot take goes to torch's step (:attr:`StepReport.reasons`). The default's first step is
+torch's own, into flat state laid out beforehand.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from .rules import Rule, choose_foreach, rule_for
 from .segments import Member, Segment, build_segments, is_flat_view, member_ids
 
 _HANDLE_ATTRIBUTE = "_fsdp_compose_flat_step"
-"""On the instance: the handle dies with the optimizer in one garbage collection."""
+"""On the instance, so the handle dies with the optimizer."""
 
 
 def _handle_of(optimizer: Optimizer) -> "Optional[FlatStep]":
@@ -46,9 +41,9 @@ class StepReport(NamedTuple):
     """What the last step did.
 
     Attributes:
-        flat_tensors: tensors the flat path passed to torch's functional step.
+        flat_tensors: tensors passed to torch's functional step.
         flat_params: parameters stepped through them.
-        torch_params: parameters with a gradient left to torch's own step.
+        torch_params: parameters with a gradient left to torch's step.
         reasons: why whole groups went to torch's step."""
 
     flat_tensors: int
@@ -69,7 +64,7 @@ class FlatStep:
         self.last: Optional[StepReport] = None
         step = type(optimizer).step
         self._torch_step: Callable[..., Any] = getattr(step, "__wrapped__", step)
-        """torch's step without its hook wrapper (the flat step's wrapper runs the hooks)."""
+        """torch's step without its hook wrapper (ours runs the hooks)."""
         self._params_signature: Optional[tuple] = None
         self._signature: Optional[tuple] = None
         self._families: tuple[tuple[int, ...], ...] = ()
@@ -93,8 +88,8 @@ class FlatStep:
             else self._foreach[index]
 
     def _plan(self, optimizer: Optimizer, supported: list[int]) -> None:
-        """Families of the supported groups and their segments, rebuilt when groups, families or
-        a shard change."""
+        """Families and segments of the supported groups, rebuilt when groups or a
+        shard change."""
         groups, rule = optimizer.param_groups, self.rule
         params_signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if params_signature != self._params_signature:
@@ -127,11 +122,10 @@ class FlatStep:
                     self._where[id(param)] = (seg, member)
 
     def lay_state_for_torchs_first_step(self, optimizer: Optimizer) -> None:
-        """Before torch's own first step (the default's): every managed
-        parameter about to be stepped (a gradient, no state) gets the state
-        that step would make, as views of the flat state, so the optimizer
-        never holds its state twice. SGD is left alone: its momentum starts
-        as torch's clone of the gradient."""
+        """Before torch's own first step: every managed parameter about to be
+        stepped gets that step's state as views of the flat state, so the state
+        is never held twice. SGD is left alone (its momentum starts as torch's
+        clone of the gradient)."""
         rule, groups, state = self.rule, optimizer.param_groups, optimizer.state
         if not rule.counts_steps:
             return
@@ -200,8 +194,8 @@ class FlatStep:
 
     def _decayed(self, groups: list[dict], family: tuple[int, ...], work: list,
                  foreach: bool) -> dict:
-        """The family's one call's hyperparameters; a weight decay that differs within the family
-        is applied per group first."""
+        """The family's call's hyperparameters; a weight decay that differs within
+        the family is applied per group first."""
         group = groups[family[0]]
         if len(family) == 1 or not self.rule.separate_decay(group) or \
                 all(groups[i]["weight_decay"] == group["weight_decay"] for i in family):
@@ -215,8 +209,8 @@ class FlatStep:
         return dict(group, weight_decay=0.0)
 
     def _torch_rest(self, optimizer: Optimizer, handled: list[Optional[set[int]]]) -> int:
-        """torch's own step on the parameters the flat path did not take; returns how many have a
-        gradient."""
+        """torch's step on the parameters the flat path did not take; returns how
+        many have a gradient."""
         groups = optimizer.param_groups
         rest = [group["params"] if done is None else [p for p in group["params"] if id(p) not in done]
                 for group, done in zip(groups, handled)]
@@ -269,8 +263,8 @@ def _why_not(optimizer: Optimizer) -> Optional[str]:
 
 
 def _install(optimizer: Optimizer) -> FlatStep:
-    """Put the flat step on the instance as an LR scheduler's wrapper would: it holds the
-    optimizer weakly, and a scheduler made later sees it as its own."""
+    """Install as an LR scheduler's wrapper would: holding the optimizer
+    weakly, so a later scheduler wraps it."""
     handle = FlatStep(optimizer, rule_for(optimizer), None)
     optimizer.__dict__[_HANDLE_ATTRIBUTE] = handle
     handle.after_scheduler = "step" in optimizer.__dict__
@@ -279,7 +273,7 @@ def _install(optimizer: Optimizer) -> FlatStep:
 
 
 def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
-    """Back to torch's step (a scheduler's wrapper made before wraps torch's)."""
+    """Back to torch's step."""
     if optimizer.__dict__.get("step") is not handle.installed:
         return  # other code replaced it since: leave theirs
     if handle.after_scheduler:
@@ -289,14 +283,15 @@ def _uninstall(optimizer: Optimizer, handle: FlatStep) -> None:
 
 
 def flat_step(optimizer: Optimizer, enabled: bool = True) -> FlatStep:
-    """Step ``optimizer``'s managed parameters as a few flat tensors per buffer, bitwise the
-    numbers of torch's own step; calling it makes the first step flat too. Returns the handle
-    (``FlatStep.last`` reports each step).
+    """Step ``optimizer``'s managed parameters as a few flat tensors per
+    buffer, bitwise torch's numbers, from its first step on. Returns the
+    handle (``FlatStep.last`` reports each step).
 
-    Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (every hyperparameter but
-    ``fused``, ``capturable``, ``differentiable``); anything else keeps torch's step with a
-    warning (``FlatStep.unsupported``). Idempotent. ``enabled=False``: keep torch's own step
-    (an installed flat step is removed)."""
+    Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (every
+    hyperparameter but ``fused``, ``capturable``, ``differentiable``);
+    anything else keeps torch's step with a warning
+    (``FlatStep.unsupported``). Idempotent. ``enabled=False``: keep torch's
+    step (removing an installed flat step)."""
     if not enabled:
         _OFF.add(optimizer)
         handle = _handle_of(optimizer)
@@ -335,5 +330,5 @@ def _take_by_default(optimizer: Optimizer, args: object, kwargs: object) -> None
                       "tensor per parameter (fsdp_compose.flat_step(optimizer, enabled=False) "
                       "before its first step silences this).", stacklevel=4)
         return
-    # from the next step on (this one is torch's, already under way), in flat state from this one
+    # flat from the next step on; this one (torch's, under way) writes into flat state
     _install(optimizer).lay_state_for_torchs_first_step(optimizer)

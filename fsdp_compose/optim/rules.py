@@ -1,12 +1,12 @@
-"""What the flat optimizer step knows of each torch optimizer: which groups it takes, the
-per-element state, and the call into torch's functional implementation with one tensor per
-run.
+"""What the flat optimizer step knows of each torch optimizer: which groups it
+takes, the per-element state, and the call into torch's functional
+implementation with one tensor per run.
 
-These optimizers update every element from the same element of parameter, gradient and state
-with the group's scalars and ``step``, so one call on a run writes the bits of the same call
-per parameter. Groups differing only where the rule applies the difference itself step as one
-*family*: AdamW's decoupled decay is ``param.mul_(1 - lr * weight_decay)`` first, so groups
-with and without decay are decayed per group, then stepped together with ``weight_decay=0``.
+These optimizers update every element from the same element of parameter,
+gradient and state, so one call on a run writes the bits of the per-parameter
+calls. Groups differing only in what a rule applies itself step as one
+*family*: AdamW's decoupled decay is applied per group first, then the
+family steps with ``weight_decay=0``.
 """
 
 from __future__ import annotations

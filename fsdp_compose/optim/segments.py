@@ -1,15 +1,15 @@
 """Stretches of a shard that the flat optimizer step updates as one tensor.
 
-A *segment* is a stretch of one flat buffer's shard holding parameters of one family back to
-back, its per-element state one flat tensor per state name, each parameter's state a view of
-it. Each step cuts a segment into *runs* of parameters whose ``.grad`` is their piece of one
-flat gradient, whose state is this segment's views (other state is copied in: *adopted*), and
-that took the same number of steps. Padding between members is stepped with them and stays
-zero.
+A *segment* is a stretch of one shard holding parameters of one family back
+to back, its state one flat tensor per state name that each parameter's
+state views. Each step cuts it into *runs* of parameters whose ``.grad`` is
+a piece of one flat gradient, whose state is the segment's views (other
+state is copied in: *adopted*), and of one step count. Padding between
+members is stepped with them and stays zero.
 
-Invariant: for every member ``i`` with ``installed[i]``, ``optimizer.state[param] is
-installed[i]``, its values view ``flats``, and ``ages[i]`` is its ``step``; other state is
-adopted again or left to torch.
+Invariant: for every member ``i`` with ``installed[i]``,
+``optimizer.state[param] is installed[i]``, its values view ``flats``, and
+``ages[i]`` is its ``step``.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from .rules import Rule, RunTensors
 _grad_of = operator.attrgetter("grad")
 
 CPU_RUN_CAP = 1 << 18
-"""CPU runs of several parameters stop at 2^18 elements: a for-loop step passes over whole-run
-temporaries several times, fastest while they fit the caches."""
+"""CPU runs of several parameters stop at 2^18 elements: a for-loop step
+passes over whole-run temporaries several times, fastest in cache."""
 
 
 class Run(NamedTuple):
-    """Members ``first``..``last`` of a segment, ``numel`` elements from ``start``, all of age
-    ``age`` (``-1``: no state yet)."""
+    """Members ``first``..``last``, ``numel`` elements from ``start``, all of
+    age ``age`` (``-1``: no state yet)."""
 
     segment: "Segment"
     first: int
@@ -72,7 +72,8 @@ class Segment:
         self.installed: list[Optional[dict]] = [None] * len(self.params)
         self.ages: list[int] = [0] * len(self.params)
         self.uniform: Optional[tuple[str, ...]] = None
-        """State names for which every member is installed and of one age (the fast path)."""
+        """State names for which every member is installed and of one age (the
+        fast path)."""
         self.cap: int = CPU_RUN_CAP if self.sharded.device.type == "cpu" else sys.maxsize
         self._whole: Optional[list[Run]] = None
         self._by_group: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
@@ -90,8 +91,8 @@ class Segment:
 
     def _adopt(self, member: int, state: dict, names: tuple[str, ...], rule: Rule,
                opt_state: dict) -> Optional[int]:
-        """Copy state made elsewhere into the segment's views and install it; the member's age,
-        or ``None`` (not this optimizer's state: torch steps it)."""
+        """Copy state made elsewhere into the segment's views and install it; the
+        member's age, or ``None`` (not this optimizer's: torch steps it)."""
         param = self.params[member]
         expected = set(names) | ({"step"} if rule.counts_steps else set())
         if set(state) != expected:
@@ -119,10 +120,9 @@ class Segment:
         return self.ages[member]
 
     def lay_first_state(self, member: int, names: tuple[str, ...], opt_state: dict) -> None:
-        """Give the member the state torch's first step starts from (zeros,
-        ``step`` 0) as views of the flat state, not installed: torch's own
-        first step writes into them, and the next flat step adopts them
-        without a copy (``_adopt`` finds its own views)."""
+        """Give the member torch's first-step state (zeros, ``step`` 0) as views
+        of the flat state, not installed: torch's first step writes into them and
+        the next flat step adopts them without a copy."""
         self._allocate(names)
         state = {"step": torch.tensor(0.0, dtype=optimizer_scalar_dtype())}
         state.update((name, self.state_view(name, member)) for name in names)
@@ -187,8 +187,8 @@ class Segment:
         return base, self._runs(ages)
 
     def _runs(self, ages: Sequence[Optional[int]]) -> list[Run]:
-        """Runs by age (``None``: skipped): never over a skipped parameter, nor past ``cap``
-        elements unless one parameter alone is larger."""
+        """Runs by age (``None``: skipped), never over a skipped parameter nor past
+        ``cap`` elements unless one parameter alone is larger."""
         runs: list[Run] = []
         current: Optional[list] = None  # [first, last, start, end, age]; start None: no elements yet
         for i, age in enumerate(ages):
@@ -218,8 +218,7 @@ class Segment:
 
     def tensors(self, run: Run, base: torch.Tensor, rule: Rule, names: tuple[str, ...]
                 ) -> RunTensors:
-        """The run's flat tensors; a run without state gets zeros and ``step`` 0, as torch's
-        first step."""
+        """The run's flat tensors; a run without state gets zeros and ``step`` 0."""
         self._allocate(names)
         at = self.shard_start + run.start
         fresh = run.age < 0
@@ -294,8 +293,8 @@ class Segment:
 
 
 def build_segments(buffer: FlatBuffer, members: Sequence[Member]) -> list[Segment]:
-    """Cut ``members`` into segments in shard order, a new one wherever another parameter lies
-    between."""
+    """Cut ``members`` into segments in shard order, a new one wherever another
+    parameter lies between."""
     slices = buffer.local_slices()
     mine = {m.index: m for m in members}
     held = sorted((i for i in range(len(slices)) if slices[i].length),

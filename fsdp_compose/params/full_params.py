@@ -2,13 +2,12 @@
 inside a ``with`` block (FSDP1's ``summon_full_params``).
 
 [Note: full_params]
-Entering all-gathers the held units' buffers in the parameters' own dtype
-and points each ``.data`` at its whole view (identity and names kept).
-Leaving with ``writeback=True`` first checks, with one tiny all-gather per
-unit, that every rank holds the same values, then each rank copies its
-slice into its shard. ``writeback=False`` or an exception restores the
-shards without any collective (a rank raising alone must not leave the
-others waiting). The whole model must fit on one rank.
+Entering all-gathers the held units in the parameters' own dtype and points
+each ``.data`` at its whole view. Leaving with ``writeback=True`` first
+checks, with one small all-gather per unit, that every rank holds the same
+values, then each rank copies its slice into its shard. ``writeback=False``
+or an exception restores the shards without any collective (a rank raising
+alone must not leave the others waiting).
 """
 
 from __future__ import annotations
@@ -42,9 +41,9 @@ class _Held(NamedTuple):
 @contextlib.contextmanager
 def full_params(module: nn.Module, *, writeback: bool = True, recurse: bool = True,
                 rank0_only: bool = False, offload_to_cpu: bool = False) -> Iterator[None]:
-    """Inside the block, every parameter managed by the units of ``module``
-    has its whole shape and values ([Note: full_params]). Collective: enter
-    and leave on every rank. Options are keyword-only.
+    """Inside the block, every parameter managed by the units of ``module`` has
+    its whole shape and values ([Note: full_params]). Collective: enter and
+    leave on every rank.
 
     Args:
         module: an annotated module, or one with annotated modules below.
@@ -60,8 +59,7 @@ def full_params(module: nn.Module, *, writeback: bool = True, recurse: bool = Tr
             unannotated module.
         RuntimeError: a unit in a forward or backward, already held, or on
             meta; a forward with gradients inside the block; ranks that wrote
-            different values (``writeback``).
-    """
+            different values."""
     if rank0_only and writeback:
         raise ValueError("full_params(rank0_only=True, writeback=True): only rank 0 would hold "
                          "the values to write back; pass writeback=False (as FSDP1 requires).")

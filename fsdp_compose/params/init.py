@@ -1,17 +1,14 @@
 """Models larger than one rank: deferred (meta-device) initialisation and
-making ranks agree on initial values (annotate on ``meta``, seed every
-rank alike, then :func:`materialize`).
+ranks agreeing on initial values.
 
 [Note: initialising as if eagerly]
-``materialize`` calls each module's ``reset_parameters()`` (or
-``init_fn``) in ``model.modules()`` order with the module's own
-parameters whole (its unit all-gathered in the parameters' dtype), so
-fan-in initialisers see the full shape. Every rank runs the same
-initialisers from the same random state and keeps its slice: with the same
-seed the values equal the eager model's exactly (same device type). A unit
-is closed when the walk moves to another (re-gathered if it comes back),
-so at most one is whole; closing compares a checksum across ranks
-(differently seeded ranks raise).
+``materialize`` calls each module's ``reset_parameters()`` (or ``init_fn``)
+in ``model.modules()`` order with its own parameters whole, so fan-in
+initialisers see the full shape. Every rank runs the same initialisers from
+the same random state and keeps its slice: with the same seed the values
+equal the eager model's (same device type). At most one unit is whole at a
+time; closing one compares a checksum across ranks (differently seeded
+ranks raise).
 """
 
 from __future__ import annotations
@@ -40,22 +37,20 @@ InitFn = Callable[[nn.Module], None]
 
 def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
                 init_fn: Optional[InitFn] = None) -> nn.Module:
-    """Allocate what ``module`` holds on the meta device and initialise it
-    unit by unit ([Note: initialising as if eagerly]). Collective: call on
-    every rank with the same seed.
+    """Allocate what ``module`` holds on the meta device and initialise it unit
+    by unit ([Note: initialising as if eagerly]). Collective: call on every
+    rank with the same seed.
 
     Args:
-        module: a model annotated while on the meta device (unannotated parts
-            are materialised whole).
+        module: a model annotated on the meta device (unannotated parts are
+            materialised whole).
         device: where unannotated parameters and buffers go (default: the
-            units' compute device; CPU without units). Shards go where
-            ``fully_shard`` keeps them.
+            units' compute device; CPU without units).
         init_fn: called as ``init_fn(m)`` for every module in order with its
             own parameters whole. Default: ``m.reset_parameters()``.
 
     Returns:
-        ``module``; parameters keep their identity.
-    """
+        ``module``; parameters keep their identity."""
     units = units_below(module)
     arrive(units[0].group.process_group if units else None, "fsdp_compose.materialize",
            "Call it on every rank, with the same seed.")
@@ -86,9 +81,8 @@ def materialize(module: nn.Module, *, device: Optional[torch.device] = None,
 def sync_module_states(module: nn.Module, src: int = 0,
                        group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """Give every rank ``src``'s parameters and buffers in place (FSDP1's
-    ``sync_module_states``). Call it before ``fully_shard``; other ranks may
-    hold meta tensors. Collective.
-    """
+    ``sync_module_states``), before ``fully_shard``; other ranks may hold
+    meta tensors. Collective."""
     managed = [name for name, p in module.named_parameters() if owner_of(p) is not None]
     if managed:  # raised on every rank
         raise ValueError(
@@ -120,12 +114,11 @@ class _InitWalk:
         self.full: list[torch.Tensor] = []
         self.assembled: list[Assembled] = []
         self.shown: list[tuple[nn.Module, str, nn.Parameter]] = []
-        """Slots showing a tensor-parallel parameter as a ``DTensor`` while its
-        unit is whole: (module, name, parameter to put back)."""
+        """Slots showing a tensor-parallel parameter as a ``DTensor`` while its unit
+        is whole: (module, name, parameter to put back)."""
 
     def unit_holding(self, module: nn.Module) -> Optional[Unit]:
-        """The unit managing ``module``'s own parameters (the open one if it
-        shows a ``DTensor`` of it)."""
+        """The unit managing ``module``'s own parameters."""
         if any(m is module for m, _, _ in self.shown):
             return self.unit
         return _unit_holding(module)
@@ -159,15 +152,14 @@ class _InitWalk:
 
 def _checksum(values: torch.Tensor) -> tuple[float, float]:
     """Sums over all elements and every other one, in the values' dtype (no
-    unit-sized copy); differently seeded values differ."""
+    copy)."""
     values = values.detach()
     return float(values.sum()), float(values[::2].sum())
 
 
 def _show_tensor_parallel(buffer: FlatBuffer) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Show tensor- or expert-parallel parameters to initialisers as the
-    ``DTensor`` they were (fan-in from the global shape, DTensor's random
-    ops). Returns what to put back."""
+    """Show tensor-parallel parameters to initialisers as the ``DTensor`` they
+    were (fan-in from the global shape). Returns what to put back."""
     shown = []
     for record in buffer.records:
         if record.tp is None:

@@ -1,8 +1,7 @@
 """``ModelSettings``: the settings of a whole model, in one place.
 
-A model-wide setter (:data:`SETTERS`) on any annotated module changes one
-field of the root's settings; before the root's lazy init the change waits
-on the module's state and the root merges them (:func:`merge_changes`).
+A model-wide setter on any annotated module changes the root's settings;
+before the root's lazy init the root merges them (:func:`merge_changes`).
 """
 
 from __future__ import annotations
@@ -28,28 +27,13 @@ SETTERS: dict[str, str] = {
     "check_rank_divergence": "set_check_rank_divergence",
     "after_last_backward": "set_check_finite_gradients",
 }
-"""Every change, in the order a merge applies them, with the method that
-makes it (error messages name it)."""
+"""Every change, in the order a merge applies them, with its method."""
 
 
 @dataclass(slots=True)
 class ModelSettings:
-    """Owned by the root's ``ModelContext``, read by reference by the
-    prefetch order, the collective queue, the bucket plan and the observer.
-    Only :meth:`change` writes them.
-
-    Attributes:
-        bucket_cap_mb: applied at the next root forward.
-        is_last_backward: ``False`` leaves reductions in flight and the
-            gradients unpublished at the end of backward.
-        check_rank_divergence: ``True`` verifies every collective in every
-            iteration, ``False`` never (no forward agreement either),
-            ``None`` in the default window.
-        after_last_backward: called with the root module after each last
-            backward, once everything is resharded and published.
-        manual_finalization: no backward is the last; ``finalize_backward``
-            ends the step ([Note: manual finalization]).
-    """
+    """Owned by the root's ``ModelContext``, read by reference; only
+    :meth:`change` writes them (the setters' docstrings say what each means)."""
 
     prefetch_policy: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
@@ -75,9 +59,8 @@ class ModelSettings:
 
 
 def merge_changes(made: Iterable[tuple[str, Mapping[str, object]]], root: str) -> dict[str, object]:
-    """``(unit name, changes)`` in module order, merged field by field. The
-    same change with two values is ambiguous: ``ValueError`` naming both
-    and the ``root`` (every rank alike, before any collective)."""
+    """``(unit name, changes)`` in module order, merged; one change with two
+    values raises ``ValueError`` on every rank alike, before any collective."""
     chosen: dict[str, tuple[object, str]] = {}
     for unit, changes in made:
         for name, value in changes.items():

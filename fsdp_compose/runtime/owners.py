@@ -1,6 +1,5 @@
-"""Which unit manages a given original parameter: for the public API and
-the checkpoint conversions, which meet parameters through optimizers and
-state dicts rather than modules.
+"""Which unit manages a given original parameter, for code that meets
+parameters through optimizers and state dicts rather than modules.
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ import torch
 from ..buffers.flat_buffer import FlatBuffer
 from .unit import Unit
 
-# id(parameter) -> unit. Weak in the unit (a dropped model releases its
-# entries), not in the parameter (that would stop torch.utils.swap_tensors).
-# The unit holds the parameter, so while an entry lives its id is not reused.
+# id(parameter) -> unit, weak in the unit (a weak key would stop swap_tensors);
+# the unit holds the parameter, so a live entry's id is not reused
 _OWNERS: "weakref.WeakValueDictionary[int, Unit]" = weakref.WeakValueDictionary()
 
 
@@ -33,10 +31,8 @@ def record_owners(unit: Unit) -> None:
             _OWNERS[id(record.param)] = unit
 
 
-# id(original) -> (the original, weakly; its plain replacement): a
-# tensor-parallel parameter is replaced at annotation by a plain one
-# (``setup/units.py``), and a module of another unit may still hold the
-# original (a tied weight). The weak reference tells a reused id apart.
+# id(original) -> (the original, weakly; its plain replacement): another unit's
+# module may still hold a replaced tensor-parallel original (a tied weight)
 _REPLACED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
 
@@ -46,8 +42,7 @@ def record_replacement(original: torch.Tensor, replacement: torch.Tensor) -> Non
 
 
 def replacement_of(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """The plain parameter that replaced ``param`` (a tensor-parallel
-    parameter a unit took), or ``None``."""
+    """The plain parameter that replaced tensor-parallel ``param``, or ``None``."""
     entry = _REPLACED.get(id(param))
     return entry[1] if entry is not None and entry[0]() is param else None
 

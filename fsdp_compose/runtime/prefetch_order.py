@@ -1,7 +1,4 @@
-"""Which units to all-gather ahead, by the order units ran forward: one
-:class:`PrefetchOrder` per model records it and names the targets; the
-collectives are ``collective_queue.py``'s.
-"""
+"""Which units to all-gather ahead, by the order units ran forward."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ class PrefetchOrder(Generic[U]):
         """id(unit) -> index in ``forward_order``: the units that ran."""
         self._previous_positions: dict[int, int] = {}
         self.backward_plan: Optional[dict[int, list[U]]] = None
-        """id(unit) -> :meth:`backward_targets`, made when the root's forward
-        ends (:meth:`plan_backward`) so the backward's hooks read it without
-        a call; ``None`` once the order or a prefetch setting changed."""
+        """id(unit) -> :meth:`backward_targets`, made when the root's forward ends
+        so backward hooks read it without a call; ``None`` once stale."""
 
     # ---------------------------------------------------------------- order
     def start_iteration(self) -> None:
@@ -44,14 +40,13 @@ class PrefetchOrder(Generic[U]):
         self.forward_order, self.ran, self.backward_plan = [], {}, None
 
     def discard_iteration(self) -> None:
-        """``reset_iter_state``: drop the partial order; forward prefetch
-        keeps following the last complete one."""
+        """``reset_iter_state``: drop the partial order."""
         self.forward_order, self.ran, self.backward_plan = [], {}, None
 
     def record_forward(self, unit: U, fetch_ahead: bool = True
                        ) -> Sequence[U]:
-        """Record ``unit`` (first time in this pass) and return
-        :meth:`forward_targets` if ``fetch_ahead``."""
+        """Record ``unit`` (once per pass); return :meth:`forward_targets` if
+        ``fetch_ahead``."""
         ran = self.ran
         if id(unit) not in ran:
             ran[id(unit)] = len(self.forward_order)
@@ -92,13 +87,11 @@ class PrefetchOrder(Generic[U]):
         return []
 
     def plan_backward(self) -> None:
-        """The root's forward ended: :attr:`backward_plan` for the units
-        that ran."""
+        """The root's forward ended: make :attr:`backward_plan`."""
         self.backward_plan = {id(unit): self.backward_targets(unit) for unit in self.forward_order}
 
     def recorded_order(self) -> list[U]:
-        """The running, else the last complete, forward's order
-        (``tools/describe.py`` reports it)."""
+        """The running, else the last complete, forward's order."""
         return self.forward_order or self.previous_forward_order
 
 def _after(order: list[U], unit: U) -> list[U]:

@@ -1,12 +1,6 @@
-"""The interfaces between the runtime's parts and the checks.
-
-What the prefetch order, the collective queue, the bucket plan and the
-unit paths read of a unit (``unit.Unit`` imports them; every member is a
-property but ``PathUnit.backward_without_hook``, which only the path
-writes), and the seam between the runtime and the checks that watch its
-collectives: ``checks/divergence.py`` implements
-:class:`CollectiveObserver` and ``setup/units.py`` hands it in, so the
-runtime never imports the checks.
+"""The interfaces between the runtime's parts, and the seam to the checks:
+``checks/divergence.py`` implements :class:`CollectiveObserver` and
+``setup/units.py`` hands it in, so the runtime never imports the checks.
 """
 
 from __future__ import annotations
@@ -87,8 +81,8 @@ class PathOrder(Protocol):
 
 
 class PathUnit(BucketedUnit, Protocol):
-    """What ``unit_paths.py`` reads of a unit besides what the queue does;
-    it writes only ``backward_without_hook``."""
+    """What ``unit_paths.py`` reads of a unit; it writes only
+    ``backward_without_hook``."""
 
     backward_without_hook: bool
 
@@ -115,25 +109,19 @@ class ObservedUnit(Protocol):
 
 
 class CollectiveObserver:
-    """Sees the collectives of one model; this base observes nothing. Every
-    method is called on every rank in the same order when the ranks behave
-    alike.
-
-    Invariant: the runtime calls ``before_*`` right before the collective
-    it names, and never skips one it issues ([Note: the life of a
-    collective]).
-    """
+    """Sees one model's collectives; this base observes nothing. Called on every
+    rank in the same order when the ranks behave alike, ``before_*`` right
+    before each collective issued ([Note: the life of a collective])."""
 
     def bind(self, units: Sequence[ObservedUnit], settings: ObservedSettings) -> None:
-        """The root's lazy init: the units in state-list order (the same on
-        every rank) and the settings (``check_rank_divergence``)."""
+        """The root's lazy init: the units, in the same order on every rank, and
+        the settings."""
 
     def start_iteration(self) -> None:
         """The root's pre-forward of a new iteration."""
 
     def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
-        """``issuer_state``: of the unit whose pre-forward or pre-backward
-        issues it (another unit's buffer: a prefetch)."""
+        """``issuer_state``: of the unit whose hook issues it."""
 
     def before_reduce_scatter(self, buffer: FlatBuffer) -> None:
         """``buffer``'s reduce-scatter is about to be issued."""
@@ -145,8 +133,7 @@ class CollectiveObserver:
         """End of the last backward, before the used-flags all-reduce."""
 
     def will_verify(self) -> bool:
-        """The next iteration verifies every collective before issuing it
-        (it then runs unbucketed)."""
+        """The next iteration verifies every collective (and runs unbucketed)."""
         return False
 
     def payload(self, group: ShardGroup) -> list[int]:

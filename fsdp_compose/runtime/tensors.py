@@ -13,8 +13,8 @@ from .._torch_private import pytree
 
 
 def iter_tensors(obj: Any):
-    """Every tensor in ``obj``: through lists, tuples, dicts, dataclasses and
-    pytree-registered containers (Hugging Face ``ModelOutput``)."""
+    """Every tensor in ``obj``, through lists, tuples, dicts, dataclasses and
+    pytree containers."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -40,7 +40,7 @@ def tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
 
 def map_floating_tensors(obj: Any, fn) -> Any:
     """``fn`` on every floating-point tensor in ``obj``, through pytree
-    containers and dataclasses (copied, frozen ones too); other objects kept."""
+    containers and dataclasses (copied); other objects kept."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.is_floating_point() else obj
     if type(obj) in pytree.SUPPORTED_NODES:
@@ -54,11 +54,10 @@ def map_floating_tensors(obj: Any, fn) -> Any:
 
 @contextlib.contextmanager
 def swapping_params_on_conversion(enabled: bool = True) -> Iterator[None]:
-    """Inside, ``module._apply`` (``to``, ``to_empty``, casts) swaps each
-    parameter's contents with ``torch.utils.swap_tensors`` when ``enabled``
-    (or torch's switch is on), so ``nn.Parameter`` objects keep their
-    identity even where ``param.data =`` is impossible (leaving meta);
-    torch's setting is restored on exit."""
+    """Inside, ``module._apply`` swaps parameter contents
+    (``torch.utils.swap_tensors``) when ``enabled``, so ``nn.Parameter``
+    objects keep their identity even leaving meta; torch's setting is
+    restored on exit."""
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(before or enabled)
     try:

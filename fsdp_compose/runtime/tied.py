@@ -2,38 +2,18 @@
 units (a tied input embedding and output head in units of their own).
 
 [Note: tied parameters across units]
-The unit annotated first takes the parameter into its buffer (the *owner*;
-annotating bottom-up, the one below); a later unit whose modules also hold
-it (the *borrower*) does not take it again but borrows it: the owner's
-buffer gets the borrowing module's attribute as one more slot
-(``FlatBuffer.add_slot``), exactly as a weight tied inside one unit has two
-slots, so that one ``nn.Parameter`` stays registered in both modules and
-every unshard puts the same view in both. The borrowing module's forward
-hooks unshard the owner through the owner's own path (``Unit.unshard``:
-the collective queue makes it idempotent, so a buffer still unsharded is
-not gathered again) and hold it (``Unit.tied_holds``) until the module's
-forward ends; a forward that records a graph makes the buffer's views node
-anew first (``FlatBuffer.start_recorded_forward``), so the gradients of
-every use arrive through the owner's views into the owner's one flat
-gradient.
-
-Backward needs no counting of its own: every use's views node feeds the
-same leaf (the owner's unsharded buffer), and autograd runs a leaf's
-accumulation once per backward, after every node that feeds it, which is
-after every node that reads the parameter. So the owner's post-backward
-hook (reduce-scatter, then reshard) runs once, after the last use, with
-the sum of all uses. The borrowing module's output carries a pre-backward
-hook that unshards the owner again where its forward resharded it.
-
-When the borrowing module's forward ends, the owner's buffer is resharded
-as the end of the owner's forward would (``Unit.release_after_tied_use``),
-except while the owner's forward or backward runs, where the owner keeps
-its parameters for backward (``reshard_after_forward=False``, the root: then
-one all-gather serves every use of the step), or where the borrower's
-output will be differentiated and the borrower keeps its own parameters for
-backward (the root): the borrower's backward, next, would gather it again
-(one all-gather serves the head's forward and backward). The all-gather a
-borrowing module issues is not prefetched.
+The unit annotated first (the *owner*) holds the parameter; a later unit's
+module registering it too (the *borrower*) becomes one more slot of the
+owner's buffer (``FlatBuffer.add_slot``), as a weight tied inside one unit,
+so one ``nn.Parameter`` stays registered in both modules. The borrowing
+module's forward hooks unshard the owner (idempotent) and hold it until the
+module's forward ends; a recorded forward makes the views node anew, so
+every use's gradient reaches the owner's one flat gradient. Backward needs
+no counting: autograd accumulates a leaf once, after every node feeding it,
+so the owner's post-backward hook runs once with the sum. After the
+borrowing forward the owner reshards as its own forward's end would, unless
+either unit keeps its parameters for backward (one all-gather then serves
+both). A borrower's all-gather is not prefetched.
 """
 
 from __future__ import annotations
@@ -53,13 +33,9 @@ from .unit import Unit
 
 
 class TiedParameter:
-    """Parameter ``index`` of ``owner``'s ``buffer``, also registered as
-    ``module.<attr>`` where ``module`` is managed by ``borrower``.
-
-    Attributes:
-        fqn: the borrowing name, ``owner_fqn``: the owning name (both in
-            the model that holds the two modules, as messages show them).
-    """
+    """Parameter ``index`` of ``owner``'s ``buffer``, also ``module.<attr>``
+    where ``borrower`` manages ``module``; ``fqn`` and ``owner_fqn`` are its
+    two names in the model."""
 
     __slots__ = ('owner', 'borrower', 'buffer', 'index', 'module', 'attr', 'fqn', 'owner_fqn',
                  '__weakref__')
@@ -78,27 +54,26 @@ class TiedParameter:
     # ---------------------------------------------------------------- hooks
     def pre_forward(self, is_held_whole: Callable[[], bool],
                     lazy_init: Callable[[], None]) -> None:
-        """The borrowing module's forward starts: the owner's buffer
-        unsharded, its views in both modules (new views node for a
-        recorded forward), held until :meth:`post_forward`."""
+        """The borrowing forward starts: unshard the owner's buffer and hold it
+        until :meth:`post_forward`."""
         if is_held_whole():
             return  # inside full_params: the parameters are whole already
         owner = self.owner
         if owner.collectives is None:
             lazy_init()  # the borrowing module runs before any forward of its root
         owner.tied_holds += 1
-        owner.unshard()  # idempotent: a buffer still unsharded is not gathered again
+        owner.unshard()  # idempotent
         buffer = self.buffer
         if current_graph_task_id() != -1:  # recomputation inside backward
             buffer.use_unsharded_views()
         elif torch.is_grad_enabled():
-            buffer.start_recorded_forward()  # this use's gradient goes through a node of its own
+            buffer.start_recorded_forward()  # this use's own views node
         else:
             buffer.use_unsharded_views()
 
     def post_forward(self, output: Any, is_held_whole: Callable[[], bool]) -> None:
-        """The borrowing module's forward ended: a pre-backward hook on its
-        output, and the owner's buffer released (see the module note)."""
+        """The borrowing forward ended: hook its output for backward and release
+        the owner's buffer."""
         if is_held_whole():
             return
         owner = self.owner
@@ -127,15 +102,12 @@ class TiedParameter:
 def borrow(owner: Unit, borrower: Unit, buffer: FlatBuffer, index: int, module: nn.Module,
            attr: str, fqn: str, owner_fqn: str, is_held_whole: Callable[[], bool],
            lazy_init: Callable[[], None]) -> TiedParameter:
-    """Register ``module.<attr>`` (managed by ``borrower``) as one more slot
-    of parameter ``index`` of ``owner``'s ``buffer`` and hook ``module``'s
-    forward (see [Note: tied parameters across units]); both units record
-    the tie. ``is_held_whole``: whether ``full_params`` holds the owner's
-    parameters whole (the hooks then do nothing); ``lazy_init``: the
-    borrower's root's lazy init. The pre-hook runs after the module's
-    other pre-hooks (a borrowing unit's own makes the root first).
+    """Register ``module.<attr>`` as one more slot of parameter ``index`` of
+    ``owner``'s ``buffer`` and hook ``module``'s forward; both units record
+    the tie. ``is_held_whole``: ``full_params`` holds the owner whole (hooks
+    do nothing); ``lazy_init``: the borrower's root's.
 
-    Pre-condition: the owner's buffer is sharded (at annotation)."""
+    Pre-condition: the owner's buffer is sharded."""
     buffer.add_slot(index, module, attr)
     tie = TiedParameter(owner, borrower, buffer, index, module, attr, fqn, owner_fqn)
     owner.ties.append(tie)

@@ -1,16 +1,12 @@
 """What torch's tracers see of the hooks.
 
 The profiler: ranges ``fsdp_compose::<moment> <subject>`` around each hook
-and each collective's issue and wait, so a trace shows whose copy or
-collective it is. With no profiler recording nothing is built or
-dispatched: the hooks and the queue test ``profiler_active()`` (a C
-function) before calling in, so this module's code runs only while one
-records.
+and each collective's issue and wait; callers test ``profiler_active()``
+first, so nothing here runs without one.
 
 ``torch.compile``: the hooks resize storages, run collectives and swap
-module attributes, which dynamo must not trace, so under compilation each
-is a graph break run eagerly (:func:`run_eagerly`). Outside compilation the
-hook is called directly: no import of ``torch._dynamo``.
+module attributes, which dynamo must not trace, so each is a graph break
+run eagerly (:func:`run_eagerly`).
 """
 
 from __future__ import annotations
@@ -44,8 +40,7 @@ def profiled(moment: str, subject: Union[str, Callable[[], str]] = "") -> Abstra
 
 
 def call_profiled(moment: str, subject: str, fn: Callable[..., _T], *args: object) -> _T:
-    """``fn(*args)`` in the same range, for hooks that run once per unit
-    and step (no context manager without a profiler)."""
+    """``fn(*args)`` in the same range."""
     if not profiler_active():
         return fn(*args)
     with record_function(f"{PREFIX}{moment} {subject}" if subject else PREFIX + moment):
@@ -57,7 +52,7 @@ def run_eagerly(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def hook(*args, **kwargs):
-        # one call to ask (is_compiling makes two; this runs twice per unit and step)
+        # one call (is_compiling makes two); this runs twice per unit and step
         if torch.compiler.is_dynamo_compiling():
             return dynamo_disable(fn, recursive=True)(*args, **kwargs)
         return fn(*args, **kwargs)

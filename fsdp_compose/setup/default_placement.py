@@ -1,10 +1,8 @@
 """The default placement's rule (``fully_shard(placement=None)``): which
-parameters placed by default leave ``"rows"`` for ``"flat"`` because whole
-rows would pad their buffer much more, and, on a CPU mesh, which get a
-buffer of their own because a rank would otherwise hold much more of them
-than FSDP2's ``Shard(0)`` does. Runs once, at annotation, on the records
-``setup/units.py`` collected (it changes their ``placement`` and
-``own_buffer``); the layout math is ``buffers/layout.py``'s.
+parameters leave ``"rows"`` for ``"flat"`` because whole rows would pad
+their buffer much more, and, on a CPU mesh, which get a buffer of their own
+so no rank holds much more of them than FSDP2's ``Shard(0)``. Runs once at
+annotation, changing the records' ``placement`` and ``own_buffer``.
 """
 
 from __future__ import annotations
@@ -16,19 +14,15 @@ from ..buffers.records import ParamRecord, group_records
 
 
 ROWS_EXTRA_PADDING = 0.01
-"""The default placement keeps a parameter ``"rows"`` while whole rows pad
-its buffer by at most this fraction of the buffer's elements (or one
-alignment unit per rank, for small buffers) beyond what ``"flat"`` pads."""
+"""The most extra padding (a fraction of the buffer's elements, or one
+alignment unit per rank) ``"rows"`` may cost over ``"flat"``."""
 
 
 def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord],
                         world_size: int) -> list[ParamRecord]:
-    """The default placement's rule: ``candidates`` (``"rows"`` by default,
-    not by the user's choice) stay ``"rows"`` unless their buffer would pad
-    more than :data:`ROWS_EXTRA_PADDING` beyond ``"flat"`` (rows of
-    unrelated sizes, or few wide rows, grow every chunk); then the widest
-    become ``"flat"``, widest first, until the padding fits. Returns the
-    parameters made ``"flat"``."""
+    """Make the widest of ``candidates`` ``"flat"``, widest first, until each
+    buffer's padding is within :data:`ROWS_EXTRA_PADDING` of ``"flat"``'s.
+    Returns those made ``"flat"``."""
     wanted = {id(r) for r in candidates}
     flattened: list[ParamRecord] = []
     for group in group_records(records):
@@ -57,17 +51,14 @@ def flatten_costly_rows(records: list[ParamRecord], candidates: list[ParamRecord
 
 
 HOST_PIECE_SLACK_BYTES = 4 * 2 ** 20
-"""How much larger than FSDP2's largest piece of a unit's trainable
-parameter a rank's largest one may be, on a CPU mesh, before
-:func:`split_whole_pieces` gives parameters buffers of their own (each one
-more all-gather and reduce-scatter per step, so only where a temporary of
-the optimizer's shrinks by more than this)."""
+"""How much a rank's largest piece of a trainable parameter may exceed
+FSDP2's before :func:`split_whole_pieces` acts (each split costs a
+collective per step)."""
 
 
 def largest_share_bytes(record: ParamRecord, world_size: int) -> int:
-    """The largest piece of ``record``'s parameter a rank holds when it is
-    dealt by rows over ``world_size`` ranks (``torch.chunk``: FSDP2's
-    ``Shard(0)``), in bytes."""
+    """The largest piece of ``record``'s parameter, in bytes, one rank holds
+    under ``Shard(0)`` (``torch.chunk``)."""
     shape = record.shape
     rows = -(-shape[0] // world_size) if shape else 1
     return rows * math.prod(shape[1:]) * record.param.dtype.itemsize
@@ -75,26 +66,18 @@ def largest_share_bytes(record: ParamRecord, world_size: int) -> int:
 
 def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord],
                        world_size: int) -> list[ParamRecord]:
-    """The default placement's rule on a CPU mesh: where a rank would hold
-    a piece of one of ``candidates`` (placed by default, trainable, not
-    tensor-parallel, on the unit's mesh) larger than the unit's largest
-    ``Shard(0)`` piece (:func:`largest_share_bytes`) plus
-    :data:`HOST_PIECE_SLACK_BYTES`, candidates get a buffer of their own,
-    largest piece first, until no piece exceeds that ``Shard(0)`` piece.
+    """On a CPU mesh: while some rank holds a piece of a candidate larger than
+    the unit's largest ``Shard(0)`` piece (plus :data:`HOST_PIECE_SLACK_BYTES`
+    the first time), give the largest such candidate a buffer of its own.
+    Returns those split.
 
-    Why: rank boundaries fall where parameter sizes put them, so a
-    parameter about a rank's share in size can sit whole on one rank; torch's
-    CPU optimizers (no ``foreach``) make temporaries the size of each piece,
-    so their peak follows the largest piece. On CUDA (``foreach``) the
-    layout does not change the peak, so the rule is not applied there nor
-    under CPU offload from CUDA (each buffer is one more collective).
+    Why: torch's CPU optimizers (no ``foreach``) make temporaries the size of
+    each piece, and rank boundaries can put a whole parameter on one rank; on
+    CUDA (``foreach``) the layout does not change the peak.
 
-    Post-condition: either nothing was split and every candidate's largest
-    piece is at most the unit's largest ``Shard(0)`` piece plus
-    :data:`HOST_PIECE_SLACK_BYTES`, or every candidate's largest piece is
-    at most that ``Shard(0)`` piece or what it would be alone in a buffer
-    (chunks are whole alignment units: two elements stay on one rank).
-    Returns the parameters given a buffer of their own."""
+    Post-condition: every candidate's largest piece is at most that
+    ``Shard(0)`` piece (plus the slack if nothing was split), or what it would
+    be alone in a buffer."""
     trainable = [r for r in records if r.param.requires_grad and r.group is None]
     movable = [r for r in candidates if r.param.requires_grad and r.group is None
                and r.tp is None and r.shape and not is_fixed(r.placement)]
@@ -117,9 +100,8 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
 
 
 def _largest_pieces(records: list[ParamRecord], world_size: int) -> dict[int, int]:
-    """Per record of a stream buffer (by id), the largest piece of it one
-    rank holds, in bytes, with the records' buffers as they are grouped now
-    (a single record: alone in a buffer)."""
+    """Per record (by id), the largest piece of it one rank holds, in bytes,
+    under the current grouping."""
     pieces: dict[int, int] = {}
     for group in group_records(records):
         first = group[0]

@@ -1,8 +1,6 @@
 """Setting up a tied parameter across units at annotation ([Note: tied
-parameters across units] in ``runtime/tied.py``, which holds the hooks that
-run per step): a parameter a unit annotated earlier already holds is
-borrowed where both units shard over the same groups and it is not
-tensor-parallel, and refused with the fix otherwise.
+parameters across units]): borrowed where both units shard over the same
+groups and it is not tensor-parallel, refused with the fix otherwise.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ class Tie(NamedTuple):
 def check_not_owned(param: nn.Parameter, fqn: str, module: nn.Module,
                     names: dict[int, str], *, group: ShardGroup,
                     tied: list[Tie]) -> Optional[bool]:
-    """Raise if ``param`` belongs to a unit annotated earlier that cannot
-    lend it; where it can, add it to ``tied`` and return ``False``."""
+    """Raise if ``param`` belongs to an earlier unit that cannot lend it; where
+    it can, add it to ``tied`` and return ``False``."""
     replacement = replacement_of(param)  # a tensor-parallel parameter another unit took
     owner = owner_of(param if replacement is None else replacement)
     if owner is None:
@@ -57,8 +55,8 @@ def check_not_owned(param: nn.Parameter, fqn: str, module: nn.Module,
 
 
 def _cannot_lend(owner: Owner, group: ShardGroup) -> Optional[str]:
-    """Why the parameter of ``owner`` cannot be borrowed by a unit over
-    ``group`` (``None``: it can; see [Note: tied parameters across units])."""
+    """Why ``owner``'s parameter cannot be borrowed over ``group`` (``None``: it
+    can)."""
     if owner.buffer.group.process_group is not group.process_group or \
             owner.buffer.group.replicate_process_group is not group.replicate_process_group:
         return (f"the two units are sharded over different meshes ({owner.unit.name} over "
@@ -70,8 +68,8 @@ def _cannot_lend(owner: Owner, group: ShardGroup) -> Optional[str]:
 
 def _both_names(fqn: str, owner: Owner, module: nn.Module,
                 names: dict[int, str]) -> tuple[str, str]:
-    """The parameter's name here and the owner's, both in the model that
-    holds the two modules where one does (each unit knows only its own)."""
+    """The parameter's name here and the owner's, in the model holding both
+    modules where one does."""
     record = owner.buffer.records[owner.index]
     owner_module, owner_attr = record.slots[0]
     other = join_fqn(names[id(owner_module)], owner_attr) if id(owner_module) in names \
@@ -84,8 +82,7 @@ def _both_names(fqn: str, owner: Owner, module: nn.Module,
 
 
 def borrow_from_owner(unit: Unit, tie: Tie) -> None:
-    """``unit`` borrows ``tie``'s parameter from its owner (see [Note: tied
-    parameters across units] in ``runtime/tied.py``)."""
+    """``unit`` borrows ``tie``'s parameter from its owner."""
     owner = tie.owner
 
     def is_held_whole() -> bool:

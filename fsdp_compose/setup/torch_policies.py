@@ -1,27 +1,17 @@
 """torch FSDP2's policy objects, accepted by ``fully_shard`` and converted to ours.
 
-Code ported from torch's ``fully_shard`` passes
-``torch.distributed.fsdp.MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` /
-``OffloadPolicy`` objects; :func:`as_mp_policy` and
-:func:`as_offload_policy` turn them into fsdp_compose's policies field by
-field (``fully_shard`` calls them on its arguments)::
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy   # torch's class
-    fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+:func:`as_mp_policy` and :func:`as_offload_policy` convert torch's
+``MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` / ``OffloadPolicy`` field by
+field, so ported code keeps passing them.
 
 Invariants:
-    * a converted policy behaves as the torch policy does under the
-      installed torch's ``fully_shard`` (same field names and meanings;
-      ``reduce_dtype=None`` follows the gradient's dtype from torch 2.15 on,
-      ``param_dtype`` before: :data:`REDUCE_FOLLOWS_GRAD_DTYPE`;
-      ``param_dtype_override_fn`` as torch 2.15 evaluates it);
-    * torch's "no policy" objects (``MixedPrecisionPolicy()`` with every
-      field at its default, the ``OffloadPolicy()`` base class) become
-      ``None``, as if no policy were passed;
-    * a field that has no fsdp_compose equivalent and is not at its default
-      (a future torch field), or an object of any other class, raises
-      ``TypeError`` naming the package of every class involved. The check
-      depends only on the arguments, so every rank raises alike.
+    * a converted policy behaves as under the installed torch's
+      ``fully_shard`` (``reduce_dtype=None``: :data:`REDUCE_FOLLOWS_GRAD_DTYPE`);
+    * torch's "no policy" objects (every field at its default, the
+      ``OffloadPolicy()`` base class) become ``None``;
+    * a field we lack that is not at its default, or an object of another
+      class, raises ``TypeError`` naming every class's package; the check
+      reads only the arguments, so every rank raises alike.
 """
 
 from __future__ import annotations
@@ -38,9 +28,8 @@ __all__ = ["as_mp_policy", "as_offload_policy"]
 
 
 def as_mp_policy(policy: object, caller: str = "fully_shard") -> Optional[MixedPrecisionPolicy]:
-    """``policy`` as an fsdp_compose :class:`MixedPrecisionPolicy` (or
-    ``None`` for no mixed precision); see the module docstring. ``caller``
-    names the function in messages (the planner takes the same policies)."""
+    """``policy`` as our :class:`MixedPrecisionPolicy` (``None``: no mixed
+    precision). ``caller`` names the function in messages."""
     if policy is None or isinstance(policy, MixedPrecisionPolicy):
         return policy
     torch_cls = _torch_class("MixedPrecisionPolicy")
@@ -56,14 +45,12 @@ def as_mp_policy(policy: object, caller: str = "fully_shard") -> Optional[MixedP
 
 
 REDUCE_FOLLOWS_GRAD_DTYPE: bool = TorchVersion(torch.__version__) >= (2, 15)
-"""What torch's ``MixedPrecisionPolicy(reduce_dtype=None)`` means under the
-installed torch's ``fully_shard``: from 2.15 the gradient's dtype (the
-parameter's), before 2.15 ``param_dtype``."""
+"""What torch's ``reduce_dtype=None`` means under the installed torch: the
+gradient's dtype from 2.15, ``param_dtype`` before."""
 
 
 def as_offload_policy(policy: object, caller: str = "fully_shard") -> Optional[CPUOffloadPolicy]:
-    """``policy`` as an fsdp_compose :class:`CPUOffloadPolicy` (or ``None``
-    for no offloading); see the module docstring and :func:`as_mp_policy`."""
+    """``policy`` as our :class:`CPUOffloadPolicy` (``None``: no offloading)."""
     if policy is None or isinstance(policy, CPUOffloadPolicy):
         return policy
     if type(policy) is OffloadPolicy:
@@ -97,8 +84,7 @@ def _torch_name(name: str) -> str:
 
 
 def _qualname(cls: type) -> str:
-    """The class with its package, e.g. ``fsdp_compose.policies.MixedPrecisionPolicy``
-    (two classes of one name must not read the same in an error)."""
+    """The class with its package (two classes of one name must read apart)."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -108,8 +94,8 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 
 def _convertible_fields(policy: object, ours: type, argument: str,
                         caller: str) -> dict[str, object]:
-    """The values of ``policy``'s dataclass fields that ``ours`` has too.
-    A field ``ours`` lacks must hold its default (it would be dropped)."""
+    """``policy``'s field values that ``ours`` has too; a field ``ours`` lacks
+    must hold its default."""
     mine = _fields(ours)
     values: dict[str, object] = {}
     for field in dataclasses.fields(policy):  # type: ignore[arg-type]

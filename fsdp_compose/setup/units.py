@@ -1,14 +1,8 @@
 """From ``fully_shard``'s arguments to a running unit: which modules and
 parameters a unit takes, how they group into flat buffers, and wiring the
-unit into the runtime and the checks.
-
-One source of truth for the planner: ``tools/planner`` calls
-:func:`managed_modules`, :func:`collect_records` and :func:`plan_buffers`
-on a model with no process group, exactly as :func:`setup_unit` does for
-``fully_shard``, so an estimate cannot disagree with what the library builds.
-
-Argument checking (types, meshes) is ``api.py``'s; the per-step behaviour
-is the runtime's.
+unit into the runtime and the checks. ``tools/planner`` runs the same
+planning functions without a process group, so an estimate cannot disagree
+with what the library builds.
 """
 
 from __future__ import annotations
@@ -42,16 +36,14 @@ from .default_placement import flatten_costly_rows, split_whole_pieces
 from .tied import Tie, borrow_from_owner, check_not_owned
 
 PlacementFn = Callable[[nn.Parameter], Optional[object]]
-"""FSDP2's ``shard_placement_fn``: a placement per parameter (or an
-:class:`OnMesh`, or FSDP2's ``ShardPlacementResult``), or ``None`` for the
-unit's."""
+"""FSDP2's ``shard_placement_fn``: a placement (or :class:`OnMesh`, or
+``ShardPlacementResult``) per parameter, ``None`` for the unit's."""
 
 
 def placement_choices(records: list[ParamRecord],
                       shard_placement_fn: Optional[PlacementFn]) -> list[object]:
-    """``shard_placement_fn`` of each record's parameter, called once, with
-    the parameter as the user built it (a ``DTensor`` for a tensor-parallel
-    one); ``None`` for each without a function."""
+    """``shard_placement_fn`` of each record's parameter, called once; ``None``
+    for each without a function."""
     return [None if shard_placement_fn is None else shard_placement_fn(r.param) for r in records]
 
 
@@ -69,8 +61,8 @@ def _placement_of(choice: object) -> object:
 
 
 def _assign_groups(records: list[ParamRecord], choices: list[object], group: ShardGroup) -> None:
-    """Each record whose choice names a mesh other than the unit's gets that
-    mesh's shard group (one per mesh: its parameters share buffers)."""
+    """Give each record whose choice names another mesh that mesh's shard group
+    (one per mesh)."""
     by_mesh: dict[int, ShardGroup] = {}
     for record, choice in zip(records, choices):
         mesh = _mesh_of(choice)
@@ -81,10 +73,8 @@ def _assign_groups(records: list[ParamRecord], choices: list[object], group: Sha
         record.group = by_mesh[id(mesh)]
 
 OwnerCheck = Callable[[nn.Parameter, str, nn.Module, dict[int, str]], Optional[bool]]
-"""Raises if a parameter (with its FQN here, the module holding it and the
-unit's module names) already belongs to another unit that cannot share it;
-returns ``False`` where the unit borrows it instead (a tied parameter,
-``setup/tied.py``: no record here)."""
+"""Raises if a parameter already belongs to another unit that cannot share
+it; ``False`` where the unit borrows it (a tie, ``setup/tied.py``)."""
 
 
 class BufferPlan(NamedTuple):
@@ -99,9 +89,8 @@ class BufferPlan(NamedTuple):
 # ------------------------------------------------------------------ planning
 def managed_modules(modules: Sequence[nn.Module],
                     taken: Callable[[nn.Module], bool]) -> list[nn.Module]:
-    """The given modules and their descendants, minus the subtrees that
-    ``taken`` says belong to someone else already (units annotated before,
-    bottom-up, and subtrees of ``replicate``)."""
+    """``modules`` and their descendants, minus the subtrees ``taken`` says
+    belong to another unit or to ``replicate``."""
     managed: list[nn.Module] = []
     seen: set[int] = set()
     stack = list(reversed(modules))
@@ -118,8 +107,8 @@ def managed_modules(modules: Sequence[nn.Module],
 
 
 def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
-    """Every module below ``modules`` by id, named relative to them
-    (``[i].`` prefixes for a list of siblings)."""
+    """Every module below ``modules`` by id, named relative to them (``[i].``
+    prefixes for a list of siblings)."""
     names: dict[int, str] = {}
     for i, top in enumerate(modules):
         prefix = f"[{i}]." if len(modules) > 1 else ""
@@ -130,10 +119,9 @@ def module_names(modules: Sequence[nn.Module]) -> dict[int, str]:
 
 def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
                     ignored: set[int], check_owner: OwnerCheck) -> list[ParamRecord]:
-    """One record per distinct parameter of ``managed`` (a parameter
-    registered twice inside the unit gets two slots), in module order,
-    skipping ``ignored`` ids; ``check_owner`` rejects parameters of other
-    units, or skips them (returns ``False``: borrowed)."""
+    """One record per distinct parameter of ``managed`` in module order (one
+    registered twice gets two slots), skipping ``ignored`` ids and those
+    ``check_owner`` borrows."""
     names = module_names(modules)
     records: dict[int, ParamRecord] = {}
     for m in managed:
@@ -153,8 +141,7 @@ def collect_records(modules: Sequence[nn.Module], managed: Sequence[nn.Module],
 
 def plan_buffers(records: list[ParamRecord], world_size: int,
                  policy: BufferPolicy) -> list[BufferPlan]:
-    """The flat buffers of a unit with ``records`` sharded over
-    ``world_size`` ranks: one per group of ``group_records``."""
+    """The flat buffers of a unit: one per group of ``group_records``."""
     return [BufferPlan(group, buffer_layout(group, world_size, policy),
                        resolve_dtypes(group[0].param.dtype, policy_for(group, policy)),
                        group[0].param.requires_grad)
@@ -171,13 +158,11 @@ def setup_unit(module: Union[nn.Module, Sequence[nn.Module]], modules: list[nn.M
                shard_placement_fn: Optional[PlacementFn] = None,
                spmd_mesh: Optional[DeviceMesh] = None,
                comm_policy: Optional[CommPolicy] = None) -> Unit:
-    """Take the parameters of ``modules`` into a new unit over ``group``,
-    attach its ``FullyShardState`` (hooks) and its checks.
+    """Take the parameters of ``modules`` into a new unit over ``group`` and
+    attach its state (hooks) and checks.
 
-    Post-condition: every taken parameter is a view of its buffer's shard
-    (its local piece under its placement) and recorded as owned by the unit;
-    units annotated earlier below ``modules`` know a root above them will
-    initialise them."""
+    Post-condition: every taken parameter is a view of its buffer's shard and
+    recorded as owned by the unit; units annotated below know their root."""
     managed = managed_modules(modules, taken)
     tied: list[Tie] = []
     records = collect_records(modules, managed, ignored,
@@ -220,17 +205,15 @@ def _warn_flattened(flattened: list[ParamRecord]) -> None:
 
 
 def as_placement(value: object) -> object:
-    """FSDP2's ``Shard(d)`` as the layout's ``ShardDim(d)``; the rest as is
-    (checked per parameter by ``layout.check_placement``)."""
+    """FSDP2's ``Shard(d)`` as ``ShardDim(d)``; the rest as is."""
     if isinstance(value, Shard):
         return ShardDim(value.dim)
     return value
 
 
 def check_unit_placement(placement: object) -> None:
-    """Reject a unit-wide placement that no parameter could take, before
-    anything is built (per-parameter checks name the parameter later);
-    ``None`` is the default rule (``assign_placements``)."""
+    """Reject a unit-wide placement no parameter could take, before anything is
+    built."""
     if placement is None:
         return
     placement = as_placement(placement)
@@ -243,18 +226,11 @@ def check_unit_placement(placement: object) -> None:
 def assign_placements(records: list[ParamRecord], placement: object,
                       choices: Optional[Sequence[Any]],
                       world_size: int, steps_on_cpu: bool = False) -> list[ParamRecord]:
-    """Each record's placement: its choice (:func:`placement_choices`; the
-    placement part of an :class:`OnMesh`), or the unit's where that is
-    ``None``; checked against the parameter's shape (a
-    unit-wide placement a 0-dim parameter cannot take leaves it ``"flat"``;
-    one returned for it raises, naming it). The unit's placement ``None`` is
-    the default: ``"rows"``, but ``"flat"`` for parameters whose whole rows
-    would pad the buffer much more (``default_placement.flatten_costly_rows``); with
-    ``steps_on_cpu`` (a CPU mesh: torch's optimizers step one parameter at
-    a time), a buffer of its own for a parameter a rank would otherwise
-    hold much more of than FSDP2 does (``default_placement.split_whole_pieces``).
-    Returns the parameters of more than one dimension the default made
-    ``"flat"``."""
+    """Each record's placement: its choice, else the unit's, checked against its
+    shape (a unit-wide placement a 0-dim parameter cannot take leaves it
+    ``"flat"``; a chosen one raises); the unit's ``None`` is
+    ``setup/default_placement.py``'s rule. Returns the multi-dimensional
+    parameters the default made ``"flat"``."""
     defaulted = placement is None
     unit_placement = DEFAULT_PLACEMENT if defaulted else placement
     by_default = []
@@ -279,18 +255,15 @@ def assign_placements(records: list[ParamRecord], placement: object,
 
 
 def taken(module: nn.Module) -> bool:
-    """Annotated before (it owns its parameters already), or replicated
-    (``replicate`` owns them)."""
+    """Annotated before, or owned by ``replicate``."""
     return state_of(module) is not None or is_replicated(module)
 
 
 def _localize_tensor_parallel(records: list[ParamRecord], group: ShardGroup,
                               spmd_mesh: Optional[DeviceMesh] = None) -> None:
-    """Replace every tensor-parallel (``DTensor``) parameter by a new plain
-    parameter of its TP-local values under the same name(s); the record
-    keeps what forward needs to present it as a ``DTensor`` again (see
-    ``tensor_parallel.py``: a DTensor parameter cannot keep its identity).
-    With ``dp_mesh_dims`` (``spmd_mesh``) every parameter must be one."""
+    """Replace every ``DTensor`` parameter by a plain one of its TP-local values
+    under the same names (a DTensor parameter cannot keep its identity, see
+    ``tensor_parallel.py``). With ``spmd_mesh`` every parameter must be one."""
     if spmd_mesh is not None:
         plain = next((r for r in records if not isinstance(r.param, DTensor)), None)
         if plain is not None:

@@ -1,8 +1,7 @@
 """A small mixture-of-experts language model (expert-parallel tests and
-docs/parallelism.md). Each block: a dense layer, then routed experts as 3-D
-parameters; with :func:`enable_expert_parallel` each ``ep`` rank holds
-``N_EXPERTS / ep`` experts as ``DTensor`` shards and tokens travel by
-``all_to_all_single``, as torchtitan does. Uneven shapes, so buffers pad.
+docs/parallelism.md): each block a dense layer, then routed experts as 3-D
+parameters, sharded over ``ep`` ranks by :func:`enable_expert_parallel`
+with tokens moved by ``all_to_all_single``, as torchtitan. Uneven shapes.
 """
 
 from __future__ import annotations

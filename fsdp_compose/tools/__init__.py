@@ -1,7 +1,6 @@
-"""Tools around ``fully_shard``: :func:`describe` (what it did),
-:func:`fully_shard_by` (annotate by a rule), :func:`estimate_memory` and
-:func:`propose_units` (plan on a ``meta`` model), :func:`fully_shard_root`
-(the root split where its parameters are used), :class:`ShardedMemTracker`.
+"""Tools around ``fully_shard``: :func:`describe`, :func:`fully_shard_by`,
+:func:`estimate_memory`, :func:`propose_units`, :func:`fully_shard_root`,
+:class:`ShardedMemTracker`.
 """
 
 from .annotate import fully_shard_by

@@ -4,11 +4,10 @@ then the model itself; matches are found wherever they sit (inside a
 
 [Note: shared parameters in fully_shard_by]
 A parameter registered inside a matched module and outside it (tied
-embedding and head) would be freed and gathered again between its uses
-([Note: tied parameters across units] in ``runtime/tied.py``), so
+embedding and head) would be freed and gathered again between its uses, so
 ``fully_shard_by`` skips such a module with a ``UserWarning`` naming both
-FQNs: its parameters go to the nearest annotated ancestor, which gathers
-them once. The decision depends only on module structure: alike on every rank.
+FQNs: its parameters go to the nearest annotated ancestor. The decision
+depends only on module structure: alike on every rank.
 """
 
 from __future__ import annotations
@@ -39,12 +38,11 @@ def fully_shard_by(model: nn.Module, match: Match, **fully_shard_kwargs: Any) ->
 
     Returns:
         ``model``, annotated in place. Modules annotated already are left
-        alone; one sharing a parameter outside it is skipped with a
+        alone; one sharing a parameter with the outside is skipped with a
         ``UserWarning`` ([Note: shared parameters in fully_shard_by]).
 
     Raises:
-        TypeError: ``match`` is not a class, a tuple of classes or a callable.
-    """
+        TypeError: ``match`` is not a class, a tuple of classes or a callable."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fully_shard_by takes an nn.Module, got {type(model).__name__}")
     selects = _selector(match)

@@ -1,9 +1,8 @@
 """``describe(model)``: what ``fully_shard`` did to a model, as one report
-(``print(report)``, or ``report.to_dict()`` as plain JSON types). Local, on
-any rank, before or after the first forward: every unit, its policies, and
-per flat buffer which ranks own which elements of each parameter. FQNs are
-relative to ``model``. Before the first forward the root is predicted (the
-outermost annotated unit) and the execution order is empty.
+(``print(report)``, or ``report.to_dict()`` as plain JSON types): every
+unit, its policies, and which ranks own which elements of each parameter.
+Local, on any rank, at any time; FQNs are relative to ``model``. Before the
+first forward the root is predicted and the execution order is empty.
 """
 
 from __future__ import annotations
@@ -36,17 +35,15 @@ class ParamReport:
     """One original parameter inside a flat buffer.
 
     Attributes:
-        fqn: its name relative to the model (first registration).
-        aliases: its other names (a weight tied within the unit).
-        shape, numel: original shape and elements.
-        requires_grad: as the parameter says now.
+        fqn, aliases: its name in the model (first registration) and its other
+            names (tied within the unit).
+        shape, numel, requires_grad: of the original.
         flat_offset: where it starts in the unsharded flat buffer.
         owner_ranks: ranks owning at least one of its elements.
-        local_numel, local_offset: the elements this rank owns and the first's
-            index in the flattened original (``param_info(p)``'s).
+        local_numel, local_offset: this rank's elements and the first's index
+            in the flattened original (``param_info(p)``'s).
         placement: ``"flat"``, ``"rows"``, ``"Blocks(n)"``, ``"owned"`` or
-            ``"Shard(d)"`` (docs/placements.md).
-    """
+            ``"Shard(d)"``."""
 
     fqn: str
     aliases: tuple[str, ...]
@@ -65,23 +62,18 @@ class BufferReport:
     """One flat buffer of a unit.
 
     Attributes:
-        trainable: some parameter in it trains (else no gradient, no reduce-scatter).
-        dtype, compute_dtype, reduce_dtype: of the shard, of the all-gather and
-            unsharded buffer, of the reduce-scatter.
-        storage_device: where the shard lives (the CPU when offloaded).
+        trainable: some parameter in it trains.
+        dtype, compute_dtype, reduce_dtype: of the shard, the unsharded
+            buffer, the reduce-scatter.
+        storage_device: where the shard lives.
         params: its parameters, in flat-buffer order.
-        numel, padding: their elements, and those added for equal 16-byte-aligned
-            chunks; ``unsharded_numel`` is the sum, ``unsharded_bytes`` its size
-            in ``compute_dtype``.
-        shard_numel, shard_bytes: per rank, padding included (the sharded
-            gradient has the same size).
-        rank_numels: parameter elements in each rank's chunk (uneven except
-            under "flat"); ``imbalance``: ``max / mean - 1``.
+        numel, padding, unsharded_numel: parameter elements, padding, their
+            sum; ``unsharded_bytes`` in ``compute_dtype``.
+        shard_numel, shard_bytes: per rank, padding included.
+        rank_numels: parameter elements per rank; ``imbalance``: ``max / mean - 1``.
         ranks: the global ranks it shards over.
-        own_buffer: the default placement put its one parameter alone in it.
-        kept_unsharded: ``set_keep_unsharded_storage`` keeps ``unsharded_bytes``
-            for the whole run.
-    """
+        own_buffer: the default placement gave its parameter a buffer alone.
+        kept_unsharded: ``set_keep_unsharded_storage`` holds ``unsharded_bytes``."""
 
     trainable: bool
     dtype: torch.dtype
@@ -107,18 +99,15 @@ class UnitReport:
     """One unit (one ``fully_shard`` call).
 
     Attributes:
-        fqns, module_types: the annotated module(s) (``""``: the model itself).
-        label: its name elsewhere in the report (``<root>`` for ``""``).
-        is_root: the root of its model (predicted before the first forward).
+        fqns, module_types: the annotated module(s) (``""``: the model).
+        label: its name in the report (``<root>`` for ``""``).
+        is_root: root of its model (predicted before the first forward).
         reshard_after_forward, mp_policy, offload_policy: resolved policies.
-        world_size, rank: the unit's mesh and this process's rank in it.
-        buffers: its flat buffers.
-        forward_prefetch, backward_prefetch: labels of the units the next
-            forward (backward) all-gathers before this one's (empty before a forward).
-        unsharded_bytes, shard_bytes: sums over the buffers.
-        tied: the parameters it shares with another unit, one line each; the
-            owner's buffer holds them.
-    """
+        world_size, rank: its mesh size and this process's rank in it.
+        buffers: its flat buffers; ``unsharded_bytes``, ``shard_bytes``: sums.
+        forward_prefetch, backward_prefetch: labels of the units prefetched at
+            its forward (backward).
+        tied: the parameters it shares with another unit, one line each."""
 
     fqns: tuple[str, ...]
     module_types: tuple[str, ...]
@@ -143,15 +132,13 @@ class Totals:
 
     Attributes:
         parameters, trainable: elements of every parameter (a tied one once),
-            and of those requiring grad.
-        unmanaged: elements no unit manages (whole on every rank).
-        sharded_bytes_per_rank, gradient_bytes_per_rank: this rank's shards and
-            sharded gradients.
+            and of those requiring grad; ``unmanaged``: of those no unit holds.
+        sharded_bytes_per_rank, gradient_bytes_per_rank: this rank's shards
+            and sharded gradients.
         padding: padding elements over all buffers.
         largest_unit, largest_unit_unsharded_bytes: the unit with the most
             unsharded bytes ("" if none) and its size.
-        kept_unsharded_bytes: unsharded bytes kept for the whole run.
-    """
+        kept_unsharded_bytes: unsharded bytes kept for the whole run."""
 
     parameters: int
     trainable: int
@@ -174,12 +161,11 @@ class ModelReport:
         units: every unit, in module order.
         execution_order: unit labels in the last forward's order.
         prefetch_policy: the root's :class:`PrefetchPolicy` (``None``: no unit).
-        buckets: the next iteration's coalesced units, a tuple of labels per
-            bucket (empty before the first backward or without bucketing).
-        buckets_gathered_alone_in_backward: those all-gathered one by one in backward.
+        buckets: the next iteration's coalesced units, labels per bucket;
+            ``buckets_gathered_alone_in_backward``: those gathered unit by unit
+            in backward.
         unmanaged: FQNs of parameters no unit manages.
-        totals: :class:`Totals`.
-    """
+        totals: :class:`Totals`."""
 
     model_type: str
     rank: int
@@ -201,9 +187,9 @@ class ModelReport:
 
 
 def describe(model: nn.Module) -> ModelReport:
-    """Report the units, flat buffers and parameter assignment of ``model``
-    (annotated in place). No collectives: any rank, alone, at any time
-    outside an iteration."""
+    """Report the units, flat buffers and parameter assignment of ``model``.
+    No collectives: any rank, alone, outside an iteration. ``TypeError`` for
+    anything but an ``nn.Module``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"describe takes an nn.Module, got {type(model).__name__}")
     units = units_below(model)
@@ -249,8 +235,7 @@ def _initialized(unit: Unit) -> bool:
 
 
 def _roots(model: nn.Module, units: list[Unit], initialized: bool) -> set[int]:
-    """ids of the units that are (or, before the first forward, will be)
-    roots: the outermost annotated ones."""
+    """ids of the outermost annotated units (the roots, or the predicted ones)."""
     if initialized:
         return {id(u) for u in units if u.is_root}
     roots: set[int] = set()
@@ -530,8 +515,7 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 def _sized(nbytes: int, dtypes: list[torch.dtype]) -> str:
-    """Bytes with the dtype(s) they are counted in (mixed precision makes
-    unsharded and sharded dtypes differ)."""
+    """Bytes with the dtype(s) they are counted in."""
     named = sorted({_dtype(d) for d in dtypes})
     return f"{format_bytes(nbytes)} {'/'.join(named)}" if named else format_bytes(nbytes)
 

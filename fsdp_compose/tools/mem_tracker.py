@@ -1,12 +1,10 @@
 """torch's ``MemTracker`` on a model annotated with ``fully_shard``.
 
 ``MemTracker`` hooks every parameter of a module the first time it runs,
-and raises on two kinds: views of a unit's flat buffer during its forward
-(not leaves: no post-accumulate hook) and frozen parameters (no gradient
-hook). :class:`ShardedMemTracker` hooks only leaves that require a
-gradient and counts every parameter's memory; the rest is ``MemTracker``'s.
-Its figures match a direct count ([Note: staging and memory trackers] in
-``buffers/staging.py``).
+and raises on a unit's flat-buffer views (not leaves) and on frozen
+parameters. :class:`ShardedMemTracker` hooks only leaves that require a
+gradient and counts every parameter's memory; the rest is ``MemTracker``'s
+([Note: staging and memory trackers]).
 """
 
 from __future__ import annotations

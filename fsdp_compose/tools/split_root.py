@@ -2,16 +2,15 @@
 split where they are used.
 
 [Note: split root]
-The root's leftover parameters (a GPT's embeddings before the blocks, its
-final norm and head after) as one unit are gathered before the first block,
-which waits for it, and reduced after the last backward node, overlapping
-nothing. ``fully_shard_root`` first annotates the run of direct children
-before the first child holding units (the prologue) and the run after the
-last (the epilogue) as units of their own, kept unsharded from forward to
-backward, then the model: the epilogue's all-gather is prefetched during
-the blocks and its reduction overlaps their backward. Module order stands
-for use order; a parameter shared between the runs (tied embedding and
-head) splits nothing (a ``UserWarning``).
+The root's leftover parameters (a GPT's embeddings, final norm and head)
+as one unit are gathered before the first block and reduced after the last
+backward node, overlapping nothing. ``fully_shard_root`` first annotates
+the direct children before the first child holding units (the prologue)
+and after the last (the epilogue) as units of their own, kept unsharded
+from forward to backward, then the model: the epilogue's all-gather is
+prefetched and its reduction overlaps the blocks' backward. Module order
+stands for use order; a parameter shared between the parts splits nothing
+(a ``UserWarning``).
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ from ..runtime.state import state_of
 def fully_shard_root(model: nn.Module, **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard(model)`` after annotating the prologue and epilogue of its
     leftover parameters as units ([Note: split root]). Call it where
-    ``fully_shard(model)`` would go, after the blocks; ``fully_shard_kwargs``
-    go to every call. Returns ``model``, annotated in place.
-    """
+    ``fully_shard(model)`` would go; ``fully_shard_kwargs`` go to every call.
+    Returns ``model``, annotated in place."""
     children = list(model.children())
     holds_units = [i for i, child in enumerate(children)
                    if any(state_of(m) is not None for m in child.modules())]

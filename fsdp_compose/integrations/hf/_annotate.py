@@ -1,9 +1,8 @@
 """The model the trainer got, annotated as accelerate's FSDP2 plugin would
-shard it, from ``fsdp_config``'s keys: ``transformer_layer_cls_to_wrap``
-(else ``_no_split_modules``), ``reshard_after_forward``, ``cpu_offload``,
-``activation_checkpointing`` (torch's composable ``checkpoint`` per
-layer). Other keys are refused, except ``version`` and
-``state_dict_type``, which have nothing to choose here.
+shard it, from ``fsdp_config``'s keys (``transformer_layer_cls_to_wrap``,
+else ``_no_split_modules``; ``reshard_after_forward``, ``cpu_offload``,
+``activation_checkpointing``). Other keys are refused, but ``version`` and
+``state_dict_type``, which choose nothing here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The Trainer's ``bf16`` / ``fp16`` flags under fsdp_compose: the units'
 ``MixedPrecisionPolicy`` (compute and all-gather in the flag's dtype,
-reduce in fp32), as accelerate's FSDP2 plugin does, instead of
-accelerate's autocast. An annotated model's own ``mp_policy`` wins; a flag
-asking another dtype is refused (:func:`check_agrees`).
+reduce in fp32), as accelerate's FSDP2 plugin, instead of autocast. An
+annotated model's own ``mp_policy`` wins; a flag asking another dtype is
+refused.
 """
 
 from __future__ import annotations

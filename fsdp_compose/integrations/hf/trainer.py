@@ -1,15 +1,11 @@
 """Hugging Face's ``Trainer`` training a model annotated by ``fully_shard``.
 
-accelerate wraps a multi-process model in DDP and the Trainer saves model
-and optimizer from rank 0 alone: both wrong when each rank holds different
-rows. The mixin keeps the Trainer's loop and files and changes what touches
-the shards: the built model is annotated after the constructor (each layer,
-then the root, in the ``bf16`` / ``fp16`` precision) unless it came
-annotated; no DDP wrapper; gradient accumulation skips the reduction via
-the root's ``no_sync``; ``floating_point_ops`` counts whole parameters;
-``save_model`` gathers full tensors and rank 0 writes ``save_pretrained``'s
-files; the optimizer state is a DCP directory ``optimizer/``. Clipping
-needs nothing (``clip_grad_norm_`` is routed, ``gradients/torch_norms.py``).
+accelerate wraps the model in DDP and the Trainer saves from rank 0 alone,
+both wrong when ranks hold different shards. The mixin keeps the Trainer's
+loop and files and changes what touches the shards: no DDP wrapper,
+accumulation through ``no_sync``, whole-parameter ``floating_point_ops``,
+gathered ``save_model``, and the optimizer state as a DCP directory
+``optimizer/``.
 """
 
 from __future__ import annotations
@@ -39,23 +35,23 @@ SCHEDULER_FILE = "scheduler.pt"
 
 _OVERRIDDEN = ("_wrap_model", "save_model", "_save", "_save_optimizer_and_scheduler",
                "_load_optimizer_and_scheduler", "create_optimizer", "floating_point_ops")
-"""Trainer methods the mixin overrides or calls, checked at construction
-so a renaming release fails loudly instead of saving rank 0's shards."""
+"""Trainer methods the mixin overrides or calls, checked at construction so
+a renaming release fails loudly."""
 
 
 
 class ShardedTrainerMixin:
     """Put in front of ``transformers.Trainer`` or a subclass
     (``class ShardedSFTTrainer(ShardedTrainerMixin, SFTTrainer)``) and build
-    the trainer as usual (a model or, for TRL's, a path; ``peft_config=``).
+    the trainer as usual.
 
-    After the constructor the model is annotated by ``fully_shard``: each
-    module of ``fsdp_config["transformer_layer_cls_to_wrap"]`` (else
+    After the constructor the model is annotated: each module of
+    ``fsdp_config["transformer_layer_cls_to_wrap"]`` (else
     ``_no_split_modules``), then the root, with ``reshard_after_forward``,
     ``cpu_offload`` and ``activation_checkpointing`` from ``fsdp_config``;
-    ``bf16``/``fp16`` become ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=fp32)``.
-    A model that comes annotated is used as it is; a flag asking for another
-    precision, or ``peft_config=``, is then refused."""
+    ``bf16``/``fp16`` become ``MixedPrecisionPolicy(param_dtype=...,
+    reduce_dtype=fp32)``. A model that comes annotated is used as it is; a
+    flag asking for another precision, or ``peft_config=``, is then refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         name = type(self).__name__
@@ -102,8 +98,7 @@ class ShardedTrainerMixin:
         return model
 
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer; its groups are chosen by parameter name, so
-        an empty one is intended (not warned about)."""
+        """The Trainer's optimizer (an empty group is intended, not warned about)."""
         builds = self.optimizer is None
         optimizer = super().create_optimizer(model)  # type: ignore[misc]
         if builds:

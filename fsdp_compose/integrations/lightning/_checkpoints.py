@@ -1,6 +1,6 @@
-"""Lightning's checkpoint formats for fsdp_compose models (Fabric and
-Trainer): a DCP directory plus ``meta.pt``, or one file of full tensors
-rank 0 writes; keyed by parameter name, so FSDP2's load here and back.
+"""Lightning's checkpoint formats for fsdp_compose models: a DCP directory
+plus ``meta.pt``, or one file of full tensors rank 0 writes; keyed by
+parameter name, so FSDP2's load here and back.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ Filter = dict[str, Callable[[str, Any], bool]]
 
 def save(path: Path, state: State, model: nn.Module, *, sharded: bool, rank: int,
          filter: Optional[Filter] = None) -> None:
-    """Write ``state`` as Lightning does (modules and optimizers as tensors,
-    the rest as metadata). Called on every rank."""
+    """Write ``state`` as Lightning does (modules and optimizers as tensors, the
+    rest as metadata). On every rank."""
     if not sharded and path.is_dir() and not is_sharded_checkpoint(path):
         raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
     options = StateDictOptions(full_state_dict=not sharded, cpu_offload=True)
@@ -66,8 +66,8 @@ def save(path: Path, state: State, model: nn.Module, *, sharded: bool, rank: int
 
 def load(path: Path, state: State, model: nn.Module, *, strict: bool = True,
          weights_only: Optional[bool] = None) -> State:
-    """Restore ``state`` in place from a sharded or full checkpoint; returns
-    the metadata ``state`` did not ask for. Called on every rank."""
+    """Restore ``state`` in place from a sharded or full checkpoint; returns the
+    metadata ``state`` did not ask for. On every rank."""
     model_key = next(key for key, obj in state.items() if obj is model)
     optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
     if is_sharded_checkpoint(path):
@@ -129,8 +129,8 @@ def sharded_model(objects: Any) -> Optional[nn.Module]:
 
 
 def keyed_by_name(optim_state: State, model: nn.Module) -> State:
-    """An optimizer state dict keyed by parameter index (the Trainer's full
-    checkpoint) rekeyed by name; one keyed by name is returned as is."""
+    """An optimizer state dict keyed by parameter index rekeyed by name; one
+    keyed by name is returned as is."""
     if not optim_state["state"] or not isinstance(next(iter(optim_state["state"])), int):
         if all(isinstance(p, str) for g in optim_state["param_groups"] for p in g["params"]):
             return optim_state

@@ -1,6 +1,6 @@
-"""Lightning's default mesh puts every device on ``"tensor_parallel"``:
-sharding over ``"data_parallel"`` then trains an independent replica per
-rank, silently. This check refuses it.
+"""Lightning's default mesh puts every device on ``"tensor_parallel"``, so
+sharding over ``"data_parallel"`` would silently train one replica per
+rank; this check refuses it.
 """
 
 from __future__ import annotations

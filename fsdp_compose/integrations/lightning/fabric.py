@@ -1,9 +1,7 @@
-"""fsdp_compose under Lightning Fabric. Lightning's
-``ModelParallelStrategy`` recognises a sharded model by FSDP2's marks
-(``DTensor`` parameters, ``FSDPModule``), so ``fabric.save`` and
+"""fsdp_compose under Lightning Fabric: Lightning's ``ModelParallelStrategy``
+recognises a sharded model only by FSDP2's marks, so ``fabric.save`` and
 ``fabric.no_backward_sync`` would miss fsdp_compose models;
-:class:`ModelParallelStrategy` recognises them too, with Lightning's
-checkpoint formats (``_checkpoints.py``).
+:class:`ModelParallelStrategy` recognises them too.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ __all__ = ["ModelParallelStrategy"]
 
 class ModelParallelStrategy(_LightningModelParallelStrategy):
     """Lightning Fabric's ``ModelParallelStrategy`` (same arguments) for models
-    ``parallelize_fn`` shards with :func:`fsdp_compose.fully_shard`; shard over
-    ``mesh["data_parallel"]`` (Lightning's default sizes put every device on
-    ``"tensor_parallel"``). Without an fsdp_compose model, Lightning's own."""
+    ``parallelize_fn`` shards with :func:`fsdp_compose.fully_shard` over
+    ``mesh["data_parallel"]``. Without an fsdp_compose model, Lightning's own."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

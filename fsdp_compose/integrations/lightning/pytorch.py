@@ -1,8 +1,7 @@
-"""fsdp_compose under the Lightning Trainer. Lightning's strategy loads a
+"""fsdp_compose under the Lightning Trainer: Lightning's strategy loads a
 checkpoint only into ``DTensor`` parameters and reduces every micro-batch;
-:class:`ModelParallelStrategy` also loads fsdp_compose models (either
-format, ``_checkpoints.py``) and turns reduction off in
-``block_backward_sync``.
+:class:`ModelParallelStrategy` also loads fsdp_compose models and turns
+reduction off in ``block_backward_sync``.
 """
 
 from __future__ import annotations

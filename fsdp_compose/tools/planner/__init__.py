@@ -4,10 +4,9 @@ with no process group (the model may live on ``meta``)::
     print(estimate_memory(model, world_size=8))  # every block, then the root
     units, estimate = propose_units(model, world_size=8, budget_bytes=20 * 2**30)
 
-The annotation is given as ``units`` (what would be passed to
-``fully_shard``, in call order); each takes its parameters and groups them
-into flat buffers by ``fully_shard``'s own setup code, then one training
-step is replayed ([Note: the simulated step]).
+Each unit groups its parameters into flat buffers by ``fully_shard``'s own
+setup code, then one training step is replayed ([Note: the simulated
+step]).
 """
 
 from .estimate import BACKENDS, OPTIMIZER_MOMENTS, Proposal, estimate_memory, propose_units

@@ -25,9 +25,9 @@ class _ScalarReads(TorchDispatchMode):
 
 def fake_forward(model: nn.Module, unit_modules: list[tuple[nn.Module, ...]],
                   batch_fn: BatchFn) -> tuple[list[int], list[int], list[int]]:
-    """Run ``batch_fn(model)`` with parameters and buffers swapped for fake CPU
-    tensors. Returns the units' first-forward order, the saved bytes while
-    each unit was the innermost running, and the root's by position."""
+    """Run ``batch_fn(model)`` on fake CPU parameters and buffers. Returns the
+    units' first-forward order, the bytes saved while each unit was the
+    innermost running, and the root's by position."""
     owner = {id(m): i for i, modules in enumerate(unit_modules) for m in modules}
     running: list[int] = []
     order: list[int] = []

@@ -1,5 +1,5 @@
-"""Which planned units share their collectives: ``runtime/buckets.py``'s
-own ``group_consecutive`` on the planned units' keys and the default cap.
+"""Which planned units share their collectives: the runtime's own
+``group_consecutive`` on the planned units' keys.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ cap_bytes = runtime_buckets.cap_bytes
 
 def unit_key(compute: Sequence[torch.dtype], reduce_comm: Sequence[torch.dtype],
              aliased: bool, offload: bool) -> BucketKey:
-    """A planned unit's bucket key (the runtime's ``_key`` on what the
-    planner models): ``compute`` and ``reduce_comm`` dtypes per buffer,
-    ``aliased`` (one rank: no all-gather) and ``offload``."""
+    """A planned unit's bucket key, the runtime's ``_key`` on what the planner
+    models."""
     if not compute or aliased or offload or len(set(compute)) != 1 or len(set(reduce_comm)) > 1:
         return None
     return compute[0], next(iter(reduce_comm), None)
 
 
 def with_reshard(key: BucketKey, reshards_after_forward: bool) -> BucketKey:
-    """``key`` and whether the unit reshards after forward (kept units are
-    never bucketed with resharding ones)."""
+    """``key`` and whether the unit reshards after forward (kept units never
+    bucket with resharding ones)."""
     return None if key is None else (key, reshards_after_forward)

@@ -53,22 +53,20 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
             list entry is one unit of siblings). Default: :func:`default_units`.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` (with momentum) or ``"none"``.
         mp_policy: every unit's mixed precision, ours or torch's.
-        offload: ``True``/``False`` or an ``offload_policy`` (ours or torch's).
+        offload: a bool or an ``offload_policy`` (ours or torch's).
         prefetch: units all-gathered ahead of the running one.
         batch_fn: one forward of one rank's batch (``lambda m: m.loss(x, y)``),
-            run on fake tensors to measure saved activations and forward order.
+            run on fake tensors to measure activations and forward order.
         reshard_after_forward, placement, shard_placement_fn: ``fully_shard``'s,
-            for every unit (optimizer state counts each unit's most loaded rank).
-        backend: ``"nccl"`` or ``"gloo"``; ``None``: this machine's (reported).
-        bucket_cap_mb: ``set_bucket_cap_mb``'s; ``None``: the library default.
-        split_root: plan ``fully_shard_root(model)`` instead of ``fully_shard(model)``.
-        keep_unsharded_storage: plan ``set_keep_unsharded_storage(True)`` on
-            every unit.
+            for every unit.
+        backend: ``"nccl"`` or ``"gloo"``; ``None``: this machine's.
+        bucket_cap_mb: ``set_bucket_cap_mb``'s; ``None``: the default.
+        split_root: plan ``fully_shard_root(model)`` instead.
+        keep_unsharded_storage: plan ``set_keep_unsharded_storage(True)``.
 
     Raises:
         ValueError: an unknown option, units not ending with ``model``, or a
-            parameter shared by two units (naming it).
-    """
+            parameter shared by two units (naming it)."""
     mp_policy = as_mp_policy(mp_policy, "estimate_memory")
     if not isinstance(offload, bool):
         offload = as_offload_policy(offload, "estimate_memory") is not None
@@ -103,7 +101,7 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
         order = ran + [i for i in order if i not in ran]
     forward = [plans[-1]] + [plans[i] for i in order]  # the root first
     kept = frozenset(1 + order.index(i) for i in (prologue, epilogue) if i is not None)
-    # buckets follow the recorded forward order; the root and units not run stay alone
+    # buckets follow the forward order; the root and units not run stay alone
     keys = [None] + [with_reshard(forward[j].bucket_key,
                                   reshard_after_forward is not False and j not in kept)
                      for j in range(1, len(ran) + 1)] + [None] * (len(order) - len(ran))
@@ -121,17 +119,15 @@ def estimate_memory(model: nn.Module, world_size: int, *, units: Optional[Sequen
 
 
 def module_order(model: nn.Module, specs: Sequence[UnitSpec]) -> list[int]:
-    """The units (indices into ``specs``) in the order their first module is
-    registered in ``model``: the forward order assumed without ``batch_fn``."""
+    """The units (indices into ``specs``) in module registration order: the
+    forward order assumed without ``batch_fn``."""
     position = {id(m): k for k, m in enumerate(model.modules())}
     return sorted(range(len(specs)), key=lambda i: min(position[id(m)] for m in specs[i].modules))
 
 
 def _late_root_grads(model: nn.Module, units: Sequence[UnitModules], root: UnitSpec,
                      mp_policy: Optional[MixedPrecisionPolicy]) -> int:
-    """Bytes of the root's gradients that arrive only at the end of backward
-    (its children before the first unit; nothing when the parts share a
-    parameter)."""
+    """Bytes of the root's gradients that arrive only at the end of backward."""
     parts = root_parts(model, units)
     if parts.shared is not None:
         return 0
@@ -145,12 +141,12 @@ def propose_units(model: nn.Module, world_size: int, budget_bytes: int,
                   **estimate_kwargs: Any) -> Proposal:
     """The coarsest annotation whose ``total_peak`` fits ``budget_bytes``: the
     root alone, then every block and the root, then each step's new units
-    split into their children with parameters. A module sharing a parameter
-    with one outside it is never a unit of its own.
+    split into their children. A module sharing a parameter with one outside
+    it is never a unit of its own. ``estimate_kwargs`` go to
+    :func:`estimate_memory`.
 
     Raises:
-        ValueError: nothing fits (the message shows the best estimate).
-    """
+        ValueError: nothing fits (the message shows the best estimate)."""
     best: Optional[Proposal] = None
     for units in granularities(model):
         estimate = estimate_memory(model, world_size, units=units, **estimate_kwargs)

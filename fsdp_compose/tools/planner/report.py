@@ -25,26 +25,25 @@ class MemoryEstimate:
 
     Attributes:
         world_size, num_units: the sharding factor, the ``fully_shard`` calls.
-        backend: ``"nccl"`` or ``"gloo"``; ``backend_assumed``: not given, this
-            machine's default.
-        sharded_params: this rank's slice of every flat buffer, padding included.
+        backend: ``"nccl"`` or ``"gloo"``; ``backend_assumed``: this machine's
+            default, not given.
+        sharded_params: this rank's slice of every flat buffer, with padding.
         grads: the trainable buffers' gradient shards.
         optimizer_state: per-element state of this rank's trainable elements
             (plus Adam's ``step``); ``persistent``: the sum of these three.
         transient_unsharded_peak: peak of the working set (unsharded
             parameters, gradients in flight, copies, optimizer temporaries).
-        comm_staging: peak of the backend's copies (gloo; 0 for nccl).
+        comm_staging: peak of gloo's copies (0 for nccl).
         activations: bytes saved in one ``batch_fn`` forward (``None`` without).
         state_peak: the largest moment without staging and activations.
         total_peak: the largest moment on the compute device (parts in
-            ``peak_parts``, moment in ``peak_at``), excluding ``cpu_bytes``. Not
-            modelled: activation gradients, workspaces, fragmentation.
+            ``peak_parts``, moment in ``peak_at``), excluding ``cpu_bytes``.
+            Not modelled: activation gradients, workspaces, fragmentation.
         cpu_bytes: persistent bytes offloaded to host memory.
         largest_unit, largest_unit_bytes: the unit with the most unsharded bytes.
-        bucket_cap_mb, buckets: the cap planned with (0: off) and the units
-            sharing collectives, a tuple of names per bucket.
-        kept_unsharded: unsharded bytes held always (``keep_unsharded_storage``).
-    """
+        bucket_cap_mb, buckets: the cap (0: off) and the units sharing
+            collectives, names per bucket.
+        kept_unsharded: unsharded bytes held always (``keep_unsharded_storage``)."""
 
     world_size: int
     backend: str

@@ -1,22 +1,17 @@
-"""One training step of the library's schedule, replayed on byte counts
-(``tests/tools/test_planner.py`` checks it against the profiler).
+"""One training step of the library's schedule, replayed on byte counts.
 
 [Note: the simulated step]
 A step is a list of moments in the library's order; ``total_peak`` is the
-largest. Forward of unit i holds the root (until its backward unless
-reshard_after_forward=True), the kept units, unit i and the next
-``prefetch`` units in flight; backward, in reverse, the same, then unit i's
-per-parameter gradients and the flat gradient they are concatenated into,
-and its reduce-scatter (the previous one is waited first: one in flight).
-A bucket ([Note: bucketing] in ``runtime/collective_queue.py``) gathers all
-members at once, counted as one prefetch, holding its packed shards until
-the first wait and its output until the last; in backward the first bucket
-reached is gathered unit by unit. Assembled copies ([Note: assembled
-copies]) count while their unit is unsharded; gradient shards live from
-their reduce-scatter to the step, activations from a unit's forward to its
-backward. Under gloo each all-gather in flight stages a copy of its output,
-and the staging pool keeps each unsharded size at its high-water mark until
-the iteration's last all-gather of that size ([Note: releasing what no fill
+largest. Forward of unit i holds the root, the kept units, unit i and the
+next ``prefetch`` units; backward, in reverse, the same plus unit i's
+per-parameter and flat gradients and one reduce-scatter in flight. A bucket
+([Note: bucketing]) is gathered at once and counts as one prefetch; in
+backward the first bucket reached is gathered unit by unit. Assembled
+copies ([Note: assembled copies]) count while their unit is unsharded,
+gradient shards from their reduce-scatter on, activations from a unit's
+forward to its backward. Under gloo each all-gather in flight stages a copy
+of its output, and the staging pool keeps each unsharded size at its
+high-water mark until its last all-gather ([Note: releasing what no fill
 will take]). Not estimated: clones gloo sometimes keeps into the next step.
 """
 
@@ -40,16 +35,16 @@ from .units import UnitSpec
 
 
 class UnitPlan(NamedTuple):
-    """Bytes of one unit on rank 0 ([Note: the simulated step])."""
+    """Bytes of one unit on rank 0."""
 
     name: str
     sharded: int
     grads: int
-    state: int  # one optimizer state tensor per trainable element, most loaded rank
+    state: int  # one state tensor per trainable element, most loaded rank
     trainable_params: int
     unsharded: tuple[int, ...]  # per buffer, compute dtype
     copies: int  # assembled copies beside a buffer read in place
-    view_grads: int  # per-parameter gradients before the split's backward
+    view_grads: int  # per-parameter gradients
     flat_grad: int  # compute dtype
     flat_reduce: int  # reduce dtype
     reduce_extra: int  # reduce-scatter outputs that are not the shard
@@ -73,20 +68,18 @@ class _Buffer(NamedTuple):
 
 
 def _copied_beside(layout: FlatLayout) -> int:
-    """Elements of the assembled copies ([Note: assembled copies]) held beside
-    the unsharded buffer: the parameters not one contiguous range of it, when
-    some others are (a buffer read only through copies releases its gathered
-    values, so ``unsharded`` counts it)."""
+    """Elements of the assembled copies held beside the unsharded buffer (0
+    where the buffer is read only through copies: it is released)."""
     views = ViewPlan(layout, layout.moved_dims())
     return 0 if views.copies_only else views.copy_numel
 
 
 def plan_unit(spec: UnitSpec, world: int, mp: MixedPrecisionPolicy, offload: bool) -> UnitPlan:
     """The bytes of ``spec``'s flat buffers on rank 0, laid out by
-    ``fully_shard``'s own ``setup/units.plan_buffers``."""
+    ``setup/units.plan_buffers`` as ``fully_shard`` does."""
     policy = buffer_policy(mp, CPUOffloadPolicy() if offload else None, cuda_available=False)
     buffers, train, compute, reduce_comm = [], [], [], []
-    apply_dtype_overrides(spec.records, mp)  # per parameter, before grouping, as fully_shard
+    apply_dtype_overrides(spec.records, mp)  # before grouping, as fully_shard
     for plan in plan_buffers(spec.records, world, policy):
         dtypes = plan.dtypes
         compute.append(dtypes.compute)
@@ -189,7 +182,7 @@ class Step:
 
     def _groups(self, backward: bool = False) -> list[list[int]]:
         """Per plan index, the units gathered and reduced with it (``backward``:
-        the last bucket's members are gathered alone)."""
+        the last bucket's members alone)."""
         groups = [[i] for i in range(len(self.plans))]
         for bucket in self.buckets[:-1] if backward else self.buckets:
             for i in bucket:
@@ -198,8 +191,7 @@ class Step:
 
     def _gathering(self, groups: list[list[int]]) -> tuple[int, int]:
         """(working set, gloo staging) of the all-gathers of ``groups`` in flight,
-        beyond the unsharded buffers: cast shard copies, a bucket's packed input
-        and output, gloo's copy of the output."""
+        beyond the unsharded buffers."""
         plans, transient, comm = self.plans, 0, 0
         for group in groups:
             transient += sum(plans[j].shard_copy for j in group)
@@ -209,13 +201,13 @@ class Step:
         return transient, comm
 
     def _packed(self, group: list[int]) -> int:
-        """A bucket's packed output, from its first wait to its last (0 alone)."""
+        """A bucket's packed output (0 alone)."""
         if len(group) == 1:
             return 0
         return sum(sum(self.plans[j].unsharded) for j in group)
 
     def _reducing(self, group: list[int]) -> int:
-        """What ``group``'s reduce-scatter keeps alive while in flight."""
+        """What ``group``'s reduce-scatter keeps alive in flight."""
         plans = self.plans
         extra = sum(plans[j].reduce_extra for j in group)
         if len(group) == 1:
@@ -230,7 +222,7 @@ class Step:
         kept = set(range(n)) if raf is False else \
             set(self.kept) | ({0} if raf is not True else set())
         groups = self._groups()
-        # backward gathers the first bucket it reaches (the last) member by member
+        # backward gathers the first bucket it reaches member by member
         gathered = self._groups(backward=True)
 
         def acts(i: int, own: bool) -> int:
@@ -243,7 +235,7 @@ class Step:
         for i in range(n):  # forward
             targets = range(i + 1, min(i + k, n - 1) + 1)
             ahead = {t for t in targets if len(groups[t]) == 1}
-            # in flight: unit i's all-gather and the prefetch targets' (a bucket counts once)
+            # in flight: unit i's all-gather and the targets' (a bucket once)
             first = groups[i][0] == i
             flying = distinct(([groups[i]] if first else [])
                               + [groups[t] for t in targets if groups[t] is not groups[i]])
@@ -267,7 +259,7 @@ class Step:
             held = flying + (plans[0].view_grads - self.root_late_grads if i else 0)
             held += sum(plans[j].flat_grad for j in group if j > i)
             comm = flying if gloo_reduce_copy else 0
-            # prefetched all-gathers' copies stay until their first unit's backward waits
+            # prefetched copies stay until their first unit's backward waits
             gathering, staged = self._gathering(
                 distinct([gathered[t] for t in targets if gathered[t] is not gathered[i]]))
             held += gathering
@@ -279,7 +271,7 @@ class Step:
                 continue  # frozen only: no gradient, no reduce-scatter
             cast = p.flat_reduce if p.flat_reduce != p.flat_grad else 0
             if pending is not None:
-                # the reduction in flight is waited before these are concatenated
+                # the reduction in flight is waited before concatenating
                 yield _Moment(_label("backward", p, "gradients computed"), live,
                               held + p.view_grads, comm, frozenset(reduced), acts(i, False))
                 reduced.update(pending)
@@ -302,7 +294,7 @@ class Step:
                           frozenset(reduced), acts(i, False))
             pending = group
         temp = 0
-        if self.adam and not self.offload:  # sqrt and division temporaries of the update
+        if self.adam and not self.offload:  # the update's temporaries
             temp = 2 * max(p.largest_slice for p in plans) if self.pool else \
                 sum(p.grads for p in plans)
         yield _Moment("optimizer step", none, temp, 0, frozenset(range(n)), 0)
