@@ -49,8 +49,8 @@ class ShardedFinalizationMethods:
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
         """With ``True``, each unit keeps its unsharded storage across reshard, so
         every unshard writes the same memory (stable data pointers for CUDA-graph
-        capture) at the cost of the unsharded size for the whole run. ``False``
-        frees it at the next reshard."""
+        capture) at the cost of the unsharded size for the whole run (``describe()``
+        shows it). ``False`` frees it at the next reshard."""
         for state in states_at(self, recurse):
             for buffer in state.unit.buffers:
                 buffer.keep_unsharded_storage(bool(keep))

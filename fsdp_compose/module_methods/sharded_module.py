@@ -218,7 +218,8 @@ class ShardedModule(ShardedCommMethods, ShardedFinalizationMethods):
         """Whether to verify before every collective that all ranks issue it for
         the same unit (one small blocking all-gather each), raising on every rank
         with what each was about to run. ``None`` (default): for the first two
-        training iterations, or always with ``FSDP_COMPOSE_CHECK_ORDER=1``;
+        training iterations (and at most 8 root forwards without gradients),
+        or always with ``FSDP_COMPOSE_CHECK_ORDER=1``;
         ``True``: always; ``False``: never, and no [Note: forward agreement]
         either. Call it on the root; it applies from its next forward. Anything
         else raises ``TypeError``. See [Note: rank divergence]."""
