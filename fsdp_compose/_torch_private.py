@@ -21,7 +21,7 @@ import importlib
 import operator
 import weakref
 from types import ModuleType
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,14 +115,18 @@ profiler_active: Callable[[], bool] = _method(
     "telling whether a torch profiler records (profiler ranges are skipped otherwise)")
 
 
-def queue_autograd_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward ends."""
+def _autograd_callback_queue() -> Callable[[Callable[[], None]], None]:
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     queue = getattr(engine, "queue_callback", None)
     if queue is None:
-        _missing("torch.autograd.Variable._execution_engine.queue_callback",
-                 "running the end of backward")()
-    queue(callback)
+        return _missing("torch.autograd.Variable._execution_engine.queue_callback",
+                        "running the end of backward")
+    return queue
+
+
+queue_autograd_callback: Callable[[Callable[[], None]], None] = _autograd_callback_queue()
+"""Run ``callback`` when the running backward ends: the engine's own
+method, bound once (autograd's engine is one object per process)."""
 
 
 unsafe_preserve_version_counter: Callable[..., Any] = _lookup(
@@ -150,17 +154,13 @@ custom autograd function must go through ``Function.apply``; ``True``
 where torch cannot tell."""
 
 
-_post_accumulate_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
-
-
-def with_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``params`` with post-accumulate-grad hooks (one C pass)."""
-    try:
-        return list(filter(_post_accumulate_hooks_of, params))
-    except AttributeError:
-        _missing("torch.Tensor._post_accumulate_grad_hooks",
-                 "running post-accumulate-grad hooks on reduced gradients")()
-        raise  # unreachable
+post_accumulate_grad_hooks_or_none: Callable[[torch.Tensor], Optional[dict]] = (
+    operator.attrgetter("_post_accumulate_grad_hooks")
+    if hasattr(torch.Tensor, "_post_accumulate_grad_hooks") else _missing(
+        "torch.Tensor._post_accumulate_grad_hooks",
+        "running post-accumulate-grad hooks on reduced gradients"))
+"""``param``'s post-accumulate-grad hooks, ``None`` where it has none: a C
+getter, so ``filter`` over a step's gradients runs no Python."""
 
 
 # --- storage

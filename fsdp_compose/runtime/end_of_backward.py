@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .._torch_private import post_accumulate_grad_hooks, with_post_accumulate_grad_hooks
+from .._torch_private import post_accumulate_grad_hooks, post_accumulate_grad_hooks_or_none
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max, release_after_collective
 from .collective_queue import CollectiveQueue
@@ -107,6 +107,6 @@ def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueu
             if id(buffer) in pending:
                 fresh += buffer.grad.publish(flags[start:start + count])
             start += count
-    for param in with_post_accumulate_grad_hooks(fresh):
+    for param in filter(post_accumulate_grad_hooks_or_none, fresh):
         for hook in post_accumulate_grad_hooks(param).values():
             hook(param)
