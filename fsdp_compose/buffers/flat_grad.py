@@ -1,5 +1,6 @@
 """The gradient side of one flat buffer (its ``owner``): accumulation, folding the reduced chunk
-into the sharded gradient, publishing it to the parameters. ``S`` =
+into the sharded gradient (kept across steps, :class:`KeptGradient`), publishing it to the
+parameters. ``S`` =
 ``owner.layout.shard_numel``.
 
 [Note: the states of a flat gradient]
@@ -21,20 +22,30 @@ keeps ``None``.
 A reduction adds to what the ``.grad`` hold. Where the published gradient died
 (``set_to_none=True``) the only ``.grad`` left are tensors the user assigned, so publication,
 which writes every ``.grad`` anyway, adds them, rather than each reduction reading them.
+
+[Note: the kept sharded gradient]
+Making the ``.grad`` views and a new sharded gradient every step is host time the unsharded
+model does not pay, so they are kept and the next reduction writes into them while nothing
+outside the library holds them (:meth:`KeptGradient.holders` at its baseline). A gradient the
+user still holds is added to, or left to its holders; a free one is *released* to 0 bytes
+after ``zero_grad`` or at the root's pre-forward. Only where torch counts uses
+(``CAN_COUNT_USES``) and not in pinned memory.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-from .._torch_private import CAN_COUNT_USES
+from .._torch_private import (CAN_COUNT_USES, CAN_SWAP_STORAGE_DATA, storage_key,
+                              storage_key_use_count, storage_use_count, swap_storage_data,
+                              tensor_use_count)
 from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
-from .kept_gradient import KeptGradient
 from .layout import FlatLayout, ShardSlice
 from .reduce_subset import ReduceSubset, SubsetPlans
 from .records import ParamRecord
@@ -452,3 +463,58 @@ def _owns_its_memory(tensor: torch.Tensor) -> bool:
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+class KeptGradient:
+    """A sharded gradient ``base`` and its ``.grad`` views. Invariant: ``baseline`` is
+    :meth:`holders` with nothing else holding them; while ``released`` the storage holds 0
+    bytes."""
+
+    __slots__ = ("base", "views", "storage", "key", "nbytes", "baseline", "released")
+
+    def __init__(self, base: torch.Tensor,
+                 make_views: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> None:
+        self.base: torch.Tensor = base
+        self.views: tuple[torch.Tensor, ...] = tuple(make_views(base))
+        self.storage: torch.UntypedStorage = base.untyped_storage()
+        self.key: int = storage_key(self.storage)
+        self.nbytes: int = self.storage.nbytes()
+        self.released: bool = False
+        self.baseline: int = 0
+        self.baseline = self.holders()
+
+    def holders(self) -> int:
+        """Every reference to the views and their memory, summed; any holder outside raises it
+        above ``baseline``."""
+        views = self.views
+        return (storage_key_use_count(self.key) + sum(map(tensor_use_count, views))
+                + sum(map(sys.getrefcount, views)))
+
+    @property
+    def is_free(self) -> bool:
+        return self.released or self.holders() == self.baseline
+
+    def release(self) -> None:
+        """Pre-condition: :attr:`is_free`."""
+        self.storage.resize_(0)
+        self.released = True
+
+    def take_memory_of(self, tensor: torch.Tensor) -> bool:
+        """Make ``tensor``'s memory the base's without a copy where ``tensor`` is all of a
+        storage of its size nothing else views; returns whether it did. Pre-condition: free."""
+        if not CAN_SWAP_STORAGE_DATA or tensor.storage_offset():
+            return False
+        storage = tensor.untyped_storage()
+        if storage.nbytes() != self.nbytes or storage_use_count(storage) != 2:
+            return False  # the tensor and the storage object just made
+        swap_storage_data(self.storage, storage)
+        self.released = False
+        return True
+
+    def reclaim(self) -> torch.Tensor:
+        """The base, its memory back, for a reduction to overwrite. Pre-condition:
+        :attr:`is_free`."""
+        if self.released:
+            self.storage.resize_(self.nbytes)
+            self.released = False
+        return self.base
