@@ -1,5 +1,5 @@
 """One flat buffer: the storage and views of a group of parameters (gradients in
-``flat_grad.py``, module attributes in ``param_slots.py``).
+``flat_grad.py``, module attributes in ``param_views.py``).
 
 [Note: storage and autograd]
 The unsharded flat buffer is a leaf tensor that lives as long as the unit; resharding resizes
@@ -25,9 +25,8 @@ from ..comm.groups import ShardGroup
 from ..comm.wire import EXACT, Wire, policy_wire
 from .flat_grad import FlatGradient
 from .layout import OWNED, FlatLayout, ShardSlice
-from .param_slots import ParamSlots
-from .param_views import (Strided, ViewPlan, called_weakly, split_into_params, split_plan,
-                          strided_view)
+from .param_views import (ParamSlots, Strided, ViewPlan, called_weakly, split_into_params,
+                          split_plan, strided_view)
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
