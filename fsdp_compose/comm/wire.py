@@ -1,9 +1,7 @@
-"""How one flat buffer's collectives go on the wire: ``EXACT``, :class:`QuantizedWire` or
-:class:`CustomWire`, called the same way by the queue.
+"""How one flat buffer's collectives go on the wire.
 
 [Note: the wire interface]
-A wire *issues*; it never waits. Each call returns an :class:`Issued` saying what to wait,
-copy and free after ([Note: freeing what a collective read]).
+A wire *issues*, never waits; it returns an :class:`Issued`.
 """
 
 from __future__ import annotations
@@ -30,14 +28,8 @@ class PartialSums(Protocol):
 
 
 class Issued(NamedTuple):
-    """One collective on the wire ([Note: the wire interface]).
-
-    Attributes:
-        copies: ``(destination, source)`` made after the wait.
-        temporaries: freed after the copies.
-        keep_alive: read by the backend until the wait.
-        grid: a bucket's all-gather output as ``(F, T)`` (``None``: in place).
-        grid_is_ours: freed after the last member's copy."""
+    """One collective on the wire: what to wait, copy after (``copies``), free after
+    (``temporaries``), keep until the wait; a bucket's gathered ``grid`` ``(F, T)``."""
 
     work: Waitable
     process_group: Optional[dist.ProcessGroup]
@@ -76,12 +68,12 @@ class Wire:
 
     def gather_memory(self, numel: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, bool]:
-        """An all-gather's output, and whether the queue may free it."""
+        """And whether the queue may free it."""
         return torch.empty(numel, dtype=dtype, device=device), True
 
     def reduce_memory(self, numel: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, bool]:
-        """A reduce-scatter's input or output, and whether the queue may free it."""
+        """A reduce-scatter buffer; whether the queue may free it."""
         return torch.empty(numel, dtype=dtype, device=device), True
 
     def reduce_group(self, group: ShardGroup) -> ShardGroup:
@@ -118,7 +110,7 @@ class Wire:
                               chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
                               group: ShardGroup, divide_factor: Optional[float],
                               force_sum: bool) -> Issued:
-        """A bucket's gradients (``None``: zeros), each reduced as alone."""
+        """Each segment reduced as alone."""
         world, total = group.world_size, sum(chunks)
         dtype = next(g.dtype for g in grads if g is not None)
         packed, ours = self.reduce_memory(world * total, dtype, group.device)
@@ -148,7 +140,7 @@ class Wire:
 
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
-        """What to all-reduce over replicas (``None``: keep a partial sum)."""
+        """``None``: keep a partial sum."""
         return output
 
     def before_fold(self, output: torch.Tensor) -> None:
