@@ -1,18 +1,11 @@
 """Every private torch name fsdp_compose uses, in one place.
 
-torch promises nothing about names with a leading underscore (or methods
-it does not document). The package uses a few, as FSDP2 does, and takes
-them only from here (``tests/repository/test_torch_private.py``). Each is
-looked up by feature, never by version: a missing one becomes a stand-in
-raising :class:`TorchFeatureMissing`, or a fallback said next to it.
-Nothing is imported from ``fsdp_compose``: this is the bottom layer.
+Each is looked up by feature, never by version: a missing one becomes a
+stand-in raising :class:`TorchFeatureMissing`, or a stated fallback.
 
-Exempt, used directly: ``Tensor._version``; ``nn.Module``'s own
-dictionaries (``_parameters``, ``_buffers``, ``_modules``); the two methods
-the package overrides, checked by :func:`require_override`
-(``nn.Module._apply``, ``PipelineStage.backward_maybe_with_nosync``).
-On torch 2.11 only ``UntypedStorage._swap_data_ptr_`` is missing
-(:data:`CAN_SWAP_STORAGE_DATA`).
+Exempt, used directly: ``Tensor._version``; ``nn.Module``'s
+``_parameters``, ``_buffers``, ``_modules``; the overridden methods
+:func:`require_override` checks.
 """
 
 from __future__ import annotations
@@ -21,17 +14,17 @@ import importlib
 import operator
 import weakref
 from types import ModuleType
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 MIN_TORCH = "2.11"
-"""The oldest torch supported (``pyproject.toml``); for messages only."""
+"""For messages only."""
 
 
 class TorchFeatureMissing(RuntimeError):
-    """The installed torch lacks a private name that fsdp_compose needs."""
+    """This torch lacks a private name fsdp_compose needs."""
 
 
 MISSING_MARK = "__fsdp_compose_missing__"
@@ -48,8 +41,7 @@ def _message(name: str, purpose: str, since: Optional[str]) -> str:
 
 
 def _missing(name: str, purpose: str, since: Optional[str] = None, cls: bool = False) -> Any:
-    """A stand-in for a missing name: using it raises
-    :class:`TorchFeatureMissing`; ``isinstance(x, stand_in)`` is always ``False``."""
+    """A stand-in raising :class:`TorchFeatureMissing` when used."""
     message = _message(name, purpose, since)
 
     def fail(*args: Any, **kwargs: Any) -> Any:
@@ -65,7 +57,7 @@ def _missing(name: str, purpose: str, since: Optional[str] = None, cls: bool = F
 
 def _lookup(module: str, attr: str, purpose: str, since: Optional[str] = None,
             cls: bool = False) -> Any:
-    """``module.attr`` if this torch has it, else a stand-in (:func:`_missing`)."""
+    """``module.attr``, else a stand-in."""
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError):
@@ -73,7 +65,7 @@ def _lookup(module: str, attr: str, purpose: str, since: Optional[str] = None,
 
 
 def _method(owner: Any, attr: str, purpose: str, since: Optional[str] = None) -> Any:
-    """``owner.attr`` if this torch has it, else a stand-in."""
+    """``owner.attr``, else a stand-in."""
     found = getattr(owner, attr, None)
     if found is None:
         return _missing(f"{getattr(owner, '__module__', '')}.{getattr(owner, '__name__', owner)}.{attr}",
@@ -81,8 +73,7 @@ def _method(owner: Any, attr: str, purpose: str, since: Optional[str] = None) ->
     return found
 
 
-# --- composable API: each fully_shard call's state lives in torch's registry
-# lives in torch's composable-API registry, as FSDP2's and replicate's do.
+# --- composable API
 contract: Callable[..., Any] = _lookup(
     "torch.distributed._composable", "contract", "registering fully_shard as a composable API")
 REGISTRY_KEY: str = _lookup("torch.distributed._composable.contract", "REGISTRY_KEY",
@@ -97,8 +88,7 @@ def _flatten_in_python(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 flatten_dense_tensors: Callable[[Sequence[torch.Tensor]], torch.Tensor] = getattr(
     torch._C._nn, "flatten_dense_tensors", None) or _flatten_in_python
-"""``torch.cat`` of ``tensors``, each flattened: torch's C function, or
-the same in Python."""
+"""``torch.cat`` of the flattened ``tensors``."""
 
 
 _current_graph_task_id = _method(torch._C, "_current_graph_task_id",
@@ -115,14 +105,17 @@ profiler_active: Callable[[], bool] = _method(
     "telling whether a torch profiler records (profiler ranges are skipped otherwise)")
 
 
-def queue_autograd_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward ends."""
+def _autograd_callback_queue() -> Callable[[Callable[[], None]], None]:
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     queue = getattr(engine, "queue_callback", None)
     if queue is None:
-        _missing("torch.autograd.Variable._execution_engine.queue_callback",
-                 "running the end of backward")()
-    queue(callback)
+        return _missing("torch.autograd.Variable._execution_engine.queue_callback",
+                        "running the end of backward")
+    return queue
+
+
+queue_autograd_callback: Callable[[Callable[[], None]], None] = _autograd_callback_queue()
+"""Run ``callback`` when the running backward ends (bound once)."""
 
 
 unsafe_preserve_version_counter: Callable[..., Any] = _lookup(
@@ -145,30 +138,22 @@ def post_accumulate_grad_hooks(param: torch.Tensor) -> dict:
 
 functorch_transforms_active: Callable[[], bool] = getattr(
     torch._C, "_are_functorch_transforms_active", None) or (lambda: True)
-"""Whether a functorch transform (``vmap``, ``grad``) is active, so a
-custom autograd function must go through ``Function.apply``; ``True``
-where torch cannot tell."""
+"""A custom autograd function must go through ``Function.apply``."""
 
 
-_post_accumulate_hooks_of = operator.attrgetter("_post_accumulate_grad_hooks")
-
-
-def with_post_accumulate_grad_hooks(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``params`` with post-accumulate-grad hooks (one C pass)."""
-    try:
-        return list(filter(_post_accumulate_hooks_of, params))
-    except AttributeError:
-        _missing("torch.Tensor._post_accumulate_grad_hooks",
-                 "running post-accumulate-grad hooks on reduced gradients")()
-        raise  # unreachable
+post_accumulate_grad_hooks_or_none: Callable[[torch.Tensor], Optional[dict]] = (
+    operator.attrgetter("_post_accumulate_grad_hooks")
+    if hasattr(torch.Tensor, "_post_accumulate_grad_hooks") else _missing(
+        "torch.Tensor._post_accumulate_grad_hooks",
+        "running post-accumulate-grad hooks on reduced gradients"))
+"""``param``'s post-accumulate-grad hooks or ``None``; a C getter."""
 
 
 # --- storage
 _swap_data_ptr = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
 CAN_SWAP_STORAGE_DATA: bool = _swap_data_ptr is not None
-"""Whether this torch can move memory between storage objects
-(torch>=2.12); without it the CPU staging pool is off (same values)."""
+"""torch>=2.12; without it the CPU staging pool is off."""
 
 
 def _storage_data_swapper(method: Optional[Callable[..., None]]) -> Callable[..., None]:
@@ -179,8 +164,7 @@ def _storage_data_swapper(method: Optional[Callable[..., None]]) -> Callable[...
 
 swap_storage_data: Callable[[torch.UntypedStorage, torch.UntypedStorage], None] = \
     _storage_data_swapper(_swap_data_ptr)
-"""Exchange the memory of two storages; each storage object stays the
-one its tensors point at."""
+"""Exchange the memory of two storages."""
 
 
 _storage_use_count = _lookup("torch._C", "_storage_Use_Count",
@@ -190,28 +174,24 @@ _tensor_use_count = _method(torch.Tensor, "_use_count",
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
-    """References to the storage's ``StorageImpl``: one per tensor on it
-    (views included) and per Python storage object."""
+    """References to the storage's ``StorageImpl``."""
     return _storage_use_count(storage._cdata)
 
 
 storage_key_use_count: Callable[[int], int] = _storage_use_count
-""":func:`storage_use_count` by :func:`storage_key` (no Python frame)."""
+""":func:`storage_use_count` by :func:`storage_key`."""
 
 tensor_use_count: Callable[[torch.Tensor], int] = _tensor_use_count
-"""A tensor's ``TensorImpl`` reference count (its Python object, plus each
-C++ holder: a ``.grad``, a graph)."""
+"""A tensor's ``TensorImpl`` reference count."""
 
 
 CAN_COUNT_USES: bool = not (hasattr(_storage_use_count, MISSING_MARK)
                             or hasattr(_tensor_use_count, MISSING_MARK))
-"""Whether this torch counts references; without it the sharded gradient
-is made anew at every reduction (same values, more host time)."""
+"""Else the sharded gradient is made anew per reduction."""
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
-    """An id of the storage's memory block, shared by every tensor on it,
-    fake tensors included."""
+    """An id of the storage's memory block, fake tensors included."""
     return storage._cdata
 
 
@@ -235,17 +215,14 @@ def group_named(name: str) -> dist.ProcessGroup:
 
 
 def forget_mesh_groups(mesh: Any) -> None:
-    """Drop a ``DeviceMesh``'s cache of its process groups: after
-    ``destroy_process_group()`` it would keep gloo's threads alive into
-    interpreter finalization."""
+    """[Note: process groups at exit]."""
     registry = getattr(mesh, "_pg_registry", None)
     if isinstance(registry, dict):
         registry.clear()
 
 
 def sequence_number(group: dist.ProcessGroup) -> int:
-    """Collectives issued on ``group`` so far (its sequence number). Raises
-    ``RuntimeError`` or ``AttributeError`` where there is none."""
+    """``group``'s sequence number; raises where there is none."""
     return group._get_sequence_number_for_group()
 
 
@@ -278,8 +255,7 @@ flatten_state_dict: Callable[..., Any] = _lookup(
 
 
 def concatenate_meshes(meshes: list[Any]) -> Any:
-    """One mesh whose dims are those of ``meshes`` in order. Raises
-    ``RuntimeError`` when they were not sliced from one mesh, or overlap."""
+    """One mesh of ``meshes``' dims; raises unless sliced from one mesh."""
     concatenate = getattr(type(meshes[0]), "_concatenate", None)
     if concatenate is None:
         _missing("torch.distributed.device_mesh.DeviceMesh._concatenate",
@@ -288,7 +264,7 @@ def concatenate_meshes(meshes: list[Any]) -> Any:
 
 
 def local_tensor(value: Any) -> torch.Tensor:
-    """A ``DTensor``'s local tensor object itself (``to_local()`` may make a new one)."""
+    """A ``DTensor``'s local tensor object itself."""
     return value._local_tensor
 
 
@@ -319,15 +295,13 @@ def local_scalar_dense_op() -> Any:
 
 
 def mem_tracker_class() -> type:
-    """torch's ``MemTracker`` class; its import brings in ``torch._inductor``
-    and ``torch._dynamo``, which ``import fsdp_compose`` does not."""
+    """torch's ``MemTracker`` class (its import is heavy)."""
     return _lookup("torch.distributed._tools.mem_tracker", "MemTracker",
                    "torch's MemTracker (fsdp_compose.tools.mem_tracker)", cls=True)
 
 
 def composable_checkpoint() -> Callable[..., Any]:
-    """``torch.distributed._composable.checkpoint`` (activation checkpointing
-    applied in place)."""
+    """``torch.distributed._composable.checkpoint``."""
     return _lookup("torch.distributed._composable", "checkpoint",
                    "torch's composable activation checkpointing")
 
@@ -340,8 +314,7 @@ def mem_tracker_grad_kind() -> Any:
 
 lazy_dynamo_disable: Callable[[Callable[..., Any]], Callable[..., Any]] = getattr(
     torch, "_disable_dynamo", None) or (lambda fn: fn)
-"""``torch._disable_dynamo``: ``fn`` never traced, dynamo imported only
-when ``fn`` is first called; ``fn`` itself where torch lacks it."""
+"""``torch._disable_dynamo``, else ``fn`` itself."""
 
 
 def dynamo_disable(fn: Callable[..., Any], recursive: bool = True) -> Callable[..., Any]:
@@ -364,15 +337,13 @@ foreach_mul_: Callable[..., None] = _method(
 
 
 def init_optimizer_group(optimizer: Any, group: dict, lists: int) -> None:
-    """torch's own state creation for the group's parameters with a ``.grad``,
-    as its first step makes it (``lists`` empty lists)."""
+    """torch's own state creation, as its first step makes it."""
     _method(type(optimizer), "_init_group",
             "making optimizer state without a step")(optimizer, group, *[[] for _ in range(lists)])
 
 
 def replace_dcp_init_optim_state(replacement: Callable[[Any], None]) -> Optional[Callable[[Any], None]]:
-    """Make DCP's ``state_dict`` call ``replacement`` where it calls
-    ``_init_optim_state``; returns the replaced function (``None``: none)."""
+    """Replace DCP's ``_init_optim_state``; returns the old one."""
     module = importlib.import_module("torch.distributed.checkpoint.state_dict")
     original = getattr(module, "_init_optim_state", None)
     if original is not None:
@@ -381,16 +352,13 @@ def replace_dcp_init_optim_state(replacement: Callable[[Any], None]) -> Optional
 
 
 def is_lr_scheduler_step(step: Any) -> bool:
-    """Whether ``step`` is the wrapper an ``LRScheduler`` puts around
-    ``optimizer.step``."""
+    """Whether ``step`` is an ``LRScheduler``'s wrapper."""
     return bool(getattr(step, "_wrapped_by_lr_sched", False))
 
 
 def lr_scheduler_step(optimizer: Any, step: Callable[..., Any]) -> Callable[..., Any]:
-    """The wrapper an ``LRScheduler`` puts on ``optimizer.step``, around
-    ``step(optimizer, ...)``: it marks the optimizer stepped and carries the
-    scheduler's mark (so a later scheduler does not wrap again); holds the
-    optimizer weakly."""
+    """An ``LRScheduler``'s wrapper around ``step(optimizer, ...)``, holding
+    the optimizer weakly."""
     ref = weakref.ref(optimizer)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -403,14 +371,13 @@ def lr_scheduler_step(optimizer: Any, step: Callable[..., Any]) -> Callable[...,
 
 
 def view_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
-    """The tensor ``tensor`` is a view of (``None``: not a view)."""
+    """``tensor``'s base (``None``: not a view)."""
     return tensor._base
 
 
 # --- overrides
 def require_override(owner: type, name: str, purpose: str) -> None:
-    """Check that ``owner`` still has the method ``name`` a package class
-    overrides (a rename would skip the override silently)."""
+    """``owner`` still has the method ``name`` a package class overrides."""
     if not callable(getattr(owner, name, None)):
         raise TorchFeatureMissing(_message(f"{owner.__module__}.{owner.__qualname__}.{name}",
                                            purpose, None))

@@ -1,14 +1,10 @@
-"""One flat buffer: the storage and views of a group of parameters (gradients in
-``flat_grad.py``, module attributes in ``param_slots.py``).
+"""One flat buffer: the storage and views of a group of parameters.
 
 [Note: storage and autograd]
-The unsharded flat buffer is a leaf tensor that lives as long as the unit; resharding resizes
-its *storage* to zero bytes and unsharding resizes it back and all-gathers into it, so the
-views autograd saved stay valid, hold no memory while sharded, and read correct values once
-backward unshards. The all-gather restores the same values, so the version counter is put back
-after it. The views' node is rebuilt at every recorded forward: the engine runs ready nodes
-newest first, so a node built once would fire the post-backward hook only at the end of
-backward.
+The unsharded buffer is a leaf tensor; reshard resizes its *storage* to 0 bytes and unshard
+gathers into it again, so views autograd saved stay valid and hold no memory while sharded.
+The views' node is rebuilt every recorded forward: one built once would fire the
+post-backward hook only at the end of backward.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from ..comm.groups import ShardGroup
 from ..comm.wire import EXACT, Wire, policy_wire
 from .flat_grad import FlatGradient
 from .layout import OWNED, FlatLayout, ShardSlice
-from .param_slots import ParamSlots
-from .param_views import (Strided, ViewPlan, called_weakly, split_into_params, split_plan,
-                          strided_view)
+from .param_views import (ParamSlots, Strided, ViewPlan, called_weakly, split_into_params,
+                          split_plan, strided_view)
 from .records import BufferPolicy, ParamRecord, buffer_layout, is_aliased, resolve_dtypes
 from .staging import StagingPool
 from .tensor_parallel import as_dtensor
@@ -41,18 +36,9 @@ class _PostForwardCopy(NamedTuple):
 
 
 class FlatBuffer:
-    """Sharded storage plus unsharded working buffer for a list of parameters.
-
-    Invariants (``S`` = ``layout.shard_numel``):
-
-    - ``sharded`` (``S`` elements, the parameters' dtype, on ``storage_device``) is the only
-      persistent storage of the values; between iterations each parameter's ``.data`` is its
-      :meth:`local_view` (rows ``(rows_here, *rest)`` under the default placement, 1-D under
-      ``"flat"``);
-    - ``unsharded`` (``compute_dtype``) has storage only while ``is_unsharded``, unless
-      ``aliased`` or ``keeps_unsharded_storage``;
-    - the module attributes hold the originals while sharded, the unsharded views while
-      unsharded."""
+    """Invariants: ``sharded`` is the only persistent storage of the values (each ``.data``
+    its :meth:`local_view`); ``unsharded`` has storage only while ``is_unsharded``, unless
+    ``aliased`` or ``keeps_unsharded_storage``."""
 
     __slots__ = ('aliased', 'compute_device', 'compute_dtype', 'dtype', 'is_gathering', 'grad', 'group', 'is_meta', 'is_unsharded', 'keeps_unsharded_storage',
                  'layout', 'pin_memory', 'policy', 'records', 'reduce_comm_dtype',
@@ -114,15 +100,13 @@ class FlatBuffer:
         self._alias_versions: Optional[tuple[int, ...]]
         self.is_unsharded: bool = False
         self.is_gathering: bool = False
-        """An all-gather into ``unsharded`` is in flight (from :meth:`prepare_unshard` to
-        :meth:`complete_gather`)."""
+        """From :meth:`prepare_unshard` to :meth:`complete_gather`."""
         self.staging: Optional[StagingPool] = None
         self.keeps_unsharded_storage: bool = False
-        """Reshard keeps the unsharded memory for the next unshard
-        (``set_keep_unsharded_storage``)."""
+        """``set_keep_unsharded_storage``."""
         self._post_forward: Optional[_PostForwardCopy] = None
         self._versions_at_unshard: tuple[int, ...] = ()
-        """The parameters' versions at the unshard (a step bumps them)."""
+        """The parameters' versions at the unshard."""
         self._grad_receivers: tuple[bool, ...] = tuple(
             bool(s.length) or self.grad_where_empty(i) for i, s in enumerate(self._slices))
         self.grad: FlatGradient = FlatGradient(self)
@@ -146,8 +130,7 @@ class FlatBuffer:
         return shard
 
     def local_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index``'s piece of ``flat`` (laid out like the shard) in its local shape,
-        a view."""
+        """A view in its local shape."""
         if flat.stride(0) == 1:
             size, stride, offset = self._local_strided[index]
             return flat.as_strided(size, stride, flat.storage_offset() + offset)
@@ -171,8 +154,7 @@ class FlatBuffer:
         return self._grad_receivers
 
     def grad_where_empty(self, index: int) -> bool:
-        """A rank holding none of parameter ``index`` gets an empty ``.grad``, except under
-        ``"owned"`` ([Note: used parameters])."""
+        """[Note: used parameters]."""
         return self.layout.placements[index] != OWNED
 
     def _storage_device(self) -> torch.device:
@@ -183,8 +165,7 @@ class FlatBuffer:
                 and self.compute_device.type != "cpu")
 
     def _install(self, sharded: torch.Tensor) -> None:
-        """Make ``sharded`` the values' storage and rebuild what derives from it; every ``.data``
-        becomes its slice."""
+        """Every ``.data`` becomes its slice."""
         dtypes = resolve_dtypes(sharded.dtype, self.policy)
         self.dtype, self.compute_dtype = dtypes.param, dtypes.compute
         self.reduce_dtype, self.reduce_comm_dtype = dtypes.reduce, dtypes.reduce_comm
@@ -199,12 +180,12 @@ class FlatBuffer:
         self.aliased = is_aliased(self.group.world_size, dtypes,
                                   self.storage_device == self.compute_device)
         self.reshard_frees_nothing: bool = self.aliased and not self._has_copies
-        """Aliased without assembled copies: a reshard frees nothing (``runtime/unit_paths.py``)."""
+        """A reshard frees nothing."""
         if self.is_meta:
             self.unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype,
                                          device="meta", requires_grad=self.requires_grad)
             self._derive_views(sharded)
-        elif self.aliased:  # the shard's own storage, never freed
+        elif self.aliased:
             self.unsharded = torch.empty(0, dtype=self.dtype, device=self.compute_device)
             with torch.no_grad():
                 self.unsharded.set_(sharded.untyped_storage(), 0, (self.layout.padded_numel,),
@@ -222,7 +203,7 @@ class FlatBuffer:
             record.param.data = view
 
     def _derive_views(self, sharded: torch.Tensor) -> None:
-        """The hook and the views of a new ``unsharded``, built while its storage is whole."""
+        """Built while the storage is whole."""
         self._grad_hook_registered = False
         self._register_grad_hook()
         self._sharded_views = [self.local_view(sharded, i) for i in range(len(self.records))]
@@ -233,8 +214,7 @@ class FlatBuffer:
         self.slots.set_views(self._build_unsharded_views())
 
     def add_slot(self, index: int, module: nn.Module, name: str) -> None:
-        """Register parameter ``index`` also as ``module.<name>`` (a tied weight,
-        ``runtime/tied.py``). Pre-condition: sharded."""
+        """Parameter ``index`` is ``module.<name>`` too. Pre-condition: sharded."""
         if self.is_unsharded or module._parameters.get(name) is not self.records[index].param:
             raise AssertionError(f"[rank {self.group.rank}] add_slot needs a sharded buffer "
                                  f"and the original parameter in '{name}'")
@@ -243,15 +223,13 @@ class FlatBuffer:
     def _register_grad_hook(self) -> None:
         if self.requires_grad and not self._grad_hook_registered and \
                 self._post_accumulate_grad is not None:
-            # Weak: the garbage collector cannot see C++ hook lists.
+            # weak: C++ hook lists
             self.unsharded.register_post_accumulate_grad_hook(
                 called_weakly(self._post_accumulate_grad, weakref.ref(self)))
             self._grad_hook_registered = True
 
     def _build_unsharded_views(self) -> list[torch.Tensor]:
-        """Per-parameter views of ``unsharded`` made by one autograd node ([Note: one backward
-        node per buffer]); a ``ShardDim`` parameter's is an assembled copy ([Note: assembled
-        copies])."""
+        """[Note: one backward node per buffer], [Note: assembled copies]."""
         if self.requires_grad:
             if torch.is_grad_enabled():
                 views = self._differentiable_views()
@@ -275,7 +253,7 @@ class FlatBuffer:
         return list(views)
 
     def check_params_unmodified(self) -> None:
-        """Raise if forward changed a parameter in place ([Note: parameter aliases made once])."""
+        """Raise if forward changed a parameter in place."""
         recorded, self._alias_versions = self._alias_versions, None
         if recorded is None or tuple(alias._version for alias in self._aliases) == recorded:
             return
@@ -294,8 +272,7 @@ class FlatBuffer:
             self._before_flat_gradient(self)
 
     def start_recorded_forward(self) -> bool:
-        """A recorded forward starts: follow ``requires_grad`` and make new views. Returns
-        ``requires_grad``."""
+        """New views for a recorded forward; returns ``requires_grad``."""
         if tuple(param.requires_grad for param in self._params) == self._param_requires_grad:
             self.grad.saw_forward = True
         else:
@@ -304,7 +281,7 @@ class FlatBuffer:
             return False
         aliases = self._aliases
         if aliases is not None and not self._has_tp and all(self._param_requires_grad):
-            # the attributes hold the aliases already: only the node is new
+            # only the node is new
             split_into_params(self.unsharded, self._view_plan, self._param_requires_grad,
                               self._on_backward, aliases)
             self._alias_versions = tuple(alias._version for alias in aliases)
@@ -329,9 +306,7 @@ class FlatBuffer:
             self.use_unsharded_views()
 
     def rebuild_after_conversion(self) -> bool:
-        """After ``module.to(dtype)`` / ``_apply``: rebuild the storage from the converted
-        parameters and point them and their ``.grad`` back into it. Returns whether anything
-        changed. Pre-condition: sharded."""
+        """After ``_apply``; whether anything changed. Pre-condition: sharded."""
         params = [r.param for r in self.records]
         if all(p.dtype == self.dtype and p.device == self.storage_device
                and (v.numel() == 0 or p.data_ptr() == v.data_ptr())
@@ -340,7 +315,7 @@ class FlatBuffer:
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if self.is_meta and len(devices) == 1 and torch.device("meta") not in devices:
-            devices = {self._storage_device()}  # materialised (to_empty): the policy's place
+            devices = {self._storage_device()}  # materialised
         if len(dtypes) > 1 or devices != {self.storage_device} and not self.is_meta or \
                 len(devices) > 1:
             described = ", ".join(f"'{r.fqn}': {r.param.dtype} on {r.param.device}"
@@ -357,7 +332,7 @@ class FlatBuffer:
         grad = None
         if any(g is not None for g in grads):
             grad = torch.zeros_like(shard)
-        # Leaving meta the parameters hold uninitialised memory: keep the zeros, so replicas agree.
+        # Leaving meta: keep the zeros, so replicas agree.
         leaving_meta = self.is_meta
         for index, (param, g, s) in enumerate(zip(params, grads, self._slices)):
             if s.length and device.type != "meta" and not leaving_meta:
@@ -373,18 +348,15 @@ class FlatBuffer:
 
     def prepare_unshard(self, coalescable: bool = False, defer_storage: bool = False
                         ) -> Optional[tuple[torch.Tensor, ShardGroup]]:
-        """Before an all-gather: give the unsharded storage memory (unless ``defer_storage``, for
-        a bucket) and return what to gather over which group (``None``: nothing;
-        ``coalescable``: only a plain gather). The queue then calls :meth:`complete_gather`.
-        Pre-condition: not ``aliased``."""
+        """What to gather over which group (``None``: nothing). Pre-condition: not ``aliased``."""
         if self.is_gathering:
             return None
         if coalescable and self._post_forward is not None:
             return None
         if self.is_unsharded:
             if not self.is_stale:
-                return None  # an earlier pre-forward or unshard() got here first
-            # Kept unsharded across an optimizer step: gather the new values.
+                return None  # already unsharded
+            # kept across an optimizer step: gather again
             self.reshard()
         if not defer_storage:
             self.allocate_unsharded()
@@ -397,8 +369,7 @@ class FlatBuffer:
         return shard, group
 
     def unshard_in_place(self) -> None:
-        """An aliased buffer's unshard: only the views switch. Pre-condition: ``aliased``, not
-        ``is_unsharded``."""
+        """Pre-condition: ``aliased``, sharded."""
         self.is_unsharded = True
         self.slots.swap_in_views()
 
@@ -431,8 +402,7 @@ class FlatBuffer:
         return self.sharded.to(self.compute_device, self.compute_dtype, non_blocking=True)
 
     def complete_gather(self, version: int) -> None:
-        """The all-gather completed (``version``: the buffer's version before it): switch to the
-        unsharded views."""
+        """``version``: before the all-gather."""
         unsafe_set_version_counter((self.unsharded,), (version,))
         self.is_gathering = False
         self.is_unsharded = True
@@ -457,7 +427,7 @@ class FlatBuffer:
         return tuple(r.param._version for r in self.records)
 
     def refresh_views(self) -> None:
-        """New views (a new node) for a recorded forward. Pre-condition: unsharded, grad mode on."""
+        """Pre-condition: unsharded, grad mode on."""
         self.slots.set_views(self._build_unsharded_views())
         self.use_unsharded_views()
 
@@ -465,16 +435,14 @@ class FlatBuffer:
         self.slots.put_views()
 
     def reshard(self, keep_for_backward: Optional[ShardGroup] = None) -> None:
-        """Restore the original parameters and free the unsharded storage; with
-        ``keep_for_backward`` (``k`` ranks), first keep this rank's ``1/k`` for the next
-        unshard. Pre-condition: no all-gather in flight."""
+        """Originals back, storage freed. Pre-condition: no all-gather in flight."""
         if self.is_gathering:
             raise AssertionError(f"[rank {self.group.rank}] resharding a buffer of "
                                  f"'{self.records[0].fqn}' while its all-gather is in flight")
         if not self.is_unsharded:
             return
         if keep_for_backward is not None:
-            if self.unsharded.untyped_storage().nbytes() == 0:  # released: read the copies back
+            if self.unsharded.untyped_storage().nbytes() == 0:  # released
                 self.allocate_unsharded()
                 self._view_plan.unfill_copies(self.unsharded)
             size = self.layout.padded_numel // keep_for_backward.world_size

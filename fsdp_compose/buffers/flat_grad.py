@@ -1,47 +1,47 @@
-"""The gradient side of one flat buffer (its ``owner``): accumulation, folding the reduced chunk
-into the sharded gradient, publishing it to the parameters. ``S`` =
-``owner.layout.shard_numel``.
+"""The gradient side of one flat buffer (its ``owner``): accumulation, folding, publication.
+``S`` = ``owner.layout.shard_numel``.
 
 [Note: the states of a flat gradient]
-A reduction goes unreduced (``owner.unsharded.grad``, or ``_accumulated`` in ``reduce_dtype``
-so micro-batches are not summed in bf16) -> reducing (``is_reducing``, in the queue's hands)
--> unpublished (``_unpublished``, ``S`` elements in the parameters' dtype). The published
-gradient lives beside the next backward's: *published* (``_published``, what the ``.grad``
-views point into), *kept* (``_kept``, [Note: the kept sharded gradient]) or *released* (kept,
-0 bytes). :meth:`FlatGradient.assert_consistent` checks them.
+Unreduced (``owner.unsharded.grad`` or ``_accumulated``) -> reducing -> unpublished (``S``
+elements) -> *published* (the ``.grad`` views' base), *kept* or *released* (0 bytes).
+:meth:`FlatGradient.assert_consistent` checks them.
 
 [Note: used parameters]
-As in one process, a parameter unused since the gradients were cleared keeps ``.grad is None``
-(weight decay and momentum skip it). Used is the union over ranks (publication all-reduces the
-flags once per backward), and a used parameter gets a ``.grad`` on every rank, empty where the
-rank holds none of it, so every optimizer holds the same state; under ``"owned"`` a non-owner
-keeps ``None``.
+As in one process, a parameter unused since the gradients were cleared keeps ``.grad is None``.
+Used is the union over ranks, so every optimizer holds the same state (under ``"owned"`` a
+non-owner keeps ``None``).
 
 [Note: reading .grad at publication]
-A reduction adds to what the ``.grad`` hold. Where the published gradient died
-(``set_to_none=True``) the only ``.grad`` left are tensors the user assigned, so publication,
-which writes every ``.grad`` anyway, adds them, rather than each reduction reading them.
+After ``set_to_none=True`` the only ``.grad`` left are the user's: publication adds them,
+rather than each reduction reading them.
+
+[Note: the kept sharded gradient]
+The ``.grad`` views and the sharded gradient are kept across steps and written into while
+nobody outside holds them (:meth:`KeptGradient.holders`); a free one is *released* after
+``zero_grad`` or at the root's pre-forward. Only where ``CAN_COUNT_USES``, not pinned.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
-from typing import NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 
-from .._torch_private import CAN_COUNT_USES
+from .._torch_private import (CAN_COUNT_USES, CAN_SWAP_STORAGE_DATA, storage_key,
+                              storage_key_use_count, storage_use_count, swap_storage_data,
+                              tensor_use_count)
 from ..comm.collectives import finish_scaling
 from ..comm.groups import ShardGroup
-from .kept_gradient import KeptGradient
 from .layout import FlatLayout, ShardSlice
 from .reduce_subset import ReduceSubset, SubsetPlans
 from .records import ParamRecord
 
 
 class GradientOwner(Protocol):
-    """What a :class:`FlatGradient` reads of its buffer (a protocol: imports go one way)."""
+    """What a :class:`FlatGradient` reads of its buffer."""
 
     records: list[ParamRecord]
     group: ShardGroup
@@ -68,11 +68,11 @@ class GradientOwner(Protocol):
 
 
 class ReduceOptions(NamedTuple):
-    """How a unit's gradients are reduced across ranks.
+    """How a unit's gradients are reduced.
 
     Attributes:
-        divide_factor: the sum over ranks is divided by this (``None``: the number of ranks).
-        force_sum: only ``SUM`` collectives (divide locally afterwards)."""
+        divide_factor: divides the sum (``None``: the number of ranks).
+        force_sum: ``SUM`` collectives only."""
 
     divide_factor: Optional[float] = None
     force_sum: bool = False
@@ -90,13 +90,12 @@ class FlatGradient:
         self.owner: GradientOwner = owner
         count = len(owner.records)
         self.used: list[bool] = [False] * count
-        """Per parameter: a gradient reached its view since the last publication ([Note: used
-        parameters])."""
+        """Per parameter ([Note: used parameters])."""
         self._accumulated: Optional[torch.Tensor] = None
         self.is_reducing: bool = False
         self._unpublished: Optional[torch.Tensor] = None
         self._partial: Optional[torch.Tensor] = None
-        """``set_requires_all_reduce(False)``: outputs awaiting the replica all-reduce."""
+        """Outputs awaiting the replica all-reduce."""
         self._kept_unread: bool = False
         self._published: Optional[weakref.ref] = None
         self._keeps: bool = CAN_COUNT_USES
@@ -109,13 +108,13 @@ class FlatGradient:
         self._every_param_receives: bool = all(owner.grad_receivers)
         self._current_training: tuple[bool, ...] = tuple(r.param.requires_grad for r in owner.records)
         self._trained_before_change: Optional[tuple[bool, ...]] = None
-        """Flags of forwards since the last reduction under earlier flags (``None``: none)."""
+        """Earlier forwards' flags since the last reduction."""
         self.saw_forward: bool = False
         self._subsets: SubsetPlans = SubsetPlans(owner.layout, owner.group.rank)
         self._subset: Optional[ReduceSubset] = None
 
     def mark_used(self, param_grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Called by the views' backward; a ``None`` gradient means unused."""
+        """A ``None`` gradient means unused."""
         self.used = [was_used or grad is not None
                      for was_used, grad in zip(self.used, param_grads)]
 
@@ -124,7 +123,7 @@ class FlatGradient:
         return self.owner.unsharded.grad is not None or self._accumulated is not None
 
     def stash_unreduced(self) -> None:
-        """Backward without sync finished: keep its gradient for the next reduction."""
+        """Backward without sync."""
         owner = self.owner
         grad = owner.unsharded.grad
         if grad is None or owner.reduce_dtype == owner.compute_dtype:
@@ -151,9 +150,7 @@ class FlatGradient:
         self._accumulated = None
 
     def discard_iteration(self) -> None:
-        """Forget what an iteration that raised left: its reduction, the unreduced gradient, the
-        used flags; published ``.grad`` stays. Post-condition: nothing pending, unreduced or
-        unpublished."""
+        """An iteration raised. Post-condition: nothing pending; ``.grad`` stays."""
         self.is_reducing = False
         self._unpublished = None
         self._partial = None
@@ -163,8 +160,7 @@ class FlatGradient:
         self.used = [False] * len(self.used)
 
     def take_for_reduce(self) -> Optional[torch.Tensor]:
-        """Unreduced -> reducing: the flat gradient in the reduce-scatter's dtype (``None``: no
-        gradient reached the buffer). Pre-condition: no reduction in flight."""
+        """Unreduced -> reducing (``None``: no gradient). Pre-condition: none in flight."""
         owner = self.owner
         single = owner.group.world_size == 1
         training = self._current_training
@@ -180,8 +176,7 @@ class FlatGradient:
 
     def take_back(self, output: torch.Tensor, options: ReduceOptions,
                   partial: bool = False) -> None:
-        """Reducing -> unpublished (:meth:`fold`), or with ``partial`` kept for the next replica
-        all-reduce (:meth:`hold_partial`)."""
+        """Reducing -> unpublished, or with ``partial`` held for a replica all-reduce."""
         self.is_reducing = False
         if partial:
             self.hold_partial(output)
@@ -189,8 +184,7 @@ class FlatGradient:
             self.fold(output, options)
 
     def fold_unreduced(self, options: ReduceOptions) -> None:
-        """One rank and no replica: unreduced -> unpublished, without packing. Pre-condition: no
-        reduction in flight."""
+        """One rank: unreduced -> unpublished. Pre-condition: none in flight."""
         self._trained_before_change, self.saw_forward = None, False
         flat = self._take_unreduced(self.owner.reduce_dtype)
         if flat is not None:
@@ -201,8 +195,7 @@ class FlatGradient:
         return self.owner.layout.shard_numel if self._subset is None else self._subset.chunk
 
     def note_training(self, flags: Sequence[bool]) -> None:
-        """``requires_grad`` changed at a forward: the next reduction moves what trained at any
-        forward since the last."""
+        """``requires_grad`` changed at a forward."""
         if self.saw_forward:
             before = self._trained_before_change or self._current_training
             self._trained_before_change = tuple(
@@ -210,7 +203,7 @@ class FlatGradient:
         self._current_training = tuple(flags)
 
     def hold_partial(self, output: torch.Tensor) -> None:
-        """Add ``output`` to what waits for a later replica all-reduce."""
+        """Add to what awaits a replica all-reduce."""
         if self._subset is not None:
             output, self._subset = self._subset.spread(output), None
         if self._partial is None:
@@ -227,15 +220,14 @@ class FlatGradient:
         return output.add_(partial)
 
     def take_partial(self) -> Optional[torch.Tensor]:
-        """Partly reduced -> reducing: what :meth:`hold_partial` kept (``None``: nothing), for
-        its replica all-reduce."""
+        """Partly reduced -> reducing (``None``: nothing held)."""
         partial, self._partial = self._partial, None
         if partial is not None:
             self.is_reducing = True
         return partial
 
     def pending_unreduced(self) -> Optional[torch.Tensor]:
-        """The unreduced gradient as the next reduction reads it (not moved)."""
+        """The unreduced gradient, not moved."""
         grad = self.owner.unsharded.grad
         if self._accumulated is None:
             return grad
@@ -247,13 +239,12 @@ class FlatGradient:
         return self._partial
 
     def drop_pending(self) -> None:
-        """Forget the unreduced and partly reduced gradient. Pre-condition: no reduction in
-        flight."""
+        """Pre-condition: none in flight."""
         self.discard_unreduced()
         self._partial = None
 
     def fold(self, output: torch.Tensor, options: ReduceOptions) -> None:
-        """Add the reduced chunk, scaled, into the unpublished sharded gradient."""
+        """Add the reduced chunk, scaled."""
         owner = self.owner
         if output.dtype != owner.reduce_dtype:
             output = output.to(owner.reduce_dtype)
@@ -268,9 +259,9 @@ class FlatGradient:
                 self._unpublished = output
                 return
             if self.sharded_grad is not None:
-                base = self._kept_gradient()  # the .grad may view it: add now
+                base = self._kept_gradient()
                 if base is None:
-                    self._kept = None  # every .grad cleared but the user holds it: theirs now
+                    self._kept = None  # the user holds it
             else:
                 self._kept_unread = True  # see [Note: reading .grad at publication]
         if base is not None:
@@ -297,8 +288,7 @@ class FlatGradient:
         return grad
 
     def reduce_output(self, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-        """The kept gradient for the reduce-scatter to write into where it is free (``None``:
-        allocate)."""
+        """The kept gradient where free (``None``: allocate)."""
         kept = self._kept
         owner = self.owner
         if kept is None or self._unpublished is not None or self._subset is not None or \
@@ -307,7 +297,7 @@ class FlatGradient:
         return kept.reclaim()
 
     def release_if_free(self) -> None:
-        """Kept -> released where nobody holds it (``zero_grad``, the root's pre-forward)."""
+        """Kept -> released where nobody holds it."""
         kept = self._kept
         if kept is None or kept.released or self._unpublished is not None or \
                 self.is_reducing:
@@ -316,8 +306,7 @@ class FlatGradient:
             kept.release()
 
     def _kept_gradient(self) -> Optional[torch.Tensor]:
-        """The parameters' ``.grad`` as one sharded gradient (``None``: every owned ``.grad``
-        cleared)."""
+        """``None``: every ``.grad`` cleared."""
         owner = self.owner
         owned = self._owned
         if all(param.grad is None for param in self._owned_params):
@@ -350,9 +339,8 @@ class FlatGradient:
         return None if kept is None or kept.released else (kept.base, kept.views)
 
     def publish(self, used: Sequence[bool]) -> list[nn.Parameter]:
-        """Unpublished -> published or kept: each parameter used on some rank, or with a
-        ``.grad`` already, gets its slice as ``.grad``. Returns the used ones (their
-        post-accumulate-grad hooks are due). Pre-condition: no reduction in flight."""
+        """Unpublished -> published; returns the used parameters. Pre-condition: none in
+        flight."""
         grad, self._unpublished = self._unpublished, None
         self.used = [False] * len(self.used)
         if grad is None:
@@ -392,8 +380,7 @@ class FlatGradient:
         return fresh
 
     def assert_consistent(self) -> None:
-        """Assert [Note: the states of a flat gradient] of the current state (tests call it
-        between steps)."""
+        """Assert [Note: the states of a flat gradient]."""
         owner = self.owner
         rank = f"rank {owner.group.rank} of {owner.group.world_size}, {owner!r}"
         shard = owner.layout.shard_numel
@@ -432,8 +419,7 @@ class FlatGradient:
         assert len(self.used) == len(owner.records), f"{rank}: {len(self.used)} used flags"
 
     def attach(self, grad: Optional[torch.Tensor], has_grad: Sequence[bool]) -> None:
-        """Adopt ``grad`` as the published sharded gradient of the parameters flagged in
-        ``has_grad`` (e.g. after a dtype conversion)."""
+        """Adopt ``grad`` as published for the parameters in ``has_grad``."""
         self._unpublished = None
         self._kept_unread = False
         self._kept = None
@@ -452,3 +438,54 @@ def _owns_its_memory(tensor: torch.Tensor) -> bool:
 
 def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
+class KeptGradient:
+    """A sharded gradient and its ``.grad`` views. Invariant: ``baseline`` is
+    :meth:`holders` with no outside holder."""
+
+    __slots__ = ("base", "views", "storage", "key", "nbytes", "baseline", "released")
+
+    def __init__(self, base: torch.Tensor,
+                 make_views: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> None:
+        self.base: torch.Tensor = base
+        self.views: tuple[torch.Tensor, ...] = tuple(make_views(base))
+        self.storage: torch.UntypedStorage = base.untyped_storage()
+        self.key: int = storage_key(self.storage)
+        self.nbytes: int = self.storage.nbytes()
+        self.released: bool = False
+        self.baseline: int = 0
+        self.baseline = self.holders()
+
+    def holders(self) -> int:
+        """References to the views and their memory."""
+        views = self.views
+        return (storage_key_use_count(self.key) + sum(map(tensor_use_count, views))
+                + sum(map(sys.getrefcount, views)))
+
+    @property
+    def is_free(self) -> bool:
+        return self.released or self.holders() == self.baseline
+
+    def release(self) -> None:
+        """Pre-condition: :attr:`is_free`."""
+        self.storage.resize_(0)
+        self.released = True
+
+    def take_memory_of(self, tensor: torch.Tensor) -> bool:
+        """Take an unshared storage's memory without a copy; whether it did."""
+        if not CAN_SWAP_STORAGE_DATA or tensor.storage_offset():
+            return False
+        storage = tensor.untyped_storage()
+        if storage.nbytes() != self.nbytes or storage_use_count(storage) != 2:
+            return False
+        swap_storage_data(self.storage, storage)
+        self.released = False
+        return True
+
+    def reclaim(self) -> torch.Tensor:
+        """The base, its memory back. Pre-condition: :attr:`is_free`."""
+        if self.released:
+            self.storage.resize_(self.nbytes)
+            self.released = False
+        return self.base

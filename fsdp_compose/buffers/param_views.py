@@ -1,26 +1,19 @@
 """The per-parameter views of an unsharded flat buffer, as one autograd
-node, and the hooks autograd keeps of a buffer (:func:`called_weakly`: the
-node's call back and the post-accumulate-grad hook, which must not keep
-their owner alive: a strong reference back from a C++ hook list is a cycle
-the garbage collector cannot see, ``tests/core/test_model_lifetime.py``).
+node; the module attributes they go in (:class:`ParamSlots`); and the hooks
+autograd keeps of a buffer (:func:`called_weakly`).
 
 [Note: one backward node per buffer]
-Differentiable ``split`` + ``view`` would cost a node per parameter in every backward, host
-time the unsharded model does not pay. :class:`SplitIntoParams` makes the views in one custom
-node whose backward receives every parameter's gradient at once (``None``: unused, how the
-buffer learns which were used) and concatenates them into one flat gradient.
+:class:`SplitIntoParams` makes every view in one node (not one per parameter), whose backward
+gets every gradient (``None``: unused) and concatenates them.
 
 [Note: assembled copies]
-Parameters that are not one run of the buffer (``ShardDim``) are copied at every unshard into
-one storage of their own, freed at reshard like the unsharded storage, with outputs made once
-on it, so a saved copy holds no memory between reshard and backward's all-gather.
+Parameters that are not one run (``ShardDim``) are copied at every unshard into a storage
+freed at reshard, so a saved copy holds no memory until backward's all-gather.
 
 [Note: parameter aliases made once]
 Where every parameter is one run and all train, the outputs are made once
-(:meth:`ViewPlan.aliases`): tensors set on the unsharded storage, returned by each forward's
-node (views per forward would be the largest host cost of a unit's forward). Not being views,
-an in-place change would pass unnoticed, so the buffer checks their version counters after
-each forward.
+(:meth:`ViewPlan.aliases`) on the unsharded storage. Not being views, their version counters
+are checked after each forward.
 """
 
 from __future__ import annotations
@@ -29,9 +22,11 @@ import weakref
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 from .._torch_private import flatten_dense_tensors, functorch_transforms_active
 from .layout import FlatLayout
+from .records import ParamRecord
 
 class Strided(NamedTuple):
 
@@ -41,7 +36,7 @@ class Strided(NamedTuple):
 
 
 def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> Strided:
-    """The ``as_strided`` view of a run at ``offset`` holding a tensor of ``stored_shape``."""
+    """The ``as_strided`` view of a run at ``offset``."""
     meta = torch.empty(tuple(stored_shape), device="meta")
     if moved_dim:
         meta = meta.movedim(0, moved_dim)
@@ -49,7 +44,7 @@ def strided_view(stored_shape: Sequence[int], moved_dim: int, offset: int) -> St
 
 
 def split_plan(views: Sequence[Strided], numel: int) -> Optional[tuple[list[int], list[int]]]:
-    """Split sizes and each view's part when ``views`` are 1-D runs in order; else ``None``."""
+    """Split sizes when ``views`` are 1-D runs in order; else ``None``."""
     sizes: list[int] = []
     picks: list[int] = []
     position = 0
@@ -78,8 +73,7 @@ UsedCallback = Callable[[Sequence[Optional[torch.Tensor]]], None]
 
 
 class ViewPlan:
-    """How a flat buffer of ``layout`` is cut into its parameters' views and their gradients put
-    back together."""
+    """Views of a flat buffer, and their gradients joined."""
 
     __slots__ = ("split_sizes", "segment_params", "segment_param_starts", "param_segments",
                  "moved_dims", "contiguous", "max_padding", "_strided", "_stored_shapes",
@@ -104,14 +98,13 @@ class ViewPlan:
             strided_view(shape, d, segments[segs[0]].start if segs else 0) if len(segs) <= 1
             else None
             for shape, d, segs in zip(layout.stored_shapes, moved_dims, self.param_segments))
-        """Per parameter, its ``as_strided`` view (``None``: assembled from pieces)."""
+        """Per parameter (``None``: assembled)."""
         self._all_strided: Optional[tuple[Strided, ...]] = tuple(self._strided) \
             if all(s is not None for s in self._strided) else None
         self._direct_parts: Optional[tuple[tuple[int, int], ...]] = tuple(
             (param, length) for param, length in zip(self.segment_params, self.split_sizes)) \
             if all(self.contiguous) and not any(self.moved_dims) else None
-        """Per segment ``(parameter or -1, length)`` when every parameter is one run in its own
-        dim order."""
+        """Per segment ``(parameter or -1, length)``, when all are runs."""
         self._grads_in_order: bool = self._direct_parts is not None and \
             [param for param, _ in self._direct_parts] == list(range(len(layout.shapes))) and \
             len(layout.shapes) > 0
@@ -129,12 +122,11 @@ class ViewPlan:
             tuple(runs)
         self.copy_numel: int = position
         self.copies_only: bool = bool(runs) and len(runs) == len(self._strided)
-        """Every parameter is a copy: the gathered values are not read after the copies."""
+        """Every parameter is a copy."""
         self.copies: Optional[tuple[torch.Tensor, dict[int, torch.Tensor]]] = None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter of ``flat`` in its own shape: a view where contiguous, else an
-        assembled copy. Records no autograd history."""
+        """Each parameter in its shape (a view, else a copy); no autograd history."""
         base = flat.storage_offset()
         if self._all_strided is not None:
             as_strided = flat.as_strided
@@ -157,8 +149,7 @@ class ViewPlan:
         return out
 
     def aliases(self, flat: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
-        """Each parameter as a tensor set on ``flat``'s storage ([Note: parameter aliases made
-        once]); ``None`` unless every parameter is one run."""
+        """[Note: parameter aliases made once]; ``None`` unless all are runs."""
         if self._all_strided is None:
             return None
         storage, base = flat.untyped_storage(), flat.storage_offset()
@@ -167,7 +158,7 @@ class ViewPlan:
                          for size, stride, offset in self._all_strided)
 
     def make_copies(self, flat: torch.Tensor) -> None:
-        """Set :attr:`copies` ([Note: assembled copies]): an empty storage and the outputs on it."""
+        """Set :attr:`copies` ([Note: assembled copies])."""
         if not self._copy_runs:
             return
         with torch.no_grad():
@@ -214,8 +205,7 @@ class ViewPlan:
 
     def flat_gradient(self, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-        """The flat gradient from each parameter's gradient (``None``: zeros), in one
-        concatenation."""
+        """One concatenation (``None``: zeros)."""
         if self._direct_parts is not None and all(grad is not None for grad in grads):
             if self._grads_in_order:
                 return flatten_dense_tensors(grads)
@@ -243,8 +233,8 @@ class ViewPlan:
 
 
 class SplitIntoParams(torch.autograd.Function):
-    """``flat`` -> one output per parameter ([Note: one backward node per buffer]), a new node at
-    every recorded forward ([Note: storage and autograd] in ``flat_buffer.py``)."""
+    """[Note: one backward node per buffer]; a new node per recorded forward ([Note: storage
+    and autograd] in ``flat_buffer.py``)."""
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, plan: ViewPlan,  # type: ignore[override]
@@ -257,7 +247,7 @@ class SplitIntoParams(torch.autograd.Function):
             return aliases
         views = plan.views(flat)
         if not all(trainable):
-            # detached: a view of a buffer that requires grad would too
+            # detached
             views = [v if t else v.detach() for v, t in zip(views, trainable)]
             ctx.mark_non_differentiable(*(v for v, t in zip(views, trainable) if not t))
         return tuple(views)
@@ -275,8 +265,7 @@ _apply_unwrapped = super(torch.autograd.Function, SplitIntoParams).apply
 def split_into_params(flat: torch.Tensor, plan: ViewPlan, trainable: Sequence[bool],
                       on_backward: UsedCallback,
                       aliases: Optional[tuple[torch.Tensor, ...]] = None) -> tuple[torch.Tensor, ...]:
-    """One output per parameter; ``aliases``: :meth:`ViewPlan.aliases` to return instead of new
-    views."""
+    """One output per parameter, or ``aliases``."""
     if functorch_transforms_active():
         return SplitIntoParams.apply(flat, plan, trainable, on_backward)
     return _apply_unwrapped(flat, plan, trainable, on_backward, aliases)
@@ -291,7 +280,7 @@ _CACHED_PADDING = 1 << 16
 def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if count > _CACHED_PADDING:
         return torch.zeros(count, dtype=dtype, device=device)
-    # per stream: zeros filled on one stream are read unordered from another
+    # per stream: reads are unordered across streams
     key = (dtype, device) if device.type == "cpu" else \
         (dtype, device, torch.accelerator.current_stream(device))
     zeros = _PADDING.get(key)
@@ -303,12 +292,8 @@ def _padding(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def called_weakly(fn: Callable[[Any], Any],
                    bound: Optional[Callable[[], Any]] = None) -> Callable[[Any], Any]:
-    """``fn`` (a bound method: held weakly), called with the same argument
-    while its object lives and the argument is not ``None``; with ``bound``
-    (a weak reference), called with ``bound()`` instead. For hooks autograd
-    stores in C++, where a strong reference back makes a cycle Python cannot
-    collect. (A weak reference and the plain function: one Python call per
-    hook, where ``WeakMethod`` adds one.)"""
+    """``fn``, its object held weakly (hooks in C++ make uncollectable
+    cycles); with ``bound``, called with ``bound()``."""
     owner = getattr(fn, "__self__", None)
     ref, function = (weakref.ref(owner), getattr(fn, "__func__")) if owner is not None else \
         ((lambda: _NO_OWNER), (lambda _owner, arg: fn(arg)))
@@ -324,4 +309,81 @@ def called_weakly(fn: Callable[[Any], Any],
     return call
 
 
-_NO_OWNER = object()  # what a plain function's (strong) "owner" reference returns
+_NO_OWNER = object()  # a plain function's "owner"
+
+
+ModuleSlots = tuple[tuple[dict, dict], ...]
+"""``(module._parameters, {name: value})`` per module."""
+
+
+class ParamSlots:
+    """Every ``(module._parameters, name)`` a buffer's parameters are registered under."""
+
+    __slots__ = ("records", "originals", "views_by_module", "_slots", "_dicts", "_names",
+                 "_held", "_views")
+
+    def __init__(self, records: Sequence[ParamRecord]) -> None:
+        self.records: Sequence[ParamRecord] = records
+        self.views_by_module: ModuleSlots = ()
+        self._views: Sequence[torch.Tensor] = ()
+        self._index()
+
+    def _index(self) -> None:
+        records = self.records
+        self._slots: tuple[tuple[dict, str, int], ...] = tuple(
+            (module._parameters, name, index)
+            for index, record in enumerate(records) for module, name in record.slots)
+        self.originals: ModuleSlots = self._by_module([r.param for r in records])
+        self._dicts: tuple[dict, ...] = tuple(parameters for parameters, _, _ in self._slots)
+        self._names: tuple[str, ...] = tuple(name for _, name, _ in self._slots)
+        self._held: tuple[nn.Parameter, ...] = tuple(
+            records[index].param for _, _, index in self._slots)
+        if self._views:
+            self.views_by_module = self._by_module(self._views)
+
+    def add(self, index: int, module: nn.Module, name: str) -> None:
+        """Parameter ``index`` is ``module.<name>`` too (tied)."""
+        self.records[index].slots.append((module, name))
+        self._index()
+
+    def _by_module(self, values: Sequence[object]) -> ModuleSlots:
+        by_module: dict[int, tuple[dict, dict]] = {}
+        for parameters, name, index in self._slots:
+            by_module.setdefault(id(parameters), (parameters, {}))[1][name] = values[index]
+        return tuple(by_module.values())
+
+    def set_views(self, views: Sequence[torch.Tensor]) -> None:
+        self._views = views
+        self.views_by_module = self._by_module(views)
+
+    def swap_in_views(self) -> None:
+        """Sharded -> unsharded. Raises if a slot holds another ``nn.Parameter``."""
+        for parameters, name, original in zip(self._dicts, self._names, self._held):
+            if parameters.get(name) is not original:
+                self._check_not_replaced()
+                break
+        self.put_views()
+
+    def put_views(self) -> None:
+        for parameters, views in self.views_by_module:
+            parameters.update(views)
+
+    def put_originals(self) -> None:
+        for parameters, originals in self.originals:
+            parameters.update(originals)
+
+    def _check_not_replaced(self) -> None:
+        """Raise naming the replaced parameter."""
+        for parameters, name, index in self._slots:
+            held = parameters.get(name)
+            record = self.records[index]
+            if held is record.param or not isinstance(held, nn.Parameter):
+                continue
+            module = next(m for m, attr in record.slots
+                          if m._parameters is parameters and attr == name)
+            raise RuntimeError(
+                f"parameter '{record.fqn}' (attribute '{name}' of {type(module).__name__}) was "
+                "replaced after fully_shard annotated it, by a write into _parameters; "
+                "fully_shard does not manage the new one, and would put the original back over "
+                "it at the next reshard. Register parameters before calling fully_shard; to give "
+                "a parameter new values, load them with model.load_state_dict().")

@@ -1,21 +1,15 @@
-"""Reusing the memory of unsharded buffers on the CPU: freeing a large buffer and allocating it
-again makes the allocator return its pages to the kernel and fault them in again, every unit
-and step. A :class:`StagingPool` keeps released memory by size and lends it again by swapping
-the storage's data pointer (autograd's saved views stay valid); emptied at the end of each
-iteration unless ``retain_staging``.
+"""Reusing unsharded buffers' memory on the CPU: a :class:`StagingPool` keeps released memory
+by size and lends it by swapping the storage's data pointer (saved views stay valid).
 
 [Note: releasing what no fill will take]
-Each iteration is expected to fill each size as often as the most of the last :data:`HISTORY`;
-once it did, that size's pooled memory is freed, so nothing waits through the step's peak. A
-wrong guess costs speed, never values.
+Once an iteration filled a size as often as the most of the last :data:`HISTORY`, that size's
+pooled memory is freed.
 
 [Note: the pool across the end of forward]
-The end of the root's forward, where activations peak, frees the pool (not under
-``retain_staging``).
+The end of the root's forward frees the pool (unless ``retain_staging``).
 
 [Note: staging and memory trackers]
-Memory trackers do not see pointer swaps, so a drain ends with ``resize_(0)`` and pooled
-memory is held in ``uint8`` tensors made by dispatched ops.
+Trackers do not see pointer swaps: a drain ends with ``resize_(0)``.
 """
 
 from __future__ import annotations
@@ -31,13 +25,12 @@ HISTORY = 4
 
 
 class StagingPool:
-    """Released storages by size. Invariant: each pooled storage holds exactly its key's bytes,
-    and the pool at most the iteration's peak unsharded working set."""
+    """Released storages by size. Invariant: each holds exactly its key's bytes."""
 
     def __init__(self) -> None:
         self.enabled: bool = CAN_SWAP_STORAGE_DATA
         self._free: dict[int, list[torch.Tensor]] = {}
-        """Size in bytes -> pooled ``uint8`` tensors ([Note: staging and memory trackers])."""
+        """Bytes -> pooled tensors."""
         self._fills: Counter[int] = Counter()
         self._history: deque[Counter[int]] = deque(maxlen=HISTORY)
         self._expected: Optional[Counter[int]] = None
@@ -56,14 +49,14 @@ class StagingPool:
             storage.resize_(nbytes)
         self._fills[nbytes] += 1
         if not self._wanted(nbytes):
-            self._free.pop(nbytes, None)  # the iteration's last fill of this size
+            self._free.pop(nbytes, None)  # its last fill
 
     def drain(self, storage: torch.UntypedStorage) -> None:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
         if not self.enabled or not self._wanted(nbytes):
-            storage.resize_(0)  # no fill will take it this iteration
+            storage.resize_(0)
             return
         shell = torch.UntypedStorage(0, device=storage.device)
         swap_storage_data(shell, storage)
@@ -72,7 +65,7 @@ class StagingPool:
         self._free.setdefault(nbytes, []).append(kept)
 
     def _wanted(self, nbytes: int) -> bool:
-        if self._expected is None:  # no history: none in the first iteration, all after
+        if self._expected is None:  # no history yet
             return not self._first_iteration
         return self._fills[nbytes] < self._expected[nbytes]
 
@@ -80,11 +73,11 @@ class StagingPool:
         self._free.clear()
 
     def keep(self) -> None:
-        """End of an iteration under ``retain_staging``: keep what is pooled."""
+        """End of an iteration under ``retain_staging``."""
         self._first_iteration = False
 
     def clear(self) -> None:
-        """End of an iteration: free the pool and remember each size's fills."""
+        """End of an iteration: free the pool."""
         self._first_iteration = False
         self._free.clear()
         if self._fills:

@@ -1,23 +1,14 @@
-"""Rank divergence: detect ranks whose collectives belong to different units.
+"""Detect ranks whose collectives belong to different units.
 
 [Note: rank divergence]
-Collectives pair across ranks by issue order, not by unit: rank-dependent
-control flow (a unit skipped or reordered on one rank) pairs one unit's
-collective with another's, and the ranks hang or silently mix values. Two
-checks watch the data collectives issued, in issue order:
-
-* **Verification**: before every data collective, one tiny all-gather of
-  what each rank is about to issue (after the root's forward, of its
-  forward order and grad mode); a mismatch raises on every rank before the
-  data collective. On until the ranks agree at the end of two last
-  backwards, always with ``set_check_rank_divergence(True)`` or
-  ``FSDP_COMPOSE_CHECK_ORDER=1``; the window closes only where the ranks
-  have just agreed (never on one rank's own count).
-* **Fingerprint** (always on): a rolling hash per process group, appended
-  as 8 bytes and their complements to the used flags that
-  ``publish_gradients`` all-reduces with MAX (a byte and its complement sum
-  to 255 iff every rank had it). A changed number of collectives stalls a
-  wait instead, which consults the flight log ([Note: flight log]).
+Collectives pair by issue order, not by unit, so rank-dependent control
+flow makes ranks hang or mix values. *Verification* all-gathers what each
+rank is about to issue before every data collective, until the ranks
+agree at the end of two last backwards (or always, with
+``set_check_rank_divergence(True)``). The *fingerprint* (always on), a
+rolling hash per group, rides on the used flags' MAX all-reduce as bytes
+and their complements (summing to 255 iff every rank had it). A changed
+count of collectives stalls a wait instead ([Note: flight log]).
 """
 
 from __future__ import annotations
@@ -43,7 +34,7 @@ VERIFICATION_ITERATIONS = 2
 """Last backwards the ranks agree on before verification stops."""
 VERIFICATION_FORWARD_LIMIT = 8
 """Root forwards without gradients verified by default."""
-_LOG_LIMIT = 4096  # entries kept per comparison window, for the error message
+_LOG_LIMIT = 4096  # per window
 _MASK = (1 << 64) - 1
 _FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 
@@ -55,7 +46,7 @@ class Kind(IntEnum):
     REDUCE_SCATTER = 1
     END_OF_BACKWARD = 2
     FORWARD = 3
-    """A unit's place in the root's forward order (no collective)."""
+    """A unit's place in the forward order."""
 
 
 class Phase(IntEnum):
@@ -68,14 +59,14 @@ class Phase(IntEnum):
 _KIND_TEXT = {Kind.ALL_GATHER: "all-gather", Kind.REDUCE_SCATTER: "reduce-scatter",
               Kind.END_OF_BACKWARD: "end of backward", Kind.FORWARD: "forward"}
 FINGERPRINT_BYTES = 16
-"""Bytes appended to one group's used flags (8 of the hash, 8 complements)."""
+"""Bytes appended to one group's used flags."""
 
 
 class Collective(NamedTuple):
 
     kind: Kind
-    unit: int  # position of the unit in the root's state list
-    buffer: int  # index of the flat buffer in its unit
+    unit: int  # in the root's state list
+    buffer: int  # in its unit
     phase: Phase
 
     @property
@@ -99,13 +90,8 @@ def _decode(code: int) -> Collective:
 
 
 class DivergenceMonitor(CollectiveObserver):
-    """Records the unit collectives of one model and checks that every rank
-    issues the same ones ([Note: rank divergence]); the model's
-    ``CollectiveObserver``, bound to the units at the root's lazy init.
-
-    Invariant: ``_fingerprints`` and ``_logs`` hold exactly the collectives
-    issued on a process group since its last comparison, in issue order.
-    """
+    """The model's ``CollectiveObserver``. Invariant: ``_fingerprints`` and
+    ``_logs`` hold a group's collectives since its last comparison."""
 
     def __init__(self) -> None:
         self._settings: ModelSettings = ModelSettings()
@@ -116,7 +102,6 @@ class DivergenceMonitor(CollectiveObserver):
         self.backwards: int = 0
         self._agreement: Optional[ForwardAgreement] = None
         self._since_agreement: int = _FNV_OFFSET
-        """Rolling hash of every collective since the last forward agreement."""
         self._units: list[ObservedUnit] = []
         self._groups: list[ShardGroup] = []
         self._communicates: bool = False
@@ -131,7 +116,7 @@ class DivergenceMonitor(CollectiveObserver):
         """id(process group) -> its ring in :attr:`flight`."""
 
     def bind(self, units: Sequence[ObservedUnit], settings: ModelSettings) -> None:
-        """Number the units (root's state list order, equal on every rank)."""
+        """Number the units."""
         self._settings = settings
         self._units = list(units)
         self._index = {id(unit): u for u, unit in enumerate(units)}
@@ -145,8 +130,7 @@ class DivergenceMonitor(CollectiveObserver):
         self._communicates = any(group.world_size > 1 for group in self._groups)
 
     def start_iteration(self) -> None:
-        """At the root's pre-forward: meet ([Note: forward agreement]), then
-        decide whether this iteration verifies."""
+        """The root's pre-forward ([Note: forward agreement])."""
         self.iterations += 1
         if self._agreement is not None and self._settings.check_rank_divergence is not False:
             row = [int(torch.is_grad_enabled()), self.iterations, self.backwards,
@@ -156,7 +140,7 @@ class DivergenceMonitor(CollectiveObserver):
         self.verifying = self._should_verify()
 
     def _training_modes(self) -> int:
-        """Bit ``u``: unit ``u``'s module is training (unit 0: the root)."""
+        """Bit ``u``: unit ``u`` trains."""
         modes = 0
         for u, unit in enumerate(self._units[:MODE_BITS]):
             if unit.modules[0].training:
@@ -176,7 +160,7 @@ class DivergenceMonitor(CollectiveObserver):
         return window or os.environ.get(CHECK_ENV, "0") not in ("", "0")
 
     def before_all_gather(self, buffer: FlatBuffer, issuer_state: TrainingState) -> None:
-        """Right before ``buffer``'s all-gather (maybe a prefetch)."""
+        """Right before ``buffer``'s all-gather."""
         phase = Phase.FORWARD if issuer_state is TrainingState.FORWARD else Phase.BACKWARD
         self._issue(Kind.ALL_GATHER, buffer, phase)
 
@@ -200,20 +184,19 @@ class DivergenceMonitor(CollectiveObserver):
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
         self._since_agreement = _mix(self._since_agreement, entry.code)
         ring = self._rings.get(key)
-        if ring is not None:  # the flight log: every group that communicates has one
+        if ring is not None:
             ring.entries.append((next(ring.serial), self.iterations - 1, entry.code))  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
-        """Fold the forward order into the fingerprints and, when verifying,
-        compare it (prefetch may have gathered a skipped unit anyway)."""
+        """When verifying, compare the forward order."""
         if not self._communicates and self._agreement is None:
-            return  # one rank: nothing was communicated, nothing to agree on
+            return  # one rank
         entries = [Collective(Kind.FORWARD, self._index.get(id(u), 0xFFFFF), 0, Phase.FORWARD)
                    for u in order]
         combined = _FNV_OFFSET
         for entry in entries:
             combined = _mix(combined, entry.code)
-        # the order's hash in the high bits, the grad mode in the lowest one
+        # grad mode in bit 0
         compared = ((combined >> 2) << 1) | int(torch.is_grad_enabled())
         verified = False
         for group in self.groups():
@@ -242,7 +225,7 @@ class DivergenceMonitor(CollectiveObserver):
             self._raise(group, about)
 
     def before_publish(self) -> None:
-        """End of the last backward: when verifying, check every rank got here."""
+        """End of the last backward."""
         self.backwards += 1
         if not self.verifying:
             return
@@ -261,7 +244,7 @@ class DivergenceMonitor(CollectiveObserver):
         return raw + [255 - b for b in raw]
 
     def check(self, group: ShardGroup, reduced: Sequence[int]) -> None:
-        """After the MAX all-reduce of :meth:`payload`: raise if they differed."""
+        """Raise if the reduced payloads differed."""
         if any(reduced[i] + reduced[8 + i] != 255 for i in range(8)):
             self._raise(group, None)
         key = id(group.process_group)
@@ -272,7 +255,7 @@ class DivergenceMonitor(CollectiveObserver):
         return self._groups
 
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
-        """Called on every rank of ``group`` together: gather the logs, raise."""
+        """On every rank of ``group`` together."""
         log = list(self._logs.get(id(group.process_group), ()))
         logs: list = [None] * group.world_size
         dist.all_gather_object(logs, [c.code for c in log], group=group.process_group)
@@ -304,7 +287,7 @@ class DivergenceMonitor(CollectiveObserver):
 
 
 def _raise_grad_modes(group: ShardGroup, codes: Sequence[int]) -> None:
-    """Some ranks ran the forward with gradients, some without (bit 0)."""
+    """Grad modes differ across ranks."""
     ranks = dist.get_process_group_ranks(group.process_group)
     without = [ranks[i] for i, code in enumerate(codes) if not code & 1]
     with_grad = [ranks[i] for i, code in enumerate(codes) if code & 1]

@@ -1,7 +1,5 @@
-"""Each rank's recent collectives, compared through the rendezvous store
-when a wait stalls or fails ([Note: flight log] in ``comm/watched_wait.py``).
-Always on, no collective: only a stalled or failed wait writes the ring to
-the store and reads the others'; the error names the first difference.
+"""Each rank's recent collectives, compared through the store when a wait
+stalls or fails ([Note: flight log] in ``comm/watched_wait.py``).
 """
 
 from __future__ import annotations
@@ -21,17 +19,15 @@ RING_SIZE = 256
 """Collectives remembered per process group."""
 _PREFIX = "fsdp_compose/flight"
 _models: dict[str, int] = {}
-"""process group name -> models attached to it in this process (names one
-model's keys, so an earlier model's stale key is never compared)."""
+"""Group name -> models attached (keys one model's entries)."""
 
 Describe = Callable[[int], str]
 Advice = Callable[[list[int]], str]
 
 
 class Ring(NamedTuple):
-    """One process group's recent collectives: ``entries.append((next(serial),
-    iteration, code))`` records one (``serial``: its position among the
-    group's collectives since the model attached, from 0)."""
+    """One group's recent collectives: ``entries.append((next(serial),
+    iteration, code))`` records one."""
 
     entries: "deque[tuple[int, int, int]]"
     serial: "count[int]"
@@ -42,14 +38,13 @@ class FlightRecorder:
 
     def __init__(self, describe: Describe, advice: Advice) -> None:
         self._rings: dict[int, Ring] = {}
-        """id(process group) -> its latest collectives."""
+        """By id(process group)."""
         self._describe: Describe = describe
         self._advice: Advice = advice
         self._keys: dict[str, str] = {}
 
     def attach(self, process_group: dist.ProcessGroup) -> Ring:
-        """Watch ``process_group``'s waits (once per group) and return its ring, which the
-        monitor appends each collective to before it is issued (C calls only: the hot path)."""
+        """Watch ``process_group``'s waits (once) and return its ring."""
         name = process_group.group_name
         number = _models.get(name, 0)
         _models[name] = number + 1
@@ -59,13 +54,12 @@ class FlightRecorder:
 
     def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
                 waited: float) -> None:
-        """Publish this rank's ring, read the others', raise where they disagree.
-        With ``error`` (the wait failed), wait briefly for the others and raise
-        what is known, naming the ranks that published nothing."""
+        """Publish this rank's ring, read the others', raise where they disagree
+        (with ``error``, naming the ranks that published nothing)."""
         try:
             store = default_store()
         except (RuntimeError, ValueError):
-            return  # no store: the backend's own error stands
+            return  # no store
         me = dist.get_rank()
         ranks = dist.get_process_group_ranks(process_group)
         prefix = self._keys.get(process_group.group_name, f"{_PREFIX}/{process_group.group_name}")
@@ -84,21 +78,21 @@ class FlightRecorder:
                 break
             time.sleep(0.2)
         if found is None and error is None:
-            return  # not (yet) a divergence: keep waiting
+            return  # keep waiting
         if found is None and complete:
-            return  # every rank logged the same collectives: the backend's error stands
+            return  # the same everywhere
         raise RuntimeError(self._message(me, process_group, logs, found, error, waited,
                                          [r for r in ranks if r not in logs])) from error
 
     def recovered(self, process_group: dist.ProcessGroup) -> None:
-        """The stalled wait finished: withdraw the published ring."""
+        """The stalled wait finished."""
         try:
             store = default_store()
             prefix = self._keys.get(process_group.group_name,
                                     f"{_PREFIX}/{process_group.group_name}")
             store.delete_key(f"{prefix}/{dist.get_rank()}")
         except (RuntimeError, ValueError):
-            pass  # nothing published, or no store
+            pass
 
     def _message(self, me: int, process_group: dist.ProcessGroup, logs: dict,
                  found: Optional[int], error: Optional[BaseException], waited: float,
@@ -144,8 +138,7 @@ def _read(store: dist.Store, key: str) -> Optional[tuple[int, list[tuple[int, in
 
 
 def _first_difference(logs: dict, complete: bool) -> Optional[int]:
-    """The first position where the rings disagree: two different entries,
-    or (every rank published, so all are stuck) an entry against none."""
+    """The first position where the rings disagree."""
     if len(logs) < 2:
         return None
     low = max(start for start, _ in logs.values())

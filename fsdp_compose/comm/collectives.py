@@ -1,5 +1,4 @@
-"""Collectives of the training step's data path over a unit's :class:`ShardGroup`. They never
-copy their inputs.
+"""Collectives over a unit's :class:`ShardGroup`; they never copy their inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import torch.distributed as dist
 from .watched_wait import wait_watched
 from .groups import ShardGroup
 
-# torch >= 2.10 names the flat collectives *_single and deprecates the old names.
+# torch >= 2.10: *_single.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -26,7 +25,7 @@ class _DoneWork:
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup,
                     async_op: bool = False) -> Optional[dist.Work]:
-    """All-gather ``shard`` into ``output`` (rank-major); the work when ``async_op``."""
+    """Rank-major; the work when ``async_op``."""
     if group.world_size == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
@@ -37,9 +36,8 @@ def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup
 def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                           divide_factor: Optional[float] = None, force_sum: bool = False,
                           async_op: bool = False) -> Optional[dist.Work]:
-    """Reduce-scatter ``flat`` into ``output``; complete after :func:`all_reduce_replicas` and
-    :func:`finish_scaling`: the mean over all ``R * F`` ranks, or the sum divided by
-    ``divide_factor``."""
+    """With :func:`all_reduce_replicas` and :func:`finish_scaling`: the mean, or the sum
+    divided by ``divide_factor``."""
     if group.world_size == 1:
         if output.data_ptr() != flat.data_ptr():
             output.copy_(flat)
@@ -59,15 +57,13 @@ def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: Shard
 
 
 # [Note: gloo reduce-scatter as an all-reduce]
-# Gloo's reduce-scatter copies its whole input and is slower than an in-place all-reduce, so on CPU
-# gloo groups we all-reduce the flat gradient in place and copy this rank's chunk out: bit-identical
-# (both sum in rank order).
+# Gloo's reduce-scatter copies its input: an in-place all-reduce and a copy of this rank's chunk
+# is faster and bit-identical.
 _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = True
 
 
 def set_gloo_reduce_scatter_via_all_reduce(enabled: bool) -> bool:
-    """Whether CPU/gloo reductions use an in-place all-reduce (default ``True``); returns the
-    previous setting."""
+    """Returns the previous setting (default ``True``)."""
     global _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
     previous, _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE, bool(enabled)
     return previous
@@ -90,7 +86,7 @@ class _ChunkAfterAllReduce:
         if timeout is None:
             self._work.wait()
         else:
-            self._work.wait(timeout)  # raises if it runs out: copied at a later wait
+            self._work.wait(timeout)
         self._work = None
         self._output.copy_(self._chunk)
         return True
@@ -99,7 +95,7 @@ class _ChunkAfterAllReduce:
 def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
                         divide_factor: Optional[float] = None, force_sum: bool = False,
                         async_op: bool = False) -> Optional[dist.Work]:
-    """Hybrid: all-reduce a reduced chunk across the replicas."""
+    """Across the replicas."""
     replicate = group.replicate_process_group
     if replicate is None or group.replicate_size == 1:
         return _DoneWork() if async_op else None
@@ -110,7 +106,7 @@ def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
 def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
                    force_sum: bool) -> None:
     if divide_factor is None and not force_sum:
-        return  # the mean, taken by the collective
+        return
     if needs_post_division(group, divide_factor, force_sum):
         factor = group.total_size if divide_factor is None else divide_factor
         if factor != 1.0:
@@ -140,7 +136,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
 
 
 def release_after_collective(*tensors: torch.Tensor) -> None:
-    """Free CPU tensors a finished collective used ([Note: freeing what a collective read])."""
+    """[Note: freeing what a collective read]."""
     for tensor in tensors:
         if tensor.device.type == "cpu":
             tensor.untyped_storage().resize_(0)
@@ -148,8 +144,7 @@ def release_after_collective(*tensors: torch.Tensor) -> None:
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
                input_counts: list[int], group: ShardGroup) -> None:
-    """``input_counts[j]`` elements of ``input`` to each rank ``j``, ``output_counts[j]`` from
-    each into ``output``."""
+    """``input_counts[j]`` elements to rank ``j``, ``output_counts[j]`` from it."""
     if group.world_size == 1:
         output.copy_(input)
         return

@@ -16,18 +16,13 @@ from .._torch_private import forget_mesh_groups
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """The ranks one unit shards over (and for HSDP is replicated over: a 2-D mesh is
-    ``(replicate, shard)``), and where it computes.
+    """The ranks one unit shards (HSDP: and replicates) over, and where it computes.
 
     Attributes:
-        mesh: the mesh ``fully_shard`` got.
-        process_group: the shard group, held weakly (a model outliving
-            ``destroy_process_group()`` must not keep its threads).
-        rank: this rank in the shard group.
-        world_size: the sharding factor ``F``.
-        device: the compute device.
-        replicate_process_group: ``None`` for a 1-D mesh.
-        replicate_size: the number of replicas ``R``."""
+        process_group: held weakly (a model outliving ``destroy_process_group()``
+            must not keep its threads).
+        world_size: ``F``.
+        replicate_size: ``R``."""
 
     mesh: DeviceMesh
     _process_group: "weakref.ref[dist.ProcessGroup]"
@@ -65,7 +60,7 @@ def _alive(ref: "weakref.ref[dist.ProcessGroup]") -> dist.ProcessGroup:
 
 
 def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
-    """A 1-D mesh over the default process group (CUDA for CUDA parameters or NCCL, else CPU)."""
+    """A 1-D mesh over the default process group."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed to be initialised: call "
@@ -75,7 +70,7 @@ def default_mesh(param_device: Optional[torch.device] = None) -> DeviceMesh:
     device_type = "cuda" if on_cuda or dist.get_backend() == "nccl" else "cpu"
     world = dist.group.WORLD
     cached = _DEFAULT_MESH.get(device_type)
-    if cached is None or cached[0]() is not world:  # one mesh per default process group
+    if cached is None or cached[0]() is not world:
         _DEFAULT_MESH[device_type] = (weakref.ref(world),
                                       init_device_mesh(device_type, (dist.get_world_size(),)))
     return _DEFAULT_MESH[device_type][1]
@@ -94,9 +89,8 @@ _EXIT_HOOK: list = []
 
 
 # [Note: process groups at exit]
-# Meshes cache their groups, so destroyed gloo groups would live until interpreter finalization,
-# whose teardown can abort the process. At exit, if the default group was destroyed, our meshes drop
-# them (after a garbage collection).
+# Destroyed gloo groups cached by meshes would live into interpreter finalization, which can abort:
+# at exit our meshes drop them.
 def _release_destroyed_groups() -> None:
     if not dist.is_available() or dist.is_initialized():
         return
@@ -108,7 +102,7 @@ def _release_destroyed_groups() -> None:
 
 
 def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
-    """Validate ``mesh`` (1-D, or 2-D ``(replicate, shard)``) as a :class:`ShardGroup`."""
+    """Validate a 1-D or ``(replicate, shard)`` mesh."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
@@ -135,8 +129,7 @@ def shard_group_from_mesh(mesh: DeviceMesh) -> ShardGroup:
 
 
 def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
-    """The sub-mesh of the SPMD ``mesh`` that ``dp_mesh_dims`` names. Raises naming what is
-    wrong."""
+    """The sub-mesh ``dp_mesh_dims`` names."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError("dp_mesh_dims needs mesh= (the whole SPMD DeviceMesh), got "
                         f"{type(mesh).__name__}")
@@ -164,8 +157,7 @@ def data_parallel_mesh(mesh: DeviceMesh, dp_mesh_dims: object) -> DeviceMesh:
 
 
 def post_forward_group(group: ShardGroup, size: int) -> ShardGroup:
-    """This rank's group of ``size`` consecutive shard-group ranks
-    (``reshard_after_forward=size``); cached."""
+    """This rank's ``size`` consecutive ranks; cached."""
     if size < 1 or group.world_size % size:
         raise AssertionError(f"post-forward group size {size} must divide {group.world_size}")
     ranks = dist.get_process_group_ranks(group.process_group)

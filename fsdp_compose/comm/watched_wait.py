@@ -1,10 +1,8 @@
-"""Waiting on the training step's collectives, telling a watcher when one stalls or fails.
+"""Waiting on collectives, telling a watcher of stalls.
 
 [Note: flight log]
-Ranks that diverge late pair collectives of different units; the backend then fails naming no
-unit. So a wait of a data collective that stalls past :func:`stall_seconds` or raises is
-reported to its group's watcher (``checks/divergence.py``), which compares the ranks' recent
-collective logs through the store and raises a diagnosis.
+A backend fails naming no unit, so a wait that stalls past :func:`stall_seconds` or raises
+tells its group's watcher, which compares the ranks' logs.
 """
 
 from __future__ import annotations
@@ -25,19 +23,17 @@ class Watcher(Protocol):
 
     def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
                 waited: float) -> None:
-        """A wait on ``process_group`` has lasted ``waited`` seconds (``error`` None) or raised
-        ``error`` (re-raised after). May raise a diagnosis instead."""
+        """Stalled ``waited`` seconds, or raised ``error``."""
 
     def recovered(self, process_group: dist.ProcessGroup) -> None:
-        """A wait it was told about finished after all."""
+        """The stalled wait finished."""
 
 
 _watchers: "dict[str, weakref.ref[Watcher]]" = {}
 
 
 def watch(process_group: dist.ProcessGroup, watcher: Watcher) -> None:
-    """Make ``watcher`` (weakly held) the one told about ``process_group``'s stalls; gloo only (a
-    timed wait elsewhere blocks the host)."""
+    """Gloo only (a timed wait elsewhere blocks)."""
     if dist.get_backend(process_group) == "gloo":
         _watchers[process_group.group_name] = weakref.ref(watcher)
 
@@ -48,7 +44,7 @@ def stall_seconds() -> float:
 
 
 def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
-    """``work.wait()``, telling the group's watcher of stalls and failures ([Note: flight log])."""
+    """``work.wait()`` ([Note: flight log])."""
     ref = _watchers.get(process_group.group_name) if process_group is not None else None
     watcher = ref() if ref is not None else None
     if watcher is None:

@@ -1,12 +1,7 @@
-"""How one flat buffer's collectives go on the wire: the collective queue calls the buffer's
-:class:`Wire` whatever the format (``EXACT``, :class:`QuantizedWire`, :class:`CustomWire`);
-the format is chosen by the buffer's policy and the custom comm setters.
+"""How one flat buffer's collectives go on the wire.
 
 [Note: the wire interface]
-A wire *issues*; it never waits. Each call returns an :class:`Issued`: the work, the copies to
-make after the wait, the temporaries the queue may free after them ([Note: freeing what a
-collective read]), the inputs the backend reads until the wait, and a bucket's all-gather
-grid.
+A wire *issues*, never waits; it returns an :class:`Issued`.
 """
 
 from __future__ import annotations
@@ -33,16 +28,8 @@ class PartialSums(Protocol):
 
 
 class Issued(NamedTuple):
-    """One collective on the wire ([Note: the wire interface]).
-
-    Attributes:
-        work: what to wait.
-        process_group: the group it runs on.
-        copies: ``(destination, source)`` made after the wait.
-        temporaries: the wire's own memory, freed after the copies.
-        keep_alive: inputs the backend reads until the wait.
-        grid: a bucket's all-gather output viewed ``(F, T)`` (``None``: written in place).
-        grid_is_ours: the grid is freed after the last member's copy."""
+    """One collective on the wire: what to wait, copy after (``copies``), free after
+    (``temporaries``), keep until the wait; a bucket's gathered ``grid`` ``(F, T)``."""
 
     work: Waitable
     process_group: Optional[dist.ProcessGroup]
@@ -54,7 +41,7 @@ class Issued(NamedTuple):
 
 
 class Wire:
-    """The exact wire: ``collectives.py``'s collectives on memory the queue may free."""
+    """``collectives.py``'s collectives on memory the queue may free."""
 
     __slots__ = ()
 
@@ -70,8 +57,7 @@ class Wire:
 
     @property
     def fills_members_at_completion(self) -> bool:
-        """Bucket members are copied out of the grid at their completion ([Note: a bucket's
-        copies])."""
+        """[Note: a bucket's copies]."""
         return True
 
     def on_policy(self, policy: "Wire") -> "Wire":
@@ -82,12 +68,12 @@ class Wire:
 
     def gather_memory(self, numel: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, bool]:
-        """An all-gather's output, and whether the queue may free it."""
+        """And whether the queue may free it."""
         return torch.empty(numel, dtype=dtype, device=device), True
 
     def reduce_memory(self, numel: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, bool]:
-        """A reduce-scatter's input or output, and whether the queue may free it."""
+        """A reduce-scatter buffer; whether the queue may free it."""
         return torch.empty(numel, dtype=dtype, device=device), True
 
     def reduce_group(self, group: ShardGroup) -> ShardGroup:
@@ -100,8 +86,7 @@ class Wire:
 
     def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
                           shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
-        """One packed all-gather of a bucket's ``shards`` ([Note: bucketing]) into ``rows``
-        (``None``: not received)."""
+        """[Note: bucketing]; ``rows`` ``None``: not received."""
         world = group.world_size
         total = sum(shard.numel() for shard in shards)
         packed = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0]
@@ -117,8 +102,7 @@ class Wire:
 
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                        divide_factor: Optional[float], force_sum: bool) -> Issued:
-        """Reduce-scatter ``flat`` into ``output`` (``collectives.reduce_scatter_scaled``'s
-        contract)."""
+        """``collectives.reduce_scatter_scaled``'s contract."""
         work = reduce_scatter_scaled(output, flat, group, divide_factor, force_sum, async_op=True)
         return Issued(work, group.process_group, keep_alive=(flat,))  # type: ignore[arg-type]
 
@@ -126,8 +110,7 @@ class Wire:
                               chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
                               group: ShardGroup, divide_factor: Optional[float],
                               force_sum: bool) -> Issued:
-        """One reduce-scatter of a bucket's gradients (``None``: zeros) into ``outputs``; each
-        segment reduced as alone."""
+        """Each segment reduced as alone."""
         world, total = group.world_size, sum(chunks)
         dtype = next(g.dtype for g in grads if g is not None)
         packed, ours = self.reduce_memory(world * total, dtype, group.device)
@@ -157,20 +140,18 @@ class Wire:
 
     def replica_input(self, partials: PartialSums, output: torch.Tensor
                       ) -> Optional[torch.Tensor]:
-        """Hybrid: what to all-reduce over the replicas (``None``: keep ``output`` as a partial
-        sum)."""
+        """``None``: keep a partial sum."""
         return output
 
     def before_fold(self, output: torch.Tensor) -> None:
-        """The reduction's result, before it is folded into the sharded gradient."""
+        """Before the result is folded."""
 
 
 EXACT = Wire()
 
 
 class QuantizedWire(Wire):
-    """Block-quantized collectives ([Note: block-quantized wire format]) in the directions with a
-    quantizer."""
+    """[Note: block-quantized wire format], where a direction has a quantizer."""
 
     __slots__ = ("gather_quantizer", "reduce_quantizer")
 
@@ -188,7 +169,7 @@ class QuantizedWire(Wire):
 
     @property
     def fills_members_at_completion(self) -> bool:
-        return self.gather_quantizer is None  # quantized: decoded into every member at the wait
+        return self.gather_quantizer is None  # decoded at the wait
 
     def subgroup_gather(self) -> Wire:
         return EXACT
@@ -234,8 +215,7 @@ def policy_wire(gather_quantizer: Optional[BlockQuantizer],
 
 
 class CustomWire(Wire):
-    """FSDP2's custom collectives ([Note: custom collectives]) over ``base``; the queue never
-    frees their memory."""
+    """[Note: custom collectives]; the queue never frees their memory."""
 
     __slots__ = ("comms", "base")
 

@@ -1,26 +1,14 @@
-"""Which units share their collectives: buckets of consecutive small units
-([Note: bucketing] in ``collective_queue.py`` has the collectives).
+"""Which units share their collectives ([Note: bucketing] in
+``collective_queue.py`` has the collectives).
 
-The plan is rebuilt from a step's forward order only at the end of its last
-backward, once the ranks checked they issued the same collectives
-(``CollectiveQueue.order_agreed``): it is the same on every rank, so a
-bucket's collectives have a fixed size. Iterations that verify every
-collective run unbucketed, as do models that never run backward.
-
-Consecutive units with equal :func:`_key` are grouped greedily while the
-bucket's unsharded bytes stay within the cap (0: no buckets); a bucket of
-one is none. A unit qualifies when it fits the cap and needs no collective
-of its own (see :func:`_key`).
-
-Backward reaches the last bucket first, where activations peak: there its
-members are gathered one by one (``gathered_in_backward`` False), so its
-packed output never adds to that peak; its gradients are still reduced as
-one.
-
-Memory: a bucket counts as one all-gather against
-``max_inflight_all_gathers``, so the unsharded bytes in flight are at most
-that limit times ``max(cap, largest unit)``; a bucket's gradients are held
-until its last member's backward (at most the cap).
+The plan is rebuilt from a forward order only once the ranks checked they
+issued the same collectives (``CollectiveQueue.order_agreed``), so it is
+the same on every rank. Consecutive units with equal :func:`_key` are
+grouped greedily within the cap (0: none). Backward gathers the last
+bucket's members one by one (``gathered_in_backward``), where activations
+peak. A bucket counts as one all-gather against
+``max_inflight_all_gathers``; its gradients are held until its last
+member's backward.
 """
 
 from __future__ import annotations
@@ -32,36 +20,34 @@ from .training_state import TrainingState
 from .protocols import BucketedUnit
 
 DEFAULT_BUCKET_CAP_MB = 2.0
-"""Units above it (a large model's blocks) run as unbucketed; a bucket's
-packed transients scale with it (BENCHMARKS.md). 0 turns bucketing off."""
+"""Larger units run unbucketed; 0 turns bucketing off."""
 
 
 def cap_bytes(cap_mb: float, where: str = "") -> int:
-    """MiB as bytes (truncated); ``where`` starts the error for a negative cap."""
+    """MiB as bytes; ``where`` starts the error for a negative cap."""
     if cap_mb < 0:
         raise ValueError(f"{where}bucket_cap_mb must be >= 0 MiB (0 turns bucketing off), "
                          f"got {cap_mb}")
     return int(cap_mb * 2 ** 20)
 
 class HasBucketCap(Protocol):
-    """What the plan reads of ``ModelSettings`` (whose module imports this one)."""
+    """What the plan reads of ``ModelSettings``."""
 
     bucket_cap_mb: float
 
 
 class Bucket:
-    """Consecutive units (forward order) whose collectives are coalesced."""
+    """Consecutive units whose collectives are coalesced."""
 
     def __init__(self, units: list[BucketedUnit]) -> None:
         self.units: list[BucketedUnit] = units
         self.buffers: list[FlatBuffer] = [b for u in units for b in u.buffers]
         self.gathered_in_backward: bool = True
-        """False for the first bucket backward reaches (module docstring)."""
+        """False for the first bucket backward reaches."""
 
     def gather_members(self, unit: BucketedUnit, issuer_state: TrainingState,
                        ran: Container[int]) -> list[BucketedUnit]:
-        """``unit`` and the members whose use is still ahead: in forward,
-        not in ``ran``; in backward, not started and going to run."""
+        """``unit`` and the members whose use is still ahead."""
         backward = issuer_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
         if backward:
             return [m for m in self.units if m is unit or (
@@ -69,8 +55,7 @@ class Bucket:
         return [m for m in self.units if m is unit or id(m) not in ran]
 
     def reduced_buffers(self) -> list[FlatBuffer]:
-        """What the reduce-scatter carries, the same on every rank whichever
-        members have a gradient: trainable buffers of syncing members."""
+        """The same on every rank, whichever members have a gradient."""
         return [b for u in self.units if u.settings.requires_gradient_sync for b in u.trainable_buffers]
 
     def expected_reduces(self) -> list[FlatBuffer]:
@@ -92,16 +77,14 @@ class BucketPlan:
         """The last agreed forward order."""
 
     def refresh(self) -> None:
-        """At a root forward (no bucket holds anything): re-bucket the last
-        agreed order if the cap changed (a model setting: every rank
-        changes it at the same point)."""
+        """At a root forward: re-bucket if the cap changed."""
         if self.settings.bucket_cap_mb != self.cap_mb:
             self.cap_mb = self.settings.bucket_cap_mb
             self.cap_bytes = cap_bytes(self.cap_mb)
             self.rebuild(self._order)
 
     def rebuild(self, order: Sequence[BucketedUnit]) -> None:
-        """``order``: a forward order every rank agreed on."""
+        """``order``: agreed by every rank."""
         self.buckets, self._of_unit, self._of_buffer = [], {}, {}
         self._order = list(order)
         if self.cap_bytes <= 0:
@@ -134,9 +117,8 @@ class BucketPlan:
 
 def group_consecutive(sizes: Sequence[int], keys: Sequence[Optional[Hashable]],
                       cap_bytes: int) -> list[list[int]]:
-    """Index lists of consecutive units with the same key (not ``None``),
-    each and all together at most ``cap_bytes``, grouped greedily; only
-    groups of two or more. Pure: ``tools/planner`` uses it too."""
+    """Index lists of two or more consecutive units with the same key, within
+    ``cap_bytes``, grouped greedily. Pure (``tools/planner`` uses it)."""
     groups: list[list[int]] = []
     current: list[int] = []
     current_key: Optional[Hashable] = None
@@ -159,9 +141,7 @@ def _unsharded_bytes(unit: BucketedUnit) -> int:
 
 def _key(unit: BucketedUnit) -> Optional[tuple]:
     """What must agree within a bucket; ``None``: the unit needs its own
-    collectives (the root, explicit prefetch, a ``reshard_after_forward=k``
-    group, unused-params reduction, no backward all-gather, CPU offload,
-    buffers of mixed groups, dtypes or wire formats, aliased or meta)."""
+    collectives."""
     settings = unit.settings
     if unit.is_root or not unit.buffers or settings.forward_prefetch is not None or \
             settings.backward_prefetch is not None or settings.post_forward_group is not None or \

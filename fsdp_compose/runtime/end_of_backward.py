@@ -1,6 +1,5 @@
-"""The end of backward, model-wide: deferred reductions, waiting those in
-flight, publishing the gradients. Called once per backward by the root, for
-every unit in state-list order (the same on every rank).
+"""The end of backward, model-wide: deferred reductions, waits, publication.
+Units come in state-list order (the same on every rank).
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .._torch_private import post_accumulate_grad_hooks, with_post_accumulate_grad_hooks
+from .._torch_private import post_accumulate_grad_hooks, post_accumulate_grad_hooks_or_none
 from ..buffers.flat_buffer import FlatBuffer
 from ..comm.collectives import all_reduce_max, release_after_collective
 from .collective_queue import CollectiveQueue
@@ -19,9 +18,9 @@ from .unit import Unit
 
 def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
                     forward_order: Sequence[Unit], is_last_backward: bool) -> None:
-    """Post-condition: every unit IDLE; after the last backward nothing is
-    in flight and every reduced gradient is published."""
-    collectives.flush_held_reduces()  # buckets some of whose members had no backward
+    """Post-condition: every unit IDLE; after the last backward every
+    gradient is published."""
+    collectives.flush_held_reduces()
     reduce_deferred(units, collectives)
     if is_last_backward:
         finish_reductions(units, collectives)
@@ -32,25 +31,21 @@ def finish_backward(units: Sequence[Unit], collectives: CollectiveQueue,
 
 
 def finish_reductions(units: Sequence[Unit], collectives: CollectiveQueue) -> None:
-    """Wait every reduction in flight and publish the gradients. Every rank
-    calls it at the same point (the publication all-reduces the used flags)."""
+    """Every rank calls it at the same point (a collective)."""
     collectives.finish_reduces()
     collectives.observer.before_publish()
     publish_gradients([b for unit in units for b in unit.buffers], collectives)
 
 
 def end_step(collectives: CollectiveQueue, forward_order: Sequence[Unit]) -> None:
-    """After :func:`finish_reductions`, every unit resharded: the step's
-    collectives are over."""
-    collectives.end_iteration()  # everything is resharded: free the staging pool
-    collectives.order_agreed(forward_order)  # the fingerprint check above passed on every rank
+    """The step's collectives are over."""
+    collectives.end_iteration()
+    collectives.order_agreed(forward_order)  # the fingerprint check passed
 
 
 def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None:
-    """Units with ``reduce_scatter_unused_params`` reduce every trainable
-    buffer, zeros where this rank's backward gave none, so every rank
-    issues the same reductions; parameters no rank used keep ``.grad``
-    (their used flags stay False)."""
+    """``reduce_scatter_unused_params``: every trainable buffer, zeros where
+    this rank has none, so every rank issues the same reductions."""
     for unit in units:
         if not (unit.settings.reduce_scatter_unused_params and unit.settings.requires_gradient_sync):
             continue
@@ -63,10 +58,8 @@ def reduce_deferred(units: Sequence[Unit], collectives: CollectiveQueue) -> None
 
 
 def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueue) -> None:
-    """Publish the gradients ([Note: used parameters]), then run the
-    post-accumulate-grad hooks. Every rank passes the same buffers in the
-    same order: one all-reduce of the used flags per process group, to which
-    the queue's observer may append bytes ([Note: rank divergence]).
+    """Publish ([Note: used parameters]), then run the post-accumulate-grad
+    hooks: one all-reduce of the used flags per group ([Note: rank divergence]).
     """
     pending = {id(b) for b in buffers if b.grad.has_unpublished}
     for buffer in buffers:
@@ -74,7 +67,7 @@ def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueu
             collectives.settle(buffer)
     observer = collectives.observer
     by_group: dict[int, list[FlatBuffer]] = {}
-    group_key: dict[int, int] = {}  # id(ShardGroup) -> id(its process group): one lookup each
+    group_key: dict[int, int] = {}  # id(ShardGroup) -> id(process group)
     for buffer in buffers:
         key = group_key.get(id(buffer.group))
         if key is None:
@@ -85,12 +78,12 @@ def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueu
         if not any(id(b) in pending for b in group_buffers):
             continue
         group = group_buffers[0].group
-        if group.total_size == 1:  # one rank, no replica: its own flags are every rank's
+        if group.total_size == 1:
             for buffer in group_buffers:
                 if id(buffer) in pending:
                     fresh += buffer.grad.publish(buffer.grad.used)
             continue
-        # every buffer has flags (False where nothing is pending): the same size on every rank
+        # flags for every buffer: the same size on every rank
         flags = [u for b in group_buffers for u in (
             b.grad.used if id(b) in pending else [False] * len(b.records))]
         extra = observer.payload(group)
@@ -107,6 +100,6 @@ def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueu
             if id(buffer) in pending:
                 fresh += buffer.grad.publish(flags[start:start + count])
             start += count
-    for param in with_post_accumulate_grad_hooks(fresh):
+    for param in filter(post_accumulate_grad_hooks_or_none, fresh):
         for hook in post_accumulate_grad_hooks(param).values():
             hook(param)

@@ -1,6 +1,5 @@
-"""``FullyShardState`` routes module and autograd hooks to units and owns no
-tensors; the root's lazy init builds the :class:`ModelContext` every unit
-below it shares, and the root queues the end of backward.
+"""``FullyShardState`` routes hooks to units and owns no tensors; the root
+builds the :class:`ModelContext`.
 """
 
 from __future__ import annotations
@@ -29,18 +28,12 @@ from .training_state import TrainingState
 from .unit import Unit
 from .unit_paths import CollectivePath, choose_path
 
-ROOT_LABEL = "<root>"  # how names of units and modules show the root module (FQN "")
+ROOT_LABEL = "<root>"  # FQN ""
 
 
 class ModelContext:
-    """State shared by the root and every unit below it for one model.
-
-    Attributes:
-        states: every state in the root's subtree, root first, then in
-            module order (the same on every rank).
-        backward_callback_queued: the end of backward is queued for the
-            running backward (once per backward).
-    """
+    """State shared by the units of one model; ``states``: root first, then
+    module order (the same on every rank)."""
 
     __slots__ = ('backward_callback_queued', 'buffers', 'finalization_pending', 'pending_reduction',
                  'collectives', 'gradients', 'path', 'prefetch_order', 'root', 'settings',
@@ -57,33 +50,26 @@ class ModelContext:
         self.collectives: CollectiveQueue = collectives
         self.backward_callback_queued: bool = False
         self.pending_reduction: Optional[object] = None
-        """The ``GradientReductionHandle`` of a ``finalize_backward(async_op=True)``
-        not waited yet; ``reset_iter_state`` drops it (its ``wait()`` then raises)."""
+        """An unwaited ``finalize_backward(async_op=True)`` handle."""
         self.finalization_pending: bool = False
-        """Under manual finalization, a backward ended since the last
-        ``finalize_backward`` ([Note: manual finalization])."""
+        """[Note: manual finalization]."""
         self.views_for_backward: list[Unit] = []
         """See :meth:`FullyShardState.reshard`."""
         self.buffers: tuple[FlatBuffer, ...] = tuple(
             buffer for state in states for buffer in state.unit.buffers)
         self.gradients: tuple[FlatGradient, ...] = tuple(buffer.grad for buffer in self.buffers)
-        """The root's pre-forward frees kept gradients nobody holds."""
         self.path: CollectivePath = CollectivePath(collectives)
         self.choose_path()
 
     def choose_path(self) -> None:
-        """Give every unit the model's path (``unit_paths.choose_path``):
-        at the root's lazy init and whenever a unit's layout changed."""
+        """At lazy init and on layout changes."""
         self.path = choose_path(self.collectives, self.buffers)
         for state in self.states:
             state.unit.path = self.path
 
 
 class FullyShardState(_State):
-    """The state of one ``fully_shard`` call, attached to its module(s):
-    created empty by ``contract``, filled by :meth:`bind`; every hook
-    ``fully_shard`` registers is one of its methods. Only this class writes
-    its fields."""
+    """The state of one ``fully_shard`` call: its hooks are its methods."""
 
     __slots__ = ('annotated_parent', 'context', 'pending_settings', 'unit', 'validated',
                  '_held_whole', '_in_forward_method', '_new_observer',
@@ -94,27 +80,21 @@ class FullyShardState(_State):
         self.unit: Optional[Unit] = None
         self.context: Optional[ModelContext] = None
         self.validated: bool = False
-        """The ranks were checked to agree on this unit's layout."""
+        """The ranks agree on its layout."""
         self._in_forward_method: set[int] = set()
-        """ids of modules inside a registered forward method (their
-        ``module(...)`` calls there are part of that pass)."""
+        """ids of modules inside a registered forward method."""
         self.annotated_parent: Optional[FullyShardState] = None
         """The nearest annotated module's state above."""
         self._pre_forward_check: Callable[[nn.Module], None] = lambda root_module: None
         """See :meth:`bind`."""
         self._new_observer: Callable[[], CollectiveObserver] = CollectiveObserver
-        """Used if this state becomes the root."""
         self.pending_settings: dict[str, object] = {}
-        """Model-wide changes made here before the root's lazy init; the
-        root merges them."""
+        """Model-wide changes made before lazy init."""
         self._held_whole: bool = False
 
     def bind(self, unit: Unit, pre_forward_check: Optional[Callable[[nn.Module], None]] = None,
              new_observer: Callable[[], CollectiveObserver] = CollectiveObserver) -> None:
-        """Attach ``unit`` and install its forward hooks (once).
-        ``pre_forward_check`` (every pre-forward, with the root module) and
-        ``new_observer`` come from ``setup/units.py``: ``runtime/`` never
-        imports the checks."""
+        """Attach ``unit`` and install its forward hooks (once)."""
         self.unit = unit
         unit.backward_started = self._queue_end_of_backward
         me = weakref.ref(self)
@@ -130,14 +110,11 @@ class FullyShardState(_State):
             if state is not None:
                 state._pre_backward()
         self._pre_backward_hook: Callable[[Any], None] = pre_backward_hook
-        """Holds the state weakly: autograd keeps hooks in C++, where a
-        reference back to the model is a cycle the garbage collector cannot
-        see (``tests/core/test_model_lifetime.py``)."""
+        """Weak: autograd keeps hooks in C++, where cycles are uncollectable."""
         if pre_forward_check is not None:
             self._pre_forward_check = pre_forward_check
         self._new_observer = new_observer
-        # Hooks run eagerly under torch.compile (a graph break each): they
-        # resize storages and swap module attributes, which dynamo must not trace.
+        # Eager under torch.compile: dynamo must not trace storage resizes.
         pre_forward, post_forward = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
         for module in unit.modules:
             module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
@@ -149,7 +126,7 @@ class FullyShardState(_State):
 
     @property
     def held_whole(self) -> bool:
-        """``full_params`` holds the parameters whole: the hooks do nothing."""
+        """Inside ``full_params``: the hooks do nothing."""
         return self._held_whole
 
     def hold_whole(self, held: bool) -> None:
@@ -157,13 +134,11 @@ class FullyShardState(_State):
 
     # ------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
-        """Once: become the root of the subtree, validate before the first
-        collective."""
+        """Once: become the root, validate before the first collective."""
         if self.context is not None:
-            return  # already initialised (as root or as a unit below a root)
+            return
         if self.annotated_parent is not None:
-            # a submodule ran before its root: initialise from the root, so
-            # this unit does not become a root of its own
+            # a submodule ran before its root
             top = self.annotated_parent
             while top.annotated_parent is not None:
                 top = top.annotated_parent
@@ -171,7 +146,7 @@ class FullyShardState(_State):
             assert self.context is not None, \
                 f"[rank {self.unit.group.rank}] the root's lazy init missed {self.unit.name}"
             return
-        with profiled("lazy_init"):  # once per model: no need to skip the call
+        with profiled("lazy_init"):
             self._become_root()
 
     def _become_root(self) -> None:
@@ -196,8 +171,7 @@ class FullyShardState(_State):
         observer.bind([s.unit for s in states], settings)
 
     def change_model_setting(self, name: str, value: object) -> None:
-        """``ModelSettings.change``: now if the root is initialised, else
-        at its lazy init."""
+        """``ModelSettings.change``, now or at lazy init."""
         if self.context is not None:
             self.context.settings.change(name, value)
             self.context.prefetch_order.backward_plan = None  # the prefetch policy may change
@@ -205,20 +179,19 @@ class FullyShardState(_State):
             self.pending_settings[name] = value
 
     def change_unit_setting(self, name: str, value: object) -> None:
-        """``UnitSettings.change`` on this unit; a backward plan made
-        before it is dropped (the prefetch settings feed it)."""
+        """``UnitSettings.change``; drops the backward prefetch plan."""
         self.unit.settings.change(name, value)
         if self.unit.prefetch_order is not None:
             self.unit.prefetch_order.backward_plan = None
 
     def run_forward_method(self, module: nn.Module, call: Callable[..., Any],
                            args: tuple, kwargs: dict) -> Any:
-        """One forward pass of this unit (``module_methods/forward_methods.py``)."""
+        """``module_methods/forward_methods.py``."""
         running = self._in_forward_method
         if id(module) in running:
             return call(*args, **kwargs)
         hooked = self._pre_forward(module, args, kwargs)
-        if hooked is not None:  # the pre-forward may cast the inputs (mixed precision)
+        if hooked is not None:  # cast inputs
             args, kwargs = hooked
         running.add(id(module))
         try:
@@ -292,9 +265,7 @@ class FullyShardState(_State):
         return output
 
     def _reset_unfinished_iteration(self) -> None:
-        """A forward or backward that raised leaves units mid-iteration;
-        going on would mix two iterations (and a lost end of backward would
-        never publish again): reset, with a warning."""
+        """An iteration raised: reset, with a warning."""
         context = self.context
         busy = [s.unit for s in context.states if s.unit.training_state is not TrainingState.IDLE]
         if busy or context.backward_callback_queued:
@@ -326,16 +297,14 @@ class FullyShardState(_State):
             context.views_for_backward.clear()
 
     def _finish_incomplete_units(self) -> None:
-        """A multi-module unit's pass ends with the root's forward."""
+        """A multi-module unit's pass ends here."""
         for state in self.context.states:
             unit = state.unit
             if unit.training_state is TrainingState.FORWARD:
                 unit.complete_forward()
 
     def _drop_unused_prefetches(self) -> None:
-        """Reshard units prefetched but not run (the control flow changed),
-        or prefetched again after their forward and unused by backward:
-        nothing else frees them."""
+        """Reshard units prefetched but not used."""
         ran = self.context.prefetch_order.ran
         for state in self.context.states:
             unit = state.unit
@@ -344,9 +313,7 @@ class FullyShardState(_State):
                 unit.reshard()
 
     def _drop_prefetches_of_outside_call(self, caller: Unit) -> None:
-        """A unit called outside the root's forward (a chunked loss calling
-        ``lm_head``) may have prefetched explicit targets: reshard those no
-        backward will use."""
+        """Outside the root's forward: reshard unused explicit prefetches."""
         for state in self.context.states:
             unit = state.unit
             if unit is not caller and unit.training_state is TrainingState.IDLE and \
@@ -364,7 +331,7 @@ class FullyShardState(_State):
         self.unit.pre_backward()
 
     def _queue_end_of_backward(self) -> None:
-        """At the backward's first event, once per backward."""
+        """Once per backward."""
         context = self.context
         if not context.backward_callback_queued:
             context.backward_callback_queued = True
@@ -375,10 +342,8 @@ class FullyShardState(_State):
                 context.views_for_backward.clear()
 
     def reshard(self) -> None:
-        """``ShardedModule.reshard``. Where the last forward put no
-        pre-backward hook ([Note: the local path] in ``unit_paths.py``) and
-        its backward is still to come, the next backward's first event puts
-        the views back, so backward sees the views, as everywhere else."""
+        """``ShardedModule.reshard``. Without a pre-backward hook ([Note: the
+        local path]), the next backward's first event puts the views back."""
         unit = self.unit
         unit.reshard()
         if self.context is not None and unit.backward_pending_without_hook():
@@ -401,7 +366,7 @@ class FullyShardState(_State):
 
 # ----------------------------------------------------------------- helpers
 def link_annotated_below(state: FullyShardState) -> None:
-    """``state`` was just annotated: the states below learn their parent."""
+    """The states below learn their parent."""
     for below in states_below(state.unit.modules):
         if below is not state and below.annotated_parent is None:
             below.annotated_parent = state
@@ -413,10 +378,10 @@ def _attach_state(module: Any, unit: Unit, **bind_options: Any) -> Any:
     return module
 
 
-# torch's composable-API registry keys an API by its function's name (replicate looks for it).
+# torch's composable-API registry keys an API by its function's name.
 _attach_state.__name__ = "fully_shard"
 attach_state = contract(state_cls=FullyShardState)(_attach_state)
-"""Through ``contract``, which also checks that no FQN changed."""
+"""``contract`` also checks that no FQN changed."""
 
 
 def state_of(module: nn.Module) -> Optional[FullyShardState]:
@@ -425,7 +390,7 @@ def state_of(module: nn.Module) -> Optional[FullyShardState]:
 
 
 def own_state(module: object) -> FullyShardState:
-    """The state of an annotated module (its ``ShardedModule`` methods' ``self``)."""
+    """The state of an annotated module."""
     state = state_of(module)  # type: ignore[arg-type]
     if state is None:
         raise AssertionError(f"{type(module).__name__} has no fully_shard state")
@@ -477,9 +442,7 @@ def _check_devices(states: list[FullyShardState]) -> None:
 
 
 def _check_ties_inside(states: list[FullyShardState]) -> None:
-    """Both units of every tied parameter belong to this model (one root
-    above both): the borrower unshards the owner through the model's
-    collective queue ([Note: tied parameters across units] in ``tied.py``)."""
+    """[Note: tied parameters across units] in ``tied.py``."""
     units = {id(state.unit) for state in states}
     for state in states:
         for tie in state.unit.ties:
@@ -494,8 +457,7 @@ def _check_ties_inside(states: list[FullyShardState]) -> None:
 
 
 def pending_model_settings(states: list[FullyShardState]) -> ModelSettings:
-    """What a model of ``states`` (root first) will start with: each
-    change as first made in module order (conflicts raise at lazy init)."""
+    """Pending model-wide changes in module order (conflicts raise)."""
     settings = ModelSettings()
     for state in reversed(states):
         settings.change_all(state.pending_settings)
@@ -509,9 +471,8 @@ def _layout_fingerprint(units: list[Unit]) -> int:
 
 
 def _check_ranks_agree(states: list[FullyShardState]) -> None:
-    """One tiny all-gather per process group: every rank raises together if
-    any rank's parameters differ (else the first all-gather would hang or
-    mix values)."""
+    """Every rank raises together if the layouts differ (else the first
+    all-gather would hang)."""
     by_group: dict[int, list[FullyShardState]] = {}
     for state in states:
         by_group.setdefault(id(state.unit.group.process_group), []).append(state)

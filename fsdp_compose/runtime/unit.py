@@ -1,6 +1,5 @@
 """One unit: the flat buffers of one ``fully_shard`` call and their
-transitions in an iteration. A unit owns its buffers and training state and
-never looks at other units; *when* its methods run is ``state.py``'s call.
+transitions; ``state.py`` decides when they run.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ from .unit_paths import CollectivePath
 @dataclass(slots=True)
 class UnitSettings:
     """Policies are fixed at annotation; only :meth:`change` writes the
-    rest (``ShardedModule``'s setters and :meth:`Unit`'s own, never during
-    an iteration)."""
+    rest, never during an iteration."""
 
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     offload_policy: Optional[CPUOffloadPolicy] = None
@@ -42,19 +40,16 @@ class UnitSettings:
     reshard_after_forward: Optional[bool] = None
     """``None``: reshard after forward unless this is the root."""
     post_forward_group: Optional[ShardGroup] = None
-    """``reshard_after_forward=k``, ``1 < k < F``: the ``k`` ranks backward
-    re-gathers from."""
+    """``reshard_after_forward=k``, ``1 < k < F``: backward gathers from these ``k``."""
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     unshard_in_backward: bool = True
-    """``False``: backward reads no parameter values (an embedding): no
-    all-gather in backward."""
+    """``False``: no all-gather in backward (it reads no parameter)."""
     reduce_options: ReduceOptions = field(default_factory=ReduceOptions)
     reduce_scatter_unused_params: bool = False
-    """Rank-dependent backward use: unsharded from forward to the end of
-    backward (``end_of_backward.reduce_deferred``)."""
+    """Reduced at the end of backward (``reduce_deferred``)."""
     forward_prefetch: Optional[list[Unit]] = None
-    """``None``: by the recorded order (as ``backward_prefetch``)."""
+    """``None``: the recorded order."""
     backward_prefetch: Optional[list[Unit]] = None
     comms: Optional[UnitComms] = None
     """``comm/custom.py``; shared with every buffer."""
@@ -74,8 +69,7 @@ _CHANGEABLE = frozenset(UnitSettings.__dataclass_fields__) - {
 
 
 class Unit:
-    """Each buffer is unsharded at most once per forward and once per
-    backward: every transition is idempotent (see the early returns)."""
+    """Every transition is idempotent."""
 
     __slots__ = ('backward_without_hook', 'buffers', 'casts_inputs', 'casts_output',
                  'collectives', 'group', 'is_root', 'layout_changed', 'managed_modules', 'modules',
@@ -113,20 +107,17 @@ class Unit:
         self.name: str = user_class_name(self.modules[0])
         """Its FQN once a root knows it."""
         self.ties: list[Any] = []
-        """The tied parameters this unit lends (holds in its buffers, used
-        by modules of another unit too) or borrows (``runtime/tied.py``'s
-        ``TiedParameter``); both units must belong to one model."""
+        """Tied parameters it lends or borrows (``runtime/tied.py``)."""
         self.set_reshard_after_forward(reshard_after_forward)
 
-        # The model (set by the root's lazy init)
+        # The model (set at lazy init)
         self.is_root: bool = False
         self.prefetch_order: Optional[PrefetchOrder[Unit]] = None
         self.collectives: Optional[CollectiveQueue] = None
         self.path: Optional[CollectivePath] = None
-        """How the transitions happen (``unit_paths.py``), chosen per model."""
+        """``unit_paths.py``, chosen per model."""
         self.layout_changed: Callable[[], None] = lambda: None
-        """A buffer was rebuilt or the collectives replaced: the model
-        chooses its path again (set by the unit's state)."""
+        """Set by the state."""
 
         # Per-iteration state
         self.training_state: TrainingState = TrainingState.IDLE
@@ -135,24 +126,17 @@ class Unit:
         self._backward_possible: bool = False
         """Some output of the current forward pass requires grad."""
         self.backward_without_hook: bool = False
-        """This forward put no pre-backward hook on the outputs (read and
-        written by the path only: [Note: the local path])."""
+        """[Note: the local path]."""
         self.backward_started: Callable[[], None] = lambda: None
-        """Queues the model's end of backward (set by the unit's state)."""
+        """Set by the state."""
         self._saved_guard: Optional[saved_tensors_hooks] = None
         self._frozen_uses: int = 0
-        """Forward calls whose frozen-parameter reads are still ahead in
-        backward; -1: keep until the end of backward."""
+        """Pending frozen reads; -1: keep."""
         self.tied_holds: int = 0
-        """Forwards of modules of other units running now that read a
-        parameter of this unit (tied weights, ``runtime/tied.py``): while
-        any runs, the end of this unit's forward does not reshard."""
+        """Running forwards of borrowers of its tied parameters."""
 
     def set_reshard_after_forward(self, value: Union[bool, int, None]) -> None:
-        """``None``, a bool, or an int ``k`` dividing the shard group size
-        ``F``: the ranks the parameters stay sharded over between forward
-        and backward (``F``: ``True``; ``1``: ``False``). Collective when
-        ``1 < k < F`` (call it on every rank)."""
+        """``None``, a bool, or ``k`` dividing ``F`` (collective when ``1 < k < F``)."""
         if value is None or isinstance(value, bool):
             self.settings.change("reshard_after_forward", value)
             self.settings.change("post_forward_group", None)
@@ -188,7 +172,7 @@ class Unit:
 
     # --------------------------------------------------------------- queries
     def buffers_by_group(self) -> list[tuple[ShardGroup, list[int]]]:
-        """Buffer indices per shard group, in buffer order."""
+        """Buffer indices per shard group."""
         by_group: dict[int, tuple[ShardGroup, list[int]]] = {}
         for index, buffer in enumerate(self.buffers):
             by_group.setdefault(id(buffer.group), (buffer.group, []))[1].append(index)
@@ -201,7 +185,7 @@ class Unit:
     @property
     def resolved_reshard_after_forward(self) -> bool:
         if self.settings.reduce_scatter_unused_params:
-            return False  # its backward may run on some ranks only: no all-gather there
+            return False
         if self.settings.reshard_after_forward is None:
             return not self.is_root
         return self.settings.reshard_after_forward
@@ -212,7 +196,6 @@ class Unit:
 
     @property
     def backward_possible(self) -> bool:
-        """Some output of the current (or last) forward pass requires grad."""
         return self._backward_possible
 
     @property
@@ -241,14 +224,13 @@ class Unit:
             self.reshard_buffer(buffer)
 
     def reshard_buffer(self, buffer: FlatBuffer, keep: Optional[ShardGroup] = None) -> None:
-        """``buffer.reshard(keep)``, after the queue completed an all-gather
-        into it still in flight (a prefetch nobody used)."""
+        """After completing an unused prefetch into it."""
         if buffer.is_gathering:
             self.collectives.wait_gather(buffer)
         buffer.reshard(keep)
 
     def custom_comms(self) -> UnitComms:
-        """Made and shared with the buffers at the first setter needing it."""
+        """Made at the first setter needing it."""
         comms = self.settings.comms
         if comms is None:
             comms = UnitComms()
@@ -259,24 +241,23 @@ class Unit:
         return comms
 
     def rebuild_after_conversion(self) -> None:
-        """After ``module.to(dtype)``: rebuild from the converted parameters."""
+        """After ``module.to(dtype)``."""
         for buffer in self.buffers:
             buffer.rebuild_after_conversion()
         self.layout_changed()
 
     def backward_pending_without_hook(self) -> bool:
-        """The last forward put no pre-backward hook, and its backward has
-        not reached the unit yet."""
+        """[Note: the local path]."""
         return self.path.backward_pending_without_hook(self)
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.path.in_backward(self):
-            # recomputation (activation checkpointing): unsharded for backward
+            # recomputation in backward
             self.unshard()
             for buffer in self.buffers:
                 buffer.use_unsharded_views()
             return
-        if not self._modules_to_run:  # a new pass starts (the same set refilled: no allocation)
+        if not self._modules_to_run:  # a new pass
             self._modules_to_run.update(self.modules)
             self._backward_possible = False
         self.training_state = TrainingState.FORWARD
@@ -294,16 +275,14 @@ class Unit:
 
     def post_forward(self, module: nn.Module, output: Any, pre_backward: Callable[[Any], None],
                      pass_ends: bool) -> bool:
-        """Put ``pre_backward`` (one ignored argument) on the output. True
-        when the unit's pass is complete: all its modules ran, or
-        ``pass_ends`` (a call outside the root's forward is a pass)."""
+        """Hook ``pre_backward`` on the output; whether the pass is complete."""
         if self.path.in_backward(self):
             return False  # recomputation inside backward: stay unsharded
         if self._saved_guard is not None:
             self._release_saved_guard()
         if torch.is_grad_enabled():
             tensors: Sequence[torch.Tensor]
-            if type(output) is torch.Tensor:  # the common case, without the walk
+            if type(output) is torch.Tensor:  # no walk
                 tensors = (output,) if output.requires_grad else ()
             else:
                 tensors = tensors_requiring_grad(output)
@@ -312,7 +291,7 @@ class Unit:
                 self.path.hook_outputs(self, tensors, pre_backward)
         self._modules_to_run.discard(module)
         if self._modules_to_run and not pass_ends:
-            return False  # a sibling module of this unit has yet to run
+            return False  # a sibling module runs later
         self.complete_forward()
         return True
 
@@ -320,31 +299,27 @@ class Unit:
         self._modules_to_run.clear()
         self.training_state = TrainingState.IDLE
         if self.tied_holds:
-            pass  # a borrowing module's forward still reads them: it reshards (runtime/tied.py)
+            pass  # the borrower reshards (runtime/tied.py)
         elif not self._backward_possible:
             self.reshard()
         elif self.resolved_reshard_after_forward:
             keep = self.settings.post_forward_group if self.settings.unshard_in_backward else None
             self.path.reshard_after_forward(self, keep)
         for buffer in self.buffers:
-            buffer.check_params_unmodified()  # may raise (on every rank: forward is the same)
+            buffer.check_params_unmodified()  # raises on every rank alike
 
     def release_after_tied_use(self, keep: bool) -> None:
-        """A module of another unit that reads a parameter of this unit (a
-        tied weight, ``runtime/tied.py``) finished its forward, and no other
-        such forward runs: reshard as the end of this unit's own forward
-        would, unless this unit's forward is running (its own end decides),
-        backward runs, or ``keep`` (the borrower's backward reads them next)."""
+        """The last borrower of a tied parameter finished its forward: reshard
+        as this unit's own forward end would, unless ``keep``."""
         if self.tied_holds or keep or self.training_state is not TrainingState.IDLE:
             return
         if self._backward_possible and not self.resolved_reshard_after_forward:
-            return  # kept for backward by this unit's own policy (e.g. the root)
+            return  # its own policy keeps them
         self.path.reshard_after_forward(self, None)
 
     def _guard_saved_parameters(self) -> None:
-        """With ``unshard_in_backward`` off, fail at forward (every rank
-        alike) if autograd saves a parameter: backward would read freed memory."""
-        self._release_saved_guard()  # left over by a forward that raised
+        """With ``unshard_in_backward`` off, raise if forward saves a parameter."""
+        self._release_saved_guard()
         if self.settings.unshard_in_backward:
             return
         storages = set().union(*(b.unsharded_storage_ptrs() for b in self.buffers))
@@ -370,13 +345,13 @@ class Unit:
     def pre_backward(self) -> None:
         """At most once per backward."""
         if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-            return  # an earlier output of this unit already triggered it
+            return
         self.training_state = TrainingState.PRE_BACKWARD
         if self.settings.unshard_in_backward:
             self.path.gather_for_backward(self)
 
     def _post_backward(self, buffer: FlatBuffer) -> None:
-        """``buffer``'s flat gradient is complete: reduce (or keep) it, reshard."""
+        """``buffer``'s flat gradient is complete."""
         self.path.gradient_ready(self)
         if profiler_active():
             call_profiled("post_backward", self.name, self._reduce_and_reshard, buffer)
@@ -384,8 +359,7 @@ class Unit:
             self._reduce_and_reshard(buffer)
 
     def _before_flat_gradient(self, buffer: FlatBuffer) -> None:
-        """``CollectiveQueue.make_room_for_reduce`` before a reduced
-        gradient is allocated."""
+        """Before a reduced gradient is allocated."""
         settings = self.settings
         if self.collectives is not None and settings.requires_gradient_sync and \
                 not settings.reduce_scatter_unused_params:
@@ -394,7 +368,7 @@ class Unit:
     def _reduce_and_reshard(self, buffer: FlatBuffer) -> None:
         settings = self.settings
         if settings.requires_gradient_sync and settings.reduce_scatter_unused_params:
-            pass  # every rank reduces it at the end of backward (end_of_backward.reduce_deferred)
+            pass  # reduced at the end of backward (reduce_deferred)
         elif settings.requires_gradient_sync:
             self.path.reduce(buffer, settings.reduce_options)
         else:
@@ -406,18 +380,16 @@ class Unit:
         self.training_state = TrainingState.POST_BACKWARD
 
     def _register_frozen_post_backward(self, args: tuple, kwargs: dict) -> None:
-        """Frozen buffers have no gradient hook: they reshard once the input
-        gradients of every forward call of this pass are computed (nothing
-        can read them after). A call whose inputs need no grad keeps them
-        until the end of backward."""
+        """Frozen buffers (no gradient hook) reshard once every call's input
+        gradients are computed."""
         if self._frozen_uses < 0:
-            return  # already kept until the end of backward
+            return
         inputs = tensors_requiring_grad((args, kwargs))
         if not inputs:
             self._frozen_uses = -1
             return
         self._frozen_uses += 1
-        me = weakref.ref(self)  # autograd keeps the hook in C++: see FullyShardState.bind
+        me = weakref.ref(self)  # see FullyShardState.bind
 
         def use_done(_grads: Any) -> None:
             unit = me()
@@ -427,7 +399,7 @@ class Unit:
 
     def _frozen_use_done(self) -> None:
         if self._frozen_uses <= 0:
-            return  # kept until the end of backward (or the count was reset)
+            return
         self._frozen_uses -= 1
         if self._frozen_uses == 0 and self.training_state is not TrainingState.IDLE \
                 and self.settings.reshard_after_backward:
@@ -441,17 +413,16 @@ class Unit:
             for buffer in self.buffers:
                 if reshard and (buffer.is_unsharded or buffer.is_gathering):
                     self.reshard_buffer(buffer)
-                buffer.drop_post_forward_copy()  # this backward did not need it
+                buffer.drop_post_forward_copy()
             self._frozen_uses = 0
         self.training_state = TrainingState.IDLE
 
     def reset_iter_state(self) -> None:
-        """After an iteration raised. Post-condition: IDLE, sharded, nothing
-        in flight or pending, no saved-tensor guard."""
+        """After an iteration raised. Post-condition: IDLE, sharded, nothing in flight."""
         self._release_saved_guard()
         for buffer in self.buffers:
             if self.collectives is not None:
-                self.collectives.discard_buffer(buffer)  # waits its all-gather, drops its reduction
+                self.collectives.discard_buffer(buffer)
             buffer.grad.discard_iteration()
             buffer.reshard()
         self.training_state = TrainingState.IDLE

@@ -1,41 +1,19 @@
 """How a unit's transitions happen: through the collective queue, or in
-place where nothing of the model crosses ranks. The model's path is chosen
-once (:func:`choose_path`) and every unit delegates to it, so ``Unit`` and
-``CollectiveQueue`` do not ask how many ranks there are.
+place where nothing crosses ranks. The model's path is chosen once
+(:func:`choose_path`), so ``Unit`` and ``CollectiveQueue`` never ask how
+many ranks there are.
 
 [Note: the local path]
-A model whose every buffer is aliased (one rank, the shard's storage is the
-unsharded buffer: ``records.is_aliased``) with no assembled copies, no
-replica and no custom collectives communicates nothing and frees nothing
-by resharding. :class:`LocalPath` runs its transitions in place:
-
-=========================  ==========================================  =================================
-moment                     the local path                              test
-=========================  ==========================================  =================================
-unshard (forward,          swap in the unsharded views; nothing         ``test_unit_paths.py``
-backward, by hand)         fetched ahead (``unshard_in_place``)
-end of forward             nothing: the views stay (a reshard would     ``test_module_api.py``
-                           free nothing), until post-backward
-pre-backward hook          none on a unit other than the root whose     ``test_one_rank_backward.py``
-                           buffers all train and which does not
-                           defer its reduction; its first gradient
-                           queues the end of backward, a forward while
-                           a backward runs on the thread is a
-                           recomputation, a manual ``reshard()``
-                           before backward has the backward's first
-                           event swap the views back
-                           (``FullyShardState.reshard``)
-reduction                  fold the flat gradient into the sharded      ``test_unit_paths.py``
-                           gradient at once (``fold_unreduced``)
-=========================  ==========================================  =================================
-
-Every other model takes :class:`CollectivePath`: the queue, which also
-handles single aliased buffers (a one-rank shard group under hybrid
-sharding still all-reduces over its replicas). The path is chosen again
-when a buffer is rebuilt (``module.to()``, ``materialize``) or a unit's
-collectives are replaced. A profiler changes no path: the moments of
-both are the hook ranges (``fsdp_compose::pre_forward <unit>``, ...), and
-the local path's unshard and fold run inside them.
+A model whose every buffer is aliased (one rank), with no assembled
+copies, replica or custom collectives, communicates and frees nothing.
+:class:`LocalPath` runs its transitions in place: unshard swaps the views
+in, nothing is fetched ahead; the end of forward leaves the views; units
+other than the root whose buffers all train and which do not defer their
+reduction get no pre-backward hook (their first gradient queues the end of
+backward; a manual ``reshard()`` has backward's first event swap the views
+back); a reduction folds at once (``fold_unreduced``). Every other model
+takes :class:`CollectivePath`. The path is chosen again when a buffer is
+rebuilt or a unit's collectives are replaced.
 """
 
 from __future__ import annotations
@@ -72,20 +50,18 @@ class CollectivePath:
         self.queue.gather(unit, order.record_forward(unit), order.ran)
 
     def gather_for_backward(self, unit: PathUnit) -> None:
-        """Its targets too, unless its backward may run on some ranks only
-        (``reduce_scatter_unused_params``)."""
+        """Its targets too, unless ``reduce_scatter_unused_params``."""
         order = unit.prefetch_order
         targets: Optional[Sequence[Any]] = ()
         if not unit.settings.reduce_scatter_unused_params:
             plan = order.backward_plan
             targets = plan.get(id(unit)) if plan is not None else None
-            if targets is None:  # a forward outside the root's, or a setter since
+            if targets is None:  # no plan
                 targets = order.backward_targets(unit)
         self.queue.gather(unit, targets, order.ran)
 
     def plan_backward(self, order: PathOrder) -> None:
-        """The root's forward ended and a backward may follow: the prefetch
-        targets its hooks read."""
+        """The root's forward ended: plan the backward's prefetch targets."""
         order.plan_backward()
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
@@ -94,7 +70,7 @@ class CollectivePath:
     def hook_outputs(self, unit: PathUnit, tensors: Sequence[torch.Tensor],
                      pre_backward: Callable[[Any], None]) -> None:
         """``pre_backward`` when backward reaches any of ``tensors``."""
-        if len(tensors) == 1:  # what "any" of one tensor is, without its bookkeeping
+        if len(tensors) == 1:  # no multi-grad bookkeeping
             _on_gradient(tensors[0], pre_backward)
         else:
             register_multi_grad_hook(tensors, pre_backward, mode="any")
@@ -106,7 +82,7 @@ class CollectivePath:
             buffer.reshard(keep_for_backward=keep)
 
     def gradient_ready(self, unit: PathUnit) -> None:
-        """A buffer's flat gradient is complete (the pre-backward hook ran)."""
+        """A buffer's flat gradient is complete."""
 
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         self.queue.reduce(buffer, options)
@@ -120,9 +96,7 @@ class CollectivePath:
 
 
 class LocalPath(CollectivePath):
-    """[Note: the local path]. Stateless but for the queue, which the
-    moments that are not transitions (``ShardedModule.unshard``, the end of
-    backward) still use."""
+    """[Note: the local path]. Stateless but for the queue."""
 
     __slots__ = ()
 
@@ -139,10 +113,10 @@ class LocalPath(CollectivePath):
         self.unshard(unit)
 
     def plan_backward(self, order: PathOrder) -> None:
-        pass  # nothing is prefetched in place
+        pass
 
     def start_forward(self, unit: PathUnit, frozen: bool) -> None:
-        """Frozen buffers keep the hook: their resharding reads the backward state."""
+        """Frozen buffers keep the hook."""
         unit.backward_without_hook = not frozen and not unit.is_root and \
             not unit.settings.reduce_scatter_unused_params
 
@@ -152,17 +126,17 @@ class LocalPath(CollectivePath):
             super().hook_outputs(unit, tensors, pre_backward)
 
     def reshard_after_forward(self, unit: PathUnit, keep: Optional[ShardGroup]) -> None:
-        """Nothing: a reshard frees nothing; the views stay until post-backward."""
+        """Nothing: a reshard frees nothing."""
 
     def gradient_ready(self, unit: PathUnit) -> None:
         if unit.backward_without_hook:
-            unit.backward_started()  # no pre-backward hook ran: queue the end of backward
+            unit.backward_started()  # no pre-backward hook ran
 
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         buffer.grad.fold_unreduced(options)
 
     def in_backward(self, unit: PathUnit) -> bool:
-        """Without a pre-backward hook, a backward running on this thread."""
+        """A backward runs on this thread."""
         return unit.training_state in _BACKWARD or \
             (unit.backward_without_hook and current_graph_task_id() != -1)
 
@@ -173,16 +147,14 @@ class LocalPath(CollectivePath):
 
 
 def choose_path(queue: CollectiveQueue, buffers: Sequence[FlatBuffer]) -> CollectivePath:
-    """:class:`LocalPath` where nothing of the model crosses ranks or is
-    freed by a reshard ([Note: the local path]), else :class:`CollectivePath`."""
+    """[Note: the local path]."""
     local = bool(buffers) and all(
         b.reshard_frees_nothing and b.group.total_size == 1 and b.comms is None for b in buffers)
     return LocalPath(queue) if local else CollectivePath(queue)
 
 
 def _on_gradient(tensor: torch.Tensor, hook: Callable[[Any], None]) -> None:
-    """``hook`` when backward reaches ``tensor``'s gradient: a pre-hook on
-    its node (no handle bookkeeping), a tensor hook on a leaf."""
+    """``hook`` when backward reaches ``tensor``'s gradient."""
     node = tensor.grad_fn
     if node is not None:
         node.register_prehook(hook)

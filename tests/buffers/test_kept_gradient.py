@@ -1,4 +1,4 @@
-"""The sharded gradient kept across steps (buffers/kept_gradient.py, [Note:
+"""The sharded gradient kept across steps (``KeptGradient`` in buffers/flat_grad.py, [Note:
 the kept sharded gradient]): made once and written into at every later
 step, its memory given back by ``zero_grad(set_to_none=True)`` (the
 optimizer's or the model's) or else at the next forward once the ``.grad``
@@ -41,7 +41,7 @@ def _loss(model, seed: int) -> torch.Tensor:
 def _steady_state_work() -> dict:
     """Gradients made, copied into and released in the steps after
     warm-up, and the kept memory seen by the first block's forward."""
-    from fsdp_compose.buffers import flat_grad, kept_gradient
+    from fsdp_compose.buffers import flat_grad
 
     model = tiny_gpt()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -57,10 +57,10 @@ def _steady_state_work() -> dict:
         optim.zero_grad(set_to_none=True)
     kept_after_warmup = [g._kept for g in _gradients(model)]
     counts = {}
-    with mock.patch.object(kept_gradient.KeptGradient, "__init__", autospec=True,
-                           side_effect=kept_gradient.KeptGradient.__init__) as made, \
-            mock.patch.object(kept_gradient.KeptGradient, "release", autospec=True,
-                              side_effect=kept_gradient.KeptGradient.release) as released, \
+    with mock.patch.object(flat_grad.KeptGradient, "__init__", autospec=True,
+                           side_effect=flat_grad.KeptGradient.__init__) as made, \
+            mock.patch.object(flat_grad.KeptGradient, "release", autospec=True,
+                              side_effect=flat_grad.KeptGradient.release) as released, \
             mock.patch.object(flat_grad.FlatGradient, "_adopt", autospec=True,
                               side_effect=flat_grad.FlatGradient._adopt) as copied:
         for seed in range(WARMUP, WARMUP + STEPS):

@@ -174,7 +174,7 @@ def blocks_between_forward_and_backward(steps: int = 3):
     between forward and backward and after backward, how many times the
     module attributes were swapped to the unsharded views, and how many
     times the collective queue was asked to gather."""
-    from fsdp_compose.buffers.param_slots import ParamSlots
+    from fsdp_compose.buffers.param_views import ParamSlots
     from fsdp_compose.runtime.collective_queue import CollectiveQueue
     swaps = gathers = 0
     swap_in_views, gather = ParamSlots.swap_in_views, CollectiveQueue.gather
