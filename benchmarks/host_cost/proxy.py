@@ -10,7 +10,9 @@
 One process (a group of one rank: gloo on the CPU, NCCL on a GPU), one
 thread, a GPT of ``--layers`` tiny blocks (d=16, sequence 8, batch 2: the
 arithmetic is next to nothing), every block a unit plus the root. A step is
-forward, backward, AdamW step and ``zero_grad``. The unsharded model,
+forward, backward, AdamW step and ``zero_grad``; every variant steps with torch's
+own AdamW (the hooks are measured here, the flat optimizer step by
+``benchmarks.optimizer_step``). The unsharded model,
 the design's floor (``host_cost/floor.py``: the torch work
 fsdp_compose's design needs per unit, with next to no Python), the same
 with fsdp_compose's per-forward checks (``floor_checked``), fsdp_compose
@@ -68,6 +70,7 @@ import argparse
 import cProfile
 import datetime
 import gc
+import inspect
 import json
 import os
 import pstats
@@ -192,10 +195,20 @@ def _build(name: str, cfg: GPTConfig, device: torch.device) -> nn.Module:
     return model
 
 
+def keep_torchs_step(optim: torch.optim.Optimizer) -> None:
+    """Every fsdp_compose build loaded here (``ab.py``'s baseline too) leaves
+    ``optim`` to torch's own step, as every variant's."""
+    for name in ("fsdp_compose", "fsdp_compose_baseline"):
+        flat_step = getattr(sys.modules.get(name), "flat_step", None)
+        if flat_step is not None and "enabled" in inspect.signature(flat_step).parameters:
+            flat_step(optim, enabled=False)
+
+
 def _stepper(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
              device: torch.device, clock: Callable[[], float] = time.perf_counter
              ) -> Callable[[], float]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    keep_torchs_step(optim)
 
     def step() -> float:
         begin = clock()
