@@ -6,7 +6,7 @@ reduce-scattered after backward, while the original ``nn.Parameter`` objects
 stay registered under their original names.
 """
 
-from .comm.collectives import set_gloo_reduce_scatter_via_all_reduce
+from .comm.wire import set_gloo_reduce_scatter_via_all_reduce
 from .checks.finite import check_finite_gradients
 from .checks.unmanaged import mark_reduced_elsewhere
 from .api import ShardedParamInfo, fully_shard, param_info

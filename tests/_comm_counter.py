@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_compose.comm.collectives import set_gloo_reduce_scatter_via_all_reduce
+from fsdp_compose.comm.wire import set_gloo_reduce_scatter_via_all_reduce
 
 ALL_GATHER = torch.ops.c10d._allgather_base_.default
 REDUCE_SCATTER = torch.ops.c10d._reduce_scatter_base_.default

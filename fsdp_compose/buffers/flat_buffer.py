@@ -18,7 +18,9 @@ import torch.nn as nn
 from .._torch_private import unsafe_set_version_counter
 from ..comm.custom import UnitComms
 from ..comm.groups import ShardGroup
-from ..comm.wire import EXACT, Wire, policy_wire
+from ..comm.custom import CustomWire
+from ..comm.quantized import policy_wire
+from ..comm.wire import EXACT, Wire
 from .flat_grad import FlatGradient
 from .layout import OWNED, FlatLayout, ShardSlice
 from .param_views import (ParamSlots, Strided, ViewPlan, called_weakly, split_into_params,
@@ -416,7 +418,8 @@ class FlatBuffer:
 
     @property
     def comms(self) -> Optional[UnitComms]:
-        return self.wire.comms
+        wire = self.wire
+        return wire.comms if isinstance(wire, CustomWire) else None
 
     @property
     def is_stale(self) -> bool:

@@ -33,7 +33,7 @@ import torch.nn as nn
 from .._torch_private import (CAN_COUNT_USES, CAN_SWAP_STORAGE_DATA, storage_key,
                               storage_key_use_count, storage_use_count, swap_storage_data,
                               tensor_use_count)
-from ..comm.collectives import finish_scaling
+from ..comm.wire import finish_scaling
 from ..comm.groups import ShardGroup
 from .layout import FlatLayout, ShardSlice
 from .reduce_subset import ReduceSubset, SubsetPlans

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from . import _tensor_parallel as tensor_parallel
 from ..buffers.layout import FlatLayout, ShardDim
 from ..buffers.records import ParamRecord
-from ..comm.collectives import all_to_all
+from ..comm.wire import all_to_all
 from ..comm.groups import ShardGroup
 from ._chunks import chunk_shape, exchange_plan
 

@@ -1,5 +1,5 @@
 """Each rank's recent collectives, compared through the store when a wait
-stalls or fails ([Note: flight log] in ``comm/watched_wait.py``).
+stalls or fails ([Note: flight log] in ``comm/wire.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional
 import torch.distributed as dist
 
 from .._torch_private import default_store
-from ..comm.watched_wait import stall_seconds, watch
+from ..comm.wire import stall_seconds, watch
 
 RING_SIZE = 256
 """Collectives remembered per process group."""

@@ -22,7 +22,7 @@ from .._torch_private import default_store
 from ..comm.agreement import agreed_max
 from ..comm.groups import ShardGroup
 from ..comm.rendezvous import CALL_TIMEOUT_ENV, LEFT, call_timeout, meet
-from ..comm.watched_wait import stall_seconds
+from ..comm.wire import stall_seconds
 from ..comm.whereabouts import Doing
 from ..runtime.protocols import ObservedUnit
 from .flight_log import FlightRecorder

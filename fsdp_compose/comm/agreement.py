@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, release_after_collective
+from .wire import all_gather_flat, release_after_collective
 from .groups import ShardGroup
 
 

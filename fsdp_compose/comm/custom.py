@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .collectives import reduce_op
+from .wire import Issued, PartialSums, Waitable, Wire, reduce_op
 from .groups import ShardGroup
 
 AllReduceHook = Callable[[torch.Tensor], None]
@@ -83,3 +83,108 @@ class _Finished:
 
     def wait(self, timeout: object = None) -> bool:
         return True
+
+
+class CustomWire(Wire):
+    """[Note: custom collectives]; the queue never frees their memory."""
+
+    __slots__ = ("comms", "base")
+
+    def __init__(self, comms: UnitComms, base: Wire) -> None:
+        self.comms: UnitComms = comms
+        self.base: Wire = base
+
+    def key(self) -> tuple:
+        return ("custom", self.comms.key(), self.base.key())
+
+    @property
+    def quantizes(self) -> bool:
+        return self.base.quantizes
+
+    @property
+    def fills_members_at_completion(self) -> bool:
+        return self.comms.all_gather is not None or self.base.fills_members_at_completion
+
+    def on_policy(self, policy: Wire) -> Wire:
+        return CustomWire(self.comms, policy)
+
+    def subgroup_gather(self) -> Wire:
+        return CustomWire(self.comms, self.base.subgroup_gather())
+
+    def gather_memory(self, numel: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, bool]:
+        comm = self.comms.all_gather
+        if comm is None:
+            return self.base.gather_memory(numel, dtype, device)
+        return allocate(comm, numel, dtype, device), False
+
+    def reduce_memory(self, numel: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, bool]:
+        comm = self.comms.reduce_scatter
+        if comm is None:
+            return self.base.reduce_memory(numel, dtype, device)
+        return allocate(comm, numel, dtype, device), False
+
+    def reduce_group(self, group: ShardGroup) -> ShardGroup:
+        return self.comms.reduce_group(group)
+
+    def all_gather(self, destination: torch.Tensor, shard: torch.Tensor,
+                   group: ShardGroup) -> Issued:
+        comm = self.comms.all_gather
+        if comm is None:
+            return self.base.all_gather(destination, shard, group)
+        out = allocate(comm, destination.numel(), shard.dtype, destination.device)
+        work = all_gather_custom(comm, out, shard, group)
+        return Issued(work, group.process_group,  # type: ignore[arg-type]
+                      copies=[(destination.view(-1), out)], keep_alive=(shard, out))
+
+    def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
+                          shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
+        if self.comms.all_gather is None:
+            return self.base.all_gather_packed(rows, shards, group)
+        return super().all_gather_packed(rows, shards, group)
+
+    def _all_gather_flat(self, output: torch.Tensor, packed: torch.Tensor,
+                         group: ShardGroup) -> Waitable:
+        return all_gather_custom(self.comms.all_gather, output, packed,  # type: ignore[return-value]
+                                 group)
+
+    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                       divide_factor: Optional[float], force_sum: bool) -> Issued:
+        comm = self.comms.reduce_scatter
+        if comm is None:
+            return self.base.reduce_scatter(output, flat, group, divide_factor, force_sum)
+        comm_input = allocate(comm, flat.numel(), flat.dtype, flat.device)
+        comm_input.copy_(flat)
+        comm_output = allocate(comm, output.numel(), flat.dtype, flat.device)
+        work = reduce_scatter_custom(comm, comm_output, comm_input, group, divide_factor,
+                                     force_sum)
+        return Issued(work, group.process_group, copies=[(output, comm_output)],  # type: ignore[arg-type]
+                      keep_alive=(comm_input, comm_output))
+
+    def reduce_scatter_packed(self, grads: Sequence[Optional[torch.Tensor]],
+                              chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
+                              group: ShardGroup, divide_factor: Optional[float],
+                              force_sum: bool) -> Issued:
+        if self.comms.reduce_scatter is None:
+            return self.base.reduce_scatter_packed(grads, chunks, outputs, group, divide_factor,
+                                                   force_sum)
+        return super().reduce_scatter_packed(grads, chunks, outputs, group, divide_factor,
+                                             force_sum)
+
+    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                             divide_factor: Optional[float], force_sum: bool,
+                             segments: Optional[list[int]]) -> Waitable:
+        return reduce_scatter_custom(self.comms.reduce_scatter, output, flat,  # type: ignore[return-value]
+                                     group, divide_factor, force_sum)
+
+    def replica_input(self, partials: PartialSums, output: torch.Tensor
+                      ) -> Optional[torch.Tensor]:
+        if not self.comms.requires_all_reduce:
+            return None
+        return partials.merge_partial(output)
+
+    def before_fold(self, output: torch.Tensor) -> None:
+        hook = self.comms.all_reduce_hook
+        if hook is not None:
+            hook(output)

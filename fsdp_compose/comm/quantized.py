@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, needs_post_division
+from .wire import EXACT, Issued, Waitable, Wire, all_gather_flat, needs_post_division
 from .groups import ShardGroup
 
 FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)
@@ -202,3 +202,67 @@ def _spans(segments: Sequence[int], sizes: Sequence[int], wire_offset: int):
         yield (start, start + numel), (wire, wire + size)
         start += numel
         wire += size
+
+
+class QuantizedWire(Wire):
+    """[Note: block-quantized wire format], where a direction has a quantizer."""
+
+    __slots__ = ("gather_quantizer", "reduce_quantizer")
+
+    def __init__(self, gather_quantizer: Optional[BlockQuantizer],
+                 reduce_quantizer: Optional[BlockQuantizer]) -> None:
+        self.gather_quantizer = gather_quantizer
+        self.reduce_quantizer = reduce_quantizer
+
+    def key(self) -> tuple:
+        return ("quantized", self.gather_quantizer, self.reduce_quantizer)
+
+    @property
+    def quantizes(self) -> bool:
+        return True
+
+    @property
+    def fills_members_at_completion(self) -> bool:
+        return self.gather_quantizer is None  # decoded at the wait
+
+    def subgroup_gather(self) -> Wire:
+        return EXACT
+
+    def all_gather(self, destination: torch.Tensor, shard: torch.Tensor,
+                   group: ShardGroup) -> Issued:
+        if self.gather_quantizer is None:
+            return super().all_gather(destination, shard, group)
+        rows = destination.view(group.world_size, -1)
+        work = all_gather_quantized([rows], [shard], group, self.gather_quantizer)
+        return Issued(work, group.process_group, keep_alive=(shard,))
+
+    def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
+                          shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
+        if self.gather_quantizer is None:
+            return super().all_gather_packed(rows, shards, group)
+        work = all_gather_quantized(rows, shards, group, self.gather_quantizer)
+        return Issued(work, group.process_group, keep_alive=shards)
+
+    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                       divide_factor: Optional[float], force_sum: bool) -> Issued:
+        if self.reduce_quantizer is None:
+            return super().reduce_scatter(output, flat, group, divide_factor, force_sum)
+        work = reduce_scatter_quantized(output, flat, group, self.reduce_quantizer,
+                                        divide_factor, force_sum)
+        return Issued(work, group.process_group, keep_alive=(flat,))
+
+    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                             divide_factor: Optional[float], force_sum: bool,
+                             segments: Optional[list[int]]) -> Waitable:
+        if self.reduce_quantizer is None:
+            return super()._reduce_scatter_flat(output, flat, group, divide_factor, force_sum,
+                                                segments)
+        return reduce_scatter_quantized(output, flat, group, self.reduce_quantizer,
+                                        divide_factor, force_sum, segments)
+
+
+def policy_wire(gather_quantizer: Optional[BlockQuantizer],
+                reduce_quantizer: Optional[BlockQuantizer]) -> Wire:
+    if gather_quantizer is None and reduce_quantizer is None:
+        return EXACT
+    return QuantizedWire(gather_quantizer, reduce_quantizer)

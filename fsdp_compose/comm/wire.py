@@ -1,20 +1,27 @@
-"""How one flat buffer's collectives go on the wire.
+"""How one flat buffer's collectives go on the wire, and how their waits are watched.
 
 [Note: the wire interface]
-A wire *issues*, never waits; it returns an :class:`Issued`.
+A wire *issues*, never waits; it returns an :class:`Issued`. :class:`Wire` is
+the exact wire, over this module's collectives (they never copy their
+inputs); the quantized wire is ``quantized.py``'s, the custom one
+``custom.py``'s. A buffer holds one; the queue issues through it.
+
+[Note: flight log]
+A backend fails naming no unit, so a wait that stalls past :func:`stall_seconds` or raises
+tells its group's watcher, which compares the ranks' logs.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
+from datetime import timedelta
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_into, reduce_scatter_scaled
-from .custom import UnitComms, all_gather_custom, allocate, reduce_scatter_custom
 from .groups import ShardGroup
-from .quantized import BlockQuantizer, all_gather_quantized, reduce_scatter_quantized
 
 
 class Waitable(Protocol):
@@ -41,11 +48,9 @@ class Issued(NamedTuple):
 
 
 class Wire:
-    """``collectives.py``'s collectives on memory the queue may free."""
+    """The exact wire: the collectives below, on memory the queue may free."""
 
     __slots__ = ()
-
-    comms: Optional[UnitComms] = None
 
     def key(self) -> tuple:
         """Equal for wires a bucket may pack together."""
@@ -102,7 +107,7 @@ class Wire:
 
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
                        divide_factor: Optional[float], force_sum: bool) -> Issued:
-        """``collectives.reduce_scatter_scaled``'s contract."""
+        """:func:`reduce_scatter_scaled`'s contract."""
         work = reduce_scatter_scaled(output, flat, group, divide_factor, force_sum, async_op=True)
         return Issued(work, group.process_group, keep_alive=(flat,))  # type: ignore[arg-type]
 
@@ -150,170 +155,200 @@ class Wire:
 EXACT = Wire()
 
 
-class QuantizedWire(Wire):
-    """[Note: block-quantized wire format], where a direction has a quantizer."""
+# ----------------------------------------------------------------- collectives
+# torch >= 2.10: *_single.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-    __slots__ = ("gather_quantizer", "reduce_quantizer")
 
-    def __init__(self, gather_quantizer: Optional[BlockQuantizer],
-                 reduce_quantizer: Optional[BlockQuantizer]) -> None:
-        self.gather_quantizer = gather_quantizer
-        self.reduce_quantizer = reduce_quantizer
+class _DoneWork:
 
-    def key(self) -> tuple:
-        return ("quantized", self.gather_quantizer, self.reduce_quantizer)
-
-    @property
-    def quantizes(self) -> bool:
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
         return True
 
-    @property
-    def fills_members_at_completion(self) -> bool:
-        return self.gather_quantizer is None  # decoded at the wait
 
-    def subgroup_gather(self) -> Wire:
-        return EXACT
-
-    def all_gather(self, destination: torch.Tensor, shard: torch.Tensor,
-                   group: ShardGroup) -> Issued:
-        if self.gather_quantizer is None:
-            return super().all_gather(destination, shard, group)
-        rows = destination.view(group.world_size, -1)
-        work = all_gather_quantized([rows], [shard], group, self.gather_quantizer)
-        return Issued(work, group.process_group, keep_alive=(shard,))
-
-    def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
-                          shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
-        if self.gather_quantizer is None:
-            return super().all_gather_packed(rows, shards, group)
-        work = all_gather_quantized(rows, shards, group, self.gather_quantizer)
-        return Issued(work, group.process_group, keep_alive=shards)
-
-    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
-                       divide_factor: Optional[float], force_sum: bool) -> Issued:
-        if self.reduce_quantizer is None:
-            return super().reduce_scatter(output, flat, group, divide_factor, force_sum)
-        work = reduce_scatter_quantized(output, flat, group, self.reduce_quantizer,
-                                        divide_factor, force_sum)
-        return Issued(work, group.process_group, keep_alive=(flat,))
-
-    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
-                             divide_factor: Optional[float], force_sum: bool,
-                             segments: Optional[list[int]]) -> Waitable:
-        if self.reduce_quantizer is None:
-            return super()._reduce_scatter_flat(output, flat, group, divide_factor, force_sum,
-                                                segments)
-        return reduce_scatter_quantized(output, flat, group, self.reduce_quantizer,
-                                        divide_factor, force_sum, segments)
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ShardGroup,
+                    async_op: bool = False) -> Optional[dist.Work]:
+    """Rank-major; the work when ``async_op``."""
+    if group.world_size == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return _DoneWork() if async_op else None
+    return all_gather_flat(output, shard, group=group.process_group, async_op=async_op)
 
 
-def policy_wire(gather_quantizer: Optional[BlockQuantizer],
-                reduce_quantizer: Optional[BlockQuantizer]) -> Wire:
-    if gather_quantizer is None and reduce_quantizer is None:
-        return EXACT
-    return QuantizedWire(gather_quantizer, reduce_quantizer)
+def reduce_scatter_scaled(output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
+                          divide_factor: Optional[float] = None, force_sum: bool = False,
+                          async_op: bool = False) -> Optional[dist.Work]:
+    """With :func:`all_reduce_replicas` and :func:`finish_scaling`: the mean, or the sum
+    divided by ``divide_factor``."""
+    if group.world_size == 1:
+        if output.data_ptr() != flat.data_ptr():
+            output.copy_(flat)
+        return _DoneWork() if async_op else None
+    op = reduce_op(group, divide_factor, force_sum)
+    if _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE and flat.device.type == "cpu" and \
+            dist.get_backend(group.process_group) == "gloo":
+        work = dist.all_reduce(flat, op=op, group=group.process_group, async_op=True)
+        chunk = flat.narrow(0, group.rank * output.numel(), output.numel())
+        pending = _ChunkAfterAllReduce(work, output, chunk)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+    return _reduce_scatter_flat(output, flat, op=op, group=group.process_group,
+                                async_op=async_op)
 
 
-class CustomWire(Wire):
-    """[Note: custom collectives]; the queue never frees their memory."""
+# [Note: gloo reduce-scatter as an all-reduce]
+# Gloo's reduce-scatter copies its input: an in-place all-reduce and a copy of this rank's chunk
+# is faster and bit-identical.
+_GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = True
 
-    __slots__ = ("comms", "base")
 
-    def __init__(self, comms: UnitComms, base: Wire) -> None:
-        self.comms: UnitComms = comms  # type: ignore[misc]
-        self.base: Wire = base
+def set_gloo_reduce_scatter_via_all_reduce(enabled: bool) -> bool:
+    """Returns the previous setting (default ``True``)."""
+    global _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
+    previous, _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE = _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE, bool(enabled)
+    return previous
 
-    def key(self) -> tuple:
-        return ("custom", self.comms.key(), self.base.key())
 
-    @property
-    def quantizes(self) -> bool:
-        return self.base.quantizes
+def gloo_reduce_scatter_via_all_reduce() -> bool:
+    return _GLOO_REDUCE_SCATTER_VIA_ALL_REDUCE
 
-    @property
-    def fills_members_at_completion(self) -> bool:
-        return self.comms.all_gather is not None or self.base.fills_members_at_completion
 
-    def on_policy(self, policy: Wire) -> Wire:
-        return CustomWire(self.comms, policy)
+class _ChunkAfterAllReduce:
 
-    def subgroup_gather(self) -> Wire:
-        return CustomWire(self.comms, self.base.subgroup_gather())
+    def __init__(self, work: dist.Work, output: torch.Tensor, chunk: torch.Tensor) -> None:
+        self._work: Optional[dist.Work] = work
+        self._output = output
+        self._chunk = chunk
 
-    def gather_memory(self, numel: int, dtype: torch.dtype,
-                      device: torch.device) -> tuple[torch.Tensor, bool]:
-        comm = self.comms.all_gather
-        if comm is None:
-            return self.base.gather_memory(numel, dtype, device)
-        return allocate(comm, numel, dtype, device), False
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if self._work is None:
+            return True  # waited already
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)
+        self._work = None
+        self._output.copy_(self._chunk)
+        return True
 
-    def reduce_memory(self, numel: int, dtype: torch.dtype,
-                      device: torch.device) -> tuple[torch.Tensor, bool]:
-        comm = self.comms.reduce_scatter
-        if comm is None:
-            return self.base.reduce_memory(numel, dtype, device)
-        return allocate(comm, numel, dtype, device), False
 
-    def reduce_group(self, group: ShardGroup) -> ShardGroup:
-        return self.comms.reduce_group(group)
+def all_reduce_replicas(output: torch.Tensor, group: ShardGroup,
+                        divide_factor: Optional[float] = None, force_sum: bool = False,
+                        async_op: bool = False) -> Optional[dist.Work]:
+    """Across the replicas."""
+    replicate = group.replicate_process_group
+    if replicate is None or group.replicate_size == 1:
+        return _DoneWork() if async_op else None
+    return dist.all_reduce(output, op=reduce_op(group, divide_factor, force_sum),
+                           group=replicate, async_op=async_op)
 
-    def all_gather(self, destination: torch.Tensor, shard: torch.Tensor,
-                   group: ShardGroup) -> Issued:
-        comm = self.comms.all_gather
-        if comm is None:
-            return self.base.all_gather(destination, shard, group)
-        out = allocate(comm, destination.numel(), shard.dtype, destination.device)
-        work = all_gather_custom(comm, out, shard, group)
-        return Issued(work, group.process_group,  # type: ignore[arg-type]
-                      copies=[(destination.view(-1), out)], keep_alive=(shard, out))
 
-    def all_gather_packed(self, rows: Sequence[Optional[torch.Tensor]],
-                          shards: Sequence[torch.Tensor], group: ShardGroup) -> Issued:
-        if self.comms.all_gather is None:
-            return self.base.all_gather_packed(rows, shards, group)
-        return super().all_gather_packed(rows, shards, group)
+def finish_scaling(output: torch.Tensor, group: ShardGroup, divide_factor: Optional[float],
+                   force_sum: bool) -> None:
+    if divide_factor is None and not force_sum:
+        return
+    if needs_post_division(group, divide_factor, force_sum):
+        factor = group.total_size if divide_factor is None else divide_factor
+        if factor != 1.0:
+            output.div_(factor)
 
-    def _all_gather_flat(self, output: torch.Tensor, packed: torch.Tensor,
-                         group: ShardGroup) -> Waitable:
-        return all_gather_custom(self.comms.all_gather, output, packed,  # type: ignore[return-value]
-                                 group)
 
-    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
-                       divide_factor: Optional[float], force_sum: bool) -> Issued:
-        comm = self.comms.reduce_scatter
-        if comm is None:
-            return self.base.reduce_scatter(output, flat, group, divide_factor, force_sum)
-        comm_input = allocate(comm, flat.numel(), flat.dtype, flat.device)
-        comm_input.copy_(flat)
-        comm_output = allocate(comm, output.numel(), flat.dtype, flat.device)
-        work = reduce_scatter_custom(comm, comm_output, comm_input, group, divide_factor,
-                                     force_sum)
-        return Issued(work, group.process_group, copies=[(output, comm_output)],  # type: ignore[arg-type]
-                      keep_alive=(comm_input, comm_output))
+def reduce_op(group: ShardGroup, divide_factor: Optional[float],
+              force_sum: bool) -> dist.ReduceOp:
+    return dist.ReduceOp.SUM if needs_post_division(group, divide_factor, force_sum) \
+        else dist.ReduceOp.AVG
 
-    def reduce_scatter_packed(self, grads: Sequence[Optional[torch.Tensor]],
-                              chunks: Sequence[int], outputs: Sequence[Optional[torch.Tensor]],
-                              group: ShardGroup, divide_factor: Optional[float],
-                              force_sum: bool) -> Issued:
-        if self.comms.reduce_scatter is None:
-            return self.base.reduce_scatter_packed(grads, chunks, outputs, group, divide_factor,
-                                                   force_sum)
-        return super().reduce_scatter_packed(grads, chunks, outputs, group, divide_factor,
-                                             force_sum)
 
-    def _reduce_scatter_flat(self, output: torch.Tensor, flat: torch.Tensor, group: ShardGroup,
-                             divide_factor: Optional[float], force_sum: bool,
-                             segments: Optional[list[int]]) -> Waitable:
-        return reduce_scatter_custom(self.comms.reduce_scatter, output, flat,  # type: ignore[return-value]
-                                     group, divide_factor, force_sum)
+def needs_post_division(group: ShardGroup, divide_factor: Optional[float],
+                        force_sum: bool) -> bool:
+    mean = divide_factor is None or divide_factor == group.total_size
+    return force_sum or not mean
 
-    def replica_input(self, partials: PartialSums, output: torch.Tensor
-                      ) -> Optional[torch.Tensor]:
-        if not self.comms.requires_all_reduce:
-            return None
-        return partials.merge_partial(output)
 
-    def before_fold(self, output: torch.Tensor) -> None:
-        hook = self.comms.all_reduce_hook
-        if hook is not None:
-            hook(output)
+def all_reduce_max(tensor: torch.Tensor, group: ShardGroup) -> None:
+    if group.world_size > 1:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group,
+                               async_op=True)
+        wait_watched(work, group.process_group)
+    replicate = group.replicate_process_group
+    if replicate is not None and group.replicate_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=replicate)
+
+
+def release_after_collective(*tensors: torch.Tensor) -> None:
+    """[Note: freeing what a collective read]."""
+    for tensor in tensors:
+        if tensor.device.type == "cpu":
+            tensor.untyped_storage().resize_(0)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_counts: list[int],
+               input_counts: list[int], group: ShardGroup) -> None:
+    """``input_counts[j]`` elements to rank ``j``, ``output_counts[j]`` from it."""
+    if group.world_size == 1:
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, output_split_sizes=output_counts,
+                           input_split_sizes=input_counts, group=group.process_group)
+
+
+# ------------------------------------------------------------------- waits
+STALL_ENV = "FSDP_COMPOSE_STALL_SECONDS"
+"""Seconds a collective may wait before its watcher is told (default 10)."""
+DEFAULT_STALL_SECONDS = 10.0
+
+
+class Watcher(Protocol):
+
+    def stalled(self, process_group: dist.ProcessGroup, error: Optional[BaseException],
+                waited: float) -> None:
+        """Stalled ``waited`` seconds, or raised ``error``."""
+
+    def recovered(self, process_group: dist.ProcessGroup) -> None:
+        """The stalled wait finished."""
+
+
+_watchers: "dict[str, weakref.ref[Watcher]]" = {}
+
+
+def watch(process_group: dist.ProcessGroup, watcher: Watcher) -> None:
+    """Gloo only (a timed wait elsewhere blocks)."""
+    if dist.get_backend(process_group) == "gloo":
+        _watchers[process_group.group_name] = weakref.ref(watcher)
+
+
+def stall_seconds() -> float:
+    value = os.environ.get(STALL_ENV, "")
+    return float(value) if value else DEFAULT_STALL_SECONDS
+
+
+def wait_watched(work, process_group: Optional[dist.ProcessGroup]) -> None:
+    """``work.wait()`` ([Note: flight log])."""
+    ref = _watchers.get(process_group.group_name) if process_group is not None else None
+    watcher = ref() if ref is not None else None
+    if watcher is None:
+        work.wait()
+        return
+    stall = stall_seconds()
+    waited, told = 0.0, False
+    while True:
+        try:
+            work.wait(timedelta(seconds=stall))
+            break
+        except RuntimeError as error:
+            if not _is_timeout(error):
+                watcher.stalled(process_group, error, waited)
+                raise
+            waited += stall
+            told = True
+            watcher.stalled(process_group, None, waited)
+    if told:
+        watcher.recovered(process_group)
+
+
+def _is_timeout(error: RuntimeError) -> bool:
+    return "Operation timed out!" in str(error) and "Timed out waiting" not in str(error)

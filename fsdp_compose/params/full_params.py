@@ -21,11 +21,11 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..comm.agreement import disagreement, fingerprint_of
-from ..runtime.collective_queue import gather_values
 from ..runtime.state import state_of, units_below
 from ..runtime.training_state import TrainingState
 from ..runtime.unit import Unit
-from .whole import Assembled, keep_own_slice, point_params_at, point_params_at_shard
+from .whole import (Assembled, gather_values, keep_own_slice, point_params_at,
+                    point_params_at_shard)
 
 __all__ = ["full_params"]
 

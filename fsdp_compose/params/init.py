@@ -25,12 +25,11 @@ from ..buffers.tensor_parallel import as_dtensor
 from ..comm.agreement import disagreement, fingerprint_of
 from ..comm.groups import backend_device
 from ..comm.rendezvous import arrive
-from ..runtime.collective_queue import gather_values
 from ..runtime.owners import owner_of
 from ..runtime.state import units_below
 from ..runtime.unit import Unit
 from .meta import allocate_meta
-from .whole import Assembled, keep_own_slice, point_params_at
+from .whole import Assembled, gather_values, keep_own_slice, point_params_at
 
 InitFn = Callable[[nn.Module], None]
 

@@ -9,9 +9,18 @@ from __future__ import annotations
 import torch
 
 from ..buffers.flat_buffer import FlatBuffer
+from ..comm.wire import all_gather_into
 
 Assembled = dict[int, torch.Tensor]
 """Per parameter index, a whole copy (values not one run of the buffer)."""
+
+
+def gather_values(buffer: FlatBuffer) -> torch.Tensor:
+    """``buffer``'s padded flat values; blocking, not observed (between steps)."""
+    full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype,
+                       device=buffer.compute_device)
+    all_gather_into(full, buffer.sharded.to(buffer.compute_device), buffer.group)
+    return full
 
 
 def _whole_from(buffer: FlatBuffer, full: torch.Tensor, index: int) -> torch.Tensor:

@@ -1,22 +1,34 @@
-"""Which units share their collectives ([Note: bucketing] in
-``collective_queue.py`` has the collectives).
+"""Which units share their collectives: the plan of a step, made at the
+root's pre-forward. ``CollectiveQueue`` runs what it plans.
 
-The plan is rebuilt from a forward order only once the ranks checked they
-issued the same collectives (``CollectiveQueue.order_agreed``), so it is
-the same on every rank. Consecutive units with equal :func:`_key` are
-grouped greedily within the cap (0: none). Backward gathers the last
-bucket's members one by one (``gathered_in_backward``), where activations
-peak. A bucket counts as one all-gather against
-``max_inflight_all_gathers``; its gradients are held until its last
-member's backward.
+[Note: bucketing]
+Consecutive small units share one all-gather and one reduce-scatter,
+packed: ``out.view(F, T)[:, off_i:off_i+S_i]`` is buffer ``i``'s
+``unsharded.view(F, S_i)``. Results are bit-identical to unbucketed. A
+bucket's collectives carry *every* member (zeros where no gradient), so
+ranks whose control flow differs still pair, and the fingerprint names the
+difference ([Note: rank divergence]).
+
+[Note: a bucket's copies]
+A member's storage is allocated and filled from the packed output when
+it is completed, the packed output freed after the last copy: the start
+of backward holds only the members in use. A wire with
+``fills_members_at_completion`` false fills all at the wait.
+
+The plan follows a forward order only once the ranks checked they issued
+the same collectives (``CollectiveQueue.order_agreed``), so it is the same
+on every rank. Consecutive units with equal :func:`_key` are grouped
+greedily within the cap (0: none). Backward gathers the last bucket's
+members one by one (``gathered_in_backward``), where activations peak. A
+bucket counts as one all-gather against ``max_inflight_all_gathers``; its
+gradients are held until its last member's backward.
 """
 
 from __future__ import annotations
 
-from typing import Container, Hashable, Optional, Protocol, Sequence
+from typing import Hashable, Optional, Protocol, Sequence
 
 from ..buffers.flat_buffer import FlatBuffer
-from .training_state import TrainingState
 from .protocols import BucketedUnit
 
 DEFAULT_BUCKET_CAP_MB = 2.0
@@ -37,7 +49,10 @@ class HasBucketCap(Protocol):
 
 
 class Bucket:
-    """Consecutive units whose collectives are coalesced."""
+    """Consecutive units whose collectives are coalesced; data only (the
+    queue decides what happens to it in a step)."""
+
+    __slots__ = ("units", "buffers", "gathered_in_backward")
 
     def __init__(self, units: list[BucketedUnit]) -> None:
         self.units: list[BucketedUnit] = units
@@ -45,47 +60,38 @@ class Bucket:
         self.gathered_in_backward: bool = True
         """False for the first bucket backward reaches."""
 
-    def gather_members(self, unit: BucketedUnit, issuer_state: TrainingState,
-                       ran: Container[int]) -> list[BucketedUnit]:
-        """``unit`` and the members whose use is still ahead."""
-        backward = issuer_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-        if backward:
-            return [m for m in self.units if m is unit or (
-                m.training_state is TrainingState.IDLE and m.backward_possible)]
-        return [m for m in self.units if m is unit or id(m) not in ran]
-
-    def reduced_buffers(self) -> list[FlatBuffer]:
-        """The same on every rank, whichever members have a gradient."""
-        return [b for u in self.units if u.settings.requires_gradient_sync for b in u.trainable_buffers]
-
-    def expected_reduces(self) -> list[FlatBuffer]:
-        return [b for u in self.units if u.backward_possible and u.settings.requires_gradient_sync
-                for b in u.trainable_buffers]
-
 
 class BucketPlan:
-    """The buckets of one model for the running iteration."""
+    """The buckets of one model for the running iteration. Read during a
+    step through its attributes only; rebuilt between steps."""
 
     def __init__(self, settings: HasBucketCap) -> None:
         self.settings: HasBucketCap = settings
         self.cap_mb: float = settings.bucket_cap_mb
         self.cap_bytes: int = cap_bytes(self.cap_mb)
         self.buckets: list[Bucket] = []
-        self._of_unit: dict[int, Bucket] = {}
-        self._of_buffer: dict[int, Bucket] = {}
+        self.by_unit: dict[int, Bucket] = {}
+        """By unit id."""
+        self.by_buffer: dict[int, Bucket] = {}
+        """By buffer id."""
         self._order: list[BucketedUnit] = []
         """The last agreed forward order."""
 
-    def refresh(self) -> None:
-        """At a root forward: re-bucket if the cap changed."""
+    def refresh(self, agreed: Optional[Sequence[BucketedUnit]]) -> None:
+        """At the root's pre-forward: re-bucket from ``agreed`` (the order the
+        last step agreed; ``None``: none since), or from the last order if the
+        cap changed."""
         if self.settings.bucket_cap_mb != self.cap_mb:
             self.cap_mb = self.settings.bucket_cap_mb
             self.cap_bytes = cap_bytes(self.cap_mb)
-            self.rebuild(self._order)
+            if agreed is None:
+                agreed = self._order
+        if agreed is not None:
+            self.rebuild(agreed)
 
     def rebuild(self, order: Sequence[BucketedUnit]) -> None:
         """``order``: agreed by every rank."""
-        self.buckets, self._of_unit, self._of_buffer = [], {}, {}
+        self.buckets, self.by_unit, self.by_buffer = [], {}, {}
         self._order = list(order)
         if self.cap_bytes <= 0:
             return
@@ -103,16 +109,9 @@ class BucketPlan:
         bucket = Bucket(units)
         self.buckets.append(bucket)
         for unit in units:
-            self._of_unit[id(unit)] = bucket
+            self.by_unit[id(unit)] = bucket
         for buffer in bucket.buffers:
-            self._of_buffer[id(buffer)] = bucket
-
-    def of_unit(self, unit: BucketedUnit) -> Optional[Bucket]:
-        return self._of_unit.get(id(unit))
-
-    def of_buffer(self, buffer: FlatBuffer) -> Optional[Bucket]:
-        return self._of_buffer.get(id(buffer))
-
+            self.by_buffer[id(buffer)] = bucket
 
 
 def group_consecutive(sizes: Sequence[int], keys: Sequence[Optional[Hashable]],

@@ -13,25 +13,11 @@ how a collective goes on the wire, called the same way whichever it is.
    reduce-scatter all (replica all-reduce, or fold). Completions are
    queue methods bound once.
 
-[Note: bucketing]
-Consecutive small units (``buckets.py``) share one all-gather and one
-reduce-scatter, packed: ``out.view(F, T)[:, off_i:off_i+S_i]`` is buffer
-``i``'s ``unsharded.view(F, S_i)``. Results are bit-identical to
-unbucketed. A bucket's collectives carry *every* member (zeros where no
-gradient), so ranks whose control flow differs still pair, and the
-fingerprint names the difference ([Note: rank divergence]).
-
-[Note: a bucket's copies]
-A member's storage is allocated and filled from the packed output when
-it is completed, the packed output freed after the last copy: the start
-of backward holds only the members in use. A wire with
-``fills_members_at_completion`` false fills all at the wait.
-
 [Note: freeing what a collective read]
 A backend may hold a finished work's tensors (gloo), so after the wait
 their storage is resized to 0: packed tensors, and a lone flat gradient
 on the CPU (CUDA frees in stream order); never an output that is its
-input (``comm.collectives.release_after_collective``).
+input (``comm.wire.release_after_collective``).
 """
 
 from __future__ import annotations
@@ -46,9 +32,7 @@ from .._torch_private import profiler_active, unsafe_preserve_version_counter
 from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.staging import StagingPool
-from ..comm.collectives import all_gather_into, all_reduce_replicas
-from ..comm.wire import Waitable
-from ..comm.watched_wait import wait_watched
+from ..comm.wire import Waitable, all_reduce_replicas, wait_watched
 from .tracing import NO_RANGE, profiled
 from .buckets import Bucket, BucketPlan
 from .model_settings import ModelSettings
@@ -56,7 +40,6 @@ from .training_state import TrainingState
 from .protocols import BucketedUnit, CollectiveObserver
 
 _BACKWARD = (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce_replicas"]
 Completion = Callable[["InFlight", list[FlatBuffer]], None]
@@ -169,7 +152,7 @@ def _free(tensors: Sequence[torch.Tensor]) -> None:
 class CollectiveQueue:
     """The data collectives of one model, shared by its units."""
 
-    __slots__ = ('buckets', 'events', 'observer', 'settings', 'staging',
+    __slots__ = ('buckets', 'events', 'observer', 'settings', 'staging', '_agreed',
                  '_gathered', '_gathering', '_gathers', '_held', '_reduced', '_reduces',
                  '_reducing', '_replica_reduced', '_replicas', '__dict__', '__weakref__')
 
@@ -177,7 +160,7 @@ class CollectiveQueue:
                  observer: Optional[CollectiveObserver] = None) -> None:
         self.settings: ModelSettings = settings
         self.buckets: BucketPlan = BucketPlan(settings)
-        """Rebuilt only where the ranks agree (:meth:`order_agreed`)."""
+        """Made at the root's pre-forward from the order the ranks agreed (:meth:`order_agreed`)."""
         self.observer: CollectiveObserver = observer or CollectiveObserver()
         self.staging: StagingPool = StagingPool()
         """Unsharded memory reused on the CPU."""
@@ -191,6 +174,8 @@ class CollectiveQueue:
         """Per waited reduce-scatter, its replica all-reduces, oldest first."""
         self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
         """Per bucket id: its ready buffers."""
+        self._agreed: Optional[Sequence[BucketedUnit]] = None
+        """The order the last step agreed, for the next step's buckets."""
         self.events: Optional[list[CollectiveEvent]] = None
         """Issues and completions while recording (``None``: off)."""
         self._gathered: Completion = self._gather_done  # bound once
@@ -217,14 +202,15 @@ class CollectiveQueue:
 
     # -------------------------------------------------------------- iteration
     def start_iteration(self) -> None:
-        """The root's pre-forward."""
-        self.buckets.refresh()
+        """The root's pre-forward: the step's buckets."""
+        agreed, self._agreed = self._agreed, None
+        self.buckets.refresh(agreed)
         self.observer.start_iteration()
 
     def order_agreed(self, order: Sequence[BucketedUnit]) -> None:
-        """After the fingerprint check passed on every rank: re-bucket from
-        ``order``. Verified iterations run unbucketed ([Note: rank divergence])."""
-        self.buckets.rebuild([] if self.observer.will_verify() else order)
+        """After the fingerprint check passed on every rank: the next step
+        buckets ``order``. Verified iterations run unbucketed ([Note: rank divergence])."""
+        self._agreed = () if self.observer.will_verify() else tuple(order)
 
     def end_forward(self) -> None:
         """[Note: the pool across the end of forward] in ``buffers/staging.py``."""
@@ -264,7 +250,7 @@ class CollectiveQueue:
         if self._gathers:
             self.inflight_all_gathers()
         issuer = unit.training_state
-        bucketed = bool(self.buckets.buckets)
+        bucketed = bool(self.buckets.by_unit)
         if not (bucketed and self._gather_bucket(unit, issuer, ran)):
             for buffer in unit.buffers:
                 self._gather_alone(buffer, issuer, unit.name)
@@ -318,12 +304,17 @@ class CollectiveQueue:
     def _gather_bucket(self, unit: BucketedUnit, issuer: TrainingState, ran: Container[int],
                        limited: bool = False) -> bool:
         """Whether ``unit``'s bucket is gathered as one now (then issued)."""
-        bucket = self.buckets.of_unit(unit)
+        bucket = self.buckets.by_unit.get(id(unit))
         if bucket is None:
             return False
-        if not bucket.gathered_in_backward and issuer in _BACKWARD:
+        backward = issuer in _BACKWARD
+        if not bucket.gathered_in_backward and backward:
             return False  # the first bucket backward reaches (buckets.py)
-        members = bucket.gather_members(unit, issuer, ran)
+        if backward:  # ``unit`` and the members whose use is still ahead
+            members = [m for m in bucket.units if m is unit or (
+                m.training_state is TrainingState.IDLE and m.backward_possible)]
+        else:
+            members = [m for m in bucket.units if m is unit or id(m) not in ran]
         wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]
         if not wanted:
             return True
@@ -411,12 +402,15 @@ class CollectiveQueue:
     # --------------------------------------------------------- reduce-scatter
     def reduce(self, buffer: FlatBuffer, options: ReduceOptions) -> None:
         """Issue, or hold until the bucket's last expected gradient."""
-        bucket = self.buckets.of_buffer(buffer) if self.buckets.buckets else None
+        bucket = self.buckets.by_buffer.get(id(buffer))
         if bucket is not None:
             _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
             if not any(b is buffer for b in ready):
                 ready.append(buffer)
-            if all(any(b is e for b in ready) for e in bucket.expected_reduces()):
+            expected = [b for u in bucket.units
+                        if u.backward_possible and u.settings.requires_gradient_sync
+                        for b in u.trainable_buffers]
+            if all(any(b is e for b in ready) for e in expected):
                 self._reduce_held(id(bucket), buffer)
             return
         self._issue_reduce([buffer], options, buffer)
@@ -424,7 +418,9 @@ class CollectiveQueue:
     def _reduce_held(self, key: int, trigger: Optional[FlatBuffer] = None) -> None:
         """``trigger`` is observed first, so a divergence names its unit."""
         bucket, _, options = self._held.pop(key)
-        self._issue_reduce(bucket.reduced_buffers(), options, trigger)
+        reduced = [b for u in bucket.units if u.settings.requires_gradient_sync  # on every rank
+                   for b in u.trainable_buffers]
+        self._issue_reduce(reduced, options, trigger)
 
     def flush_held_reduces(self) -> None:
         """End of backward, in plan order."""
@@ -444,11 +440,8 @@ class CollectiveQueue:
             if buffer.grad.has_unreduced:
                 self.observer.before_reduce_scatter(buffer)
         one = len(buffers) == 1
-        if profiler_active():
-            with profiled("reduce_scatter", "" if one else f"bucket of {len(buffers)} buffers"):
-                flight = self._reduce_scatter_one(buffers[0], options) if one else \
-                    self._reduce_scatter_bucket(buffers, options)
-        else:
+        with profiled("reduce_scatter", "" if one else f"bucket of {len(buffers)} buffers") \
+                if profiler_active() else NO_RANGE:
             flight = self._reduce_scatter_one(buffers[0], options) if one else \
                 self._reduce_scatter_bucket(buffers, options)
         if flight is not None:
@@ -512,14 +505,7 @@ class CollectiveQueue:
                 if summed is None:  # kept for a later all-reduce
                     buffer.grad.take_back(output, options, partial=True)
                     continue
-                work = all_reduce_replicas(summed, group, *options, async_op=True)
-                replica = InFlight("all_reduce_replicas", work, group.replicate_process_group,
-                                   [buffer], self._replica_reduced,
-                                   results={id(buffer): summed}, options=options)
-                self._reducing[id(buffer)] = replica
-                replicas.append(replica)
-                if self.events is not None:
-                    self._log("issue", replica)
+                replicas.append(self._all_reduce_replicas(buffer, summed, options))
             else:
                 buffer.wire.before_fold(output)
                 buffer.grad.take_back(output, options)
@@ -574,15 +560,19 @@ class CollectiveQueue:
         if group.replicate_size == 1 or group.replicate_process_group is None:
             return
         partial = buffer.grad.take_partial()
-        if partial is None:
-            return
-        work = all_reduce_replicas(partial, group, *options, async_op=True)
+        if partial is not None:
+            self._replicas.append([self._all_reduce_replicas(buffer, partial, options)])
+
+    def _all_reduce_replicas(self, buffer: FlatBuffer, summed: torch.Tensor,
+                             options: ReduceOptions) -> InFlight:
+        group = buffer.group
+        work = all_reduce_replicas(summed, group, *options, async_op=True)
         flight = InFlight("all_reduce_replicas", work, group.replicate_process_group, [buffer],
-                          self._replica_reduced, results={id(buffer): partial}, options=options)
+                          self._replica_reduced, results={id(buffer): summed}, options=options)
         self._reducing[id(buffer)] = flight
-        self._replicas.append([flight])
         if self.events is not None:
             self._log("issue", flight)
+        return flight
 
     def finish_reduces(self) -> None:
         """Oldest first."""
@@ -594,14 +584,6 @@ class CollectiveQueue:
             while self._replicas:
                 for flight in self._replicas.popleft():
                     flight.wait()
-
-
-def gather_values(buffer: FlatBuffer) -> torch.Tensor:
-    """``buffer``'s padded flat values; blocking, not observed (between steps)."""
-    full = torch.empty(buffer.layout.padded_numel, dtype=buffer.dtype,
-                       device=buffer.compute_device)
-    all_gather_into(full, buffer.sharded.to(buffer.compute_device), buffer.group)
-    return full
 
 
 def _issues_all_gather(buffer: FlatBuffer) -> bool:

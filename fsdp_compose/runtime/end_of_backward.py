@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from .._torch_private import post_accumulate_grad_hooks, post_accumulate_grad_hooks_or_none
 from ..buffers.flat_buffer import FlatBuffer
-from ..comm.collectives import all_reduce_max, release_after_collective
+from ..comm.wire import all_reduce_max, release_after_collective
 from .collective_queue import CollectiveQueue
 from .unit import Unit
 

@@ -17,7 +17,7 @@ from ..buffers.flat_buffer import FlatBuffer
 from ..buffers.flat_grad import ReduceOptions
 from ..buffers.records import ParamRecord, buffer_policy, policy_for
 from ..comm.custom import UnitComms
-from ..comm.wire import CustomWire
+from ..comm.custom import CustomWire
 from ..comm.groups import ShardGroup, post_forward_group
 from ..policies import CommPolicy, CPUOffloadPolicy, MixedPrecisionPolicy
 from .tracing import call_profiled

@@ -2,7 +2,7 @@
 error: when a collective of the step stalls (``FSDP_COMPOSE_STALL_SECONDS``)
 or fails, every rank publishes its recent collectives to the rendezvous
 store and raises naming the first one where the ranks disagree
-([Note: flight log] in ``fsdp_compose/comm/watched_wait.py``).
+([Note: flight log] in ``fsdp_compose/comm/wire.py``).
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/checks/test_flight_log.py``
 (gloo on CPU, 2 ranks; ``-m slow`` adds the step-100 case and a torchrun
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compose.comm.watched_wait import STALL_ENV
+from fsdp_compose.comm.wire import STALL_ENV
 from tests._training import assert_diverged_on_every_rank, shard_on_a_new_group
 from tests.harness import run_distributed
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_compose.comm.watched_wait import STALL_ENV
+from fsdp_compose.comm.wire import STALL_ENV
 from tests._training import assert_diverged_on_every_rank, shard_on_a_new_group
 from tests.harness import run_distributed
 

@@ -29,7 +29,7 @@ from fsdp_compose.setup.default_placement import HOST_PIECE_SLACK_BYTES, ROWS_EX
 from fsdp_compose.checks.divergence import CHECK_ENV, VERIFICATION_ITERATIONS
 from fsdp_compose.comm.rendezvous import (CALL_TIMEOUT_ENV, DEFAULT_CALL_TIMEOUT,
                                           DEFAULT_POLL_SECONDS, LATE_NOTICE_SECONDS, POLL_ENV)
-from fsdp_compose.comm.watched_wait import DEFAULT_STALL_SECONDS, STALL_ENV
+from fsdp_compose.comm.wire import DEFAULT_STALL_SECONDS, STALL_ENV
 from fsdp_compose.policies import CommPolicy, MixedPrecisionPolicy, PrefetchPolicy
 from fsdp_compose.runtime.buckets import DEFAULT_BUCKET_CAP_MB
 from tests.harness import FAILURE_GRACE

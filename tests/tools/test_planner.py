@@ -544,8 +544,8 @@ def _model_for(case: tuple, meta: bool) -> nn.Module:
 
 
 def _runtime_buckets_of_cases(cases: list) -> list:
-    """Every rank: each case's model trained two steps; the buckets the
-    runtime formed (from the first step's forward order)."""
+    """Every rank: each case's model trained three steps (the first two
+    verify each collective, unbucketed); the buckets the third ran with."""
     rank, world = dist.get_rank(), dist.get_world_size()
     found = []
     for case in cases:
@@ -557,7 +557,7 @@ def _runtime_buckets_of_cases(cases: list) -> list:
             fully_shard(unit, **kwargs)
         (fully_shard_root if kind == "split" else fully_shard)(root, **kwargs)
         model.set_bucket_cap_mb(cap)
-        for step in range(2):
+        for step in range(3):
             loss_fn(name, step, rank, world)(model).backward()
         found.append(runtime_buckets(model))
     return found

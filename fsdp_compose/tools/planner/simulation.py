@@ -26,7 +26,7 @@ from ...setup.units import plan_buffers
 from ...buffers.layout import FlatLayout
 from ...buffers.param_views import ViewPlan
 from ...buffers.records import apply_dtype_overrides, buffer_policy, is_aliased
-from ...comm.collectives import gloo_reduce_scatter_via_all_reduce
+from ...comm.wire import gloo_reduce_scatter_via_all_reduce
 from ...policies import CPUOffloadPolicy, MixedPrecisionPolicy
 from ...runtime.state import ROOT_LABEL
 from .buckets import BucketKey, unit_key
