@@ -54,14 +54,15 @@ may spend. 132.8 since the hooks call into the profiler ranges only while
 a profiler records."""
 MEASURED_INSTRUCTIONS_PER_UNIT = 2653
 """Counted with :data:`MEASURED_CALLS_PER_UNIT`."""
-MEASURED_CALLS_PER_UNIT_2_RANKS = 356.2
+MEASURED_CALLS_PER_UNIT_2_RANKS = 348.8
 """The same at two ranks, rank 0 (the collective path: the queue, the
 wire, the observer, prefetching, a bucket): 374.1 at the revision before
 the wire objects (``comm/wire.py``), 374.7 with them, 356.2 once the
 backward read its prefetch targets from a plan made at the end of the
 root's forward, the flight log's ring took appends without a call and the
-profiler ranges were skipped without one."""
-MEASURED_INSTRUCTIONS_PER_UNIT_2_RANKS = 8186
+profiler ranges were skipped without one; 348.8 once a step read its
+buckets through the plan's attributes."""
+MEASURED_INSTRUCTIONS_PER_UNIT_2_RANKS = 8151
 """Counted with :data:`MEASURED_CALLS_PER_UNIT_2_RANKS`; it moves by about 2%
 from run to run at two ranks (how often a wait finds its work done)."""
 CALLS_PER_UNIT = {1: round(MEASURED_CALLS_PER_UNIT * (1 + HEADROOM)),
