@@ -125,7 +125,7 @@ class DivergenceMonitor(CollectiveObserver):
         self._groups = _groups_of(self._units)
         for group in self.groups():
             if group.world_size > 1:
-                self._rings[id(group.process_group)] = self.flight.attach(group.process_group)
+                self._rings[group.key] = self.flight.attach(group.process_group)
         self._agreement = ForwardAgreement.of(units, self.flight, self._groups) if units else None
         self._communicates = any(group.world_size > 1 for group in self._groups)
 
@@ -179,13 +179,13 @@ class DivergenceMonitor(CollectiveObserver):
             self._verify(entry, group)
 
     def _record(self, group: ShardGroup, entry: Collective) -> None:
-        key = id(group.process_group)
-        self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), entry.code)
+        key, code = group.key, entry.code
+        self._fingerprints[key] = _mix(self._fingerprints.get(key, _FNV_OFFSET), code)
         self._logs.setdefault(key, deque(maxlen=_LOG_LIMIT)).append(entry)
-        self._since_agreement = _mix(self._since_agreement, entry.code)
+        self._since_agreement = _mix(self._since_agreement, code)
         ring = self._rings.get(key)
         if ring is not None:
-            ring.entries.append((next(ring.serial), self.iterations - 1, entry.code))  # 0-based
+            ring.entries.append((next(ring.serial), self.iterations - 1, code))  # 0-based
 
     def after_root_forward(self, order: Sequence[ObservedUnit]) -> None:
         """When verifying, compare the forward order."""
@@ -239,7 +239,7 @@ class DivergenceMonitor(CollectiveObserver):
             self.verifying = self._should_verify()
 
     def payload(self, group: ShardGroup) -> list[int]:
-        value = self._fingerprints.get(id(group.process_group), _FNV_OFFSET)
+        value = self._fingerprints.get(group.key, _FNV_OFFSET)
         raw = list(value.to_bytes(8, "little"))
         return raw + [255 - b for b in raw]
 
@@ -247,7 +247,7 @@ class DivergenceMonitor(CollectiveObserver):
         """Raise if the reduced payloads differed."""
         if any(reduced[i] + reduced[8 + i] != 255 for i in range(8)):
             self._raise(group, None)
-        key = id(group.process_group)
+        key = group.key
         self._fingerprints.pop(key, None)
         self._logs.pop(key, None)
 
@@ -256,7 +256,7 @@ class DivergenceMonitor(CollectiveObserver):
 
     def _raise(self, group: ShardGroup, about: Optional[dict[int, Collective]]) -> None:
         """On every rank of ``group`` together."""
-        log = list(self._logs.get(id(group.process_group), ()))
+        log = list(self._logs.get(group.key, ()))
         logs: list = [None] * group.world_size
         dist.all_gather_object(logs, [c.code for c in log], group=group.process_group)
         logs = [[_decode(code) for code in codes] for codes in logs]
@@ -316,7 +316,7 @@ def _first_difference(logs: list[list[Collective]]) -> int:
 def _groups_of(units: Sequence[ObservedUnit]) -> list[ShardGroup]:
     seen: dict[int, ShardGroup] = {}
     for unit in units:
-        seen.setdefault(id(unit.group.process_group), unit.group)
+        seen.setdefault(unit.group.key, unit.group)
         for buffer in unit.buffers:  # on another mesh (shard_placement_fn)
-            seen.setdefault(id(buffer.group.process_group), buffer.group)
+            seen.setdefault(buffer.group.key, buffer.group)
     return list(seen.values())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import atexit
 import gc
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -22,7 +22,9 @@ class ShardGroup:
         process_group: held weakly (a model outliving ``destroy_process_group()``
             must not keep its threads).
         world_size: ``F``.
-        replicate_size: ``R``."""
+        replicate_size: ``R``.
+        key: ``id`` of the shard process group, read without resolving the
+            weak reference (units over one group share it)."""
 
     mesh: DeviceMesh
     _process_group: "weakref.ref[dist.ProcessGroup]"
@@ -31,6 +33,10 @@ class ShardGroup:
     device: torch.device
     _replicate_group: Optional["weakref.ref[dist.ProcessGroup]"] = None
     replicate_size: int = 1
+    key: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", id(self.process_group))
 
     @property
     def process_group(self) -> dist.ProcessGroup:

@@ -150,7 +150,7 @@ def _key(unit: BucketedUnit) -> Optional[tuple]:
     buffers = unit.buffers
     if any(b.aliased or b.is_meta for b in buffers):
         return None
-    groups = {id(b.group.process_group) for b in buffers}
+    groups = {b.group.key for b in buffers}
     dtypes = {b.compute_dtype for b in buffers}
     comm = {b.reduce_comm_dtype for b in buffers if b.requires_grad}
     wires = {b.wire.key() for b in buffers}

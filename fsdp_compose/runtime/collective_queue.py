@@ -172,8 +172,9 @@ class CollectiveQueue:
         """By buffer id: its reduction in flight."""
         self._replicas: deque[list[InFlight]] = deque()
         """Per waited reduce-scatter, its replica all-reduces, oldest first."""
-        self._held: dict[int, tuple[Bucket, list[FlatBuffer], ReduceOptions]] = {}
-        """Per bucket id: its ready buffers."""
+        self._held: dict[int, tuple[Bucket, set[int], ReduceOptions]] = {}
+        """Per bucket id: the ids of the buffers whose gradient it still
+        expects in this backward."""
         self._agreed: Optional[Sequence[BucketedUnit]] = None
         """The order the last step agreed, for the next step's buckets."""
         self.events: Optional[list[CollectiveEvent]] = None
@@ -404,13 +405,14 @@ class CollectiveQueue:
         """Issue, or hold until the bucket's last expected gradient."""
         bucket = self.buckets.by_buffer.get(id(buffer))
         if bucket is not None:
-            _, ready, _ = self._held.setdefault(id(bucket), (bucket, [], options))
-            if not any(b is buffer for b in ready):
-                ready.append(buffer)
-            expected = [b for u in bucket.units
-                        if u.backward_possible and u.settings.requires_gradient_sync
-                        for b in u.trainable_buffers]
-            if all(any(b is e for b in ready) for e in expected):
+            held = self._held.get(id(bucket))
+            if held is None:  # fixed for this backward: its forward set backward_possible
+                expected = {id(b) for u in bucket.units
+                            if u.backward_possible and u.settings.requires_gradient_sync
+                            for b in u.trainable_buffers}
+                held = self._held[id(bucket)] = (bucket, expected, options)
+            held[1].discard(id(buffer))
+            if not held[1]:
                 self._reduce_held(id(bucket), buffer)
             return
         self._issue_reduce([buffer], options, buffer)

@@ -67,12 +67,8 @@ def publish_gradients(buffers: Sequence[FlatBuffer], collectives: CollectiveQueu
             collectives.settle(buffer)
     observer = collectives.observer
     by_group: dict[int, list[FlatBuffer]] = {}
-    group_key: dict[int, int] = {}  # id(ShardGroup) -> id(process group)
     for buffer in buffers:
-        key = group_key.get(id(buffer.group))
-        if key is None:
-            key = group_key[id(buffer.group)] = id(buffer.group.process_group)
-        by_group.setdefault(key, []).append(buffer)
+        by_group.setdefault(buffer.group.key, []).append(buffer)
     fresh: list[nn.Parameter] = []
     for group_buffers in by_group.values():
         if not any(id(b) in pending for b in group_buffers):

@@ -475,7 +475,7 @@ def _check_ranks_agree(states: list[FullyShardState]) -> None:
     all-gather would hang)."""
     by_group: dict[int, list[FullyShardState]] = {}
     for state in states:
-        by_group.setdefault(id(state.unit.group.process_group), []).append(state)
+        by_group.setdefault(state.unit.group.key, []).append(state)
     for group_states in by_group.values():
         units = [s.unit for s in group_states]
         group = units[0].group

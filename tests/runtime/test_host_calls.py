@@ -40,7 +40,7 @@ lookup per parameter) fails. A change that needs more than the headroom
 shows its cost with the paired host-cost benchmark
 (``python -m benchmarks.host_cost.ab``) in its commit, and the bounds are
 then reset to the new measurement plus 10%."""
-MEASURED_CALLS_PER_UNIT = 132.8
+MEASURED_CALLS_PER_UNIT = 130.6
 """Counted by :func:`count_work_per_unit` (this test's model, torch 2.13,
 CPython 3.11). A generator expression's every element counts as a call:
 the plain loops over a unit's parameters (the slot swaps, the version and
@@ -51,8 +51,9 @@ read +3.0 µs per unit and step (ratio to the unsharded model 1.126 ->
 1.133, ``python -m benchmarks.host_cost.ab --baseline <the C-loop
 revision> --pairs 150 --processes 4``): within the 2% a readability change
 may spend. 132.8 since the hooks call into the profiler ranges only while
-a profiler records."""
-MEASURED_INSTRUCTIONS_PER_UNIT = 2653
+a profiler records; 130.6 once the publication grouped buffers by
+``ShardGroup.key``."""
+MEASURED_INSTRUCTIONS_PER_UNIT = 2610
 """Counted with :data:`MEASURED_CALLS_PER_UNIT`."""
 MEASURED_CALLS_PER_UNIT_2_RANKS = 348.8
 """The same at two ranks, rank 0 (the collective path: the queue, the
@@ -61,8 +62,11 @@ the wire objects (``comm/wire.py``), 374.7 with them, 356.2 once the
 backward read its prefetch targets from a plan made at the end of the
 root's forward, the flight log's ring took appends without a call and the
 profiler ranges were skipped without one; 348.8 once a step read its
-buckets through the plan's attributes."""
-MEASURED_INSTRUCTIONS_PER_UNIT_2_RANKS = 8151
+buckets through the plan's attributes; 294.6 once a held bucket counted
+down the gradients it expects (it compared every member with every ready
+one per reduction) and ``ShardGroup.key`` replaced resolving the weak
+process group for a dictionary key."""
+MEASURED_INSTRUCTIONS_PER_UNIT_2_RANKS = 7565
 """Counted with :data:`MEASURED_CALLS_PER_UNIT_2_RANKS`; it moves by about 2%
 from run to run at two ranks (how often a wait finds its work done)."""
 CALLS_PER_UNIT = {1: round(MEASURED_CALLS_PER_UNIT * (1 + HEADROOM)),
