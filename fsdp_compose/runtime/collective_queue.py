@@ -279,10 +279,7 @@ class CollectiveQueue:
 
     def wait_gathers(self, unit: BucketedUnit) -> None:
         """Post-condition: what was issued for ``unit`` is unsharded."""
-        for buffer in unit.buffers:
-            if buffer.is_gathering:
-                break
-        else:
+        if not any(buffer.is_gathering for buffer in unit.buffers):
             return  # nothing in flight
         with profiled("all_gather_wait", unit.name) if profiler_active() else NO_RANGE:
             for buffer in unit.buffers:
@@ -311,21 +308,20 @@ class CollectiveQueue:
         backward = issuer in _BACKWARD
         if not bucket.gathered_in_backward and backward:
             return False  # the first bucket backward reaches (buckets.py)
+        if not any(_issues_all_gather(b) for b in unit.buffers):
+            return True  # issued with an earlier member (or unsharded): not again per member
         if backward:  # ``unit`` and the members whose use is still ahead
             members = [m for m in bucket.units if m is unit or (
                 m.training_state is TrainingState.IDLE and m.backward_possible)]
         else:
             members = [m for m in bucket.units if m is unit or id(m) not in ran]
-        wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]
-        if not wanted:
-            return True
+        wanted = [b for m in members for b in m.buffers if _issues_all_gather(b)]  # ``unit``'s too
         if limited and self.inflight_all_gathers() >= self.settings.prefetch_policy.max_inflight_all_gathers:
             return True
         for buffer in wanted:
             self.observer.before_all_gather(buffer, issuer)
-        def names() -> str:
-            return "bucket of " + ", ".join(m.name for m in members)
-        with profiled("all_gather", names) if profiler_active() else NO_RANGE:
+        with profiled("all_gather", "bucket of " + ", ".join(m.name for m in members)) \
+                if profiler_active() else NO_RANGE:
             self._issue_packed_gather(bucket.buffers, wanted)
         for buffer in wanted:
             if not buffer.is_gathering and not buffer.is_unsharded:

@@ -55,7 +55,7 @@ a profiler records; 130.6 once the publication grouped buffers by
 ``ShardGroup.key``."""
 MEASURED_INSTRUCTIONS_PER_UNIT = 2610
 """Counted with :data:`MEASURED_CALLS_PER_UNIT`."""
-MEASURED_CALLS_PER_UNIT_2_RANKS = 348.8
+MEASURED_CALLS_PER_UNIT_2_RANKS = 292.9
 """The same at two ranks, rank 0 (the collective path: the queue, the
 wire, the observer, prefetching, a bucket): 374.1 at the revision before
 the wire objects (``comm/wire.py``), 374.7 with them, 356.2 once the
@@ -65,8 +65,10 @@ profiler ranges were skipped without one; 348.8 once a step read its
 buckets through the plan's attributes; 294.6 once a held bucket counted
 down the gradients it expects (it compared every member with every ready
 one per reduction) and ``ShardGroup.key`` replaced resolving the weak
-process group for a dictionary key."""
-MEASURED_INSTRUCTIONS_PER_UNIT_2_RANKS = 7565
+process group for a dictionary key; 292.9 once a bucket member whose
+own buffers were gathered with an earlier member stopped looking at the
+others (quadratic in the bucket's size too)."""
+MEASURED_INSTRUCTIONS_PER_UNIT_2_RANKS = 7144
 """Counted with :data:`MEASURED_CALLS_PER_UNIT_2_RANKS`; it moves by about 2%
 from run to run at two ranks (how often a wait finds its work done)."""
 CALLS_PER_UNIT = {1: round(MEASURED_CALLS_PER_UNIT * (1 + HEADROOM)),
