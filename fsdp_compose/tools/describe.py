@@ -161,7 +161,7 @@ class ModelReport:
         units: every unit, in module order.
         execution_order: unit labels in the last forward's order.
         prefetch_policy: the root's :class:`PrefetchPolicy` (``None``: no unit).
-        buckets: the next iteration's coalesced units, labels per bucket;
+        buckets: the running or last iteration's coalesced units, labels per bucket;
             ``buckets_gathered_alone_in_backward``: those gathered unit by unit
             in backward.
         unmanaged: FQNs of parameters no unit manages.
