@@ -16,9 +16,13 @@ script run as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` set as
 ``python -u script`` sets them (``PYTHONPATH`` of ``env`` before the rest),
 stdout and stderr unbuffered, to files (not a terminal, as under a pipe).
 
+With ``fresh_interpreters=True`` each rank is a new ``python -u script`` in that
+environment instead (for what a process's start or end does: its first imports,
+its exit handlers), still without the agent's process.
+
 What it leaves out is the agent itself: restarts, signal forwarding, the
 failure summary. When a rank exits non-zero the others get ``FAILURE_GRACE``
-seconds, then are killed (torchrun stops them at once). Tests of what the agent
+seconds, then are killed, as the agent stops them. Tests of what the agent
 does (a failing rank ending the job, Ctrl-C, ``--max-restarts``) run the real
 ``torchrun``.
 
@@ -29,9 +33,11 @@ negative number); ``stdout``/``stderr`` the ranks' streams concatenated by rank.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +47,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +56,9 @@ from tests import harness
 
 __all__ = ["run_like_torchrun"]
 
-FAILURE_GRACE = harness.FAILURE_GRACE  # after a rank exits non-zero, how long the others get
+# After a rank exits non-zero, how long the others get before they are killed
+# (torchrun's agent looks every 0.1 s, --monitor-interval, then stops them).
+FAILURE_GRACE = 0.5
 
 
 def _torchrun_environ(rank: int, world_size: int, port: int, run_id: str) -> dict[str, str]:
@@ -128,19 +137,76 @@ def _script_path(pythonpath: str) -> list[str]:
     return [p for p in pythonpath.split(os.pathsep) if p]
 
 
+class _ForkedRank:
+    """A rank forked from the harness's server (``_rank_main``)."""
+
+    def __init__(self, ctx: Any, script: str, argv: list[str], cwd: str, environ: dict[str, str],
+                 sys_path: list[str], origins: dict[str, str | None], out: str, err: str) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_rank_main, name=f"torchrun-env-rank{environ['RANK']}",
+                                args=(child_conn, script, argv, cwd, environ, sys_path, origins,
+                                      out, err))
+        self.proc.start()
+        child_conn.close()
+
+    def waitable(self) -> Any:
+        return self.conn
+
+    def exit_status(self) -> int:
+        try:
+            code, cpu = self.conn.recv()
+        except EOFError:  # the supervising process itself died
+            return -signal.SIGKILL
+        harness.fresh_cpu_seconds += cpu  # not this process's child: tests/_cputime.py adds it
+        return code
+
+    def kill(self) -> None:
+        if self.proc.is_alive() and self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.join(5.0)
+        self.conn.close()
+
+
+class _FreshRank:
+    """A rank in a new interpreter, ``python -u script argv...``, as torchrun starts it."""
+
+    def __init__(self, script: str, argv: list[str], cwd: str, environ: dict[str, str],
+                 out: str, err: str) -> None:
+        with open(out, "wb") as stdout, open(err, "wb") as stderr:
+            self.proc = subprocess.Popen([sys.executable, "-u", script, *argv], cwd=cwd,
+                                         env=environ, stdin=subprocess.DEVNULL, stdout=stdout,
+                                         stderr=stderr, start_new_session=True)
+        self.pidfd = os.pidfd_open(self.proc.pid)  # readable once the process has exited
+
+    def waitable(self) -> Any:
+        return self.pidfd
+
+    def exit_status(self) -> int:
+        return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        os.close(self.pidfd)
+
+
 def run_like_torchrun(world_size: int, script: str | os.PathLike[str], *argv: str,
                       cwd: str | os.PathLike[str], env: dict[str, str | None] | None = None,
-                      timeout: float = 240.0) -> subprocess.CompletedProcess:
+                      timeout: float = 240.0,
+                      fresh_interpreters: bool = False) -> subprocess.CompletedProcess:
     """Run ``script argv...`` on ``world_size`` ranks as torchrun would; see the module's
     docstring. ``env`` adds to (and overrides) this process's environment; a ``None``
-    value removes the variable. Raises
+    value removes the variable. ``fresh_interpreters``: each rank a new
+    ``python -u script`` (for what a process's start or end does: its imports, its
+    exit handlers), in the same environment, still without torchrun's agent. Raises
     ``harness.DistributedTimeoutError`` with every rank's output when a rank is still
     running after ``timeout`` seconds (times ``FSDP_COMPOSE_TEST_TIMEOUT_SCALE``)."""
     cwd = os.fspath(cwd)
     script = os.path.join(cwd, os.fspath(script))
     timeout *= harness.TIMEOUT_SCALE
-    ctx = harness._context()
-    origins = harness._origins()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     outdir = tempfile.mkdtemp(prefix=f"torchrun-env-ws{world_size}-")
@@ -152,58 +218,42 @@ def run_like_torchrun(world_size: int, script: str | os.PathLike[str], *argv: st
             base[name] = value
     front = [os.path.dirname(script), *_script_path(base.get("PYTHONPATH", ""))]
     sys_path = [*front, *(p for p in sys.path if p and p not in front)]
-    procs, conns, outs, errs = [], [], [], []
-    for rank in range(world_size):
-        out, err = os.path.join(outdir, f"{rank}.out"), os.path.join(outdir, f"{rank}.err")
-        environ = {**base, **_torchrun_environ(rank, world_size, store.port, Path(outdir).name)}
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, name=f"torchrun-env-rank{rank}",
-                           args=(child_conn, script, list(argv), cwd, environ, sys_path, origins,
-                                 out, err))
-        proc.start()
-        child_conn.close()
-        procs.append(proc)
-        conns.append(parent_conn)
-        outs.append(out)
-        errs.append(err)
+    if fresh_interpreters:  # what this process imports from, after the script's own PYTHONPATH
+        base["PYTHONPATH"] = os.pathsep.join(
+            [*_script_path(base.get("PYTHONPATH", "")), str(Path(harness.__file__).parents[1])])
+    else:
+        ctx, origins = harness._context(), harness._origins()
+    outs = [os.path.join(outdir, f"{rank}.out") for rank in range(world_size)]
+    errs = [os.path.join(outdir, f"{rank}.err") for rank in range(world_size)]
+    ranks: list[_ForkedRank | _FreshRank] = []
     codes: dict[int, int] = {}
-    deadline = time.monotonic() + timeout
     try:
+        for rank in range(world_size):
+            environ = {**base, **_torchrun_environ(rank, world_size, store.port, Path(outdir).name)}
+            ranks.append(_FreshRank(script, list(argv), cwd, environ, outs[rank], errs[rank])
+                         if fresh_interpreters else
+                         _ForkedRank(ctx, script, list(argv), cwd, environ, sys_path, origins,
+                                     outs[rank], errs[rank]))
+        deadline = time.monotonic() + timeout
         while len(codes) < world_size and (left := deadline - time.monotonic()) > 0:
-            for conn in wait([c for r, c in enumerate(conns) if r not in codes], timeout=left):
-                rank = conns.index(conn)
-                try:
-                    code, cpu = conn.recv()
-                except EOFError:  # the supervising process itself died
-                    code, cpu = -signal.SIGKILL, 0.0
-                codes[rank] = code
-                harness.fresh_cpu_seconds += cpu
+            pending = {ranks[r].waitable(): r for r in range(world_size) if r not in codes}
+            for ready in wait(list(pending), timeout=left):
+                code = codes[pending[ready]] = ranks[pending[ready]].exit_status()
                 if code != 0:  # torchrun stops the others at once
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
     finally:
-        for proc in procs:
-            if proc.is_alive() and proc.pid is not None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.join(5.0)
-        for conn in conns:
-            conn.close()
+        for started in ranks:
+            started.kill()
         del store
-    stdout = "".join(Path(p).read_text(errors="backslashreplace") if os.path.exists(p) else ""
-                     for p in outs)
-    stderr = "".join(Path(p).read_text(errors="backslashreplace") if os.path.exists(p) else ""
-                     for p in errs)
-    for path in (*outs, *errs):
-        if os.path.exists(path):
-            os.remove(path)
-    os.rmdir(outdir)
+    stdout, stderr = (
+        "".join(Path(p).read_text(errors="backslashreplace") if os.path.exists(p) else ""
+                for p in paths) for paths in (outs, errs))
+    shutil.rmtree(outdir, ignore_errors=True)
     if not any(code != 0 for code in codes.values()) and len(codes) < world_size:
         stuck = sorted(set(range(world_size)) - set(codes))
         raise harness.DistributedTimeoutError(
             f"{script} {' '.join(argv)}: rank(s) {stuck} still running after {timeout:g} s\n"
             f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
-    failed = [codes.get(rank, -signal.SIGKILL) for rank in range(world_size)]
-    returncode = next((code for code in failed if code != 0), 0)
+    returncode = next((codes.get(rank, -signal.SIGKILL) for rank in range(world_size)
+                       if codes.get(rank, -signal.SIGKILL) != 0), 0)
     return subprocess.CompletedProcess([script, *argv], returncode, stdout, stderr)
