@@ -27,8 +27,9 @@ does (a failing rank ending the job, Ctrl-C, ``--max-restarts``) run the real
 ``torchrun``.
 
 The result is a ``subprocess.CompletedProcess``: ``returncode`` 0 when every
-rank exited 0, else the first non-zero exit status by rank (a signal as a
-negative number); ``stdout``/``stderr`` the ranks' streams concatenated by rank.
+rank exited 0, else the exit status of the rank that failed first (a signal as
+a negative number; the ranks killed after it do not count); ``stdout``/``stderr``
+the ranks' streams concatenated by rank.
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def run_like_torchrun(world_size: int, script: str | os.PathLike[str], *argv: st
     errs = [os.path.join(outdir, f"{rank}.err") for rank in range(world_size)]
     ranks: list[_ForkedRank | _FreshRank] = []
     codes: dict[int, int] = {}
+    first_failure = 0
     try:
         for rank in range(world_size):
             environ = {**base, **_torchrun_environ(rank, world_size, store.port, Path(outdir).name)}
@@ -239,7 +241,8 @@ def run_like_torchrun(world_size: int, script: str | os.PathLike[str], *argv: st
             pending = {ranks[r].waitable(): r for r in range(world_size) if r not in codes}
             for ready in wait(list(pending), timeout=left):
                 code = codes[pending[ready]] = ranks[pending[ready]].exit_status()
-                if code != 0:  # torchrun stops the others at once
+                if code != 0 and first_failure == 0:  # torchrun stops the others at once
+                    first_failure = code
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
     finally:
         for started in ranks:
@@ -249,11 +252,9 @@ def run_like_torchrun(world_size: int, script: str | os.PathLike[str], *argv: st
         "".join(Path(p).read_text(errors="backslashreplace") if os.path.exists(p) else ""
                 for p in paths) for paths in (outs, errs))
     shutil.rmtree(outdir, ignore_errors=True)
-    if not any(code != 0 for code in codes.values()) and len(codes) < world_size:
+    if first_failure == 0 and len(codes) < world_size:
         stuck = sorted(set(range(world_size)) - set(codes))
         raise harness.DistributedTimeoutError(
             f"{script} {' '.join(argv)}: rank(s) {stuck} still running after {timeout:g} s\n"
             f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
-    returncode = next((codes.get(rank, -signal.SIGKILL) for rank in range(world_size)
-                       if codes.get(rank, -signal.SIGKILL) != 0), 0)
-    return subprocess.CompletedProcess([script, *argv], returncode, stdout, stderr)
+    return subprocess.CompletedProcess([script, *argv], first_failure, stdout, stderr)
