@@ -8,6 +8,7 @@ import datetime
 import os
 import tempfile
 import time
+from multiprocessing.context import BaseContext
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,12 +41,14 @@ def gpt_arguments(description: str, repeats: int, impls: str = "",
     return parser.parse_args()
 
 
-def run_two_ranks(worker: Callable, args: argparse.Namespace, timeout: float) -> Any:
+def run_two_ranks(worker: Callable, args: argparse.Namespace, timeout: float,
+                  context: Optional[BaseContext] = None) -> Any:
     """Spawn ``worker(rank, world, init_file, args, queue)`` on 2 ranks
     (file rendezvous in a temporary directory); return what rank 0 puts on
-    the queue."""
+    the queue. ``context``: the multiprocessing context that starts the ranks
+    (default spawn: new interpreters; the tests pass their fork server's)."""
     world = 2
-    ctx = mp.get_context("spawn")
+    ctx = context or mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -15,11 +15,12 @@ Run: PYTHONPATH=$PWD python -m pytest -q tests/buffers/test_largest_piece_per_ra
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -37,10 +38,10 @@ from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.tools.describe import describe
 from tests._training import (RECIPES, TEST_DEVICE, assert_parity, build_model, train_reference,
                              train_sharded)
+from tests import harness
 from tests.harness import run_distributed
 
 ATOL = 1e-5
-ROOT = Path(__file__).resolve().parents[2]
 BENCHMARK_GPT = GPTConfig(vocab_size=16384, seq_len=128, d_model=512, n_heads=8, n_layers=1)
 
 
@@ -205,15 +206,20 @@ def test_split_buffers_train_like_one_process(optim_name):
 
 
 def _step_memory_rows(*args: str) -> dict[tuple[int, int, str], tuple[float, float]]:
-    """``benchmarks.step_memory``'s tables, run in fresh processes (its count
-    of frees is a process-wide setting): (rank, step, phase) -> (ours,
+    """``benchmarks.step_memory``'s tables, its two ranks in fresh processes (its count
+    of frees is a process-wide setting): forked from the harness's server, where
+    nothing has run, instead of spawned interpreters. (rank, step, phase) -> (ours,
     FSDP2) MiB."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.step_memory", *args],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr[-3000:]
+    from benchmarks import _two_ranks, step_memory
+    forked = functools.partial(_two_ranks.run_two_ranks, context=harness._context())
+    printed = io.StringIO()
+    with mock.patch.object(step_memory, "run_two_ranks", forked), \
+            mock.patch.object(sys, "argv", ["benchmarks.step_memory", *args]), \
+            contextlib.redirect_stdout(printed):
+        step_memory.main()
+    out = printed.getvalue()
     rows, rank = {}, -1
-    for line in out.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("GPT "):
             rank += 1
         cells = [c.strip() for c in line.strip("|").split("|")]

@@ -30,6 +30,7 @@ import torch.nn as nn
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import rendezvous
 from fsdp_compose.comm.rendezvous import POLL_ENV, CallMismatchError
+from tests._torchrun_env import run_like_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 POLL = "0.5"
@@ -218,7 +219,17 @@ def _stamp(out: str, rank: int, what: str) -> float:
 
 @pytest.mark.parametrize("case", ["a", "b"])
 def test_under_torchrun_the_mistake_is_named_and_the_job_ends_within_a_minute(tmp_path, case):
-    proc, ended = _torchrun(tmp_path, case)
+    """Case a under torchrun itself: its agent ending the job (rank 1 stays blocked
+    in the barrier) is part of what is checked. Case b names another mistake the same
+    way; its ranks are started as torchrun starts them (tests/_torchrun_env.py),
+    whose launcher kills rank 1 once rank 0 has failed, as the agent does."""
+    if case == "a":
+        proc, ended = _torchrun(tmp_path, case)
+    else:
+        proc = run_like_torchrun(2, "tests/_blocked_torchrun.py", case, str(tmp_path / "m.pt"),
+                                 cwd=ROOT, timeout=240,
+                                 env={POLL_ENV: POLL, "FSDP_COMPOSE_CALL_TIMEOUT": None})
+        ended = time.time()
     out = proc.stdout
     assert proc.returncode != 0, out
     mistake = _stamp(out, 0, "MISTAKE")
@@ -232,6 +243,10 @@ def test_under_torchrun_the_mistake_is_named_and_the_job_ends_within_a_minute(tm
 
 
 def test_under_torchrun_a_late_rank_is_waited_for(tmp_path):
-    proc, _ = _torchrun(tmp_path, "late")
+    """Nothing of torchrun's agent is at stake here (no rank fails): the ranks are
+    started as torchrun starts them (tests/_torchrun_env.py), forked, not launched."""
+    proc = run_like_torchrun(2, "tests/_blocked_torchrun.py", "late", str(tmp_path / "m.pt"),
+                             cwd=ROOT, timeout=240,
+                             env={POLL_ENV: POLL, "FSDP_COMPOSE_CALL_TIMEOUT": None})
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "RANK 0 DONE" in proc.stdout and "RANK 1 DONE" in proc.stdout, proc.stdout

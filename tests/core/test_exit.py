@@ -16,13 +16,11 @@ library's, and counts the process's threads there.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._torchrun_env import run_like_torchrun
 
 SCRIPT = r'''
 import atexit, os
@@ -64,11 +62,8 @@ def _run(tmp_path: Path, ending: str) -> dict[str, dict[str, int]]:
     """Per rank, the process's thread count before ``ending`` and at exit."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("{ending}", ending))
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    # new interpreters (their exit is what is checked), as torchrun starts them
+    proc = run_like_torchrun(2, script.name, cwd=tmp_path, timeout=180, fresh_interpreters=True)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     counts = {}
     for rank in ("0", "1"):

@@ -6,18 +6,18 @@ tensors (torch FSDP2's, DDP's). The PyTorch profiler reports only the frees
 of the threads it watches, so a running sum of its events counted such
 memory as live for ever, and FSDP2's memory on the CPU grew by a block a
 step. The method now reads c10's count
-over every thread. Run in a fresh interpreter: the count is a process-wide
-flag this suite's other processes should not carry.
+over every thread. Run in a fresh process (``harness.run_fresh``: forked from
+the harness's server, nothing run yet): the count is a process-wide flag this
+suite's other processes should not carry.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import run_fresh
 
 SCRIPT = """
 import json, threading, torch
@@ -45,11 +45,16 @@ print(json.dumps([[round(b / MiB, 3) for b in report.after_step],
 """
 
 
+def _exec(script: str) -> str:
+    """In the fresh process: what ``script`` prints. Module-level: run_fresh pickles it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(script, "<benchmark memory script>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    return out.getvalue()
+
+
 def _run(script: str) -> str:
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.strip().splitlines()[-1]
+    return run_fresh(_exec, script, timeout=120).strip().splitlines()[-1]
 
 
 def test_a_free_in_another_thread_is_counted():

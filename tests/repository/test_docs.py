@@ -11,7 +11,9 @@ separated by commas)::
     <!-- snippet: continues -->        runs after the python block before it, in one namespace
     <!-- snippet: ranks=4 -->          on 4 ranks instead of 2
     <!-- snippet: local -->            in one plain process, no process group, no setup block
-    <!-- snippet: torchrun -->         a complete script: torchrun --standalone --nproc-per-node 2
+    <!-- snippet: torchrun -->         a complete script, run as torchrun --standalone --nproc-per-node 2
+                                       runs it (tests/_torchrun_env.py: torchrun's environment, store
+                                       and ``__main__`` on ranks forked from the harness's server)
     <!-- snippet: slow (reason) -->    marked slow: only ``pytest -m slow`` runs it
     <!-- snippet: no-run (reason) -->  not run; the reason is required
 
@@ -32,13 +34,13 @@ import io
 import linecache
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests._torchrun_env import run_like_torchrun
 from tests.harness import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,12 +186,7 @@ def _matches(expected: str, actual: str) -> bool:
 def _run_torchrun(block: Block, tmp_path: Path) -> str:
     script = tmp_path / "snippet.py"
     script.write_text(block.code)
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(DEFAULT_RANKS),
-                           str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180, check=False)
+    proc = run_like_torchrun(DEFAULT_RANKS, script.name, cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, (f"{block.name} failed under torchrun (exit {proc.returncode}):\n"
                                   f"{proc.stdout}\n{proc.stderr}")
     return proc.stdout

@@ -1,4 +1,7 @@
-"""``examples/train_gpt.py`` end to end under torchrun (2 gloo ranks, a tiny GPT).
+"""``examples/train_gpt.py`` end to end on 2 gloo ranks (a tiny GPT), each started as
+torchrun starts a worker (``tests/_torchrun_env.py``: its environment, store and
+``__main__``, the ranks forked from the harness's server); a failing rank and
+Ctrl-C under ``torchrun`` itself, whose agent is what ends the job there.
 
 One ``--compare`` run (fsdp_compose, then torch DDP and torch FSDP2 on the
 same steps) is the baseline the other runs are checked against: gradient
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._torchrun_env import run_like_torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 # tests/checkpoint/test_checkpoint_store.py's model and schedule, 6 steps of 4 rows per rank.
 SMALL = ["--layers", "2", "--width", "32", "--heads", "2", "--vocab", "97", "--seq", "16",
@@ -34,15 +39,21 @@ _PROGRESS = re.compile(r"^(fsdp_compose|ddp|fsdp2): step (\d+)/(\d+) \(\d+%\), \
 
 def _torchrun(out_dir: Path, *args: str, env: dict[str, str] | None = None,
               check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "examples/train_gpt.py",
-           *SMALL, "--steps", str(STEPS), "--out-dir", str(out_dir), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=full_env)
+    """The example on 2 ranks in torchrun's environment (tests/_torchrun_env.py)."""
+    proc = run_like_torchrun(2, "examples/train_gpt.py", *SMALL, "--steps", str(STEPS),
+                             "--out-dir", str(out_dir), *args, cwd=ROOT, env=env, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def _real_torchrun(out_dir: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """The example under torchrun itself: for what its agent does when a rank fails."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "examples/train_gpt.py",
+           *SMALL, "--steps", str(STEPS), "--out-dir", str(out_dir), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def _losses(stdout: str) -> dict[int, float]:
@@ -125,11 +136,8 @@ def test_readme_shows_what_the_demo_prints(tmp_path):
     pytest.importorskip("matplotlib")  # the `examples` extra, which `make demo` installs
     shown = _README_DEMO.search((ROOT / "README.md").read_text())
     assert shown, "README.md has no ```text block after `make demo` ... ends with"
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "examples" / "train_gpt.py"), *SMALL, "--steps", str(STEPS)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_like_torchrun(2, str(ROOT / "examples" / "train_gpt.py"), *SMALL,
+                             "--steps", str(STEPS), cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     want = [_shape(line) for line in shown[1].rstrip("\n").splitlines()]
     got = [_shape(line) for line in proc.stdout.rstrip("\n").splitlines()][-len(want):]
@@ -195,8 +203,7 @@ def test_failing_rank_ends_the_job_promptly(tmp_path, mode):
     """Rank 1 fails at step 3 (an exception, or an abrupt os._exit); without
     --max-restarts torchrun stops rank 0 and exits non-zero, with the error shown."""
     start = time.monotonic()
-    proc = _torchrun(tmp_path, "--fail-at-step", "3", "--fail-mode", mode, check=False,
-                     timeout=120)
+    proc = _real_torchrun(tmp_path, "--fail-at-step", "3", "--fail-mode", mode, timeout=120)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert elapsed < 60, elapsed

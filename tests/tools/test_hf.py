@@ -8,6 +8,7 @@ or generating on the global batch.
 import functools
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ pytest.importorskip("peft")
 from fsdp_compose import param_info, register_forward_method  # noqa: E402
 from fsdp_compose.checks.divergence import VERIFICATION_FORWARD_LIMIT  # noqa: E402
 from tests._owners import buffer_of  # noqa: E402
+from tests._torchrun_env import run_like_torchrun  # noqa: E402
 from fsdp_compose.runtime.state import state_of  # noqa: E402
 from tests._comm_counter import ALL_GATHER, REDUCE_SCATTER, CollectiveCounter  # noqa: E402
 from tests._training import make_optimizer  # noqa: E402
@@ -309,17 +311,12 @@ def test_buffers_stay_untouched_and_usable():
 
 # --------------------------------------------------------------- example
 def test_lora_example_runs(tmp_path):
-    """examples/lora_finetune.py end to end (tiny sizes) under torchrun."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "examples/lora_finetune.py",
-           "--steps", "3", "--layers", "2", "--hidden", "64", "--seq", "16",
-           "--save-adapter", str(tmp_path / "adapter")]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": root})
+    """examples/lora_finetune.py end to end (tiny sizes) on 2 ranks, each started as
+    torchrun starts a worker (tests/_torchrun_env.py)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = run_like_torchrun(2, "examples/lora_finetune.py", "--steps", "3", "--layers", "2",
+                             "--hidden", "64", "--seq", "16",
+                             "--save-adapter", str(tmp_path / "adapter"), cwd=root, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trainable" in proc.stdout and "generated" in proc.stdout
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
