@@ -349,6 +349,11 @@ RECORD_NOTE = ("One process's best round moves by about 0.1 from process to proc
                "changes with `python -m benchmarks.host_cost.ab --baseline REV --processes 4` "
                "(paired, build order alternated) or count instructions "
                "(`python -m benchmarks.host_cost.instructions`).")
+RECORD_NOTE_RANKS = ("At several ranks a process's ratios move by far more, with the ranks' "
+                     "waits on a small VM: compare changes with "
+                     "`python -m benchmarks.host_cost.ab --baseline REV --processes 4 --world N` "
+                     "(paired, build order alternated) or count calls "
+                     "(`tests/runtime/test_host_calls.py`).")
 
 
 def _across_processes(count: int, argv: list[str], record: bool = False,
@@ -393,7 +398,7 @@ def _across_processes(count: int, argv: list[str], record: bool = False,
                      columns=["variant", f"x unsharded (best round / median of rounds, median "
                                          f"over {count} processes)"], rows=rows[1:],
                      notes=([] if load is None else [f"Load average {load:.2f} at the start."])
-                     + [RECORD_NOTE])
+                     + [RECORD_NOTE if world == 1 else RECORD_NOTE_RANKS])
 
 
 if __name__ == "__main__":
