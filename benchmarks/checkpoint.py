@@ -43,6 +43,10 @@ tens of MiB; ``tests/checkpoint/test_checkpoint_load_memory.py`` counts the tens
 bytes each phase allocates, which do not move). The loaded values are
 checked equal to the saved ones.
 
+Before each timed operation (both modes) every rank writes out the page
+cache (``os.sync``, not timed): a save's ``fsync`` then waits for its own
+bytes, not for what the implementation before it left dirty.
+
 Async: ``CheckpointStore(async_save=True).save`` of the zero-copy state (the
 time until it returns: the training loop's blocking time, staging included)
 next to a synchronous ``CheckpointStore.save`` of the same state, and the
@@ -105,11 +109,20 @@ class Measured(NamedTuple):
     rss_growth: int  # bytes
 
 
+def settle_disk() -> None:
+    """Write out what earlier rounds left in the page cache, on every rank,
+    before the next timed operation: a save's ``fsync`` then waits for its
+    own bytes only, not for the previous implementation's (which made the
+    implementation timed second pay for the first)."""
+    os.sync()
+    dist.barrier()
+
+
 def measured(fn: Callable[[], object]) -> Measured:
     """Wall and CPU seconds and resident-set growth of ``fn`` on this rank,
-    after every rank is ready (the opening barrier is not timed)."""
+    after every rank is ready and the disk settled (neither is timed)."""
     gc.collect()
-    dist.barrier()
+    settle_disk()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current VmRSS
     before = _status_kib("VmRSS")
@@ -217,7 +230,7 @@ def same_model_saves(cfg: GPTConfig, root: Path, rounds: int) -> dict[str, list[
             model, optim = built[name]
             path = root / f"same-{name}-{r}"
             gc.collect()
-            dist.barrier()
+            settle_disk()
             wall, cpu = time.perf_counter(), time.process_time()
             msd, osd = get_state_dict(model, optim)
             got_wall, got_cpu = time.perf_counter(), time.process_time()
