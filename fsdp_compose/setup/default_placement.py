@@ -84,13 +84,19 @@ def split_whole_pieces(records: list[ParamRecord], candidates: list[ParamRecord]
     if not movable:
         return []
     bound = max(largest_share_bytes(r, world_size) for r in trainable)
-    alone = {id(r): _largest_pieces([r], world_size)[id(r)] for r in movable}
+    alone: dict[int, int] = {}  # by record id, made for the records over the bound only
+
+    def piece_alone(record: ParamRecord) -> int:
+        if id(record) not in alone:
+            alone[id(record)] = _largest_pieces([record], world_size)[id(record)]
+        return alone[id(record)]
+
     slack = HOST_PIECE_SLACK_BYTES
     split: list[ParamRecord] = []
     while True:
         pieces = _largest_pieces(records, world_size)
         over = [r for r in movable if not r.own_buffer and pieces.get(id(r), 0) > bound + slack
-                and alone[id(r)] < pieces[id(r)]]
+                and piece_alone(r) < pieces[id(r)]]
         if not over:
             return split
         record = max(over, key=lambda r: pieces[id(r)])
