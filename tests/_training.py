@@ -7,6 +7,8 @@ trains on its own slice, so ranks always get different inputs.
 
 from __future__ import annotations
 
+import copy
+import functools
 from datetime import timedelta
 from typing import Callable
 
@@ -277,6 +279,20 @@ def train_reference(world: int, optim_name: str = "sgd", steps: int = 3, mode: s
                 evals.append([_local(model(x), r, world).cpu() for r in range(world)])
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "evals": evals}
+
+
+def cached_reference(world: int, optim_name: str = "sgd", steps: int = 3, mode: str = "plain",
+                     variant: str = "gpt", lora: bool = False) -> dict:
+    """``train_reference``'s result, computed once per distinct arguments in
+    this process (it depends on nothing else: seeded model, fixed batches);
+    each call returns a copy, so a caller may change what it gets."""
+    return copy.deepcopy(_reference_once(world, optim_name, steps, mode, variant, lora))
+
+
+@functools.cache
+def _reference_once(world: int, optim_name: str, steps: int, mode: str, variant: str,
+                    lora: bool) -> dict:
+    return train_reference(world, optim_name, steps, mode, variant, lora)
 
 
 def assert_parity(results: list[dict], reference: dict, atol: float = 1e-5) -> float:

@@ -36,7 +36,7 @@ from fsdp_compose.setup.default_placement import largest_share_bytes
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose.testing import GPT, GPTConfig
 from fsdp_compose.tools.describe import describe
-from tests._training import (RECIPES, TEST_DEVICE, assert_parity, build_model, train_reference,
+from tests._training import (RECIPES, TEST_DEVICE, assert_parity, build_model, cached_reference,
                              train_sharded)
 from tests import harness
 from tests.harness import run_distributed
@@ -181,7 +181,7 @@ def test_split_buffers_train_like_one_process(optim_name):
     unit."""
     world = 3
     results = run_distributed(world, train_without_slack, optim_name)
-    assert_parity(results, train_reference(world, optim_name), ATOL)
+    assert_parity(results, cached_reference(world, optim_name), ATOL)
     on_host = TEST_DEVICE.type == "cpu"
     buffers = results[0]["buffers"]
     assert (max(buffers) > 1) == on_host, buffers
@@ -272,7 +272,7 @@ def test_split_buffers_under_hsdp_train_like_one_process(mesh_shape, reshard):
     backward): parity with one process, AdamW."""
     from tests.parallelism.test_hsdp import _assert_parity
     results = run_distributed(4, hsdp_without_slack, mesh_shape, reshard, timeout=120)
-    _assert_parity(results, train_reference(4, "adamw"))
+    _assert_parity(results, cached_reference(4, "adamw"))
     assert max(results[0]["buffers"]) > 1, results[0]["buffers"]
 
 

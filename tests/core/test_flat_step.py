@@ -309,6 +309,9 @@ def _round_trip_work(config: str) -> list[str]:
                                other.full_tensor() if hasattr(other, "full_tensor") else other):
                 out.append(f"state_dict {key}.{name}")
     # load the flat optimizer's state into a per-parameter one and into a flat one
+    # (a copy each: torch keeps the 'step' objects it loads; the second is copied
+    # from the first, whose deepcopy already converted the values)
+    loaded = copy.deepcopy(optim_b.state_dict())
     copies = []
     for flat in (False, True):
         model = _model()
@@ -317,7 +320,7 @@ def _round_trip_work(config: str) -> list[str]:
         if flat:
             flat_step(optim)
         register_optimizer(optim)
-        optim.load_state_dict(copy.deepcopy(optim_b.state_dict()))  # torch keeps 'step' objects
+        optim.load_state_dict(loaded if flat else copy.deepcopy(loaded))
         copies.append((model, optim))
     for step in range(2, 2 + STEPS):
         _train_step(model_a, optim_a, step)

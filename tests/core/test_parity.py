@@ -3,7 +3,7 @@ on the global batch (fp32, SGD with momentum and AdamW with two groups)."""
 
 import pytest
 
-from tests._training import assert_parity, train_reference, train_sharded
+from tests._training import assert_parity, cached_reference, train_sharded
 from tests.harness import run_distributed
 
 ATOL = 1e-5
@@ -11,7 +11,7 @@ ATOL = 1e-5
 
 def _check(world, recipe, optim="sgd", mode="plain", variant="gpt", lora=False, **kw):
     results = run_distributed(world, train_sharded, recipe, optim, 3, mode, variant, lora, **kw)
-    reference = train_reference(world, optim, 3, mode, variant, lora)
+    reference = cached_reference(world, optim, 3, mode, variant, lora)
     return assert_parity(results, reference, ATOL)
 
 
@@ -55,5 +55,5 @@ def test_unused_parameters(optim):
     # both keep .grad None as in one process, so AdamW's weight decay leaves
     # them alone (tests/core/test_real_code.py checks .grad inside the step).
     results = run_distributed(2, train_sharded, "unused", optim, 3, "plain", "unused")
-    reference = train_reference(2, optim, 3, "plain", "unused")
+    reference = cached_reference(2, optim, 3, "plain", "unused")
     assert_parity(results, reference, ATOL)

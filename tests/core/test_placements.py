@@ -8,6 +8,7 @@ Run: PYTHONPATH=$PWD python -m pytest -q tests/core/test_placements.py
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -16,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compose import Blocks, CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, param_info
-from tests._training import (_attr, _local, _local_step, assert_parity, build_model, global_batch,
-                             local_batch, make_optimizer, train_reference)
+from tests._training import (_attr, _local, _local_step, assert_parity, build_model,
+                             cached_reference, global_batch, local_batch, make_optimizer)
 from tests._models import WithUnused
 from tests.harness import run_distributed
 
@@ -134,7 +135,7 @@ def _check_shapes(name: str, results: list[dict]) -> None:
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_parity_and_local_shapes(name, world, optim):
     results = run_distributed(world, train_placed, name, optim)
-    assert_parity(results, train_reference(world, optim, 3), ATOL)
+    assert_parity(results, cached_reference(world, optim, 3), ATOL)
     _check_shapes(name, results)
 
 
@@ -336,7 +337,14 @@ def test_optimizer_state_round_trips_across_placements(saved_as, loaded_as):
 @pytest.mark.parametrize("mode", ["accum-nosync", "accum-sync"])
 def test_gradient_accumulation_with_and_without_sync(name, mode):
     results = run_distributed(3, train_placed, name, "sgd", 3, mode)
-    assert_parity(results, train_reference(3, "sgd", 3, mode), ATOL)
+    assert_parity(results, cached_reference(3, "sgd", 3, mode), ATOL)
+
+
+@functools.cache
+def _mixed_precision_flat() -> list[dict]:
+    """``test_mixed_precision_equals_flat``'s run under "flat", the same for
+    every placement it is compared with: run once, only read."""
+    return run_distributed(2, train_placed, "flat0", "adamw", 3, "accum-nosync", True)
 
 
 @pytest.mark.parametrize("name", ["rows", "owned", "shard1"])
@@ -349,7 +357,7 @@ def test_mixed_precision_equals_flat(name):
     rounds a few elements differently (seen: 9 of 384 by one bf16 step,
     2**-10 here); the losses still agree to bf16 precision."""
     placed = run_distributed(2, train_placed, name, "adamw", 3, "accum-nosync", True)
-    flat = run_distributed(2, train_placed, "flat0", "adamw", 3, "accum-nosync", True)
+    flat = _mixed_precision_flat()
     atol = 2.0 ** -9 if name == "shard1" else 0.0
     for got, want in zip(placed, flat):
         if name == "shard1":
@@ -514,7 +522,7 @@ def test_meta_init_and_materialize_equal_an_eager_build(name):
 def test_hsdp_and_integer_reshard_after_forward(name):
     """4 ranks: a (2, 2) HSDP mesh (the placement applies within each shard
     group), then a 1-D mesh with reshard_after_forward=2."""
-    reference = train_reference(4, "sgd", 3)
+    reference = cached_reference(4, "sgd", 3)
     assert_parity(run_distributed(4, train_placed, name, "sgd", 3, "plain", False, (2, 2)),
                   reference, ATOL)
     assert_parity(run_distributed(4, train_placed, name, "sgd", 3, "plain", False, None, 2),
@@ -654,7 +662,7 @@ def test_cpu_offload_policy(name):
     """The blocks with CPUOffloadPolicy (on a CPU mesh its storage path:
     shards and gradients kept apart from the compute copies)."""
     results = run_distributed(2, train_placed, name, "adamw", 3, "plain", False, None, None, True)
-    assert_parity(results, train_reference(2, "adamw", 3), ATOL)
+    assert_parity(results, cached_reference(2, "adamw", 3), ATOL)
 
 
 def _one_used_steps(model: nn.Module, optim, steps: range, rank: int, world: int) -> None:

@@ -90,10 +90,7 @@ def _train_and_round_trip(units: str, placement, path: str) -> dict:
             unit.name for unit in units_below(model) if unit.is_unsharded or unit.tied_holds
             or unit.training_state is not TrainingState.IDLE]
         out[optim_name] = result
-        root = _hf.train_sharded(_build, functools.partial(_annotate, units="", placement=placement),
-                                 optim_name, steps=STEPS)
-        root.pop("model")
-        out["tie in root", optim_name] = root
+        out["tie in root", optim_name] = _tie_in_root(placement, optim_name)
     # DCP: save the trained (AdamW) model's sharded state, load it into a fresh one
     trained = out[OPTIMIZERS[-1]]["params"]
     dcp.save(get_model_state_dict(model), checkpoint_id=path)
@@ -107,6 +104,19 @@ def _train_and_round_trip(units: str, placement, path: str) -> dict:
     out["dcp_tied"] = _tied(fresh)
     out["describe"] = str(describe(model))
     return out
+
+
+@functools.cache
+def _tie_in_root(placement, optim_name: str) -> dict:
+    """Runs on every rank: the same Llama with the tie inside the root, trained
+    as the tests' runs are. It depends on nothing else (a seeded build, fixed
+    batches, the world), so a worker trains it once per placement and
+    optimizer and every ``units`` case compares with it; its tensors are only
+    read (and pickled back to the test)."""
+    root = _hf.train_sharded(_build, functools.partial(_annotate, units="", placement=placement),
+                             optim_name, steps=STEPS)
+    root.pop("model")
+    return root
 
 
 @functools.lru_cache(maxsize=None)
