@@ -220,9 +220,17 @@ def test_full_optimizer_state_dict_under_owned():
         _exact(res["got"], res["want"], f"rank {rank} ")
 
 
-def test_flat_checkpoint_loads_at_another_world_size(tmp_path):
-    path = str(tmp_path / "ckpt")
-    saved = run_distributed(2, save_flat, "flat0", path, timeout=TIMEOUT)[0]
+@pytest.fixture(scope="module")
+def flat0_on_two_ranks(tmp_path_factory) -> tuple[str, dict]:
+    """A checkpoint saved by 2 ranks under "flat0" through the flat path,
+    and what rank 0 saw (``save_flat``'s result): several tests load it,
+    none writes to it (callers only read the result)."""
+    path = str(tmp_path_factory.mktemp("flat0_on_2") / "ckpt")
+    return path, run_distributed(2, save_flat, "flat0", path, timeout=TIMEOUT)[0]
+
+
+def test_flat_checkpoint_loads_at_another_world_size(flat0_on_two_ranks):
+    path, saved = flat0_on_two_ranks
     for rank, res in enumerate(run_distributed(3, load_flat, "rows", path, timeout=TIMEOUT)):
         _exact(res["full"]["model"], saved["full"]["model"], f"3 ranks, rank {rank} model ")
         _exact(res["full"]["optim"], saved["full"]["optim"], f"3 ranks, rank {rank} optim ")
@@ -262,9 +270,8 @@ def fsdp2_saves(path: str) -> dict:
     return _full_state(model, optim)
 
 
-def test_torch_fsdp2_and_the_flat_path_load_each_others_files(tmp_path):
-    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
-    saved = run_distributed(2, save_flat, "flat0", ours, timeout=TIMEOUT)[0]
+def test_torch_fsdp2_and_the_flat_path_load_each_others_files(tmp_path, flat0_on_two_ranks):
+    (ours, saved), theirs = flat0_on_two_ranks, str(tmp_path / "theirs")
     for rank, res in enumerate(run_distributed(3, fsdp2_loads, ours, timeout=TIMEOUT)):
         _exact(res["model"], saved["full"]["model"], f"FSDP2 rank {rank} model ")
         _exact(res["optim"], saved["full"]["optim"], f"FSDP2 rank {rank} optim ")

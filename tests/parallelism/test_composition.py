@@ -98,14 +98,28 @@ def _train_with_ac(how, lora=False):
     return {"losses": losses, "params": params, **stats}
 
 
+@functools.cache
+def _reference(world: int, lora: bool) -> dict:
+    """One process on the global batch of ``world`` ranks, AdamW, 3 steps:
+    once per configuration (callers only read it)."""
+    return _hf.train_reference(functools.partial(_hf.build_llama, False, lora), world, "adamw")
+
+
+@functools.cache
+def _without_ac(world: int, lora: bool) -> list[dict]:
+    """``_train_with_ac`` without checkpointing, once per configuration:
+    what each checkpointed run is compared with (callers only read it)."""
+    return run_distributed(world, _train_with_ac, "none", lora)
+
+
 @pytest.fixture(scope="module")
 def ac_reference():
-    return _hf.train_reference(_hf.build_llama, 2, "adamw")
+    return _reference(2, False)
 
 
 @pytest.fixture(scope="module")
 def no_ac():
-    return run_distributed(2, _train_with_ac, "none")
+    return _without_ac(2, False)
 
 
 @pytest.mark.parametrize("how", ["hf", "hf-reentrant", "wrapper-before", "wrapper-after",
@@ -131,9 +145,9 @@ def test_activation_checkpointing_over_one_rank(how, lora):
     """Over one rank the layers keep their views from forward to backward
     (a reshard would free nothing): recomputation runs on them, trainable
     or frozen, with no collective."""
-    reference = _hf.train_reference(functools.partial(_hf.build_llama, False, lora), 1, "adamw")
+    reference = _reference(1, lora)
     [res] = run_distributed(1, _train_with_ac, how, lora)
-    [plain] = run_distributed(1, _train_with_ac, "none", lora)
+    [plain] = _without_ac(1, lora)
     assert _hf.max_diff(res, reference) <= ATOL
     assert res["all_gathers"] == res["reduce_scatters"] == 0
     assert res["saved_bytes"] < 0.5 * plain["saved_bytes"], (res["saved_bytes"],
@@ -144,8 +158,8 @@ def test_activation_checkpointing_over_one_rank(how, lora):
 def test_activation_checkpointing_with_lora(how):
     """Frozen base weights (resharded once the layer's input gradients exist)
     and recomputation together."""
-    reference = _hf.train_reference(functools.partial(_hf.build_llama, False, True), 2, "adamw")
-    plain = run_distributed(2, _train_with_ac, "none", True)
+    reference = _reference(2, True)
+    plain = _without_ac(2, True)
     for res, base in zip(run_distributed(2, _train_with_ac, how, True), plain):
         assert _hf.max_diff(res, reference) <= ATOL
         # root frozen; per layer frozen + adapters, the two layers one bucket:
@@ -178,7 +192,7 @@ def _train_compiled(backend):
 
 def test_compiled_layers_parity():
     results = run_distributed(2, _train_compiled, "aot_eager", timeout=300)
-    reference = _hf.train_reference(_hf.build_llama, 2, "adamw", steps=3)
+    reference = _reference(2, False)
     for res in results:
         assert res["same_names"]
         assert _hf.max_diff(res, reference) <= ATOL
@@ -226,7 +240,7 @@ def _train_replicate(how):
 @pytest.mark.parametrize("how", ["replicate-root", "replicate-child"])
 def test_replicate_and_fully_shard_on_different_subtrees(how):
     results = run_distributed(2, _train_replicate, how)
-    reference = _hf.train_reference(_hf.build_llama, 2, "adamw")
+    reference = _reference(2, False)
     for res in results:
         assert _hf.max_diff(res, reference) <= ATOL
         names = set(res["params"])

@@ -5,6 +5,7 @@ collectives counted per process group, and state dicts in torch FSDP2's
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -114,17 +115,33 @@ def _assert_parity(results, reference, atol=1e-5):
             assert diff <= atol, f"rank {rank}: {name} differs by {diff}"
 
 
+@functools.cache
+def _counted_run(mesh_shape, optim_name, reshard, bucket_cap_mb) -> list[dict]:
+    """Three steps on 4 ranks, the collectives of the third (steady) step
+    counted: one job serves the parity test and the counting test of the
+    same configuration (callers only read the results; every argument
+    positional, so that equal calls hit the cache)."""
+    return run_distributed(4, _train, mesh_shape, optim_name, reshard=reshard, count_step=2,
+                           bucket_cap_mb=bucket_cap_mb, timeout=120)
+
+
+@functools.cache
+def _reference(world: int, optim_name: str) -> dict:
+    """``train_reference``, once per configuration (callers only read it)."""
+    return train_reference(world, optim_name)
+
+
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
 @pytest.mark.parametrize("mesh_shape,reshard", [((2, 2), None), ((4, 1), None), ((4,), 2)],
                          ids=["hsdp-2x2", "replicate-4x1", "reshard-to-2"])
 def test_parity_with_one_process(mesh_shape, reshard, optim_name):
-    results = run_distributed(4, _train, mesh_shape, optim_name, reshard=reshard, timeout=120)
-    _assert_parity(results, train_reference(4, optim_name))
+    _assert_parity(_counted_run(mesh_shape, optim_name, reshard, None),
+                   _reference(4, optim_name))
 
 
 def test_no_shard_on_two_ranks():
     results = run_distributed(2, _train, (2, 1), "adamw", timeout=90)
-    _assert_parity(results, train_reference(2, "adamw"))
+    _assert_parity(results, _reference(2, "adamw"))
 
 
 @pytest.mark.parametrize("bucketed", [False, True])
@@ -136,8 +153,7 @@ def test_hsdp_collectives_per_group(bucketed):
     where it is the first bucket reached, and reduced once); one
     all-reduce per unit across the replicas (size 2) plus the used flags over
     both groups."""
-    counts = run_distributed(4, _train, (2, 2), "sgd", steps=3, count_step=2,
-                             bucket_cap_mb=None if bucketed else 0, timeout=90)
+    counts = _counted_run((2, 2), "sgd", None, None if bucketed else 0)
     units = CFG.n_layers + 1
     for c in counts:
         got = c["counts"]
@@ -152,7 +168,7 @@ def test_hsdp_collectives_per_group(bucketed):
 def test_replication_collectives():
     """A (4, 1) mesh: nothing to gather or scatter (F = 1); per step one
     all-reduce per unit across the 4 replicas plus the used flags."""
-    counts = run_distributed(4, _train, (4, 1), "sgd", steps=3, count_step=2, timeout=90)
+    counts = _counted_run((4, 1), "sgd", None, None)
     for c in counts:
         assert c["counts"] == {("allreduce_", 4): CFG.n_layers + 1 + 1}, c["counts"]
 
@@ -160,8 +176,7 @@ def test_replication_collectives():
 def test_reshard_after_forward_int_gathers_from_the_smaller_group():
     """reshard_after_forward=2 on 4 ranks: the blocks' backward all-gathers
     run over groups of 2 ranks, their forward all-gathers over all 4."""
-    counts = run_distributed(4, _train, (4,), "sgd", steps=3, reshard=2, count_step=2,
-                             timeout=90)
+    counts = _counted_run((4,), "sgd", 2, None)
     for c in counts:
         got = c["counts"]
         blocks = CFG.n_layers

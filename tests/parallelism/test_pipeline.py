@@ -23,6 +23,8 @@ Run: PYTHONPATH=. python -m pytest -q tests/parallelism/test_pipeline.py
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -165,8 +167,10 @@ class _null:
         return False
 
 
+@functools.cache
 def _reference(optim_name, steps=3):
-    """One process on the global batch (the mean loss over all rows)."""
+    """One process on the global batch (the mean loss over all rows); once
+    per configuration (callers only read it)."""
     model = build_model()
     optim = make_optimizer(model, optim_name)
     losses = []

@@ -11,6 +11,7 @@ Run: PYTHONPATH=. python -m pytest -q tests/parallelism/test_spmd_mesh.py
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -142,11 +143,18 @@ def _train_reference(optim_name: str) -> dict:
     return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+@functools.cache
+def _spmd_run(impl: str, optim_name: str) -> list[dict]:
+    """``_train_spmd`` on every rank, once per configuration: the parity test
+    and the comparison with FSDP2 read the same AdamW run (callers only read
+    the results)."""
+    return run_distributed(DP * TP, _train_spmd, impl, optim_name, timeout=120)
+
+
 @pytest.mark.parametrize("optim_name", ["sgd", "adamw"])
 def test_dp_mesh_dims_matches_one_process(optim_name):
     reference = _train_reference(optim_name)
-    for rank, res in enumerate(run_distributed(DP * TP, _train_spmd, "fsdp_compose", optim_name,
-                                               timeout=120)):
+    for rank, res in enumerate(_spmd_run("fsdp_compose", optim_name)):
         for i, (got, want) in enumerate(zip(res["losses"], reference["losses"])):
             assert abs(got - want) <= 1e-5, f"rank {rank}: loss of step {i} {got} vs {want}"
         assert_dicts_close(res["params"], reference["params"], 1e-5, f"rank {rank}: ")
@@ -154,7 +162,7 @@ def test_dp_mesh_dims_matches_one_process(optim_name):
 
 @pytest.mark.skipif(DataParallelMeshDims is None, reason="torch FSDP2 has dp_mesh_dims from 2.13")
 def test_dp_mesh_dims_same_losses_as_fsdp2():
-    ours = run_distributed(DP * TP, _train_spmd, "fsdp_compose", "adamw", timeout=120)
+    ours = _spmd_run("fsdp_compose", "adamw")
     theirs = run_distributed(DP * TP, _train_spmd, "fsdp2", "adamw", timeout=120)
     for got, want in zip(ours, theirs):
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-6, (got, want)
