@@ -53,8 +53,9 @@ def _torchrun(out_dir: Path, *args: str, env: dict[str, str] | None = None,
 def _failing_torchrun(out_dir: Path, *args: str, failure: str, timeout: float
                       ) -> tuple[subprocess.CompletedProcess, Optional[float]]:
     """The example under torchrun itself (for what its agent does when a rank
-    fails), and the seconds from the stdout line ``failure`` to the job's end
-    (``None``: never printed)."""
+    fails), and the seconds from the first stdout line holding ``failure`` to
+    the job's end (``None``: never printed). Holding, not starting with: the
+    ranks share the pipe, so another rank's text may precede it on its line."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "examples/train_gpt.py",
            *SMALL, "--steps", str(STEPS), "--out-dir", str(out_dir), *args]
@@ -67,7 +68,7 @@ def _failing_torchrun(out_dir: Path, *args: str, failure: str, timeout: float
         try:
             for line in proc.stdout:
                 lines.append(line)
-                if failed_at is None and line.startswith(failure):
+                if failed_at is None and failure in line:
                     failed_at = time.monotonic()
             proc.wait()
         finally:
