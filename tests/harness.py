@@ -30,7 +30,9 @@ tensors, so several ranks share one GPU. ``run_nccl(world_size, fn, ...)`` runs 
 (one GPU per rank; skip the test where fewer GPUs are visible).
 
 Workers: one pool of ``world_size`` processes per world size and backend, started lazily,
-kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit).
+kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit), and
+replaced after a call that leaves a worker with over ``THREAD_LIMIT`` threads (the process
+groups tests make are never destroyed; their idle gloo threads cost CPU).
 Workers are forked from multiprocessing's fork server, which imports torch, this module and
 ``fsdp_compose`` once (``_PRELOAD``): a new or replaced pool costs a fork per rank instead of
 a fresh interpreter importing torch (seconds of CPU per rank). The server never computes, so
@@ -108,6 +110,11 @@ HEALTH_CHECK_TIMEOUT = 10.0
 DEATH_GRACE = 1.0  # after a worker dies, how long the others get to report
 FAILURE_GRACE = 5.0  # after a rank raises, how long the others get to report
 PG_TIMEOUT = timedelta(seconds=60 * TIMEOUT_SCALE)  # gloo collective timeout inside the workers
+THREAD_LIMIT = 64
+"""A pool whose worker has more threads than this after a call is replaced. Every process group
+a test makes (a 2-D mesh's, a ``new_group``) keeps a few gloo threads that wake on their own
+while idle; a worker never destroys them, so they pile up: 600 threads in each of 4 workers
+by the end of the suite took about a core between the tests (100k context switches/s)."""
 # Where the tests compute: "cpu" (the default suite) or "cuda" (make test-gpu).
 TEST_DEVICE = torch.device(os.environ.get("FSDP_COMPOSE_TEST_DEVICE", "cpu"))
 if TEST_DEVICE.type == "cuda":
@@ -345,6 +352,17 @@ class _Pool:
     def pids(self) -> list[int | None]:
         return [p.pid for p in self.procs]
 
+    def most_threads(self) -> int:
+        """The largest thread count of a live worker (0 where ``/proc`` cannot say)."""
+        counts = [0]
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    counts += [int(line.split()[1]) for line in f if line.startswith("Threads:")]
+            except (OSError, ValueError):
+                continue
+        return max(counts)
+
     def call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float
     ) -> _Outcome:
@@ -539,7 +557,7 @@ def _run_on_pool(world_size: int, backend: str, fn: Callable[..., Any], args: tu
     except BaseException:  # e.g. KeyboardInterrupt while waiting: the workers are in an unknown state
         _discard(key)
         raise
-    if out.broken or (out.failed and not _healthy(pool)):
+    if out.broken or (out.failed and not _healthy(pool)) or pool.most_threads() > THREAD_LIMIT:
         _discard(key)
     if out.failed:
         raise _make_error(f"{_describe_fn(fn)} on {world_size} rank(s)", out, timeout)

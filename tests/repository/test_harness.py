@@ -14,6 +14,7 @@ from tests.harness import (
     DistributedTestError,
     DistributedTimeoutError,
     FAILURE_GRACE,
+    THREAD_LIMIT,
     WorkerDiedError,
     pool_pids,
     run_distributed,
@@ -117,6 +118,24 @@ def test_exception_on_all_ranks_keeps_pool() -> None:
         assert f"[rank {rank}] Traceback" in str(info.value)
         assert f"KeyError: 'all ranks fail, this is rank {rank}'" in str(info.value)
     assert run_distributed(3, _pid) == pids
+
+
+def _make_groups(count: int) -> int:
+    """``count`` new gloo groups, never destroyed; this worker's pid."""
+    for _ in range(count):
+        dist.new_group(backend="gloo")
+    return os.getpid()
+
+
+def test_a_pool_left_with_many_threads_is_replaced() -> None:
+    """Each process group adds gloo threads that stay; past ``THREAD_LIMIT``
+    the pool is replaced after the call, so idle threads never pile up."""
+    pids = run_distributed(2, _pid)
+    assert run_distributed(2, _make_groups, 1) == pids  # a few threads more: kept
+    assert pool_pids(2) == pids
+    assert run_distributed(2, _make_groups, THREAD_LIMIT) == pids  # the call itself ran there
+    assert pool_pids(2) == []  # ... then the pool was retired
+    assert set(run_distributed(2, _pid)).isdisjoint(pids)
 
 
 def test_hang_in_collective_is_reported_with_every_rank_stack() -> None:
