@@ -4,8 +4,9 @@ seconds, in an error naming the call and the ranks that did not make it
 that made it ([Note: call rendezvous] in ``fsdp_compose/comm/rendezvous.py``).
 
 Run: ``PYTHONPATH=. python -m pytest -q tests/checks/test_calls_on_some_ranks.py``
-(gloo on CPU, 2 ranks; the wait is shortened to 2 s through
-``FSDP_COMPOSE_CALL_TIMEOUT``).
+(gloo on CPU, 2 ranks; the wait is shortened to 0.5 s through
+``FSDP_COMPOSE_CALL_TIMEOUT``, set once the ranks have built and trained the
+model, so only the call under test meets with it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fsdp_compose.comm.rendezvous import CALL_TIMEOUT_ENV, CallMismatchError
 from tests.harness import run_distributed
 
 TIMEOUT = 60
-WAIT = 2.0
+WAIT = 0.5
 
 
 class _Net(nn.Module):
@@ -97,8 +98,9 @@ def _call(name: str, model: nn.Module, directory: str) -> None:
 def _on_rank_zero_only(name: str):
     """Rank 0 makes the call; rank 1 does not. Returns (seconds, message)
     of rank 0's error, or None."""
-    os.environ[CALL_TIMEOUT_ENV] = str(WAIT)
     model = _prepare(name)
+    dist.barrier()  # both ranks ready: the short wait below is the call's alone
+    os.environ[CALL_TIMEOUT_ENV] = str(WAIT)
     result = None
     try:
         if dist.get_rank() == 0:
@@ -141,9 +143,10 @@ def test_a_call_on_one_rank_names_the_call_and_the_missing_ranks(name):
 
 
 def _different_calls():
+    model = _trained()
+    dist.barrier()
     os.environ[CALL_TIMEOUT_ENV] = str(WAIT)
     try:
-        model = _trained()
         if dist.get_rank() == 0:
             fsdp_compose.param_norms(model, kind="weight")
         else:
