@@ -10,6 +10,7 @@ separated by commas)::
                                        page (the page says so in its text)
     <!-- snippet: continues -->        runs after the python block before it, in one namespace
     <!-- snippet: ranks=4 -->          on 4 ranks instead of 2
+    <!-- snippet: torch=2.13 -->       skips on an older torch (the block uses what it added)
     <!-- snippet: local -->            in one plain process, no process group, no setup block
     <!-- snippet: torchrun -->         a complete script, run as torchrun --standalone --nproc-per-node 2
                                        runs it (tests/_torchrun_env.py: torchrun's environment, store
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._torchrun_env import run_like_torchrun
 from tests.harness import run_distributed
@@ -47,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_RANKS = 2
 OPTIONAL = ("transformers", "peft", "safetensors", "lightning", "accelerate")  # snippets importing these skip without them
-OPTIONS = {"setup", "continues", "ranks", "local", "torchrun", "slow", "no-run", "output", "rank"}
+OPTIONS = {"setup", "continues", "ranks", "local", "torchrun", "slow", "no-run", "output", "rank",
+           "torch"}
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*snippet:\s*(?P<body>.*?)\s*-->\s*$")
@@ -201,6 +204,10 @@ def test_snippet_runs(block: Block, tmp_path: Path) -> None:
         if re.search(rf"^\s*(from|import)\s+{extra}\b", "".join(b.code for b in chain),
                      re.MULTILINE):
             pytest.importorskip(extra)
+    needed = max((b.options["torch"] for b in chain if "torch" in b.options),
+                 key=_release, default=None)
+    if needed is not None and _release(torch.__version__) < _release(needed):
+        pytest.skip(f"{block.name} needs torch {needed}, this is {torch.__version__}")
     steps = [(b.name, b.code) for b in chain]
     mode = _mode(block)
     expected = _output_block(block)
@@ -217,6 +224,11 @@ def test_snippet_runs(block: Block, tmp_path: Path) -> None:
         assert same, (
             f"{block.name} printed something else than the output shown at {expected.name}:\n"
             f"--- shown\n{expected.code}--- printed\n{printed}")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 # ------------------------------------------------------------------ checks
