@@ -49,18 +49,18 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # The tests run in TEST_WORKERS pytest processes (pytest-xdist), a test file to each
-# (--dist loadfile: a file's cached runs and module fixtures are made once). Two overlap
-# the tests that wait (timeouts, late ranks, torchrun jobs) with those that compute, which
-# takes about a fifth off the default suite on 2 cores. TEST_WORKERS=0: one process (what
-# `-p tests._cputime` needs to see every test).
-TEST_WORKERS ?= 2
+# (--dist loadfile: a file's cached runs and module fixtures are made once). Three on 2
+# cores overlap the tests that wait (timeouts, late ranks, torchrun jobs, ranks waiting for
+# each other in a collective) with those that compute: the cores stay busy (96% against 86%
+# with two, the same CPU seconds). TEST_WORKERS=0: one process (what `-p tests._cputime`
+# needs to see every test).
+TEST_WORKERS ?= 3
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-# The layer contracts first (import-linter, pyproject.toml), the type checker over
-# runtime/ and buffers/ (mypy, [tool.mypy] in pyproject.toml), then the tests.
+# The tests, the layer contracts (import-linter: tests/repository/test_layers.py) and the
+# type checker (mypy, [tool.mypy] in pyproject.toml: tests/repository/test_types.py) among
+# them, so that both run beside the other tests.
 test: venv
-	$(VENV)/bin/lint-imports
-	$(VPY) -m mypy
 	$(VPY) -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The tests on the oldest supported torch (TORCH_OLDEST), in $(OLDEST_VENV).

@@ -33,18 +33,22 @@ Workers: one pool of ``world_size`` processes per world size and backend, starte
 kept alive across tests, shut down at session end (``shutdown_pools``; also run at exit), and
 replaced after a call that leaves a worker with over ``THREAD_LIMIT`` threads (the process
 groups tests make are never destroyed; their idle gloo threads cost CPU).
-Workers are forked from multiprocessing's fork server, which imports torch, this module and
-``fsdp_compose`` once (``_PRELOAD``): a new or replaced pool costs a fork per rank instead of
-a fresh interpreter importing torch (seconds of CPU per rank). The server never computes, so
+Workers are forked from multiprocessing's fork server, which imports torch, ``torch._dynamo``
+and ``fsdp_compose`` once and freezes its heap (``_PRELOAD``, ``tests/_forkserver_preload.py``):
+a new or replaced pool costs a fork per rank instead of a fresh interpreter importing torch
+(seconds of CPU per rank). The server never computes, so
 no thread, CUDA context or process group is inherited; each worker takes the parent's
 ``sys.path`` and environment as they are when the pool starts, as a spawned process would.  Each
-pool rendezvouses through its own temp file, never a TCP port.  Before every call each worker
+pool rendezvouses through its own ``TCPStore``, served by this process on a port the system picks
+(torchrun's kind of store: a blocked ``wait`` on it costs nothing, where a ``FileStore`` re-reads its
+file every 10 ms).  Before every call each worker
 runs ``gc.collect()`` (then ``gc.freeze()``: what survived is never scanned again), reseeds
 ``random``/``torch`` with 0, sets one thread, enables grad and resets the default dtype, so
 tests do not depend on their order.
 
 ``run_fresh(fn, *args)`` runs ``fn`` once in a new process forked from the same server: a fresh
-interpreter's state (torch and ``fsdp_compose`` imported, nothing run) without importing torch again.
+interpreter's state (torch, ``torch._dynamo`` and ``fsdp_compose`` imported, nothing run) without
+importing torch again.
 
 Failures raise ``DistributedTestError`` (an ``AssertionError``) with a ``[rank N]`` section per rank:
 * a rank raised: its traceback.  If the others finished, a quick all-reduce health check keeps
@@ -145,7 +149,7 @@ class WorkerDiedError(DistributedTestError):
 
 
 def _worker_main(
-    rank: int, world_size: int, backend: str, init_file: str, log_file: str, conn: Connection,
+    rank: int, world_size: int, backend: str, store_port: int, log_file: str, conn: Connection,
     sys_path: list[str], environ: dict[str, str], origins: dict[str, str | None],
 ) -> None:
     sys.path[:] = sys_path
@@ -164,13 +168,10 @@ def _worker_main(
             pass
         if backend == "nccl" or TEST_DEVICE.type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=PG_TIMEOUT,
-        )
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
+                              timeout=PG_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=PG_TIMEOUT)
         conn.send_bytes(pickle.dumps((True, None, True)))
     except BaseException:
         conn.send_bytes(pickle.dumps((False, traceback.format_exc(), False)))
@@ -279,8 +280,9 @@ def _exit_description(code: int | None) -> str:
     return f"exit code {code}"
 
 
-# What the fork server imports once, before it forks any worker (what every worker imports).
-_PRELOAD = ["torch", "torch.distributed", "fsdp_compose"]
+# What the fork server imports once, before it forks any worker (what every worker imports);
+# the last one also imports torch._dynamo and freezes the heap (its docstring says why).
+_PRELOAD = ["torch", "torch.distributed", "fsdp_compose", "tests._forkserver_preload"]
 
 
 def _context() -> mp.context.BaseContext:
@@ -329,12 +331,14 @@ class _Pool:
         self.conns: list[Connection] = []
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
         self.log_offsets = [0] * world_size
-        init_file = os.path.join(self.tmpdir, "rendezvous")
+        # the pool's rendezvous store, served from this process on a port the system picks
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                   wait_for_workers=False, timeout=PG_TIMEOUT)
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, backend, init_file, self.logs[rank], child_conn,
+                args=(rank, world_size, backend, self.store.port, self.logs[rank], child_conn,
                       list(sys.path), dict(os.environ), origins),
                 name=f"dist-ws{world_size}-rank{rank}",
             )
@@ -589,10 +593,11 @@ def _fresh_main(conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...],
 def run_fresh(fn: Callable[..., Any], /, *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a new process forked from the fork server; its result.
 
-    The process is in a fresh interpreter's state at a fork's cost: torch, ``torch.distributed``
-    and ``fsdp_compose`` imported (``_PRELOAD``), nothing else run: no model built, no process
-    group, no step taken, ``torch._dynamo`` not imported. For what a process does once (its first
-    model, a process-wide setting). Raises as ``run_distributed`` does."""
+    The process is in a fresh interpreter's state at a fork's cost: torch, ``torch.distributed``,
+    ``torch._dynamo`` and ``fsdp_compose`` imported (``_PRELOAD``), nothing else run: no model
+    built, no process group, no step taken. For what a process does once (its first model, a
+    process-wide setting); where the state must not have ``torch._dynamo``, a new interpreter
+    (``subprocess``). Raises as ``run_distributed`` does."""
     global fresh_cpu_seconds
     ctx = _context()
     parent_conn, child_conn = ctx.Pipe()

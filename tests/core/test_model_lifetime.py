@@ -13,12 +13,17 @@ first ``zero_grad`` imports ``torch._dynamo`` mid-step: see the last test).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests._models import tiny_gpt
-from tests.harness import run_distributed, run_fresh
+from tests.harness import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train_and_drop(mode: str, checkpoint_root: str) -> tuple:
@@ -119,9 +124,13 @@ def test_the_first_model_of_a_process_is_freed_by_one_collection(mode: str) -> N
     (torch's and the library's ``zero_grad`` are ``torch._disable_dynamo``
     wrappers); done while the step's graph is alive, a hook that holds the
     model strongly from autograd's C++ side then keeps it through a
-    collection (plain torch does the same). The pool's workers have
-    imported it long before, hence a fresh process (``run_fresh``: forked
-    from the harness's server, which has not imported it)."""
-    freed = run_fresh(first_model_of_this_process, mode, timeout=180)
+    collection (plain torch does the same). The harness's processes have
+    imported it long before (its fork server does), hence a new interpreter."""
+    code = ("import json, sys; from tests.core.test_model_lifetime import "
+            "first_model_of_this_process as first; print(json.dumps(first(sys.argv[1])))")
+    result = subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    freed = tuple(json.loads(result.stdout.strip().splitlines()[-1]))
     assert freed == (True, True, True), (
         f"after one gc.collect(), model / block / optimizer freed: {freed}")

@@ -1,6 +1,6 @@
 """The package's layer order and acyclicity (docs/design.md, "Layers of the
 package") are enforced by import-linter's contracts in ``pyproject.toml``
-(``make test`` runs ``lint-imports``). These tests check that the contracts
+(``test_contracts_hold`` runs ``lint-imports``). These tests check that the contracts
 hold, and that they *fail* on a planted cycle or an upward import, so a
 future change cannot slip one in.
 
