@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from types import FrameType
 from typing import NamedTuple, Optional
@@ -33,6 +34,9 @@ _FOREVER = timedelta(days=3650)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+FILE_STORE_POLL = 0.5
+"""Seconds between a watcher's looks for a question in a ``FileStore``, whose blocking ``wait``
+re-reads its file every 10 ms (on a shared file system, from every rank)."""
 
 
 class Doing(NamedTuple):
@@ -97,6 +101,8 @@ def answer(rank: int, number: int) -> Optional[Doing]:
 
 
 class _Watcher:
+    """Answers question ``n`` (``ask/n``) with ``said/n``; asleep in the store's ``wait``
+    in between, or looking every :data:`FILE_STORE_POLL` s on a ``FileStore``."""
 
     def __init__(self, store: dist.Store, rank: int) -> None:
         self.listen: dist.Store = store.clone()  # a client of its own, blocked in wait
@@ -107,11 +113,16 @@ class _Watcher:
 
     def _serve(self) -> None:
         store, mine = self.listen, f"{_PREFIX}/{self.rank}"
+        polls = is_file_store(store)
         try:
             number = store.add(f"{mine}/asked", 0) + 1  # earlier questions are not answered
             while True:
                 key = f"{mine}/ask/{number}"
-                store.wait([key], _FOREVER)
+                if polls:
+                    while not store.check([key]):
+                        time.sleep(FILE_STORE_POLL)
+                else:
+                    store.wait([key], _FOREVER)
                 question = store.get(key).decode()
                 store.delete_key(key)
                 if question == _STOP:
@@ -128,6 +139,13 @@ class _Watcher:
         except Exception:  # noqa: BLE001 - the store is gone: the thread has ended with it
             return
         self.thread.join(2.0)
+
+
+def is_file_store(store: dist.Store) -> bool:
+    """``store`` is a ``FileStore``, or a ``PrefixStore`` over one."""
+    while isinstance(store, dist.PrefixStore):
+        store = getattr(store, "underlying_store", None)
+    return isinstance(store, dist.FileStore)
 
 
 _watcher: list[_Watcher] = []

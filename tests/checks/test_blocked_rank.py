@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -250,3 +252,42 @@ def test_under_torchrun_a_late_rank_is_waited_for(tmp_path):
                              env={POLL_ENV: POLL, "FSDP_COMPOSE_CALL_TIMEOUT": None})
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "RANK 0 DONE" in proc.stdout and "RANK 1 DONE" in proc.stdout, proc.stdout
+
+
+def _sleeps(thread_id: int) -> int:
+    """How many times the thread has given up the CPU of its own accord."""
+    with open(f"/proc/self/task/{thread_id}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
+
+
+@pytest.mark.parametrize("kind", ["file", "hash"])
+def test_the_watcher_answers_and_looks_at_a_file_store_twice_a_second(tmp_path, kind):
+    """Jobs started with ``init_method="file://..."`` (a file on a shared file
+    system, some clusters' way) have a ``FileStore``, whose blocking ``wait``
+    re-reads the file every 10 ms: the watcher looks for a question every
+    ``FILE_STORE_POLL`` s there instead (its thread's sleeps counted over a
+    second: about a hundred with ``wait``), and answers all the same."""
+    from fsdp_compose.comm import whereabouts
+    base = dist.FileStore(str(tmp_path / "store"), 1) if kind == "file" else dist.HashStore()
+    store = dist.PrefixStore("job", base)
+    assert whereabouts.is_file_store(store) == (kind == "file")
+    watcher = whereabouts._Watcher(store, 0)
+    watcher.thread.start()
+    prefix = f"{whereabouts._PREFIX}/0"
+    try:
+        deadline, said = time.monotonic() + 60, None
+        while said is None and time.monotonic() < deadline:  # asked again, as a waiting rank
+            number = store.add(f"{prefix}/asked", 1)  # does: a question asked before the
+            store.set(f"{prefix}/ask/{number}", "1")  # watcher started is not answered
+            with contextlib.suppress(RuntimeError):  # wait's timeout
+                store.wait([f"{prefix}/said/{number}"], timedelta(seconds=2))
+                said = json.loads(store.get(f"{prefix}/said/{number}"))
+        assert said is not None and said[0] == "code", said  # the main thread: in this test
+        if kind == "file":
+            before = _sleeps(watcher.thread.native_id)
+            time.sleep(1.0)
+            sleeps = _sleeps(watcher.thread.native_id) - before
+            assert sleeps <= 4 * (1.0 / whereabouts.FILE_STORE_POLL + 1), sleeps
+    finally:
+        watcher.stop()
+    assert not watcher.thread.is_alive()
